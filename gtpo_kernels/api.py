@@ -1,0 +1,236 @@
+"""The public calls: gtpo_loss, conflict_weights, token_logprobs."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import torch
+
+from . import checks, conflict, dispatch
+from .autograd import GTPOLossFunction, out_dtype
+from .config import GTPOConfig, as_config
+
+
+@dataclasses.dataclass
+class GTPOOutput:
+    """What `gtpo_loss` returns. Per-token tensors are (B, T) (packed form: (N,)), detached, 0 where
+    masked out; `loss` is differentiable (a scalar, or per token with loss_agg='none')."""
+    loss: torch.Tensor
+    logps: torch.Tensor
+    entropy: torch.Tensor
+    per_token_loss: torch.Tensor
+    lam: torch.Tensor
+    n_conf: torch.Tensor
+    kept: torch.Tensor
+    seq_entropy: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+
+
+def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group_size=None,
+              old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None, n_conf=None,
+              cu_seqlens=None, max_seqlen=None, logits_start=0, num_items_in_batch=None,
+              inplace=False, validate=True, backend="auto") -> GTPOOutput:
+    """The GTPO policy-gradient loss (spec: shared/GTPO_SPEC.md), fused over the vocabulary.
+
+    In one line of torch, for the default config (padded form, every token counted)::
+
+        logp = log_softmax(logits[:, s:s+T] / tau, -1).gather(-1, ids[..., None])[..., 0]
+        loss = mean_i mean_t -lam * min(r * Ahat, clip(r, 1-eps_low, 1+eps_high) * Ahat)
+
+    with r = exp(logp - old_logps) (or 1 on-policy), Ahat the entropy-shaped advantage and lam the
+    conflict-token weights. Nothing of size tokens x vocabulary is allocated besides the gradient.
+
+    logits          (B, T_l, V) float16/bfloat16/float32/float64, any strides; row logits_start + t
+                    predicts completion_ids[:, t]. Packed form (cu_seqlens given): (N_l, V).
+    completion_ids  (B, T) (packed: (N,)) any integer dtype; ignored where the mask is 0.
+    advantages      (B,) or (B, 1), one per completion.
+    completion_mask (B, T) (packed: (N,)) bool/int/float, 1 = counted; default all counted.
+    group_size      completions per prompt (groups are contiguous); needed for the conflict weights
+                    unless lam/n_conf come from `conflict_weights`.
+    config          a GTPOConfig or a preset name ('gtpo', 'gtpo-official', 'grpo', 'dapo', 'dr_grpo').
+    inplace         write the gradient into the logits' storage (saves one logits-sized buffer; the
+                    logits are overwritten during backward). Off by default.
+    validate        host-side checks (ids in range, non-finite counted rows); False = no host sync.
+    backend         'auto' (Triton on CUDA, chunked torch on CPU), 'triton', 'torch' or 'reference'.
+    """
+    cfg = as_config(config)
+    if advantages is None:
+        raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
+    b = checks.prepare(logits, completion_ids, completion_mask, advantages=advantages, old_logps=old_logps,
+                       ref_logps=ref_logps, lam=lam, n_conf=n_conf, cu_seqlens=cu_seqlens,
+                       max_seqlen=max_seqlen, logits_start=logits_start, validate=validate)
+    if cfg.beta > 0 and ref_logps is None:
+        raise ValueError("config.beta > 0 needs ref_logps (the reference model's log-probs, shape "
+                         "of completion_ids); or set beta=0")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {inplace!r}")
+    if inplace and logits.stride(-1) != 1:
+        raise ValueError("inplace=True needs logits with vocabulary stride 1 (it writes the gradient "
+                         "into their storage)")
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(logits.device, out_dtype(logits)).clamp(min=1)
+        elif isinstance(num_items_in_batch, (int, float)) and not isinstance(num_items_in_batch, bool) \
+                and num_items_in_batch > 0:
+            num_items_in_batch = max(num_items_in_batch, 1)
+        else:
+            raise ValueError(f"num_items_in_batch must be a positive number or tensor, "
+                             f"got {num_items_in_batch!r}")
+    backend = dispatch.resolve_backend(backend, logits.device)
+    if backend == "reference":
+        return _reference(logits, completion_ids, advantages, completion_mask, b, cfg, group_size,
+                          old_logps, ref_logps, lam, n_conf, num_items_in_batch)
+
+    if cfg.use_conflict_mask and (b.lam is None or
+                                  (b.n_conf is None and cfg.loss_agg == "gtpo-official")):
+        checks.check_group_size(group_size, b.B)
+        lam_c, n_conf_c = _conflict_flat(b, group_size, cfg, out_dtype(logits))
+        b.lam = b.lam if b.lam is not None else lam_c
+        b.n_conf = b.n_conf if b.n_conf is not None else n_conf_c
+    elif b.n_conf is None and b.lam is not None and cfg.loss_agg == "gtpo-official":
+        raise ValueError("loss_agg='gtpo-official' needs n_conf with lam (both from conflict_weights)")
+    if b.lam is not None:  # ignored where masked out, as everything else
+        b.lam = torch.where(b.counted, b.lam, torch.ones_like(b.lam))
+
+    aux = {}
+    loss, logps, entropy, per_token = GTPOLossFunction.apply(
+        logits, b, cfg, backend, inplace, validate, num_items_in_batch, aux)
+    dt = out_dtype(logits)
+    lam_out = torch.ones(b.tok_shape, dtype=dt, device=logits.device) if b.lam is None else \
+        b.lam.to(dt).reshape(b.tok_shape)
+    n_conf_out = torch.ones(b.B, dtype=dt, device=logits.device) if b.n_conf is None else b.n_conf.to(dt)
+    return GTPOOutput(loss=loss, logps=logps, entropy=entropy, per_token_loss=per_token, lam=lam_out,
+                      n_conf=n_conf_out, kept=aux["kept"], seq_entropy=aux["seq_entropy"],
+                      metrics=aux["metrics"])
+
+
+def conflict_weights(completion_ids, completion_mask, advantages, group_size, *, config=None,
+                     cu_seqlens=None, max_seqlen=None, dtype=torch.float32):
+    """Conflict-token weights (spec section 3) -> (lam, n_conf).
+
+    Call it once per batch when the advantages are computed (groups must be whole), then pass
+    `lam=lam[rows], n_conf=n_conf[rows]` to `gtpo_loss` for any micro-batch of rows. lam has the shape
+    of completion_ids ((B, T), or (N,) packed) and n_conf is (B,). Weights come from `config`
+    (default GTPOConfig(): w_pos = 2.0, w_neg = 0.0).
+    """
+    cfg = GTPOConfig() if config is None else as_config(config)
+    checks._int_tensor("completion_ids", completion_ids)
+    if cu_seqlens is None:
+        if completion_ids.dim() != 2:
+            raise ValueError(f"completion_ids must have shape (B, T), got {tuple(completion_ids.shape)}")
+        V_dummy = torch.empty(completion_ids.shape + (1,), device=completion_ids.device)
+    else:
+        V_dummy = torch.empty(completion_ids.shape + (1,), device=completion_ids.device)
+    b = checks.prepare(V_dummy.expand(*completion_ids.shape, 1), completion_ids, completion_mask,
+                       advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, validate=False)
+    checks.check_group_size(group_size, b.B)
+    lam, n_conf = _conflict_flat(b, group_size, cfg, dtype)
+    return lam.reshape(b.tok_shape), n_conf
+
+
+def _conflict_flat(b, group_size, cfg, dtype):
+    """lam (N,) flat and n_conf (B,) for a prepared batch (padded or packed)."""
+    ids, m = b.ids, b.counted
+    if b.packed:
+        ids, m, unpad = _to_padded(b, ids, m)
+    else:
+        ids, m = ids.reshape(b.tok_shape), m.reshape(b.tok_shape)
+    conf_f, conf_b = conflict.conflict_runs(ids, m, b.adv, group_size)
+    lam, n_conf = conflict.weights_from_runs(conf_f, conf_b, b.adv, cfg.conflict_pos_weight,
+                                             cfg.conflict_neg_weight, dtype)
+    lam = unpad(lam) if b.packed else lam.reshape(-1)
+    return lam, n_conf
+
+
+def _to_padded(b, ids, m):
+    """Packed (N,) ids and mask -> padded (B, L) ones, and the map back to (N,)."""
+    cu = b.cu_seqlens.long()
+    L = b.max_seqlen if b.max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
+    N = ids.numel()
+    pos = torch.arange(N, device=ids.device) - cu[b.seg]
+    ids_p = torch.zeros((b.B, L), dtype=torch.long, device=ids.device)
+    m_p = torch.zeros((b.B, L), dtype=torch.bool, device=ids.device)
+    ids_p[b.seg, pos] = ids.long()
+    m_p[b.seg, pos] = m
+    return ids_p, m_p, lambda x: x[b.seg, pos]
+
+
+def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None, *, logits_start=0,
+                   cu_seqlens=None, max_seqlen=None, validate=True, backend="auto"):
+    """Forward-only log-probs and entropies (no autograd), e.g. for the old-policy and reference
+    passes: -> (logps, entropy), each of completion_ids' shape, float32 (float64 for float64 logits),
+    0 where masked out. Nothing of size tokens x vocabulary is allocated."""
+    GTPOConfig(temperature=temperature)  # validates the temperature
+    b = checks.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens,
+                       max_seqlen=max_seqlen, logits_start=logits_start, validate=validate)
+    backend = dispatch.resolve_backend(backend, logits.device)
+    dt = out_dtype(logits)
+    if backend == "reference":
+        import gtpo_reference
+        lp, ent = gtpo_reference.token_logprobs(*_padded_inputs(b, logits), temperature, b_mask(b))
+        return _flat_out(b, lp.to(dt)), _flat_out(b, ent.to(dt))
+    with torch.no_grad():
+        logp, ent, _, bad = dispatch.logprob_fwd(backend, b.logits3.detach(), b.ids, b.counted,
+                                                 temperature, b.logits_start)
+    if validate:
+        checks.raise_on_flags(bad, b.tok_shape)
+    zero = torch.zeros((), dtype=dt, device=logits.device)
+    logp = torch.where(b.counted, logp.to(dt), zero)
+    ent = torch.where(b.counted, ent.to(dt), zero)
+    return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
+
+
+# ---- the reference backend (the oracle, for validation): padded inputs, same output type ----
+
+def _padded_inputs(b, logits):
+    """(logits (B, T_l, V), ids (B, T)) for the reference; the packed form is padded first."""
+    if not b.packed:
+        return logits, b.ids.reshape(b.tok_shape)
+    ids_p, m_p, _ = _to_padded(b, b.ids, b.counted)
+    cu = b.cu_seqlens.long()
+    pos = torch.arange(b.ids.numel(), device=logits.device) - cu[b.seg]
+    rows = torch.full(ids_p.shape, b.logits_start, dtype=torch.long, device=logits.device)
+    rows[b.seg, pos] = torch.arange(b.ids.numel(), device=logits.device) + b.logits_start
+    return logits[rows], ids_p
+
+
+def b_mask(b):
+    if not b.packed:
+        return b.counted.reshape(b.tok_shape)
+    return _to_padded(b, b.ids, b.counted)[1]
+
+
+def _flat_out(b, x):
+    """Padded reference output (B, L) -> the caller's token shape."""
+    if not b.packed:
+        return x
+    return _to_padded(b, b.ids, b.counted)[2](x)
+
+
+def _reference(logits, completion_ids, advantages, completion_mask, b, cfg, group_size, old_logps,
+               ref_logps, lam, n_conf, num_items):
+    import gtpo_reference
+    kw = dataclasses.asdict(cfg)
+    lg, ids = _padded_inputs(b, logits)
+    pad = (lambda x: x) if not b.packed else (lambda x: None if x is None else
+                                              _pad_values(b, x.reshape(-1)))
+    if b.packed and kw["max_completion_length"] is None:
+        kw["max_completion_length"] = b.max_len
+    r = gtpo_reference.gtpo_loss(
+        lg, ids, advantages, b_mask(b), group_size=group_size, old_logps=pad(old_logps),
+        ref_logps=pad(ref_logps), lam=pad(lam), n_conf=n_conf, num_items_in_batch=num_items,
+        logits_start=0 if b.packed else b.logits_start, **kw)
+    f = (lambda x: x) if not b.packed else (lambda x: _flat_out(b, x))
+    loss = f(r["loss"]) if cfg.loss_agg == "none" else r["loss"]
+    return GTPOOutput(loss=loss, logps=f(r["logps"]), entropy=f(r["entropy"]),
+                      per_token_loss=f(r["per_token_loss"]), lam=f(r["lam"]), n_conf=r["n_conf"],
+                      kept=r["kept"], seq_entropy=r["seq_entropy"], metrics=r["metrics"])
+
+
+def _pad_values(b, x):
+    ids_p, _, _ = _to_padded(b, b.ids, b.counted)
+    cu = b.cu_seqlens.long()
+    pos = torch.arange(b.ids.numel(), device=x.device) - cu[b.seg]
+    out = torch.zeros(ids_p.shape, dtype=x.dtype, device=x.device)
+    out[b.seg, pos] = x
+    return out

@@ -1,0 +1,219 @@
+"""Argument checks and the canonical token layout shared by every backend.
+
+Every public call turns its arguments into a `Batch`: logits as a (B', T_l, V) view with vocabulary
+stride 1 (the padded form has B' = B; the packed form is one long row of completions, B' = 1), and
+per-token tensors flattened to (N,) with `seg[k]` the completion that owns token k. Errors name the
+argument and what was expected.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# flags written per token by the forward pass (kernel and torch path alike)
+BAD_NONFINITE = 1  # NaN or +inf in the counted row
+BAD_TARGET_NEG_INF = 2  # the target's own logit is -inf
+BAD_ID = 4  # id outside [0, V) (never read)
+
+
+@dataclasses.dataclass
+class Batch:
+    logits3: torch.Tensor  # (B', T_l, V), stride(2) == 1
+    ids: torch.Tensor  # (N,) contiguous, integer
+    counted: torch.Tensor  # (N,) bool
+    seg: torch.Tensor  # (N,) int64: completion of each token
+    B: int  # completions
+    logits_start: int
+    tok_shape: tuple  # (B, T) padded or (N,) packed
+    adv: Optional[torch.Tensor] = None  # (B,)
+    old: Optional[torch.Tensor] = None  # (N,)
+    ref: Optional[torch.Tensor] = None  # (N,)
+    lam: Optional[torch.Tensor] = None  # (N,)
+    n_conf: Optional[torch.Tensor] = None  # (B,)
+    cu_seqlens: Optional[torch.Tensor] = None
+    max_seqlen: Optional[int] = None
+    max_len: object = None  # default denominator of seq-mean-token-sum-norm
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def V(self) -> int:
+        return self.logits3.shape[-1]
+
+
+def _tensor(name, x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _shape(name, x, shape, what):
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {what} = {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def _int_tensor(name, x):
+    _tensor(name, x)
+    if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
+        raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {x.dtype}")
+
+
+def _float_tensor(name, x):
+    _tensor(name, x)
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def _same_device(name, x, device):
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but logits are on {device}")
+
+
+def check_logits(logits, ndim, what):
+    _tensor("logits", logits)
+    if logits.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"logits must be float16, bfloat16, float32 or float64, got {logits.dtype}")
+    if logits.dim() != ndim:
+        raise ValueError(f"logits must be {what}, got shape {tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError("logits must have a vocabulary dimension V >= 1")
+
+
+def vocab_contiguous(logits):
+    """Rows with vocabulary stride 1 are read in place; anything else is copied once."""
+    return logits if logits.stride(-1) == 1 or logits.shape[-1] == 1 else logits.contiguous()
+
+
+def check_ids_in_range(ids, counted, V):
+    bad = counted & ((ids < 0) | (ids >= V))
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"completion_ids must lie in [0, V) = [0, {V}) at counted positions; flat position {k} "
+            f"holds {int(ids[k])} (mask it out, or fix the ids)")
+
+
+def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, old_logps=None,
+            ref_logps=None, lam=None, n_conf=None, cu_seqlens=None, max_seqlen=None, logits_start=0,
+            validate=True) -> Batch:
+    if isinstance(logits_start, bool) or not isinstance(logits_start, int) or logits_start < 0:
+        raise ValueError(f"logits_start must be an int >= 0, got {logits_start!r}")
+    _int_tensor("completion_ids", completion_ids)
+    if cu_seqlens is None:
+        check_logits(logits, 3, "(B, T_l, V) (pass cu_seqlens for the packed (N, V) form)")
+        B, T_l, V = logits.shape
+        if completion_ids.dim() != 2 or completion_ids.shape[0] != B:
+            raise ValueError(f"completion_ids must have shape (B, T) with B = {B} (logits' first "
+                             f"dimension), got {tuple(completion_ids.shape)}")
+        T = completion_ids.shape[1]
+        tok_shape = (B, T)
+        if T_l < logits_start + T:
+            raise ValueError(f"logits must hold at least logits_start + T = {logits_start + T} rows "
+                             f"in dimension 1, got T_l = {T_l}")
+        logits3 = vocab_contiguous(logits)
+        N = B * T
+        seg = torch.arange(B, device=logits.device).repeat_interleave(T) if N else \
+            torch.zeros(0, dtype=torch.long, device=logits.device)
+        max_len = T
+    else:
+        check_logits(logits, 2, "(N, V) in the packed form (cu_seqlens given)")
+        _int_tensor("cu_seqlens", cu_seqlens)
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must have shape (B + 1,), got {tuple(cu_seqlens.shape)}")
+        _same_device("cu_seqlens", cu_seqlens, logits.device)
+        if completion_ids.dim() != 1:
+            raise ValueError(f"completion_ids must have shape (N,) in the packed form, "
+                             f"got {tuple(completion_ids.shape)}")
+        N = completion_ids.shape[0]
+        B = cu_seqlens.numel() - 1
+        tok_shape = (N,)
+        if logits.shape[0] < logits_start + N:
+            raise ValueError(f"logits must hold at least logits_start + N = {logits_start + N} rows, "
+                             f"got {logits.shape[0]}")
+        cu = cu_seqlens.long()
+        lengths = cu[1:] - cu[:-1]
+        if validate:
+            if int(cu[0]) != 0 or int(cu[-1]) != N or bool((lengths < 0).any()):
+                raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N = {N} "
+                                 f"(completion_ids' length), got {cu_seqlens.tolist()}")
+        logits3 = vocab_contiguous(logits).unsqueeze(0)
+        seg = torch.repeat_interleave(torch.arange(B, device=logits.device), lengths, output_size=N)
+        if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
+                                       or max_seqlen < 0):
+            raise ValueError(f"max_seqlen must be None or an int >= 0, got {max_seqlen!r}")
+        max_len = max_seqlen if max_seqlen is not None else lengths.max().clamp(min=1)
+    if B == 0:
+        raise ValueError("the batch is empty: logits and completion_ids need at least one completion")
+    device = logits.device
+    _same_device("completion_ids", completion_ids, device)
+    ids = completion_ids.reshape(-1).contiguous()
+
+    if completion_mask is None:
+        counted = torch.ones(N, dtype=torch.bool, device=device)
+    else:
+        _tensor("completion_mask", completion_mask)
+        _shape("completion_mask", completion_mask, tok_shape, "completion_ids' shape")
+        _same_device("completion_mask", completion_mask, device)
+        counted = (completion_mask != 0).reshape(-1).contiguous()
+
+    batch = Batch(logits3=logits3, ids=ids, counted=counted, seg=seg, B=B, logits_start=logits_start,
+                  tok_shape=tok_shape, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, max_len=max_len)
+
+    if advantages is not None:
+        _tensor("advantages", advantages)
+        if advantages.dtype == torch.bool or advantages.dtype.is_complex:
+            raise TypeError(f"advantages must be a real tensor, got {advantages.dtype}")
+        if tuple(advantages.shape) not in ((B,), (B, 1)):
+            raise ValueError(f"advantages must have shape (B,) or (B, 1) with B = {B}, "
+                             f"got {tuple(advantages.shape)}")
+        _same_device("advantages", advantages, device)
+        batch.adv = advantages.reshape(B)
+    for name, x, attr in (("old_logps", old_logps, "old"), ("ref_logps", ref_logps, "ref"),
+                          ("lam", lam, "lam")):
+        if x is not None:
+            _float_tensor(name, x)
+            _shape(name, x, tok_shape, "completion_ids' shape")
+            _same_device(name, x, device)
+            setattr(batch, attr, x.reshape(-1))
+    if n_conf is not None:
+        _tensor("n_conf", n_conf)
+        _shape("n_conf", n_conf, (B,), "(B,)")
+        _same_device("n_conf", n_conf, device)
+        batch.n_conf = n_conf
+    if validate:
+        check_ids_in_range(ids, counted, batch.V)
+    return batch
+
+
+def check_group_size(group_size, B):
+    if group_size is None:
+        raise ValueError("group_size is required to compute the conflict weights (or pass lam and "
+                         "n_conf from conflict_weights, or turn use_conflict_mask off)")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if B % group_size:
+        raise ValueError(f"group_size = {group_size} must divide the number of completions B = {B}")
+
+
+def raise_on_flags(bad, tok_shape):
+    """Host-side report of the forward kernel's per-token flags (validate=True only)."""
+    nz = bad.nonzero()
+    if nz.numel() == 0:
+        return
+    k = int(nz[0, 0])
+    where = tuple(int(v) for v in torch.unravel_index(torch.tensor(k), tok_shape))
+    f = int(bad[k])
+    if f & BAD_NONFINITE:
+        what = "contains NaN or +inf"
+    elif f & BAD_TARGET_NEG_INF:
+        what = "gives its own target token a logit of -inf (log-prob -inf)"
+    else:
+        what = "has a target id outside [0, V)"
+    raise ValueError(f"logits: the row predicting completion token {where} {what}; "
+                     f"{nz.shape[0]} counted row(s) are invalid")

@@ -1,0 +1,193 @@
+"""Triton kernels over the vocabulary: the forward statistics pass and the gradient pass.
+
+Layout shared by both kernels. `logits` is viewed as (B, T_l, V) with any row strides and vocabulary
+stride 1; token (i, t) of the completions (B, T) is predicted by logits row (i, logits_start + t). The
+packed form is the same with B = 1. Per-token tensors (ids, mask, outputs) are contiguous (B*T,).
+
+Forward, per counted token, with s = z / tau over the row (spec section 1):
+    lse = log sum_v exp(s_v)        logp = s_y - lse        H = lse - sum_v p_v s_v
+computed in one streaming pass with per-lane online accumulators (max m, S = sum e^(s-m),
+U = sum e^(s-m) (s-m)), merged across lanes at the end:  H = log S - U / S  (no cancellation: U <= 0).
+
+Backward (vector-Jacobian product). With p = softmax(s), log p_v = s_v - lse:
+    d logp / dz_v = (1[v=y] - p_v) / tau
+    d H / dz_v    = -p_v (log p_v + H) / tau
+so for upstream coefficients c = dL/dlogp and e = dL/dH of the token (already multiplied by the
+loss's incoming gradient), the kernel writes
+    dL/dz_v = ( c (1[v=y] - p_v) - e p_v (log p_v + H) ) / tau
+recomputing p from the saved lse; rows with c = e = 0 (masked out, filtered, lambda = 0, or outside the
+completion window) are not read, only written with zeros.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Largest block over the vocabulary. 4096 fp32 lanes over 8 warps is 16 values a thread per
+# accumulator; not yet tuned on a GPU (no device measurement so far, see bench/results/).
+MAX_BLOCK_V = 4096
+
+
+def block_v_for(V: int) -> int:
+    return min(MAX_BLOCK_V, triton.next_power_of_2(max(int(V), 16)))
+
+
+def num_warps_for(block_v: int) -> int:
+    return 4 if block_v <= 1024 else 8
+
+
+@triton.jit(do_not_specialize=["T", "logits_start"])
+def _logprob_fwd_kernel(
+    # pointers
+    logits_ptr, ids_ptr, mask_ptr,  # inputs: (B, T_l, V) strided rows; (B*T,) ids; (B*T,) counted flag
+    logp_ptr, ent_ptr, lse_ptr, bad_ptr,  # outputs: (B*T,) each
+    # strides (elements)
+    stride_lb, stride_lt,
+    # sizes
+    T, V, logits_start,
+    # scalars
+    inv_temp,
+    # meta
+    BLOCK_V: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
+    counted = tl.load(mask_ptr + tok) != 0
+    logp = 0.0
+    ent = 0.0
+    lse = 0.0
+    bad = 0
+    if counted:
+        i = tok // T
+        t = tok - i * T
+        row = logits_ptr + i * stride_lb + (t + logits_start) * stride_lt
+        lanes = tl.arange(0, BLOCK_V)
+        m_l = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        s_l = tl.zeros([BLOCK_V], tl.float32)  # sum exp(s - m_l)
+        u_l = tl.zeros([BLOCK_V], tl.float32)  # sum exp(s - m_l) * (s - m_l)
+        bad_l = tl.zeros([BLOCK_V], tl.int32)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + lanes
+            z = tl.load(row + offs, mask=offs < V, other=float("-inf"))
+            s = z.to(tl.float32) * inv_temp
+            bad_l = tl.maximum(bad_l, ((s != s) | (s == float("inf"))).to(tl.int32))
+            m_new = tl.maximum(m_l, s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_l - m_safe)
+            # re-base the old sum of (s - m_l) onto m_new; s_l == 0 exactly when m_l == -inf
+            u_l = alpha * (u_l + s_l * tl.where(s_l > 0, m_l - m_safe, 0.0))
+            e = tl.exp(s - m_safe)
+            u_l += e * tl.where(e > 0, s - m_safe, 0.0)
+            s_l = s_l * alpha + e
+            m_l = m_new
+        m = tl.max(m_l, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(m_l - m_safe)
+        s_tot = tl.sum(s_l * w, axis=0)
+        u_tot = tl.sum(w * (u_l + s_l * tl.where(s_l > 0, m_l - m_safe, 0.0)), axis=0)
+        log_s = tl.log(s_tot)
+        lse = m_safe + log_s
+        ent = log_s - u_tot / s_tot
+        y = tl.load(ids_ptr + tok).to(tl.int64)
+        y_ok = (y >= 0) & (y < V)
+        s_y = tl.load(row + y, mask=y_ok, other=float("nan")).to(tl.float32) * inv_temp
+        logp = s_y - lse
+        # flags, as in checks.BAD_*: 1 non-finite row, 2 target logit -inf, 4 id outside [0, V)
+        bad = tl.max(bad_l, axis=0) * 1
+        bad = tl.where(s_y == float("-inf"), bad | 2, bad)
+        bad = tl.where(y_ok, bad, bad | 4)
+    tl.store(logp_ptr + tok, logp)
+    tl.store(ent_ptr + tok, ent)
+    tl.store(lse_ptr + tok, lse)
+    tl.store(bad_ptr + tok, bad.to(tl.int8))
+
+
+@triton.jit(do_not_specialize=["T", "T_l", "logits_start"])
+def _logprob_bwd_kernel(
+    # pointers
+    logits_ptr, grad_ptr,  # (B, T_l, V) strided rows; grad may alias logits (inplace)
+    ids_ptr, lse_ptr, ent_ptr, c_ptr, e_ptr,  # (B*T,) per token
+    # strides (elements)
+    stride_lb, stride_lt, stride_gb, stride_gt,
+    # sizes
+    T, T_l, V, logits_start,
+    # scalars
+    inv_temp,
+    # meta
+    HAS_E: tl.constexpr,  # entropy term present (entropy_coef != 0)
+    BLOCK_V: tl.constexpr,
+):
+    row_id = tl.program_id(0).to(tl.int64)  # one program per logits row, int64 offsets
+    i = row_id // T_l
+    r = row_id - i * T_l
+    t = r - logits_start
+    in_window = (t >= 0) & (t < T)
+    tok = i * T + t
+    c = tl.load(c_ptr + tok, mask=in_window, other=0.0)
+    if HAS_E:
+        e = tl.load(e_ptr + tok, mask=in_window, other=0.0)
+    else:
+        e = 0.0
+    lanes = tl.arange(0, BLOCK_V)
+    grad_row = grad_ptr + i * stride_gb + r * stride_gt
+    if (c != 0.0) | (e != 0.0):
+        row = logits_ptr + i * stride_lb + r * stride_lt
+        lse = tl.load(lse_ptr + tok)
+        ent = tl.load(ent_ptr + tok)
+        y = tl.load(ids_ptr + tok).to(tl.int64)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + lanes
+            in_v = offs < V
+            s = tl.load(row + offs, mask=in_v, other=float("-inf")).to(tl.float32) * inv_temp
+            logq = s - lse
+            p = tl.exp(logq)
+            g = tl.where(offs == y, c, 0.0) - c * p
+            if HAS_E:
+                g -= e * p * tl.where(p > 0, logq + ent, 0.0)
+            tl.store(grad_row + offs, (g * inv_temp).to(grad_ptr.dtype.element_ty), mask=in_v)
+    else:
+        zero = tl.zeros([BLOCK_V], tl.float32).to(grad_ptr.dtype.element_ty)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + lanes
+            tl.store(grad_row + offs, zero, mask=offs < V)
+
+
+def logprob_fwd(logits3, ids, counted, temperature, logits_start, block_v=None):
+    """logits3 (B, T_l, V) with stride(2) == 1; ids (B*T,) int; counted (B*T,) bool.
+    Returns float32 (logp, entropy, lse) of shape (B*T,) and int8 flags (0 = fine)."""
+    B, T_l, V = logits3.shape
+    n = ids.numel()
+    T = n // B if B else 0
+    dev = logits3.device
+    logp = torch.empty(n, device=dev, dtype=torch.float32)
+    ent = torch.empty_like(logp)
+    lse = torch.empty_like(logp)
+    bad = torch.empty(n, device=dev, dtype=torch.int8)
+    if n == 0:
+        return logp, ent, lse, bad
+    bv = block_v or block_v_for(V)
+    _logprob_fwd_kernel[(n,)](
+        logits3, ids, counted, logp, ent, lse, bad,
+        logits3.stride(0), logits3.stride(1),
+        T, V, logits_start, 1.0 / temperature,
+        BLOCK_V=bv, num_warps=num_warps_for(bv),
+    )
+    return logp, ent, lse, bad
+
+
+def logprob_bwd(logits3, grad3, ids, lse, ent, c, e, temperature, logits_start, block_v=None):
+    """Writes dL/dlogits into grad3 (B, T_l, V), every row (zeros where no gradient); grad3 may be
+    logits3 itself. c, e: float32 (B*T,) coefficients; e may be None (no entropy term)."""
+    B, T_l, V = logits3.shape
+    n = ids.numel()
+    T = n // B if B else 0
+    if B * T_l == 0:
+        return grad3
+    bv = block_v or block_v_for(V)
+    _logprob_bwd_kernel[(B * T_l,)](
+        logits3, grad3, ids, lse, ent, c, c if e is None else e,
+        logits3.stride(0), logits3.stride(1), grad3.stride(0), grad3.stride(1),
+        T, T_l, V, logits_start, 1.0 / temperature,
+        HAS_E=e is not None, BLOCK_V=bv, num_warps=num_warps_for(bv),
+    )
+    return grad3

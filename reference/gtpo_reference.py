@@ -1,0 +1,316 @@
+"""Pure-PyTorch float64 reference of the GTPO loss (the test oracle of gtpo_kernels).
+
+Every formula follows /work/shared/GTPO_SPEC.md; comments cite its sections ("spec 3" = section 3).
+Readability comes first: the conflict weights are plain Python loops over groups, completions and
+positions, and everything is computed in float64. This module must never import gtpo_kernels.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["LOSS_AGGS", "token_logprobs", "conflict_weights", "gtpo_loss"]
+
+LOSS_AGGS = (
+    "seq-mean-token-mean",
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "gtpo-official",
+    "none",
+)
+
+_F64 = torch.float64
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+def _bool_mask(mask, shape, device):
+    """Mask as a bool tensor (1 = the token counts); None means every token counts (spec 1)."""
+    if mask is None:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    mask = torch.as_tensor(mask, device=device)
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"mask must have shape {tuple(shape)}, got {tuple(mask.shape)}")
+    return mask != 0
+
+
+def _full_logp_entropy(logits, ids, temperature):
+    """Per-position logp and entropy of the temperature-scaled softmax (spec 1), for every row,
+    masked or not. Returns (logp (B,T) float64, H (B,T) float64), both differentiable."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    s = logits.double() / temperature                       # s = z / tau
+    logp_all = torch.log_softmax(s, dim=-1)                 # log p_v = s_v - lse
+    V = s.shape[-1]
+    # ids at masked-out positions may be anything (e.g. -100): clamp so the gather is legal.
+    idx = ids.long().clamp(0, V - 1).unsqueeze(-1)
+    logp = logp_all.gather(-1, idx).squeeze(-1)             # logp = s_y - lse
+    # H = -sum_v p_v log p_v with p log p = 0 where p = 0 (-inf logits, banned vocabulary).
+    # torch.where (not a multiplication) keeps the gradient finite at p = 0.
+    p = logp_all.exp()
+    logp_safe = torch.where(p > 0, logp_all, torch.zeros_like(logp_all))
+    H = -(p * logp_safe).sum(dim=-1)
+    return logp, H
+
+
+def _zero_where_masked(x, m):
+    """x where the token counts, exactly 0 elsewhere (with exactly zero gradient there)."""
+    return torch.where(m, x, torch.zeros_like(x))
+
+
+# --------------------------------------------------------------------------------------------------
+# spec 1: per-token log-probabilities and entropy
+# --------------------------------------------------------------------------------------------------
+
+def token_logprobs(logits, ids, temperature=1.0, mask=None):
+    """logits (B,T,V) float any dtype, ids (B,T) int -> (logp, entropy) both (B,T) float64.
+
+    logp = log_softmax(logits/temperature)[ids]; entropy H = -sum p log p of the temperature-scaled
+    softmax (spec 1), with p*log p = 0 where p = 0 (-inf logits allowed). Positions where mask==0
+    (mask optional, default all counted) give 0 and their ids may be anything (e.g. -100).
+    Differentiable w.r.t. logits.
+    """
+    if logits.dim() != 3 or ids.shape != logits.shape[:2]:
+        raise ValueError(f"expected logits (B,T,V) and ids (B,T), got {tuple(logits.shape)} "
+                         f"and {tuple(ids.shape)}")
+    m = _bool_mask(mask, ids.shape, logits.device)
+    logp, H = _full_logp_entropy(logits, ids, temperature)
+    return _zero_where_masked(logp, m), _zero_where_masked(H, m)
+
+
+# --------------------------------------------------------------------------------------------------
+# spec 3: conflict tokens and the weights lambda
+# --------------------------------------------------------------------------------------------------
+
+def _is_conflict(i, t_of, ids, mask, pos, neg, group):
+    """raw_d[i, t_of(i)] of spec 3 for one alignment d.
+
+    t_of(j) maps completion j to its row at the current aligned position (None if it has none).
+    Holds when i's row is masked in and its token id stands, masked in, at the aligned row of at
+    least one positive and at least one negative completion of the group (i itself counts)."""
+    ti = t_of(i)
+    if ti is None or not mask[i][ti]:
+        return False
+    token = ids[i][ti]
+    seen_pos = seen_neg = False
+    for j in group:
+        tj = t_of(j)
+        if tj is None or not mask[j][tj] or ids[j][tj] != token:
+            continue
+        seen_pos = seen_pos or pos[j]
+        seen_neg = seen_neg or neg[j]
+    return seen_pos and seen_neg
+
+
+def conflict_weights(ids, mask, advantages, group_size, pos_weight=2.0, neg_weight=0.0):
+    """-> (lam (B,T) float64, n_conf (B,) float64), spec section 3.
+
+    Forward runs (rows aligned at row 0) and backward runs (rows right-aligned at each completion's
+    last masked-in row) of conflict tokens; lam = lam_f * lam_b and
+    n_conf = max(1, max(len_run_f, len_run_b)). mask may be bool/int/float (None = all ones);
+    advantages (B,) or (B,1).
+    """
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be (B, T), got shape {tuple(ids.shape)}")
+    B, T = ids.shape
+    device = ids.device
+    m_t = _bool_mask(mask, (B, T), device)
+    A_t = torch.as_tensor(advantages, device=device).reshape(-1)
+    if A_t.numel() != B:
+        raise ValueError(f"advantages must have B={B} entries, got shape {tuple(A_t.shape)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if B % group_size != 0:
+        raise ValueError(f"group_size={group_size} must divide the batch size B={B}")
+
+    # Plain Python lists: the loops below read like the spec.
+    ids_l = ids.tolist()
+    mask_l = m_t.tolist()
+    A = A_t.double().tolist()
+    pos = [a > 0 for a in A]                    # spec 3: flags from the raw advantages
+    neg = [a < 0 for a in A]
+    # last masked-in row of every completion (None: nothing is masked in)
+    last = [max((t for t in range(T) if mask_l[i][t]), default=None) for i in range(B)]
+
+    lam = [[1.0] * T for _ in range(B)]
+    n_conf = [1.0] * B
+
+    def weight(i):
+        return pos_weight if pos[i] else neg_weight
+
+    for g in range(B // group_size):
+        group = range(g * group_size, (g + 1) * group_size)
+        for i in group:
+            if not (pos[i] or neg[i]):
+                continue                        # A = 0: inactive, lambda = 1 everywhere
+
+            # Forward alignment: position k is row k of every completion.
+            run_f = 0
+            for k in range(T):
+                if not _is_conflict(i, lambda j: k, ids_l, mask_l, pos, neg, group):
+                    break                       # a non-conflict or masked-out row ends the run
+                lam[i][k] *= weight(i)
+                run_f += 1
+
+            # Backward alignment: reverse index r is row last[j] - r of completion j.
+            def row_from_end(j, r):
+                if last[j] is None or last[j] - r < 0:
+                    return None
+                return last[j] - r
+
+            run_b = 0
+            for r in range(T):
+                if not _is_conflict(i, lambda j: row_from_end(j, r), ids_l, mask_l, pos, neg, group):
+                    break
+                lam[i][last[i] - r] *= weight(i)   # lam = lam_f * lam_b (w**2 where runs overlap)
+                run_b += 1
+
+            # The authors OR the two runs in index space: the longer run's length (spec 3).
+            n_conf[i] = float(max(1, run_f, run_b))
+
+    return (torch.tensor(lam, dtype=_F64, device=device).reshape(B, T),
+            torch.tensor(n_conf, dtype=_F64, device=device).reshape(B))
+
+
+# --------------------------------------------------------------------------------------------------
+# spec 2, 4: the loss
+# --------------------------------------------------------------------------------------------------
+
+def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group_size=None,
+              old_logps=None, ref_logps=None, lam=None, n_conf=None, num_items_in_batch=None,
+              logits_start=0,
+              temperature=1.0, eps_low=0.2, eps_high=0.2, clip=True, use_conflict_mask=True,
+              conflict_pos_weight=2.0, conflict_neg_weight=0.0, entropy_threshold=math.log(2),
+              entropy_penalty=0.1, initial_entropy=None, entropy_coef=0.0, beta=0.0,
+              loss_agg="seq-mean-token-mean", max_completion_length=None):
+    """GTPO loss, float64 reference of spec sections 1-4 and 6 (padded form only).
+
+    Returns a dict with keys: loss (0-d, or (B,T) for loss_agg='none', differentiable w.r.t.
+    logits), per_token_loss (B,T) detached (0 where masked), logps (B,T), entropy (B,T) (both
+    detached, 0 where masked), lam (B,T), n_conf (B,), kept (B,) bool, seq_entropy (B,), metrics:
+    dict with 0-d tensors clip_frac, filtered_frac, conflict_frac, mean_entropy. All floats float64.
+    logits is (B, T_l, V) with T_l >= logits_start + T: row logits_start+t predicts
+    completion_ids[:, t].
+    """
+    # ---- inputs ------------------------------------------------------------------------------
+    agg = str(loss_agg).strip().lower().replace("_", "-")
+    if agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    if completion_ids.dim() != 2:
+        raise ValueError(f"completion_ids must be (B, T), got {tuple(completion_ids.shape)}")
+    B, T = completion_ids.shape
+    if logits.dim() != 3 or logits.shape[0] != B or logits.shape[1] < logits_start + T:
+        raise ValueError(f"logits must be (B={B}, T_l >= logits_start + T = {logits_start + T}, V), "
+                         f"got {tuple(logits.shape)}")
+    device = logits.device
+    m = _bool_mask(completion_mask, (B, T), device)
+    mf = m.double()
+    A = torch.as_tensor(advantages, device=device).double().reshape(-1)
+    if A.numel() != B:
+        raise ValueError(f"advantages must have B={B} entries, got shape {tuple(A.shape)}")
+    if beta != 0 and ref_logps is None:
+        raise ValueError("ref_logps is required when beta != 0")
+
+    # ---- spec 1: logp and entropy (rows outside [logits_start, logits_start+T) get no gradient)
+    z = logits[:, logits_start:logits_start + T]
+    logp_full, H_full = _full_logp_entropy(z, completion_ids, temperature)
+    logp = _zero_where_masked(logp_full, m)
+    H = _zero_where_masked(H_full, m)
+
+    n = mf.sum(dim=1)                                        # n[i] = sum_t m[i,t]
+    M = mf.sum()                                             # counted tokens in the batch
+
+    # ---- spec 3: conflict weights --------------------------------------------------------------
+    if lam is None or n_conf is None:
+        if not use_conflict_mask:
+            lam_c = torch.ones(B, T, dtype=_F64, device=device)
+            n_conf_c = torch.ones(B, dtype=_F64, device=device)
+        elif group_size is not None:
+            lam_c, n_conf_c = conflict_weights(completion_ids, m, A, group_size,
+                                               conflict_pos_weight, conflict_neg_weight)
+        elif lam is not None and agg != "gtpo-official":
+            # only lam given; n_conf is used by the gtpo-official aggregation alone
+            lam_c, n_conf_c = None, torch.ones(B, dtype=_F64, device=device)
+        else:
+            raise ValueError("group_size is required to compute the conflict weights "
+                             "(or pass lam and n_conf)")
+        lam = lam_c if lam is None else lam
+        n_conf = n_conf_c if n_conf is None else n_conf
+    lam = torch.as_tensor(lam, device=device).double().reshape(B, T)
+    lam = torch.where(m, lam, torch.ones_like(lam))          # spec 3: lambda = 1 off the mask
+    n_conf = torch.as_tensor(n_conf, device=device).double().reshape(B)
+
+    # ---- spec 2: entropy filter and shaped advantage (constants: no gradient) -----------------
+    Hbar = (H.detach() * mf).sum(dim=1) / n.clamp(min=1)
+    if entropy_threshold is None:
+        delta = torch.ones(B, dtype=torch.bool, device=device)
+    elif initial_entropy is not None and initial_entropy > entropy_threshold:
+        delta = torch.ones(B, dtype=torch.bool, device=device)    # the paper's gate
+    else:
+        delta = Hbar <= entropy_threshold
+    Ahat = (delta.double() * (A - entropy_penalty * Hbar)).unsqueeze(1)   # (B, 1)
+
+    # ---- spec 4: ratio and per-token surrogate ------------------------------------------------
+    if old_logps is not None:
+        old = _zero_where_masked(torch.as_tensor(old_logps, device=device).double().reshape(B, T), m)
+        r = torch.exp(logp - old)
+    else:
+        r = torch.exp(logp - logp.detach())                  # on-policy: value 1, gradient of logp
+    unclipped = r * Ahat
+    if clip:
+        clipped = torch.clamp(r, 1.0 - eps_low, 1.0 + eps_high) * Ahat
+        tok = -lam * torch.min(unclipped, clipped)
+        clip_removed = (unclipped > clipped) & m             # the clip took the gradient away
+    else:
+        tok = -lam * unclipped
+        clip_removed = torch.zeros_like(m)
+    if beta != 0:
+        ref = _zero_where_masked(torch.as_tensor(ref_logps, device=device).double().reshape(B, T), m)
+        d = ref - logp
+        tok = tok + beta * (torch.exp(d) - d - 1.0)         # k3
+    if entropy_coef != 0:
+        tok = tok - entropy_coef * H                         # differentiable entropy bonus
+    tok = _zero_where_masked(tok, m)                         # masked-out tokens: exactly 0
+
+    # ---- spec 4: aggregation (filtered completions still count in the denominators) -----------
+    if agg == "seq-mean-token-mean":
+        loss = (tok.sum(dim=1) / n.clamp(min=1)).sum() / max(B, 1)
+    elif agg == "token-mean":
+        if num_items_in_batch is not None:
+            denom = torch.as_tensor(num_items_in_batch, device=device).double().clamp(min=1)
+        else:
+            denom = M.clamp(min=1)
+        loss = tok.sum() / denom
+    elif agg == "seq-mean-token-sum":
+        loss = tok.sum() / max(B, 1)
+    elif agg == "seq-mean-token-sum-norm":
+        L = max_completion_length if max_completion_length is not None else T
+        loss = tok.sum() / max(B * L, 1)
+    elif agg == "gtpo-official":
+        loss = (tok.sum(dim=1) / n.clamp(min=1) / n_conf).sum()
+    else:  # "none"
+        loss = tok
+
+    # ---- spec 6: metrics ----------------------------------------------------------------------
+    Mc = M.clamp(min=1)
+    metrics = {
+        "clip_frac": clip_removed.double().sum() / Mc,
+        "filtered_frac": (~delta).double().sum() / max(B, 1),
+        "conflict_frac": ((lam != 1) & m).double().sum() / Mc,
+        "mean_entropy": H.detach().sum() / Mc,
+    }
+    return {
+        "loss": loss,
+        "per_token_loss": tok.detach(),
+        "logps": logp.detach(),
+        "entropy": H.detach(),
+        "lam": lam.detach(),
+        "n_conf": n_conf.detach(),
+        "kept": delta,
+        "seq_entropy": Hbar,
+        "metrics": metrics,
+    }

@@ -1,0 +1,16 @@
+from setuptools import setup
+
+setup(
+    name="gtpo-kernels",
+    version="0.1.0",
+    description="Fused Triton kernels for the GTPO policy-gradient loss (GRPO family) for LLM RL",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=["gtpo_kernels", "gtpo_reference"],
+    package_dir={"gtpo_kernels": "gtpo_kernels", "gtpo_reference": "reference"},
+    python_requires=">=3.9",
+    # torch is not pinned here: install the build that fits your machine first (see README)
+    install_requires=["torch>=2.1", "triton>=3.0; platform_system=='Linux'"],
+    extras_require={"test": ["pytest", "hypothesis", "numpy"]},
+    license="Apache-2.0",
+)
