@@ -170,7 +170,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
         lp, ent = gtpo_reference.token_logprobs(*_padded_inputs(b, logits), temperature, b_mask(b))
         return _flat_out(b, lp.to(dt)), _flat_out(b, ent.to(dt))
     with torch.no_grad():
-        logp, ent, _, bad = dispatch.logprob_fwd(backend, b.logits3.detach(), b.ids, b.counted,
+        logp, ent, _, _, bad = dispatch.logprob_fwd(backend, b.logits3.detach(), b.ids, b.counted,
                                                  temperature, b.logits_start)
     if validate:
         checks.raise_on_flags(bad, b.tok_shape)

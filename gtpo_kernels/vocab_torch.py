@@ -32,10 +32,11 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
     logp = torch.zeros(n, device=dev, dtype=acc)
     ent = torch.zeros_like(logp)
     lse = torch.zeros_like(logp)
+    q = torch.zeros_like(logp)
     bad = torch.zeros(n, device=dev, dtype=torch.int8)
     rows_idx = counted.nonzero().squeeze(1)  # masked-out rows are never read
     if rows_idx.numel() == 0 or V == 0:
-        return logp, ent, lse, bad
+        return logp, ent, lse, q, bad
     bi, ti = rows_idx // T, rows_idx % T + logits_start
     inv_t = 1.0 / temperature
     step = _rows_per_chunk(V)
@@ -46,7 +47,13 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
         y = ids[idx].long()
         y_ok = (y >= 0) & (y < V)
         flag = ((s != s) | (s == float("inf"))).any(-1).to(torch.int8) * BAD_NONFINITE
-        c_lse = torch.logsumexp(s, -1)
+        # lse = max + log1p(R), R the sum without the maximum element (exact for confident rows)
+        mx = s.max(-1).values
+        mx_safe = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
+        ex = torch.exp(s - mx_safe[:, None])
+        r = ex.scatter(1, s.argmax(-1, keepdim=True), 0.0).sum(-1)
+        c_lse = mx_safe + torch.log1p(r)
+        c_lse = torch.where(mx == float("-inf"), mx, c_lse)
         c_lse_safe = torch.where(torch.isfinite(c_lse), c_lse, torch.zeros_like(c_lse))
         logq = s - c_lse_safe[:, None]
         p = torch.exp(logq)
@@ -54,17 +61,20 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
         c_ent = -torch.where(p > 0, p * logq, torch.zeros_like(p)).sum(-1)
         s_y = s.gather(1, y.clamp(0, V - 1)[:, None]).squeeze(1)
         s_y = torch.where(y_ok, s_y, torch.full_like(s_y, float("nan")))
+        # q = 1 - p_y as the sum of the other probabilities (exact for a confident token)
+        c_q = p.scatter(1, y.clamp(0, V - 1)[:, None], 0.0).sum(-1)
         flag = flag | ((s_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF)
         flag = flag | ((~y_ok).to(torch.int8) * BAD_ID)
-        logp[idx] = s_y - c_lse
+        logp[idx] = torch.where((c_q < 0.5) & (s_y == s_y), torch.log1p(-c_q), s_y - c_lse)
+        q[idx] = c_q
         ent[idx] = c_ent
         lse[idx] = c_lse
         bad[idx] = flag
-        del s, p, logq
-    return logp, ent, lse, bad
+        del s, p, logq, ex
+    return logp, ent, lse, q, bad
 
 
-def logprob_bwd(logits3, grad3, ids, lse, ent, c, e, temperature, logits_start):
+def logprob_bwd(logits3, grad3, ids, lse, ent, q, c, e, temperature, logits_start):
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -90,7 +100,7 @@ def logprob_bwd(logits3, grad3, ids, lse, ent, c, e, temperature, logits_start):
         p = torch.exp(logq)
         cc = c[idx, None]
         g = -cc * p
-        g.scatter_add_(1, ids[idx].long()[:, None], cc)
+        g.scatter_(1, ids[idx].long()[:, None], cc * q[idx, None])  # c (1 - p_y), with 1 - p_y = q
         if e is not None:
             g -= e[idx, None] * torch.where(p > 0, p * (logq + ent[idx, None]), torch.zeros_like(p))
         grad3[bi, ti] = (g * inv_t).to(grad3.dtype)

@@ -8,6 +8,10 @@ Forward, per counted token, with s = z / tau over the row (spec section 1):
     lse = log sum_v exp(s_v)        logp = s_y - lse        H = lse - sum_v p_v s_v
 computed in one streaming pass with per-lane online accumulators (max m, S = sum e^(s-m),
 U = sum e^(s-m) (s-m)), merged across lanes at the end:  H = log S - U / S  (no cancellation: U <= 0).
+Confident rows (p_max ~ 1) need two more sums, or float32 loses the digits that matter there:
+R = S - 1, the sum without the row's maximum element, gives log S = log1p(R) (and so lse and H) to
+float32 rounding; Q = sum_{v != y} e^(s-m) gives q = 1 - p_y = Q / S without cancellation, used as the
+target's gradient factor in backward and as logp = log1p(-q) when q < 1/2.
 
 Backward (vector-Jacobian product). With p = softmax(s), log p_v = s_v - lse:
     d logp / dz_v = (1[v=y] - p_v) / tau
@@ -15,7 +19,7 @@ Backward (vector-Jacobian product). With p = softmax(s), log p_v = s_v - lse:
 so for upstream coefficients c = dL/dlogp and e = dL/dH of the token (already multiplied by the
 loss's incoming gradient), the kernel writes
     dL/dz_v = ( c (1[v=y] - p_v) - e p_v (log p_v + H) ) / tau
-recomputing p from the saved lse; rows with c = e = 0 (masked out, filtered, lambda = 0, or outside the
+recomputing p from the saved lse and taking 1 - p_y = q from the forward; rows with c = e = 0 (masked out, filtered, lambda = 0, or outside the
 completion window) are not read, only written with zeros.
 """
 from __future__ import annotations
@@ -37,11 +41,18 @@ def num_warps_for(block_v: int) -> int:
     return 4 if block_v <= 1024 else 8
 
 
+@triton.jit
+def _log1p(x):
+    # log(1 + x) accurate for small x (Goldberg's trick: the rounding of 1 + x cancels)
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+
+
 @triton.jit(do_not_specialize=["T", "logits_start"])
 def _logprob_fwd_kernel(
     # pointers
     logits_ptr, ids_ptr, mask_ptr,  # inputs: (B, T_l, V) strided rows; (B*T,) ids; (B*T,) counted flag
-    logp_ptr, ent_ptr, lse_ptr, bad_ptr,  # outputs: (B*T,) each
+    logp_ptr, ent_ptr, lse_ptr, q_ptr, bad_ptr,  # outputs: (B*T,) each
     # strides (elements)
     stride_lb, stride_lt,
     # sizes
@@ -56,15 +67,20 @@ def _logprob_fwd_kernel(
     logp = 0.0
     ent = 0.0
     lse = 0.0
+    q = 0.0
     bad = 0
     if counted:
         i = tok // T
         t = tok - i * T
         row = logits_ptr + i * stride_lb + (t + logits_start) * stride_lt
+        y = tl.load(ids_ptr + tok).to(tl.int64)
+        y_ok = (y >= 0) & (y < V)
         lanes = tl.arange(0, BLOCK_V)
         m_l = tl.full([BLOCK_V], float("-inf"), tl.float32)
         s_l = tl.zeros([BLOCK_V], tl.float32)  # sum exp(s - m_l)
+        r_l = tl.zeros([BLOCK_V], tl.float32)  # the same sum without the lane's maximum element
         u_l = tl.zeros([BLOCK_V], tl.float32)  # sum exp(s - m_l) * (s - m_l)
+        q_l = tl.zeros([BLOCK_V], tl.float32)  # sum over v != y of exp(s - m_l)
         bad_l = tl.zeros([BLOCK_V], tl.int32)
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + lanes
@@ -79,19 +95,24 @@ def _logprob_fwd_kernel(
             e = tl.exp(s - m_safe)
             u_l += e * tl.where(e > 0, s - m_safe, 0.0)
             s_l = s_l * alpha + e
+            r_l = tl.where(s > m_l, alpha * (r_l + 1.0), r_l + e)  # a new maximum joins as e = 1
+            q_l = q_l * alpha + tl.where(offs == y, 0.0, e)
             m_l = m_new
         m = tl.max(m_l, axis=0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp(m_l - m_safe)
         s_tot = tl.sum(s_l * w, axis=0)
         u_tot = tl.sum(w * (u_l + s_l * tl.where(s_l > 0, m_l - m_safe, 0.0)), axis=0)
-        log_s = tl.log(s_tot)
+        q = tl.sum(q_l * w, axis=0) / s_tot
+        # R: every lane's sum, without the one element that is the row's maximum
+        top = tl.argmax(m_l, axis=0)
+        r_tot = tl.sum(w * r_l, axis=0) + tl.sum(tl.where(lanes == top, 0.0, w), axis=0)
+        log_s = _log1p(r_tot)
         lse = m_safe + log_s
         ent = log_s - u_tot / s_tot
-        y = tl.load(ids_ptr + tok).to(tl.int64)
-        y_ok = (y >= 0) & (y < V)
         s_y = tl.load(row + y, mask=y_ok, other=float("nan")).to(tl.float32) * inv_temp
-        logp = s_y - lse
+        logp = tl.where(q < 0.5, tl.log(1.0 - q), s_y - lse)  # confident token: log1p(-q) form
+        logp = tl.where(s_y == s_y, logp, s_y)  # keep NaN for an unreadable target
         # flags, as in checks.BAD_*: 1 non-finite row, 2 target logit -inf, 4 id outside [0, V)
         bad = tl.max(bad_l, axis=0) * 1
         bad = tl.where(s_y == float("-inf"), bad | 2, bad)
@@ -99,6 +120,7 @@ def _logprob_fwd_kernel(
     tl.store(logp_ptr + tok, logp)
     tl.store(ent_ptr + tok, ent)
     tl.store(lse_ptr + tok, lse)
+    tl.store(q_ptr + tok, q)
     tl.store(bad_ptr + tok, bad.to(tl.int8))
 
 
@@ -106,7 +128,7 @@ def _logprob_fwd_kernel(
 def _logprob_bwd_kernel(
     # pointers
     logits_ptr, grad_ptr,  # (B, T_l, V) strided rows; grad may alias logits (inplace)
-    ids_ptr, lse_ptr, ent_ptr, c_ptr, e_ptr,  # (B*T,) per token
+    ids_ptr, lse_ptr, ent_ptr, q_ptr, c_ptr, e_ptr,  # (B*T,) per token
     # strides (elements)
     stride_lb, stride_lt, stride_gb, stride_gt,
     # sizes
@@ -134,6 +156,7 @@ def _logprob_bwd_kernel(
         row = logits_ptr + i * stride_lb + r * stride_lt
         lse = tl.load(lse_ptr + tok)
         ent = tl.load(ent_ptr + tok)
+        q = tl.load(q_ptr + tok)  # 1 - p_y
         y = tl.load(ids_ptr + tok).to(tl.int64)
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + lanes
@@ -141,7 +164,7 @@ def _logprob_bwd_kernel(
             s = tl.load(row + offs, mask=in_v, other=float("-inf")).to(tl.float32) * inv_temp
             logq = s - lse
             p = tl.exp(logq)
-            g = tl.where(offs == y, c, 0.0) - c * p
+            g = tl.where(offs == y, c * q, -c * p)
             if HAS_E:
                 g -= e * p * tl.where(p > 0, logq + ent, 0.0)
             tl.store(grad_row + offs, (g * inv_temp).to(grad_ptr.dtype.element_ty), mask=in_v)
@@ -154,7 +177,7 @@ def _logprob_bwd_kernel(
 
 def logprob_fwd(logits3, ids, counted, temperature, logits_start, block_v=None):
     """logits3 (B, T_l, V) with stride(2) == 1; ids (B*T,) int; counted (B*T,) bool.
-    Returns float32 (logp, entropy, lse) of shape (B*T,) and int8 flags (0 = fine)."""
+    Returns float32 (logp, entropy, lse, q = 1 - p_y) of shape (B*T,) and int8 flags (0 = fine)."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -162,20 +185,21 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start, block_v=None):
     logp = torch.empty(n, device=dev, dtype=torch.float32)
     ent = torch.empty_like(logp)
     lse = torch.empty_like(logp)
+    q = torch.empty_like(logp)
     bad = torch.empty(n, device=dev, dtype=torch.int8)
     if n == 0:
-        return logp, ent, lse, bad
+        return logp, ent, lse, q, bad
     bv = block_v or block_v_for(V)
     _logprob_fwd_kernel[(n,)](
-        logits3, ids, counted, logp, ent, lse, bad,
+        logits3, ids, counted, logp, ent, lse, q, bad,
         logits3.stride(0), logits3.stride(1),
         T, V, logits_start, 1.0 / temperature,
         BLOCK_V=bv, num_warps=num_warps_for(bv),
     )
-    return logp, ent, lse, bad
+    return logp, ent, lse, q, bad
 
 
-def logprob_bwd(logits3, grad3, ids, lse, ent, c, e, temperature, logits_start, block_v=None):
+def logprob_bwd(logits3, grad3, ids, lse, ent, q, c, e, temperature, logits_start, block_v=None):
     """Writes dL/dlogits into grad3 (B, T_l, V), every row (zeros where no gradient); grad3 may be
     logits3 itself. c, e: float32 (B*T,) coefficients; e may be None (no entropy term)."""
     B, T_l, V = logits3.shape
@@ -185,7 +209,7 @@ def logprob_bwd(logits3, grad3, ids, lse, ent, c, e, temperature, logits_start, 
         return grad3
     bv = block_v or block_v_for(V)
     _logprob_bwd_kernel[(B * T_l,)](
-        logits3, grad3, ids, lse, ent, c, c if e is None else e,
+        logits3, grad3, ids, lse, ent, q, c, c if e is None else e,
         logits3.stride(0), logits3.stride(1), grad3.stride(0), grad3.stride(1),
         T, T_l, V, logits_start, 1.0 / temperature,
         HAS_E=e is not None, BLOCK_V=bv, num_warps=num_warps_for(bv),

@@ -1,0 +1,68 @@
+"""Test set-up: Triton's interpreter (the kernels run on CPU), hypothesis profiles, error measures."""
+import os
+
+# before anything imports triton: the kernels run under the interpreter on this CPU machine
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci", max_examples=50, derandomize=True, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", max_examples=15, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# spec section 7: tolerances by logits dtype
+TOL = {
+    torch.float32: dict(value=1e-5, loss=1e-5, grad=1e-5),
+    torch.float64: dict(value=1e-5, loss=1e-5, grad=1e-5),
+    torch.bfloat16: dict(value=1e-5, loss=1e-5, grad=1e-2),
+    torch.float16: dict(value=1e-5, loss=1e-5, grad=1e-2),
+}
+
+
+def assert_value_close(name, x, ref, tol, where=None):
+    """|x - ref| / max(1, |ref|) <= tol elementwise (spec 7); reports the worst element."""
+    x = torch.as_tensor(x).double()
+    ref = torch.as_tensor(ref).double()
+    assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)} != reference {tuple(ref.shape)}"
+    if where is not None:
+        x, ref = x[where], ref[where]
+    if x.numel() == 0:
+        return
+    assert torch.isfinite(x).all(), f"{name}: non-finite values {x}"
+    err = (x - ref).abs() / ref.abs().clamp(min=1)
+    k = int(err.reshape(-1).argmax())
+    worst = float(err.reshape(-1)[k])
+    assert worst <= tol, (f"{name}: error {worst:.3e} > {tol:.0e} at flat index {k}: "
+                          f"got {float(x.reshape(-1)[k])!r}, reference {float(ref.reshape(-1)[k])!r}")
+
+
+def assert_grad_close(name, g, ref, tol):
+    """||g - ref|| / ||ref|| <= tol, and exact zeros wherever the reference row is exactly zero.
+
+    The gradient is stored in the logits' dtype: the part of the error that rounding the reference
+    itself into that dtype makes (values below float16's range, say) is not held against the kernel."""
+    assert g.shape == ref.shape, f"{name}: shape {tuple(g.shape)} != {tuple(ref.shape)}"
+    unavoidable = float((ref.to(g.dtype).double() - ref.double()).norm())
+    g, ref = g.double(), ref.double()
+    assert torch.isfinite(g).all(), f"{name}: non-finite gradient entries"
+    zero_rows = (ref == 0).all(-1)
+    assert (g[zero_rows] == 0).all(), f"{name}: rows whose reference gradient is exactly zero are not zero"
+    nref = ref.norm()
+    if nref > 0:
+        rel = (float((g - ref).norm()) - unavoidable) / float(nref)
+        assert rel <= tol, f"{name}: relative error {rel:.3e} > {tol:.0e} (beyond the rounding of the " \
+                           f"reference into {g.dtype}, {unavoidable / float(nref):.1e})"
+    else:
+        assert (g == 0).all(), f"{name}: reference gradient is zero but ours is not"
+
+
+@pytest.fixture
+def small_block(monkeypatch):
+    """Force several vocabulary blocks per row (and a last partial block) at test sizes."""
+    from gtpo_kernels import vocab_triton
+    monkeypatch.setattr(vocab_triton, "MAX_BLOCK_V", 16)

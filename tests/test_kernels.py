@@ -1,0 +1,243 @@
+"""Property tests of the Triton kernels (under the interpreter) and the torch path against the float64
+reference, with the error measure and tolerances of spec section 7."""
+import contextlib
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import gtpo_reference as ref
+from batches import DTYPES, cases, configs, reference_logps
+from conftest import TOL, assert_grad_close, assert_value_close
+from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss, token_logprobs
+from gtpo_kernels import vocab_torch, vocab_triton
+
+BACKENDS = ["triton", "torch"]
+
+
+@contextlib.contextmanager
+def small_chunks(on):
+    """Several vocabulary blocks per row (Triton) and several row chunks (torch) at test sizes."""
+    saved = vocab_triton.MAX_BLOCK_V, vocab_torch.CHUNK_ELEMENTS
+    if on:
+        vocab_triton.MAX_BLOCK_V, vocab_torch.CHUNK_ELEMENTS = 16, 64
+    try:
+        yield
+    finally:
+        vocab_triton.MAX_BLOCK_V, vocab_torch.CHUNK_ELEMENTS = saved
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """Every torch.empty / empty_like is filled with NaN: outputs nobody writes show up."""
+    e, el = torch.empty, torch.empty_like
+
+    def empty(*a, **k):
+        x = e(*a, **k)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x.fill_(-77)
+
+    def empty_like(*a, **k):
+        x = el(*a, **k)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x.fill_(-77)
+    torch.empty, torch.empty_like = empty, empty_like
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = e, el
+
+
+def window(case):
+    T = case.ids.shape[1]
+    return case.logits[:, case.logits_start:case.logits_start + T]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=cases(dtypes=DTYPES + [torch.float64]), small=st.booleans())
+def test_token_logprobs_match_reference(backend, case, small):
+    with small_chunks(small), poisoned_empty():
+        lp, ent = token_logprobs(case.logits, case.ids, case.temperature, case.mask,
+                                 logits_start=case.logits_start, backend=backend)
+    rlp, rent = ref.token_logprobs(window(case).double(), case.ids, case.temperature, case.counted)
+    tol = TOL[case.logits.dtype]["value"]
+    assert lp.dtype == (torch.float64 if case.logits.dtype == torch.float64 else torch.float32)
+    assert_value_close("logp", lp, rlp, tol)
+    assert_value_close("entropy", ent, rent, tol)
+    assert (lp[~case.counted] == 0).all() and (ent[~case.counted] == 0).all()
+
+
+def _run_both(case, cfg, backend, old=None, refl=None, small=False, upstream=None, **kw):
+    """(our output, our grad, reference dict, reference grad) for one case."""
+    x = case.logits.clone().requires_grad_()
+    args = dict(group_size=case.G, old_logps=old, ref_logps=refl, logits_start=case.logits_start, **kw)
+    with small_chunks(small), poisoned_empty():
+        out = gtpo_loss(x, case.ids, case.adv, case.mask, config=cfg, backend=backend, **args)
+        loss = out.loss if upstream is None else (out.loss * upstream).sum()
+        loss.backward()
+    xr = case.logits.double().requires_grad_()
+    r = ref.gtpo_loss(xr, case.ids, case.adv, case.mask, **args, **dataclasses.asdict(cfg))
+    rloss = r["loss"] if upstream is None else (r["loss"] * upstream.double()).sum()
+    rloss.backward()
+    return out, x.grad, r, xr.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=cases(dtypes=DTYPES), cfg=configs(), old_noise=st.sampled_from([None, 0.05, 1.0]),
+       small=st.booleans(), seed=st.integers(0, 1000))
+def test_loss_and_gradient_match_reference(backend, case, cfg, old_noise, small, seed):
+    cfg = cfg.replace(temperature=case.temperature)
+    gen = torch.Generator().manual_seed(seed)
+    rlp = reference_logps(case)
+    B, T = case.ids.shape
+    nan = torch.full((B, T), float("nan"))
+    old = refl = None
+    if old_noise is not None:  # ratios inside and outside the clip range; NaN where masked (ignored)
+        old = torch.where(case.counted, rlp + old_noise * torch.randn(B, T, generator=gen), nan).float()
+        r = torch.exp(rlp - old.double())[case.counted]
+        assume(((r - (1 - cfg.eps_low)).abs().min() > 1e-4) if r.numel() else True)
+        assume(((r - (1 + cfg.eps_high)).abs().min() > 1e-4) if r.numel() else True)
+    if cfg.beta > 0:
+        refl = torch.where(case.counted, rlp + 0.3 * torch.randn(B, T, generator=gen), nan).float()
+    upstream = torch.rand(B, T, generator=gen) + 0.5 if cfg.loss_agg == "none" else None
+    # keep the filter decision away from its threshold (float32 vs float64 can differ there)
+    if cfg.entropy_threshold is not None:
+        _, rent = ref.token_logprobs(window(case).double(), case.ids, case.temperature, case.counted)
+        hbar = rent.sum(1) / case.counted.sum(1).clamp(min=1)
+        assume(((hbar - cfg.entropy_threshold).abs() > 1e-4).all())
+    out, g, r, rg = _run_both(case, cfg, backend, old, refl, small, upstream)
+
+    tol = TOL[case.logits.dtype]
+    assert_value_close("loss", out.loss.detach(), r["loss"].detach(), tol["loss"])
+    for name in ("logps", "entropy", "per_token_loss", "seq_entropy", "lam", "n_conf"):
+        assert_value_close(name, getattr(out, name), r[name], tol["value"])
+    assert torch.equal(out.kept, r["kept"])
+    for k, v in r["metrics"].items():
+        assert_value_close(f"metrics[{k}]", out.metrics[k], v, 1e-6)
+    assert g.dtype == case.logits.dtype
+    assert_grad_close("grad logits", g, rg, tol["grad"])
+
+
+@given(case=cases(), seed=st.integers(0, 1000))
+def test_invariances(case, seed):
+    """Shift a row, permute the vocabulary with the ids, reorder completions inside a group."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = GTPOConfig(entropy_threshold=None, temperature=case.temperature)
+    assume(torch.isfinite(case.logits).all())
+    case.logits = case.logits.clamp(-8, 8)
+    kw = dict(group_size=case.G, logits_start=case.logits_start, config=cfg)
+    for backend in BACKENDS:
+        x = case.logits.clone().requires_grad_()
+        base = gtpo_loss(x, case.ids, case.adv, case.mask, backend=backend, **kw)
+        base.loss.backward()
+        # 1. a constant per row
+        shifted = case.logits + 3 * torch.randn(case.logits.shape[:2] + (1,), generator=gen)
+        out = gtpo_loss(shifted, case.ids, case.adv, case.mask, backend=backend, **kw)
+        assert_value_close("shifted loss", out.loss, base.loss.detach(), 1e-5)
+        assert_value_close("shifted logps", out.logps, base.logps, 1e-5)
+        # 2. vocabulary permutation with the ids
+        V = case.logits.shape[-1]
+        perm = torch.randperm(V, generator=gen)
+        inv = torch.argsort(perm)
+        ids_p = torch.where(case.ids >= 0, inv[case.ids.long().clamp(min=0)], case.ids.long())
+        xp = case.logits[..., perm].clone().requires_grad_()
+        out = gtpo_loss(xp, ids_p, case.adv, case.mask, backend=backend, **kw)
+        out.loss.backward()
+        assert_value_close("permuted loss", out.loss.detach(), base.loss.detach(), 1e-5)
+        assert_value_close("permuted entropy", out.entropy, base.entropy, 1e-5)
+        assert_grad_close("permuted grad", xp.grad, x.grad[..., perm], 1e-5)
+        # 3. reorder completions inside each group
+        B = case.ids.shape[0]
+        order = torch.cat([g * case.G + torch.randperm(case.G, generator=gen) for g in range(B // case.G)])
+        out = gtpo_loss(case.logits[order], case.ids[order], case.adv[order], case.mask[order],
+                        backend=backend, **kw)
+        assert_value_close("reordered loss", out.loss, base.loss.detach(), 1e-5)
+        for name in ("per_token_loss", "lam", "logps"):
+            assert_value_close(f"reordered {name}", getattr(out, name), getattr(base, name)[order], 1e-5)
+
+
+@given(case=cases(max_T=8), w=st.sampled_from([(2.0, 0.0), (1.5, 0.5)]))
+def test_conflict_weights_match_reference(case, w):
+    cfg = GTPOConfig(conflict_pos_weight=w[0], conflict_neg_weight=w[1])
+    lam, n_conf = conflict_weights(case.ids, case.mask, case.adv, case.G, config=cfg)
+    rlam, rn = ref.conflict_weights(case.ids, case.mask, case.adv, case.G, *w)
+    assert torch.equal(lam.double(), rlam) and torch.equal(n_conf.double(), rn)
+
+
+def test_conflict_weights_worked_example():
+    """Spec section 3's example (written out by hand there)."""
+    ids = torch.tensor([[5, 7, 9, 4, 8, 2, 0, 0], [5, 7, 3, 8, 2, -100, -100, -100]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]])
+    lam, n_conf = conflict_weights(ids, mask, torch.tensor([1.0, -1.0]), 2)
+    assert lam.tolist() == [[2, 2, 1, 1, 2, 2, 1, 1], [0, 0, 1, 0, 0, 1, 1, 1]]
+    assert n_conf.tolist() == [2, 2]
+
+
+def test_conflict_weights_hand_examples():
+    # group of 3: the positive shares a 3-token prefix and (right-aligned) a 2-token suffix with both
+    # negatives, whose lengths differ
+    ids = torch.tensor([[1, 2, 3, 9, 4, 5], [1, 2, 3, 8, 4, 5], [1, 2, 3, 4, 5, 0], [1, 2, 3, 4, 5, 6]])
+    mask = torch.tensor([[1] * 6, [1] * 6, [1, 1, 1, 1, 1, 0], [1] * 6])
+    adv = torch.tensor([1.0, -1.0, -2.0, 0.0])
+    lam, n_conf = conflict_weights(ids[:3], mask[:3], adv[:3], 3)
+    assert lam.tolist() == [[2, 2, 2, 1, 2, 2], [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 1]]
+    assert n_conf.tolist() == [3, 3, 3]  # forward runs of 3, backward runs of 2: the longer one
+    # a hole at row 1 ends the forward run; masked-out row 0 makes it empty
+    ids2 = torch.tensor([[7, 7, 7], [7, 7, 7]])
+    assert conflict_weights(ids2, torch.tensor([[1, 0, 1], [1, 1, 1]]), torch.tensor([1.0, -1.0]),
+                            2)[0].tolist() == [[2, 1, 2], [0, 1, 0]]
+    assert conflict_weights(ids2, torch.tensor([[0, 1, 1], [1, 1, 1]]), torch.tensor([1.0, -1.0]),
+                            2)[0].tolist() == [[1, 2, 2], [1, 0, 0]]
+    # both runs cover a token of the positive: w_pos**2
+    lam, n_conf = conflict_weights(ids2[:, :2], None, torch.tensor([1.0, -1.0]), 2)
+    assert lam.tolist() == [[4, 4], [0, 0]] and n_conf.tolist() == [2, 2]
+
+
+@given(case=cases(max_T=6), seed=st.integers(0, 100))
+def test_precomputed_weights_for_a_shuffled_subset(case, seed):
+    """lam / n_conf computed once for the whole batch, then passed for a shuffled micro-batch."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = GTPOConfig(entropy_threshold=None, loss_agg="gtpo-official", temperature=case.temperature)
+    full = gtpo_loss(case.logits, case.ids, case.adv, case.mask, group_size=case.G, config=cfg,
+                     logits_start=case.logits_start)
+    lam, n_conf = conflict_weights(case.ids, case.mask, case.adv, case.G, config=cfg)
+    B = case.ids.shape[0]
+    rows = torch.randperm(B, generator=gen)[:max(1, B // 2)]
+    sub = gtpo_loss(case.logits[rows], case.ids[rows], case.adv[rows], case.mask[rows], config=cfg,
+                    lam=lam[rows], n_conf=n_conf[rows], logits_start=case.logits_start)
+    assert torch.equal(sub.lam, full.lam[rows])
+    assert_value_close("per_token_loss", sub.per_token_loss, full.per_token_loss[rows], 1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_saved_for_backward_is_o1_per_token(backend, entropy_coef):
+    B, T, V = 4, 8, 300
+    logits = torch.randn(B, T, V, requires_grad=True)
+    ids = torch.randint(0, V, (B, T))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = gtpo_loss(logits, ids, torch.randn(B), group_size=2, backend=backend,
+                        old_logps=torch.randn(B, T), config=GTPOConfig(entropy_coef=entropy_coef))
+    storage = logits.untyped_storage().data_ptr()
+    extra = sum(t.numel() * t.element_size() for t in saved if t.untyped_storage().data_ptr() != storage)
+    assert any(t.untyped_storage().data_ptr() == storage for t in saved), "logits saved by reference"
+    assert extra / (B * T) <= 64, f"{extra / (B * T)} bytes per token saved beyond the logits"
+    out.loss.backward()
+    assert logits.grad is not None
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(tmp_path):
+    import subprocess
+    import sys
+    code = ("import torch, gtpo_kernels as g\n"
+            "try:\n g.gtpo_loss(torch.randn(2,3,5), torch.zeros(2,3,dtype=torch.long), torch.ones(2),"
+            " group_size=2, backend='triton')\nexcept RuntimeError as e: print('ERR', e)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "TRITON_INTERPRET=1" in res.stdout, res.stdout + res.stderr
