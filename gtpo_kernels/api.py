@@ -114,15 +114,10 @@ def conflict_weights(completion_ids, completion_mask, advantages, group_size, *,
     (default GTPOConfig(): w_pos = 2.0, w_neg = 0.0).
     """
     cfg = GTPOConfig() if config is None else as_config(config)
-    checks._int_tensor("completion_ids", completion_ids)
-    if cu_seqlens is None:
-        if completion_ids.dim() != 2:
-            raise ValueError(f"completion_ids must have shape (B, T), got {tuple(completion_ids.shape)}")
-        V_dummy = torch.empty(completion_ids.shape + (1,), device=completion_ids.device)
-    else:
-        V_dummy = torch.empty(completion_ids.shape + (1,), device=completion_ids.device)
-    b = checks.prepare(V_dummy.expand(*completion_ids.shape, 1), completion_ids, completion_mask,
-                       advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, validate=False)
+    if advantages is None:
+        raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
+    b = checks.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
+                              max_seqlen=max_seqlen, validate=True)
     checks.check_group_size(group_size, b.B)
     lam, n_conf = _conflict_flat(b, group_size, cfg, dtype)
     return lam.reshape(b.tok_shape), n_conf

@@ -99,61 +99,41 @@ def check_ids_in_range(ids, counted, V):
             f"holds {int(ids[k])} (mask it out, or fix the ids)")
 
 
-def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, old_logps=None,
-            ref_logps=None, lam=None, n_conf=None, cu_seqlens=None, max_seqlen=None, logits_start=0,
-            validate=True) -> Batch:
-    if isinstance(logits_start, bool) or not isinstance(logits_start, int) or logits_start < 0:
-        raise ValueError(f"logits_start must be an int >= 0, got {logits_start!r}")
+def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_seqlens=None,
+                   max_seqlen=None, device=None, validate=True) -> Batch:
+    """The per-token part of a Batch (no logits): ids, counted, seg, shapes, advantages."""
     _int_tensor("completion_ids", completion_ids)
+    device = completion_ids.device if device is None else device
+    _same_device("completion_ids", completion_ids, device)
     if cu_seqlens is None:
-        check_logits(logits, 3, "(B, T_l, V) (pass cu_seqlens for the packed (N, V) form)")
-        B, T_l, V = logits.shape
-        if completion_ids.dim() != 2 or completion_ids.shape[0] != B:
-            raise ValueError(f"completion_ids must have shape (B, T) with B = {B} (logits' first "
-                             f"dimension), got {tuple(completion_ids.shape)}")
-        T = completion_ids.shape[1]
-        tok_shape = (B, T)
-        if T_l < logits_start + T:
-            raise ValueError(f"logits must hold at least logits_start + T = {logits_start + T} rows "
-                             f"in dimension 1, got T_l = {T_l}")
-        logits3 = vocab_contiguous(logits)
-        N = B * T
-        seg = torch.arange(B, device=logits.device).repeat_interleave(T) if N else \
-            torch.zeros(0, dtype=torch.long, device=logits.device)
-        max_len = T
+        if completion_ids.dim() != 2:
+            raise ValueError(f"completion_ids must have shape (B, T), got {tuple(completion_ids.shape)}"
+                             " (pass cu_seqlens for the packed (N,) form)")
+        B, T = completion_ids.shape
+        N, tok_shape, max_len = B * T, (B, T), T
+        seg = torch.arange(B, device=device).repeat_interleave(T)
     else:
-        check_logits(logits, 2, "(N, V) in the packed form (cu_seqlens given)")
         _int_tensor("cu_seqlens", cu_seqlens)
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must have shape (B + 1,), got {tuple(cu_seqlens.shape)}")
-        _same_device("cu_seqlens", cu_seqlens, logits.device)
+        _same_device("cu_seqlens", cu_seqlens, device)
         if completion_ids.dim() != 1:
             raise ValueError(f"completion_ids must have shape (N,) in the packed form, "
                              f"got {tuple(completion_ids.shape)}")
-        N = completion_ids.shape[0]
-        B = cu_seqlens.numel() - 1
+        N, B = completion_ids.shape[0], cu_seqlens.numel() - 1
         tok_shape = (N,)
-        if logits.shape[0] < logits_start + N:
-            raise ValueError(f"logits must hold at least logits_start + N = {logits_start + N} rows, "
-                             f"got {logits.shape[0]}")
         cu = cu_seqlens.long()
         lengths = cu[1:] - cu[:-1]
-        if validate:
-            if int(cu[0]) != 0 or int(cu[-1]) != N or bool((lengths < 0).any()):
-                raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N = {N} "
-                                 f"(completion_ids' length), got {cu_seqlens.tolist()}")
-        logits3 = vocab_contiguous(logits).unsqueeze(0)
-        seg = torch.repeat_interleave(torch.arange(B, device=logits.device), lengths, output_size=N)
+        if validate and (int(cu[0]) != 0 or int(cu[-1]) != N or bool((lengths < 0).any())):
+            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N = {N} "
+                             f"(completion_ids' length), got {cu_seqlens.tolist()}")
         if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
                                        or max_seqlen < 0):
             raise ValueError(f"max_seqlen must be None or an int >= 0, got {max_seqlen!r}")
+        seg = torch.repeat_interleave(torch.arange(B, device=device), lengths, output_size=N)
         max_len = max_seqlen if max_seqlen is not None else lengths.max().clamp(min=1)
     if B == 0:
-        raise ValueError("the batch is empty: logits and completion_ids need at least one completion")
-    device = logits.device
-    _same_device("completion_ids", completion_ids, device)
-    ids = completion_ids.reshape(-1).contiguous()
-
+        raise ValueError("the batch is empty: completion_ids needs at least one completion")
     if completion_mask is None:
         counted = torch.ones(N, dtype=torch.bool, device=device)
     else:
@@ -161,10 +141,9 @@ def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, ol
         _shape("completion_mask", completion_mask, tok_shape, "completion_ids' shape")
         _same_device("completion_mask", completion_mask, device)
         counted = (completion_mask != 0).reshape(-1).contiguous()
-
-    batch = Batch(logits3=logits3, ids=ids, counted=counted, seg=seg, B=B, logits_start=logits_start,
-                  tok_shape=tok_shape, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, max_len=max_len)
-
+    batch = Batch(logits3=None, ids=completion_ids.reshape(-1).contiguous(), counted=counted, seg=seg,
+                  B=B, logits_start=0, tok_shape=tok_shape, cu_seqlens=cu_seqlens,
+                  max_seqlen=max_seqlen, max_len=max_len)
     if advantages is not None:
         _tensor("advantages", advantages)
         if advantages.dtype == torch.bool or advantages.dtype.is_complex:
@@ -174,21 +153,54 @@ def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, ol
                              f"got {tuple(advantages.shape)}")
         _same_device("advantages", advantages, device)
         batch.adv = advantages.reshape(B)
+    return batch
+
+
+def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, old_logps=None,
+            ref_logps=None, lam=None, n_conf=None, cu_seqlens=None, max_seqlen=None, logits_start=0,
+            validate=True) -> Batch:
+    """A Batch for the vocabulary passes: prepare_tokens plus the logits and per-token extras."""
+    if isinstance(logits_start, bool) or not isinstance(logits_start, int) or logits_start < 0:
+        raise ValueError(f"logits_start must be an int >= 0, got {logits_start!r}")
+    if cu_seqlens is None:
+        check_logits(logits, 3, "(B, T_l, V) (pass cu_seqlens for the packed (N, V) form)")
+    else:
+        check_logits(logits, 2, "(N, V) in the packed form (cu_seqlens given)")
+    _int_tensor("completion_ids", completion_ids)
+    if cu_seqlens is None and (completion_ids.dim() != 2 or completion_ids.shape[0] != logits.shape[0]):
+        raise ValueError(f"completion_ids must have shape (B, T) with B = {logits.shape[0]} (logits' "
+                         f"first dimension), got {tuple(completion_ids.shape)}")
+    b = prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
+                       max_seqlen=max_seqlen, device=logits.device, validate=validate)
+    if cu_seqlens is None:
+        B, T_l, _ = logits.shape
+        T = b.tok_shape[1]
+        if T_l < logits_start + T:
+            raise ValueError(f"logits must hold at least logits_start + T = {logits_start + T} rows "
+                             f"in dimension 1, got T_l = {T_l}")
+        b.logits3 = vocab_contiguous(logits)
+    else:
+        N = b.tok_shape[0]
+        if logits.shape[0] < logits_start + N:
+            raise ValueError(f"logits must hold at least logits_start + N = {logits_start + N} rows, "
+                             f"got {logits.shape[0]}")
+        b.logits3 = vocab_contiguous(logits).unsqueeze(0)
+    b.logits_start = logits_start
     for name, x, attr in (("old_logps", old_logps, "old"), ("ref_logps", ref_logps, "ref"),
                           ("lam", lam, "lam")):
         if x is not None:
             _float_tensor(name, x)
-            _shape(name, x, tok_shape, "completion_ids' shape")
-            _same_device(name, x, device)
-            setattr(batch, attr, x.reshape(-1))
+            _shape(name, x, b.tok_shape, "completion_ids' shape")
+            _same_device(name, x, logits.device)
+            setattr(b, attr, x.reshape(-1))
     if n_conf is not None:
         _tensor("n_conf", n_conf)
-        _shape("n_conf", n_conf, (B,), "(B,)")
-        _same_device("n_conf", n_conf, device)
-        batch.n_conf = n_conf
+        _shape("n_conf", n_conf, (b.B,), "(B,)")
+        _same_device("n_conf", n_conf, logits.device)
+        b.n_conf = n_conf
     if validate:
-        check_ids_in_range(ids, counted, batch.V)
-    return batch
+        check_ids_in_range(b.ids, b.counted, b.V)
+    return b
 
 
 def check_group_size(group_size, B):

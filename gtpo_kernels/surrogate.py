@@ -82,7 +82,7 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
     elif agg == "seq-mean-token-sum":
         w = mf / B
     elif agg == "seq-mean-token-sum-norm":
-        w = mf / (B * max_len)
+        w = mf / (B * (cfg.max_completion_length or max_len))
     elif agg == "gtpo-official":
         nc = torch.ones(B, dtype=dt, device=logp.device) if n_conf is None else n_conf.to(dt)
         w = mf / (n_safe * nc)[seg]

@@ -40,37 +40,41 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
     bi, ti = rows_idx // T, rows_idx % T + logits_start
     inv_t = 1.0 / temperature
     step = _rows_per_chunk(V)
+    ninf = float("-inf")
     for k in range(0, rows_idx.numel(), step):
         sl = slice(k, k + step)
         idx = rows_idx[sl]
-        s = logits3[bi[sl], ti[sl]].to(acc) * inv_t  # (rows, V): one chunk
+        # one float32 chunk of rows, and one more for the exponentials: in-place from here on
+        s = logits3[bi[sl], ti[sl]].to(acc)
+        s.mul_(inv_t)
         y = ids[idx].long()
         y_ok = (y >= 0) & (y < V)
-        flag = ((s != s) | (s == float("inf"))).any(-1).to(torch.int8) * BAD_NONFINITE
+        yc = y.clamp(0, V - 1)[:, None]
+        flag = (torch.isnan(s) | (s == float("inf"))).any(-1).to(torch.int8) * BAD_NONFINITE
+        s_y = torch.where(y_ok, s.gather(1, yc).squeeze(1), torch.full_like(y, 0, dtype=acc) + float("nan"))
+        flag |= (s_y == ninf).to(torch.int8) * BAD_TARGET_NEG_INF
+        flag |= (~y_ok).to(torch.int8) * BAD_ID
         # lse = max + log1p(R), R the sum without the maximum element (exact for confident rows)
-        mx = s.max(-1).values
-        mx_safe = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
-        ex = torch.exp(s - mx_safe[:, None])
-        r = ex.scatter(1, s.argmax(-1, keepdim=True), 0.0).sum(-1)
-        c_lse = mx_safe + torch.log1p(r)
-        c_lse = torch.where(mx == float("-inf"), mx, c_lse)
-        c_lse_safe = torch.where(torch.isfinite(c_lse), c_lse, torch.zeros_like(c_lse))
-        logq = s - c_lse_safe[:, None]
-        p = torch.exp(logq)
-        # H = -sum p log p, summed on log p (no cancellation between lse and sum p s)
-        c_ent = -torch.where(p > 0, p * logq, torch.zeros_like(p)).sum(-1)
-        s_y = s.gather(1, y.clamp(0, V - 1)[:, None]).squeeze(1)
-        s_y = torch.where(y_ok, s_y, torch.full_like(s_y, float("nan")))
+        mx, top = s.max(-1, keepdim=True)
+        mx = torch.where(mx == ninf, torch.zeros_like(mx), mx)
+        ex = torch.exp(s - mx)
+        ex.scatter_(1, top, 0.0)
+        r = ex.sum(-1)
+        ex.scatter_(1, top, 1.0)
+        log_s = torch.log1p(r)
+        c_lse = mx.squeeze(1) + log_s
+        # p = ex / S, log p = s - lse; H = -sum p log p (no cancellation between lse and sum p s)
+        p = ex.div_((1.0 + r)[:, None])
+        logq = s.sub_(c_lse[:, None]).clamp_(min=torch.finfo(acc).min)  # p = 0 where clamped
+        c_ent = -torch.bmm(p[:, None, :], logq[:, :, None]).reshape(-1)
         # q = 1 - p_y as the sum of the other probabilities (exact for a confident token)
-        c_q = p.scatter(1, y.clamp(0, V - 1)[:, None], 0.0).sum(-1)
-        flag = flag | ((s_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF)
-        flag = flag | ((~y_ok).to(torch.int8) * BAD_ID)
+        c_q = p.scatter_(1, yc, 0.0).sum(-1)
         logp[idx] = torch.where((c_q < 0.5) & (s_y == s_y), torch.log1p(-c_q), s_y - c_lse)
         q[idx] = c_q
         ent[idx] = c_ent
         lse[idx] = c_lse
         bad[idx] = flag
-        del s, p, logq, ex
+        del s, ex, p, logq
     return logp, ent, lse, q, bad
 
 
@@ -95,16 +99,24 @@ def logprob_bwd(logits3, grad3, ids, lse, ent, q, c, e, temperature, logits_star
     for k in range(0, rows_idx.numel(), step):
         idx = rows_idx[k:k + step]
         bi, ti = idx // T, idx % T + logits_start
-        s = logits3[bi, ti].to(lse.dtype) * inv_t
-        logq = s - lse[idx, None]
-        p = torch.exp(logq)
+        yc = ids[idx].long()[:, None]
         cc = c[idx, None]
-        g = -cc * p
-        g.scatter_(1, ids[idx].long()[:, None], cc * q[idx, None])  # c (1 - p_y), with 1 - p_y = q
+        # logq = s - lse (clamped where p = 0), p = exp(logq): two chunks, in place from here on
+        logq = logits3[bi, ti].to(lse.dtype)
+        logq.mul_(inv_t).sub_(lse[idx, None]).clamp_(min=torch.finfo(lse.dtype).min)
+        p = torch.exp(logq)
+        # g_v = -p_v (c + e (log p_v + H)) for v != y;  g_y = c q - e p_y (log p_y + H)
         if e is not None:
-            g -= e[idx, None] * torch.where(p > 0, p * (logq + ent[idx, None]), torch.zeros_like(p))
-        grad3[bi, ti] = (g * inv_t).to(grad3.dtype)
-        del s, logq, p, g
+            ee = e[idx, None]
+            t = logq.add_(ent[idx, None]).mul_(ee)
+            g_y = cc * q[idx, None] - p.gather(1, yc) * t.gather(1, yc)
+            g = p.mul_(t.add_(cc)).neg_()
+        else:
+            g_y = cc * q[idx, None]
+            g = p.mul_(-cc)
+        g.scatter_(1, yc, g_y)
+        grad3[bi, ti] = g.mul_(inv_t).to(grad3.dtype)
+        del logq, p, g
     if zero_rows is not None and zero_rows.numel():
         grad3[zero_rows // T, zero_rows % T + logits_start] = 0
     return grad3

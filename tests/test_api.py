@@ -1,0 +1,259 @@
+"""The public contract (spec section 6): errors, awkward but valid inputs, in-place, the packed form,
+and the torch path's memory."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gtpo_reference as ref
+from batches import cases
+from conftest import assert_grad_close, assert_value_close
+from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss, token_logprobs
+
+BACKENDS = ["triton", "torch"]
+
+
+def batch(B=4, T=5, V=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g),
+            torch.randn(B, generator=g))
+
+
+# ---------------------------------------------------------------- errors name the argument
+
+
+def _errors():
+    x, ids, adv = batch()
+    mask = torch.ones(4, 5)
+    nan_row = x.clone()
+    nan_row[1, 2, 3] = float("nan")
+    neg_inf_target = x.clone()
+    neg_inf_target[0, 0, ids[0, 0]] = float("-inf")
+    bad_ids = ids.clone()
+    bad_ids[2, 1] = 11
+    return [
+        ("int logits", lambda: gtpo_loss(ids, ids, adv, group_size=2), TypeError, "logits must be float"),
+        ("2-D logits", lambda: gtpo_loss(x[0], ids, adv, group_size=2), ValueError, r"logits must be \(B, T_l, V\)"),
+        ("float ids", lambda: gtpo_loss(x, ids.float(), adv, group_size=2), TypeError, "completion_ids must be an integer"),
+        ("ids batch", lambda: gtpo_loss(x, ids[:3], adv, group_size=2), ValueError, "completion_ids must have shape"),
+        ("ids too long", lambda: gtpo_loss(x, torch.zeros(4, 6, dtype=torch.long), adv, group_size=2), ValueError, "logits must hold at least"),
+        ("mask shape", lambda: gtpo_loss(x, ids, adv, mask[:, :4], group_size=2), ValueError, "completion_mask must have shape"),
+        ("adv shape", lambda: gtpo_loss(x, ids, adv[:3], group_size=2), ValueError, "advantages must have shape"),
+        ("adv missing", lambda: gtpo_loss(x, ids, None, group_size=2), TypeError, "advantages is required"),
+        ("no group_size", lambda: gtpo_loss(x, ids, adv), ValueError, "group_size is required"),
+        ("group_size divides", lambda: gtpo_loss(x, ids, adv, group_size=3), ValueError, "must divide"),
+        ("ids range", lambda: gtpo_loss(x, bad_ids, adv, group_size=2), ValueError, r"completion_ids must lie in \[0, V\)"),
+        ("negative id", lambda: gtpo_loss(x, ids - 20, adv, group_size=2), ValueError, "completion_ids must lie"),
+        ("beta without ref", lambda: gtpo_loss(x, ids, adv, group_size=2, config=GTPOConfig(beta=0.1)), ValueError, "ref_logps"),
+        ("old shape", lambda: gtpo_loss(x, ids, adv, group_size=2, old_logps=torch.zeros(4, 4)), ValueError, "old_logps must have shape"),
+        ("old dtype", lambda: gtpo_loss(x, ids, adv, group_size=2, old_logps=ids), TypeError, "old_logps must be a floating"),
+        ("nan row", lambda: gtpo_loss(nan_row, ids, adv, group_size=2), ValueError, r"NaN or \+inf"),
+        ("-inf target", lambda: gtpo_loss(neg_inf_target, ids, adv, group_size=2), ValueError, "-inf"),
+        ("logits_start", lambda: gtpo_loss(x, ids, adv, group_size=2, logits_start=-1), ValueError, "logits_start"),
+        ("backend", lambda: gtpo_loss(x, ids, adv, group_size=2, backend="cuda"), ValueError, "backend must be one of"),
+        ("config type", lambda: gtpo_loss(x, ids, adv, group_size=2, config=3), TypeError, "config must be"),
+        ("preset", lambda: GTPOConfig.preset("ppo"), ValueError, "unknown preset"),
+        ("temperature", lambda: GTPOConfig(temperature=0.0), ValueError, "temperature must be > 0"),
+        ("eps", lambda: GTPOConfig(eps_high=1.0), ValueError, r"eps_high must be in \[0, 1\)"),
+        ("loss_agg", lambda: GTPOConfig(loss_agg="sum"), ValueError, "loss_agg must be one of"),
+        ("nan weight", lambda: GTPOConfig(conflict_pos_weight=math.nan), ValueError, "conflict_pos_weight"),
+        ("override", lambda: GTPOConfig.preset("grpo", epsilon=0.3), TypeError, "unknown field"),
+        ("packed ids", lambda: gtpo_loss(x[0], ids, adv[:2], cu_seqlens=torch.tensor([0, 2, 5])), ValueError, r"shape \(N,\) in the packed"),
+        ("cu_seqlens", lambda: gtpo_loss(x[0], ids[0], adv[:2], cu_seqlens=torch.tensor([0, 2, 4]), group_size=2), ValueError, "cu_seqlens must start at 0"),
+        ("inplace stride", lambda: gtpo_loss(x.transpose(1, 2).contiguous().transpose(1, 2), ids, adv, group_size=2, inplace=True), ValueError, "inplace=True needs"),
+        ("token_logprobs temp", lambda: token_logprobs(x, ids, 0.0), ValueError, "temperature"),
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,call,exc,match", _errors(), ids=[e[0] for e in _errors()])
+def test_errors_name_the_argument(name, call, exc, match, backend, monkeypatch):
+    import gtpo_kernels.dispatch as d
+    real = d.resolve_backend
+    monkeypatch.setattr(d, "resolve_backend", lambda b, dev: real(backend if b == "auto" else b, dev))
+    with pytest.raises(exc, match=match):
+        call()
+
+
+# ---------------------------------------------------------------- awkward but valid inputs
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+def test_all_masked_batch_gives_zero_loss_and_gradient(backend):
+    x, ids, adv = batch()
+    for agg in ("seq-mean-token-mean", "token-mean", "gtpo-official", "none"):
+        xx = x.clone().requires_grad_()
+        out = gtpo_loss(xx, torch.full_like(ids, -100), adv, torch.zeros(4, 5), group_size=2,
+                        config=GTPOConfig(loss_agg=agg), backend=backend)
+        out.loss.sum().backward()
+        assert (out.loss == 0).all() and (xx.grad == 0).all()
+        assert all(torch.isfinite(v) for v in out.metrics.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vocabulary_of_one(backend):
+    x, ids, adv = batch(V=1)
+    xx = x.clone().requires_grad_()
+    out = gtpo_loss(xx, torch.zeros_like(ids), adv, group_size=2, backend=backend)
+    out.loss.backward()
+    assert (out.logps == 0).all() and (out.entropy == 0).all() and (xx.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_rows_are_never_read_and_inputs_never_modified(backend):
+    x, ids, adv = batch(B=4, T=6, V=13, seed=3)
+    mask = torch.ones(4, 6, dtype=torch.int32)
+    mask[1, 3:] = 0
+    mask[3] = 0
+    x[1, 3:] = float("nan")  # garbage where nothing is counted
+    x[3] = float("inf")
+    ids = ids.to(torch.int32)
+    ids[1, 3:] = -100
+    old = torch.randn(4, 6).masked_fill(mask == 0, float("nan"))
+    args = [t.clone() for t in (x, ids, adv, mask, old)]
+    xx = x.clone().requires_grad_()
+    out = gtpo_loss(xx, ids, adv[:, None], mask, group_size=2, old_logps=old, backend=backend,
+                    config=GTPOConfig(entropy_threshold=None))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(xx.grad).all()
+    assert (xx.grad[3] == 0).all() and (xx.grad[1, 3:] == 0).all()
+    for a, b in zip(args, (x, ids, adv, mask, old)):
+        assert torch.equal(a, b) or (a.isnan() == b.isnan()).all()
+    clean = torch.where(torch.isfinite(x), x, torch.zeros(()))
+    xr = clean.double().requires_grad_()
+    r = ref.gtpo_loss(xr, ids, adv, mask, group_size=2, old_logps=old, entropy_threshold=None)
+    r["loss"].backward()
+    assert_value_close("loss", out.loss.detach(), r["loss"].detach(), 1e-5)
+    assert_grad_close("grad", xx.grad, xr.grad, 1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_writes_the_gradient_into_the_logits(backend):
+    x, ids, adv = batch(T_l := 4, 6, 9) if False else batch(B=4, T=6, V=9)
+    cfg = GTPOConfig(entropy_threshold=None, entropy_coef=0.01)
+    a = x.clone().requires_grad_()
+    gtpo_loss(a, ids[:, 1:], adv, group_size=2, logits_start=1, config=cfg, backend=backend).loss.backward()
+    base = x.clone()
+    b = base.clone().requires_grad_()
+    storage = b.untyped_storage().data_ptr()
+    out = gtpo_loss(b, ids[:, 1:], adv, group_size=2, logits_start=1, config=cfg, backend=backend,
+                    inplace=True)
+    assert torch.equal(b.detach(), base)  # the forward does not touch them
+    out.loss.backward()
+    assert b.grad.untyped_storage().data_ptr() == storage
+    assert_grad_close("inplace grad", b.grad, a.grad, 1e-6)
+    assert (b.grad[:, 0] == 0).all()  # the row before the window is zeroed too
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_views_of_the_model_logits(backend):
+    """logits_start on the model's full output, and a vocabulary-strided tensor (copied once)."""
+    x, ids, adv = batch(B=2, T=7, V=10, seed=5)
+    cfg = GTPOConfig(entropy_threshold=None)
+    full = x.clone().requires_grad_()
+    out = gtpo_loss(full, ids[:, 2:6], adv, group_size=2, logits_start=1, config=cfg, backend=backend)
+    out.loss.backward()
+    sliced = x[:, 1:5].clone().requires_grad_()
+    out2 = gtpo_loss(sliced, ids[:, 2:6], adv, group_size=2, config=cfg, backend=backend)
+    out2.loss.backward()
+    assert_value_close("loss", out.loss.detach(), out2.loss.detach(), 1e-6)
+    assert torch.equal(full.grad[:, 1:5], sliced.grad) and (full.grad[:, [0, 5, 6]] == 0).all()
+    t = x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # vocabulary stride != 1
+    out3 = gtpo_loss(t, ids[:, 2:6], adv, group_size=2, logits_start=1, config=cfg, backend=backend)
+    out3.loss.backward()
+    assert_grad_close("strided grad", t.grad, full.grad, 1e-6)
+
+
+# ---------------------------------------------------------------- the packed form
+
+
+def _pack(case):
+    """The padded case with trailing padding removed: (logits (N, V), ids (N,), mask (N,), cu, lengths)."""
+    m = case.counted
+    T = m.shape[1]
+    last = torch.where(m, torch.arange(T), -1).amax(1)
+    lengths = last + 1
+    rows = [(i, t) for i in range(m.shape[0]) for t in range(int(lengths[i]))]
+    ii = torch.tensor([r[0] for r in rows], dtype=torch.long)
+    tt = torch.tensor([r[1] for r in rows], dtype=torch.long)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return case.logits[ii, tt + case.logits_start], case.ids[ii, tt], case.mask[ii, tt], cu, ii, tt
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@given(case=cases(), agg=st.sampled_from(["seq-mean-token-mean", "token-mean", "gtpo-official",
+                                          "seq-mean-token-sum-norm", "none"]))
+def test_packed_equals_padded(backend, case, agg):
+    T = case.ids.shape[1]
+    cfg = GTPOConfig(entropy_threshold=1.5, loss_agg=agg, temperature=case.temperature,
+                     max_completion_length=T)
+    x = case.logits.clone().requires_grad_()
+    pad = gtpo_loss(x, case.ids, case.adv, case.mask, group_size=case.G, config=cfg,
+                    logits_start=case.logits_start, backend=backend)
+    lg, ids, mask, cu, ii, tt = _pack(case)
+    xp = lg.clone().requires_grad_()
+    packed = gtpo_loss(xp, ids, case.adv, mask, group_size=case.G, config=cfg, cu_seqlens=cu,
+                       backend=backend)
+    if agg == "none":
+        w = torch.rand(case.ids.shape, generator=torch.Generator().manual_seed(0))
+        (pad.loss * w).sum().backward()
+        (packed.loss * w[ii, tt]).sum().backward()
+    else:
+        assert_value_close("loss", packed.loss.detach(), pad.loss.detach(), 1e-6)
+        pad.loss.backward()
+        packed.loss.backward()
+    for name in ("logps", "entropy", "per_token_loss", "lam"):
+        assert_value_close(name, getattr(packed, name), getattr(pad, name)[ii, tt], 1e-6)
+    for name in ("n_conf", "seq_entropy"):
+        assert_value_close(name, getattr(packed, name), getattr(pad, name), 1e-6)
+    if xp.grad is not None and x.grad is not None:
+        assert_grad_close("packed grad", xp.grad, x.grad[ii, tt + case.logits_start], 1e-6)
+    lam, n_conf = conflict_weights(ids, mask, case.adv, case.G, config=cfg, cu_seqlens=cu)
+    assert torch.equal(lam.double(), pad.lam[ii, tt].double())
+
+
+# ---------------------------------------------------------------- memory of the torch path
+
+_MEM_SCRIPT = r"""
+import json, resource, sys, torch
+from gtpo_kernels import gtpo_loss, GTPOConfig
+torch.manual_seed(0)
+B, T, V = 8, 512, 16384
+def run(x, ids, adv, eager):
+    x = x.requires_grad_()
+    if eager:  # what trainers do today: log_softmax of the whole upcast logits
+        lp = torch.log_softmax(x.float(), -1)
+        loss = -(lp.gather(-1, ids[..., None]) * adv[:, None, None]).mean() + (lp.exp() * lp).sum(-1).mean()
+    else:
+        loss = gtpo_loss(x, ids, adv, group_size=8, config=GTPOConfig(entropy_coef=0.01), backend="torch").loss
+    loss.backward()
+small = (torch.randn(8, 4, 64), torch.randint(0, 64, (8, 4)), torch.randn(8))
+run(*small, eager=sys.argv[1] == "eager")  # load every code path first
+x = torch.randn(B, T, V); ids = torch.randint(0, V, (B, T)); adv = torch.randn(B)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+run(x, ids, adv, eager=sys.argv[1] == "eager")
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"peak_above_inputs": after - before, "logits_bytes": x.numel() * 4}))
+"""
+
+
+def test_torch_path_peak_memory_stays_within_a_few_chunks():
+    from gtpo_kernels.vocab_torch import CHUNK_ELEMENTS
+
+    def measure(kind):
+        res = subprocess.run([sys.executable, "-c", _MEM_SCRIPT, kind], capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    ours = measure("gtpo")
+    chunk = CHUNK_ELEMENTS * 4
+    # the gradient itself (one logits-sized buffer) plus a few float32 row-chunks
+    assert ours["peak_above_inputs"] <= ours["logits_bytes"] + 6 * chunk, ours
+    eager = measure("eager")
+    assert eager["peak_above_inputs"] > ours["peak_above_inputs"] + ours["logits_bytes"], (eager, ours)
