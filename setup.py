@@ -10,7 +10,11 @@ setup(
     package_dir={"gtpo_kernels": "gtpo_kernels", "gtpo_reference": "reference"},
     python_requires=">=3.9",
     # torch is not pinned here: install the build that fits your machine first (see README)
-    install_requires=["torch>=2.1", "triton>=3.0; platform_system=='Linux'"],
-    extras_require={"test": ["pytest", "hypothesis", "numpy"]},
+    # triton: tested with 3.6 (CUDA) and 3.8 (CPU interpreter, with numpy 2.4)
+    install_requires=["torch>=2.1", "triton>=3.6,<3.9; platform_system=='Linux'"],
+    extras_require={
+        "test": ["pytest", "hypothesis", "numpy"],
+        "bench": ["matplotlib", "numpy"],
+    },
     license="Apache-2.0",
 )

@@ -111,7 +111,8 @@ def _logprob_fwd_kernel(
         lse = m_safe + log_s
         ent = log_s - u_tot / s_tot
         s_y = tl.load(row + y, mask=y_ok, other=float("nan")).to(tl.float32) * inv_temp
-        logp = tl.where(q < 0.5, tl.log(1.0 - q), s_y - lse)  # confident token: log1p(-q) form
+        confident = q < 0.5
+        logp = tl.where(confident, tl.log(tl.where(confident, 1.0 - q, 1.0)), s_y - lse)  # log1p(-q)
         logp = tl.where(s_y == s_y, logp, s_y)  # keep NaN for an unreadable target
         # flags, as in checks.BAD_*: 1 non-finite row, 2 target logit -inf, 4 id outside [0, V)
         bad = tl.max(bad_l, axis=0) * 1
