@@ -84,7 +84,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     if cfg.use_conflict_mask and (b.lam is None or
                                   (b.n_conf is None and cfg.loss_agg == "gtpo-official")):
         checks.check_group_size(group_size, b.B)
-        lam_c, n_conf_c = _conflict_flat(b, group_size, cfg, out_dtype(logits))
+        lam_c, n_conf_c = _conflict_flat(b, group_size, cfg, out_dtype(logits), backend == "triton")
         b.lam = b.lam if b.lam is not None else lam_c
         b.n_conf = b.n_conf if b.n_conf is not None else n_conf_c
     elif b.n_conf is None and b.lam is not None and cfg.loss_agg == "gtpo-official":
@@ -105,13 +105,14 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
 
 
 def conflict_weights(completion_ids, completion_mask, advantages, group_size, *, config=None,
-                     cu_seqlens=None, max_seqlen=None, dtype=torch.float32):
+                     cu_seqlens=None, max_seqlen=None, dtype=torch.float32, backend="auto"):
     """Conflict-token weights (spec section 3) -> (lam, n_conf).
 
     Call it once per batch when the advantages are computed (groups must be whole), then pass
     `lam=lam[rows], n_conf=n_conf[rows]` to `gtpo_loss` for any micro-batch of rows. lam has the shape
     of completion_ids ((B, T), or (N,) packed) and n_conf is (B,). Weights come from `config`
-    (default GTPOConfig(): w_pos = 2.0, w_neg = 0.0).
+    (default GTPOConfig(): w_pos = 2.0, w_neg = 0.0). backend: 'auto' (a Triton kernel on CUDA, sort-based
+    torch ops on the CPU), 'triton' or 'torch'; neither syncs with the host (packed form: give max_seqlen).
     """
     cfg = GTPOConfig() if config is None else as_config(config)
     if advantages is None:
@@ -119,18 +120,19 @@ def conflict_weights(completion_ids, completion_mask, advantages, group_size, *,
     b = checks.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
                               max_seqlen=max_seqlen, validate=True)
     checks.check_group_size(group_size, b.B)
-    lam, n_conf = _conflict_flat(b, group_size, cfg, dtype)
+    use_triton = dispatch.resolve_backend(backend, completion_ids.device) == "triton"
+    lam, n_conf = _conflict_flat(b, group_size, cfg, dtype, use_triton)
     return lam.reshape(b.tok_shape), n_conf
 
 
-def _conflict_flat(b, group_size, cfg, dtype):
+def _conflict_flat(b, group_size, cfg, dtype, use_triton=False):
     """lam (N,) flat and n_conf (B,) for a prepared batch (padded or packed)."""
     ids, m = b.ids, b.counted
     if b.packed:
         ids, m, unpad = _to_padded(b, ids, m)
     else:
         ids, m = ids.reshape(b.tok_shape), m.reshape(b.tok_shape)
-    conf_f, conf_b = conflict.conflict_runs(ids, m, b.adv, group_size)
+    conf_f, conf_b = conflict.conflict_runs(ids, m, b.adv, group_size, use_triton)
     lam, n_conf = conflict.weights_from_runs(conf_f, conf_b, b.adv, cfg.conflict_pos_weight,
                                              cfg.conflict_neg_weight, dtype)
     lam = unpad(lam) if b.packed else lam.reshape(-1)

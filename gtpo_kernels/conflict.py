@@ -41,12 +41,17 @@ def _leading_run(raw):
     return torch.cumprod(raw.to(torch.int32), dim=1).bool()
 
 
-def conflict_runs(ids, m, adv, group_size):
-    """Forward and backward conflict regions, each (B, T) bool, for padded ids/mask."""
+def conflict_runs(ids, m, adv, group_size, use_triton=False):
+    """Forward and backward conflict regions, each (B, T) bool, for padded ids/mask. The raw flags come
+    from the Triton kernel (conflict_triton) when use_triton, else from the sort above."""
     B, T = ids.shape
     ids = ids.long()
     pos, neg = adv > 0, adv < 0
-    conf_f = _leading_run(_raw_conflicts(ids, m, pos, neg, group_size))
+    if use_triton:
+        from .conflict_triton import raw_conflicts
+    else:
+        raw_conflicts = _raw_conflicts
+    conf_f = _leading_run(raw_conflicts(ids, m, pos, neg, group_size))
     # right-align every completion at its last counted row: aligned index r = last - t
     t_idx = torch.arange(T, device=ids.device)
     last = torch.where(m, t_idx, -1).amax(dim=1) if T else torch.full((B,), -1, device=ids.device)
@@ -55,7 +60,7 @@ def conflict_runs(ids, m, adv, group_size):
     src_c = src.clamp(min=0)
     ids_r = ids.gather(1, src_c)
     m_r = m.gather(1, src_c) & valid
-    conf_r = _leading_run(_raw_conflicts(ids_r, m_r, pos, neg, group_size))
+    conf_r = _leading_run(raw_conflicts(ids_r, m_r, pos, neg, group_size))
     conf_b = conf_r.gather(1, src_c) & valid  # back to row order: t = last - r  <=>  r = last - t
     return conf_f, conf_b
 

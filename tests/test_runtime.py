@@ -1,0 +1,156 @@
+"""Runtime properties that trainers rely on: no recompilation as sizes change, grids that fit any token
+count, no host round-trip with validate=False, long sequences, the conflict kernel."""
+import contextlib
+import inspect
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gtpo_reference as ref
+from batches import cases
+from conftest import assert_grad_close, assert_value_close
+from gtpo_kernels import GTPOConfig, conflict_weights, conflict_triton, dispatch, gtpo_loss, vocab_triton
+
+KERNELS = [vocab_triton._logprob_fwd_kernel, vocab_triton._logprob_bwd_kernel,
+           conflict_triton._raw_conflict_kernel]
+ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "BLOCK_G", "BLOCK_T"}  # block sizes and switches only
+PER_BATCH_SIZES = {"T", "T_l", "logits_start", "n_t_blocks"}  # vary every step
+
+
+def _params(kernel):
+    fn = getattr(kernel, "fn", kernel)
+    return inspect.signature(fn).parameters, getattr(fn, "__annotations__", {})
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: getattr(k, "__name__", str(k)))
+def test_no_per_batch_size_is_constexpr(kernel):
+    params, ann = _params(kernel)
+    constexpr = {n for n, p in params.items() if "constexpr" in str(p.annotation) or "constexpr" in str(ann.get(n))}
+    assert constexpr <= ALLOWED_CONSTEXPR, constexpr
+    assert PER_BATCH_SIZES & set(params), "kernel has no runtime size at all?"
+    jit = getattr(kernel, "do_not_specialize", None)
+    if jit is not None:  # the JIT object (not the interpreter) records which ints it won't specialize
+        names = {params_name for params_name in PER_BATCH_SIZES & set(params)}
+        idx = {list(params).index(n) for n in names}
+        assert idx <= set(jit) or names <= set(jit), (jit, names)
+
+
+class _Recorder:
+    def __init__(self, grids):
+        self.grids = grids
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return lambda *a, **k: None
+
+
+def test_grids_fit_any_token_count(monkeypatch):
+    """A 100,000-token sequence: every grid keeps dimensions 2 and 3 within 65,535 (1-D grids here)."""
+    grids = []
+    for name in ("_logprob_fwd_kernel", "_logprob_bwd_kernel"):
+        monkeypatch.setattr(vocab_triton, name, _Recorder(grids))
+    monkeypatch.setattr(conflict_triton, "_raw_conflict_kernel", _Recorder(grids))
+    T, V = 100_000, 16
+    logits = torch.empty(1, T, V)
+    ids = torch.zeros(T, dtype=torch.long)
+    f = torch.zeros(T)
+    vocab_triton.logprob_fwd(logits, ids, torch.ones(T, dtype=torch.bool), 1.0, 0)
+    vocab_triton.logprob_bwd(logits, logits, ids, f, f, f, f, None, 1.0, 0)
+    ids2 = torch.zeros(8, T, dtype=torch.long)
+    conflict_triton.raw_conflicts(ids2, torch.ones(8, T, dtype=torch.bool), torch.ones(8, dtype=torch.bool),
+                                  torch.zeros(8, dtype=torch.bool), 8)
+    assert len(grids) == 3
+    for g in grids:
+        assert all(d <= 65535 for d in g[1:]) and g[0] < 2**31, g
+    assert grids[0] == (T,) and grids[1] == (T,)
+
+
+@contextlib.contextmanager
+def no_host_sync(monkeypatch):
+    """Raise on every device-to-host read (item, tolist, cpu, bool/int/float of a tensor) outside the
+    kernels themselves (the interpreter reads its arguments on the host; a GPU launch does not)."""
+    names = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
+    real = {n: getattr(torch.Tensor, n) for n in names}
+    state = {"on": True}
+
+    def guard(n):
+        def f(self, *a, **k):
+            if state["on"]:
+                raise AssertionError(f"host sync: Tensor.{n} reached with validate=False")
+            return real[n](self, *a, **k)
+        return f
+
+    def suspended(fn):
+        def g(*a, **k):
+            state["on"] = False
+            try:
+                return fn(*a, **k)
+            finally:
+                state["on"] = True
+        return g
+    for n in names:
+        monkeypatch.setattr(torch.Tensor, n, guard(n))
+    monkeypatch.setattr(dispatch, "logprob_fwd", suspended(dispatch.logprob_fwd))
+    monkeypatch.setattr(dispatch, "logprob_bwd", suspended(dispatch.logprob_bwd))
+    monkeypatch.setattr(conflict_triton, "raw_conflicts", suspended(conflict_triton.raw_conflicts))
+    try:
+        yield
+    finally:
+        for n in names:
+            monkeypatch.setattr(torch.Tensor, n, real[n])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "gtpo-official", "seq-mean-token-sum-norm"])
+def test_no_host_sync_with_validate_false(monkeypatch, packed, agg):
+    B, T, V = 4, 6, 20
+    x = torch.randn(B, T, V, requires_grad=True)
+    ids = torch.randint(0, V, (B, T))
+    adv = torch.randn(B)
+    kw = dict(group_size=2, backend="triton", validate=False, config=GTPOConfig(loss_agg=agg, entropy_coef=0.01),
+              old_logps=torch.randn(B, T))
+    if packed:
+        x = torch.randn(B * T, V, requires_grad=True)
+        ids, kw["old_logps"] = ids.reshape(-1), kw["old_logps"].reshape(-1)
+        kw.update(cu_seqlens=torch.arange(0, B * T + 1, T), max_seqlen=T)
+    with no_host_sync(monkeypatch):
+        out = gtpo_loss(x, ids, adv, **kw)
+        out.loss.backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_seventy_thousand_token_sequence_matches_reference():
+    T, V = 70_000, 8
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, T, V, generator=g)
+    ids = torch.randint(0, V, (2, T), generator=g)
+    ids[1, :50] = ids[0, :50]
+    adv = torch.tensor([1.0, -1.0])
+    cfg = GTPOConfig(entropy_threshold=None)
+    xx = x.clone().requires_grad_()
+    out = gtpo_loss(xx, ids, adv, group_size=2, config=cfg, backend="torch")
+    out.loss.backward()
+    xr = x.double().requires_grad_()
+    r = ref.gtpo_loss(xr, ids, adv, group_size=2, entropy_threshold=None)
+    r["loss"].backward()
+    assert_value_close("loss", out.loss.detach(), r["loss"].detach(), 1e-5)
+    assert_value_close("logps", out.logps, r["logps"], 1e-5)
+    assert torch.equal(out.lam.double(), r["lam"])
+    assert_grad_close("grad", xx.grad, xr.grad, 1e-5)
+
+
+@given(case=cases(max_T=8), w=st.sampled_from([(2.0, 0.0), (1.5, 0.5)]), block_t=st.sampled_from([None, 16]))
+def test_conflict_kernel_matches_reference(case, w, block_t):
+    cfg = GTPOConfig(conflict_pos_weight=w[0], conflict_neg_weight=w[1])
+    lam, n_conf = conflict_weights(case.ids, case.mask, case.adv, case.G, config=cfg, backend="triton")
+    rlam, rn = ref.conflict_weights(case.ids, case.mask, case.adv, case.G, *w)
+    assert torch.equal(lam.double(), rlam) and torch.equal(n_conf.double(), rn)
+    # several position blocks per group
+    ids = case.ids.long()
+    m = case.counted
+    pos, neg = case.adv > 0, case.adv < 0
+    from gtpo_kernels.conflict import _raw_conflicts
+    assert torch.equal(conflict_triton.raw_conflicts(ids, m, pos, neg, case.G, block_t=block_t),
+                       _raw_conflicts(ids, m, pos, neg, case.G))
