@@ -14,7 +14,9 @@ setup(
     install_requires=["torch>=2.1", "triton>=3.6,<3.9; platform_system=='Linux'"],
     extras_require={
         "test": ["pytest", "hypothesis", "numpy"],
-        "bench": ["matplotlib", "numpy"],
+        "bench": ["matplotlib>=3.8", "numpy"],
+        "trl": ["trl>=1.14,<1.17", "transformers>=5.24,<6"],
+        "demo": ["matplotlib>=3.8"],
     },
     license="Apache-2.0",
 )

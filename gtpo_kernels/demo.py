@@ -3,11 +3,12 @@
     python -m gtpo_kernels.demo                 # or: python examples/toy_rl.py
     python -m gtpo_kernels.demo --steps 10 --seeds 0 --out /tmp/demo     # a quick look
 
-The task (a miniature of the GTPO paper's math prompts): the prompt is `a + b =` with digits a, b;
+The task (a miniature of the GTPO paper's math prompts): the prompt is `a ? b =` with digits a, b, where
+the operator token asks for the larger of the two;
 a completion is free text over a small vocabulary, and the expected form is `<a> d </a> <eos>`, the
 answer digit d between opening and closing tags. Reward = format part + correctness part, as the
 paper's: 0.5 when the completion is exactly well formed, plus 1.0 when it is well formed and
-d = (a + b) mod 10. So every completion of a group shares the tags, and only some answers are right:
+d = max(a, b). So every completion of a group shares the tags, and only some answers are right:
 the tags are the "conflict tokens" that GRPO pushes down in the wrong completions and up in the
 right ones, and that GTPO protects (negative updates skipped, positive ones doubled).
 
@@ -61,7 +62,7 @@ class TinyPolicy(nn.Module):
 def make_prompts(n, gen):
     ab = torch.randint(0, 10, (n, 2), generator=gen)
     prompts = torch.stack([ab[:, 0], torch.full((n,), PLUS), ab[:, 1], torch.full((n,), EQ)], 1)
-    return prompts, (ab[:, 0] + ab[:, 1]) % 10
+    return prompts, torch.maximum(ab[:, 0], ab[:, 1])
 
 
 @torch.no_grad()
@@ -231,7 +232,7 @@ def main(argv=None):
         init = {k: v.clone() for k, v in policy.state_dict().items()}
         for arm in arms:
             arms[arm].append(run_arm(arm, init, args, seed, log))
-    result = {"task": "a+b= -> '<a> (a+b)%10 </a> <eos>'; reward 0.5 format + 1.0 correct",
+    result = {"task": "a+b= -> '<a> max(a,b) </a> <eos>'; reward 0.5 format + 1.0 correct",
               "args": vars(args), "seconds": None, "arms": {}}
     for arm, per_seed in arms.items():
         result["arms"][arm] = {**_mean(per_seed), "per_seed": per_seed}
