@@ -6,9 +6,10 @@ from typing import Dict, Optional
 
 import torch
 
-from . import checks, conflict, dispatch
-from .autograd import GTPOLossFunction, out_dtype
+from . import autograd, checks, conflict, dispatch
+from .autograd import out_dtype
 from .config import GTPOConfig, as_config
+from .surrogate import surrogate
 
 
 @dataclasses.dataclass
@@ -92,16 +93,35 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     if b.lam is not None:  # ignored where masked out, as everything else
         b.lam = torch.where(b.counted, b.lam, torch.ones_like(b.lam))
 
-    aux = {}
-    loss, logps, entropy, per_token = GTPOLossFunction.apply(
-        logits, b, cfg, backend, inplace, validate, num_items_in_batch, aux)
+    loss, logps, entropy, per_token, res = _fused_loss(b, cfg, backend, inplace, validate, num_items_in_batch)
     dt = out_dtype(logits)
     lam_out = torch.ones(b.tok_shape, dtype=dt, device=logits.device) if b.lam is None else \
         b.lam.to(dt).reshape(b.tok_shape)
     n_conf_out = torch.ones(b.B, dtype=dt, device=logits.device) if b.n_conf is None else b.n_conf.to(dt)
     return GTPOOutput(loss=loss, logps=logps, entropy=entropy, per_token_loss=per_token, lam=lam_out,
-                      n_conf=n_conf_out, kept=aux["kept"], seq_entropy=aux["seq_entropy"],
-                      metrics=aux["metrics"])
+                      n_conf=n_conf_out, kept=res["kept"], seq_entropy=res["seq_entropy"],
+                      metrics=res["metrics"])
+
+
+def _fused_loss(b, cfg, backend, inplace, validate, num_items):
+    """Forward pass -> O(N) surrogate -> the loss value with the backward pass attached."""
+    dt = out_dtype(b.logits3)
+    with torch.no_grad():
+        logp, ent, lse, q, bad = autograd.vocab_fwd(b.logits3.detach(), b.ids, b.counted, cfg.temperature,
+                                                    b.logits_start, backend)
+        if validate:
+            checks.raise_on_flags(bad, b.tok_shape)
+        res = surrogate(logp.to(dt), ent.to(dt), b.counted, b.seg, b.B, b.adv, cfg, old=b.old, ref=b.ref,
+                        lam=b.lam, n_conf=b.n_conf, num_items=num_items, max_len=b.max_len)
+        weighted = res["weight"] * res["loss_tok"]
+        value = weighted.reshape(b.tok_shape) if cfg.loss_agg == "none" else weighted.sum()
+        cdt = lse.dtype  # the kernel's coefficients in its accumulation dtype
+        c = res["c"].to(cdt)
+        e = None if res["e"] is None else res["e"].to(cdt)
+    args = (b.logits3, value, b.ids, lse, ent, q, c, e, cfg.temperature, b.logits_start, backend)
+    loss = autograd.attach_grad(*args, inplace)
+    return (loss, res["logp"].reshape(b.tok_shape), res["ent"].reshape(b.tok_shape),
+            res["loss_tok"].reshape(b.tok_shape), res)
 
 
 def conflict_weights(completion_ids, completion_mask, advantages, group_size, *, config=None,
@@ -167,8 +187,8 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
         lp, ent = gtpo_reference.token_logprobs(*_padded_inputs(b, logits), temperature, b_mask(b))
         return _flat_out(b, lp.to(dt)), _flat_out(b, ent.to(dt))
     with torch.no_grad():
-        logp, ent, _, _, bad = dispatch.logprob_fwd(backend, b.logits3.detach(), b.ids, b.counted,
-                                                 temperature, b.logits_start)
+        logp, ent, _, _, bad = autograd.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
+                                                  b.logits_start, backend)
     if validate:
         checks.raise_on_flags(bad, b.tok_shape)
     zero = torch.zeros((), dtype=dt, device=logits.device)

@@ -1,62 +1,110 @@
-"""The autograd Function around the two vocabulary passes.
+"""The vocabulary passes as `torch.library` custom ops, and the autograd rule that joins them.
 
-forward : vocabulary pass (logp, H, lse per token) -> O(N) surrogate -> loss, and the per-token
-          coefficients c = dL/dlogp, e = dL/dH of the surrogate.
-backward: vocabulary pass that recomputes the softmax from lse and writes
-          dL/dlogits = g * (c * dlogp/dz + e * dH/dz)   (see vocab_triton's docstring).
-Saved for backward: the logits by reference and O(1) numbers per token (ids, lse, H, 1 - p_y, c, e).
+    vocab_fwd   : logits -> per token (logp, H, lse, q = 1 - p_y, flags); no autograd
+    attach_grad : (logits, value) -> value, whose backward is the gradient pass:
+                  dL/dlogits = g * (c * dlogp/dz + e * dH/dz)   (see vocab_triton's docstring)
+
+`gtpo_loss` computes the loss value and the per-token coefficients c = dL/dlogp, e = dL/dH in closed
+form between the passes (surrogate.py, O(tokens)); `attach_grad` hands the value back with this
+gradient attached. Saved for backward: the logits by reference and O(1) numbers per token (ids, lse,
+H, q, c, e). Being custom ops with fake (meta) implementations, the passes are opaque to
+`torch.compile`, which traces everything around them without graph breaks.
 """
 from __future__ import annotations
+
+from typing import List, Optional
 
 import torch
 
 from . import dispatch
-from .checks import raise_on_flags
-from .surrogate import surrogate
 
 
 def out_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-class GTPOLossFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, batch, cfg, backend, inplace, validate, num_items, aux):
-        b = batch
-        logp, ent, lse, q, bad = dispatch.logprob_fwd(backend, b.logits3, b.ids, b.counted, cfg.temperature,
-                                                  b.logits_start)
-        if validate:
-            raise_on_flags(bad, b.tok_shape)
-        dt = out_dtype(logits)
-        res = surrogate(logp.to(dt), ent.to(dt), b.counted, b.seg, b.B, b.adv, cfg, old=b.old, ref=b.ref,
-                        lam=b.lam, n_conf=b.n_conf, num_items=num_items, max_len=b.max_len)
-        weighted = res["weight"] * res["loss_tok"]
-        loss = weighted.reshape(b.tok_shape) if cfg.loss_agg == "none" else weighted.sum()
-        # the kernel's coefficients: float32 for Triton, the accumulation dtype for torch
-        cdt = torch.float32 if backend == "triton" else lse.dtype
-        c = res["c"].to(cdt)
-        e = None if res["e"] is None else res["e"].to(cdt)
-        tensors = (b.logits3, b.ids, lse, ent, q, c) + (() if e is None else (e,))
-        ctx.save_for_backward(*tensors)
-        ctx.meta = (backend, inplace, cfg.temperature, b.logits_start, tuple(logits.shape), e is not None)
-        logps = res["logp"].reshape(b.tok_shape)
-        entropy = res["ent"].reshape(b.tok_shape)
-        per_token = res["loss_tok"].reshape(b.tok_shape)
-        ctx.mark_non_differentiable(logps, entropy, per_token)
-        aux.update(kept=res["kept"], seq_entropy=res["seq_entropy"], metrics=res["metrics"])
-        return loss, logps, entropy, per_token
+def _acc_dtype(logits3, backend):
+    # the torch path accumulates float64 logits in float64; the Triton kernels always in float32
+    return torch.float64 if (logits3.dtype == torch.float64 and backend == "torch") else torch.float32
 
-    @staticmethod
-    def backward(ctx, grad_loss, *_unused):
-        backend, inplace, temperature, logits_start, shape, has_e = ctx.meta
-        saved = ctx.saved_tensors
-        logits3, ids, lse, ent, q, c = saved[:6]
-        e = saved[6] if has_e else None
-        if not ctx.needs_input_grad[0]:
-            return (None,) * 8
-        g = grad_loss.reshape(-1).to(c.dtype)  # scalar loss: (1,); 'none': one per token
-        c = c * g
-        e = None if e is None else e * g
-        grad3 = logits3 if inplace else torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
-        dispatch.logprob_bwd(backend, logits3, grad3, ids, lse, ent, q, c, e, temperature, logits_start)
-        return (grad3.view(shape),) + (None,) * 7
+
+@torch.library.custom_op("gtpo_kernels::vocab_fwd", mutates_args=())
+def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, temperature: float,
+              logits_start: int, backend: str) -> List[torch.Tensor]:
+    return list(dispatch.logprob_fwd(backend, logits3, ids, counted, temperature, logits_start))
+
+
+@vocab_fwd.register_fake
+def _(logits3, ids, counted, temperature, logits_start, backend):
+    n = ids.numel()
+    acc = _acc_dtype(logits3, backend)
+    return [logits3.new_empty(n, dtype=acc) for _ in range(4)] + [logits3.new_empty(n, dtype=torch.int8)]
+
+
+@torch.library.custom_op("gtpo_kernels::vocab_bwd", mutates_args=())
+def vocab_bwd(logits3: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
+              q: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor], temperature: float,
+              logits_start: int, backend: str) -> torch.Tensor:
+    grad3 = torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
+    dispatch.logprob_bwd(backend, logits3, grad3, ids, lse, ent, q, c, e, temperature, logits_start)
+    return grad3
+
+
+@vocab_bwd.register_fake
+def _(logits3, ids, lse, ent, q, c, e, temperature, logits_start, backend):
+    return torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
+
+
+@torch.library.custom_op("gtpo_kernels::vocab_bwd_inplace", mutates_args=("logits3",))
+def vocab_bwd_inplace(logits3: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
+                      q: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor], temperature: float,
+                      logits_start: int, backend: str) -> None:
+    dispatch.logprob_bwd(backend, logits3, logits3, ids, lse, ent, q, c, e, temperature, logits_start)
+
+
+@torch.library.custom_op("gtpo_kernels::attach_grad", mutates_args=())
+def attach_grad(logits3: torch.Tensor, value: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
+                ent: torch.Tensor, q: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor],
+                temperature: float, logits_start: int, backend: str, inplace: bool) -> torch.Tensor:
+    return value.clone()
+
+
+@attach_grad.register_fake
+def _(logits3, value, ids, lse, ent, q, c, e, temperature, logits_start, backend, inplace):
+    return torch.empty_like(value)
+
+
+def _setup_context(ctx, inputs, output):
+    logits3, _value, ids, lse, ent, q, c, e, temperature, logits_start, backend, inplace = inputs
+    ctx.save_for_backward(logits3, ids, lse, ent, q, c, e)
+    ctx.meta = (temperature, logits_start, backend, inplace)
+
+
+def _backward(ctx, grad):
+    logits3, ids, lse, ent, q, c, e = ctx.saved_tensors
+    temperature, logits_start, backend, inplace = ctx.meta
+    g = grad.reshape(-1).to(c.dtype)  # scalar loss: (1,); loss_agg='none': one per token
+    c = c * g
+    e = None if e is None else e * g
+    if inplace:
+        vocab_bwd_inplace(logits3, ids, lse, ent, q, c, e, temperature, logits_start, backend)
+        grad3 = logits3.view(logits3.shape)  # a fresh view: autograd can take it as .grad without a copy
+    else:
+        grad3 = vocab_bwd(logits3, ids, lse, ent, q, c, e, temperature, logits_start, backend)
+    return (grad3,) + (None,) * 11
+
+
+attach_grad.register_autograd(_backward, setup_context=_setup_context)
+
+
+
+@torch.library.custom_op("gtpo_kernels::raw_conflicts", mutates_args=())
+def raw_conflicts_op(ids: torch.Tensor, m: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor,
+                     group_size: int) -> torch.Tensor:
+    from .conflict_triton import raw_conflicts
+    return raw_conflicts(ids, m, pos, neg, group_size)
+
+
+@raw_conflicts_op.register_fake
+def _(ids, m, pos, neg, group_size):
+    return torch.empty(ids.shape, dtype=torch.bool, device=ids.device)

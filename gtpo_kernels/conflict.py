@@ -48,7 +48,7 @@ def conflict_runs(ids, m, adv, group_size, use_triton=False):
     ids = ids.long()
     pos, neg = adv > 0, adv < 0
     if use_triton:
-        from .conflict_triton import raw_conflicts
+        from .autograd import raw_conflicts_op as raw_conflicts  # the Triton kernel, as a custom op
     else:
         raw_conflicts = _raw_conflicts
     conf_f = _leading_run(raw_conflicts(ids, m, pos, neg, group_size))
