@@ -49,6 +49,12 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     group_size      completions per prompt (groups are contiguous); needed for the conflict weights
                     unless lam/n_conf come from `conflict_weights`.
     config          a GTPOConfig or a preset name ('gtpo', 'gtpo-official', 'grpo', 'dapo', 'dr_grpo').
+    lam, n_conf     precomputed conflict weights from `conflict_weights` (shape of completion_ids, and
+                    (B,)); when given they are used as they are, whatever config.use_conflict_mask says.
+    old_logps       (shape of completion_ids) the sampling policy's log-probs; None = on-policy.
+    ref_logps       the reference model's log-probs, needed when config.beta > 0.
+    logits_start    row of logits that predicts completion token 0.
+    num_items_in_batch  global counted-token normalizer of 'token-mean' (gradient accumulation, DP).
     inplace         write the gradient into the logits' storage (saves one logits-sized buffer; the
                     logits are overwritten during backward). Off by default.
     validate        host-side checks (ids in range, non-finite counted rows); False = no host sync.

@@ -57,7 +57,7 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
         # lse = max + log1p(R), R the sum without the maximum element (exact for confident rows)
         mx, top = s.max(-1, keepdim=True)
         mx = torch.where(mx == ninf, torch.zeros_like(mx), mx)
-        ex = torch.exp(s - mx)
+        ex = s.sub(mx).exp_()
         ex.scatter_(1, top, 0.0)
         r = ex.sum(-1)
         ex.scatter_(1, top, 1.0)
@@ -66,10 +66,14 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
         # p = ex / S, log p = s - lse; H = -sum p log p (no cancellation between lse and sum p s)
         p = ex.div_((1.0 + r)[:, None])
         logq = s.sub_(c_lse[:, None]).clamp_(min=torch.finfo(acc).min)  # p = 0 where clamped
-        c_ent = -torch.bmm(p[:, None, :], logq[:, :, None]).reshape(-1)
-        # q = 1 - p_y as the sum of the other probabilities (exact for a confident token)
-        c_q = p.scatter_(1, yc, 0.0).sum(-1)
-        logp[idx] = torch.where((c_q < 0.5) & (s_y == s_y), torch.log1p(-c_q), s_y - c_lse)
+        c_ent = -logq.mul_(p).sum(-1)
+        # logp = (s_y - max) - log1p(R); q = 1 - p_y is R / S when y holds the maximum (exact for a
+        # confident token), else 1 - p_y with p_y < 1/2
+        mx1 = mx.squeeze(1)
+        c_logp = (s_y - mx1) - log_s
+        top_y = s_y == mx1
+        c_q = torch.where(top_y, r / (1.0 + r), -torch.expm1(torch.where(top_y, 0.0, c_logp)))
+        logp[idx] = c_logp
         q[idx] = c_q
         ent[idx] = c_ent
         lse[idx] = c_lse

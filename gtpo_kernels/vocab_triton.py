@@ -6,12 +6,13 @@ packed form is the same with B = 1. Per-token tensors (ids, mask, outputs) are c
 
 Forward, per counted token, with s = z / tau over the row (spec section 1):
     lse = log sum_v exp(s_v)        logp = s_y - lse        H = lse - sum_v p_v s_v
-computed in one streaming pass with per-lane online accumulators (max m, S = sum e^(s-m),
-U = sum e^(s-m) (s-m)), merged across lanes at the end:  H = log S - U / S  (no cancellation: U <= 0).
-Confident rows (p_max ~ 1) need two more sums, or float32 loses the digits that matter there:
-R = S - 1, the sum without the row's maximum element, gives log S = log1p(R) (and so lse and H) to
-float32 rounding; Q = sum_{v != y} e^(s-m) gives q = 1 - p_y = Q / S without cancellation, used as the
-target's gradient factor in backward and as logp = log1p(-q) when q < 1/2.
+in one streaming pass over blocks of the row, with a running maximum M (a scalar, one exp per element:
+the pass must stay under the special-function units' rate to stay memory-bound) and per-lane sums
+    S = sum e^(s-M),   U = sum e^(s-M) (s-M) <= 0,   R = S minus one instance of the maximum,
+all re-based when M grows. Then H = log S - U / S (no cancellation), and log S = log1p(R): a confident
+row (p_max ~ 1) keeps its digits, where float32 S - 1 would lose them. For the target,
+logp = (s_y - M) - log1p(R), and q = 1 - p_y is R / S when y holds the maximum (the one case where
+1 - p_y cancels), 1 - exp(logp) otherwise (then p_y < 1/2). Non-finite input shows as a NaN S.
 
 Backward (vector-Jacobian product). With p = softmax(s), log p_v = s_v - lse:
     d logp / dz_v = (1[v=y] - p_v) / tau
@@ -19,8 +20,9 @@ Backward (vector-Jacobian product). With p = softmax(s), log p_v = s_v - lse:
 so for upstream coefficients c = dL/dlogp and e = dL/dH of the token (already multiplied by the
 loss's incoming gradient), the kernel writes
     dL/dz_v = ( c (1[v=y] - p_v) - e p_v (log p_v + H) ) / tau
-recomputing p from the saved lse and taking 1 - p_y = q from the forward; rows with c = e = 0 (masked out, filtered, lambda = 0, or outside the
-completion window) are not read, only written with zeros.
+recomputing p from the saved lse and taking 1 - p_y = q from the forward; rows with c = e = 0
+(masked out, filtered, lambda = 0, or outside the completion window) are not read, only written with
+zeros.
 """
 from __future__ import annotations
 
@@ -76,46 +78,43 @@ def _logprob_fwd_kernel(
         y = tl.load(ids_ptr + tok).to(tl.int64)
         y_ok = (y >= 0) & (y < V)
         lanes = tl.arange(0, BLOCK_V)
-        m_l = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        s_l = tl.zeros([BLOCK_V], tl.float32)  # sum exp(s - m_l)
-        r_l = tl.zeros([BLOCK_V], tl.float32)  # the same sum without the lane's maximum element
-        u_l = tl.zeros([BLOCK_V], tl.float32)  # sum exp(s - m_l) * (s - m_l)
-        q_l = tl.zeros([BLOCK_V], tl.float32)  # sum over v != y of exp(s - m_l)
-        bad_l = tl.zeros([BLOCK_V], tl.int32)
+        m = float("-inf")  # running maximum of the row (scalar)
+        r_x = 0.0  # the part of R that is whole maxima: extra instances of the maximum, re-based
+        s_l = tl.zeros([BLOCK_V], tl.float32)  # sum e^(s - m)
+        u_l = tl.zeros([BLOCK_V], tl.float32)  # sum e^(s - m) (s - m)
+        r_l = tl.zeros([BLOCK_V], tl.float32)  # sum e^(s - m) over elements below the maximum
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + lanes
             z = tl.load(row + offs, mask=offs < V, other=float("-inf"))
             s = z.to(tl.float32) * inv_temp
-            bad_l = tl.maximum(bad_l, ((s != s) | (s == float("inf"))).to(tl.int32))
-            m_new = tl.maximum(m_l, s)
+            m_new = tl.maximum(m, tl.max(s, axis=0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_l - m_safe)
-            # re-base the old sum of (s - m_l) onto m_new; s_l == 0 exactly when m_l == -inf
-            u_l = alpha * (u_l + s_l * tl.where(s_l > 0, m_l - m_safe, 0.0))
+            alpha = tl.exp(m - m_safe)  # 0 while the row had no finite entry
+            shift = tl.where(m == float("-inf"), 0.0, m - m_safe)
             e = tl.exp(s - m_safe)
-            u_l += e * tl.where(e > 0, s - m_safe, 0.0)
+            u_l = alpha * (u_l + s_l * shift) + e * tl.where(e > 0, s - m_safe, 0.0)
             s_l = s_l * alpha + e
-            r_l = tl.where(s > m_l, alpha * (r_l + 1.0), r_l + e)  # a new maximum joins as e = 1
-            q_l = q_l * alpha + tl.where(offs == y, 0.0, e)
-            m_l = m_new
-        m = tl.max(m_l, axis=0)
+            r_l = r_l * alpha + tl.where(s < m_new, e, 0.0)
+            n_top = tl.sum((s == m_new).to(tl.float32), axis=0)  # entries at the new maximum
+            grew = m_new > m
+            # a larger maximum: the old one (one instance, weight alpha) joins R; one new instance is
+            # left out. Same maximum: every new instance joins R.
+            r_x = tl.where(grew, alpha * (r_x + tl.where(m == float("-inf"), 0.0, 1.0)) + n_top - 1.0,
+                           r_x + n_top)
+            r_x = tl.where(m_new == float("-inf"), 0.0, r_x)
+            m = m_new
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp(m_l - m_safe)
-        s_tot = tl.sum(s_l * w, axis=0)
-        u_tot = tl.sum(w * (u_l + s_l * tl.where(s_l > 0, m_l - m_safe, 0.0)), axis=0)
-        q = tl.sum(q_l * w, axis=0) / s_tot
-        # R: every lane's sum, without the one element that is the row's maximum
-        top = tl.argmax(m_l, axis=0)
-        r_tot = tl.sum(w * r_l, axis=0) + tl.sum(tl.where(lanes == top, 0.0, w), axis=0)
-        log_s = _log1p(r_tot)
+        s_tot = tl.sum(s_l, axis=0)
+        log_s = _log1p(tl.sum(r_l, axis=0) + r_x)
         lse = m_safe + log_s
-        ent = log_s - u_tot / s_tot
+        ent = log_s - tl.sum(u_l, axis=0) / s_tot
         s_y = tl.load(row + y, mask=y_ok, other=float("nan")).to(tl.float32) * inv_temp
-        confident = q < 0.5
-        logp = tl.where(confident, tl.log(tl.where(confident, 1.0 - q, 1.0)), s_y - lse)  # log1p(-q)
-        logp = tl.where(s_y == s_y, logp, s_y)  # keep NaN for an unreadable target
-        # flags, as in checks.BAD_*: 1 non-finite row, 2 target logit -inf, 4 id outside [0, V)
-        bad = tl.max(bad_l, axis=0) * 1
+        logp = (s_y - m_safe) - log_s
+        top = s_y == m
+        q = tl.where(top, (tl.sum(r_l, axis=0) + r_x) / s_tot, 1.0 - tl.exp(tl.where(top, 0.0, logp)))
+        # flags, as in checks.BAD_*: 1 non-finite row (a NaN or +inf entry makes S NaN), 2 target
+        # logit -inf, 4 id outside [0, V)
+        bad = tl.where((s_tot != s_tot) | (lse != lse) | (lse == float("inf")), 1, 0)
         bad = tl.where(s_y == float("-inf"), bad | 2, bad)
         bad = tl.where(y_ok, bad, bad | 4)
     tl.store(logp_ptr + tok, logp)

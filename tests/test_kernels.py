@@ -30,23 +30,38 @@ def small_chunks(on):
         vocab_triton.MAX_BLOCK_V, vocab_torch.CHUNK_ELEMENTS = saved
 
 
+class _PoisonedTorch:
+    """`torch` as our modules see it, except that empty / empty_like come back filled with NaN (or -77):
+    outputs that nobody writes show up. (Patching torch itself would leak into torch.compile's tables.)"""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _poison(x):
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x.fill_(-77)
+
+    def empty(self, *a, **k):
+        return self._poison(torch.empty(*a, **k))
+
+    def empty_like(self, *a, **k):
+        return self._poison(torch.empty_like(*a, **k))
+
+
 @contextlib.contextmanager
 def poisoned_empty():
-    """Every torch.empty / empty_like is filled with NaN: outputs nobody writes show up."""
-    e, el = torch.empty, torch.empty_like
-
-    def empty(*a, **k):
-        x = e(*a, **k)
-        return x.fill_(float("nan")) if x.dtype.is_floating_point else x.fill_(-77)
-
-    def empty_like(*a, **k):
-        x = el(*a, **k)
-        return x.fill_(float("nan")) if x.dtype.is_floating_point else x.fill_(-77)
-    torch.empty, torch.empty_like = empty, empty_like
+    """Every torch.empty / empty_like in gtpo_kernels is filled with NaN while the block runs."""
+    import gtpo_kernels.autograd as ag
+    import gtpo_kernels.conflict_triton as ct
+    mods = (vocab_triton, vocab_torch, ag, ct)
+    saved = [m.torch for m in mods]
+    for m in mods:
+        m.torch = _PoisonedTorch()
     try:
         yield
     finally:
-        torch.empty, torch.empty_like = e, el
+        for m, t in zip(mods, saved):
+            m.torch = t
 
 
 def window(case):
