@@ -54,7 +54,7 @@ def test_python_m_bench_smoke(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "eager baseline" in p.stdout and "not run: needs CUDA" in p.stdout
     doc = json.loads((tmp_path / "latest-cpu.json").read_text())
-    assert {"date", "machine", "versions", "rows", "traffic"} <= set(doc)
+    assert {"date", "commit", "machine", "versions", "rows", "traffic"} <= set(doc)
     by = {(r["impl"], r["tokens"]): r for r in doc["rows"]}
     assert by[("eager", 64)]["status"] == "ok" and by[("eager", 64)]["peak_bytes"] > 0
     assert by[("torch", 64)]["saved_bytes_per_token"] < by[("eager", 64)]["saved_bytes_per_token"]

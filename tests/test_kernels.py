@@ -3,6 +3,7 @@ reference, with the error measure and tolerances of spec section 7."""
 import contextlib
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -16,6 +17,14 @@ from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss, token_logprobs
 from gtpo_kernels import vocab_torch, vocab_triton
 
 BACKENDS = ["triton", "torch"]
+# GTPO_TEST_DEVICE=cuda (with TRITON_INTERPRET=0, as bench/gpu_check.sh runs them) sends our side of the
+# property tests to the GPU: compiled Triton kernels against the same float64 reference on the CPU.
+DEVICE = os.environ.get("GTPO_TEST_DEVICE", "cpu")
+
+
+def dev(*xs):
+    out = tuple(None if x is None else x.to(DEVICE) for x in xs)
+    return out if len(out) > 1 else out[0]
 
 
 @contextlib.contextmanager
@@ -73,8 +82,9 @@ def window(case):
 @given(case=cases(dtypes=DTYPES + [torch.float64]), small=st.booleans())
 def test_token_logprobs_match_reference(backend, case, small):
     with small_chunks(small), poisoned_empty():
-        lp, ent = token_logprobs(case.logits, case.ids, case.temperature, case.mask,
+        lp, ent = token_logprobs(*dev(case.logits, case.ids), case.temperature, dev(case.mask),
                                  logits_start=case.logits_start, backend=backend)
+    lp, ent = lp.cpu(), ent.cpu()
     rlp, rent = ref.token_logprobs(window(case).double(), case.ids, case.temperature, case.counted)
     tol = TOL[case.logits.dtype]["value"]
     assert lp.dtype == (torch.float64 if case.logits.dtype == torch.float64 else torch.float32)
@@ -85,17 +95,20 @@ def test_token_logprobs_match_reference(backend, case, small):
 
 def _run_both(case, cfg, backend, old=None, refl=None, small=False, upstream=None, **kw):
     """(our output, our grad, reference dict, reference grad) for one case."""
-    x = case.logits.clone().requires_grad_()
+    x = dev(case.logits).clone().requires_grad_()
     args = dict(group_size=case.G, old_logps=old, ref_logps=refl, logits_start=case.logits_start, **kw)
+    dargs = dict(args, old_logps=dev(old), ref_logps=dev(refl))
     with small_chunks(small), poisoned_empty():
-        out = gtpo_loss(x, case.ids, case.adv, case.mask, config=cfg, backend=backend, **args)
-        loss = out.loss if upstream is None else (out.loss * upstream).sum()
+        out = gtpo_loss(x, *dev(case.ids, case.adv, case.mask), config=cfg, backend=backend, **dargs)
+        loss = out.loss if upstream is None else (out.loss * dev(upstream)).sum()
         loss.backward()
+    out = type(out)(**{k: (v.detach().cpu() if torch.is_tensor(v) else {a: b.cpu() for a, b in v.items()})
+                       for k, v in out.__dict__.items()})
     xr = case.logits.double().requires_grad_()
     r = ref.gtpo_loss(xr, case.ids, case.adv, case.mask, **args, **dataclasses.asdict(cfg))
     rloss = r["loss"] if upstream is None else (r["loss"] * upstream.double()).sum()
     rloss.backward()
-    return out, x.grad, r, xr.grad
+    return out, x.grad.cpu(), r, xr.grad
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

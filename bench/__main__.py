@@ -1,0 +1,105 @@
+"""python -m bench: speed, peak memory, saved bytes and bytes moved, side by side with the peers.
+
+Default on a CPU machine: a small grid (under 3 minutes on 2 cores); Triton runs in its interpreter,
+counted for bytes at one small size, never timed. On CUDA, `--gpu-sizes` is the grid of the spec:
+V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16.
+Writes bench/results/<device>-<date>.json and PNG plots next to it; prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+GPU_TOKENS = (4096, 16384, 32768)
+GPU_VOCAB = (32000, 128256, 151936, 262144)
+
+
+def _ints(text):
+    return [int(x) for x in str(text).split(",") if x]
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--tokens", default=None, help="comma-separated token counts (B*T); default: CPU 256,1024")
+    ap.add_argument("--vocab", default=None, help="comma-separated vocabulary sizes; default: CPU 8192,32000")
+    ap.add_argument("--gpu-sizes", action="store_true", help=f"tokens {GPU_TOKENS} x V {GPU_VOCAB}")
+    ap.add_argument("--impls", default="triton,torch,eager,compile,liger",
+                    help="comma-separated: triton, torch, eager, compile, liger")
+    ap.add_argument("--preset", default="gtpo", choices=("gtpo", "grpo"))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs (CPU; default 5); CUDA: do_bench")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--modes", default=None, help="fwd,bwd,full (default: CPU full,fwd; CUDA fwd,bwd,full)")
+    ap.add_argument("--traffic-size", default="128x32000", help="TOKENSxV for the interpreter byte count")
+    ap.add_argument("--no-traffic", action="store_true")
+    ap.add_argument("--no-aot", action="store_true")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--check-only", action="store_true", help="only the correctness checks (exit 1 if any fails)")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds for the sweep; sizes not started by then are reported as skipped")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    import torch
+    device = a.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        # before triton is first imported: our Triton kernels then run in the interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from . import report
+    from .suite import Suite
+    impls = [x for x in a.impls.split(",") if x]
+    if a.gpu_sizes:
+        tokens, vocab = list(GPU_TOKENS), list(GPU_VOCAB)
+    else:
+        tokens = _ints(a.tokens) if a.tokens else ([256, 1024] if device == "cpu" else list(GPU_TOKENS))
+        vocab = _ints(a.vocab) if a.vocab else ([8192, 32000] if device == "cpu" else list(GPU_VOCAB))
+    modes = tuple(a.modes.split(",")) if a.modes else (("full", "fwd") if device == "cpu" else ("fwd", "bwd", "full"))
+    suite = Suite(device=device, impls=impls, sizes=[(t, v) for v in vocab for t in tokens], preset=a.preset,
+                  dtype=getattr(torch, a.dtype), modes=modes,
+                  repeats=a.repeats or (5 if device == "cpu" else 10), warmup=a.warmup, seed=a.seed,
+                  traffic_size=None if a.no_traffic else tuple(int(x) for x in a.traffic_size.split("x")),
+                  memory=not a.no_memory, check_only=a.check_only, time_budget=a.time_budget)
+    t0 = time.perf_counter()
+    results = suite.run()
+    aot = None
+    if not a.no_aot and not a.check_only:
+        suite.progress("AOT compile for sm_90 / sm_80 (registers, spills, LDG.E.128)")
+        from . import aot as aot_mod
+        aot = aot_mod.report_in_subprocess() if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") \
+            else aot_mod.report()
+    results["aot"] = None if aot is None else [r.__dict__ for r in aot]
+    results["wall_s"] = time.perf_counter() - t0
+    print(report.table(results))
+    if aot is not None:
+        from .aot import format_table
+        print()
+        print("Static GPU report (compiled ahead of time, no GPU used):")
+        print(format_table(aot))
+    if a.check_only:
+        bad = [r for r in results["rows"] if r["status"] == "wrong"]
+        sys.exit(1 if bad else 0)
+    path = report.write_json(results, a.out)
+    print(f"\nresults: {os.path.relpath(path)}")
+    if not a.no_plots:
+        try:
+            from . import plots
+            for p in plots.plot(results, a.out):
+                print(f"plot: {os.path.relpath(p)}")
+        except ImportError as e:
+            print(f"plots skipped: {e} (pip install matplotlib)")
+    failed_aot = aot is not None and not all(r.ok for r in aot)
+    sys.exit(1 if failed_aot or any(r["status"] == "wrong" for r in results["rows"]) else 0)
+
+
+if __name__ == "__main__":
+    main()

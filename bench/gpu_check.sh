@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU check, one script (about 4 minutes on an H200; each step has its own time limit):
+#   1. the correctness tests on CUDA (Triton compiled, not interpreted) and the runtime checks of
+#      tests/cuda_runtime_check.py (host syncs, JIT cache, CUDA graphs);
+#   2. our kernels against the float64 reference on sampled completions of a problem with
+#      N * V > 2**31 (16384 x 151936 bf16; the last completion sits past 2**31 elements);
+#   3. the benchmark: V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16,
+#      fwd / bwd / fwd+bwd with do_bench, % of the copy bandwidth measured in the same run, peak
+#      memory, against eager, torch.compile and Liger-Kernel's triton_grpo_loss.
+# Results (JSON, PNG) go to $OUT when set (the device runner brings that folder back), else bench/results.
+# Liger: installed from a wheel if missing: $LIGER_WHEEL, or .whl/liger_kernel-*.whl
+#   (pip download --no-deps liger-kernel -d .whl  on a machine with the registry, then carry .whl).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-bench/results}"
+mkdir -p "$OUT_DIR"
+export TRITON_INTERPRET=0 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}"
+status=0
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+
+if ! python -c "import liger_kernel" 2>/dev/null; then
+  wheel="${LIGER_WHEEL:-$(ls .whl/liger_kernel-*.whl 2>/dev/null | tail -1)}"
+  if [ -n "$wheel" ] && [ -f "$wheel" ]; then
+    step "installing Liger-Kernel from $wheel"
+    pip install --no-deps --no-index -q "$wheel" || echo "Liger install failed: it will be reported as not installed"
+  else
+    echo "Liger-Kernel not installed and no wheel found: it will be reported as not installed"
+  fi
+fi
+
+step "1. correctness tests on CUDA (property tests against the float64 reference, then runtime checks)"
+GTPO_TEST_DEVICE=cuda timeout 100 python -m pytest -q -x tests/test_kernels.py -k "match_reference" \
+  -p no:cacheprovider 2>&1 | tail -25
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "correctness tests: exit $rc (124 = time limit)"; status=1; }
+# no host sync with validate=False, one JIT variant across lengths, CUDA-graph capture and replay
+timeout 60 python tests/cuda_runtime_check.py 2>&1 | tee "$OUT_DIR/cuda_runtime_check.txt"
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "runtime checks: exit $rc"; status=1; }
+
+step "2. sampled completions of N*V > 2**31 against the reference"
+timeout 60 python -m bench --device cuda --check-only --tokens 16384 --vocab 151936 --impls triton \
+  --out "$OUT_DIR" 2>&1 | tail -8
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "large-problem check: exit $rc"; status=1; }
+
+step "3. benchmark"
+timeout 170 python -m bench --device cuda --gpu-sizes --impls triton,torch,eager,compile,liger --no-aot \
+  --time-budget 120 --traffic-size 128x32000 --out "$OUT_DIR" 2>&1
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "benchmark: exit $rc"; status=1; }
+
+step "done: status $status"
+exit $status

@@ -1,0 +1,159 @@
+"""The implementations compared, one function per provider.
+
+Each `make_<name>(cfg, device)` returns a callable `run(inp) -> (loss, logps, entropy)` (logps / entropy
+None when the implementation does not return them), or raises `Unavailable(reason)`. The runner
+differentiates `loss` with respect to `inp.logits`. Every provider computes the same loss on the same
+inputs: the config's preset, the precomputed conflict weights `inp.lam`, on-policy (no old log-probs).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from gtpo_kernels import GTPOConfig, gtpo_loss
+
+PROVIDERS = ("triton", "torch", "eager", "compile", "liger")
+LABELS = {
+    "triton": "gtpo-kernels triton",
+    "torch": "gtpo-kernels torch",
+    "eager": "eager baseline",
+    "compile": "torch.compile(eager)",
+    "liger": "liger triton_grpo_loss",
+}
+NOTES = {
+    "liger": "GRPO preset; returns no entropy",
+    "compile": "dynamic=True, compile time reported apart",
+}
+
+
+class Unavailable(Exception):
+    """The provider cannot run here; the message says why (shown in the table)."""
+
+
+def interpreted(device) -> bool:
+    """Triton on CPU runs in its interpreter: counted for bytes, never timed."""
+    return torch.device(device).type == "cpu"
+
+
+# ---- ours ---------------------------------------------------------------------------------------
+
+def _ours(backend):
+    def make(cfg: GTPOConfig, device):
+        if backend == "triton" and interpreted(device):
+            from gtpo_kernels.dispatch import interpreter_active
+            if not interpreter_active():
+                raise Unavailable("needs CUDA, or TRITON_INTERPRET=1 for the interpreter")
+
+        def run(inp):
+            out = gtpo_loss(inp.logits, inp.ids, inp.adv, inp.mask, lam=inp.lam, n_conf=inp.n_conf,
+                            config=cfg, backend=backend)
+            return out.loss, out.logps, out.entropy
+        return run
+    return make
+
+
+make_triton = _ours("triton")
+make_torch = _ours("torch")
+
+
+# ---- what trainers do today ---------------------------------------------------------------------
+
+def eager_loss(logits, ids, mask, adv, lam, cfg: GTPOConfig):
+    """The eager baseline: the whole logits upcast to float32, log_softmax, gather of the targets,
+    entropy as -(p * logp).sum(-1) from the same tensor, and the same loss on top, all in autograd.
+    Logits are (B, T + 1, V); the last row predicts nothing."""
+    logp_all = torch.log_softmax(logits[:, :-1].float() / cfg.temperature, dim=-1)
+    logp = logp_all.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    m = mask.float()
+    n = m.sum(1).clamp(min=1)
+    seq_ent = (entropy.detach() * m).sum(1) / n  # the entropy filter and penalty (spec 2)
+    if cfg.entropy_threshold is None or (cfg.initial_entropy is not None
+                                         and cfg.initial_entropy > cfg.entropy_threshold):
+        kept = torch.ones_like(adv, dtype=torch.bool)
+    else:
+        kept = seq_ent <= cfg.entropy_threshold
+    a_hat = torch.where(kept, adv - cfg.entropy_penalty * seq_ent, 0.0)[:, None]
+    ratio = torch.exp(logp - logp.detach())
+    surrogate = torch.minimum(ratio * a_hat, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * a_hat)
+    tok = -lam * surrogate
+    loss = ((tok * m).sum(1) / n).mean()
+    return loss, logp * m, entropy * m
+
+
+def _check_eager_config(cfg):
+    if (cfg.loss_agg != "seq-mean-token-mean" or not cfg.clip or cfg.beta or cfg.entropy_coef
+            or cfg.temperature <= 0):
+        raise Unavailable("the eager baseline implements the gtpo and grpo presets only")
+
+
+def make_eager(cfg: GTPOConfig, device):
+    _check_eager_config(cfg)
+    return lambda inp: eager_loss(inp.logits, inp.ids, inp.mask, inp.adv, inp.lam, cfg)
+
+
+def make_compile(cfg: GTPOConfig, device):
+    """torch.compile of the eager baseline, compiled once with dynamic shapes. The first call's extra
+    time is kept in `run.compile_s` (reported apart)."""
+    _check_eager_config(cfg)
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception as e:  # pragma: no cover
+        raise Unavailable(f"torch.compile unavailable: {e}")
+    fn = torch.compile(lambda z, ids, m, a, lam: eager_loss(z, ids, m, a, lam, cfg), dynamic=True)
+
+    def run(inp):
+        if run.compile_s is None:  # first call: compile forward and backward, time it
+            t0 = time.perf_counter()
+            out = fn(inp.logits, inp.ids, inp.mask, inp.adv, inp.lam)
+            torch.autograd.grad(out[0], inp.logits)
+            if inp.logits.is_cuda:
+                torch.cuda.synchronize()
+            run.compile_s = time.perf_counter() - t0
+        return fn(inp.logits, inp.ids, inp.mask, inp.adv, inp.lam)
+    run.compile_s = None
+    return run
+
+
+# ---- Liger-Kernel -------------------------------------------------------------------------------
+
+def make_liger(cfg: GTPOConfig, device):
+    """Liger-Kernel's `triton_grpo_loss` (liger_kernel.transformers.grpo_loss), called as TRL's GRPO:
+    loss_type='grpo' (per-completion token mean, then the batch mean), on-policy (old_logp=None),
+    beta=0, our clip range and temperature, reduce=True. inplace=False, as ours (its default True
+    overwrites the logits with the gradient). It takes logits (B, T + 1, V) and returns no entropy."""
+    if torch.device(device).type != "cuda":
+        raise Unavailable("not run: needs CUDA")
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+    except Exception as e:
+        raise Unavailable(f"not installed ({type(e).__name__})")
+
+    def run(inp):
+        loss, _metrics = triton_grpo_loss(
+            inp.logits, None, None, inp.ids, inp.adv, inp.mask.to(torch.int32).contiguous(),
+            temperature=cfg.temperature, beta=0.0, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+            inplace=False, loss_type="grpo", reduce=True)
+        return loss, None, None
+    return run
+
+
+LIGER_CONFIG = GTPOConfig.preset("grpo")  # what Liger computes, whatever preset the run uses
+
+
+def config_for(name: str, cfg: GTPOConfig) -> GTPOConfig:
+    return LIGER_CONFIG.replace(temperature=cfg.temperature, eps_low=cfg.eps_low,
+                                eps_high=cfg.eps_high) if name == "liger" else cfg
+
+
+def make(name: str, cfg: GTPOConfig, device):
+    if name not in PROVIDERS:
+        raise ValueError(f"unknown implementation {name!r}; expected some of {PROVIDERS}")
+    return globals()[f"make_{name}"](config_for(name, cfg), device)
+
+
+def interpret_env() -> dict:
+    """Environment for a child process that runs Triton on the CPU."""
+    return dict(os.environ, TRITON_INTERPRET="1")

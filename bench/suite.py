@@ -1,0 +1,193 @@
+"""One benchmark run: every implementation on every size, checked first, then measured.
+
+Per size the inputs are made once; each implementation is checked against the reference on them
+(a wrong one is reported, not timed; one that runs out of memory is reported as such), then its saved
+bytes, times and (CUDA) peak memory are measured. CPU peak memory comes after, from one child process
+per implementation. Triton on the CPU runs in the interpreter: it is checked and counted (bytes moved)
+at the traffic size only, never timed.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import torch
+
+from . import providers, runner
+from .inputs import check, make_inputs
+
+
+class Suite:
+    def __init__(self, device, impls, sizes, preset, dtype, modes, repeats, warmup, seed, traffic_size,
+                 memory=True, check_only=False, time_budget=None):
+        from gtpo_kernels import GTPOConfig
+        self.device, self.impls, self.sizes = device, impls, sizes
+        self.preset, self.cfg = preset, GTPOConfig.preset(preset)
+        self.dtype, self.modes, self.repeats, self.warmup, self.seed = dtype, modes, repeats, warmup, seed
+        self.traffic_size, self.memory, self.check_only = traffic_size, memory, check_only
+        self.time_budget = time_budget  # seconds for the timed sweep; later rows are reported skipped
+        self.t0 = time.perf_counter()
+
+    def progress(self, msg):
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def _row(self, impl, tokens, V, status, **kw):
+        row = dict(impl=impl, label=providers.LABELS[impl], tokens=tokens, V=V, status=status,
+                   note=providers.NOTES.get(impl, ""), dtype=str(self.dtype).replace("torch.", ""),
+                   preset="grpo" if impl == "liger" else self.preset)
+        row.update(kw)
+        return row
+
+    def _measure(self, impl, run, inp, timed):
+        """Check, then saved bytes, times and CUDA peak memory. Returns the row's fields."""
+        cfg = providers.config_for(impl, self.cfg)
+        try:
+            out, grad = runner.forward_backward(run, inp)
+            c = check(out, grad, inp, cfg, strict=impl in ("triton", "torch"))
+            grad_rows = int((grad[:, :inp.T] != 0).any(-1).logical_and(inp.mask).sum())
+            del out, grad
+            f = dict(check=c.detail, errors=c.errors, grad_tokens=grad_rows, counted_tokens=inp.counted)
+            if hasattr(run, "compile_s"):
+                f["compile_s"] = run.compile_s
+            if not c.ok:
+                return dict(f, status="wrong")
+            if self.check_only:
+                return dict(f, status="ok")
+            f["saved_bytes_per_token"] = runner.saved_bytes(run, inp) / inp.tokens
+            if timed:
+                f["time_ms"] = runner.time_ms(run, inp, self.modes, self.repeats, self.warmup)
+            if inp.logits.is_cuda:
+                f["peak_bytes"] = runner.cuda_peak_bytes(run, inp)
+            return dict(f, status="ok")
+        except Exception as e:
+            if runner.is_oom(e):
+                return dict(status="oom")
+            return dict(status="error", note=f"{type(e).__name__}: {str(e)[:200]}")
+        finally:
+            gc.collect()
+            if inp.logits.is_cuda:
+                torch.cuda.empty_cache()
+
+    def run(self):
+        rows, runs = [], {}
+        interp = self.device == "cpu"
+        for impl in self.impls:
+            try:
+                runs[impl] = providers.make(impl, self.cfg, self.device)
+            except providers.Unavailable as e:
+                runs[impl] = e
+        native = [i for i in self.impls if not (i == "triton" and interp)]
+        n = len(self.sizes) * len(native)
+        k = 0
+        for tokens, V in self.sizes:
+            if self.time_budget and time.perf_counter() - self.t0 > self.time_budget:
+                rows += [self._row(i, tokens, V, "skipped", note="time budget spent") for i in native]
+                k += len(native)
+                continue
+            inp = make_inputs(tokens, V, dtype=self.dtype, device=self.device, seed=self.seed, config=self.cfg)
+            for impl in native:
+                k += 1
+                run = runs[impl]
+                if isinstance(run, Exception):
+                    rows.append(self._row(impl, tokens, V, "unavailable", note=str(run)))
+                    continue
+                self.progress(f"[{k}/{n}] {impl} {tokens}x{V}")
+                f = self._measure(impl, run, inp, timed=True)
+                rows.append(self._row(impl, tokens, V, **f))
+            del inp
+            gc.collect()
+        traffic = None
+        if "triton" in self.impls and interp and isinstance(runs["triton"], Exception):
+            rows.append(self._row("triton", *(self.traffic_size or self.sizes[0]), "unavailable",
+                                  note=str(runs["triton"])))
+        elif "triton" in self.impls and self.traffic_size and (interp or not self.check_only):
+            traffic, row = self._traffic(runs["triton"] if interp else None)
+            if row:
+                rows.append(row)
+            for r in rows:
+                if r["impl"] == "triton" and r["status"] == "ok":
+                    r["traffic"] = traffic["ratios"]
+        if self.memory and self.device == "cpu" and not self.check_only:
+            self._cpu_memory(rows)
+        self._ratios(rows)
+        out = dict(rows=rows, traffic=traffic, device=self.device, preset=self.preset,
+                   dtype=str(self.dtype).replace("torch.", ""), modes=list(self.modes), repeats=self.repeats,
+                   sizes=[list(s) for s in self.sizes])
+        if self.device == "cuda" and not self.check_only:
+            out["copy_bandwidth_GBps"] = self._copy_bandwidth()
+            self._bandwidth(rows, out["copy_bandwidth_GBps"])
+        return out
+
+    def _traffic(self, interpreted_run=None):
+        """Bytes moved by our kernels at the traffic size (in the interpreter; a child process when this
+        one runs Triton natively). On the CPU the same forward+backward is also the Triton row's check,
+        followed by its saved bytes: interpreted, never timed."""
+        from . import traffic
+        tokens, V = self.traffic_size
+        self.progress(f"bytes moved by the Triton kernels (interpreter) at {tokens}x{V}")
+        if interpreted_run is None:
+            return traffic.run_in_subprocess(tokens, V, self.dtype, self.preset, self.seed), None
+        keep = {}
+        res = traffic.run(tokens, V, self.dtype, self.preset, self.seed, keep=keep)
+        inp = keep["inputs"]
+        c = check(keep["result"], keep["grad"], inp, self.cfg, strict=True)
+        f = dict(check=c.detail, errors=c.errors, counted_tokens=inp.counted, grad_tokens=res["grad_tokens"],
+                 status="ok" if c.ok else "wrong", note="interpreted: counted for bytes, not timed",
+                 peak_note="memory not measured (interpreter)")
+        if c.ok:
+            f["saved_bytes_per_token"] = runner.saved_bytes(interpreted_run, inp) / inp.tokens
+        return res, self._row("triton", tokens, V, **f)
+
+    def _cpu_memory(self, rows):
+        by_impl = {}
+        for r in rows:
+            if r["status"] == "ok" and "time_ms" in r:  # not the interpreter's
+                by_impl.setdefault(r["impl"], []).append((r["tokens"], r["V"]))
+        for impl, sizes in by_impl.items():
+            self.progress(f"peak memory of {impl} (fresh process, {len(sizes)} sizes)")
+            res = runner.cpu_peak_bytes(impl, sizes, self.dtype, self.preset, self.seed)
+            for r in rows:
+                if r["impl"] == impl and r["status"] == "ok":
+                    v = res.get(f"{r['tokens']}x{r['V']}", res.get("error"))
+                    if isinstance(v, int):
+                        r["peak_bytes"] = v
+                    else:
+                        r["peak_note"] = v
+
+    @staticmethod
+    def _ratios(rows):
+        eager = {(r["tokens"], r["V"]): r for r in rows if r["impl"] == "eager" and "time_ms" in r}
+        for r in rows:
+            e = eager.get((r["tokens"], r["V"]))
+            if e and "time_ms" in r:
+                r["vs_eager"] = {m: r["time_ms"][m] / e["time_ms"][m] for m in r["time_ms"] if m in e["time_ms"]}
+
+    def _copy_bandwidth(self):
+        import triton.testing
+        n = 1 << 31  # 2 GiB each way
+        src = torch.empty(n, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * n / (ms * 1e-3) / 1e9
+
+    @staticmethod
+    def _bandwidth(rows, copy_gbps):
+        """Section 8's bytes over the measured time, as a fraction of the copy bandwidth."""
+        for r in rows:
+            if "time_ms" not in r:
+                continue
+            e = torch.empty((), dtype=getattr(torch, r["dtype"])).element_size()
+            rd = r["counted_tokens"] * r["V"] * e
+            rd_b = r["grad_tokens"] * r["V"] * e
+            B, T = r["tokens"] // _T(r["tokens"]), _T(r["tokens"])
+            wr = B * (T + 1) * r["V"] * e
+            bytes_ = dict(fwd=rd, bwd=rd_b + wr, full=rd + rd_b + wr)
+            r["bandwidth_fraction"] = {m: bytes_[m] / (t * 1e-3) / 1e9 / copy_gbps for m, t in r["time_ms"].items()}
+
+
+def _T(tokens):
+    from .inputs import shape_for
+    return shape_for(tokens)[1]
