@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+import numbers
+from typing import Dict
 
 import torch
 
@@ -77,25 +78,22 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(logits.device, out_dtype(logits)).clamp(min=1)
-        elif isinstance(num_items_in_batch, (int, float)) and not isinstance(num_items_in_batch, bool) \
+        elif isinstance(num_items_in_batch, numbers.Real) and not isinstance(num_items_in_batch, bool) \
                 and num_items_in_batch > 0:
-            num_items_in_batch = max(num_items_in_batch, 1)
+            num_items_in_batch = max(float(num_items_in_batch), 1.0)
         else:
             raise ValueError(f"num_items_in_batch must be a positive number or tensor, "
                              f"got {num_items_in_batch!r}")
     backend = dispatch.resolve_backend(backend, logits.device)
     if backend == "reference":
-        return _reference(logits, completion_ids, advantages, completion_mask, b, cfg, group_size,
-                          old_logps, ref_logps, lam, n_conf, num_items_in_batch)
+        return _reference(b, logits, cfg, group_size, old_logps, ref_logps, lam, n_conf, num_items_in_batch)
 
     if cfg.use_conflict_mask and (b.lam is None or
                                   (b.n_conf is None and cfg.loss_agg == "gtpo-official")):
-        checks.check_group_size(group_size, b.B)
+        group_size = checks.check_group_size(group_size, b.B)
         lam_c, n_conf_c = _conflict_flat(b, group_size, cfg, out_dtype(logits), backend == "triton")
         b.lam = b.lam if b.lam is not None else lam_c
         b.n_conf = b.n_conf if b.n_conf is not None else n_conf_c
-    elif b.n_conf is None and b.lam is not None and cfg.loss_agg == "gtpo-official":
-        raise ValueError("loss_agg='gtpo-official' needs n_conf with lam (both from conflict_weights)")
     if b.lam is not None:  # ignored where masked out, as everything else
         b.lam = torch.where(b.counted, b.lam, torch.ones_like(b.lam))
 
@@ -113,18 +111,19 @@ def _fused_loss(b, cfg, backend, inplace, validate, num_items):
     """Forward pass -> O(N) surrogate -> the loss value with the backward pass attached."""
     dt = out_dtype(b.logits3)
     with torch.no_grad():
-        logp, ent, lse, q, bad = autograd.vocab_fwd(b.logits3.detach(), b.ids, b.counted, cfg.temperature,
+        logp, ent, stats, bad = autograd.vocab_fwd(b.logits3.detach(), b.ids, b.counted, cfg.temperature,
                                                     b.logits_start, backend)
         if validate:
             checks.raise_on_flags(bad, b.tok_shape)
         res = surrogate(logp.to(dt), ent.to(dt), b.counted, b.seg, b.B, b.adv, cfg, old=b.old, ref=b.ref,
                         lam=b.lam, n_conf=b.n_conf, num_items=num_items, max_len=b.max_len)
         weighted = res["weight"] * res["loss_tok"]
-        value = weighted.reshape(b.tok_shape) if cfg.loss_agg == "none" else weighted.sum()
-        cdt = lse.dtype  # the kernel's coefficients in its accumulation dtype
+        value = weighted.reshape(b.tok_shape) if cfg.loss_agg == "none" else \
+            weighted.sum(dtype=torch.float64).to(weighted.dtype)
+        cdt = stats.dtype  # the kernel's coefficients in its accumulation dtype
         c = res["c"].to(cdt)
         e = None if res["e"] is None else res["e"].to(cdt)
-    args = (b.logits3, value, b.ids, lse, ent, q, c, e, cfg.temperature, b.logits_start, backend)
+    args = (b.logits3, value, b.ids, stats, ent, c, e, cfg.temperature, b.logits_start, backend)
     loss = autograd.attach_grad(*args, inplace)
     return (loss, res["logp"].reshape(b.tok_shape), res["ent"].reshape(b.tok_shape),
             res["loss_tok"].reshape(b.tok_shape), res)
@@ -145,7 +144,7 @@ def conflict_weights(completion_ids, completion_mask, advantages, group_size, *,
         raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
     b = checks.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
                               max_seqlen=max_seqlen, validate=True)
-    checks.check_group_size(group_size, b.B)
+    group_size = checks.check_group_size(group_size, b.B)
     use_triton = dispatch.resolve_backend(backend, completion_ids.device) == "triton"
     lam, n_conf = _conflict_flat(b, group_size, cfg, dtype, use_triton)
     return lam.reshape(b.tok_shape), n_conf
@@ -169,8 +168,7 @@ def _to_padded(b, ids, m):
     """Packed (N,) ids and mask -> padded (B, L) ones, and the map back to (N,)."""
     cu = b.cu_seqlens.long()
     L = b.max_seqlen if b.max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
-    N = ids.numel()
-    pos = torch.arange(N, device=ids.device) - cu[b.seg]
+    pos = torch.arange(ids.numel(), device=ids.device) - cu[b.seg]
     ids_p = torch.zeros((b.B, L), dtype=torch.long, device=ids.device)
     m_p = torch.zeros((b.B, L), dtype=torch.bool, device=ids.device)
     ids_p[b.seg, pos] = ids.long()
@@ -189,11 +187,9 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     backend = dispatch.resolve_backend(backend, logits.device)
     dt = out_dtype(logits)
     if backend == "reference":
-        import gtpo_reference
-        lp, ent = gtpo_reference.token_logprobs(*_padded_inputs(b, logits), temperature, b_mask(b))
-        return _flat_out(b, lp.to(dt)), _flat_out(b, ent.to(dt))
+        return _reference_logprobs(b, logits, temperature)
     with torch.no_grad():
-        logp, ent, _, _, bad = autograd.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
+        logp, ent, _, bad = autograd.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
                                                   b.logits_start, backend)
     if validate:
         checks.raise_on_flags(bad, b.tok_shape)
@@ -203,57 +199,49 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
 
 
-# ---- the reference backend (the oracle, for validation): padded inputs, same output type ----
+# ---- the reference backend (the oracle, for validation): padded inputs, the same outputs ----
 
-def _padded_inputs(b, logits):
-    """(logits (B, T_l, V), ids (B, T)) for the reference; the packed form is padded first."""
+def _padded_window(b, logits):
+    """For the reference: the logits rows that predict tokens as (B, L, V), ids (B, L), mask (B, L),
+    `unpad` (a padded (B, L) result -> the caller's token shape) and `pad` (the reverse)."""
     if not b.packed:
-        return logits, b.ids.reshape(b.tok_shape)
-    ids_p, m_p, _ = _to_padded(b, b.ids, b.counted)
-    cu = b.cu_seqlens.long()
-    pos = torch.arange(b.ids.numel(), device=logits.device) - cu[b.seg]
+        T = b.tok_shape[1]
+        same = (lambda x: x)
+        return (logits[:, b.logits_start:b.logits_start + T], b.ids.reshape(b.tok_shape),
+                b.counted.reshape(b.tok_shape), same, same)
+    ids_p, m_p, unpad = _to_padded(b, b.ids, b.counted)
     rows = torch.full(ids_p.shape, b.logits_start, dtype=torch.long, device=logits.device)
-    rows[b.seg, pos] = torch.arange(b.ids.numel(), device=logits.device) + b.logits_start
-    return logits[rows], ids_p
+    k = torch.arange(b.ids.numel(), device=logits.device)
+    rows[b.seg, k - b.cu_seqlens.long()[b.seg]] = k + b.logits_start
+
+    def pad(x):
+        out = torch.zeros(ids_p.shape, dtype=x.dtype, device=x.device)
+        out[b.seg, k - b.cu_seqlens.long()[b.seg]] = x.reshape(-1)
+        return out
+    return logits[rows], ids_p, m_p, unpad, pad
 
 
-def b_mask(b):
-    if not b.packed:
-        return b.counted.reshape(b.tok_shape)
-    return _to_padded(b, b.ids, b.counted)[1]
+def _reference_logprobs(b, logits, temperature):
+    import gtpo_reference
+    lg, ids, m, unpad, _ = _padded_window(b, logits)
+    lp, ent = gtpo_reference.token_logprobs(lg, ids, temperature, m)
+    dt = out_dtype(logits)
+    return unpad(lp).to(dt), unpad(ent).to(dt)
 
 
-def _flat_out(b, x):
-    """Padded reference output (B, L) -> the caller's token shape."""
-    if not b.packed:
-        return x
-    return _to_padded(b, b.ids, b.counted)[2](x)
-
-
-def _reference(logits, completion_ids, advantages, completion_mask, b, cfg, group_size, old_logps,
-               ref_logps, lam, n_conf, num_items):
+def _reference(b, logits, cfg, group_size, old_logps, ref_logps, lam, n_conf, num_items):
     import gtpo_reference
     kw = dataclasses.asdict(cfg)
-    lg, ids = _padded_inputs(b, logits)
-    pad = (lambda x: x) if not b.packed else (lambda x: None if x is None else
-                                              _pad_values(b, x.reshape(-1)))
+    lg, ids, m, unpad, pad = _padded_window(b, logits)
+    opt = (lambda x: None if x is None else pad(x))
     if b.packed and kw["max_completion_length"] is None:
         kw["max_completion_length"] = b.max_len
-    r = gtpo_reference.gtpo_loss(
-        lg, ids, advantages, b_mask(b), group_size=group_size, old_logps=pad(old_logps),
-        ref_logps=pad(ref_logps), lam=pad(lam), n_conf=n_conf, num_items_in_batch=num_items,
-        logits_start=0 if b.packed else b.logits_start, **kw)
-    f = (lambda x: x) if not b.packed else (lambda x: _flat_out(b, x))
-    loss = f(r["loss"]) if cfg.loss_agg == "none" else r["loss"]
-    return GTPOOutput(loss=loss, logps=f(r["logps"]), entropy=f(r["entropy"]),
-                      per_token_loss=f(r["per_token_loss"]), lam=f(r["lam"]), n_conf=r["n_conf"],
-                      kept=r["kept"], seq_entropy=r["seq_entropy"], metrics=r["metrics"])
-
-
-def _pad_values(b, x):
-    ids_p, _, _ = _to_padded(b, b.ids, b.counted)
-    cu = b.cu_seqlens.long()
-    pos = torch.arange(b.ids.numel(), device=x.device) - cu[b.seg]
-    out = torch.zeros(ids_p.shape, dtype=x.dtype, device=x.device)
-    out[b.seg, pos] = x
-    return out
+    r = gtpo_reference.gtpo_loss(lg, ids, b.adv, m, group_size=group_size, old_logps=opt(old_logps),
+                                 ref_logps=opt(ref_logps), lam=opt(lam), n_conf=n_conf,
+                                 num_items_in_batch=num_items, **kw)
+    dt = out_dtype(logits)  # the reference computes in float64; the contract's outputs are float32
+    loss = unpad(r["loss"]) if cfg.loss_agg == "none" else r["loss"]
+    return GTPOOutput(loss=loss.to(dt), logps=unpad(r["logps"]).to(dt), entropy=unpad(r["entropy"]).to(dt),
+                      per_token_loss=unpad(r["per_token_loss"]).to(dt), lam=unpad(r["lam"]).to(dt),
+                      n_conf=r["n_conf"].to(dt), kept=r["kept"], seq_entropy=r["seq_entropy"].to(dt),
+                      metrics={k: v.to(dt) for k, v in r["metrics"].items()})

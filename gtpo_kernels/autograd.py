@@ -1,13 +1,13 @@
 """The vocabulary passes as `torch.library` custom ops, and the autograd rule that joins them.
 
-    vocab_fwd   : logits -> per token (logp, H, lse, q = 1 - p_y, flags); no autograd
+    vocab_fwd   : logits -> per token (logp, H, stats = (row max, log S, 1 - p_y), flags); no autograd
     attach_grad : (logits, value) -> value, whose backward is the gradient pass:
                   dL/dlogits = g * (c * dlogp/dz + e * dH/dz)   (see vocab_triton's docstring)
 
 `gtpo_loss` computes the loss value and the per-token coefficients c = dL/dlogp, e = dL/dH in closed
 form between the passes (surrogate.py, O(tokens)); `attach_grad` hands the value back with this
-gradient attached. Saved for backward: the logits by reference and O(1) numbers per token (ids, lse,
-H, q, c, e). Being custom ops with fake (meta) implementations, the passes are opaque to
+gradient attached. Saved for backward: the logits by reference and O(1) numbers per token (ids,
+stats, H, c, e). Being custom ops with fake (meta) implementations, the passes are opaque to
 `torch.compile`, which traces everything around them without graph breaks.
 """
 from __future__ import annotations
@@ -38,60 +38,61 @@ def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, t
 def _(logits3, ids, counted, temperature, logits_start, backend):
     n = ids.numel()
     acc = _acc_dtype(logits3, backend)
-    return [logits3.new_empty(n, dtype=acc) for _ in range(4)] + [logits3.new_empty(n, dtype=torch.int8)]
+    return [logits3.new_empty(n, dtype=acc), logits3.new_empty(n, dtype=acc),
+            logits3.new_empty((n, 3), dtype=acc), logits3.new_empty(n, dtype=torch.int8)]
 
 
 @torch.library.custom_op("gtpo_kernels::vocab_bwd", mutates_args=())
-def vocab_bwd(logits3: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
-              q: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor], temperature: float,
+def vocab_bwd(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent: torch.Tensor,
+              c: torch.Tensor, e: Optional[torch.Tensor], temperature: float,
               logits_start: int, backend: str) -> torch.Tensor:
     grad3 = torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
-    dispatch.logprob_bwd(backend, logits3, grad3, ids, lse, ent, q, c, e, temperature, logits_start)
+    dispatch.logprob_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start)
     return grad3
 
 
 @vocab_bwd.register_fake
-def _(logits3, ids, lse, ent, q, c, e, temperature, logits_start, backend):
+def _(logits3, ids, stats, ent, c, e, temperature, logits_start, backend):
     return torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
 
 
 @torch.library.custom_op("gtpo_kernels::vocab_bwd_inplace", mutates_args=("logits3",))
-def vocab_bwd_inplace(logits3: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
-                      q: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor], temperature: float,
+def vocab_bwd_inplace(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent: torch.Tensor,
+                      c: torch.Tensor, e: Optional[torch.Tensor], temperature: float,
                       logits_start: int, backend: str) -> None:
-    dispatch.logprob_bwd(backend, logits3, logits3, ids, lse, ent, q, c, e, temperature, logits_start)
+    dispatch.logprob_bwd(backend, logits3, logits3, ids, stats, ent, c, e, temperature, logits_start)
 
 
 @torch.library.custom_op("gtpo_kernels::attach_grad", mutates_args=())
-def attach_grad(logits3: torch.Tensor, value: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
-                ent: torch.Tensor, q: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor],
+def attach_grad(logits3: torch.Tensor, value: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor,
+                ent: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor],
                 temperature: float, logits_start: int, backend: str, inplace: bool) -> torch.Tensor:
     return value.clone()
 
 
 @attach_grad.register_fake
-def _(logits3, value, ids, lse, ent, q, c, e, temperature, logits_start, backend, inplace):
+def _(logits3, value, ids, stats, ent, c, e, temperature, logits_start, backend, inplace):
     return torch.empty_like(value)
 
 
 def _setup_context(ctx, inputs, output):
-    logits3, _value, ids, lse, ent, q, c, e, temperature, logits_start, backend, inplace = inputs
-    ctx.save_for_backward(logits3, ids, lse, ent, q, c, e)
+    logits3, _value, ids, stats, ent, c, e, temperature, logits_start, backend, inplace = inputs
+    ctx.save_for_backward(logits3, ids, stats, ent, c, e)
     ctx.meta = (temperature, logits_start, backend, inplace)
 
 
 def _backward(ctx, grad):
-    logits3, ids, lse, ent, q, c, e = ctx.saved_tensors
+    logits3, ids, stats, ent, c, e = ctx.saved_tensors
     temperature, logits_start, backend, inplace = ctx.meta
     g = grad.reshape(-1).to(c.dtype)  # scalar loss: (1,); loss_agg='none': one per token
     c = c * g
     e = None if e is None else e * g
     if inplace:
-        vocab_bwd_inplace(logits3, ids, lse, ent, q, c, e, temperature, logits_start, backend)
+        vocab_bwd_inplace(logits3, ids, stats, ent, c, e, temperature, logits_start, backend)
         grad3 = logits3.view(logits3.shape)  # a fresh view: autograd can take it as .grad without a copy
     else:
-        grad3 = vocab_bwd(logits3, ids, lse, ent, q, c, e, temperature, logits_start, backend)
-    return (grad3,) + (None,) * 11
+        grad3 = vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, backend)
+    return (grad3,) + (None,) * 10
 
 
 attach_grad.register_autograd(_backward, setup_context=_setup_context)

@@ -8,6 +8,7 @@ argument and what was expected.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional
 
 import torch
@@ -45,6 +46,12 @@ class Batch:
     @property
     def V(self) -> int:
         return self.logits3.shape[-1]
+
+
+def _nonneg_int(name, x):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {x!r}")
+    return int(x)
 
 
 def _tensor(name, x):
@@ -127,11 +134,13 @@ def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_
         if validate and (int(cu[0]) != 0 or int(cu[-1]) != N or bool((lengths < 0).any())):
             raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N = {N} "
                              f"(completion_ids' length), got {cu_seqlens.tolist()}")
-        if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
-                                       or max_seqlen < 0):
-            raise ValueError(f"max_seqlen must be None or an int >= 0, got {max_seqlen!r}")
+        if max_seqlen is not None:
+            max_seqlen = _nonneg_int("max_seqlen", max_seqlen)
+            if validate and max_seqlen < int(lengths.max()):
+                raise ValueError(f"max_seqlen = {max_seqlen} is shorter than the longest completion in "
+                                 f"cu_seqlens ({int(lengths.max())})")
         seg = torch.repeat_interleave(torch.arange(B, device=device), lengths, output_size=N)
-        max_len = max_seqlen if max_seqlen is not None else lengths.max().clamp(min=1)
+        max_len = lengths.max().clamp(min=1)  # the longest completion (a tensor: no host sync)
     if B == 0:
         raise ValueError("the batch is empty: completion_ids needs at least one completion")
     if completion_mask is None:
@@ -160,8 +169,7 @@ def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, ol
             ref_logps=None, lam=None, n_conf=None, cu_seqlens=None, max_seqlen=None, logits_start=0,
             validate=True) -> Batch:
     """A Batch for the vocabulary passes: prepare_tokens plus the logits and per-token extras."""
-    if isinstance(logits_start, bool) or not isinstance(logits_start, int) or logits_start < 0:
-        raise ValueError(f"logits_start must be an int >= 0, got {logits_start!r}")
+    logits_start = _nonneg_int("logits_start", logits_start)
     if cu_seqlens is None:
         check_logits(logits, 3, "(B, T_l, V) (pass cu_seqlens for the packed (N, V) form)")
     else:
@@ -207,10 +215,11 @@ def check_group_size(group_size, B):
     if group_size is None:
         raise ValueError("group_size is required to compute the conflict weights (or pass lam and "
                          "n_conf from conflict_weights, or turn use_conflict_mask off)")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if B % group_size:
         raise ValueError(f"group_size = {group_size} must divide the number of completions B = {B}")
+    return int(group_size)
 
 
 def raise_on_flags(bad, tok_shape):

@@ -61,7 +61,7 @@ def raw_conflicts(ids, m, pos, neg, group_size, block_t=None):
     if B * T == 0:
         return raw.bool()
     block_g = triton.next_power_of_2(group_size)
-    bt = block_t or max(16, min(triton.next_power_of_2(T), 2048 // block_g))
+    bt = block_t or max(16, 2048 // block_g)  # from the group size only: no recompile as T changes
     n_t_blocks = triton.cdiv(T, bt)
     grid = ((B // group_size) * n_t_blocks,)
     _raw_conflict_kernel[grid](

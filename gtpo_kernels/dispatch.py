@@ -38,5 +38,5 @@ def logprob_fwd(backend, logits3, ids, counted, temperature, logits_start):
     return _impl(backend).logprob_fwd(logits3, ids, counted, temperature, logits_start)
 
 
-def logprob_bwd(backend, logits3, grad3, ids, lse, ent, q, c, e, temperature, logits_start):
-    return _impl(backend).logprob_bwd(logits3, grad3, ids, lse, ent, q, c, e, temperature, logits_start)
+def logprob_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
+    return _impl(backend).logprob_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start)

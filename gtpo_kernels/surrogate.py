@@ -20,7 +20,8 @@ import torch
 
 
 def seg_sum(x, seg, B):
-    return torch.zeros(B, dtype=x.dtype, device=x.device).index_add_(0, seg, x)
+    """Per-completion sums, accumulated in float64 (a completion may hold 100k+ tokens)."""
+    return torch.zeros(B, dtype=torch.float64, device=x.device).index_add_(0, seg, x.double()).to(x.dtype)
 
 
 def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n_conf=None,
@@ -35,7 +36,7 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
     ent = torch.where(m, ent, zero)
     n = seg_sum(mf, seg, B)  # counted tokens per completion
     n_safe = n.clamp(min=1)
-    M = mf.sum()
+    M = mf.sum(dtype=torch.float64).to(dt)  # exact counts past 2**24 tokens
     M_safe = M.clamp(min=1)
 
     # entropy control (spec 2)
@@ -95,7 +96,7 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
         "clip_frac": (clipped & m).to(dt).sum() / M_safe,
         "filtered_frac": (~kept).to(dt).mean() if B else zero,
         "conflict_frac": ((lam != 1) & m).to(dt).sum() / M_safe,
-        "mean_entropy": ent.sum() / M_safe,
+        "mean_entropy": ent.sum(dtype=torch.float64).to(dt) / M_safe,
     }
     return dict(loss_tok=loss_tok, weight=w, c=c, e=e, kept=kept, seq_entropy=seq_ent,
                 logp=logp, ent=ent, metrics=metrics)

@@ -23,7 +23,13 @@ def _acc_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+# log p below this is exp-underflow (0) in float32 and float64 alike; clamping -inf there keeps every
+# product with p = 0 finite
+_LOG_ZERO = -1e4
+
+
 def logprob_fwd(logits3, ids, counted, temperature, logits_start):
+    """Same contract as vocab_triton.logprob_fwd: logp, entropy, stats (m, log S, q), flags."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -31,12 +37,11 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
     acc = _acc_dtype(logits3)
     logp = torch.zeros(n, device=dev, dtype=acc)
     ent = torch.zeros_like(logp)
-    lse = torch.zeros_like(logp)
-    q = torch.zeros_like(logp)
+    stats = torch.zeros((n, 3), device=dev, dtype=acc)
     bad = torch.zeros(n, device=dev, dtype=torch.int8)
     rows_idx = counted.nonzero().squeeze(1)  # masked-out rows are never read
     if rows_idx.numel() == 0 or V == 0:
-        return logp, ent, lse, q, bad
+        return logp, ent, stats, bad
     bi, ti = rows_idx // T, rows_idx % T + logits_start
     inv_t = 1.0 / temperature
     step = _rows_per_chunk(V)
@@ -44,45 +49,44 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
     for k in range(0, rows_idx.numel(), step):
         sl = slice(k, k + step)
         idx = rows_idx[sl]
-        # one float32 chunk of rows, and one more for the exponentials: in-place from here on
-        s = logits3[bi[sl], ti[sl]].to(acc)
-        s.mul_(inv_t)
+        # one chunk of rows in the accumulation dtype, and one more for the exponentials; in place after
+        z = logits3[bi[sl], ti[sl]].to(acc)
         y = ids[idx].long()
         y_ok = (y >= 0) & (y < V)
         yc = y.clamp(0, V - 1)[:, None]
-        flag = (torch.isnan(s) | (s == float("inf"))).any(-1).to(torch.int8) * BAD_NONFINITE
-        s_y = torch.where(y_ok, s.gather(1, yc).squeeze(1), torch.full_like(y, 0, dtype=acc) + float("nan"))
-        flag |= (s_y == ninf).to(torch.int8) * BAD_TARGET_NEG_INF
+        flag = (torch.isnan(z) | (z == float("inf"))).any(-1).to(torch.int8) * BAD_NONFINITE
+        z_y = torch.where(y_ok, z.gather(1, yc).squeeze(1), torch.full_like(y, 0, dtype=acc) + float("nan"))
+        flag |= (z_y == ninf).to(torch.int8) * BAD_TARGET_NEG_INF
         flag |= (~y_ok).to(torch.int8) * BAD_ID
-        # lse = max + log1p(R), R the sum without the maximum element (exact for confident rows)
-        mx, top = s.max(-1, keepdim=True)
+        mx, top = z.max(-1, keepdim=True)
         mx = torch.where(mx == ninf, torch.zeros_like(mx), mx)
-        ex = s.sub(mx).exp_()
+        # d = (z - max) / tau: the difference first, so its accuracy does not depend on |z / tau|
+        d = z.sub_(mx).mul_(inv_t).clamp_(min=_LOG_ZERO)
+        ex = torch.exp(d)
+        # R = S without one instance of the maximum: log S = log1p(R) exact for confident rows
         ex.scatter_(1, top, 0.0)
         r = ex.sum(-1)
         ex.scatter_(1, top, 1.0)
+        s_tot = 1.0 + r
         log_s = torch.log1p(r)
-        c_lse = mx.squeeze(1) + log_s
-        # p = ex / S, log p = s - lse; H = -sum p log p (no cancellation between lse and sum p s)
-        p = ex.div_((1.0 + r)[:, None])
-        logq = s.sub_(c_lse[:, None]).clamp_(min=torch.finfo(acc).min)  # p = 0 where clamped
-        c_ent = -logq.mul_(p).sum(-1)
-        # logp = (s_y - max) - log1p(R); q = 1 - p_y is R / S when y holds the maximum (exact for a
-        # confident token), else 1 - p_y with p_y < 1/2
+        # H = log S - U / S with U = sum e^d d <= 0 (no cancellation)
+        c_ent = log_s - d.mul_(ex).sum(-1) / s_tot
         mx1 = mx.squeeze(1)
-        c_logp = (s_y - mx1) - log_s
-        top_y = s_y == mx1
-        c_q = torch.where(top_y, r / (1.0 + r), -torch.expm1(torch.where(top_y, 0.0, c_logp)))
+        c_logp = (z_y - mx1) * inv_t - log_s
+        # q = 1 - p_y is R / S when y holds the maximum (exact for a confident token), else 1 - p_y
+        # with p_y < 1/2
+        top_y = z_y == mx1
+        c_q = torch.where(top_y, r / s_tot, -torch.expm1(torch.where(top_y, 0.0, c_logp)))
         logp[idx] = c_logp
-        q[idx] = c_q
         ent[idx] = c_ent
-        lse[idx] = c_lse
+        stats[idx] = torch.stack([mx1, log_s, c_q], 1)
         bad[idx] = flag
-        del s, ex, p, logq
-    return logp, ent, lse, q, bad
+        del z, d, ex
+    return logp, ent, stats, bad
 
 
-def logprob_bwd(logits3, grad3, ids, lse, ent, q, c, e, temperature, logits_start):
+def logprob_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
+    """Same contract as vocab_triton.logprob_bwd."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -105,18 +109,20 @@ def logprob_bwd(logits3, grad3, ids, lse, ent, q, c, e, temperature, logits_star
         bi, ti = idx // T, idx % T + logits_start
         yc = ids[idx].long()[:, None]
         cc = c[idx, None]
-        # logq = s - lse (clamped where p = 0), p = exp(logq): two chunks, in place from here on
-        logq = logits3[bi, ti].to(lse.dtype)
-        logq.mul_(inv_t).sub_(lse[idx, None]).clamp_(min=torch.finfo(lse.dtype).min)
+        st = stats[idx]
+        # log p = (z - m) / tau - log S (clamped where p = 0), p = exp(log p): two chunks, in place
+        logq = logits3[bi, ti].to(stats.dtype)
+        logq.sub_(st[:, 0:1]).mul_(inv_t).sub_(st[:, 1:2]).clamp_(min=_LOG_ZERO)
         p = torch.exp(logq)
+        q = st[:, 2:3]
         # g_v = -p_v (c + e (log p_v + H)) for v != y;  g_y = c q - e p_y (log p_y + H)
         if e is not None:
             ee = e[idx, None]
             t = logq.add_(ent[idx, None]).mul_(ee)
-            g_y = cc * q[idx, None] - p.gather(1, yc) * t.gather(1, yc)
+            g_y = cc * q - p.gather(1, yc) * t.gather(1, yc)
             g = p.mul_(t.add_(cc)).neg_()
         else:
-            g_y = cc * q[idx, None]
+            g_y = cc * q
             g = p.mul_(-cc)
         g.scatter_(1, yc, g_y)
         grad3[bi, ti] = g.mul_(inv_t).to(grad3.dtype)

@@ -1,5 +1,6 @@
 """The public contract (spec section 6): errors, awkward but valid inputs, in-place, the packed form,
 and the torch path's memory."""
+import dataclasses
 import json
 import math
 import os
@@ -261,3 +262,73 @@ def test_torch_path_peak_memory_stays_within_a_few_chunks():
     assert ours["peak_above_inputs"] <= ours["logits_bytes"] + 6 * chunk, ours
     eager = measure("eager")
     assert eager["peak_above_inputs"] > ours["peak_above_inputs"] + ours["logits_bytes"], (eager, ours)
+
+
+# ---------------------------------------------------------------- magnitudes and corner cases
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale,offset,temperature", [(0.02, 30.0, 0.01), (3.0, 1e4, 1.0), (1.0, -2e3, 0.5)])
+def test_accuracy_does_not_depend_on_the_size_of_the_logits(backend, scale, offset, temperature):
+    """z / tau of 3000 or logits near 1e4: differences are taken before the scale, and lse is never
+    formed, so the spec's tolerances hold at any magnitude (float32 inputs, as given)."""
+    g = torch.Generator().manual_seed(7)
+    x = (offset + scale * torch.randn(4, 6, 64, generator=g)).float()
+    ids = torch.randint(0, 64, (4, 6), generator=g)
+    ids[:, 0] = x[:, 0].argmax(-1)  # some confident targets
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    cfg = GTPOConfig.preset("grpo", temperature=temperature, entropy_coef=0.01)
+    xx = x.clone().requires_grad_()
+    out = gtpo_loss(xx, ids, adv, group_size=2, config=cfg, backend=backend)
+    out.loss.backward()
+    xr = x.double().requires_grad_()
+    r = ref.gtpo_loss(xr, ids, adv, group_size=2, **dataclasses.asdict(cfg))
+    r["loss"].backward()
+    assert_value_close("logps", out.logps, r["logps"], 1e-5)
+    assert_value_close("entropy", out.entropy, r["entropy"], 1e-5)
+    assert_value_close("loss", out.loss.detach(), r["loss"].detach(), 1e-5)
+    assert_grad_close("grad", xx.grad, xr.grad, 1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_entropy_bonus_with_banned_vocabulary_stays_finite(backend):
+    """-inf logits with an entropy coefficient whose product with log p would overflow."""
+    x = torch.tensor([[[0.0, 1.0, float("-inf"), 0.5]], [[2.0, float("-inf"), 1.0, 0.0]]])
+    ids = torch.tensor([[0], [2]])
+    cfg = GTPOConfig.preset("grpo", entropy_coef=2.0, loss_agg="seq-mean-token-sum")
+    xx = x.clone().requires_grad_()
+    out = gtpo_loss(xx, ids, torch.tensor([1.0, -1.0]), config=cfg, backend=backend)
+    (out.loss * 3).backward()
+    xr = x.double().requires_grad_()
+    (ref.gtpo_loss(xr, ids, torch.tensor([1.0, -1.0]), **dataclasses.asdict(cfg))["loss"] * 3).backward()
+    assert_grad_close("grad", xx.grad, xr.grad, 1e-5)
+    assert (xx.grad[..., [2]][x[..., [2]] == float("-inf")] == 0).all()
+
+
+def test_packed_max_seqlen_is_checked_and_not_the_denominator():
+    g = torch.Generator().manual_seed(0)
+    x, ids = torch.randn(8, 10, generator=g), torch.randint(0, 10, (8,), generator=g)
+    cu, adv = torch.tensor([0, 3, 8]), torch.tensor([1.0, -1.0])
+    with pytest.raises(ValueError, match="max_seqlen = 4 is shorter than the longest"):
+        gtpo_loss(x, ids, adv, group_size=2, cu_seqlens=cu, max_seqlen=4)
+    losses = [gtpo_loss(x, ids, adv, cu_seqlens=cu, max_seqlen=m, config="dr_grpo").loss for m in (None, 5, 8)]
+    assert losses[0] == losses[1] == losses[2]  # the longest completion (5), whatever max_seqlen says
+
+
+def test_weights_given_without_n_conf_when_conflicts_are_off():
+    x, ids, adv = batch()
+    cfg = GTPOConfig.preset("gtpo-official", use_conflict_mask=False)
+    lam = torch.rand(4, 5) + 0.5
+    out = gtpo_loss(x, ids, adv, lam=lam, config=cfg)
+    r = ref.gtpo_loss(x.double(), ids, adv, lam=lam, **dataclasses.asdict(cfg))
+    assert_value_close("loss", out.loss, r["loss"], 1e-5)
+
+
+def test_reference_backend_follows_the_contract():
+    x, ids, adv = batch(B=2, T=7, V=9)
+    lp, ent = token_logprobs(x, ids[:, :5], logits_start=2, backend="reference")
+    lp2, ent2 = token_logprobs(x, ids[:, :5], logits_start=2, backend="torch")
+    assert lp.dtype == torch.float32 and lp.shape == (2, 5)
+    assert_value_close("logp", lp, lp2, 1e-5)
+    out = gtpo_loss(x, ids[:, :5], adv[:2], group_size=2, logits_start=2, backend="reference")
+    assert out.loss.dtype == out.seq_entropy.dtype == out.metrics["clip_frac"].dtype == torch.float32

@@ -57,7 +57,7 @@ def test_grids_fit_any_token_count(monkeypatch):
     ids = torch.zeros(T, dtype=torch.long)
     f = torch.zeros(T)
     vocab_triton.logprob_fwd(logits, ids, torch.ones(T, dtype=torch.bool), 1.0, 0)
-    vocab_triton.logprob_bwd(logits, logits, ids, f, f, f, f, None, 1.0, 0)
+    vocab_triton.logprob_bwd(logits, logits, ids, torch.zeros(T, 3), f, f, None, 1.0, 0)
     ids2 = torch.zeros(8, T, dtype=torch.long)
     conflict_triton.raw_conflicts(ids2, torch.ones(8, T, dtype=torch.bool), torch.ones(8, dtype=torch.bool),
                                   torch.zeros(8, dtype=torch.bool), 8)
@@ -188,3 +188,16 @@ def test_torch_compile_fullgraph_matches_eager(backend, packed):
     assert_value_close("entropy", ec, ee, 1e-6)
     assert_value_close("clip_frac", cc, ce, 1e-6)
     assert_grad_close("grad", xc.grad, xe.grad, 1e-6)
+
+
+def test_conflict_kernel_block_does_not_follow_the_length(monkeypatch):
+    seen = []
+
+    class Rec:
+        def __getitem__(self, grid):
+            return lambda *a, **k: seen.append(k["BLOCK_T"])
+    monkeypatch.setattr(conflict_triton, "_raw_conflict_kernel", Rec())
+    for T in (5, 20, 100, 3000):
+        conflict_triton.raw_conflicts(torch.zeros(8, T, dtype=torch.long), torch.ones(8, T, dtype=torch.bool),
+                                      torch.ones(8, dtype=torch.bool), torch.zeros(8, dtype=torch.bool), 8)
+    assert len(set(seen)) == 1, seen
