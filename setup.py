@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=["gtpo_kernels", "gtpo_reference"],
     package_dir={"gtpo_kernels": "gtpo_kernels", "gtpo_reference": "reference"},
-    python_requires=">=3.9",
+    python_requires=">=3.10",  # torch 2.13 and triton 3.8; the test and trl extras need 3.11
     # torch is not pinned here: install the build that fits your machine first (see README)
     # triton: tested with 3.6 (CUDA) and 3.8 (CPU interpreter, with numpy 2.4)
     install_requires=["torch>=2.1", "triton>=3.6,<3.9; platform_system=='Linux'"],

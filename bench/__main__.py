@@ -31,7 +31,7 @@ def parse_args(argv):
     ap.add_argument("--preset", default="gtpo", choices=("gtpo", "grpo"))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--repeats", type=int, default=None, help="timed runs (CPU; default 5); CUDA: do_bench")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed runs before the timed ones (CPU)")
     ap.add_argument("--modes", default=None, help="fwd,bwd,full (default: CPU full,fwd; CUDA fwd,bwd,full)")
     ap.add_argument("--traffic-size", default="128x32000", help="TOKENSxV for the interpreter byte count")
     ap.add_argument("--no-traffic", action="store_true")

@@ -46,7 +46,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_ms(run, inp, modes=MODES, repeats=5, warmup=1):
+def time_ms(run, inp, modes=MODES, repeats=5, warmup=3):
     """{mode: milliseconds}. CUDA: do_bench medians; CPU: wall-clock medians."""
     z = inp.logits
     cuda = z.is_cuda

@@ -90,6 +90,7 @@ class Suite:
                 k += 1
                 run = runs[impl]
                 if isinstance(run, Exception):
+                    self.progress(f"[{k}/{n}] {impl} {tokens}x{V}: unavailable")
                     rows.append(self._row(impl, tokens, V, "unavailable", note=str(run)))
                     continue
                 self.progress(f"[{k}/{n}] {impl} {tokens}x{V}")

@@ -2,7 +2,7 @@
 
     from gtpo_kernels import gtpo_loss, GTPOConfig, conflict_weights, token_logprobs
 
-The specification is shared/GTPO_SPEC.md; `gtpo_reference` (installed alongside) is the pure-PyTorch
+The specification is docs/GTPO_SPEC.md; `gtpo_reference` (installed alongside) is the pure-PyTorch
 oracle.
 """
 from .api import GTPOOutput, conflict_weights, gtpo_loss, token_logprobs

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import warnings
 from typing import Dict
 
 import torch
@@ -32,7 +33,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
               old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None, n_conf=None,
               cu_seqlens=None, max_seqlen=None, logits_start=0, num_items_in_batch=None,
               inplace=False, validate=True, backend="auto") -> GTPOOutput:
-    """The GTPO policy-gradient loss (spec: shared/GTPO_SPEC.md), fused over the vocabulary.
+    """The GTPO policy-gradient loss (spec: docs/GTPO_SPEC.md), fused over the vocabulary.
 
     In one line of torch, for the default config (padded form, every token counted)::
 
@@ -98,6 +99,12 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         b.lam = torch.where(b.counted, b.lam, torch.ones_like(b.lam))
 
     loss, logps, entropy, per_token, res = _fused_loss(b, cfg, backend, inplace, validate, num_items_in_batch)
+    if validate and cfg.entropy_threshold is not None and not bool(res["kept"].any()) and bool(b.counted.any()):
+        warnings.warn(
+            f"gtpo_loss: the entropy filter dropped every completion (mean entropy above entropy_threshold="
+            f"{cfg.entropy_threshold:.3g}), so the loss and its gradient are zero. A model more uncertain than "
+            f"that from the start needs GTPOConfig(initial_entropy=<its mean entropy>) (the paper's gate) or "
+            f"entropy_threshold=None; out.metrics['filtered_frac'] tracks it.", stacklevel=2)
     dt = out_dtype(logits)
     lam_out = torch.ones(b.tok_shape, dtype=dt, device=logits.device) if b.lam is None else \
         b.lam.to(dt).reshape(b.tok_shape)

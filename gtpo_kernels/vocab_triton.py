@@ -51,7 +51,8 @@ def num_warps_for(block_v: int) -> int:
 def _log1p(x):
     # log(1 + x) accurate for small x (Goldberg's trick: the rounding of 1 + x cancels)
     u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+    exact = u == 1.0
+    return tl.where(exact, x, tl.log(u) * (x / tl.where(exact, 1.0, u - 1.0)))
 
 
 @triton.jit(do_not_specialize=["T", "logits_start"])

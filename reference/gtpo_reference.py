@@ -1,6 +1,6 @@
 """Pure-PyTorch float64 reference of the GTPO loss (the test oracle of gtpo_kernels).
 
-Every formula follows /work/shared/GTPO_SPEC.md; comments cite its sections ("spec 3" = section 3).
+Every formula follows docs/GTPO_SPEC.md (the specification); comments cite its sections ("spec 3" = section 3).
 Readability comes first: the conflict weights are plain Python loops over groups, completions and
 positions, and everything is computed in float64. This module must never import gtpo_kernels.
 """

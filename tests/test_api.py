@@ -332,3 +332,15 @@ def test_reference_backend_follows_the_contract():
     assert_value_close("logp", lp, lp2, 1e-5)
     out = gtpo_loss(x, ids[:, :5], adv[:2], group_size=2, logits_start=2, backend="reference")
     assert out.loss.dtype == out.seq_entropy.dtype == out.metrics["clip_frac"].dtype == torch.float32
+
+
+def test_warns_when_the_filter_drops_every_completion():
+    x, ids, adv = batch()  # random logits: entropy ~ log V, far above ln 2
+    with pytest.warns(UserWarning, match="entropy filter dropped every completion"):
+        out = gtpo_loss(x * 0.01, ids, adv, group_size=2)
+    assert out.metrics["filtered_frac"] == 1
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gtpo_loss(x * 0.01, ids, adv, group_size=2, config=GTPOConfig(initial_entropy=5.0))  # the gate
+        gtpo_loss(x * 0.01, ids, adv, group_size=2, validate=False)  # no host read, no warning
