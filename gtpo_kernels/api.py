@@ -10,7 +10,7 @@ import torch
 
 from . import autograd, checks, conflict, dispatch
 from .autograd import out_dtype
-from .config import GTPOConfig, as_config
+from .config import GTPOConfig, as_config, is_zero
 from .surrogate import surrogate
 
 
@@ -68,9 +68,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     b = checks.prepare(logits, completion_ids, completion_mask, advantages=advantages, old_logps=old_logps,
                        ref_logps=ref_logps, lam=lam, n_conf=n_conf, cu_seqlens=cu_seqlens,
                        max_seqlen=max_seqlen, logits_start=logits_start, validate=validate)
-    if cfg.beta > 0 and ref_logps is None:
-        raise ValueError("config.beta > 0 needs ref_logps (the reference model's log-probs, shape "
-                         "of completion_ids); or set beta=0")
+    if ref_logps is None and not is_zero(cfg.beta):
+        raise ValueError("config.beta > 0 (or a tensor beta) needs ref_logps (the reference model's "
+                         "log-probs, shape of completion_ids); or set beta=0")
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {inplace!r}")
     if inplace and logits.stride(-1) != 1:
@@ -102,7 +102,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     if validate and cfg.entropy_threshold is not None and not bool(res["kept"].any()) and bool(b.counted.any()):
         warnings.warn(
             f"gtpo_loss: the entropy filter dropped every completion (mean entropy above entropy_threshold="
-            f"{cfg.entropy_threshold:.3g}), so the loss and its gradient are zero. A model more uncertain than "
+            f"{float(cfg.entropy_threshold):.3g}), so the loss and its gradient are zero. A model more uncertain than "
             f"that from the start needs GTPOConfig(initial_entropy=<its mean entropy>) (the paper's gate) or "
             f"entropy_threshold=None; out.metrics['filtered_frac'] tracks it.", stacklevel=2)
     dt = out_dtype(logits)
@@ -118,7 +118,8 @@ def _fused_loss(b, cfg, backend, inplace, validate, num_items):
     """Forward pass -> O(N) surrogate -> the loss value with the backward pass attached."""
     dt = out_dtype(b.logits3)
     with torch.no_grad():
-        logp, ent, stats, bad = autograd.vocab_fwd(b.logits3.detach(), b.ids, b.counted, cfg.temperature,
+        temperature = autograd.as_tensor_param(cfg.temperature)
+        logp, ent, stats, bad = autograd.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
                                                     b.logits_start, backend)
         if validate:
             checks.raise_on_flags(bad, b.tok_shape)
@@ -130,7 +131,7 @@ def _fused_loss(b, cfg, backend, inplace, validate, num_items):
         cdt = stats.dtype  # the kernel's coefficients in its accumulation dtype
         c = res["c"].to(cdt)
         e = None if res["e"] is None else res["e"].to(cdt)
-    args = (b.logits3, value, b.ids, stats, ent, c, e, cfg.temperature, b.logits_start, backend)
+    args = (b.logits3, value, b.ids, stats, ent, c, e, temperature, b.logits_start, backend)
     loss = autograd.attach_grad(*args, inplace)
     return (loss, res["logp"].reshape(b.tok_shape), res["ent"].reshape(b.tok_shape),
             res["loss_tok"].reshape(b.tok_shape), res)
@@ -189,6 +190,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     passes: -> (logps, entropy), each of completion_ids' shape, float32 (float64 for float64 logits),
     0 where masked out. Nothing of size tokens x vocabulary is allocated."""
     GTPOConfig(temperature=temperature)  # validates the temperature
+    t_param = autograd.as_tensor_param(temperature)
     b = checks.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens,
                        max_seqlen=max_seqlen, logits_start=logits_start, validate=validate)
     backend = dispatch.resolve_backend(backend, logits.device)
@@ -196,7 +198,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     if backend == "reference":
         return _reference_logprobs(b, logits, temperature)
     with torch.no_grad():
-        logp, ent, _, bad = autograd.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
+        logp, ent, _, bad = autograd.vocab_fwd(b.logits3.detach(), b.ids, b.counted, t_param,
                                                   b.logits_start, backend)
     if validate:
         checks.raise_on_flags(bad, b.tok_shape)
@@ -231,14 +233,14 @@ def _padded_window(b, logits):
 def _reference_logprobs(b, logits, temperature):
     import gtpo_reference
     lg, ids, m, unpad, _ = _padded_window(b, logits)
-    lp, ent = gtpo_reference.token_logprobs(lg, ids, temperature, m)
+    lp, ent = gtpo_reference.token_logprobs(lg, ids, float(temperature), m)
     dt = out_dtype(logits)
     return unpad(lp).to(dt), unpad(ent).to(dt)
 
 
 def _reference(b, logits, cfg, group_size, old_logps, ref_logps, lam, n_conf, num_items):
     import gtpo_reference
-    kw = dataclasses.asdict(cfg)
+    kw = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in dataclasses.asdict(cfg).items()}
     lg, ids, m, unpad, pad = _padded_window(b, logits)
     opt = (lambda x: None if x is None else pad(x))
     if b.packed and kw["max_completion_length"] is None:

@@ -19,6 +19,12 @@ import torch
 from . import dispatch
 
 
+def as_tensor_param(x):
+    """A hyper-parameter as the 0-d tensor the custom ops take (a Python float becomes a CPU tensor;
+    a tensor is passed as it is, so torch.compile sees an input, not a constant to specialize on)."""
+    return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
+
+
 def out_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
@@ -29,7 +35,7 @@ def _acc_dtype(logits3, backend):
 
 
 @torch.library.custom_op("gtpo_kernels::vocab_fwd", mutates_args=())
-def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, temperature: float,
+def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, temperature: torch.Tensor,
               logits_start: int, backend: str) -> List[torch.Tensor]:
     return list(dispatch.logprob_fwd(backend, logits3, ids, counted, temperature, logits_start))
 
@@ -44,7 +50,7 @@ def _(logits3, ids, counted, temperature, logits_start, backend):
 
 @torch.library.custom_op("gtpo_kernels::vocab_bwd", mutates_args=())
 def vocab_bwd(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent: torch.Tensor,
-              c: torch.Tensor, e: Optional[torch.Tensor], temperature: float,
+              c: torch.Tensor, e: Optional[torch.Tensor], temperature: torch.Tensor,
               logits_start: int, backend: str) -> torch.Tensor:
     grad3 = torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
     dispatch.logprob_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start)
@@ -58,7 +64,7 @@ def _(logits3, ids, stats, ent, c, e, temperature, logits_start, backend):
 
 @torch.library.custom_op("gtpo_kernels::vocab_bwd_inplace", mutates_args=("logits3",))
 def vocab_bwd_inplace(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent: torch.Tensor,
-                      c: torch.Tensor, e: Optional[torch.Tensor], temperature: float,
+                      c: torch.Tensor, e: Optional[torch.Tensor], temperature: torch.Tensor,
                       logits_start: int, backend: str) -> None:
     dispatch.logprob_bwd(backend, logits3, logits3, ids, stats, ent, c, e, temperature, logits_start)
 
@@ -66,7 +72,7 @@ def vocab_bwd_inplace(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Ten
 @torch.library.custom_op("gtpo_kernels::attach_grad", mutates_args=())
 def attach_grad(logits3: torch.Tensor, value: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor,
                 ent: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor],
-                temperature: float, logits_start: int, backend: str, inplace: bool) -> torch.Tensor:
+                temperature: torch.Tensor, logits_start: int, backend: str, inplace: bool) -> torch.Tensor:
     return value.clone()
 
 
@@ -77,13 +83,13 @@ def _(logits3, value, ids, stats, ent, c, e, temperature, logits_start, backend,
 
 def _setup_context(ctx, inputs, output):
     logits3, _value, ids, stats, ent, c, e, temperature, logits_start, backend, inplace = inputs
-    ctx.save_for_backward(logits3, ids, stats, ent, c, e)
-    ctx.meta = (temperature, logits_start, backend, inplace)
+    ctx.save_for_backward(logits3, ids, stats, ent, c, e, temperature)
+    ctx.meta = (logits_start, backend, inplace)
 
 
 def _backward(ctx, grad):
-    logits3, ids, stats, ent, c, e = ctx.saved_tensors
-    temperature, logits_start, backend, inplace = ctx.meta
+    logits3, ids, stats, ent, c, e, temperature = ctx.saved_tensors
+    logits_start, backend, inplace = ctx.meta
     g = grad.reshape(-1).to(c.dtype)  # scalar loss: (1,); loss_agg='none': one per token
     c = c * g
     e = None if e is None else e * g

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+import numbers
+from typing import Optional, Union
+
+import torch
 
 LOSS_AGGS = (
     "seq-mean-token-mean",
@@ -34,6 +37,9 @@ class GTPOConfig:
     initial_entropy       the starting model's mean entropy; above h_max it turns the filter off
     entropy_coef          optional differentiable entropy bonus (- coef * H per token)
     beta                  weight of the k3 KL term against ref_logps (0: no reference model)
+    (every float above may also be a 0-d floating tensor, e.g. a schedule the trainer updates in place:
+    under torch.compile it is then a graph input, and a new value does not recompile; a CPU tensor
+    is read without a device sync)
     loss_agg              one of LOSS_AGGS ('_' or '-' accepted)
     max_completion_length denominator of 'seq-mean-token-sum-norm' (default: T, or the longest
                           completion in the packed form)
@@ -58,24 +64,30 @@ class GTPOConfig:
         def bad(field, expected):
             raise ValueError(f"GTPOConfig.{field} must be {expected}, got {getattr(self, field)!r}")
 
-        def finite(field):
+        def value(field):
+            """The field's number; a 0-d floating tensor is read once, here (see is_tensor_param)."""
             v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                bad(field, "a finite number")
+            if isinstance(v, torch.Tensor):
+                if v.dim() != 0 or not v.dtype.is_floating_point:
+                    bad(field, "a finite number or a 0-d floating-point tensor")
+                v = float(v)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                bad(field, "a finite number or a 0-d floating-point tensor")
+            return v
 
         for f in ("temperature", "eps_low", "eps_high", "conflict_pos_weight", "conflict_neg_weight",
                   "entropy_penalty", "entropy_coef", "beta"):
-            finite(f)
-        if self.temperature <= 0:
+            value(f)
+        if value("temperature") <= 0:
             bad("temperature", "> 0")
         for f in ("eps_low", "eps_high"):
-            if not 0.0 <= getattr(self, f) < 1.0:
+            if not 0.0 <= value(f) < 1.0:
                 bad(f, "in [0, 1)")
-        if self.beta < 0:
+        if value("beta") < 0:
             bad("beta", ">= 0")
         for f in ("entropy_threshold", "initial_entropy"):
             if getattr(self, f) is not None:
-                finite(f)
+                value(f)
         if not isinstance(self.clip, bool):
             bad("clip", "a bool")
         if not isinstance(self.use_conflict_mask, bool):
@@ -112,6 +124,11 @@ PRESETS = {
     "dapo": dict(_NO_GTPO, eps_high=0.28, loss_agg="token-mean"),
     "dr-grpo": dict(_NO_GTPO, loss_agg="seq-mean-token-sum-norm"),
 }
+
+
+def is_zero(x) -> bool:
+    """True for a Python 0; a tensor is never assumed to be 0 (its value may change between calls)."""
+    return not isinstance(x, torch.Tensor) and x == 0
 
 
 def as_config(config) -> GTPOConfig:

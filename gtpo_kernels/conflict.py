@@ -74,4 +74,4 @@ def weights_from_runs(conf_f, conf_b, adv, pos_weight, neg_weight, dtype=torch.f
         return torch.where(conf & pos, pos_weight * one, torch.where(conf & neg, neg_weight * one, one))
 
     n_conf = torch.maximum(conf_f.sum(1), conf_b.sum(1)).clamp(min=1).to(dtype)
-    return lam(conf_f) * lam(conf_b), n_conf
+    return (lam(conf_f) * lam(conf_b)).to(dtype), n_conf

@@ -34,9 +34,11 @@ def _impl(backend):
     return impl
 
 
+# temperature: a number, or a 0-d tensor read here (a CPU tensor: no device sync)
+
 def logprob_fwd(backend, logits3, ids, counted, temperature, logits_start):
-    return _impl(backend).logprob_fwd(logits3, ids, counted, temperature, logits_start)
+    return _impl(backend).logprob_fwd(logits3, ids, counted, float(temperature), logits_start)
 
 
 def logprob_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
-    return _impl(backend).logprob_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start)
+    return _impl(backend).logprob_bwd(logits3, grad3, ids, stats, ent, c, e, float(temperature), logits_start)

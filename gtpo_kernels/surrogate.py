@@ -18,6 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from .config import is_zero
+
+
+def _operand(x, like):
+    """A Python number as it is; a 0-d tensor hyper-parameter moved to `like`'s device and dtype."""
+    return x.to(like.device, like.dtype) if isinstance(x, torch.Tensor) else x
+
 
 def seg_sum(x, seg, B):
     """Per-completion sums, accumulated in float64 (a completion may hold 100k+ tokens)."""
@@ -42,10 +49,12 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
     # entropy control (spec 2)
     seq_ent = seg_sum(ent, seg, B) / n_safe
     h_max = cfg.entropy_threshold
-    if h_max is None or (cfg.initial_entropy is not None and cfg.initial_entropy > h_max):
+    if h_max is None:
         kept = torch.ones(B, dtype=torch.bool, device=logp.device)
     else:
         kept = seq_ent <= h_max
+        if cfg.initial_entropy is not None:  # the paper's gate (a tensor comparison when either is one)
+            kept = kept | (cfg.initial_entropy > h_max)
     adv = adv.to(dt)
     a_hat = torch.where(kept, adv - cfg.entropy_penalty * seq_ent, zero)
     A = a_hat[seg]
@@ -56,7 +65,7 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
     lam = torch.ones_like(logp) if lam is None else lam.to(dt)
     u1 = r * A
     if cfg.clip:
-        u2 = torch.clamp(r, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * A
+        u2 = torch.clamp(r, _operand(1.0 - cfg.eps_low, r), _operand(1.0 + cfg.eps_high, r)) * A
         clipped = u1 > u2
         pg = -lam * torch.minimum(u1, u2)
         d_logp = torch.where(clipped, zero, -lam * u1)
@@ -65,12 +74,12 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
         pg = -lam * u1
         d_logp = -lam * u1
     loss_tok = pg
-    if cfg.beta != 0.0:
+    if ref is not None and not is_zero(cfg.beta):
         d = torch.where(m, ref.to(dt), zero) - logp
         ed = torch.exp(d)
         loss_tok = loss_tok + cfg.beta * (ed - d - 1.0)
         d_logp = d_logp + cfg.beta * (1.0 - ed)
-    if cfg.entropy_coef != 0.0:
+    if not is_zero(cfg.entropy_coef):
         loss_tok = loss_tok - cfg.entropy_coef * ent
     loss_tok = torch.where(m, loss_tok, zero)
 
@@ -90,7 +99,7 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
     else:  # "none": per-token loss, the incoming gradient is per token
         w = mf
     c = w * d_logp
-    e = w * (-cfg.entropy_coef) if cfg.entropy_coef != 0.0 else None
+    e = None if is_zero(cfg.entropy_coef) else w * (-cfg.entropy_coef)
 
     metrics = {
         "clip_frac": (clipped & m).to(dt).sum() / M_safe,

@@ -201,3 +201,70 @@ def test_conflict_kernel_block_does_not_follow_the_length(monkeypatch):
         conflict_triton.raw_conflicts(torch.zeros(8, T, dtype=torch.long), torch.ones(8, T, dtype=torch.bool),
                                       torch.ones(8, dtype=torch.bool), torch.zeros(8, dtype=torch.bool), 8)
     assert len(set(seen)) == 1, seen
+
+
+def _tensor_config(**values):
+    """A GTPOConfig whose floats are 0-d float64 CPU tensors (a schedule a trainer updates in place)."""
+    return GTPOConfig(**{k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()})
+
+
+HYPER = dict(temperature=0.7, eps_low=0.2, eps_high=0.28, beta=0.04, entropy_coef=0.01, entropy_threshold=2.5,
+             entropy_penalty=0.1, conflict_pos_weight=1.5, conflict_neg_weight=0.25, initial_entropy=0.5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tensor_hyper_parameters_equal_floats(backend):
+    g = torch.Generator().manual_seed(3)
+    B, T, V = 4, 6, 32
+    x = torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    ids[1, :3] = ids[0, :3]
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    old = torch.randn(B, T, generator=g) * 0.3 - 3.5
+    refl = torch.randn(B, T, generator=g) * 0.3 - 3.5
+    outs = []
+    for cfg in (GTPOConfig(**HYPER), _tensor_config(**HYPER)):
+        xx = x.clone().requires_grad_()
+        out = gtpo_loss(xx, ids, adv, group_size=2, old_logps=old, ref_logps=refl, config=cfg, backend=backend)
+        out.loss.backward()
+        outs.append((out, xx.grad))
+    (a, ga), (b, gb) = outs
+    assert_value_close("loss", b.loss.detach(), a.loss.detach(), 1e-6)
+    for k in ("logps", "entropy", "per_token_loss", "lam"):
+        assert_value_close(k, getattr(b, k), getattr(a, k), 1e-6)
+    assert b.loss.dtype == torch.float32 and b.lam.dtype == torch.float32
+    assert_grad_close("grad", gb, ga, 1e-6)
+
+
+def test_tensor_hyper_parameters_do_not_recompile():
+    """Under torch.compile a tensor hyper-parameter is a graph input: new values, one compile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(4)
+    B, T, V = 4, 5, 16
+    x = torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    old = torch.randn(B, T, generator=g) * 0.3 - 2.8
+    refl = torch.randn(B, T, generator=g) * 0.3 - 2.8
+    cfg = _tensor_config(**HYPER)
+
+    def step(x):
+        return gtpo_loss(x, ids, adv, group_size=2, old_logps=old, ref_logps=refl, config=cfg,
+                         validate=False, backend="torch").loss
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    counts = []
+    for beta, eps, temp in ((0.04, 0.2, 0.7), (0.1, 0.1, 1.0), (0.0, 0.3, 1.3)):
+        cfg.beta.fill_(beta)
+        cfg.eps_high.fill_(eps)
+        cfg.temperature.fill_(temp)
+        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        lc, le = compiled(xc), step(xe)
+        lc.backward()
+        le.backward()
+        assert_value_close("loss", lc.detach(), le.detach(), 1e-6)
+        assert_grad_close("grad", xc.grad, xe.grad, 1e-6)
+        counts.append(counter.frame_count)
+    assert counts[0] > 0 and counts == [counts[0]] * 3, f"graphs compiled after each call: {counts}"
