@@ -160,28 +160,30 @@ def conflict_weights(completion_ids, completion_mask, advantages, group_size, *,
 
 def _conflict_flat(b, group_size, cfg, dtype, use_triton=False):
     """lam (N,) flat and n_conf (B,) for a prepared batch (padded or packed)."""
-    ids, m = b.ids, b.counted
     if b.packed:
-        ids, m, unpad = _to_padded(b, ids, m)
+        L, pos = _packed_layout(b)
+        ids, m = _pad(b, b.ids.long(), L, pos), _pad(b, b.counted, L, pos)
     else:
-        ids, m = ids.reshape(b.tok_shape), m.reshape(b.tok_shape)
+        ids, m = b.ids.reshape(b.tok_shape), b.counted.reshape(b.tok_shape)
     conf_f, conf_b = conflict.conflict_runs(ids, m, b.adv, group_size, use_triton)
     lam, n_conf = conflict.weights_from_runs(conf_f, conf_b, b.adv, cfg.conflict_pos_weight,
                                              cfg.conflict_neg_weight, dtype)
-    lam = unpad(lam) if b.packed else lam.reshape(-1)
-    return lam, n_conf
+    return (lam[b.seg, pos] if b.packed else lam.reshape(-1)), n_conf
 
 
-def _to_padded(b, ids, m):
-    """Packed (N,) ids and mask -> padded (B, L) ones, and the map back to (N,)."""
+def _packed_layout(b):
+    """Packed form: the padded length L (max_seqlen, or the longest completion: a host read) and
+    pos[k], the position of token k inside its completion."""
     cu = b.cu_seqlens.long()
     L = b.max_seqlen if b.max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
-    pos = torch.arange(ids.numel(), device=ids.device) - cu[b.seg]
-    ids_p = torch.zeros((b.B, L), dtype=torch.long, device=ids.device)
-    m_p = torch.zeros((b.B, L), dtype=torch.bool, device=ids.device)
-    ids_p[b.seg, pos] = ids.long()
-    m_p[b.seg, pos] = m
-    return ids_p, m_p, lambda x: x[b.seg, pos]
+    return L, torch.arange(b.ids.numel(), device=b.ids.device) - cu[b.seg]
+
+
+def _pad(b, x, L, pos, fill=0):
+    """Packed per-token values (N,) -> padded (B, L), `fill` elsewhere."""
+    out = torch.full((b.B, L), fill, dtype=x.dtype, device=x.device)
+    out[b.seg, pos] = x.reshape(-1)
+    return out
 
 
 def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None, *, logits_start=0,
@@ -218,16 +220,10 @@ def _padded_window(b, logits):
         same = (lambda x: x)
         return (logits[:, b.logits_start:b.logits_start + T], b.ids.reshape(b.tok_shape),
                 b.counted.reshape(b.tok_shape), same, same)
-    ids_p, m_p, unpad = _to_padded(b, b.ids, b.counted)
-    rows = torch.full(ids_p.shape, b.logits_start, dtype=torch.long, device=logits.device)
-    k = torch.arange(b.ids.numel(), device=logits.device)
-    rows[b.seg, k - b.cu_seqlens.long()[b.seg]] = k + b.logits_start
-
-    def pad(x):
-        out = torch.zeros(ids_p.shape, dtype=x.dtype, device=x.device)
-        out[b.seg, k - b.cu_seqlens.long()[b.seg]] = x.reshape(-1)
-        return out
-    return logits[rows], ids_p, m_p, unpad, pad
+    L, pos = _packed_layout(b)
+    rows = torch.arange(b.ids.numel(), device=logits.device) + b.logits_start
+    return (logits[_pad(b, rows, L, pos, fill=b.logits_start)], _pad(b, b.ids.long(), L, pos),
+            _pad(b, b.counted, L, pos), (lambda x: x[b.seg, pos]), (lambda x: _pad(b, x, L, pos)))
 
 
 def _reference_logprobs(b, logits, temperature):
@@ -244,7 +240,7 @@ def _reference(b, logits, cfg, group_size, old_logps, ref_logps, lam, n_conf, nu
     lg, ids, m, unpad, pad = _padded_window(b, logits)
     opt = (lambda x: None if x is None else pad(x))
     if b.packed and kw["max_completion_length"] is None:
-        kw["max_completion_length"] = b.max_len
+        kw["max_completion_length"] = int(b.max_len)  # the longest completion
     r = gtpo_reference.gtpo_loss(lg, ids, b.adv, m, group_size=group_size, old_logps=opt(old_logps),
                                  ref_logps=opt(ref_logps), lam=opt(lam), n_conf=n_conf,
                                  num_items_in_batch=num_items, **kw)

@@ -2,7 +2,7 @@
 
 Every formula follows docs/GTPO_SPEC.md (the specification); comments cite its sections ("spec 3" = section 3).
 Readability comes first: the conflict weights are plain Python loops over groups, completions and
-positions, and everything is computed in float64. This module must never import gtpo_kernels.
+positions, and everything is computed in float64. It stands alone: no dependency on the kernels package.
 """
 from __future__ import annotations
 
