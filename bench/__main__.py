@@ -22,27 +22,29 @@ def _ints(text):
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="auto: CUDA when available (the GPU grid needs --gpu-sizes), else CPU")
     ap.add_argument("--tokens", default=None, help="comma-separated token counts (B*T); default: CPU 256,1024")
     ap.add_argument("--vocab", default=None, help="comma-separated vocabulary sizes; default: CPU 8192,32000")
     ap.add_argument("--gpu-sizes", action="store_true", help=f"tokens {GPU_TOKENS} x V {GPU_VOCAB}")
     ap.add_argument("--impls", default="triton,torch,eager,compile,liger",
                     help="comma-separated: triton, torch, eager, compile, liger")
-    ap.add_argument("--preset", default="gtpo", choices=("gtpo", "grpo"))
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--preset", default="gtpo", choices=("gtpo", "grpo"), help="loss preset (Liger: always grpo)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="logits dtype")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs (CPU; default 5); CUDA: do_bench")
     ap.add_argument("--warmup", type=int, default=3, help="untimed runs before the timed ones (CPU)")
     ap.add_argument("--modes", default=None, help="fwd,bwd,full (default: CPU full,fwd; CUDA fwd,bwd,full)")
     ap.add_argument("--traffic-size", default="128x32000", help="TOKENSxV for the interpreter byte count")
-    ap.add_argument("--no-traffic", action="store_true")
-    ap.add_argument("--no-aot", action="store_true")
-    ap.add_argument("--no-memory", action="store_true")
-    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-traffic", action="store_true", help="skip the interpreter byte count")
+    ap.add_argument("--no-aot", action="store_true", help="skip the ahead-of-time sm_90/sm_80 compile report")
+    ap.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
+    ap.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     ap.add_argument("--check-only", action="store_true", help="only the correctness checks (exit 1 if any fails)")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds for the sweep; sizes not started by then are reported as skipped")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--seed", type=int, default=0, help="seed of the benchmark inputs")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                    help="folder for the JSON and the plots (default bench/results)")
     return ap.parse_args(argv)
 
 
