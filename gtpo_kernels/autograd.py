@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
+from .checks import float_dtype_for
 
 
 def as_tensor_param(x):
@@ -25,13 +26,12 @@ def as_tensor_param(x):
     return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
 
 
-def out_dtype(logits):
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+out_dtype = float_dtype_for  # outputs other than the gradient (spec 6)
 
 
 def _acc_dtype(logits3, backend):
     # the torch path accumulates float64 logits in float64; the Triton kernels always in float32
-    return torch.float64 if (logits3.dtype == torch.float64 and backend == "torch") else torch.float32
+    return float_dtype_for(logits3) if backend == "torch" else torch.float32
 
 
 @torch.library.custom_op("gtpo_kernels::vocab_fwd", mutates_args=())
@@ -102,7 +102,6 @@ def _backward(ctx, grad):
 
 
 attach_grad.register_autograd(_backward, setup_context=_setup_context)
-
 
 
 @torch.library.custom_op("gtpo_kernels::raw_conflicts", mutates_args=())

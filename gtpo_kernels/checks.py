@@ -48,6 +48,11 @@ class Batch:
         return self.logits3.shape[-1]
 
 
+def float_dtype_for(x):
+    """The float dtype of everything computed from tensor x: float64 for float64, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _nonneg_int(name, x):
     if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
         raise ValueError(f"{name} must be an int >= 0, got {x!r}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
+from .checks import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, float_dtype_for
 
 # float32 elements upcast at a time (16 MiB): the chunk of rows is CHUNK_ELEMENTS // V rows.
 CHUNK_ELEMENTS = 1 << 22
@@ -16,11 +16,6 @@ CHUNK_ELEMENTS = 1 << 22
 
 def _rows_per_chunk(V: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(V, 1))
-
-
-def _acc_dtype(x):
-    """float32 accumulation, float64 for float64 logits."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 # log p below this is exp-underflow (0) in float32 and float64 alike; clamping -inf there keeps every
@@ -34,7 +29,7 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
     n = ids.numel()
     T = n // B if B else 0
     dev = logits3.device
-    acc = _acc_dtype(logits3)
+    acc = float_dtype_for(logits3)  # float32 accumulation, float64 for float64 logits
     logp = torch.zeros(n, device=dev, dtype=acc)
     ent = torch.zeros_like(logp)
     stats = torch.zeros((n, 3), device=dev, dtype=acc)

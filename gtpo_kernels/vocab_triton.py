@@ -183,7 +183,7 @@ def _logprob_bwd_kernel(
             tl.store(grad_row + offs, zero, mask=offs < V)
 
 
-def logprob_fwd(logits3, ids, counted, temperature, logits_start, block_v=None):
+def logprob_fwd(logits3, ids, counted, temperature, logits_start):
     """logits3 (B, T_l, V) with stride(2) == 1; ids (B*T,) int; counted (B*T,) bool.
     Returns float32 logp, entropy (B*T,), stats (B*T, 3) = (row max m, log S, q = 1 - p_y) for the
     backward, and int8 flags (0 = fine)."""
@@ -197,7 +197,7 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start, block_v=None):
     bad = torch.empty(n, device=dev, dtype=torch.int8)
     if n == 0:
         return logp, ent, stats, bad
-    bv = block_v or block_v_for(V)
+    bv = block_v_for(V)
     _logprob_fwd_kernel[(n,)](
         logits3, ids, counted, logp, ent, stats, bad,
         logits3.stride(0), logits3.stride(1),
@@ -207,7 +207,7 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start, block_v=None):
     return logp, ent, stats, bad
 
 
-def logprob_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, block_v=None):
+def logprob_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
     """Writes dL/dlogits into grad3 (B, T_l, V), every row (zeros where no gradient); grad3 may be
     logits3 itself. c, e: float32 (B*T,) coefficients; e may be None (no entropy term)."""
     B, T_l, V = logits3.shape
@@ -215,7 +215,7 @@ def logprob_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start
     T = n // B if B else 0
     if B * T_l == 0:
         return grad3
-    bv = block_v or block_v_for(V)
+    bv = block_v_for(V)
     _logprob_bwd_kernel[(B * T_l,)](
         logits3, grad3, ids, stats, ent, c, c if e is None else e,
         logits3.stride(0), logits3.stride(1), grad3.stride(0), grad3.stride(1),

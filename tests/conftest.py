@@ -4,7 +4,6 @@ import os
 # before anything imports triton: the kernels run under the interpreter on this CPU machine
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -60,9 +59,3 @@ def assert_grad_close(name, g, ref, tol):
     else:
         assert (g == 0).all(), f"{name}: reference gradient is zero but ours is not"
 
-
-@pytest.fixture
-def small_block(monkeypatch):
-    """Force several vocabulary blocks per row (and a last partial block) at test sizes."""
-    from gtpo_kernels import vocab_triton
-    monkeypatch.setattr(vocab_triton, "MAX_BLOCK_V", 16)
