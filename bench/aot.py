@@ -161,11 +161,11 @@ def report(archs=ARCHS, dtypes=DTYPES, odd_v=True):
     out = []
     for arch in archs:
         for dt in dtypes:
-            out.append(compile_kernel(vt._logprob_fwd_kernel, dt, arch))
+            out.append(compile_kernel(vt._vocab_fwd_kernel, dt, arch))
             for has_e in (False, True):
-                out.append(compile_kernel(vt._logprob_bwd_kernel, dt, arch, has_e=has_e))
+                out.append(compile_kernel(vt._vocab_bwd_kernel, dt, arch, has_e=has_e))
     if odd_v:
-        out.append(compile_kernel(vt._logprob_fwd_kernel, torch.bfloat16, archs[0], V=50257, expect_vector=False))
+        out.append(compile_kernel(vt._vocab_fwd_kernel, torch.bfloat16, archs[0], V=50257, expect_vector=False))
     return out
 
 

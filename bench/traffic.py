@@ -161,10 +161,10 @@ def measure_ours(inp, cfg, keep=None):
 
     e = inp.logits.element_size()
     B, T_l, V = inp.logits.shape
-    with TrafficCounter(vt._logprob_fwd_kernel) as fwd:
+    with TrafficCounter(vt._vocab_fwd_kernel) as fwd:
         out = gtpo_loss(inp.logits, inp.ids, inp.adv, inp.mask, lam=inp.lam, n_conf=inp.n_conf, config=cfg,
                         backend="triton")
-    with TrafficCounter(vt._logprob_bwd_kernel) as bwd:
+    with TrafficCounter(vt._vocab_bwd_kernel) as bwd:
         grad, = torch.autograd.grad(out.loss, inp.logits)
     if keep is not None:
         keep.update(result=(out.loss, out.logps, out.entropy), grad=grad)
@@ -172,11 +172,11 @@ def measure_ours(inp, cfg, keep=None):
     n_grad = int((grad[:, :inp.T] != 0).any(-1).logical_and(inp.mask).sum())
     N = inp.counted
     ideal = dict(fwd_read=N * V * e, bwd_read=n_grad * V * e, bwd_write=B * T_l * V * e)
-    got = dict(fwd_read=fwd.get("_logprob_fwd_kernel", "logits_ptr", "read"),
-               bwd_read=bwd.get("_logprob_bwd_kernel", "logits_ptr", "read"),
-               bwd_write=bwd.get("_logprob_bwd_kernel", "grad_ptr", "write"))
-    other = dict(fwd_write_logits=fwd.get("_logprob_fwd_kernel", "logits_ptr", "write"),
-                 bwd_read_grad=bwd.get("_logprob_bwd_kernel", "grad_ptr", "read"))
+    got = dict(fwd_read=fwd.get("_vocab_fwd_kernel", "logits_ptr", "read"),
+               bwd_read=bwd.get("_vocab_bwd_kernel", "logits_ptr", "read"),
+               bwd_write=bwd.get("_vocab_bwd_kernel", "grad_ptr", "write"))
+    other = dict(fwd_write_logits=fwd.get("_vocab_fwd_kernel", "logits_ptr", "write"),
+                 bwd_read_grad=bwd.get("_vocab_bwd_kernel", "grad_ptr", "read"))
     ratios = {k: (got[k] / ideal[k] if ideal[k] else float("nan")) for k in ideal}
     return dict(ratios=ratios, bytes=got, ideal=ideal, stray=other, counted_tokens=N, grad_tokens=n_grad,
                 shape=[B, T_l, V], dtype=str(inp.logits.dtype).replace("torch.", ""))

@@ -1,17 +1,12 @@
-"""Argument checks and the canonical token layout shared by every backend.
-
-Every public call turns its arguments into a `Batch`: logits as a (B', T_l, V) view with vocabulary
-stride 1 (the padded form has B' = B; the packed form is one long row of completions, B' = 1), and
-per-token tensors flattened to (N,) with `seg[k]` the completion that owns token k. Errors name the
-argument and what was expected.
-"""
+"""Argument checks: every public call's arguments become a `layout.Batch` here. Errors name the
+argument and what was expected."""
 from __future__ import annotations
 
-import dataclasses
 import numbers
-from typing import Optional
 
 import torch
+
+from .layout import Batch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -21,36 +16,54 @@ BAD_TARGET_NEG_INF = 2  # the target's own logit is -inf
 BAD_ID = 4  # id outside [0, V) (never read)
 
 
-@dataclasses.dataclass
-class Batch:
-    logits3: torch.Tensor  # (B', T_l, V), stride(2) == 1
-    ids: torch.Tensor  # (N,) contiguous, integer
-    counted: torch.Tensor  # (N,) bool
-    seg: torch.Tensor  # (N,) int64: completion of each token
-    B: int  # completions
-    logits_start: int
-    tok_shape: tuple  # (B, T) padded or (N,) packed
-    adv: Optional[torch.Tensor] = None  # (B,)
-    old: Optional[torch.Tensor] = None  # (N,)
-    ref: Optional[torch.Tensor] = None  # (N,)
-    lam: Optional[torch.Tensor] = None  # (N,)
-    n_conf: Optional[torch.Tensor] = None  # (B,)
-    cu_seqlens: Optional[torch.Tensor] = None
-    max_seqlen: Optional[int] = None
-    max_len: object = None  # default denominator of seq-mean-token-sum-norm
-
-    @property
-    def packed(self) -> bool:
-        return self.cu_seqlens is not None
-
-    @property
-    def V(self) -> int:
-        return self.logits3.shape[-1]
+def host_checks(validate) -> bool:
+    """Whether the host-side checks run: `validate`, except inside torch.compile or CUDA-graph capture,
+    where a host read would sync or break the graph (invalid tokens then give NaN instead)."""
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {validate!r}")
+    if not validate or torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def float_dtype_for(x):
-    """The float dtype of everything computed from tensor x: float64 for float64, else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def check_inplace(inplace, logits):
+    """inplace=True writes the gradient over the logits: each element must own its memory."""
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {inplace!r}")
+    if not inplace:
+        return
+    if torch.compiler.is_compiling():
+        raise ValueError("inplace=True is not supported inside torch.compile: the compiled backward would "
+                         "copy the logits to write them, which loses the memory saving; use inplace=False")
+    if logits.stride(-1) != 1:
+        raise ValueError("inplace=True needs logits with vocabulary stride 1 (it writes the gradient "
+                         "into their storage)")
+    dims = sorted((st, n) for st, n in zip(logits.stride(), logits.shape) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            raise ValueError(f"inplace=True needs logits whose rows do not overlap in memory; these have "
+                             f"shape {tuple(logits.shape)} and strides {logits.stride()} (an expanded or "
+                             f"broadcast view?): pass a copy, or inplace=False")
+        span = st * n
+
+
+def check_num_items(num_items, loss_agg, device, dtype):
+    """num_items_in_batch: the denominator of 'token-mean' (a positive number or tensor), or None."""
+    if num_items is None:
+        return None
+    if loss_agg != "token-mean":
+        raise ValueError(f"num_items_in_batch is the denominator of loss_agg='token-mean' only; with "
+                         f"loss_agg={loss_agg!r} the denominators are per completion or per batch (spec 4): "
+                         f"scale the loss instead (README, 'Normalizers')")
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1 or num_items.dtype == torch.bool or num_items.dtype.is_complex:
+            raise ValueError(f"num_items_in_batch must be a positive number or a one-element real tensor, "
+                             f"got a {num_items.dtype} tensor of shape {tuple(num_items.shape)}")
+        return num_items.reshape(()).to(device, dtype).clamp(min=1)
+    if isinstance(num_items, numbers.Real) and not isinstance(num_items, bool) and num_items > 0:
+        return max(float(num_items), 1.0)
+    raise ValueError(f"num_items_in_batch must be a positive number or tensor, got {num_items!r}")
 
 
 def _nonneg_int(name, x):
@@ -154,6 +167,10 @@ def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_
         _tensor("completion_mask", completion_mask)
         _shape("completion_mask", completion_mask, tok_shape, "completion_ids' shape")
         _same_device("completion_mask", completion_mask, device)
+        if validate and completion_mask.dtype != torch.bool and \
+                bool(((completion_mask != 0) & (completion_mask != 1)).any()):
+            raise ValueError("completion_mask must hold only 0 and 1 (1 = the token counts); it is a mask, "
+                             "not a per-token weight (scale the loss, or pass rollout weights, instead)")
         counted = (completion_mask != 0).reshape(-1).contiguous()
     batch = Batch(logits3=None, ids=completion_ids.reshape(-1).contiguous(), counted=counted, seg=seg,
                   B=B, logits_start=0, tok_shape=tok_shape, cu_seqlens=cu_seqlens,

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
+
 _ID_BITS = 31  # ids must fit in 31 bits to be packed with (group, position) into one int64 key
 
 
-def _raw_conflicts(ids, m, pos, neg, group_size):
+def raw_conflicts(ids, m, pos, neg, group_size):
     """ids (B, T) int64, m (B, T) bool, pos/neg (B,) bool -> raw conflict flags (B, T) bool."""
     B, T = ids.shape
     group = torch.arange(B, device=ids.device) // group_size
@@ -41,17 +43,16 @@ def _leading_run(raw):
     return torch.cumprod(raw.to(torch.int32), dim=1).bool()
 
 
-def conflict_runs(ids, m, adv, group_size, use_triton=False):
+def conflict_runs(ids, m, adv, group_size, backend="torch"):
     """Forward and backward conflict regions, each (B, T) bool, for padded ids/mask. The raw flags come
-    from the Triton kernel (conflict_triton) when use_triton, else from the sort above."""
+    from `ops.raw_conflicts`: the Triton kernel (conflict_triton) or the sort above (dispatch)."""
     B, T = ids.shape
     ids = ids.long()
     pos, neg = adv > 0, adv < 0
-    if use_triton:
-        from .autograd import raw_conflicts_op as raw_conflicts  # the Triton kernel, as a custom op
-    else:
-        raw_conflicts = _raw_conflicts
-    conf_f = _leading_run(raw_conflicts(ids, m, pos, neg, group_size))
+
+    def raw(ids, m):
+        return ops.raw_conflicts(ids, m, pos, neg, group_size, backend)
+    conf_f = _leading_run(raw(ids, m))
     # right-align every completion at its last counted row: aligned index r = last - t
     t_idx = torch.arange(T, device=ids.device)
     last = torch.where(m, t_idx, -1).amax(dim=1) if T else torch.full((B,), -1, device=ids.device)
@@ -60,7 +61,7 @@ def conflict_runs(ids, m, adv, group_size, use_triton=False):
     src_c = src.clamp(min=0)
     ids_r = ids.gather(1, src_c)
     m_r = m.gather(1, src_c) & valid
-    conf_r = _leading_run(raw_conflicts(ids_r, m_r, pos, neg, group_size))
+    conf_r = _leading_run(raw(ids_r, m_r))
     conf_b = conf_r.gather(1, src_c) & valid  # back to row order: t = last - r  <=>  r = last - t
     return conf_f, conf_b
 

@@ -15,7 +15,7 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["T", "n_t_blocks"])
-def _raw_conflict_kernel(
+def _raw_conflicts_kernel(
     # pointers
     ids_ptr, mask_ptr, pos_ptr, neg_ptr,  # (B, T) int64 contiguous, (B, T) bool, (B,) bool, (B,) bool
     raw_ptr,  # out: (B, T) int8
@@ -55,7 +55,7 @@ def _raw_conflict_kernel(
 
 
 def raw_conflicts(ids, m, pos, neg, group_size, block_t=None):
-    """Same contract as conflict._raw_conflicts: ids (B, T) int64, m (B, T) bool -> (B, T) bool."""
+    """Same contract as conflict.raw_conflicts: ids (B, T) int64, m (B, T) bool -> (B, T) bool."""
     B, T = ids.shape
     raw = torch.empty((B, T), dtype=torch.int8, device=ids.device)
     if B * T == 0:
@@ -64,7 +64,7 @@ def raw_conflicts(ids, m, pos, neg, group_size, block_t=None):
     bt = block_t or max(16, 2048 // block_g)  # from the group size only: no recompile as T changes
     n_t_blocks = triton.cdiv(T, bt)
     grid = ((B // group_size) * n_t_blocks,)
-    _raw_conflict_kernel[grid](
+    _raw_conflicts_kernel[grid](
         ids.contiguous(), m.contiguous(), pos.contiguous(), neg.contiguous(), raw,
         T, n_t_blocks, group_size, BLOCK_G=block_g, BLOCK_T=bt)
     return raw.bool()

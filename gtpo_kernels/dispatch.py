@@ -1,16 +1,28 @@
-"""Which implementation runs the vocabulary passes: Triton kernels or the chunked PyTorch path."""
+"""Which implementation runs each pass: the Triton kernels or the PyTorch path.
+
+    vocab_fwd / vocab_bwd   vocab_triton (CUDA, or the interpreter) | vocab_torch (chunked rows)
+    raw_conflicts           conflict_triton                         | conflict (sort-based)
+"""
 from __future__ import annotations
 
 import os
 
+import torch
+
 BACKENDS = ("auto", "triton", "torch", "reference")
 
 
-def resolve_backend(backend, device):
+def resolve_backend(backend, device, dtype=None):
+    """'auto' -> 'triton' on CUDA, 'torch' elsewhere (and for float64 logits, which the Triton kernels
+    do not accumulate in float64). Refuses what cannot run: an unknown name, 'triton' with float64
+    logits, 'triton' on CPU tensors without Triton's interpreter."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" and dtype != torch.float64 else "torch"
+    if backend == "triton" and dtype == torch.float64:
+        raise TypeError("backend='triton' accumulates in float32 and does not take float64 logits: use "
+                        "backend='torch' (float64 accumulation) or 'auto', or cast the logits")
     if backend == "triton" and device.type == "cpu" and not interpreter_active():
         raise RuntimeError(
             "backend='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 in the "
@@ -23,10 +35,10 @@ def interpreter_active() -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return False
     from . import vocab_triton
-    return type(vocab_triton._logprob_fwd_kernel).__name__ == "InterpretedFunction"
+    return type(vocab_triton._vocab_fwd_kernel).__name__ == "InterpretedFunction"
 
 
-def _impl(backend):
+def _vocab_impl(backend):
     if backend == "triton":
         from . import vocab_triton as impl
     else:
@@ -36,9 +48,18 @@ def _impl(backend):
 
 # temperature: a number, or a 0-d tensor read here (a CPU tensor: no device sync)
 
-def logprob_fwd(backend, logits3, ids, counted, temperature, logits_start):
-    return _impl(backend).logprob_fwd(logits3, ids, counted, float(temperature), logits_start)
+def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start):
+    return _vocab_impl(backend).vocab_fwd(logits3, ids, counted, float(temperature), logits_start)
 
 
-def logprob_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
-    return _impl(backend).logprob_bwd(logits3, grad3, ids, stats, ent, c, e, float(temperature), logits_start)
+def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
+    return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e, float(temperature),
+                                          logits_start)
+
+
+def raw_conflicts(backend, ids, m, pos, neg, group_size):
+    if backend == "triton":
+        from .conflict_triton import raw_conflicts as impl
+    else:
+        from .conflict import raw_conflicts as impl
+    return impl(ids, m, pos, neg, group_size)

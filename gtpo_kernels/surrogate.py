@@ -60,7 +60,8 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
     A = a_hat[seg]
 
     # ratio and policy-gradient term (spec 4)
-    log_r = logp - torch.where(m, old.to(dt), zero) if old is not None else torch.zeros_like(logp)
+    # on-policy: log r = logp - sg(logp) = 0, NaN at an invalid token (so that it shows)
+    log_r = logp - (torch.where(m, old.to(dt), zero) if old is not None else logp)
     r = torch.exp(log_r)
     lam = torch.ones_like(logp) if lam is None else lam.to(dt)
     u1 = r * A

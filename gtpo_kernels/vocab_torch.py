@@ -1,6 +1,6 @@
 """The vocabulary passes in plain PyTorch, a fixed number of rows at a time (the CPU path).
 
-Same contract as `vocab_triton.logprob_fwd` / `logprob_bwd` and the same memory behaviour: only a
+Same contract as `vocab_triton.vocab_fwd` / `vocab_bwd` and the same memory behaviour: only a
 chunk of rows is ever upcast to float32, the forward keeps O(1) statistics per token, and the backward
 recomputes the softmax from them, writing each chunk of the gradient in place.
 """
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .checks import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, float_dtype_for
+from .checks import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
+from .layout import float_dtype_for
 
 # float32 elements upcast at a time (16 MiB): the chunk of rows is CHUNK_ELEMENTS // V rows.
 CHUNK_ELEMENTS = 1 << 22
@@ -23,8 +24,8 @@ def _rows_per_chunk(V: int) -> int:
 _LOG_ZERO = -1e4
 
 
-def logprob_fwd(logits3, ids, counted, temperature, logits_start):
-    """Same contract as vocab_triton.logprob_fwd: logp, entropy, stats (m, log S, q), flags."""
+def vocab_fwd(logits3, ids, counted, temperature, logits_start):
+    """Same contract as vocab_triton.vocab_fwd: logp, entropy, stats (m, log S, q), flags."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -80,8 +81,8 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
     return logp, ent, stats, bad
 
 
-def logprob_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
-    """Same contract as vocab_triton.logprob_bwd."""
+def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
+    """Same contract as vocab_triton.vocab_bwd."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -102,7 +103,7 @@ def logprob_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start
     for k in range(0, rows_idx.numel(), step):
         idx = rows_idx[k:k + step]
         bi, ti = idx // T, idx % T + logits_start
-        yc = ids[idx].long()[:, None]
+        yc = ids[idx].long().clamp(0, V - 1)[:, None]  # an invalid id has c = NaN: a NaN row
         cc = c[idx, None]
         st = stats[idx]
         # log p = (z - m) / tau - log S (clamped where p = 0), p = exp(log p): two chunks, in place

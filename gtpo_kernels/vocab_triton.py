@@ -56,7 +56,7 @@ def _log1p(x):
 
 
 @triton.jit(do_not_specialize=["T", "logits_start"])
-def _logprob_fwd_kernel(
+def _vocab_fwd_kernel(
     # pointers
     logits_ptr, ids_ptr, mask_ptr,  # inputs: (B, T_l, V) strided rows; (B*T,) ids; (B*T,) counted flag
     logp_ptr, ent_ptr, stats_ptr, bad_ptr,  # outputs: (B*T,), (B*T,), (B*T, 3) = (m, log S, q), (B*T,)
@@ -132,7 +132,7 @@ def _logprob_fwd_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "T_l", "logits_start"])
-def _logprob_bwd_kernel(
+def _vocab_bwd_kernel(
     # pointers
     logits_ptr, grad_ptr,  # (B, T_l, V) strided rows; grad may alias logits (inplace)
     ids_ptr, stats_ptr, ent_ptr, c_ptr, e_ptr,  # per token: (B*T,), (B*T, 3) = (m, log S, q), (B*T,) x 3
@@ -183,7 +183,7 @@ def _logprob_bwd_kernel(
             tl.store(grad_row + offs, zero, mask=offs < V)
 
 
-def logprob_fwd(logits3, ids, counted, temperature, logits_start):
+def vocab_fwd(logits3, ids, counted, temperature, logits_start):
     """logits3 (B, T_l, V) with stride(2) == 1; ids (B*T,) int; counted (B*T,) bool.
     Returns float32 logp, entropy (B*T,), stats (B*T, 3) = (row max m, log S, q = 1 - p_y) for the
     backward, and int8 flags (0 = fine)."""
@@ -198,7 +198,7 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
     if n == 0:
         return logp, ent, stats, bad
     bv = block_v_for(V)
-    _logprob_fwd_kernel[(n,)](
+    _vocab_fwd_kernel[(n,)](
         logits3, ids, counted, logp, ent, stats, bad,
         logits3.stride(0), logits3.stride(1),
         T, V, logits_start, 1.0 / temperature,
@@ -207,7 +207,7 @@ def logprob_fwd(logits3, ids, counted, temperature, logits_start):
     return logp, ent, stats, bad
 
 
-def logprob_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
+def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
     """Writes dL/dlogits into grad3 (B, T_l, V), every row (zeros where no gradient); grad3 may be
     logits3 itself. c, e: float32 (B*T,) coefficients; e may be None (no entropy term)."""
     B, T_l, V = logits3.shape
@@ -216,7 +216,7 @@ def logprob_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start
     if B * T_l == 0:
         return grad3
     bv = block_v_for(V)
-    _logprob_bwd_kernel[(B * T_l,)](
+    _vocab_bwd_kernel[(B * T_l,)](
         logits3, grad3, ids, stats, ent, c, c if e is None else e,
         logits3.stride(0), logits3.stride(1), grad3.stride(0), grad3.stride(1),
         T, T_l, V, logits_start, 1.0 / temperature,

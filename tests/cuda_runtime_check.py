@@ -45,8 +45,8 @@ def check_no_sync(dev):
 
 def check_jit_cache(dev):
     from gtpo_kernels import GTPOConfig, conflict_triton, gtpo_loss, vocab_triton
-    kernels = {"fwd": vocab_triton._logprob_fwd_kernel, "bwd": vocab_triton._logprob_bwd_kernel,
-               "conflict": conflict_triton._raw_conflict_kernel}
+    kernels = {"fwd": vocab_triton._vocab_fwd_kernel, "bwd": vocab_triton._vocab_bwd_kernel,
+               "conflict": conflict_triton._raw_conflicts_kernel}
     cfg = GTPOConfig(entropy_threshold=None)
     V = 4096  # a multiple of 16: every row stride is too, whatever the length
     for B, T in ((8, 37), (8, 64), (16, 129), (8, 1000), (24, 3)):

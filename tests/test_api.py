@@ -77,7 +77,7 @@ def _errors():
 def test_errors_name_the_argument(name, call, exc, match, backend, monkeypatch):
     import gtpo_kernels.dispatch as d
     real = d.resolve_backend
-    monkeypatch.setattr(d, "resolve_backend", lambda b, dev: real(backend if b == "auto" else b, dev))
+    monkeypatch.setattr(d, "resolve_backend", lambda b, dev, dtype=None: real(backend if b == "auto" else b, dev, dtype))
     with pytest.raises(exc, match=match):
         call()
 

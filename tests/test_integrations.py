@@ -75,13 +75,13 @@ def _trl_setup(tmp_path, trainer_cls, args_cls, seed=0, model=None, **args_kw):
 @pytest.fixture
 def kernel_spy(monkeypatch):
     """Counts calls of the fused vocabulary forward (our kernel) and of any log_softmax."""
-    calls = {"logprob_fwd": 0, "log_softmax_in_loss": 0}
-    orig = dispatch.logprob_fwd
+    calls = {"vocab_fwd": 0, "log_softmax_in_loss": 0}
+    orig = dispatch.vocab_fwd
 
     def spy(*a, **k):
-        calls["logprob_fwd"] += 1
+        calls["vocab_fwd"] += 1
         return orig(*a, **k)
-    monkeypatch.setattr(dispatch, "logprob_fwd", spy)
+    monkeypatch.setattr(dispatch, "vocab_fwd", spy)
     return calls
 
 
@@ -124,7 +124,7 @@ def test_trl_trainer_trains_with_our_kernel(tmp_path, kernel_spy, monkeypatch):
     before = [p.detach().clone() for p in tr.model.parameters()]
     tr.train()
     assert tr._gtpo_calls == 6  # 3 optimizer steps x 2 micro-batches
-    assert kernel_spy["logprob_fwd"] >= tr._gtpo_calls
+    assert kernel_spy["vocab_fwd"] >= tr._gtpo_calls
     assert kernel_spy["log_softmax_in_loss"] == 0
     logs = [h for h in tr.state.log_history if "gtpo/conflict_frac" in h]
     assert len(logs) == 3
@@ -165,9 +165,9 @@ def test_trl_grpo_preset_equals_stock_loss(tmp_path, kernel_spy):
     g = torch.Generator().manual_seed(3)
     batch["old_per_token_logps"] = lp + 0.4 * torch.randn(lp.shape, generator=g)
 
-    calls0 = kernel_spy["logprob_fwd"]
+    calls0 = kernel_spy["vocab_fwd"]
     loss_ours = ours._compute_loss(ours.model, batch)
-    assert kernel_spy["logprob_fwd"] > calls0, "gtpo_loss's vocabulary kernel did not run"
+    assert kernel_spy["vocab_fwd"] > calls0, "gtpo_loss's vocabulary kernel did not run"
     loss_stock = stock._compute_loss(stock.model, batch)
     loss_ours.backward()
     loss_stock.backward()

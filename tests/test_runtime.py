@@ -13,8 +13,8 @@ from batches import cases
 from conftest import assert_grad_close, assert_value_close
 from gtpo_kernels import GTPOConfig, conflict_weights, conflict_triton, dispatch, gtpo_loss, vocab_triton
 
-KERNELS = [vocab_triton._logprob_fwd_kernel, vocab_triton._logprob_bwd_kernel,
-           conflict_triton._raw_conflict_kernel]
+KERNELS = [vocab_triton._vocab_fwd_kernel, vocab_triton._vocab_bwd_kernel,
+           conflict_triton._raw_conflicts_kernel]
 ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "BLOCK_G", "BLOCK_T"}  # block sizes and switches only
 PER_BATCH_SIZES = {"T", "T_l", "logits_start", "n_t_blocks"}  # vary every step
 
@@ -49,15 +49,15 @@ class _Recorder:
 def test_grids_fit_any_token_count(monkeypatch):
     """A 100,000-token sequence: every grid keeps dimensions 2 and 3 within 65,535 (1-D grids here)."""
     grids = []
-    for name in ("_logprob_fwd_kernel", "_logprob_bwd_kernel"):
+    for name in ("_vocab_fwd_kernel", "_vocab_bwd_kernel"):
         monkeypatch.setattr(vocab_triton, name, _Recorder(grids))
-    monkeypatch.setattr(conflict_triton, "_raw_conflict_kernel", _Recorder(grids))
+    monkeypatch.setattr(conflict_triton, "_raw_conflicts_kernel", _Recorder(grids))
     T, V = 100_000, 16
     logits = torch.empty(1, T, V)
     ids = torch.zeros(T, dtype=torch.long)
     f = torch.zeros(T)
-    vocab_triton.logprob_fwd(logits, ids, torch.ones(T, dtype=torch.bool), 1.0, 0)
-    vocab_triton.logprob_bwd(logits, logits, ids, torch.zeros(T, 3), f, f, None, 1.0, 0)
+    vocab_triton.vocab_fwd(logits, ids, torch.ones(T, dtype=torch.bool), 1.0, 0)
+    vocab_triton.vocab_bwd(logits, logits, ids, torch.zeros(T, 3), f, f, None, 1.0, 0)
     ids2 = torch.zeros(8, T, dtype=torch.long)
     conflict_triton.raw_conflicts(ids2, torch.ones(8, T, dtype=torch.bool), torch.ones(8, dtype=torch.bool),
                                   torch.zeros(8, dtype=torch.bool), 8)
@@ -92,8 +92,8 @@ def no_host_sync(monkeypatch):
         return g
     for n in names:
         monkeypatch.setattr(torch.Tensor, n, guard(n))
-    monkeypatch.setattr(dispatch, "logprob_fwd", suspended(dispatch.logprob_fwd))
-    monkeypatch.setattr(dispatch, "logprob_bwd", suspended(dispatch.logprob_bwd))
+    monkeypatch.setattr(dispatch, "vocab_fwd", suspended(dispatch.vocab_fwd))
+    monkeypatch.setattr(dispatch, "vocab_bwd", suspended(dispatch.vocab_bwd))
     monkeypatch.setattr(conflict_triton, "raw_conflicts", suspended(conflict_triton.raw_conflicts))
     try:
         yield
@@ -151,9 +151,9 @@ def test_conflict_kernel_matches_reference(case, w, block_t):
     ids = case.ids.long()
     m = case.counted
     pos, neg = case.adv > 0, case.adv < 0
-    from gtpo_kernels.conflict import _raw_conflicts
+    from gtpo_kernels.conflict import raw_conflicts as torch_raw_conflicts
     assert torch.equal(conflict_triton.raw_conflicts(ids, m, pos, neg, case.G, block_t=block_t),
-                       _raw_conflicts(ids, m, pos, neg, case.G))
+                       torch_raw_conflicts(ids, m, pos, neg, case.G))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -196,7 +196,7 @@ def test_conflict_kernel_block_does_not_follow_the_length(monkeypatch):
     class Rec:
         def __getitem__(self, grid):
             return lambda *a, **k: seen.append(k["BLOCK_T"])
-    monkeypatch.setattr(conflict_triton, "_raw_conflict_kernel", Rec())
+    monkeypatch.setattr(conflict_triton, "_raw_conflicts_kernel", Rec())
     for T in (5, 20, 100, 3000):
         conflict_triton.raw_conflicts(torch.zeros(8, T, dtype=torch.long), torch.ones(8, T, dtype=torch.bool),
                                       torch.ones(8, dtype=torch.bool), torch.zeros(8, dtype=torch.bool), 8)

@@ -1,0 +1,82 @@
+"""The canonical token layout shared by every backend: `Batch`, and the packed/padded helpers.
+
+Every public call turns its arguments into a `Batch` (checks.prepare / checks.prepare_tokens): logits as
+a (B', T_l, V) view with vocabulary stride 1 (the padded form has B' = B; the packed form is one long
+row of completions, B' = 1), and per-token tensors flattened to (N,) with `seg[k]` the completion that
+owns token k. The padded form is seg = k // T; the packed form comes from cu_seqlens.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class Batch:
+    logits3: Optional[torch.Tensor]  # (B', T_l, V), stride(2) == 1; None for token-only batches
+    ids: torch.Tensor  # (N,) contiguous, integer
+    counted: torch.Tensor  # (N,) bool
+    seg: torch.Tensor  # (N,) int64: completion of each token
+    B: int  # completions
+    logits_start: int
+    tok_shape: tuple  # (B, T) padded or (N,) packed
+    adv: Optional[torch.Tensor] = None  # (B,)
+    old: Optional[torch.Tensor] = None  # (N,)
+    ref: Optional[torch.Tensor] = None  # (N,)
+    lam: Optional[torch.Tensor] = None  # (N,)
+    n_conf: Optional[torch.Tensor] = None  # (B,)
+    cu_seqlens: Optional[torch.Tensor] = None
+    max_seqlen: Optional[int] = None
+    max_len: object = None  # default denominator of seq-mean-token-sum-norm
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def V(self) -> int:
+        return self.logits3.shape[-1]
+
+
+def float_dtype_for(x):
+    """The float dtype of everything computed from tensor x: float64 for float64, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def packed_layout(b):
+    """Packed form: the padded length L (max_seqlen, or the longest completion: a host read) and
+    pos[k], the position of token k inside its completion."""
+    cu = b.cu_seqlens.long()
+    L = b.max_seqlen if b.max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
+    return L, torch.arange(b.ids.numel(), device=b.ids.device) - cu[b.seg]
+
+
+def pad(b, x, L, pos, fill=0):
+    """Packed per-token values (N,) -> padded (B, L), `fill` elsewhere."""
+    out = torch.full((b.B, L), fill, dtype=x.dtype, device=x.device)
+    out[b.seg, pos] = x.reshape(-1)
+    return out
+
+
+def padded_tokens(b, x):
+    """Per-token values (N,) of a padded or packed batch as (B, L) (packed: 0 where there is no token)."""
+    if not b.packed:
+        return x.reshape(b.tok_shape)
+    L, pos = packed_layout(b)
+    return pad(b, x, L, pos)
+
+
+def padded_window(b, logits):
+    """For the reference backend: the logits rows that predict tokens as (B, L, V), ids (B, L), mask
+    (B, L), `unpad` (a padded (B, L) result -> the caller's token shape) and `pad` (the reverse)."""
+    if not b.packed:
+        T = b.tok_shape[1]
+        same = (lambda x: x)
+        return (logits[:, b.logits_start:b.logits_start + T], b.ids.reshape(b.tok_shape),
+                b.counted.reshape(b.tok_shape), same, same)
+    L, pos = packed_layout(b)
+    rows = torch.arange(b.ids.numel(), device=logits.device) + b.logits_start
+    return (logits[pad(b, rows, L, pos, fill=b.logits_start)], pad(b, b.ids.long(), L, pos),
+            pad(b, b.counted, L, pos), (lambda x: x[b.seg, pos]), (lambda x: pad(b, x, L, pos)))

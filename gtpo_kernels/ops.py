@@ -1,0 +1,89 @@
+"""The passes as `torch.library` custom ops, with fake (meta) implementations.
+
+    vocab_fwd         logits -> per token (logp, H, stats = (row max, log S, 1 - p_y), flags); no autograd
+    vocab_bwd         the gradient pass into a fresh tensor
+    vocab_bwd_inplace the gradient pass written over the logits (inplace=True)
+    attach_grad       (logits, value) -> value; its autograd rule (autograd.py) runs vocab_bwd
+    raw_conflicts     the raw conflict flags of spec section 3
+
+Being custom ops, the passes are opaque to `torch.compile`, which traces everything around them
+without graph breaks. Which implementation runs is `dispatch`'s choice.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from . import dispatch
+from .layout import float_dtype_for
+
+
+def as_tensor_param(x):
+    """A hyper-parameter as the 0-d tensor the custom ops take (a Python float becomes a CPU tensor;
+    a tensor is passed as it is, so torch.compile sees an input, not a constant to specialize on)."""
+    return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
+
+
+def acc_dtype(logits3, backend):
+    """The dtype the passes accumulate in: the torch path float64 for float64 logits, else float32
+    (the Triton backend refuses float64 logits: dispatch.resolve_backend)."""
+    return float_dtype_for(logits3) if backend == "torch" else torch.float32
+
+
+@torch.library.custom_op("gtpo_kernels::vocab_fwd", mutates_args=())
+def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, temperature: torch.Tensor,
+              logits_start: int, backend: str) -> List[torch.Tensor]:
+    return list(dispatch.vocab_fwd(backend, logits3, ids, counted, temperature, logits_start))
+
+
+@vocab_fwd.register_fake
+def _(logits3, ids, counted, temperature, logits_start, backend):
+    n = ids.numel()
+    acc = acc_dtype(logits3, backend)
+    return [logits3.new_empty(n, dtype=acc), logits3.new_empty(n, dtype=acc),
+            logits3.new_empty((n, 3), dtype=acc), logits3.new_empty(n, dtype=torch.int8)]
+
+
+@torch.library.custom_op("gtpo_kernels::vocab_bwd", mutates_args=())
+def vocab_bwd(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent: torch.Tensor,
+              c: torch.Tensor, e: Optional[torch.Tensor], temperature: torch.Tensor,
+              logits_start: int, backend: str) -> torch.Tensor:
+    grad3 = torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
+    dispatch.vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start)
+    return grad3
+
+
+@vocab_bwd.register_fake
+def _(logits3, ids, stats, ent, c, e, temperature, logits_start, backend):
+    return torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
+
+
+@torch.library.custom_op("gtpo_kernels::vocab_bwd_inplace", mutates_args=("logits3",))
+def vocab_bwd_inplace(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent: torch.Tensor,
+                      c: torch.Tensor, e: Optional[torch.Tensor], temperature: torch.Tensor,
+                      logits_start: int, backend: str) -> None:
+    dispatch.vocab_bwd(backend, logits3, logits3, ids, stats, ent, c, e, temperature, logits_start)
+
+
+@torch.library.custom_op("gtpo_kernels::attach_grad", mutates_args=())
+def attach_grad(logits3: torch.Tensor, value: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor,
+                ent: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor],
+                temperature: torch.Tensor, logits_start: int, backend: str, inplace: bool) -> torch.Tensor:
+    return value.clone()
+
+
+@attach_grad.register_fake
+def _(logits3, value, ids, stats, ent, c, e, temperature, logits_start, backend, inplace):
+    return torch.empty_like(value)
+
+
+@torch.library.custom_op("gtpo_kernels::raw_conflicts", mutates_args=())
+def raw_conflicts(ids: torch.Tensor, m: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor,
+                  group_size: int, backend: str) -> torch.Tensor:
+    return dispatch.raw_conflicts(backend, ids, m, pos, neg, group_size)
+
+
+@raw_conflicts.register_fake
+def _(ids, m, pos, neg, group_size, backend):
+    return torch.empty(ids.shape, dtype=torch.bool, device=ids.device)

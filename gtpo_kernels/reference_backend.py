@@ -1,0 +1,33 @@
+"""backend='reference': the float64 oracle (`gtpo_reference`) behind the public calls' contract, for
+validation. It takes the padded window of the logits and returns the public calls' outputs."""
+from __future__ import annotations
+
+import dataclasses
+
+from .layout import float_dtype_for, padded_window
+
+
+def token_logprobs(b, logits, temperature):
+    import gtpo_reference
+    lg, ids, m, unpad, _ = padded_window(b, logits)
+    lp, ent = gtpo_reference.token_logprobs(lg, ids, float(temperature), m)
+    dt = float_dtype_for(logits)
+    return unpad(lp).to(dt), unpad(ent).to(dt)
+
+
+def gtpo_loss(b, logits, cfg, group_size, old_logps, ref_logps, lam, n_conf, num_items, output_type):
+    import gtpo_reference
+    kw = {k: float(v) if hasattr(v, "dim") else v for k, v in dataclasses.asdict(cfg).items()}
+    lg, ids, m, unpad, pad = padded_window(b, logits)
+    opt = (lambda x: None if x is None else pad(x))
+    if b.packed and kw["max_completion_length"] is None:
+        kw["max_completion_length"] = int(b.max_len)  # the longest completion
+    r = gtpo_reference.gtpo_loss(lg, ids, b.adv, m, group_size=group_size, old_logps=opt(old_logps),
+                                 ref_logps=opt(ref_logps), lam=opt(lam), n_conf=n_conf,
+                                 num_items_in_batch=num_items, **kw)
+    dt = float_dtype_for(logits)  # the reference computes in float64; the contract's outputs are float32
+    loss = unpad(r["loss"]) if cfg.loss_agg == "none" else r["loss"]
+    return output_type(loss=loss.to(dt), logps=unpad(r["logps"]).to(dt), entropy=unpad(r["entropy"]).to(dt),
+                       per_token_loss=unpad(r["per_token_loss"]).to(dt), lam=unpad(r["lam"]).to(dt),
+                       n_conf=r["n_conf"].to(dt), kept=r["kept"], seq_entropy=r["seq_entropy"].to(dt),
+                       metrics={k: v.to(dt) for k, v in r["metrics"].items()})
