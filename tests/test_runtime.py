@@ -1,7 +1,9 @@
 """Runtime properties that trainers rely on: no recompilation as sizes change, grids that fit any token
 count, no host round-trip with validate=False, long sequences, the conflict kernel."""
+import ast
 import contextlib
 import inspect
+import sys
 
 import pytest
 import torch
@@ -24,47 +26,74 @@ def _params(kernel):
     return inspect.signature(fn).parameters, getattr(fn, "__annotations__", {})
 
 
+def _declared_do_not_specialize(kernel):
+    """The names in the kernel's `@triton.jit(do_not_specialize=[...])`, read from its module's source
+    (the interpreter's function object and the JIT object differ in where, or whether, they keep it)."""
+    fn = getattr(kernel, "fn", kernel)
+    tree = ast.parse(inspect.getsource(sys.modules[fn.__module__]))
+    defs = [d for d in ast.walk(tree) if isinstance(d, ast.FunctionDef) and d.name == fn.__name__]
+    assert len(defs) == 1, f"{fn.__name__}: {len(defs)} definitions in {fn.__module__}"
+    names = []
+    for dec in defs[0].decorator_list:
+        if isinstance(dec, ast.Call) and ast.unparse(dec.func) in ("triton.jit", "jit"):
+            names += [n for kw in dec.keywords if kw.arg == "do_not_specialize"
+                      for n in ast.literal_eval(kw.value)]
+    return names
+
+
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: getattr(k, "__name__", str(k)))
 def test_no_per_batch_size_is_constexpr(kernel):
     params, ann = _params(kernel)
     constexpr = {n for n, p in params.items() if "constexpr" in str(p.annotation) or "constexpr" in str(ann.get(n))}
     assert constexpr <= ALLOWED_CONSTEXPR, constexpr
-    assert PER_BATCH_SIZES & set(params), "kernel has no runtime size at all?"
-    jit = getattr(kernel, "do_not_specialize", None)
-    if jit is not None:  # the JIT object (not the interpreter) records which ints it won't specialize
-        names = {params_name for params_name in PER_BATCH_SIZES & set(params)}
-        idx = {list(params).index(n) for n in names}
-        assert idx <= set(jit) or names <= set(jit), (jit, names)
+    sizes = PER_BATCH_SIZES & set(params)
+    assert sizes, "kernel has no runtime size at all?"
+    # an int argument is specialized (== 1, divisible by 16) unless listed: T would recompile every step
+    declared = _declared_do_not_specialize(kernel)
+    assert all(isinstance(n, str) and n in params for n in declared), (declared, list(params))
+    assert sizes <= set(declared), f"per-batch sizes not in do_not_specialize: {sorted(sizes - set(declared))}"
+    # and the object Triton built records the same list (interpreter: kwargs; JIT: indices or names)
+    live = getattr(kernel, "kwargs", {}).get("do_not_specialize", getattr(kernel, "do_not_specialize", None))
+    if live is not None:
+        live = {list(params)[n] if isinstance(n, int) else n for n in live}
+        assert live == set(declared), (live, declared)
 
 
 class _Recorder:
-    def __init__(self, grids):
-        self.grids = grids
+    def __init__(self, launches):
+        self.launches = launches
 
     def __getitem__(self, grid):
-        self.grids.append(tuple(grid))
-        return lambda *a, **k: None
+        return lambda *a, **k: self.launches.append((tuple(grid), k))
 
 
 def test_grids_fit_any_token_count(monkeypatch):
-    """A 100,000-token sequence: every grid keeps dimensions 2 and 3 within 65,535 (1-D grids here)."""
-    grids = []
+    """100,000-token sequences: every launch is a 1-D grid over all the work (tokens, logits rows, or
+    (group, block of positions) pairs), below 2**31, so the 65,535 limit of dimensions 2 and 3 never applies."""
+    launches = []
     for name in ("_vocab_fwd_kernel", "_vocab_bwd_kernel"):
-        monkeypatch.setattr(vocab_triton, name, _Recorder(grids))
-    monkeypatch.setattr(conflict_triton, "_raw_conflicts_kernel", _Recorder(grids))
-    T, V = 100_000, 16
-    logits = torch.empty(1, T, V)
-    ids = torch.zeros(T, dtype=torch.long)
-    f = torch.zeros(T)
-    vocab_triton.vocab_fwd(logits, ids, torch.ones(T, dtype=torch.bool), 1.0, 0)
-    vocab_triton.vocab_bwd(logits, logits, ids, torch.zeros(T, 3), f, f, None, 1.0, 0)
-    ids2 = torch.zeros(8, T, dtype=torch.long)
-    conflict_triton.raw_conflicts(ids2, torch.ones(8, T, dtype=torch.bool), torch.ones(8, dtype=torch.bool),
-                                  torch.zeros(8, dtype=torch.bool), 8)
-    assert len(grids) == 3
+        monkeypatch.setattr(vocab_triton, name, _Recorder(launches))
+    monkeypatch.setattr(conflict_triton, "_raw_conflicts_kernel", _Recorder(launches))
+    B, T, V, start = 2, 100_000, 16, 1
+    T_l = start + T + 1
+    logits = torch.empty(B, T_l, V)
+    ids = torch.zeros(B * T, dtype=torch.long)
+    f = torch.zeros(B * T)
+    vocab_triton.vocab_fwd(logits, ids, torch.ones(B * T, dtype=torch.bool), 1.0, start)
+    vocab_triton.vocab_bwd(logits, logits, ids, torch.zeros(B * T, 3), f, f, None, 1.0, start)
+    G, n_groups = 8, 3
+    conflict_triton.raw_conflicts(torch.zeros(G * n_groups, T, dtype=torch.long),
+                                  torch.ones(G * n_groups, T, dtype=torch.bool),
+                                  torch.ones(G * n_groups, dtype=torch.bool),
+                                  torch.zeros(G * n_groups, dtype=torch.bool), G)
+    assert len(launches) == 3, launches
+    grids = [g for g, _ in launches]
     for g in grids:
-        assert all(d <= 65535 for d in g[1:]) and g[0] < 2**31, g
-    assert grids[0] == (T,) and grids[1] == (T,)
+        assert 1 <= len(g) <= 3 and 0 < g[0] < 2**31 and all(0 < d <= 65535 for d in g[1:]), g
+    assert grids[0] == (B * T,)  # one program per token
+    assert grids[1] == (B * T_l,)  # one program per logits row (rows outside the window are zeroed)
+    bt = launches[2][1]["BLOCK_T"]
+    assert grids[2] == (n_groups * -(-T // bt),), (grids[2], bt)  # (group, block of positions) pairs
 
 
 @contextlib.contextmanager
