@@ -7,9 +7,27 @@ specialized), compiled with `triton.compile` for `GPUTarget("cuda", 90 | 80, 32)
 - `cuobjdump -sass` of the cubin lists the global loads by width. The only tensor-shaped loads of both
   kernels are the logits (checked on the TTIR); the other loads are per-token scalars. So the logits
   are read with 16-byte loads when the SASS has LDG.E.128 and no more narrow loads than the kernel has
-  scalar loads (a logits loop split into narrow loads would add one per vector piece).
+  scalar loads (a logits loop split into narrow loads would add one per vector piece);
+- the main vocabulary loop is found in that SASS (see `find_main_loop`): instructions per logit element,
+  barriers and special-function (MUFU) operations per iteration;
+- occupancy (warps per SM) from registers and shared memory with the sm_90 / sm_80 limits (`SM_LIMITS`);
+- a roofline estimate for N = 16384 tokens, V = 151936, bf16 on an H100 SXM and an H200 (`DEVICES`,
+  `roofline`): the largest of memory time, issue time and special-function time.
 
-    python -m bench.aot            # the table; exit status 1 if a kernel fails the check
+Method of the loop count. cuobjdump prints one instruction per address; the main loop is the body of the
+backward branch (`BRA` to a lower address, not a self-branch) whose body holds a global load (LDG) and,
+of those, the longest. Its instructions (NOPs excluded, every path of a branch inside the body counted)
+are executed once per iteration by every thread, and one iteration covers BLOCK_V elements of the row
+over 32 * num_warps threads, so
+
+    instr_per_elem = body instructions / (BLOCK_V / (32 * num_warps))
+
+(BLOCK_V = 4096, 8 warps: 16 elements per thread per iteration). The elements per thread are checked
+against the bytes the body's LDGs load (a loop that ptxas unrolled or split would show as a mismatch,
+reported in `loop_note`). Work outside the loop (once per row of 151936 elements) is not counted.
+
+    python -m bench.aot            # the table; writes bench/results/aot-sm90.json and the SASS under
+                                   # bench/results/aot/; exit status 1 if a kernel fails the check
 """
 from __future__ import annotations
 
@@ -26,6 +44,27 @@ ARCHS = (90, 80)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 V_REAL = 151936  # all of 32000, 128256, 151936, 262144 get the same specialization and BLOCK_V
 T_REAL = 1024
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+# Limits per SM used for the occupancy (CUDA programming guide, compute capability 9.0 / 8.0):
+# 32-bit registers, registers allocated per warp in units of 256, the most warps and blocks, shared memory
+# per SM and the 1 KiB the driver reserves per block.
+SM_LIMITS = {
+    90: dict(regs=65536, reg_unit=256, max_warps=64, max_blocks=32, smem=228 * 1024, smem_per_block=1024),
+    80: dict(regs=65536, reg_unit=256, max_warps=64, max_blocks=32, smem=164 * 1024, smem_per_block=1024),
+}
+
+# The roofline's devices (both GH100, sm_90). bw: achievable device-to-device copy bandwidth in bytes/s
+# counting bytes read plus written (spec section 8: an H200 copies about 4.3 TB/s; an H100 SXM, 3.35 TB/s
+# HBM3 peak, about 3.0 TB/s the same way); clock: 1.755 GHz, the sustained boost clock under load (max
+# boost is 1.98 GHz; a lower clock is the cautious side for the issue and MUFU times); issue: warp
+# instructions issued per clock per SM (4 schedulers, 1 each); mufu: MUFU results (ex2, lg2, rcp) per
+# clock per SM (16, programming guide throughput table for 9.0).
+DEVICES = {
+    "H100 SXM": dict(sms=132, clock=1.755e9, bw=3.0e12, issue=4, mufu=16),
+    "H200": dict(sms=132, clock=1.755e9, bw=4.3e12, issue=4, mufu=16),
+}
+ROOF_N, ROOF_V = 16384, 151936  # roofline problem: N counted tokens (every row carries a gradient)
 
 
 class _Ptr:
@@ -76,6 +115,18 @@ class AotResult:
     scalar_loads: int = 0
     error: str = ""
     expect_vector: bool = True
+    block: int = 0  # BLOCK_V: elements of the row per main-loop iteration
+    num_warps: int = 0
+    shared: int = 0  # bytes of shared memory per block
+    loop_instr: int = -1  # instructions in the main loop body
+    elems_per_thread: int = 0  # elements each thread handles per iteration
+    instr_per_elem: float = -1.0
+    bar_per_iter: int = -1
+    mufu_per_elem: float = -1.0
+    ldg128_in_loop: int = 0
+    warps_per_sm: int = 0
+    loop_note: str = ""
+    sass_text: str = ""  # filled in this process only (not through --json)
 
     def problems(self):
         out = []
@@ -99,6 +150,83 @@ def _ldg_widths(sass):
                 w = bits
         widths.append(w)
     return widths
+
+
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def sass_instructions(sass):
+    """[(address, text)] of the SASS listing, encodings and blank lines dropped."""
+    return [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.match, sass.splitlines()) if m]
+
+
+def _opcode(text):
+    t = re.sub(r"^@!?U?P\w+\s+", "", text)  # predicate guard
+    return t.split()[0] if t.split() else ""
+
+
+def find_main_loop(sass):
+    """The main vocabulary loop: the longest backward-branch body holding a global load.
+    Returns the body's [(address, text)] (first to the branch, inclusive) or None."""
+    ins = sass_instructions(sass)
+    best = None
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if not m or not _opcode(text).startswith("BRA"):
+            continue
+        target = int(m.group(1), 16)
+        if target >= addr:
+            continue  # forward branch or the final self-branch
+        body = [(a, t) for a, t in ins if target <= a <= addr and _opcode(t) != "NOP"]
+        if any(_opcode(t).startswith("LDG") for _, t in body) and (best is None or len(body) > len(best)):
+            best = body
+    return best
+
+
+def loop_stats(sass, block, num_warps, elem_bytes):
+    """Counts over the main loop: (body instructions, elements per thread, instr/elem, BAR per iteration,
+    MUFU per element, LDG.E.128 in the body, note)."""
+    body = find_main_loop(sass)
+    if body is None:
+        return -1, 0, -1.0, -1, -1.0, 0, "no loop with a global load found"
+    ops = [_opcode(t) for _, t in body]
+    ept = max(1, block // (32 * num_warps))
+    widths = _ldg_widths("\n".join(t for _, t in body if _opcode(t).startswith("LDG")))
+    loaded = sum(widths) // 8
+    note = ""
+    if loaded != ept * elem_bytes:
+        note = f"the body loads {loaded} bytes a thread, {ept} elements would be {ept * elem_bytes}"
+    n_bar = sum(o.startswith("BAR") for o in ops)
+    n_mufu = sum(o.startswith("MUFU") for o in ops)
+    return (len(ops), ept, len(ops) / ept, n_bar, n_mufu / ept, sum(w == 128 for w in widths), note)
+
+
+def warps_per_sm(regs, num_warps, shared, arch=90):
+    """Resident warps per SM: blocks limited by registers (allocated per warp), shared memory, the block
+    and warp limits."""
+    lim = SM_LIMITS[arch]
+    per_warp = -(-max(regs, 1) * 32 // lim["reg_unit"]) * lim["reg_unit"]
+    by_regs = (lim["regs"] // per_warp) // num_warps
+    by_smem = lim["smem"] // (shared + lim["smem_per_block"])
+    blocks = min(by_regs, by_smem, lim["max_blocks"], lim["max_warps"] // num_warps)
+    return blocks * num_warps
+
+
+def roofline(r, device, n=ROOF_N, v=ROOF_V):
+    """Estimated ms of one pass over n rows of v elements (of r.dtype) on `device` (a DEVICES key):
+    memory = bytes / bw (forward reads the logits; backward reads them and writes the gradient),
+    issue = loop warp instructions / (SMs * issue * clock), special function = MUFU ops / (SMs * mufu *
+    clock); the estimate is the largest."""
+    d = DEVICES[device]
+    e = {"bfloat16": 2, "float16": 2, "float32": 4}[r.dtype]
+    elems = n * v
+    passes = 2 if "bwd" in r.kernel else 1
+    mem = passes * elems * e / d["bw"]
+    issue = elems * r.instr_per_elem / 32 / (d["sms"] * d["issue"] * d["clock"])
+    mufu = elems * r.mufu_per_elem / (d["sms"] * d["mufu"] * d["clock"])
+    parts = {"mem_ms": mem * 1e3, "issue_ms": issue * 1e3, "mufu_ms": mufu * 1e3}
+    bound = max(parts, key=parts.get)
+    return dict(parts, est_ms=parts[bound], bound=bound.replace("_ms", ""))
 
 
 def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_vector=True) -> AotResult:
@@ -125,6 +253,7 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
         options, sig, constexprs, attrs = kernel._pack_args(backend, meta, bound, spec, opts)
         ck = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target, options=options.__dict__)
         ptx, cubin, ttir = ck.asm["ptx"], ck.asm["cubin"], ck.asm["ttir"]
+        res.block, res.num_warps, res.shared = bv, meta["num_warps"], int(getattr(ck.metadata, "shared", 0))
         gpu = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1).rstrip(",")
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "k.ptx"), "w") as f:
@@ -144,6 +273,10 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
         res.narrow_ldg = sum(w < 128 for w in widths)
         loads = [ln for ln in ttir.splitlines() if "tt.load" in ln]
         res.scalar_loads = sum("tensor<" not in ln for ln in loads)
+        (res.loop_instr, res.elems_per_thread, res.instr_per_elem, res.bar_per_iter, res.mufu_per_elem,
+         res.ldg128_in_loop, res.loop_note) = loop_stats(sass, bv, res.num_warps, dtype.itemsize)
+        res.warps_per_sm = warps_per_sm(res.registers, res.num_warps, res.shared, arch)
+        res.sass_text = sass
         elem = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype]
         tensor_loads = [ln for ln in loads if "tensor<" in ln]
         if any(f"!tt.ptr<{elem}>" not in ln for ln in tensor_loads):
@@ -185,24 +318,98 @@ def report_in_subprocess(timeout=600):
 
 def format_table(results):
     lines = [f"{'kernel':<22} {'variant':<6} {'dtype':<9} {'arch':<5} {'V':>7} {'regs':>5} {'spill':>7} "
-             f"{'LDG.128':>7} {'narrow':>6}  verdict"]
+             f"{'LDG.128':>7} {'narrow':>6} {'instr/el':>8} {'BAR/it':>6} {'MUFU/el':>7} {'warps/SM':>8}  verdict"]
     for r in results:
         verdict = "ok" if r.ok else "FAIL: " + "; ".join(r.problems())
         if not r.expect_vector and not r.error:
             verdict = ("info: odd V, no 16-byte alignment possible" if r.ldg128 == 0 else "info") + \
                 ("" if r.ok else f" ({verdict})")
+        if r.loop_note:
+            verdict += f" [loop: {r.loop_note}]"
         lines.append(f"{r.kernel:<22} {r.variant:<6} {r.dtype:<9} sm_{r.arch:<2} {r.V:>7} {r.registers:>5} "
-                     f"{r.spill_stores:>3}/{r.spill_loads:<3} {r.ldg128:>7} {r.narrow_ldg:>6}  {verdict}")
+                     f"{r.spill_stores:>3}/{r.spill_loads:<3} {r.ldg128:>7} {r.narrow_ldg:>6} "
+                     f"{r.instr_per_elem:>8.2f} {r.bar_per_iter:>6} {r.mufu_per_elem:>7.3f} {r.warps_per_sm:>8}"
+                     f"  {verdict}")
     return "\n".join(lines)
+
+
+def _headline(results):
+    """The rows of the roofline: bf16, sm_90, V = V_REAL, each kernel variant."""
+    return [r for r in results if r.arch == 90 and r.dtype == "bfloat16" and r.V == V_REAL and not r.error]
+
+
+def records(results, provider="gtpo_kernels"):
+    """bench/results/aot-sm90.json: one record per kernel variant and device."""
+    out = []
+    for r in _headline(results):
+        sass = os.path.join("bench", "results", "aot", _sass_name(r))
+        for dev in DEVICES:
+            out.append(dict(provider=provider, kernel=r.kernel, variant=r.variant or "-", dtype=r.dtype,
+                            arch=f"sm_{r.arch}", V=r.V, block=r.block, num_warps=r.num_warps,
+                            elems_per_thread=r.elems_per_thread, loop_instr=r.loop_instr,
+                            instr_per_elem=round(r.instr_per_elem, 3), bar_per_iter=r.bar_per_iter,
+                            mufu_per_elem=round(r.mufu_per_elem, 4), regs=r.registers,
+                            spill_bytes=r.spill_stores + r.spill_loads, ldg128=r.ldg128,
+                            ldg128_in_loop=r.ldg128_in_loop, shared=r.shared, warps_per_sm=r.warps_per_sm,
+                            device=dev, N=ROOF_N, roof_V=ROOF_V,
+                            **{k: (round(v, 4) if isinstance(v, float) else v)
+                               for k, v in roofline(r, dev).items()},
+                            sass=sass))
+    return out
+
+
+def format_roofline(recs):
+    lines = [f"roofline: N={ROOF_N} V={ROOF_V} bf16; memory = bytes / bw, issue = instr / (SMs * 4 * clock), "
+             f"MUFU = ops / (SMs * 16 * clock); " + "; ".join(
+                 f"{k}: {d['sms']} SMs, {d['clock'] / 1e9:.3f} GHz, {d['bw'] / 1e12:.2f} TB/s"
+                 for k, d in DEVICES.items()),
+             f"{'kernel':<22} {'variant':<6} {'device':<9} {'mem ms':>7} {'issue ms':>8} {'MUFU ms':>7} "
+             f"{'est ms':>7}  bound"]
+    for c in recs:
+        lines.append(f"{c['kernel']:<22} {c['variant']:<6} {c['device']:<9} {c['mem_ms']:>7.3f} "
+                     f"{c['issue_ms']:>8.3f} {c['mufu_ms']:>7.3f} {c['est_ms']:>7.3f}  {c['bound']}")
+    return "\n".join(lines)
+
+
+def _sass_name(r):
+    v = {"": "", "no E": "-noE", "HAS_E": "-E"}.get(r.variant, "-" + r.variant.replace(" ", ""))
+    return f"{r.kernel.strip('_')}{v}-{r.dtype}-sm{r.arch}.sass"
+
+
+def _clean_sass(sass):
+    """The listing without the encoding comments and blank lines (half the size, same instructions)."""
+    out = []
+    for ln in sass.splitlines():
+        ln = re.sub(r"\s*/\* 0x[0-9a-f]{16} \*/\s*$", "", ln)
+        if ln.strip():
+            out.append(ln.rstrip())
+    return "\n".join(out) + "\n"
+
+
+def write_results(results, root=RESULTS):
+    """aot-sm90.json and the headline kernels' SASS under bench/results/aot/."""
+    import json
+    os.makedirs(os.path.join(root, "aot"), exist_ok=True)
+    for r in _headline(results):
+        if r.sass_text:
+            with open(os.path.join(root, "aot", _sass_name(r)), "w") as f:
+                f.write(_clean_sass(r.sass_text))
+    recs = records(results)
+    with open(os.path.join(root, "aot-sm90.json"), "w") as f:
+        json.dump(recs, f, indent=1)
+        f.write("\n")
+    return recs
 
 
 def main():
     res = report()
     if "--json" in sys.argv:
         import json
-        print(json.dumps([r.__dict__ for r in res]))
+        print(json.dumps([{k: v for k, v in r.__dict__.items() if k != "sass_text"} for r in res]))
     else:
         print(format_table(res))
+        print()
+        print(format_roofline(write_results(res)))
     sys.exit(0 if all(r.ok for r in res) else 1)
 
 

@@ -43,6 +43,18 @@ def test_aot_compile_registers_spills_wide_loads():
     assert not bad, "\n" + aot.format_table(results)
     # the real-vocabulary rows read the logits with 16-byte loads
     assert all(r.ldg128 > 0 for r in results if r.expect_vector)
+    # the main loop is found in every kernel's SASS, and its loads cover the elements it is counted for
+    for r in results:
+        assert r.loop_instr > 0 and r.elems_per_thread > 0, (r.kernel, r.variant, r.dtype, r.arch)
+        assert not r.loop_note or not r.expect_vector, (r.kernel, r.variant, r.dtype, r.arch, r.loop_note)
+        assert r.warps_per_sm >= r.num_warps, (r.kernel, r.variant, r.dtype, r.arch, r.warps_per_sm)
+    recs = aot.records(results)
+    assert {(c["kernel"], c["variant"], c["device"]) for c in recs} == {
+        (k, v, d) for k, v in (("_vocab_fwd_kernel", "-"), ("_vocab_bwd_kernel", "no E"),
+                               ("_vocab_bwd_kernel", "HAS_E")) for d in aot.DEVICES}
+    need = {"provider", "kernel", "variant", "dtype", "block", "num_warps", "instr_per_elem", "bar_per_iter",
+            "regs", "est_ms", "sass"}
+    assert all(need <= set(c) and c["est_ms"] > 0 for c in recs)
 
 
 def test_python_m_bench_smoke(tmp_path):
