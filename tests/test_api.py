@@ -124,8 +124,8 @@ def test_masked_rows_are_never_read_and_inputs_never_modified(backend):
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(xx.grad).all()
     assert (xx.grad[3] == 0).all() and (xx.grad[1, 3:] == 0).all()
-    for a, b in zip(args, (x, ids, adv, mask, old)):
-        assert torch.equal(a, b) or (a.isnan() == b.isnan()).all()
+    for a, b in zip(args, (x, ids, adv, mask, old)):  # bit for bit, NaN where NaN
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
     clean = torch.where(torch.isfinite(x), x, torch.zeros(()))
     xr = clean.double().requires_grad_()
     r = ref.gtpo_loss(xr, ids, adv, mask, group_size=2, old_logps=old, entropy_threshold=None)
@@ -136,7 +136,7 @@ def test_masked_rows_are_never_read_and_inputs_never_modified(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inplace_writes_the_gradient_into_the_logits(backend):
-    x, ids, adv = batch(T_l := 4, 6, 9) if False else batch(B=4, T=6, V=9)
+    x, ids, adv = batch(B=4, T=6, V=9)
     cfg = GTPOConfig(entropy_threshold=None, entropy_coef=0.01)
     a = x.clone().requires_grad_()
     gtpo_loss(a, ids[:, 1:], adv, group_size=2, logits_start=1, config=cfg, backend=backend).loss.backward()
@@ -214,10 +214,11 @@ def test_packed_equals_padded(backend, case, agg):
         assert_value_close(name, getattr(packed, name), getattr(pad, name)[ii, tt], 1e-6)
     for name in ("n_conf", "seq_entropy"):
         assert_value_close(name, getattr(packed, name), getattr(pad, name), 1e-6)
-    if xp.grad is not None and x.grad is not None:
-        assert_grad_close("packed grad", xp.grad, x.grad[ii, tt + case.logits_start], 1e-6)
+    assert xp.grad is not None and x.grad is not None, (xp.grad is None, x.grad is None)
+    assert_grad_close("packed grad", xp.grad, x.grad[ii, tt + case.logits_start], 1e-6)
     lam, n_conf = conflict_weights(ids, mask, case.adv, case.G, config=cfg, cu_seqlens=cu)
     assert torch.equal(lam.double(), pad.lam[ii, tt].double())
+    assert torch.equal(n_conf.double(), pad.n_conf.double())
 
 
 # ---------------------------------------------------------------- memory of the torch path
@@ -313,6 +314,9 @@ def test_packed_max_seqlen_is_checked_and_not_the_denominator():
         gtpo_loss(x, ids, adv, group_size=2, cu_seqlens=cu, max_seqlen=4)
     losses = [gtpo_loss(x, ids, adv, cu_seqlens=cu, max_seqlen=m, config="dr_grpo").loss for m in (None, 5, 8)]
     assert losses[0] == losses[1] == losses[2]  # the longest completion (5), whatever max_seqlen says
+    five = gtpo_loss(x, ids, adv, cu_seqlens=cu, config=GTPOConfig.preset("dr_grpo", max_completion_length=5)).loss
+    eight = gtpo_loss(x, ids, adv, cu_seqlens=cu, config=GTPOConfig.preset("dr_grpo", max_completion_length=8)).loss
+    assert losses[0] == five and eight != five
 
 
 def test_weights_given_without_n_conf_when_conflicts_are_off():
@@ -328,8 +332,9 @@ def test_reference_backend_follows_the_contract():
     x, ids, adv = batch(B=2, T=7, V=9)
     lp, ent = token_logprobs(x, ids[:, :5], logits_start=2, backend="reference")
     lp2, ent2 = token_logprobs(x, ids[:, :5], logits_start=2, backend="torch")
-    assert lp.dtype == torch.float32 and lp.shape == (2, 5)
+    assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == (2, 5)
     assert_value_close("logp", lp, lp2, 1e-5)
+    assert_value_close("entropy", ent, ent2, 1e-5)
     out = gtpo_loss(x, ids[:, :5], adv[:2], group_size=2, logits_start=2, backend="reference")
     assert out.loss.dtype == out.seq_entropy.dtype == out.metrics["clip_frac"].dtype == torch.float32
 
