@@ -1,4 +1,7 @@
-"""gtpo_reference: the float64 pure-PyTorch oracle of the GTPO loss (see gtpo_reference.py)."""
-from .gtpo_reference import LOSS_AGGS, conflict_weights, gtpo_loss, token_logprobs
+"""gtpo_reference: the float64 pure-PyTorch oracle of the GTPO loss (see gtpo_reference.py; the GRPO
+family of spec 9 in gtpo_family.py)."""
+from .gtpo_reference import (LOSS_AGGS, POLICY_LOSSES, ROLLOUT_IS_MODES, conflict_weights, gtpo_loss,
+                             rollout_is_weights, token_logprobs)
 
-__all__ = ["LOSS_AGGS", "token_logprobs", "conflict_weights", "gtpo_loss"]
+__all__ = ["LOSS_AGGS", "POLICY_LOSSES", "ROLLOUT_IS_MODES", "token_logprobs", "conflict_weights",
+           "gtpo_loss", "rollout_is_weights"]

@@ -10,7 +10,11 @@ import math
 
 import torch
 
-__all__ = ["LOSS_AGGS", "token_logprobs", "conflict_weights", "gtpo_loss"]
+from . import gtpo_family as fam
+from .gtpo_family import POLICY_LOSSES, ROLLOUT_IS_MODES, rollout_is_weights
+
+__all__ = ["LOSS_AGGS", "POLICY_LOSSES", "ROLLOUT_IS_MODES", "token_logprobs", "conflict_weights",
+           "gtpo_loss", "rollout_is_weights"]
 
 LOSS_AGGS = (
     "seq-mean-token-mean",
@@ -186,8 +190,18 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
               temperature=1.0, eps_low=0.2, eps_high=0.2, clip=True, use_conflict_mask=True,
               conflict_pos_weight=2.0, conflict_neg_weight=0.0, entropy_threshold=math.log(2),
               entropy_penalty=0.1, initial_entropy=None, entropy_coef=0.0, beta=0.0,
-              loss_agg="seq-mean-token-mean", max_completion_length=None):
-    """GTPO loss, float64 reference of spec sections 1-4 and 6 (padded form only).
+              loss_agg="seq-mean-token-mean", max_completion_length=None,
+              policy_loss="ppo", importance_sampling_level="token", delta=None,
+              sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+              vespo_k_neg=3.0, vespo_lambda_neg=2.0, use_bias_correction_kl=False,
+              off_policy_mask_threshold=None, top_entropy_quantile=1.0, rollout_is_weights=None,
+              rollout_logps=None):
+    """GTPO loss, float64 reference of spec sections 1-4, 6 and 9 (padded form only).
+
+    Spec 9 (the GRPO family, pieces in gtpo_family.py): policy_loss, importance_sampling_level, delta,
+    the sapo/vespo parameters, use_bias_correction_kl, off_policy_mask_threshold (uses rollout_logps
+    (B,T) when given, else old_logps), top_entropy_quantile and rollout_is_weights ((B,T) per token, or
+    (B,)/(B,1) per completion). The defaults give the GTPO loss of spec 4.
 
     Returns a dict with keys: loss (0-d, or (B,T) for loss_agg='none', differentiable w.r.t.
     logits), per_token_loss (B,T) detached (0 where masked), logps (B,T), entropy (B,T) (both
@@ -214,6 +228,10 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         raise ValueError(f"advantages must have B={B} entries, got shape {tuple(A.shape)}")
     if beta != 0 and ref_logps is None:
         raise ValueError("ref_logps is required when beta != 0")
+    fam.check_family_args(policy_loss, importance_sampling_level, delta, top_entropy_quantile,
+                          sapo_temperature_pos, sapo_temperature_neg)
+    rollout_w = fam.rollout_weights_arg(rollout_is_weights, m)
+    rollout_logps = fam.rollout_logps_arg(rollout_logps, m)
 
     # ---- spec 1: logp and entropy (rows outside [logits_start, logits_start+T) get no gradient)
     z = logits[:, logits_start:logits_start + T]
@@ -244,36 +262,49 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     lam = torch.where(m, lam, torch.ones_like(lam))          # spec 3: lambda = 1 off the mask
     n_conf = torch.as_tensor(n_conf, device=device).double().reshape(B)
 
-    # ---- spec 2: entropy filter and shaped advantage (constants: no gradient) -----------------
+    # ---- spec 2: entropy filter (kept = the spec's delta[i]) and shaped advantage (no gradient)
     Hbar = (H.detach() * mf).sum(dim=1) / n.clamp(min=1)
     if entropy_threshold is None:
-        delta = torch.ones(B, dtype=torch.bool, device=device)
+        kept = torch.ones(B, dtype=torch.bool, device=device)
     elif initial_entropy is not None and initial_entropy > entropy_threshold:
-        delta = torch.ones(B, dtype=torch.bool, device=device)    # the paper's gate
+        kept = torch.ones(B, dtype=torch.bool, device=device)    # the paper's gate
     else:
-        delta = Hbar <= entropy_threshold
-    Ahat = (delta.double() * (A - entropy_penalty * Hbar)).unsqueeze(1)   # (B, 1)
+        kept = Hbar <= entropy_threshold
+    Ahat = (kept.double() * (A - entropy_penalty * Hbar)).unsqueeze(1)   # (B, 1)
 
-    # ---- spec 4: ratio and per-token surrogate ------------------------------------------------
+    # ---- spec 4, 9: ratio and per-token policy term ------------------------------------------
     if old_logps is not None:
         old = _zero_where_masked(torch.as_tensor(old_logps, device=device).double().reshape(B, T), m)
-        r = torch.exp(logp - old)
     else:
-        r = torch.exp(logp - logp.detach())                  # on-policy: value 1, gradient of logp
-    unclipped = r * Ahat
-    if clip:
-        clipped = torch.clamp(r, 1.0 - eps_low, 1.0 + eps_high) * Ahat
-        tok = -lam * torch.min(unclipped, clipped)
-        clip_removed = (unclipped > clipped) & m             # the clip took the gradient away
-    else:
-        tok = -lam * unclipped
-        clip_removed = torch.zeros_like(m)
+        old = logp.detach()                                  # on-policy: r has value 1, gradient of logp
+    r = fam.importance_ratio(logp, old, m, importance_sampling_level)   # (B, T), or (B, 1) per sequence
+    phi = None
+    if policy_loss == "vespo":
+        phi = fam.vespo_phi(logp, old, m, A, rollout_w, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                            vespo_lambda_neg)
+    pg, clip_removed = fam.policy_term(policy_loss, r, Ahat, logp, clip=clip, eps_low=eps_low,
+                                       eps_high=eps_high, delta=delta, phi=phi,
+                                       sapo_temperature_pos=sapo_temperature_pos,
+                                       sapo_temperature_neg=sapo_temperature_neg)
+    clip_removed = clip_removed & m
+
+    # ---- spec 9: order per token: policy term * lambda * masks * rollout weights + KL - entropy ----
+    tok = lam * pg                                           # lambda multiplies every policy term
+    if off_policy_mask_threshold is not None:
+        sampling_logp = rollout_logps if rollout_logps is not None else old
+        tok = tok * fam.off_policy_mask(A, logp, sampling_logp, m, off_policy_mask_threshold)
+    entropy_mask = fam.top_entropy_mask(H, m, top_entropy_quantile) if top_entropy_quantile < 1 else None
+    if entropy_mask is not None:
+        tok = tok * entropy_mask
+    if rollout_w is not None and policy_loss != "vespo":    # vespo folds them into phi (spec 9)
+        tok = tok * rollout_w
     if beta != 0:
         ref = _zero_where_masked(torch.as_tensor(ref_logps, device=device).double().reshape(B, T), m)
-        d = ref - logp
-        tok = tok + beta * (torch.exp(d) - d - 1.0)         # k3
+        tok = tok + beta * fam.k3(ref, logp, r if use_bias_correction_kl else None)
     if entropy_coef != 0:
-        tok = tok - entropy_coef * H                         # differentiable entropy bonus
+        # differentiable entropy bonus; the top-entropy mask masks it too (spec 9). TRL differs: its bonus
+        # is entropy_coef * the token mean of H over the (entropy-)masked tokens, whatever the loss_agg.
+        tok = tok - entropy_coef * (H if entropy_mask is None else H * entropy_mask)
     tok = _zero_where_masked(tok, m)                         # masked-out tokens: exactly 0
 
     # ---- spec 4: aggregation (filtered completions still count in the denominators) -----------
@@ -299,7 +330,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     Mc = M.clamp(min=1)
     metrics = {
         "clip_frac": clip_removed.double().sum() / Mc,
-        "filtered_frac": (~delta).double().sum() / max(B, 1),
+        "filtered_frac": (~kept).double().sum() / max(B, 1),
         "conflict_frac": ((lam != 1) & m).double().sum() / Mc,
         "mean_entropy": H.detach().sum() / Mc,
     }
@@ -310,7 +341,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         "entropy": H.detach(),
         "lam": lam.detach(),
         "n_conf": n_conf.detach(),
-        "kept": delta,
+        "kept": kept,
         "seq_entropy": Hbar,
         "metrics": metrics,
     }
