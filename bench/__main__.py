@@ -3,7 +3,9 @@
 Default on a CPU machine: a small grid (under 3 minutes on 2 cores); Triton runs in its interpreter,
 counted for bytes at one small size, never timed. On CUDA, `--gpu-sizes` is the grid of the spec:
 V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16.
-Writes bench/results/<device>-<date>.json and PNG plots next to it; prints a table.
+Prints a table and writes <device>-<date>.json, latest-<device>.json and PNG plots into bench/out/
+(git-ignored; `--out DIR` for another folder); `--save` writes them into bench/results/ instead, the
+committed record the README quotes.
 """
 from __future__ import annotations
 
@@ -14,26 +16,39 @@ import time
 
 GPU_TOKENS = (4096, 16384, 32768)
 GPU_VOCAB = (32000, 128256, 151936, 262144)
+HERE = os.path.dirname(os.path.abspath(__file__))
+SAVE_DIR = os.path.join(HERE, "results")   # tracked: the record the README quotes (--save)
+SCRATCH_DIR = os.path.join(HERE, "out")    # git-ignored: every other run
 
 
 def _ints(text):
     return [int(x) for x in str(text).split(",") if x]
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" to every flag's help unless the help already states its default."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default:" in (action.help or "") else super()._get_help_string(action)
+
+
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0],
+                                 formatter_class=_Help)
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="auto: CUDA when available (the GPU grid needs --gpu-sizes), else CPU")
-    ap.add_argument("--tokens", default=None, help="comma-separated token counts (B*T); default: CPU 256,1024")
-    ap.add_argument("--vocab", default=None, help="comma-separated vocabulary sizes; default: CPU 8192,32000")
+    ap.add_argument("--tokens", default=None,
+                    help="comma-separated token counts (B*T) (default: CPU 256,1024; CUDA 4096,16384,32768)")
+    ap.add_argument("--vocab", default=None,
+                    help="comma-separated vocabulary sizes (default: CPU 8192,32000; CUDA 32000,128256,151936,262144)")
     ap.add_argument("--gpu-sizes", action="store_true", help=f"tokens {GPU_TOKENS} x V {GPU_VOCAB}")
     ap.add_argument("--impls", default="triton,torch,eager,compile,liger",
                     help="comma-separated: triton, torch, eager, compile, liger")
     ap.add_argument("--preset", default="gtpo", choices=("gtpo", "grpo"), help="loss preset (Liger: always grpo)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="logits dtype")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs (CPU; default 5); CUDA: do_bench")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs (default: CPU 5; CUDA 10, through do_bench)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed runs before the timed ones (CPU)")
-    ap.add_argument("--modes", default=None, help="fwd,bwd,full (default: CPU full,fwd; CUDA fwd,bwd,full)")
+    ap.add_argument("--modes", default=None, help="any of fwd,bwd,full (default: CPU full,fwd; CUDA fwd,bwd,full)")
     ap.add_argument("--traffic-size", default="128x32000", help="TOKENSxV for the interpreter byte count")
     ap.add_argument("--no-traffic", action="store_true", help="skip the interpreter byte count")
     ap.add_argument("--no-aot", action="store_true", help="skip the ahead-of-time sm_90/sm_80 compile report")
@@ -41,11 +56,18 @@ def parse_args(argv):
     ap.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     ap.add_argument("--check-only", action="store_true", help="only the correctness checks (exit 1 if any fails)")
     ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds for the sweep; sizes not started by then are reported as skipped")
+                    help="seconds for the sweep; sizes not started by then are reported as skipped "
+                         "(default: no limit)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the benchmark inputs")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                    help="folder for the JSON and the plots (default bench/results)")
-    return ap.parse_args(argv)
+    ap.add_argument("--save", action="store_true",
+                    help="write the JSON and plots into bench/results/ (tracked: the record the README quotes)")
+    ap.add_argument("--out", default=None,
+                    help="folder for the JSON and the plots (default: bench/out/, git-ignored)")
+    a = ap.parse_args(argv)
+    if a.save and a.out is not None:
+        ap.error("--save writes into bench/results/; give --save or --out DIR, not both")
+    a.out = SAVE_DIR if a.save else (a.out or SCRATCH_DIR)
+    return a
 
 
 def main(argv=None):
@@ -91,14 +113,16 @@ def main(argv=None):
         bad = [r for r in results["rows"] if r["status"] == "wrong"]
         sys.exit(1 if bad else 0)
     path = report.write_json(results, a.out)
-    print(f"\nresults: {os.path.relpath(path)}")
+    print(f"\nresults: {os.path.relpath(path)} (and latest-{results['device']}.json next to it)")
     if not a.no_plots:
         try:
             from . import plots
-            for p in plots.plot(results, a.out):
+            for p in plots.plot(results, a.out, log=print):
                 print(f"plot: {os.path.relpath(p)}")
         except ImportError as e:
             print(f"plots skipped: {e} (pip install matplotlib)")
+    if not a.save:
+        print(f"written to {os.path.relpath(a.out)}/ (not the committed bench/results/: pass --save for that)")
     failed_aot = aot is not None and not all(r.ok for r in aot)
     sys.exit(1 if failed_aot or any(r["status"] == "wrong" for r in results["rows"]) else 0)
 

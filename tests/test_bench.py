@@ -57,22 +57,47 @@ def test_aot_compile_registers_spills_wide_loads():
     assert all(need <= set(c) and c["est_ms"] > 0 for c in recs)
 
 
-def test_python_m_bench_smoke(tmp_path):
+def test_python_m_bench_smoke():
+    """A default run (no --save, no --out) writes into the git-ignored bench/out/ and says so; the tracked
+    record (bench/results/, every tracked file under bench/) is left as it was."""
+    import hashlib
+
+    def tracked_bench_files():
+        names = subprocess.run(["git", "ls-files", "bench"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.split()
+        return {n: hashlib.sha256(open(os.path.join(ROOT, n), "rb").read()).hexdigest()
+                for n in names if os.path.exists(os.path.join(ROOT, n))}
+
+    before = tracked_bench_files()
     cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--tokens", "64", "--vocab", "1000",
-           "--impls", "triton,torch,eager,liger", "--repeats", "1", "--traffic-size", "64x1000", "--no-aot",
-           "--out", str(tmp_path)]
+           "--impls", "triton,torch,eager,liger", "--repeats", "1", "--traffic-size", "64x1000", "--no-aot"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, TRITON_INTERPRET="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "eager baseline" in p.stdout and "not run: needs CUDA" in p.stdout
-    doc = json.loads((tmp_path / "latest-cpu.json").read_text())
+    assert tracked_bench_files() == before, "a run without --save changed tracked files under bench/"
+    out_dir = os.path.join(ROOT, "bench", "out")
+    rel = next(ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("results: "))
+    path = os.path.join(ROOT, rel)
+    assert os.path.dirname(os.path.abspath(path)) == out_dir, rel
+    assert "pass --save" in p.stdout
+    ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
+    assert ignored.returncode == 0, f"{rel} is not git-ignored"
+    doc = json.loads(open(path).read())
+    assert doc == json.loads(open(os.path.join(out_dir, "latest-cpu.json")).read())
     assert {"date", "commit", "machine", "versions", "rows", "traffic"} <= set(doc)
     by = {(r["impl"], r["tokens"]): r for r in doc["rows"]}
     assert by[("eager", 64)]["status"] == "ok" and by[("eager", 64)]["peak_bytes"] > 0
     assert by[("torch", 64)]["saved_bytes_per_token"] < by[("eager", 64)]["saved_bytes_per_token"]
     assert by[("triton", 64)]["status"] == "ok" and "time_ms" not in by[("triton", 64)]  # interpreted
+    bad = subprocess.run([sys.executable, "-m", "bench", "--save", "--out", "x"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "not both" in bad.stderr
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return  # plots are optional
-    assert list(tmp_path.glob("*.png"))
+    plots = [ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("plot: ")]
+    assert plots and all(os.path.dirname(os.path.join(ROOT, x)) == out_dir for x in plots), plots
+    # no empty line or panel: what has no data (Liger on the CPU, interpreted Triton) is left out and said so
+    assert "no line for liger triton_grpo_loss (unavailable: not run: needs CUDA)" in p.stdout
