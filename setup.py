@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.10",  # torch 2.13 and triton 3.8; the test and trl extras need 3.11
     # torch is not pinned here: install the build that fits your machine first (see README)
     # triton: tested with 3.6 (CUDA) and 3.8 (CPU interpreter, with numpy 2.4)
-    install_requires=["torch>=2.1", "triton>=3.6,<3.9; platform_system=='Linux'"],
+    install_requires=["torch>=2.4", "triton>=3.6,<3.9; platform_system=='Linux'"],
     extras_require={
         "test": ["pytest", "hypothesis", "numpy"],
         "bench": ["matplotlib>=3.8", "numpy"],

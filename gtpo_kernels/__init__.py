@@ -1,13 +1,15 @@
 """gtpo-kernels: the GTPO policy-gradient loss as fused Triton kernels.
 
     from gtpo_kernels import gtpo_loss, GTPOConfig, conflict_weights, token_logprobs
+    from gtpo_kernels import gtpo_loss_from_logps, rollout_is_weights   # spec sections 9-10
 
 The specification is docs/GTPO_SPEC.md; `gtpo_reference` (installed alongside) is the pure-PyTorch
 oracle.
 """
-from .api import GTPOOutput, conflict_weights, gtpo_loss, token_logprobs
-from .config import LOSS_AGGS, PRESETS, GTPOConfig
+from .api import GTPOOutput, conflict_weights, gtpo_loss, gtpo_loss_from_logps, token_logprobs
+from .config import IS_LEVELS, LOSS_AGGS, POLICY_LOSSES, PRESETS, GTPOConfig
+from .rollout import ROLLOUT_IS_MODES, rollout_is_weights
 
-__all__ = ["gtpo_loss", "GTPOConfig", "GTPOOutput", "conflict_weights", "token_logprobs", "LOSS_AGGS",
-           "PRESETS"]
+__all__ = ["gtpo_loss", "gtpo_loss_from_logps", "GTPOConfig", "GTPOOutput", "conflict_weights", "token_logprobs",
+           "rollout_is_weights", "LOSS_AGGS", "POLICY_LOSSES", "IS_LEVELS", "PRESETS", "ROLLOUT_IS_MODES"]
 __version__ = "0.1.0"

@@ -32,7 +32,8 @@ class GTPOOutput:
 def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group_size=None,
               old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None, n_conf=None,
               cu_seqlens=None, max_seqlen=None, logits_start=0, num_items_in_batch=None,
-              inplace=False, validate=True, backend="auto") -> GTPOOutput:
+              rollout_is_weights=None, rollout_logps=None, inplace=False, validate=True,
+              backend="auto") -> GTPOOutput:
     """The GTPO policy-gradient loss (spec: docs/GTPO_SPEC.md), fused over the vocabulary.
 
     In one line of torch, for the default config (padded form, every token counted)::
@@ -60,6 +61,11 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     num_items_in_batch  the denominator of loss_agg='token-mean' instead of this call's counted tokens
                     (gradient accumulation, data parallelism: see the README's "Normalizers"); refused
                     with any other aggregation.
+    rollout_is_weights  rollout importance weights (training/inference mismatch, spec 9), per token
+                    (completion_ids' shape) or per completion ((B,) / (B, 1)), >= 0; they multiply the
+                    policy term (see `rollout_is_weights()` for TRL's four ways to make them).
+    rollout_logps   the inference engine's log-probs (completion_ids' shape): the sampling policy of
+                    config.off_policy_mask_threshold (default: old_logps).
     inplace         write the gradient into the logits' storage (saves one logits-sized buffer; the
                     logits are overwritten during backward). Off by default; refused on logits whose rows
                     overlap in memory and inside torch.compile.
@@ -73,21 +79,35 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     if advantages is None:
         raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
     host = checks.host_checks(validate)
-    b = checks.prepare(logits, completion_ids, completion_mask, advantages=advantages, old_logps=old_logps,
-                       ref_logps=ref_logps, lam=lam, n_conf=n_conf, cu_seqlens=cu_seqlens,
-                       max_seqlen=max_seqlen, logits_start=logits_start, validate=host)
-    if ref_logps is None and not is_zero(cfg.beta):
-        raise ValueError("config.beta > 0 (or a tensor beta) needs ref_logps (the reference model's "
-                         "log-probs, shape of completion_ids); or set beta=0")
+    extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
+                  rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
+    b = checks.prepare(logits, completion_ids, completion_mask, advantages=advantages, cu_seqlens=cu_seqlens,
+                       max_seqlen=max_seqlen, logits_start=logits_start, validate=host, **extras)
     checks.check_inplace(inplace, logits)
-    num_items = checks.check_num_items(num_items_in_batch, cfg.loss_agg, logits.device,
-                                       float_dtype_for(logits))
+    dt = float_dtype_for(logits)
+    num_items = _check_loss_args(b, cfg, num_items_in_batch, dt)
     backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
     if backend == "reference":
-        return reference_backend.gtpo_loss(b, logits, cfg, group_size, old_logps, ref_logps, lam, n_conf,
-                                           num_items, GTPOOutput)
+        return reference_backend.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput)
+    _conflicts_for(b, cfg, group_size, dt, backend)
+    loss, res = _fused_loss(b, cfg, backend, inplace, host, num_items)
+    return _output(b, cfg, loss, res, dt, host)
 
-    dt = float_dtype_for(logits)
+
+def _check_loss_args(b, cfg, num_items_in_batch, dt):
+    """Checks that depend on the config; returns num_items_in_batch as the surrogate takes it."""
+    if b.ref is None and not is_zero(cfg.beta):
+        raise ValueError("config.beta > 0 (or a tensor beta) needs ref_logps (the reference model's "
+                         "log-probs, shape of completion_ids); or set beta=0")
+    if cfg.loss_agg == "none" and cfg.importance_sampling_level == "sequence":
+        raise ValueError("loss_agg='none' with importance_sampling_level='sequence' is refused: each token's "
+                         "loss then depends on every token of its completion, so a per-token upstream "
+                         "gradient has no per-token meaning; aggregate the loss instead")
+    return checks.check_num_items(num_items_in_batch, cfg.loss_agg, b.counted.device, dt)
+
+
+def _conflicts_for(b, cfg, group_size, dt, backend):
+    """The conflict weights the loss uses: given (b.lam / b.n_conf) or computed here; 1 off the mask."""
     if cfg.use_conflict_mask and (b.lam is None or
                                   (b.n_conf is None and cfg.loss_agg == "gtpo-official")):
         group_size = checks.check_group_size(group_size, b.B)
@@ -97,19 +117,83 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     if b.lam is not None:  # ignored where masked out, as everything else
         b.lam = torch.where(b.counted, b.lam, torch.ones_like(b.lam))
 
-    loss, res = _fused_loss(b, cfg, backend, inplace, host, num_items)
+
+def _surrogate(b, cfg, logp, ent, num_items, dt):
+    return surrogate(logp.to(dt), ent.to(dt), b.counted, b.seg, b.B, b.adv, cfg, old=b.old, ref=b.ref,
+                     lam=b.lam, n_conf=b.n_conf, num_items=num_items, max_len=b.max_len,
+                     rollout_w=b.rollout_w, rollout_logps=b.rollout_logps)
+
+
+def _loss_value(b, cfg, res):
+    """The loss value without gradient: sum_k w_k l_k, or w_k l_k per token with loss_agg='none'."""
+    weighted = res["weight"] * res["loss_tok"]
+    return weighted.reshape(b.tok_shape) if cfg.loss_agg == "none" else \
+        weighted.sum(dtype=torch.float64).to(weighted.dtype)
+
+
+def _output(b, cfg, loss, res, dt, host):
     if host and cfg.entropy_threshold is not None and not bool(res["kept"].any()) and bool(b.counted.any()):
         warnings.warn(
             f"gtpo_loss: the entropy filter dropped every completion (mean entropy above entropy_threshold="
             f"{float(cfg.entropy_threshold):.3g}), so the loss and its gradient are zero. A model more uncertain than "
             f"that from the start needs GTPOConfig(initial_entropy=<its mean entropy>) (the paper's gate) or "
-            f"entropy_threshold=None; out.metrics['filtered_frac'] tracks it.", stacklevel=2)
-    lam_out = torch.ones(b.tok_shape, dtype=dt, device=logits.device) if b.lam is None else \
-        b.lam.to(dt).reshape(b.tok_shape)
-    n_conf_out = torch.ones(b.B, dtype=dt, device=logits.device) if b.n_conf is None else b.n_conf.to(dt)
+            f"entropy_threshold=None; out.metrics['filtered_frac'] tracks it.", stacklevel=3)
+    dev = b.counted.device
+    lam_out = torch.ones(b.tok_shape, dtype=dt, device=dev) if b.lam is None else b.lam.to(dt).reshape(b.tok_shape)
+    n_conf_out = torch.ones(b.B, dtype=dt, device=dev) if b.n_conf is None else b.n_conf.to(dt)
     return GTPOOutput(loss=loss, logps=res["logp"].reshape(b.tok_shape), entropy=res["ent"].reshape(b.tok_shape),
                       per_token_loss=res["loss_tok"].reshape(b.tok_shape), lam=lam_out, n_conf=n_conf_out,
                       kept=res["kept"], seq_entropy=res["seq_entropy"], metrics=res["metrics"])
+
+
+def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None, *, entropy=None,
+                         group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
+                         n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
+                         rollout_is_weights=None, rollout_logps=None, validate=True) -> GTPOOutput:
+    """`gtpo_loss` from per-token log-probs computed elsewhere (spec 10): TRL's fused LM head, verl's or
+    Megatron's vocabulary-parallel log-probs, an inference engine.
+
+    logps    (B, T) (packed: (N,), with cu_seqlens) the current policy's log-probs of completion_ids,
+             differentiable; values at masked-out positions are ignored (and get zero gradient).
+    entropy  the per-token entropies (same shape), needed by the entropy filter and shaping, the
+             top-entropy quantile and the entropy bonus (differentiable for the bonus).
+    completion_ids serve the conflict weights only. Every other argument is gtpo_loss's. It equals
+    gtpo_loss on the logits that gave these log-probs and entropies, outputs included.
+    """
+    cfg = as_config(config)
+    if advantages is None:
+        raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
+    checks.check_float_tensor("logps", logps)
+    host = checks.host_checks(validate)
+    b = checks.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
+                              max_seqlen=max_seqlen, device=logps.device, validate=host)
+    checks.check_same_shape("logps", logps, b.tok_shape)
+    needs_entropy = cfg.entropy_threshold is not None or not is_zero(cfg.entropy_penalty) or \
+        not is_zero(cfg.entropy_coef) or not is_zero(cfg.top_entropy_quantile - 1.0)
+    if entropy is None and needs_entropy:
+        raise ValueError("entropy (per-token entropies, shape of completion_ids) is required by this config: its "
+                         "entropy filter, shaping (entropy_penalty), entropy bonus or top_entropy_quantile use "
+                         "it; pass it, or turn those off (e.g. GTPOConfig.preset('grpo'))")
+    if entropy is not None:
+        checks.check_float_tensor("entropy", entropy)
+        checks.check_same_shape("entropy", entropy, b.tok_shape)
+    checks.add_extras(b, logps.device, old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
+                      rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps, validate=host)
+    dt = float_dtype_for(logps)
+    num_items = _check_loss_args(b, cfg, num_items_in_batch, dt)
+    _conflicts_for(b, cfg, group_size, dt, dispatch.resolve_backend("auto", logps.device))
+    zero = torch.zeros((), dtype=dt, device=logps.device)
+    lp = torch.where(b.counted, logps.reshape(-1).to(dt), zero)  # gradient only where counted
+    ent = zero.expand(lp.shape) if entropy is None else torch.where(b.counted, entropy.reshape(-1).to(dt), zero)
+    with torch.no_grad():
+        res = _surrogate(b, cfg, lp.detach(), ent.detach(), num_items, dt)
+        value = _loss_value(b, cfg, res)
+    # the value, with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1)
+    attach = res["c"] * (lp - lp.detach())
+    if res["e"] is not None:
+        attach = attach + res["e"] * (ent - ent.detach())
+    loss = value + (attach.reshape(b.tok_shape) if cfg.loss_agg == "none" else attach.sum())
+    return _output(b, cfg, loss, res, dt, host)
 
 
 def _forward(b, temperature, backend, host):
@@ -130,11 +214,8 @@ def _fused_loss(b, cfg, backend, inplace, host, num_items):
     with torch.no_grad():
         temperature = ops.as_tensor_param(cfg.temperature)
         logp, ent, stats = _forward(b, temperature, backend, host)
-        res = surrogate(logp.to(dt), ent.to(dt), b.counted, b.seg, b.B, b.adv, cfg, old=b.old, ref=b.ref,
-                        lam=b.lam, n_conf=b.n_conf, num_items=num_items, max_len=b.max_len)
-        weighted = res["weight"] * res["loss_tok"]
-        value = weighted.reshape(b.tok_shape) if cfg.loss_agg == "none" else \
-            weighted.sum(dtype=torch.float64).to(weighted.dtype)
+        res = _surrogate(b, cfg, logp, ent, num_items, dt)
+        value = _loss_value(b, cfg, res)
         cdt = stats.dtype  # the kernel's coefficients in its accumulation dtype
         c = res["c"].to(cdt)
         e = None if res["e"] is None else res["e"].to(cdt)

@@ -89,7 +89,11 @@ def _int_tensor(name, x):
         raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {x.dtype}")
 
 
-def _float_tensor(name, x):
+def check_same_shape(name, x, tok_shape):
+    _shape(name, x, tok_shape, "completion_ids' shape")
+
+
+def check_float_tensor(name, x):
     _tensor(name, x)
     if not x.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
@@ -187,10 +191,10 @@ def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_
     return batch
 
 
-def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, old_logps=None,
-            ref_logps=None, lam=None, n_conf=None, cu_seqlens=None, max_seqlen=None, logits_start=0,
-            validate=True) -> Batch:
-    """A Batch for the vocabulary passes: prepare_tokens plus the logits and per-token extras."""
+def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, cu_seqlens=None,
+            max_seqlen=None, logits_start=0, validate=True, **extras) -> Batch:
+    """A Batch for the vocabulary passes: prepare_tokens plus the logits and the per-token extras
+    (old_logps, ref_logps, lam, n_conf, rollout_is_weights, rollout_logps: see add_extras)."""
     logits_start = _nonneg_int("logits_start", logits_start)
     if cu_seqlens is None:
         check_logits(logits, 3, "(B, T_l, V) (pass cu_seqlens for the packed (N, V) form)")
@@ -216,21 +220,42 @@ def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, ol
                              f"got {logits.shape[0]}")
         b.logits3 = vocab_contiguous(logits).unsqueeze(0)
     b.logits_start = logits_start
+    add_extras(b, logits.device, validate=validate, **extras)
+    if validate:
+        check_ids_in_range(b.ids, b.counted, b.V)
+    return b
+
+
+def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=None, rollout_is_weights=None,
+               rollout_logps=None, validate=True):
+    """Per-token inputs of the loss, flattened onto the Batch: each of completion_ids' shape, except
+    n_conf (B,) and rollout_is_weights (per token, or (B,) / (B, 1) per completion: then repeated)."""
     for name, x, attr in (("old_logps", old_logps, "old"), ("ref_logps", ref_logps, "ref"),
-                          ("lam", lam, "lam")):
+                          ("lam", lam, "lam"), ("rollout_logps", rollout_logps, "rollout_logps")):
         if x is not None:
-            _float_tensor(name, x)
+            check_float_tensor(name, x)
             _shape(name, x, b.tok_shape, "completion_ids' shape")
-            _same_device(name, x, logits.device)
+            _same_device(name, x, device)
             setattr(b, attr, x.reshape(-1))
     if n_conf is not None:
         _tensor("n_conf", n_conf)
         _shape("n_conf", n_conf, (b.B,), "(B,)")
-        _same_device("n_conf", n_conf, logits.device)
+        _same_device("n_conf", n_conf, device)
         b.n_conf = n_conf
-    if validate:
-        check_ids_in_range(b.ids, b.counted, b.V)
-    return b
+    w = rollout_is_weights
+    if w is not None:
+        check_float_tensor("rollout_is_weights", w)
+        _same_device("rollout_is_weights", w, device)
+        if tuple(w.shape) == tuple(b.tok_shape):
+            b.rollout_w = w.reshape(-1)
+        elif tuple(w.shape) in ((b.B,), (b.B, 1)):
+            b.rollout_w = w.reshape(b.B)[b.seg]
+        else:
+            raise ValueError(f"rollout_is_weights must have completion_ids' shape {tuple(b.tok_shape)} (per "
+                             f"token) or ({b.B},) / ({b.B}, 1) (per completion), got {tuple(w.shape)}")
+        if validate and bool((b.counted & ~(b.rollout_w >= 0)).any()):
+            raise ValueError("rollout_is_weights must be >= 0 (and not NaN) at counted positions "
+                             "(see rollout_is_weights() for TRL's modes)")
 
 
 def check_group_size(group_size, B):

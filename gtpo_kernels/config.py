@@ -8,6 +8,8 @@ from typing import Optional, Union
 
 import torch
 
+POLICY_LOSSES = ("ppo", "cispo", "sapo", "vespo")
+IS_LEVELS = ("token", "sequence")
 LOSS_AGGS = (
     "seq-mean-token-mean",
     "token-mean",
@@ -43,6 +45,20 @@ class GTPOConfig:
     loss_agg              one of LOSS_AGGS ('_' or '-' accepted)
     max_completion_length denominator of 'seq-mean-token-sum-norm' (default: T, or the longest
                           completion in the packed form)
+
+    The GRPO family (spec 9; TRL's names):
+    policy_loss           'ppo' (clipped surrogate), 'cispo' (eps_high is then an absolute bound on the
+                          ratio, e.g. 5.0), 'sapo' (soft gate), 'vespo' (gamma weights per completion)
+    importance_sampling_level  'token' or 'sequence' (GSPO: one ratio per completion, the exp of the
+                          mean log-ratio); 'sequence' is refused with cispo, sapo and vespo
+    delta                 INTELLECT-2's two-sided clip: the unclipped ratio capped at delta (> 1), or None
+    sapo_temperature_pos, sapo_temperature_neg   SAPO's gate temperatures (Ahat > 0, else)
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg   VESPO's gamma weights (A >= 0, else)
+    use_bias_correction_kl  multiply the k3 term by the ratio r (DeepSeek-V3.2)
+    off_policy_mask_threshold  drop the policy term of completions with A < 0 whose mean
+                          (sampling logp - logp) exceeds it (DeepSeek-V3.2), or None
+    top_entropy_quantile  rho in (0, 1]: only the counted tokens with the top rho fraction of entropies
+                          keep their policy term and entropy bonus (1.0: all)
     """
 
     temperature: float = 1.0
@@ -59,6 +75,18 @@ class GTPOConfig:
     beta: float = 0.0
     loss_agg: str = "seq-mean-token-mean"
     max_completion_length: Optional[int] = None
+    policy_loss: str = "ppo"
+    importance_sampling_level: str = "token"
+    delta: Optional[float] = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    use_bias_correction_kl: bool = False
+    off_policy_mask_threshold: Optional[float] = None
+    top_entropy_quantile: float = 1.0
 
     def __post_init__(self):
         def bad(field, expected):
@@ -76,13 +104,38 @@ class GTPOConfig:
             return v
 
         for f in ("temperature", "eps_low", "eps_high", "conflict_pos_weight", "conflict_neg_weight",
-                  "entropy_penalty", "entropy_coef", "beta"):
+                  "entropy_penalty", "entropy_coef", "beta", "sapo_temperature_pos", "sapo_temperature_neg",
+                  "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile"):
             value(f)
         if value("temperature") <= 0:
             bad("temperature", "> 0")
-        for f in ("eps_low", "eps_high"):
-            if not 0.0 <= value(f) < 1.0:
-                bad(f, "in [0, 1)")
+        pl = _norm(self.policy_loss) if isinstance(self.policy_loss, str) else None
+        if pl not in POLICY_LOSSES:
+            bad("policy_loss", f"one of {POLICY_LOSSES}")
+        object.__setattr__(self, "policy_loss", pl)
+        level = self.importance_sampling_level
+        if level not in IS_LEVELS:
+            bad("importance_sampling_level", f"one of {IS_LEVELS}")
+        if level == "sequence" and pl != "ppo":
+            bad("importance_sampling_level", f"'token' with policy_loss={pl!r} (TRL refuses it too)")
+        if not 0.0 <= value("eps_low") < 1.0:
+            bad("eps_low", "in [0, 1)")
+        if pl == "cispo":  # an absolute bound on the ratio (TRL's convention)
+            if value("eps_high") <= 0:
+                bad("eps_high", "> 0 with policy_loss='cispo' (the ratio's upper bound, e.g. 5.0)")
+        elif not 0.0 <= value("eps_high") < 1.0:
+            bad("eps_high", "in [0, 1)")
+        if self.delta is not None and value("delta") <= 1.0:
+            bad("delta", "None or > 1")
+        for f in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if value(f) <= 0:
+                bad(f, "> 0")
+        if self.off_policy_mask_threshold is not None:
+            value("off_policy_mask_threshold")
+        if not 0.0 < value("top_entropy_quantile") <= 1.0:
+            bad("top_entropy_quantile", "in (0, 1]")
+        if not isinstance(self.use_bias_correction_kl, bool):
+            bad("use_bias_correction_kl", "a bool")
         if value("beta") < 0:
             bad("beta", ">= 0")
         for f in ("entropy_threshold", "initial_entropy"):
@@ -101,8 +154,10 @@ class GTPOConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GTPOConfig":
-        """A preset of spec section 5 ('gtpo', 'gtpo-official', 'grpo', 'dapo', 'dr_grpo'),
-        with any field overridden by keyword."""
+        """A preset of spec sections 5 and 9 (see PRESETS: 'gtpo', 'gtpo-official', 'grpo', 'dapo',
+        'dr_grpo', 'bnpo', 'cispo', 'sapo', 'gspo', 'luspo', 'vespo'), with any field overridden by
+        keyword (e.g. GTPO's conflict weights and entropy control on top of any TRL loss type:
+        GTPOConfig.preset('cispo', use_conflict_mask=True, entropy_threshold=0.7))."""
         key = _norm(name) if isinstance(name, str) else None
         if key not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
@@ -123,6 +178,13 @@ PRESETS = {
     "grpo": dict(_NO_GTPO),
     "dapo": dict(_NO_GTPO, eps_high=0.28, loss_agg="token-mean"),
     "dr-grpo": dict(_NO_GTPO, loss_agg="seq-mean-token-sum-norm"),
+    # spec 9: TRL's loss types
+    "bnpo": dict(_NO_GTPO, loss_agg="token-mean"),
+    "cispo": dict(_NO_GTPO, policy_loss="cispo", eps_high=5.0, loss_agg="token-mean"),
+    "sapo": dict(_NO_GTPO, policy_loss="sapo"),
+    "gspo": dict(_NO_GTPO, importance_sampling_level="sequence"),
+    "luspo": dict(_NO_GTPO, importance_sampling_level="sequence", loss_agg="seq-mean-token-sum"),
+    "vespo": dict(_NO_GTPO, policy_loss="vespo", loss_agg="token-mean"),
 }
 
 

@@ -27,6 +27,8 @@ class Batch:
     ref: Optional[torch.Tensor] = None  # (N,)
     lam: Optional[torch.Tensor] = None  # (N,)
     n_conf: Optional[torch.Tensor] = None  # (B,)
+    rollout_w: Optional[torch.Tensor] = None  # (N,) rollout importance weights
+    rollout_logps: Optional[torch.Tensor] = None  # (N,) the inference engine's log-probs
     cu_seqlens: Optional[torch.Tensor] = None
     max_seqlen: Optional[int] = None
     max_len: object = None  # default denominator of seq-mean-token-sum-norm

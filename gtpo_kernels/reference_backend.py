@@ -15,16 +15,22 @@ def token_logprobs(b, logits, temperature):
     return unpad(lp).to(dt), unpad(ent).to(dt)
 
 
-def gtpo_loss(b, logits, cfg, group_size, old_logps, ref_logps, lam, n_conf, num_items, output_type):
+def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type):
     import gtpo_reference
     kw = {k: float(v) if hasattr(v, "dim") else v for k, v in dataclasses.asdict(cfg).items()}
     lg, ids, m, unpad, pad = padded_window(b, logits)
     opt = (lambda x: None if x is None else pad(x))
     if b.packed and kw["max_completion_length"] is None:
         kw["max_completion_length"] = int(b.max_len)  # the longest completion
-    r = gtpo_reference.gtpo_loss(lg, ids, b.adv, m, group_size=group_size, old_logps=opt(old_logps),
-                                 ref_logps=opt(ref_logps), lam=opt(lam), n_conf=n_conf,
-                                 num_items_in_batch=num_items, **kw)
+    w = extras["rollout_is_weights"]
+    if w is not None and tuple(w.shape) != tuple(b.tok_shape):
+        w = w.reshape(-1)  # per completion
+    elif w is not None:
+        w = pad(w)
+    r = gtpo_reference.gtpo_loss(lg, ids, b.adv, m, group_size=group_size, old_logps=opt(extras["old_logps"]),
+                                 ref_logps=opt(extras["ref_logps"]), lam=opt(extras["lam"]), n_conf=extras["n_conf"],
+                                 num_items_in_batch=num_items, rollout_is_weights=w,
+                                 rollout_logps=opt(extras["rollout_logps"]), **kw)
     dt = float_dtype_for(logits)  # the reference computes in float64; the contract's outputs are float32
     loss = unpad(r["loss"]) if cfg.loss_agg == "none" else r["loss"]
     return output_type(loss=loss.to(dt), logps=unpad(r["logps"]).to(dt), entropy=unpad(r["entropy"]).to(dt),

@@ -15,3 +15,12 @@ def test_setup_lists_every_subpackage():
     found = set(find_packages(ROOT, include=["gtpo_kernels", "gtpo_kernels.*"]))
     assert found <= listed, f"not shipped: {sorted(found - listed)}"
     assert ast.literal_eval(kw["package_dir"])["gtpo_reference"] == "reference"
+
+
+def test_torch_requirement_covers_the_apis_used():
+    """torch.library.custom_op / register_fake / register_autograd and torch.compiler.is_compiling: 2.4."""
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    reqs = ast.literal_eval({k.arg: k.value for k in call.keywords}["install_requires"])
+    torch_req = next(r for r in reqs if r.startswith("torch"))
+    assert torch_req == "torch>=2.4", torch_req

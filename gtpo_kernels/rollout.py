@@ -1,0 +1,42 @@
+"""Rollout importance-sampling weights for the training/inference mismatch (spec 9), as TRL makes them."""
+from __future__ import annotations
+
+import torch
+
+from . import checks
+
+ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def rollout_is_weights(old_logps, rollout_logps, completion_mask, mode, clip_min=None, clip_max=3.0):
+    """Weights (B, T) for `gtpo_loss(..., rollout_is_weights=...)` from the trainer's old-policy log-probs
+    and the inference engine's (vLLM, SGLang) log-probs of the same tokens.
+
+    Per token (token_*) the ratio is exp(m * (old - rollout)); per sequence (sequence_*) the exp of its
+    masked sum, on every token of the completion. '*_truncate' clamps the ratios to [clip_min, clip_max]
+    (clip_min None: no lower bound); '*_mask' sets ratios outside [clip_min, clip_max] to 0 (clip_min None:
+    0). NaN differences (tokens the engine could not score) count as 0. No gradient."""
+    if mode not in ROLLOUT_IS_MODES:
+        raise ValueError(f"mode must be one of {ROLLOUT_IS_MODES}, got {mode!r}")
+    checks.check_float_tensor("old_logps", old_logps)
+    checks.check_float_tensor("rollout_logps", rollout_logps)
+    if old_logps.dim() != 2:
+        raise ValueError(f"old_logps must have shape (B, T), got {tuple(old_logps.shape)}")
+    checks.check_same_shape("rollout_logps", rollout_logps, tuple(old_logps.shape))
+    if completion_mask is None:
+        m = torch.ones(old_logps.shape, dtype=old_logps.dtype, device=old_logps.device)
+    else:
+        checks.check_same_shape("completion_mask", completion_mask, tuple(old_logps.shape))
+        m = (completion_mask != 0).to(old_logps.dtype)
+    if clip_max is None or (clip_min is not None and not clip_min <= clip_max):
+        raise ValueError(f"need clip_min <= clip_max (clip_max a number), got clip_min={clip_min!r}, "
+                         f"clip_max={clip_max!r}")
+    with torch.no_grad():
+        diff = torch.nan_to_num((old_logps - rollout_logps.to(old_logps.dtype)) * m, nan=0.0) * m
+        if mode.startswith("sequence"):
+            diff = diff.sum(-1, keepdim=True).expand_as(diff)
+        w = torch.exp(diff)
+        if mode.endswith("truncate"):
+            return torch.clamp(w, min=clip_min, max=clip_max)
+        lo = 0.0 if clip_min is None else clip_min
+        return torch.where((w < lo) | (w > clip_max), torch.zeros_like(w), w)
