@@ -48,15 +48,18 @@ def reward(prompt, completion):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
+    class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
+    p.add_argument("--steps", type=int, default=20, help="training steps (one batch each)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (P)")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=6, help="completion length cap")
     p.add_argument("--updates", type=int, default=2, help="optimizer steps per batch (PPO epochs)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--seed", type=int, default=0, help="torch seed")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     random.seed(args.seed)

@@ -1,6 +1,7 @@
-"""Toy RL run: GTPO against GRPO on a task with a fixed answer format, on the CPU in about a minute.
+"""Toy RL run: GTPO against GRPO on a task with a fixed answer format, on the CPU (the README gives
+the measured run time).
 
-    python -m gtpo_kernels.demo                 # or: python examples/toy_rl.py
+    python -m gtpo_kernels.demo                 # or: python examples/toy_rl.py; writes toy_rl_out/
     python -m gtpo_kernels.demo --steps 10 --seeds 0 --out /tmp/demo     # a quick look
 
 The task (a miniature of the GTPO paper's math prompts): the prompt is `a ? b =` with digits a, b, where
@@ -17,8 +18,10 @@ completions with random digits (identical for both arms: one warm-started checkp
 the format, not the answer. Then both arms run the same number of on-policy steps from the same
 weights with the same seeds, the same optimizer and the same group advantages rule; they differ only
 in the loss preset: 'gtpo' (conflict weights, entropy filter and penalty) or 'grpo'. Outputs: one
-line per step, `toy_rl.json` with every curve (per seed and mean over seeds) and `toy_rl.png`
-(reward, format accuracy, conflict-token fraction and mean entropy against step, both arms).
+line per step, and in `--out` (default `toy_rl_out/` in the current directory, git-ignored here)
+`toy_rl.json` with every curve (per seed and mean over seeds) and `toy_rl.png` (reward, format
+accuracy, conflict-token fraction and mean entropy against step, both arms). The README's figure,
+docs/toy_rl.png, is a default run with `--out docs`.
 
 The conflict-token fraction is measured on each arm's own samples with `conflict_weights` (counted
 tokens whose lambda would differ from 1); GRPO's loss does not use it.
@@ -206,16 +209,18 @@ def plot(result, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="GTPO vs GRPO on a toy task with a fixed answer format")
+    p = argparse.ArgumentParser(description="GTPO vs GRPO on a toy task with a fixed answer format",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="RL steps per arm")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="one run per seed and arm")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--max-len", type=int, default=6, help="completion length cap")
     p.add_argument("--warmup-steps", type=int, default=20, help="supervised format warm-up steps")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--out", default="toy_rl_out", help="folder for toy_rl.json and toy_rl.png")
+    p.add_argument("--hidden", type=int, default=64, help="GRU width")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--out", default="toy_rl_out",
+                   help="folder for toy_rl.json and toy_rl.png, relative to the current directory")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # tiny ops: one thread is fastest, and steady on a busy machine
