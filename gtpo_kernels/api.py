@@ -121,7 +121,7 @@ def _conflicts_for(b, cfg, group_size, dt, backend):
 def _surrogate(b, cfg, logp, ent, num_items, dt):
     return surrogate(logp.to(dt), ent.to(dt), b.counted, b.seg, b.B, b.adv, cfg, old=b.old, ref=b.ref,
                      lam=b.lam, n_conf=b.n_conf, num_items=num_items, max_len=b.max_len,
-                     rollout_w=b.rollout_w, rollout_logps=b.rollout_logps)
+                     rollout_w=b.rollout_w, rollout_w_seq=b.rollout_w_seq, rollout_logps=b.rollout_logps)
 
 
 def _loss_value(b, cfg, res):

@@ -249,7 +249,8 @@ def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=No
         if tuple(w.shape) == tuple(b.tok_shape):
             b.rollout_w = w.reshape(-1)
         elif tuple(w.shape) in ((b.B,), (b.B, 1)):
-            b.rollout_w = w.reshape(b.B)[b.seg]
+            b.rollout_w_seq = w.reshape(b.B)
+            b.rollout_w = b.rollout_w_seq[b.seg]
         else:
             raise ValueError(f"rollout_is_weights must have completion_ids' shape {tuple(b.tok_shape)} (per "
                              f"token) or ({b.B},) / ({b.B}, 1) (per completion), got {tuple(w.shape)}")

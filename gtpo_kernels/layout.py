@@ -28,6 +28,7 @@ class Batch:
     lam: Optional[torch.Tensor] = None  # (N,)
     n_conf: Optional[torch.Tensor] = None  # (B,)
     rollout_w: Optional[torch.Tensor] = None  # (N,) rollout importance weights
+    rollout_w_seq: Optional[torch.Tensor] = None  # (B,) when they were given per completion
     rollout_logps: Optional[torch.Tensor] = None  # (N,) the inference engine's log-probs
     cu_seqlens: Optional[torch.Tensor] = None
     max_seqlen: Optional[int] = None

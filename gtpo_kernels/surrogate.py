@@ -13,6 +13,8 @@ Tokens are flat (N,) with `seg[k]` the completion of token k, which serves the p
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import policy
@@ -91,11 +93,13 @@ def aggregation_weights(mf, seg, B, n_safe, M_safe, cfg, n_conf, num_items, max_
 
 
 def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n_conf=None,
-              num_items=None, max_len=None, rollout_w=None, rollout_logps=None):
+              num_items=None, max_len=None, rollout_w=None, rollout_w_seq=None, rollout_logps=None):
     """logp, ent (N,) float; m (N,) bool; seg (N,) int64; adv (B,) float; lam (N,) or None;
     n_conf (B,) or None; max_len: scalar (python or 0-d tensor) for 'seq-mean-token-sum-norm';
-    rollout_w: (N,) rollout importance weights (per-completion ones already repeated on their tokens).
-    Returns a dict: loss_tok (N,), weight (N,), c (N,), e (N,) or None, kept, seq_entropy, metrics."""
+    rollout_w: (N,) rollout importance weights (per-completion ones, rollout_w_seq (B,), repeated on
+    their tokens).
+    Returns a dict: loss_tok (N,), weight (N,), c (N,), e (N,) or None, kept, seq_entropy, metrics.
+    """
     dt = logp.dtype
     zero = torch.zeros((), dtype=dt, device=logp.device)
     mf = m.to(dt)
@@ -119,9 +123,11 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
     elif cfg.policy_loss == "sapo":
         pg, d_logr, d_logp, clipped = policy.sapo(r, A, cfg)
     else:  # vespo: the rollout weights are folded into phi
-        log_w = None
-        if rollout_w is not None:
-            lw = torch.log(rollout_w.to(dt)).clamp(min=-18.420680743952367, max=20.0)
+        log_w = None  # sum_t log(rollout weight), each log clamped to [log 1e-8, 20] as TRL
+        if rollout_w_seq is not None:  # a per-completion weight enters once
+            log_w = torch.log(rollout_w_seq.to(dt)).clamp(min=math.log(1e-8), max=20.0)
+        elif rollout_w is not None:
+            lw = torch.log(rollout_w.to(dt)).clamp(min=math.log(1e-8), max=20.0)
             log_w = seg_sum(torch.where(m, lw, zero), seg, B)
         phi = policy.vespo_phi(log_r, m, lambda x: seg_sum(x, seg, B), adv, log_w, cfg)
         pg, d_logr, d_logp, clipped = policy.vespo(phi[seg], A, logp)
