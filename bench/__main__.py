@@ -1,6 +1,6 @@
 """python -m bench: speed, peak memory, saved bytes and bytes moved, side by side with the peers.
 
-Default on a CPU machine: a small grid (under 3 minutes on 2 cores); Triton runs in its interpreter,
+Default on a CPU machine: a small grid (a few minutes on 2 cores); Triton runs in its interpreter,
 counted for bytes at one small size, never timed. On CUDA, `--gpu-sizes` is the grid of the spec:
 V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16.
 Prints a table and writes <device>-<date>.json, latest-<device>.json and PNG plots into bench/out/
