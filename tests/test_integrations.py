@@ -135,69 +135,251 @@ def test_trl_trainer_trains_with_our_kernel(tmp_path, kernel_spy, monkeypatch):
     assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters())), "no parameter moved"
 
 
-@needs_trl
-def test_trl_grpo_preset_equals_stock_loss(tmp_path, kernel_spy):
-    """gtpo_loss='grpo' gives TRL's loss_type='grpo' loss and gradient on the same batch (off-policy
-    old log-probs and temperature 0.7, so the clip and the temperature both matter)."""
+# ---------------------------------------------------------------- TRL: every loss type against the stock trainer
+
+# TRL's defaults for every option a case may change; each case starts from these
+_TRL_BASE = dict(loss_type="grpo", importance_sampling_level="token", delta=None, beta=0.0, epsilon=0.2,
+                 epsilon_high=0.25, use_bias_correction_kl=True, off_policy_mask_threshold=None,
+                 top_entropy_quantile=1.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+                 vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
+                 entropy_coef=0.0)
+
+
+def _configure(tr, vllm_is=False, **opts):
+    """Sets TRL options on a built trainer: its args and the attributes GRPOTrainer copies them into."""
+    from gtpo_kernels.integrations.trl import GTPOTrainer
+    a = tr.args
+    for k, v in {**_TRL_BASE, **opts}.items():
+        setattr(a, k, v)
+    tr.loss_type, tr.beta = a.loss_type, a.beta
+    tr.importance_sampling_level = a.importance_sampling_level
+    tr.off_policy_mask_threshold, tr.top_entropy_quantile = a.off_policy_mask_threshold, a.top_entropy_quantile
+    tr.epsilon_low = a.epsilon
+    tr.epsilon_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
+    tr.use_vllm = tr.vllm_importance_sampling_correction = vllm_is
+    if isinstance(tr, GTPOTrainer):
+        a.gtpo_loss = None  # TRL's loss type with the GTPO parts off
+        tr._gtpo_setup()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """The tiny models' ops are microseconds of work: with the cores shared, torch's intra-op threads only
+    contend (20x slower on a loaded 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def trl_pair(tmp_path_factory):
+    """One tiny model in two trainers (ours, stock) and one off-policy batch with every input a TRL
+    option reads: old, reference and vLLM sampling log-probs (one NaN, as vLLM gives for an unscored
+    token), built once for the module."""
     from trl import GRPOConfig, GRPOTrainer
     from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig
-    tok = tiny_tokenizer()
-    model = tiny_model(len(tok), seed=1)
+    tmp = tmp_path_factory.mktemp("trl_pair")
+    model = tiny_model(len(tiny_tokenizer()), seed=1)
     common = dict(temperature=0.7, epsilon=0.2, epsilon_high=0.25, bf16=False)  # float32: exact comparison
-    ours = _trl_setup(tmp_path, GTPOTrainer, GTPOTrainerConfig, model=copy.deepcopy(model),
-                      gtpo_loss="grpo", **common)
-    stock = _trl_setup(tmp_path, GRPOTrainer, GRPOConfig, model=copy.deepcopy(model), loss_type="grpo", **common)
-    for tr in (ours, stock):
-        tr.model.train()
-        tr.current_gradient_accumulation_steps = 1
-
+    ours = _trl_setup(tmp, GTPOTrainer, GTPOTrainerConfig, model=copy.deepcopy(model), gtpo_loss=None, **common)
+    stock = _trl_setup(tmp, GRPOTrainer, GRPOConfig, model=copy.deepcopy(model), loss_type="grpo", **common)
     prompts = [{"prompt": p} for p in ["1+2=", "3+4="] for _ in range(4)]
     torch.manual_seed(0)
+    ours.model.train()
     batch = ours._generate_and_score_completions(prompts)
     assert batch["advantages"].abs().sum() > 0, "degenerate batch: every advantage is 0"
-    # an off-policy batch: old log-probs moved away from the current ones so that some ratios clip
     T = batch["completion_ids"].size(1)
+    # a random model rarely stops: cut three completions short (pad after the end, as TRL masks past EOS)
+    m = batch["completion_mask"].clone()
+    for row, n in ((1, 3), (4, 5), (6, 1)):
+        m[row, n:] = 0
+        batch["completion_ids"][row, n:] = 0
+    batch["completion_mask"] = m
+    batch["num_items_in_batch"] = m.sum().to(batch["num_items_in_batch"].dtype)
+    # group-normalised advantages make most losses a near-cancelling sum (|loss| ~ 1e-4 against terms of
+    # ~0.1, so float32 rounding alone is 1e-5 of it); an offset keeps both signs and a loss of order 1
+    batch["advantages"] = batch["advantages"] + 0.25
+    assert (batch["advantages"] > 0).any() and (batch["advantages"] < 0).any()
     with torch.no_grad():
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-        am = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        am = torch.cat([batch["prompt_mask"], m], 1)
         logits = ours.model(input_ids=ids, attention_mask=am, logits_to_keep=T + 1).logits
-        lp, _ = gtpo_kernels.token_logprobs(logits, batch["completion_ids"], 0.7, batch["completion_mask"])
+        lp, _ = gtpo_kernels.token_logprobs(logits, batch["completion_ids"], 0.7, m)
     g = torch.Generator().manual_seed(3)
+    # off-policy: old log-probs moved away from the current ones so that ratios clip
     batch["old_per_token_logps"] = lp + 0.4 * torch.randn(lp.shape, generator=g)
+    batch["ref_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=g)
+    sampling = batch["old_per_token_logps"] + 0.3 * torch.randn(lp.shape, generator=g)
+    sampling[0, 1] = float("nan")
+    batch["sampling_per_token_logps"] = sampling
+    return dict(ours=ours, stock=stock, batch=batch)
 
-    calls0 = kernel_spy["vocab_fwd"]
-    loss_ours = ours._compute_loss(ours.model, batch)
-    assert kernel_spy["vocab_fwd"] > calls0, "gtpo_loss's vocabulary kernel did not run"
-    loss_stock = stock._compute_loss(stock.model, batch)
-    loss_ours.backward()
-    loss_stock.backward()
-    assert abs(loss_ours.item()) > 1e-4
-    torch.testing.assert_close(loss_ours, loss_stock, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(ours.model.named_parameters(), stock.model.parameters()):
-        rel = ((p.grad - q.grad).norm() / q.grad.norm().clamp(min=1e-30)).item()
-        assert rel < 1e-4, (name, rel)
-    # our metrics went through TRL's metric store
-    assert ours._metrics["train"]["gtpo/clip_frac"][-1] > 0  # the perturbed ratios did clip
-    torch.testing.assert_close(torch.tensor(ours._metrics["train"]["entropy"][-1]),
-                               torch.tensor(stock._metrics["train"]["entropy"][-1]), rtol=1e-4, atol=1e-5)
+
+def _is_ratio(batch, mode, clip_min=None, clip_max=3.0):
+    """TRL's importance_sampling_ratio for a vLLM mode: (B, T) per token, (B, 1) per sequence."""
+    w = gtpo_kernels.rollout_is_weights(batch["old_per_token_logps"], batch["sampling_per_token_logps"],
+                                        batch["completion_mask"], mode, clip_min, clip_max)
+    return w[:, :1].contiguous() if mode.startswith("sequence") else w
+
+
+# (id, TRL options, vLLM IS mode or None); an option case also checks that the option changed the loss
+TRL_CASES = [
+    ("grpo", {}, None),
+    ("bnpo", dict(loss_type="bnpo"), None),
+    ("dr_grpo", dict(loss_type="dr_grpo"), None),
+    ("dapo", dict(loss_type="dapo"), None),
+    ("cispo", dict(loss_type="cispo", epsilon_high=1.3), None),  # a bound the perturbed ratios exceed
+    ("sapo", dict(loss_type="sapo", sapo_temperature_pos=1.3, sapo_temperature_neg=0.8), None),
+    ("luspo", dict(loss_type="luspo", importance_sampling_level="sequence"), None),
+    ("luspo-token", dict(loss_type="luspo"), None),
+    ("vespo", dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=2.5), None),
+    ("gspo", dict(importance_sampling_level="sequence"), None),
+    ("grpo-delta", dict(delta=1.3), None),
+    ("dapo-delta", dict(loss_type="dapo", delta=1.3), None),
+    ("grpo-kl-bias", dict(beta=0.1, use_bias_correction_kl=True), None),
+    ("dapo-kl", dict(loss_type="dapo", beta=0.1, use_bias_correction_kl=False), None),
+    ("gspo-kl-bias", dict(importance_sampling_level="sequence", beta=0.1), None),
+    ("grpo-offpolicy-mask", dict(off_policy_mask_threshold=0.0), None),
+    ("dapo-offpolicy-mask-vllm", dict(loss_type="dapo", off_policy_mask_threshold=0.0), "token_truncate"),
+    ("grpo-top-entropy", dict(top_entropy_quantile=0.3), None),
+    ("luspo-top-entropy", dict(loss_type="luspo", importance_sampling_level="sequence",
+                               top_entropy_quantile=0.5), None),
+    ("grpo-vllm-token-truncate", {}, "token_truncate"),
+    ("dapo-vllm-token-mask", dict(loss_type="dapo"), "token_mask"),
+    ("bnpo-vllm-sequence-truncate", dict(loss_type="bnpo"), "sequence_truncate"),
+    ("sapo-vllm-sequence-mask", dict(loss_type="sapo"), "sequence_mask"),
+    ("vespo-vllm-token-truncate", dict(loss_type="vespo"), "token_truncate"),
+    ("cispo-kl-bias-vllm", dict(loss_type="cispo", epsilon_high=1.3, beta=0.1), "token_truncate"),
+]
+TRL_ERRORS = {}  # case -> (loss relative error, largest per-parameter gradient relative error)
+
+
+def _trl_losses(pair, opts, vllm_mode, accum, spg, train=True):
+    """(our loss, stock loss, our grads, stock grads) on the shared batch."""
+    batch = dict(pair["batch"])
+    if vllm_mode is not None:
+        batch["importance_sampling_ratio"] = _is_ratio(batch, vllm_mode, *((0.5, 1.5) if "mask" in vllm_mode
+                                                                           else (None, 1.5)))
+    out = []
+    for tr in (pair["ours"], pair["stock"]):
+        _configure(tr, vllm_is=vllm_mode is not None, **opts)
+        tr.args.steps_per_generation = spg
+        tr.current_gradient_accumulation_steps = accum
+        tr.model.train(train)
+        tr.model.zero_grad(set_to_none=True)
+        loss = tr._compute_loss(tr.model, batch)
+        loss.backward()
+        out.append((loss.detach(), [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                                    for p in tr.model.parameters()]))
+        tr.model.train()
+    return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
 @needs_trl
-def test_trl_config_mapping_and_refusals(tmp_path):
+@pytest.mark.parametrize("case,opts,vllm_mode", TRL_CASES, ids=[c[0] for c in TRL_CASES])
+def test_trl_loss_types_equal_stock_loss(trl_pair, kernel_spy, case, opts, vllm_mode):
+    """gtpo_loss=None + TRL's loss_type (and options) gives the stock GRPOTrainer's loss and parameter
+    gradients on the same off-policy batch (temperature 0.7, float32), with gradient accumulation 2 and
+    steps_per_generation 4 so that every normalizer's factors matter."""
+    calls0 = kernel_spy["vocab_fwd"]
+    ours, stock, g_ours, g_stock = _trl_losses(trl_pair, opts, vllm_mode, accum=2, spg=4)
+    assert kernel_spy["vocab_fwd"] > calls0, "gtpo_loss's vocabulary kernel did not run"
+    assert trl_pair["ours"]._gtpo_calls > 0
+    assert abs(stock.item()) > 1e-4
+    loss_rel = abs(ours.double() - stock.double()).item() / abs(stock.item())
+    grad_rel = 0.0
+    for (name, _), p, q in zip(trl_pair["stock"].model.named_parameters(), g_ours, g_stock):
+        if q.norm() > 0 or p.norm() > 0:
+            grad_rel = max(grad_rel, ((p - q).norm() / q.norm().clamp(min=1e-30)).item())
+    TRL_ERRORS[case] = (loss_rel, grad_rel)
+    print(f"\nTRL {case:32s} loss {stock.item():+.6f}  loss rel err {loss_rel:.2e}  grad rel err {grad_rel:.2e}")
+    assert loss_rel < 1e-5, (ours.item(), stock.item())
+    assert grad_rel < 1e-5, grad_rel
+    # our metrics went through TRL's metric store, with TRL's entropy
+    torch.testing.assert_close(torch.tensor(trl_pair["ours"]._metrics["train"]["entropy"][-1]),
+                               torch.tensor(trl_pair["stock"]._metrics["train"]["entropy"][-1]),
+                               rtol=1e-5, atol=1e-6)
+    base = {k: v for k, v in opts.items() if k in ("loss_type", "epsilon_high")}
+    if opts != base or vllm_mode is not None:  # the option under test changed the stock loss
+        _, without, _, _ = _trl_losses(trl_pair, base, None, accum=2, spg=4)
+        assert abs((without - stock).item()) > 1e-6 * abs(stock.item()), f"{case}: the option did not matter"
+
+
+@needs_trl
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_trl_eval_mode_normalizers(trl_pair, loss_type):
+    """In eval TRL drops the accumulation factors; so do we."""
+    ours, stock, _, _ = _trl_losses(trl_pair, dict(loss_type=loss_type), None, accum=3, spg=6, train=False)
+    torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-7)
+
+
+@needs_trl
+def test_trl_clip_metric_and_gtpo_on_top(trl_pair):
+    """gtpo_loss='gtpo' on a TRL loss type: the loss type's policy term with the conflict weights on;
+    clip metrics are logged."""
+    from gtpo_kernels.integrations.trl import gtpo_config_from_args
+    ours = trl_pair["ours"]
+    _trl_losses(trl_pair, {}, None, accum=1, spg=1)
+    assert ours._metrics["train"]["gtpo/clip_frac"][-1] > 0  # the perturbed ratios did clip
+    _configure(ours, loss_type="cispo", epsilon_high=5.0)
+    ours.args.gtpo_loss = "gtpo"
+    try:
+        cfg = gtpo_config_from_args(ours.args)
+        assert (cfg.policy_loss, cfg.loss_agg, cfg.eps_high, cfg.use_conflict_mask) == ("cispo", "token-mean", 5.0,
+                                                                                        True)
+        assert cfg.entropy_threshold == pytest.approx(0.6931471805599453) and cfg.entropy_penalty == 0.1
+    finally:
+        _configure(ours)
+
+
+@needs_trl
+def test_trl_config_mapping_and_refusals(tmp_path, trl_pair):
     from trl import GRPOConfig
-    from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig, gtpo_config_from_args
-    args = GTPOTrainerConfig(output_dir=str(tmp_path), temperature=0.8, epsilon=0.1, epsilon_high=0.3,
-                             max_completion_length=16, gtpo_loss="gtpo-official",
-                             gtpo_kwargs='{"conflict_pos_weight": 1.5}', report_to=[], use_cpu=True)
-    cfg = gtpo_config_from_args(args)
+    from gtpo_kernels.integrations.trl import GTPOTrainerConfig, gtpo_config_from_args
+
+    def args(**kw):
+        return GTPOTrainerConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+
+    cfg = gtpo_config_from_args(args(temperature=0.8, epsilon=0.1, epsilon_high=0.3, max_completion_length=16,
+                                     gtpo_loss="gtpo-official", gtpo_kwargs='{"conflict_pos_weight": 1.5}'))
     assert (cfg.temperature, cfg.eps_low, cfg.eps_high, cfg.max_completion_length) == (0.8, 0.1, 0.3, 16)
     assert cfg.loss_agg == "gtpo-official" and cfg.conflict_pos_weight == 1.5 and cfg.entropy_threshold == 0.7
-    assert gtpo_config_from_args(GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True)).use_conflict_mask
-    with pytest.raises(ValueError, match="temperature"):
-        gtpo_config_from_args(GTPOTrainerConfig(output_dir=str(tmp_path), gtpo_kwargs={"temperature": 2.0},
-                                                report_to=[], use_cpu=True))
-    with pytest.raises(ValueError, match="top_entropy_quantile"):
-        _trl_setup(tmp_path, GTPOTrainer, GTPOTrainerConfig, top_entropy_quantile=0.2)
+    # the default: loss_type='grpo' + GTPO's parts = the gtpo preset
+    default = gtpo_config_from_args(args())
+    assert default.replace(max_completion_length=None) == gtpo_kernels.GTPOConfig.preset("gtpo").replace(
+        use_bias_correction_kl=True)
+    # a plain GRPOConfig: TRL's default loss_type ('dapo') with GTPO's parts on top
+    plain = gtpo_config_from_args(GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True))
+    assert plain.use_conflict_mask and plain.loss_agg == "token-mean"
+    # every option maps onto its GTPOConfig field
+    cfg = gtpo_config_from_args(args(loss_type="luspo", gtpo_loss="luspo", importance_sampling_level="sequence",
+                                     delta=1.5, beta=0.05, use_bias_correction_kl=False,
+                                     off_policy_mask_threshold=0.3, top_entropy_quantile=0.4,
+                                     sapo_temperature_pos=0.9, vespo_k_neg=2.5))
+    assert (cfg.policy_loss, cfg.loss_agg, cfg.importance_sampling_level, cfg.use_conflict_mask) == \
+        ("ppo", "seq-mean-token-sum", "sequence", False)
+    assert (cfg.delta, cfg.beta, cfg.use_bias_correction_kl, cfg.off_policy_mask_threshold,
+            cfg.top_entropy_quantile, cfg.sapo_temperature_pos, cfg.vespo_k_neg) == (1.5, 0.05, False, 0.3, 0.4,
+                                                                                     0.9, 2.5)
+    for kw, match in [(dict(gtpo_kwargs={"temperature": 2.0}), "temperature"),
+                      (dict(gtpo_kwargs={"delta": 2.0}), "`delta`"),
+                      (dict(gtpo_kwargs={"loss_agg": "token-mean"}), "loss_type"),
+                      (dict(gtpo_loss="dapo"), "set loss_type='dapo'"),
+                      (dict(gtpo_loss="gspo"), "importance_sampling_level='sequence'"),
+                      (dict(gtpo_loss="gtpo-official", loss_type="dapo"), "loss_type='grpo'"),
+                      (dict(loss_type="sapo", importance_sampling_level="sequence"), "sequence"),
+                      (dict(loss_type="nope"), "loss_type")]:
+        with pytest.raises(ValueError, match=match):
+            gtpo_config_from_args(args(**kw))
+    # TRL's own entropy bonus stays refused
+    ours = trl_pair["ours"]
+    ours.args.entropy_coef = 0.01
+    try:
+        with pytest.raises(ValueError, match="entropy_coef"):
+            ours._gtpo_setup()
+    finally:
+        _configure(ours)
 
 
 # ---------------------------------------------------------------- examples/train_loop.py

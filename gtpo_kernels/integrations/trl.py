@@ -3,14 +3,15 @@
     from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig
 
     args = GTPOTrainerConfig(output_dir="out", num_generations=8, max_completion_length=256,
-                             gtpo_loss="gtpo",                     # a preset of spec section 5
+                             loss_type="grpo",                     # TRL's loss type (any of them)
+                             gtpo_loss="gtpo",                     # GTPO's parts on top of it (None: off)
                              gtpo_kwargs={"conflict_pos_weight": 2.0})  # any other GTPOConfig field
     trainer = GTPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=ds,
                           processing_class=tokenizer)
     trainer.train()
 
 What changes against the stock `GRPOTrainer` (everything else, generation, rewards, advantages,
-old/reference passes, logging, checkpoints, is TRL's own):
+old/reference passes, vLLM, logging, checkpoints, is TRL's own):
 
 1. Advantage time (`_generate_and_score_completions`): after TRL has computed the group advantages,
    and before it shuffles the batch and splits it into micro-batches, the conflict-token weights of
@@ -20,29 +21,63 @@ old/reference passes, logging, checkpoints, is TRL's own):
 2. Loss (`_compute_loss`): one forward of the policy with `logits_to_keep = T + 1`, then
    `gtpo_loss(logits, ..., logits_start=0)` on those logits as they are: no slice copy, no
    log_softmax over the vocabulary (the fused kernel computes log-probs, entropies and the gradient in
-   place of it). The loss is scaled for gradient accumulation exactly as TRL scales its own.
+   place of it). The loss is normalised and scaled for gradient accumulation exactly as TRL does it for
+   the same loss type (see "Normalizers").
 3. Metrics, through the trainer's logger (averaged per logging step like TRL's): `entropy`
    (token mean, TRL's key), `gtpo/clip_frac`, `gtpo/filtered_frac`, `gtpo/conflict_frac`,
    `gtpo/mean_entropy`, and `kl` when `beta > 0`.
 
-Options. The loss is `GTPOConfig.preset(args.gtpo_loss, **args.gtpo_kwargs)`, except for the knobs
-the rest of the trainer must agree on, which always come from TRL's own fields: `temperature`
-(sampling temperature = loss temperature), `epsilon` / `epsilon_high` (clip range), `beta` (whether
-TRL loads a reference model) and `max_completion_length` (Dr. GRPO's denominator, unless given in
-gtpo_kwargs). TRL's `loss_type` is not used: the aggregation is the preset's `loss_agg`
-(`gtpo_loss="grpo"` reproduces TRL's `loss_type="grpo"`, `"dapo"` its `"dapo"` for the same
-epsilons, `"dr_grpo"` its `"dr_grpo"`). TRL options that change the per-token loss in ways
-`gtpo_loss` does not implement are refused with an error naming them (sequence-level importance
-sampling, `top_entropy_quantile`, `off_policy_mask_threshold`, `delta`, TRL's `entropy_coef` (use
-`gtpo_kwargs={"entropy_coef": ...}`), vLLM importance-sampling correction, `use_bias_correction_kl`)
-and so are multimodal inputs.
+The loss: TRL's `loss_type` x `gtpo_loss`. TRL's `loss_type` chooses the policy term, the ratio and
+the normalizer, as in the stock trainer; `gtpo_loss` chooses what GTPO adds on top:
+
+    gtpo_loss     the GTPOConfig
+    None          GTPOConfig.preset(loss_type): TRL's loss exactly (GTPO parts off), through our kernel
+    "gtpo"        the same, plus GTPO's conflict weights (w_pos 2.0, w_neg 0.0) and entropy control
+                  (filter h_max = ln 2, shaping gamma = 0.1), e.g. loss_type="cispo" + gtpo_loss="gtpo"
+                  is CISPO's policy term with conflict weights and entropy control (the default:
+                  GTPOTrainerConfig's loss_type defaults to "grpo", so the default is the paper's GTPO)
+    "gtpo-official"  the authors' own loss (unclipped surrogate, their sum-over-completions
+                  aggregation, h_max 0.7); it replaces the loss type, so it needs loss_type="grpo"
+    a TRL name    ("grpo", "dapo", ...) the same as None; it must equal loss_type (TRL's field names it)
+
+    loss_type   policy_loss   normalizer (train; in eval the accumulation factors are 1)
+    grpo        ppo           per-completion token means, mean over completions, / grad-accum steps
+    bnpo        ppo           this micro-batch's token count, / grad-accum steps
+    dr_grpo     ppo           B * max_completion_length, / grad-accum steps
+    dapo        ppo           num_items_in_batch / num_processes * grad-accum steps / steps_per_generation
+    cispo       cispo         as dapo
+    sapo        sapo          as grpo
+    luspo       ppo           per-completion token sums, mean over completions, / grad-accum steps
+    vespo       vespo         as dapo
+    (GSPO is loss_type="grpo" with importance_sampling_level="sequence".)
+
+`gtpo_kwargs` then overrides any other GTPOConfig field (conflict weights, entropy_threshold,
+initial_entropy, entropy_coef, clip, max_completion_length). The fields the trainer must agree on always
+come from TRL's own fields and are refused in gtpo_kwargs: `temperature`, `epsilon` / `epsilon_high`
+(eps_low / eps_high; with cispo epsilon_high is the ratio's absolute bound, 5.0 recommended), `beta`,
+`loss_type` (policy_loss, loss_agg), `importance_sampling_level`, `delta`, `sapo_temperature_pos/neg`,
+`vespo_k_pos`, `vespo_lambda_pos`, `vespo_k_neg`, `vespo_lambda_neg`, `use_bias_correction_kl`,
+`off_policy_mask_threshold` and `top_entropy_quantile`. With vLLM importance-sampling correction
+(`use_vllm=True`, `vllm_importance_sampling_correction=True`, any `vllm_importance_sampling_mode`) the
+batch's `importance_sampling_ratio` is passed as `rollout_is_weights` (VESPO folds it into its weight,
+as TRL does) and `sampling_per_token_logps` as `rollout_logps` (the sampling policy of the off-policy
+mask, as TRL's).
+
+Refused, with an error naming them: TRL's own entropy bonus (`entropy_coef`, `use_adaptive_entropy`:
+TRL adds it as a micro-batch token mean outside the loss type's normalizer, which the fused kernel
+does not compute; use gtpo_kwargs={"entropy_coef": c}, aggregated like the loss),
+importance_sampling_level="sequence" with cispo, sapo or vespo (gtpo_loss implements sequence-level
+ratios for the PPO term only; TRL 1.16 accepts them with a warning), `top_entropy_quantile < 1` with
+more than one process (gtpo_loss takes the quantile over this process's tokens, TRL over all
+processes), and multimodal inputs.
 
 Memory note: TRL's stock loss (1.16) computes log-probs from the hidden states with its own chunked
 LM head and never holds the (B, T, V) logits; this adapter holds them once (plus their gradient)
 because `gtpo_loss` takes logits. It never holds a log_softmax, a float32 copy or any other
 tokens x vocabulary intermediate.
 
-Tested with trl 1.16.0 / transformers 5.24.0 (see tests/test_integrations.py).
+Tested with trl 1.16.0 / transformers 5.24.0 (see tests/test_integrations.py: every loss type and the
+options above against the stock trainer's loss and gradients).
 """
 from __future__ import annotations
 
@@ -60,29 +95,53 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ..api import conflict_weights, gtpo_loss
 from ..config import GTPOConfig
 
-__all__ = ["GTPOTrainer", "GTPOTrainerConfig", "gtpo_config_from_args"]
+__all__ = ["GTPOTrainer", "GTPOTrainerConfig", "gtpo_config_from_args", "TRL_LOSS_TYPES"]
 
-# GTPOConfig fields that must come from TRL's config, so that sampling, clipping and the reference model agree
-_TRL_OWNED = {"temperature": "temperature", "eps_low": "epsilon", "eps_high": "epsilon_high", "beta": "beta"}
+TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# GTPOConfig fields that must come from TRL's config, so that sampling, clipping, the reference model and
+# TRL's own bookkeeping agree with the loss: GTPOConfig field -> TRL field
+_TRL_OWNED = {"temperature": "temperature", "eps_low": "epsilon", "eps_high": "epsilon_high", "beta": "beta",
+              "policy_loss": "loss_type", "loss_agg": "loss_type",
+              "importance_sampling_level": "importance_sampling_level", "delta": "delta",
+              "sapo_temperature_pos": "sapo_temperature_pos", "sapo_temperature_neg": "sapo_temperature_neg",
+              "vespo_k_pos": "vespo_k_pos", "vespo_lambda_pos": "vespo_lambda_pos",
+              "vespo_k_neg": "vespo_k_neg", "vespo_lambda_neg": "vespo_lambda_neg",
+              "use_bias_correction_kl": "use_bias_correction_kl",
+              "off_policy_mask_threshold": "off_policy_mask_threshold",
+              "top_entropy_quantile": "top_entropy_quantile"}
+# what gtpo_loss="gtpo" adds to a TRL loss type: the GTPO preset's values of these fields
+_GTPO_PARTS = ("use_conflict_mask", "conflict_pos_weight", "conflict_neg_weight", "entropy_threshold",
+               "entropy_penalty", "initial_entropy", "entropy_coef")
+# loss types whose token-mean divides by TRL's num_items_in_batch (the window's global token count)
+_GLOBAL_TOKEN_MEAN = ("dapo", "cispo", "vespo")
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                     "num_images", "num_tiles", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
 @dataclasses.dataclass
 class GTPOTrainerConfig(GRPOConfig):
-    """TRL's `GRPOConfig` plus the GTPO options.
+    """TRL's `GRPOConfig` plus the GTPO options (see the module docstring for how they combine).
 
-    gtpo_loss      preset of `GTPOConfig.preset` ('gtpo', 'gtpo-official', 'grpo', 'dapo', 'dr_grpo')
-    gtpo_kwargs    dict (or JSON string, for the command line) of GTPOConfig fields overriding the preset,
+    loss_type      TRL's loss type, as in GRPOConfig, but defaulting to "grpo" (the GTPO paper's
+                   aggregation) instead of TRL's "dapo"
+    gtpo_loss      what GTPO adds to TRL's loss type: "gtpo" (conflict weights and entropy control),
+                   None (nothing: TRL's loss), "gtpo-official" (the authors' loss; loss_type="grpo"),
+                   or TRL's loss_type name itself (= None)
+    gtpo_kwargs    dict (or JSON string, for the command line) of GTPOConfig fields overriding those,
                    e.g. {"conflict_pos_weight": 2.0, "entropy_threshold": 0.7, "initial_entropy": 1.3};
-                   temperature, eps_low, eps_high and beta are refused here: set TRL's temperature,
-                   epsilon, epsilon_high, beta
+                   the fields TRL owns are refused here (temperature, eps_low/eps_high, beta,
+                   policy_loss/loss_agg, importance_sampling_level, delta, sapo_*, vespo_*,
+                   use_bias_correction_kl, off_policy_mask_threshold, top_entropy_quantile): set TRL's
     gtpo_backend   'auto' (Triton on CUDA, chunked torch on CPU), 'triton' or 'torch'
     gtpo_validate  host-side input checks in gtpo_loss (one host sync per micro-batch); False skips them
     """
 
-    gtpo_loss: str = dataclasses.field(
-        default="gtpo", metadata={"help": "GTPO preset: gtpo, gtpo-official, grpo, dapo or dr_grpo."})
+    loss_type: str = dataclasses.field(
+        default="grpo", metadata={"help": "TRL's loss type: grpo (default here), bnpo, dr_grpo, dapo, cispo, "
+                                          "sapo, luspo or vespo."})
+    gtpo_loss: Optional[str] = dataclasses.field(
+        default="gtpo", metadata={"help": "What GTPO adds to TRL's loss_type: gtpo (conflict weights and entropy "
+                                          "control), None (nothing), or gtpo-official (the authors' loss)."})
     gtpo_kwargs: Optional[Union[dict, str]] = dataclasses.field(
         default=None, metadata={"help": "GTPOConfig fields overriding the preset (dict or JSON string)."})
     gtpo_backend: str = dataclasses.field(
@@ -91,9 +150,13 @@ class GTPOTrainerConfig(GRPOConfig):
         default=True, metadata={"help": "Host-side input checks in gtpo_loss."})
 
 
+def _norm(name):
+    return name.strip().lower().replace("-", "_")
+
+
 def gtpo_config_from_args(args) -> GTPOConfig:
     """The `GTPOConfig` a `GTPOTrainer` uses for TRL config `args` (a GTPOTrainerConfig, or a plain
-    GRPOConfig, which then gets the 'gtpo' preset)."""
+    GRPOConfig, which then gets gtpo_loss="gtpo" on top of its loss_type). See the module docstring."""
     kwargs = getattr(args, "gtpo_kwargs", None) or {}
     if isinstance(kwargs, str):
         try:
@@ -106,13 +169,48 @@ def gtpo_config_from_args(args) -> GTPOConfig:
         if field in kwargs:
             raise ValueError(f"gtpo_kwargs[{field!r}] is not accepted: the trainer must agree on it, so set "
                              f"the TRL config's `{trl_field}` instead")
+    loss_type = _norm(str(args.loss_type))
+    if loss_type not in TRL_LOSS_TYPES:
+        raise ValueError(f"loss_type={args.loss_type!r}: GTPOTrainer knows TRL's {TRL_LOSS_TYPES}")
+    name = getattr(args, "gtpo_loss", "gtpo")
+    key = None if name is None or _norm(str(name)) in ("", "none") else _norm(str(name))
+    if key is not None and key not in ("gtpo", "gtpo_official") + TRL_LOSS_TYPES:
+        hint = " (GSPO is loss_type='grpo' with importance_sampling_level='sequence')" if key == "gspo" else ""
+        raise ValueError(f"gtpo_loss={name!r}: expected 'gtpo', None, 'gtpo-official' or TRL's loss_type "
+                         f"name{hint}")
+    if key in TRL_LOSS_TYPES and key != loss_type:
+        raise ValueError(f"gtpo_loss={name!r} but loss_type={args.loss_type!r}: TRL's loss_type names the loss "
+                         f"type; set loss_type={key!r} and gtpo_loss=None (or 'gtpo' for GTPO's parts on top)")
+    if key == "gtpo_official" and loss_type != "grpo":
+        raise ValueError(f"gtpo_loss='gtpo-official' is the authors' whole loss (unclipped surrogate, their "
+                         f"aggregation) and replaces the loss type: use it with loss_type='grpo', not "
+                         f"{args.loss_type!r}; for GTPO's parts on top of {args.loss_type!r} use gtpo_loss='gtpo'")
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     base = dict(temperature=float(args.temperature), eps_low=float(args.epsilon), eps_high=float(eps_high),
-                beta=float(args.beta))
+                beta=float(args.beta), importance_sampling_level=args.importance_sampling_level,
+                delta=None if args.delta is None else float(args.delta),
+                sapo_temperature_pos=float(args.sapo_temperature_pos),
+                sapo_temperature_neg=float(args.sapo_temperature_neg),
+                vespo_k_pos=float(args.vespo_k_pos), vespo_lambda_pos=float(args.vespo_lambda_pos),
+                vespo_k_neg=float(args.vespo_k_neg), vespo_lambda_neg=float(args.vespo_lambda_neg),
+                use_bias_correction_kl=bool(args.use_bias_correction_kl),
+                off_policy_mask_threshold=(None if args.off_policy_mask_threshold is None
+                                           else float(args.off_policy_mask_threshold)),
+                top_entropy_quantile=float(args.top_entropy_quantile))
     if "max_completion_length" not in kwargs and args.max_completion_length is not None:
         base["max_completion_length"] = int(args.max_completion_length)
-    cfg = GTPOConfig.preset(getattr(args, "gtpo_loss", "gtpo"), **{**base, **kwargs})
-    if cfg.loss_agg == "none":
+    if base["importance_sampling_level"] == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
+        raise ValueError(f"importance_sampling_level='sequence' with loss_type={args.loss_type!r} is not "
+                         f"supported: gtpo_loss has sequence-level ratios for the PPO term only (TRL 1.16 "
+                         f"accepts it with a warning); use importance_sampling_level='token'")
+    if key == "gtpo_official":
+        preset, parts = "gtpo-official", {}
+    else:
+        gtpo = GTPOConfig.preset("gtpo")
+        preset = loss_type
+        parts = {f: getattr(gtpo, f) for f in _GTPO_PARTS} if key == "gtpo" else {}
+    cfg = GTPOConfig.preset(preset, **{**parts, **base, **kwargs})
+    if cfg.loss_agg == "none":  # pragma: no cover - no TRL loss type maps to it
         raise ValueError("loss_agg='none' cannot be used in a trainer (it needs a scalar loss)")
     return cfg
 
@@ -122,32 +220,28 @@ class GTPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._gtpo_calls = 0  # number of gtpo_loss calls, for tests and sanity checks
+        self._gtpo_setup()
+
+    def _gtpo_setup(self):
+        """(Re)reads the GTPO options from self.args: the GTPOConfig, the backend, the refusals."""
+        self._refuse_unsupported()
         self.gtpo_config = gtpo_config_from_args(self.args)
         self.gtpo_backend = getattr(self.args, "gtpo_backend", "auto")
         self.gtpo_validate = getattr(self.args, "gtpo_validate", True)
-        self._gtpo_calls = 0  # number of gtpo_loss calls, for tests and sanity checks
-        self._refuse_unsupported()
 
     # ------------------------------------------------------------------ options we cannot honour
 
     def _refuse_unsupported(self):
         a = self.args
         bad = []
-        if getattr(a, "importance_sampling_level", "token") != "token":
-            bad.append("importance_sampling_level must be 'token'")
-        if getattr(a, "top_entropy_quantile", 1.0) < 1.0:
-            bad.append("top_entropy_quantile must be 1.0")
-        if getattr(a, "off_policy_mask_threshold", None) is not None:
-            bad.append("off_policy_mask_threshold must be None")
-        if getattr(a, "delta", None) is not None:
-            bad.append("delta (two-sided clipping) must be None")
         if getattr(a, "entropy_coef", 0.0) != 0.0 or getattr(a, "use_adaptive_entropy", False):
-            bad.append("TRL's entropy_coef / use_adaptive_entropy must be off; use "
-                       "gtpo_kwargs={'entropy_coef': c} for gtpo_loss's own entropy bonus")
-        if getattr(a, "use_vllm", False) and getattr(a, "vllm_importance_sampling_correction", False):
-            bad.append("vllm_importance_sampling_correction must be False")
-        if self.beta != 0.0 and getattr(a, "use_bias_correction_kl", False):
-            bad.append("use_bias_correction_kl must be False")
+            bad.append("TRL's entropy_coef / use_adaptive_entropy must be off (TRL adds its bonus as a "
+                       "micro-batch token mean outside the loss normalizer, which gtpo_loss does not compute); "
+                       "use gtpo_kwargs={'entropy_coef': c} for gtpo_loss's own bonus, aggregated like the loss")
+        if getattr(a, "top_entropy_quantile", 1.0) < 1.0 and self.accelerator.num_processes > 1:
+            bad.append("top_entropy_quantile < 1 needs a single process (gtpo_loss takes the entropy quantile "
+                       "over this process's tokens, TRL over every process's)")
         if bad:
             raise ValueError("GTPOTrainer does not support these GRPOConfig settings: " + "; ".join(bad))
 
@@ -206,21 +300,32 @@ class GTPOTrainer(GRPOTrainer):
 
         mode = "train" if self.model.training else "eval"
         num_items, scale = None, 1.0
-        if cfg.loss_agg == "token-mean":  # normalised by the window's global token count, as TRL's dapo
+        if cfg.loss_agg == "token-mean" and _norm(str(self.args.loss_type)) in _GLOBAL_TOKEN_MEAN:
+            # TRL's dapo/cispo/vespo: the generation batch's global token count, rescaled to one window
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         elif cfg.loss_agg != "gtpo-official" and mode == "train":
-            # means over this micro-batch -> mean over the accumulation window (TRL's grpo/dr_grpo scaling);
-            # 'gtpo-official' is a sum over completions, additive over micro-batches as it is
+            # means over this micro-batch -> mean over the accumulation window (TRL's grpo, bnpo, dr_grpo,
+            # sapo, luspo scaling); 'gtpo-official' is a sum over completions, additive over micro-batches
             scale = 1.0 / self.current_gradient_accumulation_steps
+
+        # vLLM importance-sampling correction: TRL's ratios (B, T) or (B, 1) multiply the policy term (VESPO
+        # folds them into its weight); the engine's log-probs are the off-policy mask's sampling policy
+        is_w = None
+        if getattr(self, "use_vllm", False) and getattr(self, "vllm_importance_sampling_correction", False):
+            is_w = inputs.get("importance_sampling_ratio")
+        rollout_logps = inputs.get("sampling_per_token_logps") if cfg.off_policy_mask_threshold is not None \
+            else None
 
         out = gtpo_loss(
             logits, completion_ids, inputs["advantages"], mask,
             old_logps=inputs.get("old_per_token_logps"),
             ref_logps=inputs.get("ref_per_token_logps") if cfg.beta > 0 else None,
-            lam=inputs.get("gtpo_lam"), n_conf=inputs.get("gtpo_n_conf"),
+            lam=inputs.get("gtpo_lam") if cfg.use_conflict_mask else None,
+            n_conf=inputs.get("gtpo_n_conf") if cfg.use_conflict_mask else None,
             config=cfg, logits_start=logits_start, num_items_in_batch=num_items,
+            rollout_is_weights=is_w, rollout_logps=rollout_logps,
             validate=self.gtpo_validate, backend=self.gtpo_backend)
         self._gtpo_calls += 1
         loss = out.loss * scale
