@@ -252,7 +252,6 @@ TRL_CASES = [
     ("vespo-vllm-token-truncate", dict(loss_type="vespo"), "token_truncate"),
     ("cispo-kl-bias-vllm", dict(loss_type="cispo", epsilon_high=1.3, beta=0.1), "token_truncate"),
 ]
-TRL_ERRORS = {}  # case -> (loss relative error, largest per-parameter gradient relative error)
 
 
 def _trl_losses(pair, opts, vllm_mode, accum, spg, train=True):
@@ -292,7 +291,6 @@ def test_trl_loss_types_equal_stock_loss(trl_pair, kernel_spy, case, opts, vllm_
     for (name, _), p, q in zip(trl_pair["stock"].model.named_parameters(), g_ours, g_stock):
         if q.norm() > 0 or p.norm() > 0:
             grad_rel = max(grad_rel, ((p - q).norm() / q.norm().clamp(min=1e-30)).item())
-    TRL_ERRORS[case] = (loss_rel, grad_rel)
     print(f"\nTRL {case:32s} loss {stock.item():+.6f}  loss rel err {loss_rel:.2e}  grad rel err {grad_rel:.2e}")
     assert loss_rel < 1e-5, (ours.item(), stock.item())
     assert grad_rel < 1e-5, grad_rel

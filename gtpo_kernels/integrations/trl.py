@@ -109,6 +109,11 @@ _TRL_OWNED = {"temperature": "temperature", "eps_low": "epsilon", "eps_high": "e
               "use_bias_correction_kl": "use_bias_correction_kl",
               "off_policy_mask_threshold": "off_policy_mask_threshold",
               "top_entropy_quantile": "top_entropy_quantile"}
+# TRL options mapped one to one onto the GTPOConfig field of the same name, with TRL's defaults
+_TRL_OPTION_DEFAULTS = {"importance_sampling_level": "token", "delta": None, "use_bias_correction_kl": False,
+                        "off_policy_mask_threshold": None, "top_entropy_quantile": 1.0,
+                        "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0,
+                        "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
 # what gtpo_loss="gtpo" adds to a TRL loss type: the GTPO preset's values of these fields
 _GTPO_PARTS = ("use_conflict_mask", "conflict_pos_weight", "conflict_neg_weight", "entropy_threshold",
                "entropy_penalty", "initial_entropy", "entropy_coef")
@@ -186,17 +191,15 @@ def gtpo_config_from_args(args) -> GTPOConfig:
                          f"aggregation) and replaces the loss type: use it with loss_type='grpo', not "
                          f"{args.loss_type!r}; for GTPO's parts on top of {args.loss_type!r} use gtpo_loss='gtpo'")
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    # getattr: an older TRL without an option behaves as its default
+    opt = {f: getattr(args, f, default) for f, default in _TRL_OPTION_DEFAULTS.items()}
     base = dict(temperature=float(args.temperature), eps_low=float(args.epsilon), eps_high=float(eps_high),
-                beta=float(args.beta), importance_sampling_level=args.importance_sampling_level,
-                delta=None if args.delta is None else float(args.delta),
-                sapo_temperature_pos=float(args.sapo_temperature_pos),
-                sapo_temperature_neg=float(args.sapo_temperature_neg),
-                vespo_k_pos=float(args.vespo_k_pos), vespo_lambda_pos=float(args.vespo_lambda_pos),
-                vespo_k_neg=float(args.vespo_k_neg), vespo_lambda_neg=float(args.vespo_lambda_neg),
-                use_bias_correction_kl=bool(args.use_bias_correction_kl),
-                off_policy_mask_threshold=(None if args.off_policy_mask_threshold is None
-                                           else float(args.off_policy_mask_threshold)),
-                top_entropy_quantile=float(args.top_entropy_quantile))
+                beta=float(args.beta), importance_sampling_level=opt["importance_sampling_level"],
+                use_bias_correction_kl=bool(opt["use_bias_correction_kl"]),
+                top_entropy_quantile=float(opt["top_entropy_quantile"]),
+                **{f: (None if opt[f] is None else float(opt[f])) for f in ("delta", "off_policy_mask_threshold")},
+                **{f: float(opt[f]) for f in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                                              "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")})
     if "max_completion_length" not in kwargs and args.max_completion_length is not None:
         base["max_completion_length"] = int(args.max_completion_length)
     if base["importance_sampling_level"] == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
