@@ -67,7 +67,7 @@ Refused, with an error naming them: TRL's own entropy bonus (`entropy_coef`, `us
 TRL adds it as a micro-batch token mean outside the loss type's normalizer, which the fused kernel
 does not compute; use gtpo_kwargs={"entropy_coef": c}, aggregated like the loss),
 importance_sampling_level="sequence" with cispo, sapo or vespo (gtpo_loss implements sequence-level
-ratios for the PPO term only; TRL 1.16 accepts them with a warning), `top_entropy_quantile < 1` with
+ratios for the PPO term only; TRL 1.16 accepts them, warning for cispo and vespo), `top_entropy_quantile < 1` with
 more than one process (gtpo_loss takes the quantile over this process's tokens, TRL over all
 processes), and multimodal inputs.
 
@@ -205,7 +205,7 @@ def gtpo_config_from_args(args) -> GTPOConfig:
     if base["importance_sampling_level"] == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
         raise ValueError(f"importance_sampling_level='sequence' with loss_type={args.loss_type!r} is not "
                          f"supported: gtpo_loss has sequence-level ratios for the PPO term only (TRL 1.16 "
-                         f"accepts it with a warning); use importance_sampling_level='token'")
+                         f"accepts it); use importance_sampling_level='token'")
     if key == "gtpo_official":
         preset, parts = "gtpo-official", {}
     else:
