@@ -67,9 +67,9 @@ Refused, with an error naming them: TRL's own entropy bonus (`entropy_coef`, `us
 TRL adds it as a micro-batch token mean outside the loss type's normalizer, which the fused kernel
 does not compute; use gtpo_kwargs={"entropy_coef": c}, aggregated like the loss),
 importance_sampling_level="sequence" with cispo, sapo or vespo (gtpo_loss implements sequence-level
-ratios for the PPO term only; TRL 1.16 accepts them, warning for cispo and vespo), `top_entropy_quantile < 1` with
-more than one process (gtpo_loss takes the quantile over this process's tokens, TRL over all
-processes), and multimodal inputs.
+ratios for the PPO term only; TRL 1.16 accepts them, warning for cispo and vespo),
+`top_entropy_quantile < 1` with more than one process (gtpo_loss takes the quantile over this process's
+tokens, TRL over all processes), and multimodal inputs.
 
 Memory note: TRL's stock loss (1.16) computes log-probs from the hidden states with its own chunked
 LM head and never holds the (B, T, V) logits; this adapter holds them once (plus their gradient)
