@@ -6,15 +6,26 @@ packed form is the same with B = 1. Per-token tensors (ids, mask, outputs) are c
 
 Forward, per counted token, with s = z / tau over the row (spec section 1):
     lse = log sum_v exp(s_v)        logp = s_y - lse        H = lse - sum_v p_v s_v
-in one streaming pass over blocks of the row, with a running maximum m of the raw logits (a scalar, one
-exp per element: the pass must stay under the special-function units' rate to stay memory-bound) and
-per-lane sums over d = (z - m) / tau = s - max s (computed as a difference first, so its accuracy does
-not depend on the size of z / tau)
-    S = sum e^d,   U = sum e^d d <= 0,   R = S minus one instance of the maximum,
-all re-based when m grows. Then H = log S - U / S (no cancellation), and log S = log1p(R): a confident
-row (p_max ~ 1) keeps its digits, where float32 S - 1 would lose them. For the target,
-logp = (z_y - m) / tau - log1p(R), and q = 1 - p_y is R / S when y holds the maximum (the one case where
-1 - p_y cancels), 1 - exp(logp) otherwise (then p_y < 1/2). Non-finite input shows as a NaN S.
+in one streaming pass over blocks of the row with no reduction across lanes inside the loop: every lane
+(element position of the block, BLOCK_V of them) keeps its own running maximum m_l of the raw logits and
+its sums over d = (z - m_l) / tau (computed as a difference first, so its accuracy does not depend on the
+size of z / tau), with exp(d) = exp2(t), t = (z - m_l) * c2, c2 = log2(e) / tau folded into one scale:
+    r_l = (sum e^d) - 1 (one instance of m_l left out, ties inside the lane included),   u_l = sum e^d t <= 0.
+One exp2 per element (the pass must stay under the special-function units' rate to stay memory-bound):
+x = exp2(-|t|) is e^d when z <= m_l, and the rescale of the lane's sums when z raises m_l (then z itself
+contributes 1 and is the instance left out). After the loop, once per row: the row maximum m = max m_l,
+the lanes re-based on it with alpha_l = exp2((m_l - m) c2), and
+    R = S - 1 = sum alpha_l r_l + sum_{m_l < m} alpha_l + (number of lanes with m_l = m) - 1,
+    S = 1 + R,   U = sum alpha_l (u_l + (1 + r_l) (m_l - m) c2) ln 2,
+all sums of non-negative (U: non-positive) terms, so nothing cancels and the count of entries tied at the
+maximum comes out of the last term instead of being summed every block. Then H = log S - U / S, and
+log S = log1p(R): a confident row (p_max ~ 1) keeps its digits, where float32 S - 1 would lose them. For
+the target, logp = (z_y - m) / tau - log1p(R), and q = 1 - p_y is R / S when y holds the maximum (the one
+case where 1 - p_y cancels), 1 - exp(logp) otherwise (then p_y < 1/2). A lane starts at m_l = -FLT_MAX
+(a row whose entries are all -inf has no finite maximum and gives S = 0, as before) and |t| is clamped at
+1e30 so that -inf entries give x = 0 and x |t| = 0; the clamp keeps NaN (propagate_nan), so a NaN entry
+makes its lane's r_l, hence R and S, NaN; +inf shows as m = +inf. The whole blocks are read without a
+mask, the partial last block with one.
 Per token, backward gets stats = (m, log S, q): lse = m / tau + log S is never formed, so that
 log p_v = (z_v - m) / tau - log S stays exact at any magnitude.
 
@@ -24,9 +35,13 @@ Backward (vector-Jacobian product). With p = softmax(s), log p_v = s_v - lse:
 so for upstream coefficients c = dL/dlogp and e = dL/dH of the token (already multiplied by the
 loss's incoming gradient), the kernel writes
     dL/dz_v = ( c (1[v=y] - p_v) - e p_v (log p_v + H) ) / tau
-recomputing p from the saved (m, log S) and taking 1 - p_y = q from the forward; rows with c = e = 0
-(masked out, filtered, lambda = 0, or outside the completion window) are not read, only written with
-zeros.
+recomputing p from the saved (m, log S) as p_v = exp2((z_v - m) c2 - log2 S). The loop writes every entry
+as if off the target, p_v (a + b log2 p_v) with a = -(c + e H) / tau and b = -e ln 2 / tau (b = 0 without
+the entropy term), so it has no per-element compare with y; the target entry is written once after the
+loop (behind a barrier, so it lands after the loop's store there), from the target logit read before the
+loop (with inplace=True the gradient overwrites the logits) and 1 - p_y = q from the forward. Rows with
+c = e = 0 (masked out, filtered, lambda = 0, or outside the completion window) are not read, only
+written with zeros.
 """
 from __future__ import annotations
 
@@ -55,6 +70,29 @@ def _log1p(x):
     return tl.where(exact, x, tl.log(u) * (x / tl.where(exact, 1.0, u - 1.0)))
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+NEG_SENTINEL = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: a lane's maximum before it has seen a finite entry
+BIG = tl.constexpr(1.0e30)  # |t| clamp: exp2(-BIG) = 0 and 0 * BIG = 0, where 0 * inf would be NaN
+
+
+@triton.jit
+def _fwd_update(z, m_l, r_l, u_l, c2):
+    """One block of the row into the per-lane state (m_l, r_l, u_l); see _vocab_fwd_kernel."""
+    tt = (z - m_l) * c2  # the difference first, then the scale
+    # one exp2 per element: e^d below the lane maximum, or the rescale when z raises it; a NaN z stays
+    # NaN (and so does the lane's r_l), -inf gives x = 0 and, with the clamp, x * a = 0
+    a = tl.minimum(tl.abs(tt), BIG, propagate_nan=tl.PropagateNan.ALL)
+    x = tl.exp2(-a)
+    grew = z > m_l
+    k = tl.where(grew, x, 1.0)
+    # grew: r = x (r + 1) (the old maximum joins the sum, the new one is left out), u = x (u - (r + 1) a)
+    # else: r = r + x, u = u - x a
+    r_new = k * r_l + x
+    u_l = k * u_l - tl.where(grew, r_new, x) * a
+    return tl.maximum(m_l, z), r_new, u_l
+
+
 @triton.jit(do_not_specialize=["T", "logits_start"])
 def _vocab_fwd_kernel(
     # pointers
@@ -73,7 +111,7 @@ def _vocab_fwd_kernel(
     counted = tl.load(mask_ptr + tok) != 0
     logp = 0.0
     ent = 0.0
-    m = float("-inf")  # running maximum of the raw logits of the row (scalar)
+    m = float("-inf")
     log_s = 0.0
     q = 0.0
     bad = 0
@@ -83,43 +121,46 @@ def _vocab_fwd_kernel(
         row = logits_ptr + i * stride_lb + (t + logits_start) * stride_lt
         y = tl.load(ids_ptr + tok).to(tl.int64)
         y_ok = (y >= 0) & (y < V)
+        c2 = inv_temp * LOG2E  # d / ln 2: exp(d) = exp2((z - m) * c2)
         lanes = tl.arange(0, BLOCK_V)
-        r_x = 0.0  # the part of R that is whole maxima: extra instances of the maximum, re-based
-        s_l = tl.zeros([BLOCK_V], tl.float32)  # sum e^d
-        u_l = tl.zeros([BLOCK_V], tl.float32)  # sum e^d d
-        r_l = tl.zeros([BLOCK_V], tl.float32)  # sum e^d over elements below the maximum
-        for v0 in range(0, V, BLOCK_V):
-            offs = v0 + lanes
+        # per-lane state, no reduction across lanes inside the loop: the lane's maximum m_l of the raw
+        # logits, r_l = (sum over the lane of e^d) - 1 (one instance of m_l left out), u_l = sum e^d t,
+        # with d, t = log2 e * d relative to m_l
+        m_l = tl.full([BLOCK_V], NEG_SENTINEL, tl.float32)
+        r_l = tl.zeros([BLOCK_V], tl.float32)
+        u_l = tl.zeros([BLOCK_V], tl.float32)
+        v_full = (V // BLOCK_V) * BLOCK_V
+        for v0 in range(0, v_full, BLOCK_V):  # whole blocks: no mask
+            z = tl.load(row + v0 + lanes).to(tl.float32)
+            m_l, r_l, u_l = _fwd_update(z, m_l, r_l, u_l, c2)
+        if v_full < V:  # the partial last block
+            offs = v_full + lanes
             z = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            shift = tl.where(m == float("-inf"), 0.0, (m - m_safe) * inv_temp)
-            alpha = tl.where(m == float("-inf"), 0.0, tl.exp(shift))
-            d = (z - m_safe) * inv_temp  # s - max s: the difference first, then the scale
-            e = tl.exp(d)
-            u_l = alpha * (u_l + s_l * shift) + e * tl.where(e > 0, d, 0.0)
-            s_l = s_l * alpha + e
-            r_l = r_l * alpha + tl.where(z < m_new, e, 0.0)
-            n_top = tl.sum((z == m_new).to(tl.float32), axis=0)  # entries at the new maximum
-            grew = m_new > m
-            # a larger maximum: the old one (one instance, weight alpha) joins R; one new instance is
-            # left out. Same maximum: every new instance joins R.
-            r_x = tl.where(grew, alpha * (r_x + tl.where(m == float("-inf"), 0.0, 1.0)) + n_top - 1.0,
-                           r_x + n_top)
-            r_x = tl.where(m_new == float("-inf"), 0.0, r_x)
-            m = m_new
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        s_tot = tl.sum(s_l, axis=0)
-        r_tot = tl.sum(r_l, axis=0) + r_x
+            m_l, r_l, u_l = _fwd_update(z, m_l, r_l, u_l, c2)
+        # once per row: re-base the lanes on the row maximum and reduce
+        mx = tl.max(m_l, axis=0)
+        empty = mx == NEG_SENTINEL  # no finite entry: every entry -inf (or NaN)
+        live = m_l != NEG_SENTINEL
+        sh = (m_l - mx) * c2
+        alpha = tl.exp2(sh)
+        # R = S - 1 without cancellation: the lanes' own sums, the maxima of lanes below the row maximum,
+        # and the extra lanes at it (ties across lanes; ties inside a lane are already in r_l)
+        r_raw = tl.sum(alpha * r_l, axis=0) + tl.sum(tl.where(live & (m_l < mx), alpha, 0.0), axis=0) \
+            + (tl.sum((live & (m_l == mx)).to(tl.float32), axis=0) - 1.0)
+        r_tot = tl.where(empty, 0.0 * r_raw, r_raw)  # keeps a NaN
+        s_tot = tl.where(empty, 0.0, 1.0 + r_tot)
+        u_tot = tl.sum(tl.where(alpha > 0, alpha * (u_l + (1.0 + r_l) * sh), 0.0), axis=0)
+        m = tl.where(empty, float("-inf"), mx)
+        m_safe = tl.where(empty, 0.0, mx)
         log_s = _log1p(r_tot)
-        ent = log_s - tl.sum(u_l, axis=0) / s_tot
+        ent = log_s - (u_tot * LN2) / s_tot
         z_y = tl.load(row + y, mask=y_ok, other=float("nan")).to(tl.float32)
         logp = (z_y - m_safe) * inv_temp - log_s
         top = z_y == m
         q = tl.where(top, r_tot / s_tot, 1.0 - tl.exp(tl.where(top, 0.0, logp)))
-        # flags, as in checks.BAD_*: 1 non-finite row (a NaN or +inf entry makes S NaN), 2 target
-        # logit -inf, 4 id outside [0, V)
-        bad = tl.where((s_tot != s_tot) | (m == float("inf")), 1, 0)
+        # flags, as in checks.BAD_*: 1 non-finite row (a NaN entry makes R NaN; +inf is the maximum), 2
+        # target logit -inf, 4 id outside [0, V)
+        bad = tl.where((r_raw != r_raw) | (m == float("inf")), 1, 0)
         bad = tl.where(z_y == float("-inf"), bad | 2, bad)
         bad = tl.where(y_ok, bad, bad | 4)
         m = m_safe
@@ -129,6 +170,19 @@ def _vocab_fwd_kernel(
     tl.store(stats_ptr + tok * 3 + 1, log_s)
     tl.store(stats_ptr + tok * 3 + 2, q)
     tl.store(bad_ptr + tok, bad.to(tl.int8))
+
+
+@triton.jit
+def _bwd_grad(z, m, c2, ls2, a_co, b_co, HAS_E: tl.constexpr):
+    """dL/dz_v of one block, every entry as if off the target (the target is rewritten after the loop)."""
+    l2 = (z - m) * c2 - ls2  # log2 p_v: the difference first, then the scale
+    if HAS_E:
+        # clamped: p = 0 either way, and b * l2 stays finite where z = -inf (0 * inf would be NaN)
+        l2 = tl.maximum(l2, -16384.0)
+        g = tl.exp2(l2) * (a_co + b_co * l2)
+    else:
+        g = tl.exp2(l2) * a_co
+    return g
 
 
 @triton.jit(do_not_specialize=["T", "T_l", "logits_start"])
@@ -166,16 +220,37 @@ def _vocab_bwd_kernel(
         q = tl.load(stats_ptr + tok * 3 + 2)  # 1 - p_y
         ent = tl.load(ent_ptr + tok)
         y = tl.load(ids_ptr + tok).to(tl.int64)
-        for v0 in range(0, V, BLOCK_V):
-            offs = v0 + lanes
+        y_ok = (y >= 0) & (y < V)
+        # the target's own logit, read before the loop: with inplace the loop overwrites it
+        z_y = tl.load(row + y, mask=y_ok, other=float("-inf")).to(tl.float32)
+        c2 = inv_temp * LOG2E
+        ls2 = log_s * LOG2E  # log2 p_v = (z_v - m) c2 - ls2
+        # dL/dz_v off the target = p_v (a + b log2 p_v): a = -(c + e H) / tau, b = -e ln 2 / tau
+        if HAS_E:
+            a_co = -(c + e * ent) * inv_temp
+            b_co = -(e * LN2) * inv_temp
+        else:
+            a_co = -c * inv_temp
+            b_co = 0.0
+        v_full = (V // BLOCK_V) * BLOCK_V
+        for v0 in range(0, v_full, BLOCK_V):  # whole blocks: no mask
+            z = tl.load(row + v0 + lanes).to(tl.float32)
+            g = _bwd_grad(z, m, c2, ls2, a_co, b_co, HAS_E)
+            tl.store(grad_row + v0 + lanes, g.to(grad_ptr.dtype.element_ty))
+        if v_full < V:  # the partial last block
+            offs = v_full + lanes
             in_v = offs < V
             z = tl.load(row + offs, mask=in_v, other=float("-inf")).to(tl.float32)
-            logq = (z - m) * inv_temp - log_s  # log p_v
-            p = tl.exp(logq)
-            g = tl.where(offs == y, c * q, -c * p)
-            if HAS_E:
-                g -= e * p * tl.where(p > 0, logq + ent, 0.0)
-            tl.store(grad_row + offs, (g * inv_temp).to(grad_ptr.dtype.element_ty), mask=in_v)
+            g = _bwd_grad(z, m, c2, ls2, a_co, b_co, HAS_E)
+            tl.store(grad_row + offs, g.to(grad_ptr.dtype.element_ty), mask=in_v)
+        # the target entry, written once: (c (1 - p_y) - e p_y (log p_y + H)) / tau with 1 - p_y = q from
+        # the forward. The barrier orders it after every thread's store of its block (which wrote the
+        # off-target formula there).
+        tl.debug_barrier()
+        logq_y = (z_y - m) * inv_temp - log_s
+        p_y = tl.exp(logq_y)
+        g_y = c * q - e * tl.where(p_y > 0, p_y * (logq_y + ent), 0.0)
+        tl.store(grad_row + y, (g_y * inv_temp).to(grad_ptr.dtype.element_ty), mask=y_ok)
     else:
         zero = tl.zeros([BLOCK_V], tl.float32).to(grad_ptr.dtype.element_ty)
         for v0 in range(0, V, BLOCK_V):
