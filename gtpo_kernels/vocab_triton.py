@@ -83,7 +83,7 @@ def _fwd_update(z, m_l, r_l, u_l, c2):
     # one exp2 per element: e^d below the lane maximum, or the rescale when z raises it; a NaN z stays
     # NaN (and so does the lane's r_l), -inf gives x = 0 and, with the clamp, x * a = 0
     a = tl.minimum(tl.abs(tt), BIG, propagate_nan=tl.PropagateNan.ALL)
-    x = tl.exp2(-a)
+    x = tl.exp2(a * -1.0)  # not -a: Triton 3.6 writes that as 0 - a, an instruction (signed zero)
     grew = z > m_l
     k = tl.where(grew, x, 1.0)
     # grew: r = x (r + 1) (the old maximum joins the sum, the new one is left out), u = x (u - (r + 1) a)
