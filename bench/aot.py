@@ -26,6 +26,10 @@ over 32 * num_warps threads, so
 against the bytes the body's LDGs load (a loop that ptxas unrolled or split would show as a mismatch,
 reported in `loop_note`). Work outside the loop (once per row of 151936 elements) is not counted.
 
+Peers (`peer_kernels`, optional: compiled when installed, with their own launchers' settings, counted
+the same way, shown with ours / theirs; they never decide the exit status): Liger-Kernel's GRPO loss
+forward and backward (pip install liger-kernel==0.8.5) and TRL's log-prob / entropy forward.
+
     python -m bench.aot            # the table; writes bench/results/aot-sm90.json and the SASS under
                                    # bench/results/aot/; exit status 1 if a kernel fails the check
 """
@@ -127,6 +131,7 @@ class AotResult:
     warps_per_sm: int = 0
     loop_note: str = ""
     sass_text: str = ""  # filled in this process only (not through --json)
+    provider: str = "gtpo_kernels"
 
     def problems(self):
         out = []
@@ -229,7 +234,10 @@ def roofline(r, device, n=ROOF_N, v=ROOF_V):
     return dict(parts, est_ms=parts[bound], bound=bound.replace("_ms", ""))
 
 
-def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_vector=True) -> AotResult:
+def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_vector=True, peer=None) -> AotResult:
+    """One kernel compiled and counted. `peer` (another project's kernel, see `peer_kernels`): a dict with
+    provider, variant, kwargs (every parameter by name, constexprs included, as its launcher passes them),
+    block, num_warps and num_stages."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -239,17 +247,27 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
 
     name = kernel.fn.__name__
     variant = "" if has_e is None else ("HAS_E" if has_e else "no E")
+    if peer is not None:
+        variant = peer["variant"]
     res = AotResult(name, variant, str(dtype).replace("torch.", ""), arch, V, ok=False, expect_vector=expect_vector)
     try:
         target = GPUTarget("cuda", arch, 32)
         backend = make_backend(target)
-        bv = vt.block_v_for(V)
-        meta = {"BLOCK_V": bv, "num_warps": vt.num_warps_for(bv)}
-        if has_e is not None:
-            meta["HAS_E"] = has_e
-        args = [_arg_for(p.name, dtype, V, T, has_e) for p in kernel.params if not p.is_constexpr]
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-        bound, spec, opts = binder(*args, **meta)
+        if peer is None:
+            bv = vt.block_v_for(V)
+            meta = {"BLOCK_V": bv, "num_warps": vt.num_warps_for(bv)}
+            if has_e is not None:
+                meta["HAS_E"] = has_e
+            args = [_arg_for(p.name, dtype, V, T, has_e) for p in kernel.params if not p.is_constexpr]
+            bound, spec, opts = binder(*args, **meta)
+        else:
+            res.provider = peer["provider"]
+            bv = peer["block"]
+            meta = {"num_warps": peer["num_warps"], "num_stages": peer["num_stages"]}
+            kw = dict(peer["kwargs"])
+            meta.update({p.name: kw[p.name] for p in kernel.params if p.is_constexpr and p.name in kw})
+            bound, spec, opts = binder(**kw, num_warps=meta["num_warps"], num_stages=meta["num_stages"])
         options, sig, constexprs, attrs = kernel._pack_args(backend, meta, bound, spec, opts)
         ck = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target, options=options.__dict__)
         ptx, cubin, ttir = ck.asm["ptx"], ck.asm["cubin"], ck.asm["ttir"]
@@ -279,12 +297,69 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
         res.sass_text = sass
         elem = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype]
         tensor_loads = [ln for ln in loads if "tensor<" in ln]
-        if any(f"!tt.ptr<{elem}>" not in ln for ln in tensor_loads):
+        if peer is None and any(f"!tt.ptr<{elem}>" not in ln for ln in tensor_loads):
             res.error = "a tensor-shaped load that is not of the logits: the check's premise no longer holds"
     except Exception as e:  # a compile error is a result
         res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
     res.ok = not res.problems()
     return res
+
+
+def _load_peer_file(package, relpath):
+    """A peer's kernel module, loaded from its file without importing the package (whose __init__ may pull
+    in much more); None when the package is not installed."""
+    import importlib.util
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], relpath)
+    if not os.path.exists(path):
+        return None
+    mspec = importlib.util.spec_from_file_location(f"_aot_peer_{package}", path)
+    mod = importlib.util.module_from_spec(mspec)
+    mspec.loader.exec_module(mod)
+    return mod
+
+
+def peer_kernels(dtype=torch.bfloat16, V=V_REAL, L=T_REAL):
+    """[(kernel, peer)] for the peers that are installed, each with its own launcher's settings (read from
+    its source, the version named): Liger-Kernel's GRPO loss, token-level path (liger_kernel/ops/grpo_loss.py,
+    0.8.5: forward BLOCK_N 2048, 1 warp, 2 stages; backward BLOCK_N 4096, 16 warps, 1 stage; V and L are
+    constexpr there; GRPO loss type, beta 0.04 with a reference model, no old log-probs, a completion mask),
+    and TRL's log-prob / entropy forward (trl/kernels/logprob_entropy.py: BLOCK_SIZE 1024, default 4 warps;
+    its backward has no loop over the vocabulary, one block per program, so it is not listed)."""
+    out = []
+    P = _Ptr
+    liger = _load_peer_file("liger_kernel", os.path.join("ops", "grpo_loss.py"))
+    if liger is not None:
+        common = dict(TEMPERATURE=1.0, BETA=0.04, EPS_LOW=0.2, EPS_HIGH=0.2, LOSS_TYPE=0, SAPO_TEMP_POS=1.0,
+                      SAPO_TEMP_NEG=1.05, DELTA=0.0, USE_BIAS_CORRECTION_KL=False, L=L, N=V)
+        fwd = dict(LOGITS=P(dtype), OLD_LOGP=None, REF_LOGP=P(torch.float32), INPUT_IDS=P(torch.int64),
+                   COMPLETION_MASK=P(torch.int64), ADVANTAGES=P(torch.float32), VLLM_IS_RATIO=None,
+                   VLLM_IS_RATIO_STRIDE=0, PHI_SEQ=None, LOSS=P(torch.float32), LSE=P(torch.float32),
+                   KL=P(torch.float32), IS_CLIPPED=P(torch.bool), BLOCK_N=2048, **common)
+        out.append((liger._grpo_loss_fwd_kernel, dict(provider="liger-kernel", variant="-", kwargs=fwd,
+                                                     block=2048, num_warps=1, num_stages=2)))
+        bwd = dict(DLOSS=P(torch.float32), DLOGITS=P(dtype), LOGITS=P(dtype), OLD_LOGP=None,
+                   REF_LOGP=P(torch.float32), INPUT_IDS=P(torch.int64), ADVANTAGES=P(torch.float32),
+                   COMPLETION_MASK=P(torch.int64), LSE=P(torch.float32), VLLM_IS_RATIO=None,
+                   VLLM_IS_RATIO_STRIDE=0, PHI_SEQ=None, loss_stride0=L, loss_stride1=1, BLOCK_N=4096, **common)
+        out.append((liger._grpo_loss_bwd_kernel, dict(provider="liger-kernel", variant="-", kwargs=bwd,
+                                                     block=4096, num_warps=16, num_stages=1)))
+    trl = _load_peer_file("trl", os.path.join("kernels", "logprob_entropy.py"))
+    if trl is not None:
+        kw = dict(logits_ptr=P(dtype), index_ptr=P(torch.int64), row_mask_ptr=P(torch.bool),
+                  logprobs_ptr=P(torch.float32), entropy_ptr=P(torch.float32), log_z_ptr=P(torch.float32),
+                  expected_logit_ptr=P(torch.float32), logits_batch_stride=L * V, logits_row_stride=V,
+                  index_batch_stride=L, index_row_stride=1, mask_batch_stride=L, mask_row_stride=1, n_cols=V,
+                  rows_per_batch=L, TEMPERATURE=1.0, HAS_MASK=True, BLOCK_SIZE=1024)
+        out.append((trl._forward_kernel, dict(provider="trl", variant="-", kwargs=kw, block=1024, num_warps=4,
+                                              num_stages=3)))
+    return out
+
+
+def report_peers(arch=90, dtype=torch.bfloat16):
+    return [compile_kernel(k, dtype, arch, peer=p) for k, p in peer_kernels(dtype)]
 
 
 def report(archs=ARCHS, dtypes=DTYPES, odd_v=True):
@@ -338,13 +413,19 @@ def _headline(results):
     return [r for r in results if r.arch == 90 and r.dtype == "bfloat16" and r.V == V_REAL and not r.error]
 
 
-def records(results, provider="gtpo_kernels"):
-    """bench/results/aot-sm90.json: one record per kernel variant and device."""
+def _kind(kernel):
+    return "bwd" if "bwd" in kernel else "fwd"
+
+
+def records(results):
+    """bench/results/aot-sm90.json: one record per kernel variant and device (ours, then any peers'); a
+    peer's record carries ours / theirs for the same pass (forward: our forward; backward: our backward
+    without the entropy term, the peers have none)."""
     out = []
     for r in _headline(results):
         sass = os.path.join("bench", "results", "aot", _sass_name(r))
         for dev in DEVICES:
-            out.append(dict(provider=provider, kernel=r.kernel, variant=r.variant or "-", dtype=r.dtype,
+            out.append(dict(provider=r.provider, kernel=r.kernel, variant=r.variant or "-", dtype=r.dtype,
                             arch=f"sm_{r.arch}", V=r.V, block=r.block, num_warps=r.num_warps,
                             elems_per_thread=r.elems_per_thread, loop_instr=r.loop_instr,
                             instr_per_elem=round(r.instr_per_elem, 3), bar_per_iter=r.bar_per_iter,
@@ -355,6 +436,14 @@ def records(results, provider="gtpo_kernels"):
                             **{k: (round(v, 4) if isinstance(v, float) else v)
                                for k, v in roofline(r, dev).items()},
                             sass=sass))
+    ours = {(c["device"], _kind(c["kernel"])): c for c in out
+            if c["provider"] == "gtpo_kernels" and c["variant"] in ("-", "no E")}
+    for c in out:
+        o = ours.get((c["device"], _kind(c["kernel"])))
+        if c["provider"] != "gtpo_kernels" and o is not None:
+            c["ours"] = f"{o['kernel']} {o['variant']}".strip(" -")
+            c["ours_over_theirs_est"] = round(o["est_ms"] / c["est_ms"], 3)
+            c["ours_over_theirs_instr"] = round(o["instr_per_elem"] / c["instr_per_elem"], 3)
     return out
 
 
@@ -363,17 +452,23 @@ def format_roofline(recs):
              f"MUFU = ops / (SMs * 16 * clock); " + "; ".join(
                  f"{k}: {d['sms']} SMs, {d['clock'] / 1e9:.3f} GHz, {d['bw'] / 1e12:.2f} TB/s"
                  for k, d in DEVICES.items()),
-             f"{'kernel':<22} {'variant':<6} {'device':<9} {'mem ms':>7} {'issue ms':>8} {'MUFU ms':>7} "
-             f"{'est ms':>7}  bound"]
+             f"{'provider':<13} {'kernel':<22} {'variant':<6} {'block':>5} {'warps':>5} {'instr/el':>8} "
+             f"{'BAR/it':>6} {'regs':>4} {'device':<9} {'mem ms':>7} {'issue ms':>8} {'MUFU ms':>7} "
+             f"{'est ms':>7}  bound  ours/theirs (est, instr)"]
     for c in recs:
-        lines.append(f"{c['kernel']:<22} {c['variant']:<6} {c['device']:<9} {c['mem_ms']:>7.3f} "
-                     f"{c['issue_ms']:>8.3f} {c['mufu_ms']:>7.3f} {c['est_ms']:>7.3f}  {c['bound']}")
+        ratio = (f"  {c['ours_over_theirs_est']:.2f}, {c['ours_over_theirs_instr']:.2f} ({c['ours']})"
+                 if "ours" in c else "")
+        lines.append(f"{c['provider']:<13} {c['kernel']:<22} {c['variant']:<6} {c['block']:>5} "
+                     f"{c['num_warps']:>5} {c['instr_per_elem']:>8.2f} {c['bar_per_iter']:>6} {c['regs']:>4} "
+                     f"{c['device']:<9} {c['mem_ms']:>7.3f} {c['issue_ms']:>8.3f} {c['mufu_ms']:>7.3f} "
+                     f"{c['est_ms']:>7.3f}  {c['bound']:<5}{ratio}")
     return "\n".join(lines)
 
 
 def _sass_name(r):
-    v = {"": "", "no E": "-noE", "HAS_E": "-E"}.get(r.variant, "-" + r.variant.replace(" ", ""))
-    return f"{r.kernel.strip('_')}{v}-{r.dtype}-sm{r.arch}.sass"
+    v = {"": "", "-": "", "no E": "-noE", "HAS_E": "-E"}.get(r.variant, "-" + r.variant.replace(" ", ""))
+    who = "" if r.provider == "gtpo_kernels" else r.provider + "-"
+    return f"{who}{r.kernel.strip('_')}{v}-{r.dtype}-sm{r.arch}.sass"
 
 
 def _clean_sass(sass):
@@ -408,8 +503,16 @@ def main():
         print(json.dumps([{k: v for k, v in r.__dict__.items() if k != "sass_text"} for r in res]))
     else:
         print(format_table(res))
+        try:  # the peers (optional dependencies): counted for the roofline, never part of the check
+            peers = report_peers()
+        except Exception as e:
+            peers = []
+            print(f"peers: not compiled ({type(e).__name__}: {e})")
+        if peers:
+            print("\npeers (their own launch settings, bf16 sm_90):")
+            print(format_table(peers))
         print()
-        print(format_roofline(write_results(res)))
+        print(format_roofline(write_results(res + peers)))
     sys.exit(0 if all(r.ok for r in res) else 1)
 
 
