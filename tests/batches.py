@@ -29,14 +29,15 @@ class Case:
 
 
 @st.composite
-def cases(draw, dtypes=(torch.float32,), max_V=70, max_T=6, max_rows=40):
+def cases(draw, dtypes=(torch.float32,), max_V=70, max_T=6, max_rows=40, min_V=1, nonempty=False):
+    """A batch; `nonempty=True`: at least one token counts (never an all-masked batch)."""
     seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
     G = draw(st.integers(1, 4))
     P = draw(st.integers(1, 2))
     B = P * G
     T = draw(st.integers(1, max(1, min(max_T, max_rows // B))))
-    V = draw(st.sampled_from([1, 2, 7, 16, 33, max_V]))
+    V = draw(st.sampled_from([v for v in (1, 2, 7, 16, 33, max_V) if v >= min_V]))
     start = draw(st.integers(0, 2))
     extra = draw(st.integers(0, 1))
     dtype = draw(st.sampled_from(list(dtypes)))
@@ -59,15 +60,20 @@ def cases(draw, dtypes=(torch.float32,), max_V=70, max_T=6, max_rows=40):
     mask = torch.arange(T)[None, :] < lengths[:, None]
     if draw(st.booleans()):  # holes
         mask &= torch.rand(B, T, generator=gen) > 0.15
+    if nonempty and not mask.any():
+        mask[int(torch.randint(0, B, (1,), generator=gen)), int(torch.randint(0, T, (1,), generator=gen))] = True
     ids = torch.where(mask | (torch.rand(B, T, generator=gen) < 0.5), ids, torch.full_like(ids, -100))
     mask_kind = draw(st.sampled_from(["bool", "int", "float"]))
     mask = {"bool": mask, "int": mask.to(torch.int64), "float": mask.to(torch.float32)}[mask_kind]
     if draw(st.booleans()):
         ids = ids.to(torch.int32)
 
-    adv_kind = draw(st.sampled_from(["mixed", "normal", "zero", "positive", "negative"]))
-    if adv_kind == "mixed":
+    # all-zero advantages: one draw in eleven ("mixed" gives some zeros too)
+    adv_kind = draw(st.sampled_from(["mixed"] * 3 + ["normal"] * 3 + ["positive"] * 2 + ["negative"] * 2 + ["zero"]))
+    if adv_kind == "mixed":  # -1, 0, +1 (not all 0: that is the "zero" kind)
         adv = torch.randint(-1, 2, (B,), generator=gen).float()
+        if not adv.any():
+            adv[int(torch.randint(0, B, (1,), generator=gen))] = 1.0 if B % 2 else -1.0
     elif adv_kind == "normal":
         adv = torch.randn(B, generator=gen)
     elif adv_kind == "zero":
@@ -120,3 +126,31 @@ def configs(draw):
         over["conflict_pos_weight"] = draw(st.sampled_from([2.0, 1.5]))
         over["conflict_neg_weight"] = draw(st.sampled_from([0.0, 0.5]))
     return GTPOConfig.preset(preset, **over)
+
+
+def completion_entropies(case):
+    """(Hbar (B,) float64 of spec 2, (B,) bool: the completion has a counted token)."""
+    _, ent = ref.token_logprobs(case.logits[:, case.logits_start:case.logits_start + case.ids.shape[1]]
+                                .double(), case.ids, case.temperature, case.counted)
+    n = case.counted.sum(1)
+    return ent.sum(1) / n.clamp(min=1), n > 0
+
+
+@st.composite
+def cases_and_configs(draw, **case_kw):
+    """(case, config) for the loss test. When the config's entropy filter would drop every completion
+    that has a counted token (random logits have entropy near ln V, above the presets' ln 2 and 0.7),
+    its threshold is moved between two of the case's completion entropies, or above all of them: the
+    filter keeps a nonempty subset, and the gradient is not zero merely because nothing was kept."""
+    case = draw(cases(**case_kw))
+    cfg = draw(configs()).replace(temperature=case.temperature)
+    thr, h0 = cfg.entropy_threshold, cfg.initial_entropy
+    if thr is None or (h0 is not None and h0 > thr):  # filter off, or the paper's gate turns it off
+        return case, cfg
+    hbar, has = completion_entropies(case)
+    h = torch.sort(hbar[has]).values
+    if h.numel() and not (h <= thr).any():
+        j = draw(st.integers(1, h.numel()))  # keep the j lowest
+        thr = float((h[j - 1] + h[j]) / 2) if j < h.numel() else float(h[-1]) + 0.5
+        cfg = cfg.replace(entropy_threshold=thr)
+    return case, cfg
