@@ -12,12 +12,20 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", max_examples=15, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# a long random search (new examples every run; failures are saved in .hypothesis/ and replayed first)
+settings.register_profile(
+    "nightly", max_examples=500, derandomize=False, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # spec section 7: tolerances by logits dtype
 TOL = {
     torch.float32: dict(value=1e-5, loss=1e-5, grad=1e-5),
-    torch.float64: dict(value=1e-5, loss=1e-5, grad=1e-5),
+    # float64 logits (backend torch; Triton refuses them) accumulate in float64. Measured against the
+    # reference over 2,300 examples of the loss test's strategies and tests/accuracy.py's batches: values
+    # and loss <= 5e-15; gradient <= 6e-8, which is the reference's own rounding (autograd of log_softmax
+    # forms 1 - p_y by subtraction; on near-certain V = 2 rows it is off by ~1e-16 / (1 - p_y))
+    torch.float64: dict(value=1e-12, loss=1e-12, grad=1e-6),
     torch.bfloat16: dict(value=1e-5, loss=1e-5, grad=1e-2),
     torch.float16: dict(value=1e-5, loss=1e-5, grad=1e-2),
 }
@@ -46,7 +54,8 @@ def assert_grad_close(name, g, ref, tol):
     The gradient is stored in the logits' dtype: the part of the error that rounding the reference
     itself into that dtype makes (values below float16's range, say) is not held against the kernel."""
     assert g.shape == ref.shape, f"{name}: shape {tuple(g.shape)} != {tuple(ref.shape)}"
-    unavoidable = float((ref.to(g.dtype).double() - ref.double()).norm())
+    dtype = g.dtype
+    unavoidable = float((ref.to(dtype).double() - ref.double()).norm())
     g, ref = g.double(), ref.double()
     assert torch.isfinite(g).all(), f"{name}: non-finite gradient entries"
     zero_rows = (ref == 0).all(-1)
@@ -55,7 +64,7 @@ def assert_grad_close(name, g, ref, tol):
     if nref > 0:
         rel = (float((g - ref).norm()) - unavoidable) / float(nref)
         assert rel <= tol, f"{name}: relative error {rel:.3e} > {tol:.0e} (beyond the rounding of the " \
-                           f"reference into {g.dtype}, {unavoidable / float(nref):.1e})"
+                           f"reference into {dtype}, {unavoidable / float(nref):.1e})"
     else:
         assert (g == 0).all(), f"{name}: reference gradient is zero but ours is not"
 
