@@ -81,9 +81,9 @@ def test_n_conf_is_longer_run_and_input_forms():
 
 
 def test_group_size_must_divide_batch():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must divide the batch size"):
         ref.conflict_weights(torch.zeros(3, 2, dtype=torch.long), None, torch.ones(3), 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must divide the batch size"):
         ref.gtpo_loss(torch.randn(3, 2, 4), torch.zeros(3, 2, dtype=torch.long), torch.ones(3), group_size=2)
 
 
@@ -239,7 +239,7 @@ def test_kl_k3_term():
     logp, _ = ref.token_logprobs(logits, ids)
     out = ref.gtpo_loss(logits, ids, torch.zeros(2), ref_logps=logp - 0.3, beta=0.04, **PLAIN)
     assert out["loss"].item() == pytest.approx(0.04 * (math.exp(-0.3) + 0.3 - 1), abs=1e-12)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="ref_logps is required"):
         ref.gtpo_loss(logits, ids, torch.zeros(2), beta=0.04, **PLAIN)
 
 
