@@ -7,7 +7,8 @@ packed form is the same with B = 1. Per-token tensors (ids, mask, outputs) are c
 Forward, per counted token, with s = z / tau over the row (spec section 1):
     lse = log sum_v exp(s_v)        logp = s_y - lse        H = lse - sum_v p_v s_v
 in one streaming pass over blocks of the row with no reduction across lanes inside the loop: every lane
-(element position of the block, BLOCK_V of them) keeps its own running maximum m_l of the raw logits and
+(BLOCK_V / 2 of them; lane l takes entries v0 + l and v0 + BLOCK_V / 2 + l of the block at v0, two
+coalesced loads) keeps its own running maximum m_l of the raw logits and
 its sums over d = (z - m_l) / tau (computed as a difference first, so its accuracy does not depend on the
 size of z / tau), with exp(d) = exp2(t), t = (z - m_l) * c2, c2 = log2(e) / tau folded into one scale:
     r_l = (sum e^d) - 1 (one instance of m_l left out, ties inside the lane included),   u_l = sum e^d t <= 0.
@@ -122,21 +123,27 @@ def _vocab_fwd_kernel(
         y = tl.load(ids_ptr + tok).to(tl.int64)
         y_ok = (y >= 0) & (y < V)
         c2 = inv_temp * LOG2E  # d / ln 2: exp(d) = exp2((z - m) * c2)
-        lanes = tl.arange(0, BLOCK_V)
-        # per-lane state, no reduction across lanes inside the loop: the lane's maximum m_l of the raw
-        # logits, r_l = (sum over the lane of e^d) - 1 (one instance of m_l left out), u_l = sum e^d t,
-        # with d, t = log2 e * d relative to m_l
-        m_l = tl.full([BLOCK_V], NEG_SENTINEL, tl.float32)
-        r_l = tl.zeros([BLOCK_V], tl.float32)
-        u_l = tl.zeros([BLOCK_V], tl.float32)
+        HALF: tl.constexpr = BLOCK_V // 2
+        lanes = tl.arange(0, HALF)
+        # per-lane state, no reduction across lanes inside the loop; a lane takes two entries of each block
+        # (v0 + l and v0 + HALF + l: two coalesced loads, half the state of one lane per entry): the
+        # lane's maximum m_l of the raw logits, r_l = (sum over the lane of e^d) - 1 (one instance of m_l
+        # left out), u_l = sum e^d t, with d, t = log2 e * d relative to m_l
+        m_l = tl.full([HALF], NEG_SENTINEL, tl.float32)
+        r_l = tl.zeros([HALF], tl.float32)
+        u_l = tl.zeros([HALF], tl.float32)
         v_full = (V // BLOCK_V) * BLOCK_V
         for v0 in range(0, v_full, BLOCK_V):  # whole blocks: no mask
-            z = tl.load(row + v0 + lanes).to(tl.float32)
-            m_l, r_l, u_l = _fwd_update(z, m_l, r_l, u_l, c2)
+            z0 = tl.load(row + v0 + lanes).to(tl.float32)
+            z1 = tl.load(row + v0 + HALF + lanes).to(tl.float32)
+            m_l, r_l, u_l = _fwd_update(z0, m_l, r_l, u_l, c2)
+            m_l, r_l, u_l = _fwd_update(z1, m_l, r_l, u_l, c2)
         if v_full < V:  # the partial last block
             offs = v_full + lanes
-            z = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            m_l, r_l, u_l = _fwd_update(z, m_l, r_l, u_l, c2)
+            z0 = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            z1 = tl.load(row + offs + HALF, mask=offs + HALF < V, other=float("-inf")).to(tl.float32)
+            m_l, r_l, u_l = _fwd_update(z0, m_l, r_l, u_l, c2)
+            m_l, r_l, u_l = _fwd_update(z1, m_l, r_l, u_l, c2)
         # once per row: re-base the lanes on the row maximum and reduce
         mx = tl.max(m_l, axis=0)
         empty = mx == NEG_SENTINEL  # no finite entry: every entry -inf (or NaN)
