@@ -1,0 +1,105 @@
+"""GTPO folded into token-level advantages, for trainers whose policy loss sees neither the token ids
+nor the entropies (verl's policy-loss registry, other PPO-style trainers).
+
+For lambda >= 0 the conflict weights (spec 3) and the entropy filter and shaping (spec 2) fold into the
+advantage exactly: `-lambda * min(r A, clip(r) A) = -min(r (lambda A), clip(r) (lambda A))`, and so does
+any positive per-completion factor (the `1 / n_conf` of the gtpo-official aggregation). A plain PPO
+clip on `gtpo_token_advantages(...)` is then GTPO's policy term.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import checks
+from .api import conflict_weights
+from .config import as_config, is_zero
+from .grouping import group_layout
+from .surrogate import entropy_control
+
+
+def _row_advantages(advantages, mask, B, T):
+    """(B,), (B, 1) or (B, T) with one value per row (verl) -> (B,)."""
+    if not isinstance(advantages, torch.Tensor):
+        advantages = torch.as_tensor(advantages)
+    if not advantages.dtype.is_floating_point:
+        advantages = advantages.to(torch.float32)
+    if advantages.dim() == 2 and advantages.shape == (B, T) and T != 1:
+        # verl's outcome advantages: the row's value at its counted tokens (0 elsewhere)
+        first = torch.where(mask, torch.arange(T, device=mask.device), T).amin(dim=1).clamp(max=max(T - 1, 0))
+        row = advantages.gather(1, first[:, None]).squeeze(1) if T else advantages.new_zeros(B)
+        row = torch.where(mask.any(dim=1), row, torch.zeros_like(row))
+        if bool(((advantages != row[:, None]) & mask).any()):
+            raise ValueError("advantages (B, T) must hold one value per row at its counted tokens (an outcome "
+                             "advantage, as verl's GRPO-family estimators give); token-varying advantages "
+                             "(GAE) cannot be GTPO-shaped")
+        return row
+    if advantages.numel() != B or advantages.dim() > 2 or (advantages.dim() == 2 and advantages.shape[1] != 1):
+        raise ValueError(f"advantages must be (B,), (B, 1) or (B, T) = ({B}, {T}) like responses, got shape "
+                         f"{tuple(advantages.shape)}")
+    return advantages.reshape(B)
+
+
+def gtpo_token_advantages(advantages, responses, response_mask, entropy, uid, config="gtpo"):
+    """GTPO's per-token advantage `lambda[i, t] * Ahat[i]` (B, T), 0 where masked out.
+
+    advantages     (B,), (B, 1), or verl's (B, T) holding one value per row: the raw advantages A[i]
+                   (their signs define the conflict roles, spec 3).
+    responses      (B, T) token ids (any value where masked out).
+    response_mask  (B, T) bool/int/float; 1 = the token counts. All-masked rows (padding) get 0.
+    entropy        (B, T) per-token entropies of the policy that sampled (or the old policy), for the
+                   entropy filter and shaping (spec 2); may be None when the config uses neither.
+    uid            one group key per row (strings, ints, a numpy object array, a 1-D integer tensor):
+                   rows in any order, groups of any size.
+    config         a GTPOConfig or preset name: its conflict weights, entropy_threshold, initial_entropy
+                   and entropy_penalty are used; with loss_agg='gtpo-official' the result is also divided
+                   by n_conf[i]. Its clipping, KL, entropy bonus and aggregation are the trainer's.
+
+    Returns float32 (float64 for float64 advantages). A PPO clip on these advantages equals GTPO's policy
+    term (lambda >= 0 and 1/n_conf > 0 fold into the advantage exactly).
+    """
+    cfg = as_config(config)
+    if uid is None:
+        raise ValueError("uid is required: one group key per row (verl's non_tensor_batch['uid']), so that the "
+                         "conflict weights compare completions of the same prompt")
+    if not isinstance(responses, torch.Tensor) or responses.dim() != 2:
+        raise ValueError(f"responses must be a (B, T) tensor of token ids, got "
+                         f"{tuple(responses.shape) if isinstance(responses, torch.Tensor) else type(responses).__name__}")
+    B, T = responses.shape
+    if response_mask is None:
+        raise ValueError("response_mask is required: (B, T) like responses, 1 where the token counts")
+    response_mask = torch.as_tensor(response_mask, device=responses.device)
+    if tuple(response_mask.shape) != (B, T):
+        raise ValueError(f"response_mask must have the shape of responses {(B, T)}, got {tuple(response_mask.shape)}")
+    m = response_mask.bool() if response_mask.dtype == torch.bool or not response_mask.dtype.is_floating_point \
+        else response_mask != 0
+    adv = _row_advantages(advantages, m, B, T).to(responses.device)
+    needs_entropy = cfg.entropy_threshold is not None or not is_zero(cfg.entropy_penalty)
+    if entropy is None:
+        if needs_entropy:
+            raise ValueError("entropy (B, T) is required by this config's entropy filter or shaping "
+                             "(entropy_threshold, entropy_penalty); pass the old policy's entropies, or turn "
+                             "those off")
+        entropy = torch.zeros(B, T, dtype=adv.dtype, device=responses.device)
+    checks.check_float_tensor("entropy", entropy)
+    if tuple(entropy.shape) != (B, T):
+        raise ValueError(f"entropy must have the shape of responses {(B, T)}, got {tuple(entropy.shape)}")
+    dt = torch.float64 if adv.dtype == torch.float64 else torch.float32
+
+    # spec 3: conflict weights, grouped by uid (checked here, so that errors name it)
+    codes = group_layout(uid, B, device=responses.device, name="uid").code
+    if cfg.use_conflict_mask:
+        lam, n_conf = conflict_weights(responses, m, adv, group_ids=codes, config=cfg, dtype=dt)
+    else:
+        lam = torch.ones(B, T, dtype=dt, device=responses.device)
+        n_conf = torch.ones(B, dtype=dt, device=responses.device)
+
+    # spec 2: Hbar over counted tokens, the filter and the shaped advantage
+    seg = torch.arange(B, device=responses.device).repeat_interleave(T)
+    mf = m.reshape(-1)
+    ent = torch.where(mf, entropy.reshape(-1).to(dt), torch.zeros((), dtype=dt, device=responses.device))
+    n_safe = m.sum(dim=1).clamp(min=1).to(dt)
+    _, _, a_hat = entropy_control(ent, seg, B, n_safe, adv.to(dt), cfg)
+    if cfg.loss_agg == "gtpo-official":
+        a_hat = a_hat / n_conf
+    out = lam * a_hat[:, None]
+    return torch.where(m, out, torch.zeros((), dtype=dt, device=out.device))
