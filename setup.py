@@ -17,6 +17,14 @@ setup(
         "bench": ["matplotlib>=3.8", "numpy"],
         "trl": ["trl>=1.14,<1.17", "transformers>=5.24,<6"],
         "demo": ["matplotlib>=3.8"],
+        # verl pins transformers<5.11, the trl extra >=5.24: the two extras cannot share one environment.
+        # verl's own ranges are repeated for tensordict and transformers; TransferQueue, fastapi, uvicorn
+        # and cachetools are what verl's v1 trainer imports (the `gtpo` trainer mode subclasses it).
+        "verl": ["verl==0.9.1", "transformers>=5.5.3,<5.11,!=5.6.0", "tensordict>=0.8.0,<=0.10.0,!=0.9.0",
+                 "TransferQueue>=0.1.10", "fastapi", "uvicorn", "cachetools"],
     },
+    # verl imports every `verl.plugins` entry point at `import verl`: registers the `gtpo` policy loss
+    # and trainer mode (gtpo_kernels/integrations/verl.py)
+    entry_points={"verl.plugins": ["gtpo = gtpo_kernels.integrations.verl"]},
     license="Apache-2.0",
 )
