@@ -385,3 +385,17 @@ def test_gtpo_config_from_section():
     with pytest.raises(TypeError, match="unknown field"):
         plugin.gtpo_config_from({"preset": "gtpo", "bogus": 1})
     assert math.isclose(plugin.gtpo_config_from("gtpo-official").entropy_threshold, 0.7)
+
+
+def test_example_config_composes_with_verl_defaults():
+    """examples/verl_gtpo.yaml composes over verl's own ppo_trainer config and selects the plugin."""
+    plugin = _verl()[0]
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    with initialize_config_dir(config_dir=examples, version_base=None):
+        cfg = compose(config_name="verl_gtpo", overrides=["+trainer.v1.gtpo.initial_entropy=1.0"])
+    assert cfg.trainer.use_v1 and cfg.trainer.v1.trainer_mode == plugin.TRAINER_MODE
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor.policy_loss.loss_mode == plugin.LOSS_MODE and actor.loss_agg_mode == "seq-mean-token-mean"
+    assert plugin.gtpo_config_from(cfg.trainer.v1.gtpo) == GTPOConfig.preset("gtpo", initial_entropy=1.0)
