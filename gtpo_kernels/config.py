@@ -117,7 +117,8 @@ class GTPOConfig:
         if level not in IS_LEVELS:
             bad("importance_sampling_level", f"one of {IS_LEVELS}")
         if level == "sequence" and pl != "ppo":
-            bad("importance_sampling_level", f"'token' with policy_loss={pl!r} (TRL refuses it too)")
+            bad("importance_sampling_level", f"'token' with policy_loss={pl!r} (its policy term has no "
+                "sequence-level form here; TRL warns about it)")
         if not 0.0 <= value("eps_low") < 1.0:
             bad("eps_low", "in [0, 1)")
         if pl == "cispo":  # an absolute bound on the ratio (TRL's convention)

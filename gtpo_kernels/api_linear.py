@@ -1,0 +1,168 @@
+"""The public calls from hidden states (spec 11): linear_gtpo_loss, linear_token_logprobs."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from . import api, checks, dispatch, linear
+from .config import GTPOConfig, as_config, is_zero
+from .layout import float_dtype_for
+
+SCHEDULES = ("auto", "fused", "recompute")
+
+
+def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask=None, *, bias=None,
+                     logit_scale=1.0, logit_softcap=None, memory_budget=None, schedule="auto",
+                     group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
+                     n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
+                     rollout_is_weights=None, rollout_logps=None, validate=True, backend="auto"):
+    """`gtpo_loss` from the final hidden states and the LM head, never holding the (tokens x V) logits.
+
+    hidden    (B, T, D) (packed: (N, D), with cu_seqlens): row t predicts completion_ids[:, t]; pass
+              the model's h[:, P-1:P-1+T] as a view (read in place).
+    weight    (V, D) the LM head; bias (V,) optional; same dtype and device as hidden.
+    logits    z = (hidden @ weight.T + bias) * logit_scale, then logit_softcap * tanh(z / logit_softcap)
+              when logit_softcap is given (Gemma), then / temperature as in gtpo_loss.
+    memory_budget  bytes for one tile of logits and its gradient (default 1 GiB); tiles of counted tokens.
+    schedule  'auto' (the 3-GEMM fused schedule when each tile's gradient coefficients depend on that
+              tile alone, else 'recompute', 4 GEMMs), or force 'fused' / 'recompute';
+              out.metrics['grad_in_forward'] is 1 when the fused schedule ran.
+    Gradients reach hidden, weight and bias (whichever require grad); weight and bias gradients
+    accumulate in float32 across tiles and are cast once. Every other argument is gtpo_loss's.
+    Selecting the counted rows reads their number on the host (one sync).
+    """
+    cfg = as_config(config)
+    if advantages is None:
+        raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    host = checks.host_checks(validate)
+    b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens,
+                               max_seqlen, logit_scale, logit_softcap, memory_budget, host)
+    extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
+                  rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
+    checks.add_extras(b, hidden.device, validate=host, **extras)
+    dt = float_dtype_for(hidden)
+    num_items = api._check_loss_args(b, cfg, num_items_in_batch, dt)
+    backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
+    if backend == "reference":  # the oracle on the materialized logits (autograd through the projection)
+        logits = _materialize(head, hidden)
+        return api.gtpo_loss(logits, completion_ids, advantages, completion_mask, group_size=group_size,
+                             config=cfg, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                             num_items_in_batch=num_items_in_batch, validate=validate, backend="reference",
+                             **extras)
+    api._conflicts_for(b, cfg, group_size, dt, backend)
+    rows = b.counted.nonzero().squeeze(1)  # the only rows projected (a host read of their number)
+    span = _coefficient_span(cfg)
+    tiles, whole = linear.tile_bounds(b, rows, head.weight.shape[0], hidden.element_size(), budget,
+                                      whole_completions=span == "completion")
+    local = (span is None or (span == "completion" and whole)) and cfg.loss_agg != "none"
+    if schedule == "fused" and not local:
+        raise ValueError("schedule='fused' needs each tile's gradient coefficients to depend on that tile "
+                         f"alone; here they do not ({_why_not_local(cfg, span, whole)}): use 'recompute' "
+                         "or 'auto'")
+    fused = local if schedule == "auto" else schedule == "fused"
+    plan = linear.Plan(b, cfg, head, backend, float(cfg.temperature), tiles, rows,
+                       num_items, fused, host, True)
+    loss = linear.LinearLoss.apply(hidden, weight, bias, plan)
+    res = plan.res
+    res["metrics"]["grad_in_forward"] = torch.tensor(1.0 if fused else 0.0, dtype=dt, device=hidden.device)
+    return api._output(b, cfg, loss, res, dt, host)
+
+
+def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,
+                          logit_scale=1.0, logit_softcap=None, cu_seqlens=None, max_seqlen=None,
+                          memory_budget=None, validate=True, backend="auto"):
+    """Forward-only log-probs and entropies from hidden states (old-policy and reference passes):
+    -> (logps, entropy) of completion_ids' shape, float32 (float64 for float64 inputs), 0 where masked
+    out. No autograd; only a tile of logits at a time."""
+    cfg = GTPOConfig(temperature=temperature)  # validates the temperature
+    host = checks.host_checks(validate)
+    b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
+                               max_seqlen, logit_scale, logit_softcap, memory_budget, host)
+    backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
+    if backend == "reference":
+        with torch.no_grad():
+            logits = _materialize(head, hidden)
+        return api.token_logprobs(logits, completion_ids, temperature, completion_mask, cu_seqlens=cu_seqlens,
+                                  max_seqlen=max_seqlen, validate=validate, backend="reference")
+    rows = b.counted.nonzero().squeeze(1)
+    tiles, _ = linear.tile_bounds(b, rows, head.weight.shape[0], hidden.element_size(), budget, False)
+    plan = linear.Plan(b, cfg, head, backend, float(temperature), tiles, rows, None, False, host, False)
+    with torch.no_grad():
+        logp, ent, _, _ = linear.forward_tiles(plan, hidden, with_grad=False)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    return (torch.where(b.counted, logp, zero).reshape(b.tok_shape),
+            torch.where(b.counted, ent, zero).reshape(b.tok_shape))
+
+
+def _coefficient_span(cfg):
+    """What a token's gradient coefficients depend on beyond the token: None, 'completion' or 'batch'."""
+    if not is_zero(cfg.top_entropy_quantile - 1.0):
+        return "batch"  # the quantile spans every counted token
+    if cfg.entropy_threshold is not None or not is_zero(cfg.entropy_penalty) or \
+            cfg.importance_sampling_level == "sequence" or cfg.off_policy_mask_threshold is not None or \
+            cfg.policy_loss == "vespo":
+        return "completion"
+    return None
+
+
+def _why_not_local(cfg, span, whole):
+    if cfg.loss_agg == "none":
+        return "loss_agg='none' takes a per-token upstream gradient"
+    if span == "batch":
+        return "top_entropy_quantile < 1 spans the whole batch"
+    return "a completion's statistics span more than one tile (raise memory_budget)" if not whole else "?"
+
+
+def _materialize(head, hidden):
+    """The whole logits, out of place (autograd flows through): the reference backend only."""
+    z = hidden @ head.weight.t()
+    z = (z if head.bias is None else z + head.bias) * head.scale
+    return z if head.cap is None else head.cap * torch.tanh(z / head.cap)
+
+
+def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens, max_seqlen,
+             logit_scale, logit_softcap, memory_budget, host):
+    """Checks of the head's arguments (names, shapes, dtypes, devices) -> (Batch, Head, budget)."""
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in checks.FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be the LM head's (V, D) matrix, got shape {tuple(weight.shape)}")
+    V, D = weight.shape
+    packed = cu_seqlens is not None
+    want = "(N, D) in the packed form (cu_seqlens given)" if packed else "(B, T, D)"
+    if hidden.dim() != (2 if packed else 3) or hidden.shape[-1] != D:
+        raise ValueError(f"hidden must be {want} with D = {D} (weight's second dimension), got "
+                         f"{tuple(hidden.shape)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(f"weight must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
+                        f"{weight.dtype} on {weight.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (V,):
+            raise ValueError(f"bias must be a (V,) = ({V},) tensor, got "
+                             f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+        if bias.dtype != hidden.dtype or bias.device != hidden.device:
+            raise TypeError(f"bias must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
+                            f"{bias.dtype} on {bias.device}")
+    for name, x in (("logit_scale", logit_scale), ("logit_softcap", logit_softcap)):
+        if x is None and name == "logit_softcap":
+            continue
+        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not x > 0 or x == float("inf"):
+            raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
+    if memory_budget is None:
+        memory_budget = linear.DEFAULT_MEMORY_BUDGET
+    elif isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) or memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
+    b = checks.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
+                              max_seqlen=max_seqlen, device=hidden.device, validate=host)
+    if tuple(hidden.shape[:-1]) != tuple(b.tok_shape):
+        raise ValueError(f"hidden must have shape {tuple(b.tok_shape) + (D,)} (completion_ids' shape + (D,)), "
+                         f"got {tuple(hidden.shape)}")
+    if host:
+        checks.check_ids_in_range(b.ids, b.counted, V)
+    return b, linear.Head(weight, bias, logit_scale, logit_softcap), memory_budget
