@@ -8,7 +8,7 @@ from typing import Dict
 import torch
 
 from . import autograd as _autograd  # noqa: F401  (registers attach_grad's backward)
-from . import checks, conflict, dispatch, ops, reference_backend
+from . import checks, conflict, dispatch, ops, parallel, reference_backend
 from .config import GTPOConfig, as_config, is_zero
 from .layout import float_dtype_for, pad, packed_layout
 from .surrogate import surrogate
@@ -33,7 +33,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
               old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None, n_conf=None,
               cu_seqlens=None, max_seqlen=None, logits_start=0, num_items_in_batch=None,
               rollout_is_weights=None, rollout_logps=None, inplace=False, validate=True,
-              backend="auto") -> GTPOOutput:
+              backend="auto", process_group=None) -> GTPOOutput:
     """The GTPO policy-gradient loss (spec: docs/GTPO_SPEC.md), fused over the vocabulary.
 
     In one line of torch, for the default config (padded form, every token counted)::
@@ -74,23 +74,34 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     invalid counted token then gives NaN outputs there and a NaN loss, as validate=False.
     backend         'auto' (Triton on CUDA, chunked torch on CPU and for float64), 'triton', 'torch' or
                     'reference'.
+    process_group   vocabulary-parallel logits (spec 12): this rank's logits hold the r-th contiguous slice
+                    of the vocabulary (rank order; sizes may differ), ids are global. Loss and outputs are
+                    identical on every rank; the gradient is this rank's slice. A DTensor sharded on the
+                    last dimension brings its own group.
     """
     cfg = as_config(config)
     if advantages is None:
         raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
     host = checks.host_checks(validate)
+    logits, process_group = parallel.unwrap_dtensor(logits, process_group)
+    vp = _vocab_parallel(process_group, logits, completion_ids, logits_start, cu_seqlens)
     extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                   rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
     b = checks.prepare(logits, completion_ids, completion_mask, advantages=advantages, cu_seqlens=cu_seqlens,
-                       max_seqlen=max_seqlen, logits_start=logits_start, validate=host, **extras)
+                       max_seqlen=max_seqlen, logits_start=logits_start, validate=host,
+                       vocab_size=None if vp is None else vp.V, **extras)
     checks.check_inplace(inplace, logits)
     dt = float_dtype_for(logits)
     num_items = _check_loss_args(b, cfg, num_items_in_batch, dt)
     backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
     if backend == "reference":
+        if vp is not None:
+            raise ValueError("backend='reference' takes the whole vocabulary: no process_group")
         return reference_backend.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput)
+    if vp is not None:
+        vp.ids = parallel.local_ids(b.ids, vp.start, b.V)
     _conflicts_for(b, cfg, group_size, dt, backend)
-    loss, res = _fused_loss(b, cfg, backend, inplace, host, num_items)
+    loss, res = _fused_loss(b, cfg, backend, inplace, host, num_items, vp)
     return _output(b, cfg, loss, res, dt, host)
 
 
@@ -196,11 +207,15 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
     return _output(b, cfg, loss, res, dt, host)
 
 
-def _forward(b, temperature, backend, host):
+def _forward(b, temperature, backend, host, vp=None):
     """The forward pass: per token (logp, H, stats, flags), with flagged counted tokens' logp and H set
-    to NaN (so that invalid input unchecked on the host gives NaN, never a finite wrong number)."""
-    logp, ent, stats, bad = ops.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
-                                          b.logits_start, backend)
+    to NaN (so that invalid input unchecked on the host gives NaN, never a finite wrong number).
+    vp: the vocabulary-parallel layout (parallel.VocabParallel), or None."""
+    if vp is None:
+        logp, ent, stats, bad = ops.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
+                                              b.logits_start, backend)
+    else:
+        logp, ent, stats, bad = parallel.vp_forward(b, vp.ids, temperature, backend, vp.group, vp.V)
     if host:
         checks.raise_on_flags(bad, b.tok_shape)
     invalid = bad != 0
@@ -208,18 +223,19 @@ def _forward(b, temperature, backend, host):
     return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats
 
 
-def _fused_loss(b, cfg, backend, inplace, host, num_items):
+def _fused_loss(b, cfg, backend, inplace, host, num_items, vp=None):
     """Forward pass -> O(N) surrogate -> the loss value with the backward pass attached."""
     dt = float_dtype_for(b.logits3)
     with torch.no_grad():
         temperature = ops.as_tensor_param(cfg.temperature)
-        logp, ent, stats = _forward(b, temperature, backend, host)
+        logp, ent, stats = _forward(b, temperature, backend, host, vp)
         res = _surrogate(b, cfg, logp, ent, num_items, dt)
         value = _loss_value(b, cfg, res)
         cdt = stats.dtype  # the kernel's coefficients in its accumulation dtype
         c = res["c"].to(cdt)
         e = None if res["e"] is None else res["e"].to(cdt)
-    loss = ops.attach_grad(b.logits3, value, b.ids, stats, ent.to(cdt), c, e, temperature, b.logits_start,
+    ids = b.ids if vp is None else vp.ids  # vocabulary-parallel: this slice's ids
+    loss = ops.attach_grad(b.logits3, value, ids, stats, ent.to(cdt), c, e, temperature, b.logits_start,
                            backend, inplace)
     return loss, res
 
@@ -278,22 +294,40 @@ def _conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
 
 
 def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None, *, logits_start=0,
-                   cu_seqlens=None, max_seqlen=None, validate=True, backend="auto"):
+                   cu_seqlens=None, max_seqlen=None, validate=True, backend="auto", process_group=None):
     """Forward-only log-probs and entropies (no autograd), e.g. for the old-policy and reference
     passes: -> (logps, entropy), each of completion_ids' shape, float32 (float64 for float64 logits),
     0 where masked out (NaN at an invalid counted token when the host checks are off). Nothing of size
-    tokens x vocabulary is allocated."""
+    tokens x vocabulary is allocated. process_group: vocabulary-parallel logits, as in gtpo_loss."""
     GTPOConfig(temperature=temperature)  # validates the temperature
     host = checks.host_checks(validate)
-    b = checks.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens,
-                       max_seqlen=max_seqlen, logits_start=logits_start, validate=host)
+    logits, process_group = parallel.unwrap_dtensor(logits, process_group)
+    vp = _vocab_parallel(process_group, logits, completion_ids, logits_start, cu_seqlens)
+    b = checks.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                       logits_start=logits_start, validate=host, vocab_size=None if vp is None else vp.V)
     backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
     if backend == "reference":
+        if vp is not None:
+            raise ValueError("backend='reference' takes the whole vocabulary: no process_group")
         return reference_backend.token_logprobs(b, logits, temperature)
+    if vp is not None:
+        vp.ids = parallel.local_ids(b.ids, vp.start, b.V)
     dt = float_dtype_for(logits)
     with torch.no_grad():
-        logp, ent, _ = _forward(b, ops.as_tensor_param(temperature), backend, host)
+        logp, ent, _ = _forward(b, ops.as_tensor_param(temperature), backend, host, vp)
     zero = torch.zeros((), dtype=dt, device=logits.device)
     logp = torch.where(b.counted, logp.to(dt), zero)
     ent = torch.where(b.counted, ent.to(dt), zero)
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
+
+
+def _vocab_parallel(group, logits, completion_ids, logits_start, cu_seqlens):
+    """The vocabulary-parallel layout (spec 12) after one small collective, or None without a group."""
+    if group is None:
+        return None
+    if not isinstance(logits, torch.Tensor) or not isinstance(completion_ids, torch.Tensor):
+        raise TypeError("logits and completion_ids must be tensors")
+    key = [completion_ids.dim(), *completion_ids.shape, *(0,) * (2 - completion_ids.dim()), logits.dim(),
+           *logits.shape[:-1], *(0,) * (3 - logits.dim()), int(logits_start), int(cu_seqlens is None)]
+    start, V = parallel.vocab_layout(group, logits.shape[-1], key, logits.device)
+    return parallel.VocabParallel(group, start, V)

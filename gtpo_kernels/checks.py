@@ -192,9 +192,10 @@ def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_
 
 
 def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, cu_seqlens=None,
-            max_seqlen=None, logits_start=0, validate=True, **extras) -> Batch:
+            max_seqlen=None, logits_start=0, validate=True, vocab_size=None, **extras) -> Batch:
     """A Batch for the vocabulary passes: prepare_tokens plus the logits and the per-token extras
-    (old_logps, ref_logps, lam, n_conf, rollout_is_weights, rollout_logps: see add_extras)."""
+    (old_logps, ref_logps, lam, n_conf, rollout_is_weights, rollout_logps: see add_extras). vocab_size:
+    the whole vocabulary's size when the logits hold a slice of it (vocabulary-parallel)."""
     logits_start = _nonneg_int("logits_start", logits_start)
     if cu_seqlens is None:
         check_logits(logits, 3, "(B, T_l, V) (pass cu_seqlens for the packed (N, V) form)")
@@ -222,7 +223,7 @@ def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, cu
     b.logits_start = logits_start
     add_extras(b, logits.device, validate=validate, **extras)
     if validate:
-        check_ids_in_range(b.ids, b.counted, b.V)
+        check_ids_in_range(b.ids, b.counted, b.V if vocab_size is None else vocab_size)
     return b
 
 

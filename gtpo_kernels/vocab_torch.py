@@ -55,6 +55,7 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start):
         flag |= (z_y == ninf).to(torch.int8) * BAD_TARGET_NEG_INF
         flag |= (~y_ok).to(torch.int8) * BAD_ID
         mx, top = z.max(-1, keepdim=True)
+        empty = (mx == ninf).squeeze(1)  # every entry -inf: S = 0 (a vocabulary slice may be all banned)
         mx = torch.where(mx == ninf, torch.zeros_like(mx), mx)
         # d = (z - max) / tau: the difference first, so its accuracy does not depend on |z / tau|
         d = z.sub_(mx).mul_(inv_t).clamp_(min=_LOG_ZERO)
@@ -63,6 +64,7 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start):
         ex.scatter_(1, top, 0.0)
         r = ex.sum(-1)
         ex.scatter_(1, top, 1.0)
+        r = torch.where(empty, torch.full_like(r, -1.0), r)
         s_tot = 1.0 + r
         log_s = torch.log1p(r)
         # H = log S - U / S with U = sum e^d d <= 0 (no cancellation)
@@ -120,7 +122,9 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
         else:
             g_y = cc * q
             g = p.mul_(-cc)
-        g.scatter_(1, yc, g_y)
+        # the target entry, where the id lies in this vocabulary (a slice of it under process_group)
+        y_ok = (ids[idx] >= 0) & (ids[idx] < V)
+        g.scatter_(1, yc, torch.where(y_ok[:, None], g_y, g.gather(1, yc)))
         grad3[bi, ti] = g.mul_(inv_t).to(grad3.dtype)
         del logq, p, g
     if zero_rows is not None and zero_rows.numel():

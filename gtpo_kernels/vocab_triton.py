@@ -159,7 +159,7 @@ def _vocab_fwd_kernel(
         u_tot = tl.sum(tl.where(alpha > 0, alpha * (u_l + (1.0 + r_l) * sh), 0.0), axis=0)
         m = tl.where(empty, float("-inf"), mx)
         m_safe = tl.where(empty, 0.0, mx)
-        log_s = _log1p(r_tot)
+        log_s = tl.where(empty, float("-inf"), _log1p(r_tot))  # S = 0: a row (or slice) all at -inf
         ent = log_s - (u_tot * LN2) / s_tot
         z_y = tl.load(row + y, mask=y_ok, other=float("nan")).to(tl.float32)
         logp = (z_y - m_safe) * inv_temp - log_s

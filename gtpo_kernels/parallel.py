@@ -1,0 +1,124 @@
+"""Vocabulary-parallel logits over torch.distributed (spec 12).
+
+Rank r of the process group holds the r-th contiguous slice of the vocabulary (sizes may differ; ids
+are global). Each rank runs the forward pass on its slice with its local ids (a token whose id lies
+elsewhere is simply not its target), and the per-slice statistics are merged exactly:
+
+    M = max_r m_r                                  (all-reduce MAX, 4 bytes per token)
+    w_r = exp((m_r - M) / tau),  S = sum_r w_r S_r,  U = sum_r w_r (U_r + S_r (m_r - M) / tau)
+    R = S - 1 summed without cancellation: the slices at the maximum add R_r, the others w_r S_r, plus
+        (number of slices at the maximum - 1)
+    (z_y - M) / tau from the slice that owns y;  whether y sits at the global maximum;  non-finite flags
+                                                   (all-reduce SUM of 7 numbers, 28 bytes per token)
+
+then log S = log1p(R), H = log S - U / S, logp = (z_y - M) / tau - log S and q = 1 - p_y exactly as on
+one device: 32 bytes per token in all. Every rank ends with the same per-token statistics, so the loss,
+the outputs and the metrics are identical on every rank; the backward pass runs on each slice with them
+and communicates nothing (each rank's gradient is its slice of the single-process gradient).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .checks import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
+
+BYTES_PER_TOKEN = 4 + 7 * 4  # the two all-reduces of vp_forward (float32 statistics)
+
+
+def vocab_layout(group, V_local, shape_key, device):
+    """One small collective before anything else: every rank's slice size and shapes. -> (vocab_start,
+    V_global). Ranks that disagree on shapes all raise the same error (none is left waiting)."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor([V_local, *shape_key], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    every = torch.stack(every).cpu()
+    if not bool((every[:, 1:] == every[0, 1:]).all()):
+        raise ValueError(f"process_group: the ranks disagree on the shapes of the per-token inputs "
+                         f"(batch, tokens, logits rows, logits_start, packed) = {every[:, 1:].tolist()}; "
+                         f"every rank must pass the same tokens, with its own slice of the vocabulary")
+    sizes = every[:, 0]
+    rank = dist.get_rank(group)
+    return int(sizes[:rank].sum()), int(sizes.sum())
+
+
+def local_ids(ids, vocab_start, V_local):
+    """Global ids -> this slice's ids (outside [0, V_local) where another rank owns the id)."""
+    return ids.long() - vocab_start
+
+
+def vp_forward(b, ids_loc, temperature, backend, group, V_global):
+    """The forward pass on this rank's slice, merged over the group -> (logp, H, stats, flags) per
+    token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics)."""
+    logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, b.counted, temperature,
+                                                  b.logits_start, backend)
+    inv_t = 1.0 / float(temperature)
+    ninf = torch.tensor(float("-inf"), dtype=stats_r.dtype, device=stats_r.device)
+    m_r, ls_r = stats_r[:, 0], stats_r[:, 1]
+    S_r = torch.exp(ls_r)
+    nonfinite = ((bad_r & BAD_NONFINITE) != 0) | torch.isnan(ls_r) | torch.isnan(m_r)
+    live = (S_r > 0) & ~torch.isnan(ent_r) & ~nonfinite  # a slice all at -inf (banned) adds nothing
+    m_eff = torch.where(live, m_r, ninf)
+    M = m_eff.clone()
+    dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
+    M_safe = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
+    zero = torch.zeros_like(S_r)
+    delta = torch.where(live, (m_eff - M_safe) * inv_t, zero)
+    w = torch.where(live, torch.exp(delta), zero)
+    at_max = live & (m_eff == M)
+    R_r = torch.expm1(ls_r)
+    U_r = torch.where(live, (ls_r - ent_r) * S_r, zero)
+    owned = b.counted & (ids_loc >= 0) & (ids_loc < b.V)
+    t_r = logp_r + ls_r  # (z_y - m_r) / tau on the owner
+    vec = torch.stack([
+        torch.where(live, w * S_r, zero),                           # S
+        torch.where(live, w * (U_r + S_r * delta), zero),           # U
+        torch.where(at_max, R_r, torch.where(live, w * S_r, zero)),  # R, less (slices at the max - 1)
+        torch.where(owned, t_r + delta, zero),                      # (z_y - M) / tau
+        at_max.to(S_r.dtype),                                       # slices at the maximum
+        (owned & at_max & (t_r == 0)).to(S_r.dtype),                # the target at the global maximum
+        (nonfinite & b.counted).to(S_r.dtype),
+    ], 1)
+    dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
+    S, U, R = vec[:, 0], vec[:, 1], vec[:, 2] + (vec[:, 4] - 1).clamp(min=0)
+    log_s = torch.log1p(R)
+    ent = log_s - U / S
+    logp = vec[:, 3] - log_s
+    top = vec[:, 5] > 0
+    q = torch.where(top, R / S, -torch.expm1(torch.where(top, torch.zeros_like(logp), logp)))
+    ids = b.ids.long()
+    bad = torch.where((vec[:, 6] > 0) | (M == float("inf")), BAD_NONFINITE, 0)
+    bad = bad | torch.where(logp == float("-inf"), BAD_TARGET_NEG_INF, 0)
+    bad = bad | torch.where((ids < 0) | (ids >= V_global), BAD_ID, 0)
+    bad = torch.where(b.counted, bad, 0).to(torch.int8)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    logp, ent, q = (torch.where(b.counted, x, zero) for x in (logp, ent, q))
+    return logp, ent, torch.stack([M_safe, torch.where(b.counted, log_s, zero), q], 1), bad
+
+
+def unwrap_dtensor(logits, process_group):
+    """A DTensor sharded on its last dimension -> (its local shard, the mesh dimension's group)."""
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # pragma: no cover - old torch
+        return logits, process_group
+    if not isinstance(logits, DTensor):
+        return logits, process_group
+    dims = [i for i, p in enumerate(logits.placements) if isinstance(p, Shard) and p.dim in (-1, logits.dim() - 1)]
+    if len(dims) != 1 or any(not p.is_replicate() for i, p in enumerate(logits.placements) if i != dims[0]):
+        raise ValueError(f"logits: a DTensor must be sharded on its vocabulary (last) dimension and replicated "
+                         f"elsewhere (placements [Shard(-1)]), got {logits.placements}")
+    group = logits.device_mesh.get_group(dims[0])
+    if process_group is not None and process_group is not group:
+        raise ValueError("logits is a DTensor: its mesh gives the process group; do not pass another one")
+    return logits.to_local(), group
+
+
+class VocabParallel:
+    """This rank's place in the vocabulary: the group, the slice's first id, the whole vocabulary's size;
+    `ids` (this slice's ids of the batch) is set once the batch is prepared."""
+
+    def __init__(self, group, start, V):
+        self.group, self.start, self.V, self.ids = group, start, V, None
