@@ -9,10 +9,12 @@ The specification is docs/GTPO_SPEC.md; `gtpo_reference` (installed alongside) i
 oracle.
 """
 from .advantages import gtpo_token_advantages
-from .api import GTPOOutput, conflict_weights, gtpo_loss, gtpo_loss_from_logps, token_logprobs
+from .api import gtpo_loss, gtpo_loss_from_logps, token_logprobs
 from .api_linear import linear_gtpo_loss, linear_token_logprobs
 from .config import IS_LEVELS, LOSS_AGGS, POLICY_LOSSES, PRESETS, GTPOConfig
+from .loss import GTPOOutput
 from .rollout import ROLLOUT_IS_MODES, rollout_is_weights
+from .weights import conflict_weights
 
 __all__ = ["gtpo_loss", "gtpo_loss_from_logps", "linear_gtpo_loss", "linear_token_logprobs", "token_logprobs",
            "conflict_weights", "rollout_is_weights", "gtpo_token_advantages", "GTPOConfig", "GTPOOutput",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import checks
-from .api import conflict_weights
+from .weights import conflict_weights
 from .config import as_config, is_zero
 from .grouping import group_layout
 from .surrogate import entropy_control

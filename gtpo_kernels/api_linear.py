@@ -5,7 +5,7 @@ import numbers
 
 import torch
 
-from . import api, checks, dispatch, linear
+from . import api, checks, dispatch, linear, loss
 from .config import GTPOConfig, as_config, is_zero
 from .layout import float_dtype_for
 
@@ -44,7 +44,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                   rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
     checks.add_extras(b, hidden.device, validate=host, **extras)
     dt = float_dtype_for(hidden)
-    num_items = api._check_loss_args(b, cfg, num_items_in_batch, dt)
+    num_items = loss.check_loss_args(b, cfg, num_items_in_batch, dt)
     backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
     if backend == "reference":  # the oracle on the materialized logits (autograd through the projection)
         logits = _materialize(head, hidden)
@@ -52,7 +52,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                              config=cfg, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                              num_items_in_batch=num_items_in_batch, validate=validate, backend="reference",
                              **extras)
-    api._conflicts_for(b, cfg, group_size, dt, backend)
+    loss.conflicts_for(b, cfg, group_size, dt, backend)
     rows = b.counted.nonzero().squeeze(1)  # the only rows projected (a host read of their number)
     span = _coefficient_span(cfg)
     tiles, whole = linear.tile_bounds(b, rows, head.weight.shape[0], hidden.element_size(), budget,
@@ -65,10 +65,10 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     fused = local if schedule == "auto" else schedule == "fused"
     plan = linear.Plan(b, cfg, head, backend, float(cfg.temperature), tiles, rows,
                        num_items, fused, host, True)
-    loss = linear.LinearLoss.apply(hidden, weight, bias, plan)
+    value = linear.LinearLoss.apply(hidden, weight, bias, plan)
     res = plan.res
     res["metrics"]["grad_in_forward"] = torch.tensor(1.0 if fused else 0.0, dtype=dt, device=hidden.device)
-    return api._output(b, cfg, loss, res, dt, host)
+    return loss.make_output(b, cfg, value, res, dt, host)
 
 
 def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,

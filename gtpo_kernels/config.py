@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 

@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from .api import conflict_weights, gtpo_loss, token_logprobs
+from .api import gtpo_loss, token_logprobs
+from .weights import conflict_weights
 from .config import GTPOConfig
 
 # vocabulary: digits 0-9, then symbols

@@ -1,0 +1,130 @@
+"""The loss between the public calls and the passes: shared by gtpo_loss, gtpo_loss_from_logps and the
+fused LM head. Config-dependent checks, the conflict weights the loss uses, the forward pass with its
+flags (whole vocabulary or vocabulary-parallel), the O(N) surrogate, the loss value with the backward
+attached, and the output."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Dict
+
+import torch
+
+from . import autograd  # noqa: F401  (registers attach_grad's backward)
+from . import checks, ops, parallel
+from .config import is_zero
+from .layout import float_dtype_for
+from .surrogate import surrogate
+from .weights import conflict_flat
+
+
+@dataclasses.dataclass
+class GTPOOutput:
+    """What `gtpo_loss` returns. Per-token tensors are (B, T) (packed form: (N,)), detached, 0 where
+    masked out; `loss` is differentiable (a scalar, or per token with loss_agg='none')."""
+    loss: torch.Tensor
+    logps: torch.Tensor
+    entropy: torch.Tensor
+    per_token_loss: torch.Tensor
+    lam: torch.Tensor
+    n_conf: torch.Tensor
+    kept: torch.Tensor
+    seq_entropy: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+
+
+def check_loss_args(b, cfg, num_items_in_batch, dt):
+    """Checks that depend on the config; returns num_items_in_batch as the surrogate takes it."""
+    if b.ref is None and not is_zero(cfg.beta):
+        raise ValueError("config.beta > 0 (or a tensor beta) needs ref_logps (the reference model's "
+                         "log-probs, shape of completion_ids); or set beta=0")
+    if cfg.loss_agg == "none" and cfg.importance_sampling_level == "sequence":
+        raise ValueError("loss_agg='none' with importance_sampling_level='sequence' is refused: each token's "
+                         "loss then depends on every token of its completion, so a per-token upstream "
+                         "gradient has no per-token meaning; aggregate the loss instead")
+    return checks.check_num_items(num_items_in_batch, cfg.loss_agg, b.counted.device, dt)
+
+
+def conflicts_for(b, cfg, group_size, dt, backend):
+    """The conflict weights the loss uses: given (b.lam / b.n_conf) or computed here; 1 off the mask."""
+    if cfg.use_conflict_mask and (b.lam is None or
+                                  (b.n_conf is None and cfg.loss_agg == "gtpo-official")):
+        group_size = checks.check_group_size(group_size, b.B)
+        lam_c, n_conf_c = conflict_flat(b, group_size, cfg, dt, backend)
+        b.lam = b.lam if b.lam is not None else lam_c
+        b.n_conf = b.n_conf if b.n_conf is not None else n_conf_c
+    if b.lam is not None:  # ignored where masked out, as everything else
+        b.lam = torch.where(b.counted, b.lam, torch.ones_like(b.lam))
+
+
+def run_surrogate(b, cfg, logp, ent, num_items, dt):
+    return surrogate(logp.to(dt), ent.to(dt), b.counted, b.seg, b.B, b.adv, cfg, old=b.old, ref=b.ref,
+                     lam=b.lam, n_conf=b.n_conf, num_items=num_items, max_len=b.max_len,
+                     rollout_w=b.rollout_w, rollout_w_seq=b.rollout_w_seq, rollout_logps=b.rollout_logps)
+
+
+def loss_value(b, cfg, res):
+    """The loss value without gradient: sum_k w_k l_k, or w_k l_k per token with loss_agg='none'."""
+    weighted = res["weight"] * res["loss_tok"]
+    return weighted.reshape(b.tok_shape) if cfg.loss_agg == "none" else \
+        weighted.sum(dtype=torch.float64).to(weighted.dtype)
+
+
+def make_output(b, cfg, loss, res, dt, host):
+    if host and cfg.entropy_threshold is not None and not bool(res["kept"].any()) and bool(b.counted.any()):
+        warnings.warn(
+            f"gtpo_loss: the entropy filter dropped every completion (mean entropy above entropy_threshold="
+            f"{float(cfg.entropy_threshold):.3g}), so the loss and its gradient are zero. A model more uncertain than "
+            f"that from the start needs GTPOConfig(initial_entropy=<its mean entropy>) (the paper's gate) or "
+            f"entropy_threshold=None; out.metrics['filtered_frac'] tracks it.", stacklevel=3)
+    dev = b.counted.device
+    lam_out = torch.ones(b.tok_shape, dtype=dt, device=dev) if b.lam is None else b.lam.to(dt).reshape(b.tok_shape)
+    n_conf_out = torch.ones(b.B, dtype=dt, device=dev) if b.n_conf is None else b.n_conf.to(dt)
+    return GTPOOutput(loss=loss, logps=res["logp"].reshape(b.tok_shape), entropy=res["ent"].reshape(b.tok_shape),
+                      per_token_loss=res["loss_tok"].reshape(b.tok_shape), lam=lam_out, n_conf=n_conf_out,
+                      kept=res["kept"], seq_entropy=res["seq_entropy"], metrics=res["metrics"])
+
+
+def forward(b, temperature, backend, host, vp=None):
+    """The forward pass: per token (logp, H, stats, flags), with flagged counted tokens' logp and H set
+    to NaN (so that invalid input unchecked on the host gives NaN, never a finite wrong number).
+    vp: the vocabulary-parallel layout (parallel.VocabParallel), or None."""
+    if vp is None:
+        logp, ent, stats, bad = ops.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
+                                              b.logits_start, backend)
+    else:
+        logp, ent, stats, bad = parallel.vp_forward(b, vp.ids, temperature, backend, vp.group, vp.V)
+    if host:
+        checks.raise_on_flags(bad, b.tok_shape)
+    invalid = bad != 0
+    nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
+    return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats
+
+
+def fused_loss(b, cfg, backend, inplace, host, num_items, vp=None):
+    """Forward pass -> O(N) surrogate -> the loss value with the backward pass attached."""
+    dt = float_dtype_for(b.logits3)
+    with torch.no_grad():
+        temperature = ops.as_tensor_param(cfg.temperature)
+        logp, ent, stats = forward(b, temperature, backend, host, vp)
+        res = run_surrogate(b, cfg, logp, ent, num_items, dt)
+        value = loss_value(b, cfg, res)
+        cdt = stats.dtype  # the kernel's coefficients in its accumulation dtype
+        c = res["c"].to(cdt)
+        e = None if res["e"] is None else res["e"].to(cdt)
+    ids = b.ids if vp is None else vp.ids  # vocabulary-parallel: this slice's ids
+    loss = ops.attach_grad(b.logits3, value, ids, stats, ent.to(cdt), c, e, temperature, b.logits_start,
+                           backend, inplace)
+    return loss, res
+
+
+def vocab_parallel(group, logits, completion_ids, logits_start, cu_seqlens):
+    """The vocabulary-parallel layout (spec 12) after one small collective, or None without a group."""
+    if group is None:
+        return None
+    if not isinstance(logits, torch.Tensor) or not isinstance(completion_ids, torch.Tensor):
+        raise TypeError("logits and completion_ids must be tensors")
+    key = [completion_ids.dim(), *completion_ids.shape, *(0,) * (2 - completion_ids.dim()), logits.dim(),
+           *logits.shape[:-1], *(0,) * (3 - logits.dim()), int(logits_start), int(cu_seqlens is None)]
+    start, V = parallel.vocab_layout(group, logits.shape[-1], key, logits.device)
+    return parallel.VocabParallel(group, start, V)
