@@ -85,6 +85,28 @@ def kernel_spy(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def head_spy(monkeypatch):
+    """Counts the TRL adapter's calls of linear_gtpo_loss (fused head), gtpo_loss (logits head) and
+    linear_token_logprobs (old-policy / reference passes)."""
+    from gtpo_kernels.integrations import trl as adapter
+    calls = {"linear_gtpo_loss": 0, "gtpo_loss": 0, "linear_token_logprobs": 0, "schedules": []}
+
+    def count(name):
+        orig = getattr(adapter, name)
+
+        def wrapped(*a, **k):
+            calls[name] += 1
+            out = orig(*a, **k)
+            if name == "linear_gtpo_loss":
+                calls["schedules"].append(int(out.metrics["grad_in_forward"].item()))
+            return out
+        monkeypatch.setattr(adapter, name, wrapped)
+    for name in ("linear_gtpo_loss", "gtpo_loss", "linear_token_logprobs"):
+        count(name)
+    return calls
+
+
 # ---------------------------------------------------------------- TRL
 
 @needs_trl
@@ -277,14 +299,16 @@ def _trl_losses(pair, opts, vllm_mode, accum, spg, train=True):
 
 @needs_trl
 @pytest.mark.parametrize("case,opts,vllm_mode", TRL_CASES, ids=[c[0] for c in TRL_CASES])
-def test_trl_loss_types_equal_stock_loss(trl_pair, kernel_spy, case, opts, vllm_mode):
+def test_trl_loss_types_equal_stock_loss(trl_pair, kernel_spy, head_spy, case, opts, vllm_mode):
     """gtpo_loss=None + TRL's loss_type (and options) gives the stock GRPOTrainer's loss and parameter
     gradients on the same off-policy batch (temperature 0.7, float32), with gradient accumulation 2 and
-    steps_per_generation 4 so that every normalizer's factors matter."""
+    steps_per_generation 4 so that every normalizer's factors matter. The adapter's default head: the
+    backbone's hidden states and the LM head's weight into linear_gtpo_loss (no logits)."""
     calls0 = kernel_spy["vocab_fwd"]
     ours, stock, g_ours, g_stock = _trl_losses(trl_pair, opts, vllm_mode, accum=2, spg=4)
     assert kernel_spy["vocab_fwd"] > calls0, "gtpo_loss's vocabulary kernel did not run"
     assert trl_pair["ours"]._gtpo_calls > 0
+    assert head_spy["linear_gtpo_loss"] == 1 and head_spy["gtpo_loss"] == 0, head_spy
     assert abs(stock.item()) > 1e-4
     loss_rel = abs(ours.double() - stock.double()).item() / abs(stock.item())
     grad_rel = 0.0
@@ -310,6 +334,217 @@ def test_trl_eval_mode_normalizers(trl_pair, loss_type):
     """In eval TRL drops the accumulation factors; so do we."""
     ours, stock, _, _ = _trl_losses(trl_pair, dict(loss_type=loss_type), None, accum=3, spg=6, train=False)
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-7)
+
+
+@needs_trl
+@pytest.mark.parametrize("case", ["grpo", "dapo-kl", "luspo-top-entropy", "vespo-vllm-token-truncate"])
+def test_trl_logits_head_equals_stock_loss(trl_pair, head_spy, case):
+    """gtpo_head='logits' (the debugging path: the model's logits and gtpo_loss) and the fused head in
+    tiles of 2 tokens (gtpo_memory_budget) give the same loss and gradients as the stock trainer; the
+    fused head's two schedules both run."""
+    _, opts, vllm_mode = next(c for c in TRL_CASES if c[0] == case)
+    ours_tr = trl_pair["ours"]
+    fused = _trl_losses(trl_pair, opts, vllm_mode, accum=2, spg=4)
+    V = ours_tr.model.config.vocab_size
+    ours_tr.args.gtpo_memory_budget = 2 * 2 * V * 4  # 2 float32 tokens (and their gradient) per tile
+    try:
+        tiled = _trl_losses(trl_pair, opts, vllm_mode, accum=2, spg=4)
+        ours_tr.args.gtpo_head = "logits"
+        logits = _trl_losses(trl_pair, opts, vllm_mode, accum=2, spg=4)
+    finally:
+        ours_tr.args.gtpo_head, ours_tr.args.gtpo_memory_budget = "fused", None
+        _configure(ours_tr)
+    assert head_spy["linear_gtpo_loss"] == 2 and head_spy["gtpo_loss"] == 1, head_spy
+    # the 3-GEMM schedule where each tile's coefficients are local (whole completions in a tile for
+    # vespo's per-completion weight), the recompute one otherwise
+    local = case not in ("luspo-top-entropy", "vespo-vllm-token-truncate")
+    assert head_spy["schedules"] == [0 if case == "luspo-top-entropy" else 1, 1 if local else 0]
+    for ours, stock, g_ours, g_stock in (fused, tiled, logits):
+        assert abs(ours.double() - stock.double()).item() < 1e-5 * abs(stock.item())
+        for p, q in zip(g_ours, g_stock):
+            assert (p - q).norm() <= 1e-5 * q.norm().clamp(min=1e-30)
+    with pytest.raises(ValueError, match="gtpo_head"):
+        ours_tr.args.gtpo_head = "chunked"
+        try:
+            ours_tr._gtpo_setup()
+        finally:
+            ours_tr.args.gtpo_head = "fused"
+    ours_tr._gtpo_setup()
+
+
+def _old_logps_both(tr, batch, batch_size):
+    """(ours, TRL's) old-policy log-probs and entropies: the adapter's override and TRL's own method
+    (TRL's fused head) on the same model, no gradient, as in _generate_and_score_completions."""
+    from trl import GRPOTrainer
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    am = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    T = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        ours = tr._get_per_token_logps_and_entropies(tr.model, ids, am, T, batch_size=batch_size,
+                                                     compute_entropy=True)
+        stock = GRPOTrainer._get_per_token_logps_and_entropies(tr, tr.model, ids, am, T, batch_size=batch_size,
+                                                               compute_entropy=True)
+    return ours, stock
+
+
+@needs_trl
+def test_trl_old_and_ref_passes_use_linear_token_logprobs(trl_pair, head_spy):
+    """The old-policy and reference passes (TRL's _get_per_token_logps_and_entropies, no gradient) run
+    through linear_token_logprobs, chunked over rows as TRL does, and equal TRL's own fused head."""
+    tr = trl_pair["ours"]
+    calls0 = tr._gtpo_logprob_calls
+    (lp, ent, aux), (lp_t, ent_t, _) = _old_logps_both(tr, trl_pair["batch"], batch_size=3)
+    assert tr._gtpo_logprob_calls - calls0 == 3 and head_spy["linear_token_logprobs"] == 3  # rows 8 = 3 + 3 + 2
+    assert aux is None and lp.shape == lp_t.shape == trl_pair["batch"]["completion_ids"].shape
+    torch.testing.assert_close(lp, lp_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ent_t, rtol=1e-5, atol=1e-5)
+    # with a gradient (not a TRL pass) the method is TRL's own
+    ids = torch.cat([trl_pair["batch"]["prompt_ids"], trl_pair["batch"]["completion_ids"]], 1)
+    am = torch.ones_like(ids)
+    tr._get_per_token_logps_and_entropies(tr.model, ids, am, 4)
+    assert head_spy["linear_token_logprobs"] == 3
+
+
+def tiny_gemma2(vocab_size, softcap, seed=0):
+    """Gemma 2: tied embeddings, final logit softcapping (read from the config by both heads)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                       final_logit_softcapping=softcap, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+                       tie_word_embeddings=True)
+    m = Gemma2ForCausalLM(cfg)
+    with torch.no_grad():  # logits of a few units, so that a softcap of 1.5 bends them
+        m.get_output_embeddings().weight.mul_(40.0)
+    return m
+
+
+@needs_trl
+def test_trl_softcapped_tied_model_equals_stock(tmp_path, head_spy):
+    """A Gemma-2-style model (tied input/output embeddings, final_logit_softcapping): the fused head
+    reads the softcap from the config and the weight through the tied head, as TRL's head does; loss,
+    gradients (the tied matrix gets both contributions) and the old-policy pass equal the stock trainer."""
+    from trl import GRPOConfig, GRPOTrainer
+    from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig, _head_scaling
+    V = len(tiny_tokenizer())
+    model = tiny_gemma2(V, softcap=1.5)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    common = dict(temperature=0.7, bf16=False)
+    ours = _trl_setup(tmp_path, GTPOTrainer, GTPOTrainerConfig, model=copy.deepcopy(model), gtpo_loss=None, **common)
+    stock = _trl_setup(tmp_path, GRPOTrainer, GRPOConfig, model=copy.deepcopy(model), loss_type="grpo", **common)
+    g = torch.Generator().manual_seed(5)
+    B, P, T = 6, 4, 7
+    m = torch.ones(B, T, dtype=torch.long)
+    m[1, 3:] = 0
+    batch = dict(prompt_ids=torch.randint(3, V, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
+                 completion_ids=torch.randint(3, V, (B, T), generator=g) * m, completion_mask=m,
+                 advantages=torch.randn(B, generator=g), num_items_in_batch=m.sum().float())
+    (lp, _, _), (lp_t, _, _) = _old_logps_both(ours, batch, batch_size=None)
+    torch.testing.assert_close(lp, lp_t, rtol=1e-5, atol=1e-5)
+    batch["old_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=g)
+    res = []
+    for tr in (ours, stock):
+        tr.current_gradient_accumulation_steps = 1
+        tr.model.train()
+        tr.model.zero_grad(set_to_none=True)
+        loss = tr._compute_loss(tr.model, batch)
+        loss.backward()
+        res.append((loss.detach(), [p.grad.clone() for p in tr.model.parameters()]))
+    (lo, go), (ls, gs) = res
+    assert head_spy["linear_gtpo_loss"] == 1
+    assert abs((lo - ls).item()) < 1e-5 * abs(ls.item())
+    for p, q in zip(go, gs):
+        assert (p - q).norm() <= 1e-5 * q.norm().clamp(min=1e-30)
+    # the softcap matters here: without it the log-probs move
+    with torch.no_grad():
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        h = ours.model.model(input_ids=ids).last_hidden_state[:, P - 1:-1]
+        raw, _ = gtpo_kernels.linear_token_logprobs(h, ours.model.lm_head.weight, batch["completion_ids"], 0.7, m)
+    assert (raw - lp).abs().max() > 1e-2
+    assert _head_scaling(ours.model.config) == (1.0, 1.5)
+
+
+def test_trl_head_scaling_reads_configs_as_trl():
+    from types import SimpleNamespace as C
+    pytest.importorskip("trl")
+    from gtpo_kernels.integrations.trl import _head_scaling
+    assert _head_scaling(C()) == (1.0, None)
+    assert _head_scaling(C(logit_scale=0.0625)) == (0.0625, None)  # Cohere
+    assert _head_scaling(C(logit_scale=None, output_multiplier=2.0)) == (2.0, None)
+    assert _head_scaling(C(lm_head_multiplier=0.5)) == (0.5, None)  # Falcon-H1
+    assert _head_scaling(C(logits_scaling=8.0, model_type="granite")) == (0.125, None)
+    assert _head_scaling(C(logits_scaling=8.0, model_type="hyperclovax")) == (8.0, None)
+    assert _head_scaling(C(final_logit_softcapping=30.0)) == (1.0, 30.0)
+
+
+# one training step's loss forward + backward on a tiny model whose logits dominate (V = 32000, D = 32):
+# the resident peak above the state before the step, for each head and TRL's stock trainer
+_TRL_MEM_SCRIPT = r"""
+import gc, json, pathlib, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import torch
+torch.set_num_threads(1)
+from transformers import LlamaConfig, LlamaForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig
+from test_integrations import _trl_setup
+V, D, B, P, T = 32000, 32, 8, 8, 64
+def model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+        bos_token_id=1, eos_token_id=1, tie_word_embeddings=False))
+def batch(b, p, t):
+    g = torch.Generator().manual_seed(1)
+    return dict(prompt_ids=torch.randint(3, V, (b, p), generator=g), prompt_mask=torch.ones(b, p, dtype=torch.long),
+                completion_ids=torch.randint(3, V, (b, t), generator=g),
+                completion_mask=torch.ones(b, t, dtype=torch.long), advantages=torch.randn(b, generator=g),
+                num_items_in_batch=torch.tensor(float(b * t)))
+def status(key):  # bytes, from the kB lines of /proc/self/status
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+tmp = pathlib.Path(tempfile.mkdtemp())
+common = dict(bf16=False, max_completion_length=T, temperature=1.0)
+for kind in sys.argv[2:]:
+    if kind == "stock":
+        tr = _trl_setup(tmp, GRPOTrainer, GRPOConfig, model=model(), loss_type="grpo", **common)
+    else:
+        tr = _trl_setup(tmp, GTPOTrainer, GTPOTrainerConfig, model=model(), gtpo_loss=None, gtpo_head=kind, **common)
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 1
+    def step(bt):
+        tr.model.zero_grad(set_to_none=True)
+        tr._compute_loss(tr.model, bt).backward()
+    step(batch(2, 3, 4))  # every code path loaded
+    big = batch(B, P, T)
+    tr.model.zero_grad(set_to_none=True)
+    gc.collect()
+    open("/proc/self/clear_refs", "w").write("5")  # reset the resident high-water mark (VmHWM) to now
+    before = status("VmRSS:")
+    step(big)
+    print(json.dumps({"kind": kind, "peak": status("VmHWM:") - before, "logits_bytes": B * T * V * 4}))
+    del tr
+    gc.collect()
+"""
+
+
+@needs_trl
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_trl_fused_head_peak_memory_at_most_stock():
+    """One training step (the loss's forward and backward) on a tiny Llama with V = 32000, D = 32,
+    8 completions of 64 tokens (logits: 65.5 MB in float32): the resident peak with the fused head is at
+    most TRL's stock GRPOTrainer's (its own chunked LM head) and below our logits head's."""
+    # a fixed mmap threshold: glibc returns every freed large buffer at once, so the resident peak
+    # measures live memory rather than the allocator's reuse pattern
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576")
+    r = subprocess.run([sys.executable, "-c", _TRL_MEM_SCRIPT, str(ROOT / "tests"), "stock", "fused", "logits"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = {d["kind"]: d for d in (json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{"))}
+    mb = {k: v["peak"] / 1e6 for k, v in res.items()}
+    print(f"\nTRL step peak (MB above the state before it): fused {mb['fused']:.1f}, logits {mb['logits']:.1f}, "
+          f"TRL stock {mb['stock']:.1f}; logits {res['fused']['logits_bytes'] / 1e6:.1f}")
+    assert res["fused"]["peak"] <= res["stock"]["peak"], mb
+    assert res["fused"]["peak"] < res["logits"]["peak"], mb
 
 
 @needs_trl

@@ -11,18 +11,33 @@
     trainer.train()
 
 What changes against the stock `GRPOTrainer` (everything else, generation, rewards, advantages,
-old/reference passes, vLLM, logging, checkpoints, is TRL's own):
+vLLM, logging, checkpoints, is TRL's own):
 
 1. Advantage time (`_generate_and_score_completions`): after TRL has computed the group advantages,
    and before it shuffles the batch and splits it into micro-batches, the conflict-token weights of
    spec section 3 are computed on whole groups with `conflict_weights` and stored in the batch
    (`gtpo_lam`, `gtpo_n_conf`), so they travel with their rows through the shuffle and the split.
    With several processes the completions are gathered first (groups may straddle processes).
-2. Loss (`_compute_loss`): one forward of the policy with `logits_to_keep = T + 1`, then
-   `gtpo_loss(logits, ..., logits_start=0)` on those logits as they are: no slice copy, no
-   log_softmax over the vocabulary (the fused kernel computes log-probs, entropies and the gradient in
-   place of it). The loss is normalised and scaled for gradient accumulation exactly as TRL does it for
-   the same loss type (see "Normalizers").
+2. Loss (`_compute_loss`), with `gtpo_head="fused"` (the default): the model's forward runs the
+   backbone only (a `gtpo_head=` mode patched onto the forward next to TRL's own fused head, in the
+   same module: PEFT's base model, the model under its DDP / FSDP / DeepSpeed wrapper, so their hooks
+   run), and inside it the hidden states of the T positions before each completion token (a view) and
+   the LM head's weight and bias go to `linear_gtpo_loss`, which projects a tile of counted tokens at a
+   time and never holds the (B, T, V) logits. The head is read as TRL's head reads it: looked up per
+   call with `get_output_embeddings()` (tied embeddings: the shared matrix), an FSDP2 DTensor weight
+   gathered with `full_tensor()`, a DeepSpeed ZeRO-3 one gathered by TRL's `maybe_gather_lm_head_ctx`
+   (there only the schedule that forms the gradient in the forward can run: the other recomputes in
+   the backward, after ZeRO-3 has re-partitioned the weight, and is refused), the config's
+   `final_logit_softcapping` and logit scale (`logit_scale`, `output_multiplier`, `lm_head_multiplier`,
+   `logits_scaling`), the compute dtype autocast's (float32 with `cast_lm_head_to_fp32`), and MoE
+   router logits give TRL's load-balancing loss. Tiles hold at most TRL's 4096 x 32768 logits
+   (`gtpo_memory_budget` changes it). `gtpo_head="logits"` keeps the materialized path for debugging:
+   one forward with `logits_to_keep = T + 1`, then `gtpo_loss(logits, ..., logits_start=0)` on those
+   logits as they are. Either way the loss is normalised and scaled for gradient accumulation exactly
+   as TRL does it for the same loss type (see "Normalizers").
+   Old-policy and reference passes (`_get_per_token_logps_and_entropies` under no_grad, text only):
+   the same backbone-only forward and `linear_token_logprobs`, in TRL's row chunks; with a gradient,
+   the MoE aux loss, multimodal inputs or `gtpo_head="logits"` they are TRL's own (its chunked head).
 3. Metrics, through the trainer's logger (averaged per logging step like TRL's): `entropy`
    (token mean, TRL's key), `gtpo/clip_frac`, `gtpo/filtered_frac`, `gtpo/conflict_frac`,
    `gtpo/mean_entropy`, and `kl` when `beta > 0`.
@@ -71,10 +86,12 @@ ratios for the PPO term only; TRL 1.16 accepts them, warning for cispo and vespo
 `top_entropy_quantile < 1` with more than one process (gtpo_loss takes the quantile over this process's
 tokens, TRL over all processes), and multimodal inputs.
 
-Memory note: TRL's stock loss (1.16) computes log-probs from the hidden states with its own chunked
-LM head and never holds the (B, T, V) logits; this adapter holds them once (plus their gradient)
-because `gtpo_loss` takes logits. It never holds a log_softmax, a float32 copy or any other
-tokens x vocabulary intermediate.
+Memory: with the fused head neither the stock trainer (TRL 1.16's chunked LM head) nor this adapter
+holds the (B, T, V) logits; ours holds one tile of counted tokens at a time (at most TRL's tile) and
+the float32 weight-gradient accumulator. On the tiny test model (V = 32000, D = 32, 8 x 64 completion
+tokens, CPU) one step's peak is at most the stock trainer's (tests/test_integrations.py measures both).
+`gtpo_head="logits"` holds the logits once plus their gradient, and no other tokens x vocabulary
+intermediate.
 
 Tested with trl 1.16.0 / transformers 5.24.0 (see tests/test_integrations.py: every loss type and the
 options above against the stock trainer's loss and gradients).
@@ -82,7 +99,10 @@ options above against the stock trainer's loss and gradients).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import types
+from contextlib import nullcontext
 from typing import Any, Optional, Union
 
 import torch
@@ -92,8 +112,17 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("gtpo_kernels.integrations.trl needs TRL: pip install 'gtpo-kernels[trl]'") from e
 
-from ..api import conflict_weights, gtpo_loss
-from ..config import GTPOConfig
+try:  # FSDP2 shards parameters as DTensors
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = ()
+try:  # DeepSpeed ZeRO-3: gathers the head's partitioned weight for a direct read (TRL >= 1.16)
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+except ImportError:  # pragma: no cover - older TRL
+    def maybe_gather_lm_head_ctx(*params):
+        return nullcontext()
+
+from .. import GTPOConfig, conflict_weights, gtpo_loss, linear_gtpo_loss, linear_token_logprobs
 
 __all__ = ["GTPOTrainer", "GTPOTrainerConfig", "gtpo_config_from_args", "TRL_LOSS_TYPES"]
 
@@ -139,6 +168,12 @@ class GTPOTrainerConfig(GRPOConfig):
                    use_bias_correction_kl, off_policy_mask_threshold, top_entropy_quantile): set TRL's
     gtpo_backend   'auto' (Triton on CUDA, chunked torch on CPU), 'triton' or 'torch'
     gtpo_validate  host-side input checks in gtpo_loss (one host sync per micro-batch); False skips them
+    gtpo_head      'fused' (default): the backbone's hidden states and the LM head's weight go to
+                   linear_gtpo_loss / linear_token_logprobs, the logits are never held; 'logits': the
+                   model's own forward with logits_to_keep = T + 1 and gtpo_loss on its logits (for
+                   debugging; it holds the (B, T + 1, V) logits and their gradient)
+    gtpo_memory_budget  bytes of one tile of logits and its gradient in the fused head (None: as many
+                   logits per tile as TRL's fused head, 4096 x 32768: 1 GiB in float32, 512 MiB in bf16)
     """
 
     loss_type: str = dataclasses.field(
@@ -153,6 +188,13 @@ class GTPOTrainerConfig(GRPOConfig):
         default="auto", metadata={"help": "gtpo_loss backend: auto, triton or torch."})
     gtpo_validate: bool = dataclasses.field(
         default=True, metadata={"help": "Host-side input checks in gtpo_loss."})
+    gtpo_head: str = dataclasses.field(
+        default="fused", metadata={"help": "fused (linear_gtpo_loss on the backbone's hidden states and the LM "
+                                           "head's weight, no logits) or logits (the model's logits and gtpo_loss; "
+                                           "for debugging)."})
+    gtpo_memory_budget: Optional[int] = dataclasses.field(
+        default=None, metadata={"help": "Bytes of one tile of logits and its gradient in the fused head "
+                                        "(None: TRL's tile, 4096 x 32768 logits)."})
 
 
 def _norm(name):
@@ -223,15 +265,26 @@ class GTPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._gtpo_calls = 0  # number of gtpo_loss calls, for tests and sanity checks
+        self._gtpo_calls = 0  # number of gtpo_loss / linear_gtpo_loss calls, for tests and sanity checks
+        self._gtpo_logprob_calls = 0  # old-policy / reference passes through linear_token_logprobs
         self._gtpo_setup()
+        # The fused head goes into the same modules TRL gives its own fused head (PEFT: the base model;
+        # the reference model under its DeepSpeed / FSDP / DDP wrapper), on top of TRL's patched forward
+        _add_gtpo_head(_base_model(self.model))
+        if self.ref_model is not None:
+            _add_gtpo_head(_base_model(self.accelerator.unwrap_model(self.ref_model)))
 
     def _gtpo_setup(self):
-        """(Re)reads the GTPO options from self.args: the GTPOConfig, the backend, the refusals."""
+        """(Re)reads the GTPO options from self.args: the GTPOConfig, the backend, the head, the refusals."""
         self._refuse_unsupported()
         self.gtpo_config = gtpo_config_from_args(self.args)
         self.gtpo_backend = getattr(self.args, "gtpo_backend", "auto")
         self.gtpo_validate = getattr(self.args, "gtpo_validate", True)
+        head = getattr(self.args, "gtpo_head", "fused")
+        if head not in ("fused", "logits"):
+            raise ValueError(f"gtpo_head must be 'fused' or 'logits', got {head!r}")
+        self.gtpo_head = head
+        self.gtpo_memory_budget = getattr(self.args, "gtpo_memory_budget", None)
 
     # ------------------------------------------------------------------ options we cannot honour
 
@@ -288,19 +341,6 @@ class GTPOTrainer(GRPOTrainer):
         mask = _loss_mask(inputs)
         T = completion_ids.size(1)
 
-        # Logits of the last T + 1 positions: row t (the position before completion token t) predicts
-        # completion token t; the last row predicts past the end and gets a zero gradient.
-        model_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
-                            use_cache=False)
-        if self.aux_loss_enabled:
-            model_kwargs["output_router_logits"] = True
-        with self.accelerator.autocast():
-            outputs = model(**model_kwargs)
-        logits = outputs.logits
-        logits_start = logits.size(1) - T - 1  # 0 unless the model ignored logits_to_keep
-        if logits_start < 0:
-            raise RuntimeError(f"the model returned {logits.size(1)} logit rows for {T} completion tokens")
-
         mode = "train" if self.model.training else "eval"
         num_items, scale = None, 1.0
         if cfg.loss_agg == "token-mean" and _norm(str(self.args.loss_type)) in _GLOBAL_TOKEN_MEAN:
@@ -320,16 +360,59 @@ class GTPOTrainer(GRPOTrainer):
             is_w = inputs.get("importance_sampling_ratio")
         rollout_logps = inputs.get("sampling_per_token_logps") if cfg.off_policy_mask_threshold is not None \
             else None
-
-        out = gtpo_loss(
-            logits, completion_ids, inputs["advantages"], mask,
+        loss_kw = dict(
             old_logps=inputs.get("old_per_token_logps"),
             ref_logps=inputs.get("ref_per_token_logps") if cfg.beta > 0 else None,
             lam=inputs.get("gtpo_lam") if cfg.use_conflict_mask else None,
             n_conf=inputs.get("gtpo_n_conf") if cfg.use_conflict_mask else None,
-            config=cfg, logits_start=logits_start, num_items_in_batch=num_items,
-            rollout_is_weights=is_w, rollout_logps=rollout_logps,
+            config=cfg, num_items_in_batch=num_items, rollout_is_weights=is_w, rollout_logps=rollout_logps,
             validate=self.gtpo_validate, backend=self.gtpo_backend)
+
+        model_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask)
+        if self.aux_loss_enabled:
+            model_kwargs["output_router_logits"] = True
+        if self.gtpo_head == "fused":
+            # The backbone only; inside the model's forward (as TRL's fused head: FSDP / ZeRO-3 / DDP hooks
+            # armed), the hidden states of the T positions before each completion token and the LM head's
+            # weight go to linear_gtpo_loss, a tile of logits at a time
+            fp32 = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
+
+            def head(hidden, weight, bias, logit_scale, logit_softcap):
+                h = _completion_rows(hidden, T)
+                h, w, b, no_autocast = _head_dtypes(h, weight, bias, fp32)
+                dev = w.device
+                budget = _memory_budget(self.gtpo_memory_budget, h, w)
+                kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in loss_kw.items()}
+                # ZeRO-3 re-partitions the weight after the forward: only the schedule that forms the
+                # gradient in the forward can run there
+                schedule = "fused" if _zero3() else "auto"
+                try:
+                    with no_autocast:
+                        return linear_gtpo_loss(h, w, completion_ids.to(dev), inputs["advantages"].to(dev),
+                                                mask.to(dev), bias=b, logit_scale=logit_scale,
+                                                logit_softcap=logit_softcap, memory_budget=budget,
+                                                schedule=schedule, **kw)
+                except ValueError as e:
+                    if schedule == "fused" and "schedule='fused'" in str(e):
+                        raise ValueError("under DeepSpeed ZeRO-3 the fused LM head needs a loss whose gradient "
+                                         "is formed in the forward (" + str(e) + "); set gtpo_head='logits' "
+                                         "or raise gtpo_memory_budget") from e
+                    raise
+
+            with self.accelerator.autocast():
+                outputs = model(**model_kwargs, gtpo_head=head)
+            out = outputs.value
+        else:
+            # Logits of the last T + 1 positions: row t (the position before completion token t) predicts
+            # completion token t; the last row predicts past the end and gets a zero gradient.
+            with self.accelerator.autocast():
+                outputs = model(**model_kwargs, logits_to_keep=T + 1, use_cache=False)
+            logits = outputs.logits
+            logits_start = logits.size(1) - T - 1  # 0 unless the model ignored logits_to_keep
+            if logits_start < 0:
+                raise RuntimeError(f"the model returned {logits.size(1)} logit rows for {T} completion tokens")
+            out = gtpo_loss(logits, completion_ids, inputs["advantages"], mask, logits_start=logits_start,
+                            **loss_kw)
         self._gtpo_calls += 1
         loss = out.loss * scale
         if self.aux_loss_enabled:
@@ -340,6 +423,43 @@ class GTPOTrainer(GRPOTrainer):
 
         self._gtpo_log(mode, out, mask, inputs)
         return loss
+
+    # ------------------------------------------------------------------ old-policy and reference passes
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                           **multimodal):
+        """TRL's old-policy and reference log-probs (no gradient, text only) through the fused head:
+        linear_token_logprobs on the backbone's hidden states, chunked over rows as TRL does. Anything
+        else (a gradient, the MoE aux loss, multimodal inputs, gtpo_head='logits') is TRL's own."""
+        if self.gtpo_head != "fused" or torch.is_grad_enabled() or compute_aux_loss or \
+                any(v is not None for v in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        fp32 = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
+        K = logits_to_keep
+        batch_size = batch_size or input_ids.size(0)
+        all_logps, all_ent = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids = input_ids[start:start + batch_size]
+            am = attention_mask[start:start + batch_size]
+
+            def head(hidden, weight, bias, logit_scale, logit_softcap, ids=ids, am=am):
+                h, w, b, no_autocast = _head_dtypes(_completion_rows(hidden, K), weight, bias, fp32)
+                dev = w.device
+                with no_autocast:
+                    return linear_token_logprobs(h, w, ids[:, -K:].to(dev), self.temperature, am[:, -K:].to(dev),
+                                                 bias=b, logit_scale=logit_scale, logit_softcap=logit_softcap,
+                                                 memory_budget=_memory_budget(self.gtpo_memory_budget, h, w),
+                                                 validate=self.gtpo_validate, backend=self.gtpo_backend)
+
+            with self.accelerator.autocast():
+                lp, ent = model(input_ids=ids, attention_mask=am, gtpo_head=head).value
+            self._gtpo_logprob_calls += 1
+            all_logps.append(lp)
+            all_ent.append(ent)
+        return torch.cat(all_logps, 0), (torch.cat(all_ent, 0) if compute_entropy else None), None
 
     def _gtpo_log(self, mode, out, mask, inputs):
         """Token- and completion-weighted means over all processes, appended to TRL's metric lists."""
@@ -363,6 +483,143 @@ class GTPOTrainer(GRPOTrainer):
         self._metrics[mode]["gtpo/filtered_frac"].append((s[3] / seq).item())
         if self.gtpo_config.beta > 0:
             self._metrics[mode]["kl"].append((s[4] / tok).item())
+
+
+# ---------------------------------------------------------------------- the fused head inside the model
+
+
+class _HeadOutput:
+    """What a forward with gtpo_head=fn returns: fn's result and the MoE load-balancing loss (or None).
+    A plain object, so that wrappers converting output tensors (accelerate's fp32 outputs) leave it alone."""
+
+    def __init__(self, value, aux_loss):
+        self.value, self.aux_loss = value, aux_loss
+
+
+def _base_model(model):
+    """The module TRL patches with its fused head: PEFT's base model, else the model."""
+    from accelerate.utils import is_peft_model
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def _head_scaling(text_config):
+    """(logit_scale, logit_softcap) of a model's config, read as TRL 1.16's add_fused_lm_head reads them:
+    Gemma's final_logit_softcapping; logit_scale, output_multiplier, lm_head_multiplier, or Granite /
+    MiniCPM3's 1 / logits_scaling (HyperCLOVA X multiplies by it)."""
+    cap = getattr(text_config, "final_logit_softcapping", None)
+    scale = getattr(text_config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text_config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text_config, "lm_head_multiplier", None)
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        ls = text_config.logits_scaling
+        scale = ls if getattr(text_config, "model_type", None) == "hyperclovax" else 1 / ls
+    return (1.0 if scale is None else float(scale)), (None if cap is None else float(cap))
+
+
+def _add_gtpo_head(model):
+    """Patches model.forward (TRL's fused-head forward, or the model's own) so that
+    `model(..., gtpo_head=fn)` runs the backbone only and returns `_HeadOutput(fn(hidden, weight, bias,
+    logit_scale, logit_softcap), aux_loss)`: hidden the backbone's last hidden states (B, L, D) on the
+    head's device, weight / bias the LM head's (an FSDP2 DTensor gathered with full_tensor, a ZeRO-3
+    partitioned one gathered for the call), as TRL's fused head does. Without gtpo_head the previous
+    forward runs (generation, TRL's own calls). Idempotent."""
+    if getattr(model, "_gtpo_head_added", False):
+        return
+    import transformers
+    from packaging.version import Version
+
+    previous = model.forward
+    text_config = model.config.get_text_config()
+    logit_scale, logit_softcap = _head_scaling(text_config)
+    # as TRL: before transformers 5, vision-language models expose their language backbone as `model`
+    backbone_attr = "base_model"
+    if text_config is not model.config and Version(transformers.__version__) < Version("5.0.0"):
+        backbone_attr = "model"
+
+    @functools.wraps(type(model).forward)  # keeps the signature: generate validates its kwargs against it
+    def _gtpo_forward(self, *args, gtpo_head=None, **kwargs):
+        if gtpo_head is None:
+            return previous(*args, **kwargs)
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        backbone_out = getattr(self, backbone_attr)(*args, **kwargs)
+        lm_head = self.get_output_embeddings()  # looked up per call: FSDP and PEFT replace modules
+        weight, bias = lm_head.weight, lm_head.bias
+        hidden = backbone_out.last_hidden_state.to(weight.device)
+        if isinstance(weight, DTensor):  # FSDP2: gather the sharded head (differentiable)
+            weight = weight.full_tensor()
+            if bias is not None:
+                bias = bias.full_tensor()
+        with maybe_gather_lm_head_ctx(weight, bias):
+            value = gtpo_head(hidden, weight, bias, logit_scale, logit_softcap)
+        aux = None
+        if kwargs.get("output_router_logits"):
+            aux = _router_aux_loss(self, text_config, backbone_out.router_logits, kwargs.get("attention_mask"))
+        return _HeadOutput(value, aux)
+
+    model.forward = types.MethodType(_gtpo_forward, model)
+    model._gtpo_head_added = True
+
+
+def _router_aux_loss(model, text_config, router_logits, attention_mask):
+    """The MoE load-balancing loss as TRL 1.16's fused head computes it (Mixtral's)."""
+    import transformers
+    from packaging.version import Version
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    v = Version(transformers.__version__)
+    if v < Version("5.0.0") or (text_config.model_type == "gpt_oss" and v < Version("5.6.0")):
+        num_experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
+        num_experts = text_config.num_experts if num_experts is None else num_experts
+        top_k = text_config.num_experts_per_tok if top_k is None else top_k
+    else:
+        num_experts, top_k = text_config.num_experts, text_config.num_experts_per_tok
+    return load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)
+
+
+def _completion_rows(hidden, T):
+    """The rows predicting the last T tokens: positions L-T-1 .. L-2 of (B, L, D), a view."""
+    L = hidden.size(1)
+    if L < T + 1:
+        raise RuntimeError(f"the backbone returned {L} positions for {T} completion tokens")
+    return hidden[:, L - T - 1:L - 1]
+
+
+def _head_dtypes(hidden, weight, bias, fp32):
+    """The head's compute dtype, as TRL's fused head: float32 with cast_lm_head_to_fp32, else autocast's
+    dtype when autocast is on, else the hidden states'. Returns hidden, weight, bias in it and a context
+    that turns autocast off for the call (the kernels choose their own accumulation dtypes)."""
+    dev = hidden.device.type
+    on = torch.is_autocast_enabled(dev)
+    dt = torch.float32 if fp32 else (torch.get_autocast_dtype(dev) if on else hidden.dtype)
+
+    def cast(x):
+        return x if x is None or x.dtype == dt else x.to(dt)
+    return cast(hidden), cast(weight), cast(bias), (torch.autocast(dev, enabled=False) if on else nullcontext())
+
+
+def _memory_budget(budget, hidden, weight):
+    """gtpo_memory_budget, or by default TRL's fused-head tile (4096 tokens x min(V, 32768) vocabulary
+    entries in the compute dtype) for the tile and its gradient: no tile holds more logits than TRL's."""
+    if budget is not None:
+        return int(budget)
+    try:
+        from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE as tokens
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as vocab
+    except ImportError:  # pragma: no cover - another TRL: its 1.16 values
+        tokens, vocab = 4096, 32768
+    return 2 * int(tokens) * min(int(vocab), weight.shape[0]) * hidden.element_size()
+
+
+def _zero3():
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(is_deepspeed_zero3_enabled())
 
 
 def _loss_mask(batch) -> torch.Tensor:
