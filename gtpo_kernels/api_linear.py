@@ -5,7 +5,7 @@ import numbers
 
 import torch
 
-from . import api, checks, dispatch, linear, loss
+from . import api, checks, dispatch, linear, loss, parallel
 from .config import GTPOConfig, as_config, is_zero
 from .layout import float_dtype_for
 
@@ -16,7 +16,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                      logit_scale=1.0, logit_softcap=None, memory_budget=None, schedule="auto",
                      group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
                      n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
-                     rollout_is_weights=None, rollout_logps=None, validate=True, backend="auto"):
+                     rollout_is_weights=None, rollout_logps=None, validate=True, backend="auto",
+                     process_group=None):
     """`gtpo_loss` from the final hidden states and the LM head, never holding the (tokens x V) logits.
 
     hidden    (B, T, D) (packed: (N, D), with cu_seqlens): row t predicts completion_ids[:, t]; pass
@@ -30,6 +31,9 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
               out.metrics['grad_in_forward'] is 1 when the fused schedule ran.
     Gradients reach hidden, weight and bias (whichever require grad); weight and bias gradients
     accumulate in float32 across tiles and are cast once. Every other argument is gtpo_loss's.
+    process_group  vocabulary-parallel head (spec 12): weight (and bias) hold this rank's contiguous
+              slice of the vocabulary rows in rank order; ids are global; the loss and outputs are
+              identical on every rank, the weight/bias gradients are this rank's slice.
     Selecting the counted rows reads their number on the host (one sync).
     """
     cfg = as_config(config)
@@ -38,8 +42,9 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     host = checks.host_checks(validate)
+    vp = _vocab_parallel(process_group, hidden, weight, completion_ids)
     b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens,
-                               max_seqlen, logit_scale, logit_softcap, memory_budget, host)
+                               max_seqlen, logit_scale, logit_softcap, memory_budget, host, vp)
     extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                   rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
     checks.add_extras(b, hidden.device, validate=host, **extras)
@@ -47,6 +52,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     num_items = loss.check_loss_args(b, cfg, num_items_in_batch, dt)
     backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
     if backend == "reference":  # the oracle on the materialized logits (autograd through the projection)
+        if vp is not None:
+            raise ValueError("backend='reference' takes the whole vocabulary: no process_group")
         logits = _materialize(head, hidden)
         return api.gtpo_loss(logits, completion_ids, advantages, completion_mask, group_size=group_size,
                              config=cfg, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
@@ -55,8 +62,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     loss.conflicts_for(b, cfg, group_size, dt, backend)
     rows = b.counted.nonzero().squeeze(1)  # the only rows projected (a host read of their number)
     span = _coefficient_span(cfg)
-    tiles, whole = linear.tile_bounds(b, rows, head.weight.shape[0], hidden.element_size(), budget,
-                                      whole_completions=span == "completion")
+    tiles, whole = linear.tile_bounds(b, rows, head.weight.shape[0] if vp is None else vp.V_max,
+                                      hidden.element_size(), budget, whole_completions=span == "completion")
     local = (span is None or (span == "completion" and whole)) and cfg.loss_agg != "none"
     if schedule == "fused" and not local:
         raise ValueError("schedule='fused' needs each tile's gradient coefficients to depend on that tile "
@@ -64,7 +71,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                          "or 'auto'")
     fused = local if schedule == "auto" else schedule == "fused"
     plan = linear.Plan(b, cfg, head, backend, float(cfg.temperature), tiles, rows,
-                       num_items, fused, host, True)
+                       num_items, fused, host, True, vp)
     value = linear.LinearLoss.apply(hidden, weight, bias, plan)
     res = plan.res
     res["metrics"]["grad_in_forward"] = torch.tensor(1.0 if fused else 0.0, dtype=dt, device=hidden.device)
@@ -73,23 +80,27 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
 
 def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,
                           logit_scale=1.0, logit_softcap=None, cu_seqlens=None, max_seqlen=None,
-                          memory_budget=None, validate=True, backend="auto"):
+                          memory_budget=None, validate=True, backend="auto", process_group=None):
     """Forward-only log-probs and entropies from hidden states (old-policy and reference passes):
     -> (logps, entropy) of completion_ids' shape, float32 (float64 for float64 inputs), 0 where masked
-    out. No autograd; only a tile of logits at a time."""
+    out. No autograd; only a tile of logits at a time. process_group: as in linear_gtpo_loss."""
     cfg = GTPOConfig(temperature=temperature)  # validates the temperature
     host = checks.host_checks(validate)
+    vp = _vocab_parallel(process_group, hidden, weight, completion_ids)
     b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
-                               max_seqlen, logit_scale, logit_softcap, memory_budget, host)
+                               max_seqlen, logit_scale, logit_softcap, memory_budget, host, vp)
     backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
     if backend == "reference":
+        if vp is not None:
+            raise ValueError("backend='reference' takes the whole vocabulary: no process_group")
         with torch.no_grad():
             logits = _materialize(head, hidden)
         return api.token_logprobs(logits, completion_ids, temperature, completion_mask, cu_seqlens=cu_seqlens,
                                   max_seqlen=max_seqlen, validate=validate, backend="reference")
     rows = b.counted.nonzero().squeeze(1)
-    tiles, _ = linear.tile_bounds(b, rows, head.weight.shape[0], hidden.element_size(), budget, False)
-    plan = linear.Plan(b, cfg, head, backend, float(temperature), tiles, rows, None, False, host, False)
+    tiles, _ = linear.tile_bounds(b, rows, head.weight.shape[0] if vp is None else vp.V_max,
+                                  hidden.element_size(), budget, False)
+    plan = linear.Plan(b, cfg, head, backend, float(temperature), tiles, rows, None, False, host, False, vp)
     with torch.no_grad():
         logp, ent, _, _ = linear.forward_tiles(plan, hidden, with_grad=False)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -124,7 +135,7 @@ def _materialize(head, hidden):
 
 
 def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens, max_seqlen,
-             logit_scale, logit_softcap, memory_budget, host):
+             logit_scale, logit_softcap, memory_budget, host, vp=None):
     """Checks of the head's arguments (names, shapes, dtypes, devices) -> (Batch, Head, budget)."""
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor):
@@ -164,5 +175,19 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
         raise ValueError(f"hidden must have shape {tuple(b.tok_shape) + (D,)} (completion_ids' shape + (D,)), "
                          f"got {tuple(hidden.shape)}")
     if host:
-        checks.check_ids_in_range(b.ids, b.counted, V)
+        checks.check_ids_in_range(b.ids, b.counted, V if vp is None else vp.V)
+    if vp is not None:
+        vp.ids = parallel.local_ids(b.ids, vp.start, V)
     return b, linear.Head(weight, bias, logit_scale, logit_softcap), memory_budget
+
+
+def _vocab_parallel(group, hidden, weight, completion_ids):
+    """The vocabulary-parallel layout of the head's rows (one small collective), or None."""
+    if group is None:
+        return None
+    for name, x in (("hidden", hidden), ("weight", weight), ("completion_ids", completion_ids)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    key = [completion_ids.dim(), *completion_ids.shape, *(0,) * (2 - completion_ids.dim()), hidden.dim(),
+           *hidden.shape, *(0,) * (3 - hidden.dim()), 0, 0]
+    return parallel.vocab_layout(group, weight.shape[0], key, hidden.device)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch
+import types
+
+from . import dispatch, parallel
 from .surrogate import surrogate
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes for one tile of logits and its gradient
@@ -67,8 +69,9 @@ def _mm_acc(a, b):
 class Plan:
     """What one call needs across its tiles: the batch, config, head, tiles of counted rows."""
 
-    def __init__(self, b, cfg, head, backend, temperature, tiles, rows, num_items, fused, host, with_loss):
-        self.b, self.cfg, self.head, self.backend = b, cfg, head, backend
+    def __init__(self, b, cfg, head, backend, temperature, tiles, rows, num_items, fused, host, with_loss, vp=None):
+        self.b, self.cfg, self.head, self.backend, self.vp = b, cfg, head, backend, vp
+        self.kernel_ids = b.ids if vp is None else vp.ids  # vocabulary-parallel: this slice's ids
         self.temperature, self.tiles, self.rows = temperature, tiles, rows
         self.num_items, self.fused, self.host, self.with_loss = num_items, fused, host, with_loss
         self.res = None
@@ -117,10 +120,14 @@ def forward_tiles(plan, hidden, with_grad):
         idx = plan.rows[s:e]
         h = hidden[plan.rows_of(hidden, idx)]
         z = head.project(h)
-        ids = b.ids[idx]
-        lp, en, st, bad = dispatch.vocab_fwd(plan.backend, z.unsqueeze(0), ids,
-                                             torch.ones(idx.numel(), dtype=torch.bool, device=dev),
-                                             plan.temperature, 0)
+        ones = torch.ones(idx.numel(), dtype=torch.bool, device=dev)
+        if plan.vp is None:
+            lp, en, st, bad = dispatch.vocab_fwd(plan.backend, z.unsqueeze(0), b.ids[idx], ones, plan.temperature, 0)
+        else:  # the tile's statistics merged over the vocabulary slices
+            tile = types.SimpleNamespace(logits3=z.unsqueeze(0), counted=ones, logits_start=0, V=z.shape[-1],
+                                         ids=b.ids[idx])
+            lp, en, st, bad = parallel.vp_forward(tile, plan.kernel_ids[idx], plan.temperature, plan.backend,
+                                                  plan.vp.group, plan.vp.V)
         if plan.host:
             from .checks import raise_on_flags
             raise_on_flags(_flags_at(bad, idx, N), b.tok_shape)
@@ -162,7 +169,7 @@ def _tile_grad(plan, grads, h, z, idx, st, en, c, e):
     """The gradient pass of one tile (its logits z, overwritten) into the accumulators."""
     head = plan.head
     gz = z if head.cap is None else torch.empty_like(z)  # in place unless the softcap needs z after
-    dispatch.vocab_bwd(plan.backend, z.unsqueeze(0), gz.unsqueeze(0), plan.b.ids[idx], st, en, c, e,
+    dispatch.vocab_bwd(plan.backend, z.unsqueeze(0), gz.unsqueeze(0), plan.kernel_ids[idx], st, en, c, e,
                        plan.temperature, 0)
     gz = head.chain(gz, z)
     dh, dw, db = grads

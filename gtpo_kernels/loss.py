@@ -126,5 +126,4 @@ def vocab_parallel(group, logits, completion_ids, logits_start, cu_seqlens):
         raise TypeError("logits and completion_ids must be tensors")
     key = [completion_ids.dim(), *completion_ids.shape, *(0,) * (2 - completion_ids.dim()), logits.dim(),
            *logits.shape[:-1], *(0,) * (3 - logits.dim()), int(logits_start), int(cu_seqlens is None)]
-    start, V = parallel.vocab_layout(group, logits.shape[-1], key, logits.device)
-    return parallel.VocabParallel(group, start, V)
+    return parallel.vocab_layout(group, logits.shape[-1], key, logits.device)

@@ -28,8 +28,9 @@ BYTES_PER_TOKEN = 4 + 7 * 4  # the two all-reduces of vp_forward (float32 statis
 
 
 def vocab_layout(group, V_local, shape_key, device):
-    """One small collective before anything else: every rank's slice size and shapes. -> (vocab_start,
-    V_global). Ranks that disagree on shapes all raise the same error (none is left waiting)."""
+    """One small collective before anything else: every rank's slice size and shapes. -> VocabParallel
+    (this slice's first id, the whole vocabulary's size, the largest slice). Ranks that disagree on
+    shapes all raise the same error (none is left waiting)."""
     world = dist.get_world_size(group)
     mine = torch.tensor([V_local, *shape_key], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
@@ -41,7 +42,7 @@ def vocab_layout(group, V_local, shape_key, device):
                          f"every rank must pass the same tokens, with its own slice of the vocabulary")
     sizes = every[:, 0]
     rank = dist.get_rank(group)
-    return int(sizes[:rank].sum()), int(sizes.sum())
+    return VocabParallel(group, int(sizes[:rank].sum()), int(sizes.sum()), int(sizes.max()))
 
 
 def local_ids(ids, vocab_start, V_local):
@@ -52,8 +53,8 @@ def local_ids(ids, vocab_start, V_local):
 def vp_forward(b, ids_loc, temperature, backend, group, V_global):
     """The forward pass on this rank's slice, merged over the group -> (logp, H, stats, flags) per
     token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics)."""
-    logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, b.counted, temperature,
-                                                  b.logits_start, backend)
+    logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, b.counted,
+                                                  ops.as_tensor_param(temperature), b.logits_start, backend)
     inv_t = 1.0 / float(temperature)
     ninf = torch.tensor(float("-inf"), dtype=stats_r.dtype, device=stats_r.device)
     m_r, ls_r = stats_r[:, 0], stats_r[:, 1]
@@ -117,8 +118,9 @@ def unwrap_dtensor(logits, process_group):
 
 
 class VocabParallel:
-    """This rank's place in the vocabulary: the group, the slice's first id, the whole vocabulary's size;
-    `ids` (this slice's ids of the batch) is set once the batch is prepared."""
+    """This rank's place in the vocabulary: the group, the slice's first id, the whole vocabulary's size,
+    the largest slice (tiles are sized by it, so that every rank makes the same tiles); `ids` (this
+    slice's ids of the batch) is set once the batch is prepared."""
 
-    def __init__(self, group, start, V):
-        self.group, self.start, self.V, self.ids = group, start, V, None
+    def __init__(self, group, start, V, V_max):
+        self.group, self.start, self.V, self.V_max, self.ids = group, start, V, V_max, None
