@@ -3,6 +3,11 @@
 Default on a CPU machine: a small grid (a few minutes on 2 cores); Triton runs in its interpreter,
 counted for bytes at one small size, never timed. On CUDA, `--gpu-sizes` is the grid of the spec:
 V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16.
+The `linear` suite (`--suite linear`, also part of the default `all`) computes the loss from hidden states
+and the LM head (N tokens x D x V): materialized logits + gtpo_loss, linear_gtpo_loss in each schedule,
+TRL's ChunkedLogProbFunction + the same loss, Liger-Kernel's LigerFusedLinearGRPOLoss; default CPU point
+1024,256,8192 (`--linear-size 4096,1024,32000` for the issue's point); it writes linear-<device>-<date>.json,
+latest-linear-<device>.json and linear-*.png.
 Prints a table and writes <device>-<date>.json, latest-<device>.json and PNG plots into bench/out/
 (git-ignored; `--out DIR` for another folder); `--save` writes them into bench/results/ instead, the
 committed record the README quotes.
@@ -59,6 +64,22 @@ def parse_args(argv):
                     help="seconds for the sweep; sizes not started by then are reported as skipped "
                          "(default: no limit)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the benchmark inputs")
+    ap.add_argument("--suite", default="all", choices=("all", "logits", "linear"),
+                    help="logits: the loss from the logits (the grid above); linear: the loss from hidden states "
+                         "and the LM head (N x D x V, see --linear-size); all: both")
+    ap.add_argument("--linear-size", action="append", default=None, metavar="N,D,V",
+                    help="tokens, hidden size, vocabulary of a linear-suite problem; repeat the flag for more "
+                         "(default: CPU 1024,256,8192; CUDA 4096,1024,151936). The issue's CPU point: "
+                         "--suite linear --linear-size 4096,1024,32000 (a few minutes)")
+    ap.add_argument("--linear-impls", default="materialized,fused,recompute,trl,liger",
+                    help="comma-separated: materialized, fused, recompute, trl, liger")
+    ap.add_argument("--linear-tile", type=float, default=None,
+                    help="MiB of logits projected at once by ours and TRL's (default: CPU 64; CUDA 256)")
+    ap.add_argument("--linear-dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                    help="hidden and weight dtype (default: CPU float32; CUDA bfloat16)")
+    ap.add_argument("--linear-warmup", type=int, default=1, help="untimed rounds of the linear suite")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads for this run and its memory child processes (default: torch's)")
     ap.add_argument("--save", action="store_true",
                     help="write the JSON and plots into bench/results/ (tracked: the record the README quotes)")
     ap.add_argument("--out", default=None,
@@ -79,7 +100,57 @@ def main(argv=None):
     if device == "cpu":
         # before triton is first imported: our Triton kernels then run in the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if a.threads:
+        torch.set_num_threads(a.threads)
     from . import report
+    t0 = time.perf_counter()
+    status = 0
+    if a.suite in ("all", "logits"):
+        status = max(status, _logits_suite(a, device, torch, report))
+    if a.suite in ("all", "linear"):
+        status = max(status, _linear_suite(a, device, torch, report))
+    if a.suite == "all":
+        print(f"\nboth suites: {time.perf_counter() - t0:.0f} s")
+    sys.exit(status)
+
+
+def _linear_suite(a, device, torch, report):
+    """The loss from hidden states and the LM head; its own table, JSON (linear-<device>-<date>.json,
+    latest-linear-<device>.json) and plots. Returns the exit status (1 when an implementation is wrong)."""
+    from .linear_suite import LinearSuite, parse_size, table
+    sizes = [parse_size(s) for s in (a.linear_size or (["1024,256,8192"] if device == "cpu"
+                                                         else ["4096,1024,151936"]))]
+    tile = a.linear_tile if a.linear_tile is not None else (64 if device == "cpu" else 256)
+    suite = LinearSuite(device=device, impls=[x for x in a.linear_impls.split(",") if x], sizes=sizes,
+                        dtype=getattr(torch, a.linear_dtype) if a.linear_dtype else None,
+                        tile_bytes=int(tile * 2**20),
+                        repeats=0 if a.check_only else (a.repeats or (5 if device == "cpu" else 10)),
+                        warmup=0 if a.check_only else a.linear_warmup, seed=a.seed,
+                        memory=not (a.no_memory or a.check_only), threads=a.threads)
+    t0 = time.perf_counter()
+    res = suite.run()
+    res["wall_s"] = time.perf_counter() - t0
+    print()
+    print(table(res))
+    bad = any(r["status"] == "wrong" for r in res["rows"])
+    if a.check_only:
+        return 1 if bad else 0
+    path = report.write_json(res, a.out, prefix="linear-")
+    print(f"\nresults: {os.path.relpath(path)} (and latest-linear-{res['device']}.json next to it)")
+    if not a.no_plots:
+        try:
+            from . import plots
+            for p in plots.plot_linear(res, a.out, log=print):
+                print(f"plot: {os.path.relpath(p)}")
+        except ImportError as e:
+            print(f"plots skipped: {e} (pip install matplotlib)")
+    if not a.save:
+        print(f"written to {os.path.relpath(a.out)}/ (not the committed bench/results/: pass --save for that)")
+    return 1 if bad else 0
+
+
+def _logits_suite(a, device, torch, report):
+    """The loss from the logits: the grid of tokens x V. Returns the exit status."""
     from .suite import Suite
     impls = [x for x in a.impls.split(",") if x]
     if a.gpu_sizes:
@@ -111,7 +182,7 @@ def main(argv=None):
         print(format_table(aot))
     if a.check_only:
         bad = [r for r in results["rows"] if r["status"] == "wrong"]
-        sys.exit(1 if bad else 0)
+        return 1 if bad else 0
     path = report.write_json(results, a.out)
     print(f"\nresults: {os.path.relpath(path)} (and latest-{results['device']}.json next to it)")
     if not a.no_plots:
@@ -124,7 +195,7 @@ def main(argv=None):
     if not a.save:
         print(f"written to {os.path.relpath(a.out)}/ (not the committed bench/results/: pass --save for that)")
     failed_aot = aot is not None and not all(r.ok for r in aot)
-    sys.exit(1 if failed_aot or any(r["status"] == "wrong" for r in results["rows"]) else 0)
+    return 1 if failed_aot or any(r["status"] == "wrong" for r in results["rows"]) else 0
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check, one script (about 4 minutes on an H200; each step has its own time limit):
+# The GPU check, one script (about 6 minutes on an H200; each step has its own time limit):
 #   1. the correctness tests on CUDA (Triton compiled, not interpreted) and the runtime checks of
 #      tests/cuda_runtime_check.py (host syncs, JIT cache, CUDA graphs);
 #   2. our kernels against the float64 reference on sampled completions of a problem with
 #      N * V > 2**31 (16384 x 151936 bf16; the last completion sits past 2**31 elements);
 #   3. the benchmark: V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16,
 #      fwd / bwd / fwd+bwd with do_bench, % of the copy bandwidth measured in the same run, peak
-#      memory, against eager, torch.compile and Liger-Kernel's triton_grpo_loss.
+#      memory, against eager, torch.compile and Liger-Kernel's triton_grpo_loss;
+#   4. the linear suite (the loss from hidden states and the LM head) at N = 4096, D = 1024 and 2048,
+#      V = 151936, bf16: materialized logits + gtpo_loss, linear_gtpo_loss fused / recompute, TRL's
+#      ChunkedLogProbFunction + the same loss, Liger-Kernel's LigerFusedLinearGRPOLoss; fwd+bwd time over
+#      TRL's and peak memory above inputs and gradients, at TRL's default tile (4096 x 32768 bf16 = 256 MiB).
 # Results (JSON, PNG) go to $OUT when set (the device runner brings that folder back), else bench/results.
 # Liger: installed from a wheel if missing: $LIGER_WHEEL, or .whl/liger_kernel-*.whl
 #   (pip download --no-deps liger-kernel -d .whl  on a machine with the registry, then carry .whl).
@@ -40,14 +44,19 @@ timeout 60 python tests/cuda_runtime_check.py 2>&1 | tee "$OUT_DIR/cuda_runtime_
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "runtime checks: exit $rc"; status=1; }
 
 step "2. sampled completions of N*V > 2**31 against the reference"
-timeout 60 python -m bench --device cuda --check-only --tokens 16384 --vocab 151936 --impls triton \
+timeout 60 python -m bench --device cuda --suite logits --check-only --tokens 16384 --vocab 151936 --impls triton \
   --out "$OUT_DIR" 2>&1 | tail -8
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "large-problem check: exit $rc"; status=1; }
 
 step "3. benchmark"
-timeout 170 python -m bench --device cuda --gpu-sizes --impls triton,torch,eager,compile,liger --no-aot \
+timeout 170 python -m bench --device cuda --suite logits --gpu-sizes --impls triton,torch,eager,compile,liger --no-aot \
   --time-budget 120 --traffic-size 128x32000 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "benchmark: exit $rc"; status=1; }
+
+step "4. linear suite (from hidden states) at V = 151936"
+timeout 150 python -m bench --device cuda --suite linear --linear-size 4096,1024,151936 \
+  --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "linear suite: exit $rc"; status=1; }
 
 step "done: status $status"
 exit $status

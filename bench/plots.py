@@ -99,3 +99,57 @@ def plot(res, out_dir, log=None):
             if p:
                 paths.append(p)
     return paths
+
+
+def plot_linear(res, out_dir, log=None):
+    """The linear suite's figures: forward+backward time over TRL's and peak memory, one group of bars per
+    size (N x D x V), one bar per implementation; implementations without a value are left out and said so.
+    Returns the paths written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from .linear import LABELS
+    rows = res["rows"]
+    sizes = [tuple(s) for s in res["sizes"]]
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    tag = f"linear-{res['device']}-{res['dtype']}"
+    specs = [("time", lambda r: r.get("vs_trl", {}).get("full"), "fwd+bwd time / TRL's"),
+             ("memory", lambda r: r["peak_bytes"] / 2**20 if "peak_bytes" in r else None,
+              "peak MiB above inputs and gradients")]
+    names = list(LABELS.values())
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, key, ylabel in specs:
+        path = os.path.join(out_dir, f"{tag}-{name}.png")
+        val = {(r["label"], (r["N"], r["D"], r["V"])): key(r) for r in rows}
+        drawn = [lb for lb in labels if any(isinstance(val.get((lb, s)), (int, float)) for s in sizes)]
+        missing = [lb for lb in labels if lb not in drawn]
+        if log is not None and missing:
+            log(f"plot {os.path.basename(path)}: no bar for " + "; ".join(
+                f"{lb} ({_why_missing(rows, lb)})" for lb in missing))
+        if not drawn:
+            if os.path.exists(path):
+                os.remove(path)
+            continue
+        fig, ax = plt.subplots(figsize=(max(4.5, 2.2 * len(sizes) + 1.5), 3.8))
+        width = 0.8 / len(drawn)
+        for j, lb in enumerate(drawn):
+            xs = [i + (j - (len(drawn) - 1) / 2) * width for i in range(len(sizes))]
+            ys = [val.get((lb, s)) for s in sizes]
+            ys = [y if isinstance(y, (int, float)) else 0.0 for y in ys]
+            ax.bar(xs, ys, width, label=lb, color=f"C{names.index(lb) if lb in names else len(names)}")
+        if name == "time":
+            ax.axhline(1.0, color="k", lw=0.6, ls=":")
+        ax.set_xticks(range(len(sizes)))
+        ax.set_xticklabels([f"{N} x {D} x {V}" for N, D, V in sizes], fontsize=8)
+        ax.set_xlabel("N tokens x D x V")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+        ax.set_title(f"from hidden states: {name}\n{res['device']}, {res['dtype']}, preset {res['preset']}, "
+                     f"tile {res['tile_bytes'] / 2**20:g} MiB", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -91,6 +91,11 @@ def versions():
             v[mod] = getattr(m, "__version__", "?")
         except Exception:
             v[mod] = None
+    try:  # from the installed metadata: importing trl (transformers) takes seconds
+        from importlib.metadata import version
+        v["trl"] = version("trl")
+    except Exception:
+        v["trl"] = None
     return v
 
 
@@ -108,14 +113,15 @@ def commit():
     return (head + ("+dirty" if dirty else "")) or None
 
 
-def write_json(res, out_dir):
+def write_json(res, out_dir, prefix=""):
+    """<prefix><device>-<date>.json and latest-<prefix><device>.json in out_dir; returns the first path."""
     os.makedirs(out_dir, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     doc = dict(date=now.isoformat(timespec="seconds"), commit=commit(), machine=machine(res["device"]),
                versions=versions(), **res)
-    path = os.path.join(out_dir, f"{res['device']}-{now.strftime('%Y%m%d-%H%M%S')}.json")
+    path = os.path.join(out_dir, f"{prefix}{res['device']}-{now.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
-    with open(os.path.join(out_dir, f"latest-{res['device']}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"latest-{prefix}{res['device']}.json"), "w") as f:
         json.dump(doc, f, indent=1, default=str)
     return path

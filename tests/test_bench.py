@@ -109,3 +109,45 @@ def test_python_m_bench_smoke():
     assert plots and all(os.path.dirname(os.path.join(ROOT, x)) == out_dir for x in plots), plots
     # no empty line or panel: what has no data (Liger on the CPU, interpreted Triton) is left out and said so
     assert "no line for liger triton_grpo_loss (unavailable: not run: needs CUDA)" in p.stdout
+
+
+def test_linear_suite_smoke(tmp_path):
+    """`python -m bench --suite linear` at a tiny size with several tiles: every implementation of the loss
+    from hidden states runs (Liger-Kernel's only when installed), all agree on the loss and the gradients
+    of hidden and weight, and the JSON has the fields the README and the plots read."""
+    pytest.importorskip("trl.kernels")
+    from bench.linear import PROVIDERS
+    LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32 inputs: against each other and the float64 evaluation
+    cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--suite", "linear", "--linear-size", "256,64,1000",
+           "--linear-tile", "0.25", "--repeats", "1", "--linear-warmup", "0", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "latest-linear-cpu.json").read_text())
+    assert {"date", "commit", "machine", "versions", "rows", "suite", "device", "dtype", "preset", "tile_bytes",
+            "threads", "load_average_before", "load_average_after", "tolerance"} <= set(doc)
+    assert doc["suite"] == "linear" and doc["dtype"] == "float32" and doc["preset"] == "grpo"
+    by = {r["impl"]: r for r in doc["rows"]}
+    assert set(by) == set(PROVIDERS)
+    ok = [i for i in PROVIDERS if by[i]["status"] == "ok"]
+    assert set(PROVIDERS) - {"liger"} <= set(ok), {i: (r["status"], r.get("note")) for i, r in by.items()}
+    if "liger" not in ok:
+        assert by["liger"]["status"] == "unavailable", by["liger"]
+    losses = [by[i]["loss"] for i in ok]
+    assert max(losses) - min(losses) <= LOSS_TOL, dict(zip(ok, losses))
+    for i in ok:
+        r = by[i]
+        assert r["errors"]["loss"] <= LOSS_TOL and max(r["errors"]["grad_hidden"], r["errors"]["grad_weight"]) \
+            <= GRAD_TOL, (i, r["errors"])
+        assert r["time_ms"]["full"] > 0 and len(r["times_ms"]) == 1, i
+        assert r["peak_bytes"] > 0 and r["peak_vs_trl"] > 0, (i, r.get("peak_note"))
+        assert "vs_trl" in r and (r["N"], r["D"], r["V"]) == (256, 64, 1000), i
+    assert by["trl"]["vs_trl"]["full"] == 1.0 and by["trl"]["peak_vs_trl"] == 1.0
+    # several tiles: 0.25 MiB of float32 logits at V = 1000 is 65 tokens for ours, 277 columns for TRL
+    assert by["fused"]["tile"] == "tiles of 65 tokens x 1000", by["fused"]["tile"]
+    assert by["trl"]["tile"].endswith(" x 277"), by["trl"]["tile"]
+    assert "linear_gtpo_loss fused" in p.stdout and "vs TRL" in p.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "linear-cpu-float32-time.png").exists() and (tmp_path / "linear-cpu-float32-memory.png").exists()
