@@ -464,6 +464,58 @@ def test_trl_softcapped_tied_model_equals_stock(tmp_path, head_spy):
     assert _head_scaling(ours.model.config) == (1.0, 1.5)
 
 
+def _one_step(tmp_path, trainer_cls, args_cls, model, batch, **kw):
+    """(loss, flat parameter gradient) of one _compute_loss forward + backward on a fresh trainer."""
+    tr = _trl_setup(tmp_path, trainer_cls, args_cls, model=copy.deepcopy(model), **kw)
+    tr.current_gradient_accumulation_steps = 1
+    tr.model.train()
+    tr.model.zero_grad(set_to_none=True)
+    loss = tr._compute_loss(tr.model, batch)
+    loss.backward()
+    return loss.detach().double(), torch.cat([p.grad.flatten().double() for p in tr.model.parameters()]), tr
+
+
+def _small_batch(V, seed=5, B=6, P=4, T=7):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.ones(B, T, dtype=torch.long)
+    m[1, 3:] = 0
+    return dict(prompt_ids=torch.randint(3, V, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
+                completion_ids=torch.randint(3, V, (B, T), generator=g) * m, completion_mask=m,
+                advantages=torch.randn(B, generator=g), num_items_in_batch=m.sum().float())
+
+
+@needs_trl
+def test_trl_moe_aux_loss_and_bf16_autocast(tmp_path):
+    """A tiny Mixtral (router_aux_loss_coef): the fused head's backbone forward returns the router logits
+    and the load-balancing loss is TRL's (loss, gradients, aux metric equal the stock trainer). Under
+    bf16 autocast the head runs in bf16 like autocast's own LM head: the fused head equals the logits
+    head and stays within bf16 error of the float32 gradient, as TRL's does."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+    from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig
+    V = len(tiny_tokenizer())
+    torch.manual_seed(0)
+    moe = MixtralForCausalLM(MixtralConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                           num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0,
+                                           bos_token_id=1, eos_token_id=1, router_aux_loss_coef=0.02))
+    batch = _small_batch(V)
+    lo, go, ours = _one_step(tmp_path, GTPOTrainer, GTPOTrainerConfig, moe, batch, gtpo_loss=None, bf16=False)
+    ls, gs, stock = _one_step(tmp_path, GRPOTrainer, GRPOConfig, moe, batch, loss_type="grpo", bf16=False)
+    assert ours.aux_loss_enabled and ours._metrics["train"]["aux_loss"] == stock._metrics["train"]["aux_loss"]
+    assert abs(lo - ls) < 1e-5 * abs(ls) and (go - gs).norm() < 1e-5 * gs.norm()
+    dense = tiny_model(V)
+    _, truth, _ = _one_step(tmp_path, GRPOTrainer, GRPOConfig, dense, batch, loss_type="grpo", bf16=False)
+    _, g_trl, _ = _one_step(tmp_path, GRPOTrainer, GRPOConfig, dense, batch, loss_type="grpo", bf16=True)
+    _, g_fused, _ = _one_step(tmp_path, GTPOTrainer, GTPOTrainerConfig, dense, batch, gtpo_loss=None, bf16=True)
+    _, g_logits, _ = _one_step(tmp_path, GTPOTrainer, GTPOTrainerConfig, dense, batch, gtpo_loss=None, bf16=True,
+                               gtpo_head="logits")
+    err = {k: ((g - truth).norm() / truth.norm()).item() for k, g in
+           (("trl", g_trl), ("fused", g_fused), ("logits", g_logits))}
+    assert (g_fused - g_logits).norm() <= 1e-5 * g_logits.norm(), err
+    assert 0 < err["fused"] < 1e-2 and err["trl"] < 1e-2, err
+
+
 def test_trl_head_scaling_reads_configs_as_trl():
     from types import SimpleNamespace as C
     pytest.importorskip("trl")

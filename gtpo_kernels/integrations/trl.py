@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import types
 from contextlib import nullcontext
@@ -148,6 +149,10 @@ _GTPO_PARTS = ("use_conflict_mask", "conflict_pos_weight", "conflict_neg_weight"
                "entropy_penalty", "initial_entropy", "entropy_coef")
 # loss types whose token-mean divides by TRL's num_items_in_batch (the window's global token count)
 _GLOBAL_TOKEN_MEAN = ("dapo", "cispo", "vespo")
+# TRL 1.16's _get_per_token_logps_and_entropies: (logps, entropies, aux_loss) with a compute_aux_loss flag;
+# the old-policy / reference passes go through linear_token_logprobs only with that API
+_TRL_LOGPS_API = "compute_aux_loss" in inspect.signature(
+    GRPOTrainer._get_per_token_logps_and_entropies).parameters
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                     "num_images", "num_tiles", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
@@ -426,17 +431,19 @@ class GTPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ old-policy and reference passes
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                           batch_size=None, compute_entropy=False, compute_aux_loss=False,
-                                           **multimodal):
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
+                                           **kwargs):
         """TRL's old-policy and reference log-probs (no gradient, text only) through the fused head:
         linear_token_logprobs on the backbone's hidden states, chunked over rows as TRL does. Anything
-        else (a gradient, the MoE aux loss, multimodal inputs, gtpo_head='logits') is TRL's own."""
-        if self.gtpo_head != "fused" or torch.is_grad_enabled() or compute_aux_loss or \
-                any(v is not None for v in multimodal.values()):
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        else (a gradient, the MoE aux loss, multimodal inputs, gtpo_head='logits', a TRL whose method
+        differs from 1.16's) is TRL's own."""
+        batch_size = kwargs.get("batch_size")
+        compute_entropy = kwargs.get("compute_entropy", False)
+        others = {k: v for k, v in kwargs.items() if k not in ("batch_size", "compute_entropy", "compute_aux_loss")}
+        if self.gtpo_head != "fused" or torch.is_grad_enabled() or args or kwargs.get("compute_aux_loss") or \
+                any(v is not None for v in others.values()) or not _TRL_LOGPS_API:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              *args, **kwargs)
         fp32 = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
         K = logits_to_keep
         batch_size = batch_size or input_ids.size(0)
