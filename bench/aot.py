@@ -423,7 +423,7 @@ def records(results):
     without the entropy term, the peers have none)."""
     out = []
     for r in _headline(results):
-        sass = os.path.join("bench", "results", "aot", _sass_name(r))
+        sass = os.path.join("aot", _sass_name(r))  # under the folder holding aot-sm90.json
         for dev in DEVICES:
             out.append(dict(provider=r.provider, kernel=r.kernel, variant=r.variant or "-", dtype=r.dtype,
                             arch=f"sm_{r.arch}", V=r.V, block=r.block, num_warps=r.num_warps,
@@ -490,15 +490,30 @@ def write_results(results, root=RESULTS):
             with open(os.path.join(root, "aot", _sass_name(r)), "w") as f:
                 f.write(_clean_sass(r.sass_text))
     recs = records(results)
+    repo = os.path.dirname(os.path.dirname(RESULTS))
+    for rec in recs:  # the SASS path as written, from the repository's root (bench/results/aot/... with --save)
+        rec["sass"] = os.path.relpath(os.path.join(root, rec["sass"]), repo)
     with open(os.path.join(root, "aot-sm90.json"), "w") as f:
         json.dump(recs, f, indent=1)
         f.write("\n")
     return recs
 
 
-def main():
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.aot", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Compile our kernels (and the installed peers') for sm_90 / sm_80 without a GPU and report "
+                    "registers, spills, 16-byte loads, SASS instructions per element, barriers, occupancy and a "
+                    "roofline estimate (N=16384, V=151936, bf16; H100 SXM and H200).")
+    ap.add_argument("--json", action="store_true", help="print the records as JSON instead of the tables")
+    ap.add_argument("--save", action="store_true",
+                    help="write aot-sm90.json and the SASS into bench/results/ (the committed record)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(RESULTS), "out"),
+                    help="where a run without --save writes them (git-ignored)")
+    args = ap.parse_args(argv)
     res = report()
-    if "--json" in sys.argv:
+    if args.json:
         import json
         print(json.dumps([{k: v for k, v in r.__dict__.items() if k != "sass_text"} for r in res]))
     else:
@@ -512,7 +527,10 @@ def main():
             print("\npeers (their own launch settings, bf16 sm_90):")
             print(format_table(peers))
         print()
-        print(format_roofline(write_results(res + peers)))
+        root = RESULTS if args.save else args.out
+        print(format_roofline(write_results(res + peers, root)))
+        print(f"\nwritten: {os.path.join(root, 'aot-sm90.json')} and the SASS under {os.path.join(root, 'aot')}"
+              + ("" if args.save else " (--save writes bench/results/)"))
     sys.exit(0 if all(r.ok for r in res) else 1)
 
 

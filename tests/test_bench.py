@@ -42,7 +42,7 @@ def test_aot_compile_registers_spills_wide_loads():
     bad = [(r.kernel, r.variant, r.dtype, r.arch, r.problems()) for r in results if not r.ok]
     assert not bad, "\n" + aot.format_table(results)
     # the real-vocabulary rows read the logits with 16-byte loads
-    assert all(r.ldg128 > 0 for r in results if r.expect_vector)
+    assert any(r.expect_vector for r in results) and all(r.ldg128 > 0 for r in results if r.expect_vector)
     # the main loop is found in every kernel's SASS, and its loads cover the elements it is counted for
     for r in results:
         assert r.loop_instr > 0 and r.elems_per_thread > 0, (r.kernel, r.variant, r.dtype, r.arch)
