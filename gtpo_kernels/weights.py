@@ -5,7 +5,7 @@ With `process_group=` (data parallelism, spec 12) a group's completions may sit 
 small all-gather of every rank's shapes comes first (ranks that disagree, or a batch that groups cannot
 split evenly, raise the same error on every rank instead of leaving one waiting), then one all-gather of
 the token ids, the mask and the advantages' signs (all the weights depend on, spec 3; 16 bytes per
-token, padded to the longest rank), the weights are computed on the whole batch in rank order and each
+token and 8 per completion, padded to the longest rank), the weights are computed on the whole batch in rank order and each
 rank keeps its own rows."""
 from __future__ import annotations
 

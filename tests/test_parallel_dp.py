@@ -13,7 +13,8 @@ CPU (one spawn per world size, every check inside it):
   micro-batches and AVERAGED over ranks (what DDP/FSDP do), equals one process's token-mean on the whole
   step; seq-mean-token-mean equals it with equal completions per rank (and with unequal ones only once
   each micro-batch's loss is scaled by world * B_micro / B_total); GTPO with lambda from the
-  data-parallel conflict_weights equals one process with group_size;
+  data-parallel conflict_weights equals one process with group_size, and gtpo-official (a sum over
+  completions) with each rank's loss times world;
 - a smoke run of bench/parallel.py (bytes per token, 2 ranks against 1)."""
 import json
 import os
@@ -215,6 +216,14 @@ def _dp_loss_checks(rank, world):
     g = averaged(_step_grad(W0, hidden, ids, mask, adv, old, gtpo, two_micro(eq_rows),
                             lambda mb: (mb.stop - mb.start) / equal, lam=lam_full, n_conf=n_full))
     res["gtpo/equal"] = _rel(g, whole)
+    # gtpo-official: a sum over completions, additive over micro-batches and ranks: times W (any split)
+    off = GTPOConfig.preset("gtpo-official", entropy_threshold=2.0)
+    whole = _step_grad(W0, hidden, ids, mask, adv, old, off, [slice(0, B_TOT)], lambda mb: 1.0, group_size=G)
+    lam, n_conf = conflict_weights(ids[un_rows], mask[un_rows], adv[un_rows], G, config=off, process_group=grp)
+    lam_full[un_rows], n_full[un_rows] = lam, n_conf
+    g = averaged(_step_grad(W0, hidden, ids, mask, adv, old, off, two_micro(un_rows), lambda mb: float(world),
+                            lam=lam_full, n_conf=n_full))
+    res["gtpo-official/uneven"] = _rel(g, whole)
     res["gtpo/lam_not_all_one"] = float((lam != 1).any())
     return res
 
@@ -275,7 +284,7 @@ def test_data_parallel(world):
         assert raised["after"] is True
         loss = res["loss"]
         for k in ("token-mean/equal", "token-mean/uneven", "seq-mean/equal/naive", "seq-mean/uneven/scaled",
-                  "gtpo/equal"):
+                  "gtpo/equal", "gtpo-official/uneven"):
             assert loss[k] <= 1e-5, (r, k, loss[k])
         # the rules matter: local token counts, or unscaled seq-means over unequal ranks, are not equal
         assert loss["token-mean/local_counts"] > 1e-3, loss
