@@ -46,14 +46,20 @@ def _vocab_impl(backend):
     return impl
 
 
-# temperature: a number, or a 0-d tensor read here (a CPU tensor: no device sync)
+def _temperature(backend, temperature):
+    """The Triton kernels read tau from device memory (a tensor is passed through, never read here);
+    the torch path takes a number (a CPU tensor is read without a device sync) or a device tensor."""
+    if backend == "triton" or not isinstance(temperature, torch.Tensor) or temperature.device.type != "cpu":
+        return temperature
+    return float(temperature)
+
 
 def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start):
-    return _vocab_impl(backend).vocab_fwd(logits3, ids, counted, float(temperature), logits_start)
+    return _vocab_impl(backend).vocab_fwd(logits3, ids, counted, _temperature(backend, temperature), logits_start)
 
 
 def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
-    return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e, float(temperature),
+    return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e, _temperature(backend, temperature),
                                           logits_start)
 
 

@@ -55,7 +55,7 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global):
     token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics)."""
     logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, b.counted,
                                                   ops.as_tensor_param(temperature), b.logits_start, backend)
-    inv_t = 1.0 / float(temperature)
+    inv_t = 1.0 / temperature  # a number or a 0-d tensor (no host read)
     ninf = torch.tensor(float("-inf"), dtype=stats_r.dtype, device=stats_r.device)
     m_r, ls_r = stats_r[:, 0], stats_r[:, 1]
     S_r = torch.exp(ls_r)

@@ -104,11 +104,12 @@ def _vocab_fwd_kernel(
     # sizes
     T, V, logits_start,
     # scalars
-    inv_temp,
+    temp_ptr,  # the temperature tau: a float32 tensor in device memory, read here, never on the host
     # meta
     BLOCK_V: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
+    inv_temp = 1.0 / tl.load(temp_ptr)
     counted = tl.load(mask_ptr + tok) != 0
     logp = 0.0
     ent = 0.0
@@ -202,12 +203,13 @@ def _vocab_bwd_kernel(
     # sizes
     T, T_l, V, logits_start,
     # scalars
-    inv_temp,
+    temp_ptr,  # the temperature tau: a float32 tensor in device memory, read here, never on the host
     # meta
     HAS_E: tl.constexpr,  # entropy term present (entropy_coef != 0)
     BLOCK_V: tl.constexpr,
 ):
     row_id = tl.program_id(0).to(tl.int64)  # one program per logits row, int64 offsets
+    inv_temp = 1.0 / tl.load(temp_ptr)
     i = row_id // T_l
     r = row_id - i * T_l
     t = r - logits_start
@@ -265,6 +267,17 @@ def _vocab_bwd_kernel(
             tl.store(grad_row + offs, zero, mask=offs < V)
 
 
+def temperature_tensor(temperature, device):
+    """tau as the float32 tensor the kernels read: a float32 tensor already on `device` is passed as it
+    is (a trainer's schedule updated in place is seen by a replayed CUDA graph); a number or a tensor
+    elsewhere is copied there (a host-to-device copy, never a device-to-host read)."""
+    if isinstance(temperature, torch.Tensor):
+        if temperature.device == device and temperature.dtype == torch.float32 and temperature.numel() == 1:
+            return temperature
+        return temperature.detach().to(device=device, dtype=torch.float32).reshape(())
+    return torch.full((), float(temperature), dtype=torch.float32, device=device)
+
+
 def vocab_fwd(logits3, ids, counted, temperature, logits_start):
     """logits3 (B, T_l, V) with stride(2) == 1; ids (B*T,) int; counted (B*T,) bool.
     Returns float32 logp, entropy (B*T,), stats (B*T, 3) = (row max m, log S, q = 1 - p_y) for the
@@ -283,7 +296,7 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start):
     _vocab_fwd_kernel[(n,)](
         logits3, ids, counted, logp, ent, stats, bad,
         logits3.stride(0), logits3.stride(1),
-        T, V, logits_start, 1.0 / temperature,
+        T, V, logits_start, temperature_tensor(temperature, dev),
         BLOCK_V=bv, num_warps=num_warps_for(bv),
     )
     return logp, ent, stats, bad
@@ -301,7 +314,7 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
     _vocab_bwd_kernel[(B * T_l,)](
         logits3, grad3, ids, stats, ent, c, c if e is None else e,
         logits3.stride(0), logits3.stride(1), grad3.stride(0), grad3.stride(1),
-        T, T_l, V, logits_start, 1.0 / temperature,
+        T, T_l, V, logits_start, temperature_tensor(temperature, logits3.device),
         HAS_E=e is not None, BLOCK_V=bv, num_warps=num_warps_for(bv),
     )
     return grad3

@@ -297,3 +297,29 @@ def test_tensor_hyper_parameters_do_not_recompile():
         assert_grad_close("grad", xc.grad, xe.grad, 1e-6)
         counts.append(counter.frame_count)
     assert counts[0] > 0 and counts == [counts[0]] * 3, f"graphs compiled after each call: {counts}"
+
+
+def test_temperature_reaches_the_triton_kernels_as_a_tensor(monkeypatch):
+    """The kernels read tau from memory: a tensor schedule is never read on the host, and a change made
+    in place is what the next launch (or a replayed CUDA graph) uses."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 4, 40, generator=g)
+    ids = torch.randint(0, 40, (8,), generator=g)
+    counted = torch.ones(8, dtype=torch.bool)
+    tau = torch.tensor(0.7, dtype=torch.float32)
+    for name in ("__float__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, **k: (_ for _ in ()).throw(
+            AssertionError(f"host read: Tensor.{_n}")), raising=True)
+    lp_t, ent_t, st_t, _ = vocab_triton.vocab_fwd(x, ids, counted, tau, 0)
+    tau.fill_(1.3)  # the schedule moves, in place
+    lp_u, _, st_u, _ = vocab_triton.vocab_fwd(x, ids, counted, tau, 0)
+    c = torch.rand(8, generator=g)
+    grad = torch.empty_like(x)
+    vocab_triton.vocab_bwd(x, grad, ids, st_u, ent_t, c, None, tau, 0)
+    monkeypatch.undo()
+    for lp, t in ((lp_t, 0.7), (lp_u, 1.3)):
+        ref_lp = torch.log_softmax(x.double() / t, -1).reshape(8, 40).gather(1, ids[:, None])[:, 0]
+        assert_value_close(f"logp at tau={t}", lp, ref_lp, 1e-5)
+    assert (lp_t - lp_u).abs().max() > 1e-2
+    lp_f, _, _, _ = vocab_triton.vocab_fwd(x, ids, counted, 1.3, 0)
+    assert torch.equal(lp_f, lp_u)
