@@ -88,8 +88,8 @@ def kernel_spy(monkeypatch):
 @pytest.fixture
 def head_spy(monkeypatch):
     """Counts the TRL adapter's calls of linear_gtpo_loss (fused head), gtpo_loss (logits head) and
-    linear_token_logprobs (old-policy / reference passes)."""
-    from gtpo_kernels.integrations import trl as adapter
+    linear_token_logprobs (old-policy / reference passes), made in its head module."""
+    from gtpo_kernels.integrations import trl_head as adapter
     calls = {"linear_gtpo_loss": 0, "gtpo_loss": 0, "linear_token_logprobs": 0, "schedules": []}
 
     def count(name):
