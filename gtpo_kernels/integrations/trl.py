@@ -17,7 +17,8 @@ vLLM, logging, checkpoints, is TRL's own):
    and before it shuffles the batch and splits it into micro-batches, the conflict-token weights of
    spec section 3 are computed on whole groups with `conflict_weights` and stored in the batch
    (`gtpo_lam`, `gtpo_n_conf`), so they travel with their rows through the shuffle and the split.
-   With several processes the completions are gathered first (groups may straddle processes).
+   With several processes `conflict_weights(process_group=...)` gathers the groups' ids, mask and
+   advantage signs over the processes (groups may straddle them) and returns this process's rows.
 2. Loss (`_compute_loss`), with `gtpo_head="fused"` (the default): the model's forward runs the
    backbone only (a `gtpo_head=` mode patched onto the forward next to TRL's own fused head, in the
    same module: PEFT's base model, the model under its DDP / FSDP / DeepSpeed wrapper, so their hooks
@@ -211,18 +212,15 @@ class GTPOTrainer(GRPOTrainer):
 
     def _gtpo_conflict_weights(self, batch, group_size):
         ids, mask, adv = batch["completion_ids"], _loss_mask(batch), batch["advantages"]
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            return conflict_weights(ids, mask, adv, group_size, config=self.gtpo_config)
-        # TRL normalises rewards over all processes' completions and then keeps this process's slice;
-        # a group may straddle two processes, so the weights are computed on the gathered batch.
-        B, T = ids.shape
-        ids_all = acc.gather(acc.pad_across_processes(ids, dim=1, pad_index=0))
-        mask_all = acc.gather(acc.pad_across_processes(mask.to(torch.int32), dim=1, pad_index=0))
-        adv_all = acc.gather(adv)
-        lam, n_conf = conflict_weights(ids_all, mask_all, adv_all, group_size, config=self.gtpo_config)
-        rows = slice(acc.process_index * B, (acc.process_index + 1) * B)
-        return lam[rows, :T].contiguous(), n_conf[rows].contiguous()
+        group = None
+        if self.accelerator.num_processes > 1:
+            # TRL normalises rewards over all processes' completions and keeps this process's contiguous
+            # slice (process_index * B ..., rank order), padded to this process's longest completion; a group
+            # may straddle processes, so conflict_weights gathers the batch over the default process group
+            # (ids, mask, advantage signs, in rank order) and returns this process's rows
+            import torch.distributed as dist
+            group = dist.group.WORLD
+        return conflict_weights(ids, mask, adv, group_size, config=self.gtpo_config, process_group=group)
 
     # ------------------------------------------------------------------ the loss
 
