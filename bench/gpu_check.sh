@@ -58,5 +58,9 @@ timeout 150 python -m bench --device cuda --suite linear --linear-size 4096,1024
   --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "linear suite: exit $rc"; status=1; }
 
+step "5. launch configurations: the static model's candidates (bench/tune.py) timed on this GPU"
+timeout 90 python -m bench.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "tune: exit $rc"; status=1; }
+
 step "done: status $status"
 exit $status

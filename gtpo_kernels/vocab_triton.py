@@ -50,9 +50,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Largest block over the vocabulary. 4096 fp32 lanes over 8 warps is 16 values a thread per
-# accumulator; not yet tuned on a GPU (no device measurement so far, see bench/results/).
-MAX_BLOCK_V = 4096
+# Largest block over the vocabulary, and the warps of a block: the choice of the static model of
+# `python -m bench.tune` for all three kernels (bf16, sm_90, V = 151936: memory-bound by the roofline,
+# 1.5x the bytes in flight Little's law asks at an H200's bandwidth, then the highest occupancy, then the
+# smallest block): 2048 x 4 warps, 16 elements a thread per iteration. Not yet a GPU measurement:
+# `bench/gpu_check.sh` times the candidate set on a GPU and records it.
+MAX_BLOCK_V = 2048
 
 
 def block_v_for(V: int) -> int:
@@ -60,7 +63,7 @@ def block_v_for(V: int) -> int:
 
 
 def num_warps_for(block_v: int) -> int:
-    return 4 if block_v <= 1024 else 8
+    return 4
 
 
 @triton.jit

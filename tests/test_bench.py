@@ -25,7 +25,7 @@ def test_traffic_counter_self_test():
 
 
 @pytest.mark.parametrize("tokens,V,dtype,preset", [
-    (64, 5000, torch.bfloat16, "gtpo"),   # two blocks of 4096, the second partial
+    (64, 5000, torch.bfloat16, "gtpo"),   # three blocks of 2048, the last partial
     (64, 300, torch.float32, "grpo"),     # one block of 512, partial
 ])
 def test_traffic_of_our_kernels(tokens, V, dtype, preset):
