@@ -234,10 +234,11 @@ def roofline(r, device, n=ROOF_N, v=ROOF_V):
     return dict(parts, est_ms=parts[bound], bound=bound.replace("_ms", ""))
 
 
-def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_vector=True, peer=None) -> AotResult:
+def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_vector=True, peer=None,
+                   block=None, warps=None) -> AotResult:
     """One kernel compiled and counted. `peer` (another project's kernel, see `peer_kernels`): a dict with
     provider, variant, kwargs (every parameter by name, constexprs included, as its launcher passes them),
-    block, num_warps and num_stages."""
+    block, num_warps and num_stages. block / warps: another launch configuration of ours (bench.tune)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -255,8 +256,8 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
         backend = make_backend(target)
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)
         if peer is None:
-            bv = vt.block_v_for(V)
-            meta = {"BLOCK_V": bv, "num_warps": vt.num_warps_for(bv)}
+            bv = block or vt.block_v_for(V)
+            meta = {"BLOCK_V": bv, "num_warps": warps or vt.num_warps_for(bv)}
             if has_e is not None:
                 meta["HAS_E"] = has_e
             args = [_arg_for(p.name, dtype, V, T, has_e) for p in kernel.params if not p.is_constexpr]
