@@ -42,6 +42,28 @@ def _bool_mask(mask, shape, device):
     return mask != 0
 
 
+class _TargetLogProb(torch.autograd.Function):
+    """logp = log_softmax(s)[y], with its gradient 1[v = y] - p_v formed at the target as
+    1 - p_y = sum_{v != y} p_v (a sum of positive terms): autograd of log_softmax subtracts p_y from 1
+    there, which loses every digit of a near-certain row (1 - p_y ~ 1e-16 in float64)."""
+
+    @staticmethod
+    def forward(ctx, s, idx):
+        logp_all = torch.log_softmax(s, dim=-1)
+        logp = logp_all.gather(-1, idx).squeeze(-1)
+        ctx.save_for_backward(logp_all, idx)
+        return logp
+
+    @staticmethod
+    def backward(ctx, g):
+        logp_all, idx = ctx.saved_tensors
+        p = logp_all.exp()
+        q = p.scatter(-1, idx, 0.0).sum(-1)                           # 1 - p_y, without cancellation
+        grad = -p * g.unsqueeze(-1)                                   # -p_v
+        grad.scatter_(-1, idx, (q * g).unsqueeze(-1))                 # (1 - p_y) at the target
+        return grad, None
+
+
 def _full_logp_entropy(logits, ids, temperature):
     """Per-position logp and entropy of the temperature-scaled softmax (spec 1), for every row,
     masked or not. Returns (logp (B,T) float64, H (B,T) float64), both differentiable."""
@@ -52,7 +74,7 @@ def _full_logp_entropy(logits, ids, temperature):
     V = s.shape[-1]
     # ids at masked-out positions may be anything (e.g. -100): clamp so the gather is legal.
     idx = ids.long().clamp(0, V - 1).unsqueeze(-1)
-    logp = logp_all.gather(-1, idx).squeeze(-1)             # logp = s_y - lse
+    logp = _TargetLogProb.apply(s, idx)                     # logp = s_y - lse
     # H = -sum_v p_v log p_v with p log p = 0 where p = 0 (-inf logits, banned vocabulary).
     # torch.where (not a multiplication) keeps the gradient finite at p = 0.
     p = logp_all.exp()

@@ -23,9 +23,9 @@ TOL = {
     torch.float32: dict(value=1e-5, loss=1e-5, grad=1e-5),
     # float64 logits (backend torch; Triton refuses them) accumulate in float64. Measured against the
     # reference over 2,300 examples of the loss test's strategies and tests/accuracy.py's batches: values
-    # and loss <= 5e-15; gradient <= 6e-8, which is the reference's own rounding (autograd of log_softmax
-    # forms 1 - p_y by subtraction; on near-certain V = 2 rows it is off by ~1e-16 / (1 - p_y))
-    torch.float64: dict(value=1e-12, loss=1e-12, grad=1e-6),
+    # and loss <= 5e-15; gradient <= 6e-8 while the reference formed 1 - p_y by subtraction (autograd of
+    # log_softmax), <= 6.2e-9 in nightly runs since it sums the other entries' p_v instead
+    torch.float64: dict(value=1e-12, loss=1e-12, grad=1e-7),
     torch.bfloat16: dict(value=1e-5, loss=1e-5, grad=1e-2),
     torch.float16: dict(value=1e-5, loss=1e-5, grad=1e-2),
 }
