@@ -58,7 +58,7 @@ def reference(inp: linear.LinearInputs, cfg):
     loss = gtpo_loss(h @ w.t(), inp.ids, inp.adv, inp.mask, old_logps=inp.old.double(), config=cfg,
                      backend="torch").loss
     gh, gw = torch.autograd.grad(loss, (h, w))
-    return float(loss), gh, gw
+    return float(loss.detach()), gh, gw
 
 
 def _rel(g, ref):

@@ -91,11 +91,13 @@ def versions():
             v[mod] = getattr(m, "__version__", "?")
         except Exception:
             v[mod] = None
-    try:  # from the installed metadata: importing trl (transformers) takes seconds
-        from importlib.metadata import version
-        v["trl"] = version("trl")
-    except Exception:
-        v["trl"] = None
+    from importlib.metadata import version
+    for mod, dist in (("liger_kernel", "liger-kernel"), ("trl", "trl")):
+        if v.get(mod, "?") == "?":  # no __version__ (Liger), or not imported: importing trl takes seconds
+            try:
+                v[mod] = version(dist)
+            except Exception:
+                v[mod] = None
     return v
 
 
