@@ -1,5 +1,5 @@
-"""gtpo_reference: the float64 pure-PyTorch oracle of the GTPO loss (see gtpo_reference.py; the GRPO
-family of spec 9 in gtpo_family.py)."""
+"""gtpo_reference: the float64 pure-PyTorch oracle of the GTPO loss (see gtpo_reference.py; the conflict
+weights of spec 3 in gtpo_conflict.py; the GRPO family of spec 9 in gtpo_family.py)."""
 from .gtpo_reference import (LOSS_AGGS, POLICY_LOSSES, ROLLOUT_IS_MODES, conflict_weights, gtpo_loss,
                              rollout_is_weights, token_logprobs)
 
