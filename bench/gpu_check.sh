@@ -10,7 +10,9 @@
 #   4. the linear suite (the loss from hidden states and the LM head) at N = 4096, D = 1024 and 2048,
 #      V = 151936, bf16: materialized logits + gtpo_loss, linear_gtpo_loss fused / recompute, TRL's
 #      ChunkedLogProbFunction + the same loss, Liger-Kernel's LigerFusedLinearGRPOLoss; fwd+bwd time over
-#      TRL's and peak memory above inputs and gradients, at TRL's default tile (4096 x 32768 bf16 = 256 MiB).
+#      TRL's and peak memory above inputs and gradients, at TRL's default tile (4096 x 32768 bf16 = 256 MiB);
+#   5. the launch configurations of bench/tune.py's static model (BLOCK_V x warps) timed on this GPU
+#      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/vocab_triton.py.
 # Results (JSON, PNG) go to $OUT when set (the device runner brings that folder back), else bench/results.
 # Liger: installed from a wheel if missing: $LIGER_WHEEL, or .whl/liger_kernel-*.whl
 #   (pip download --no-deps liger-kernel -d .whl  on a machine with the registry, then carry .whl).
