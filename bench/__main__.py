@@ -64,9 +64,10 @@ def parse_args(argv):
                     help="seconds for the sweep; sizes not started by then are reported as skipped "
                          "(default: no limit)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the benchmark inputs")
-    ap.add_argument("--suite", default="all", choices=("all", "logits", "linear"),
+    ap.add_argument("--suite", default="all", choices=("all", "logits", "linear", "parallel"),
                     help="logits: the loss from the logits (the grid above); linear: the loss from hidden states "
-                         "and the LM head (N x D x V, see --linear-size); all: both")
+                         "and the LM head (N x D x V, see --linear-size); all: both; parallel: vocabulary-parallel "
+                         "bytes per token and 2 gloo ranks against 1 on the CPU (python -m bench.parallel)")
     ap.add_argument("--linear-size", action="append", default=None, metavar="N,D,V",
                     help="tokens, hidden size, vocabulary of a linear-suite problem; repeat the flag for more "
                          "(default: CPU 1024,256,8192; CUDA 4096,1024,151936). The issue's CPU point: "
@@ -105,6 +106,9 @@ def main(argv=None):
     from . import report
     t0 = time.perf_counter()
     status = 0
+    if a.suite == "parallel":
+        from . import parallel
+        sys.exit(parallel.main(["--out", a.out]))
     if a.suite in ("all", "logits"):
         status = max(status, _logits_suite(a, device, torch, report))
     if a.suite in ("all", "linear"):
