@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from . import linear
+from . import linear, runner
 from .providers import Unavailable
 from .runner import _reset_hwm, _status_kb, is_oom
 
@@ -71,16 +71,8 @@ def errors(result, ref):
 
 
 def cuda_peak_bytes(run, inp) -> int:
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    r = linear.forward_backward(run, inp)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del r
-    return peak - inp.grad_bytes()
+    """Peak above the inputs and the returned parameter gradients."""
+    return runner.cuda_peak_bytes(lambda: linear.forward_backward(run, inp)) - inp.grad_bytes()
 
 
 # ---- CPU peak memory: one child process per implementation --------------------------------------

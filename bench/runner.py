@@ -94,16 +94,18 @@ def saved_bytes(run, inp) -> int:
     return sum(seen.values())
 
 
-def cuda_peak_bytes(run, inp) -> int:
+def cuda_peak_bytes(step) -> int:
+    """Peak CUDA memory above what is allocated before `step()` runs (its result is kept alive until the
+    peak is read)."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out, grad = forward_backward(run, inp)
+    kept = step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    del out, grad
+    del kept
     return peak
 
 

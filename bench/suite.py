@@ -58,7 +58,7 @@ class Suite:
             if timed:
                 f["time_ms"] = runner.time_ms(run, inp, self.modes, self.repeats, self.warmup)
             if inp.logits.is_cuda:
-                f["peak_bytes"] = runner.cuda_peak_bytes(run, inp)
+                f["peak_bytes"] = runner.cuda_peak_bytes(lambda: runner.forward_backward(run, inp))
             return dict(f, status="ok")
         except Exception as e:
             if runner.is_oom(e):

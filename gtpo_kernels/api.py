@@ -80,7 +80,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             raise ValueError("backend='reference' takes the whole vocabulary: no process_group")
         return reference_backend.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput)
     if vp is not None:
-        vp.ids = parallel.local_ids(b.ids, vp.start, b.V)
+        vp.ids = parallel.local_ids(b.ids, vp.start)
     conflicts_for(b, cfg, group_size, dt, backend)
     loss, res = fused_loss(b, cfg, backend, inplace, host, num_items, vp)
     return make_output(b, cfg, loss, res, dt, host)
@@ -154,7 +154,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             raise ValueError("backend='reference' takes the whole vocabulary: no process_group")
         return reference_backend.token_logprobs(b, logits, temperature)
     if vp is not None:
-        vp.ids = parallel.local_ids(b.ids, vp.start, b.V)
+        vp.ids = parallel.local_ids(b.ids, vp.start)
     dt = float_dtype_for(logits)
     with torch.no_grad():
         logp, ent, _ = forward(b, ops.as_tensor_param(temperature), backend, host, vp)

@@ -71,7 +71,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                          "or 'auto'")
     fused = local if schedule == "auto" else schedule == "fused"
     plan = linear.Plan(b, cfg, head, backend, float(cfg.temperature), tiles, rows,
-                       num_items, fused, host, True, vp)
+                       num_items, fused, host, vp)
     value = linear.LinearLoss.apply(hidden, weight, bias, plan)
     res = plan.res
     res["metrics"]["grad_in_forward"] = torch.tensor(1.0 if fused else 0.0, dtype=dt, device=hidden.device)
@@ -100,7 +100,7 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
     rows = b.counted.nonzero().squeeze(1)
     tiles, _ = linear.tile_bounds(b, rows, head.weight.shape[0] if vp is None else vp.V_max,
                                   hidden.element_size(), budget, False)
-    plan = linear.Plan(b, cfg, head, backend, float(temperature), tiles, rows, None, False, host, False, vp)
+    plan = linear.Plan(b, cfg, head, backend, float(temperature), tiles, rows, None, False, host, vp)
     with torch.no_grad():
         logp, ent, _, _ = linear.forward_tiles(plan, hidden, with_grad=False)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -177,7 +177,7 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
     if host:
         checks.check_ids_in_range(b.ids, b.counted, V if vp is None else vp.V)
     if vp is not None:
-        vp.ids = parallel.local_ids(b.ids, vp.start, V)
+        vp.ids = parallel.local_ids(b.ids, vp.start)
     return b, linear.Head(weight, bias, logit_scale, logit_softcap), memory_budget
 
 

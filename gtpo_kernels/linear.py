@@ -69,11 +69,11 @@ def _mm_acc(a, b):
 class Plan:
     """What one call needs across its tiles: the batch, config, head, tiles of counted rows."""
 
-    def __init__(self, b, cfg, head, backend, temperature, tiles, rows, num_items, fused, host, with_loss, vp=None):
+    def __init__(self, b, cfg, head, backend, temperature, tiles, rows, num_items, fused, host, vp=None):
         self.b, self.cfg, self.head, self.backend, self.vp = b, cfg, head, backend, vp
         self.kernel_ids = b.ids if vp is None else vp.ids  # vocabulary-parallel: this slice's ids
         self.temperature, self.tiles, self.rows = temperature, tiles, rows
-        self.num_items, self.fused, self.host, self.with_loss = num_items, fused, host, with_loss
+        self.num_items, self.fused, self.host = num_items, fused, host
         self.res = None
 
     def rows_of(self, hidden, idx):

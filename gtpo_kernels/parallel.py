@@ -45,7 +45,7 @@ def vocab_layout(group, V_local, shape_key, device):
     return VocabParallel(group, int(sizes[:rank].sum()), int(sizes.sum()), int(sizes.max()))
 
 
-def local_ids(ids, vocab_start, V_local):
+def local_ids(ids, vocab_start):
     """Global ids -> this slice's ids (outside [0, V_local) where another rank owns the id)."""
     return ids.long() - vocab_start
 

@@ -177,7 +177,7 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
     metrics = {
         "clip_frac": (clipped & m).to(dt).sum() / M_safe,
         "filtered_frac": (~kept).to(dt).mean() if B else zero,
-        "conflict_frac": (((torch.ones_like(logp) if lam is None else lam.to(dt)) != 1) & m).to(dt).sum() / M_safe,
+        "conflict_frac": zero if lam is None else ((lam != 1) & m).to(dt).sum() / M_safe,
         "mean_entropy": ent.sum(dtype=torch.float64).to(dt) / M_safe,
     }
     return dict(loss_tok=loss_tok, weight=w, c=c, e=e, kept=kept, seq_entropy=seq_ent,
