@@ -4,16 +4,12 @@ metrics equal one process on the whole vocabulary, on every rank, and each rank'
 of the single-process gradient; both backends (Triton under the interpreter), padded and packed,
 several presets, confident rows, ties and banned slices; the bytes communicated per token; the
 errors every rank raises instead of hanging."""
-import json
-import os
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo import run_ranks
 from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
 
 SPLITS = {2: [20, 17], 3: [10, 15, 12]}  # V = 37 in uneven slices
@@ -171,10 +167,7 @@ def _linear_and_dtensor_checks(rank, world, sl):
     return errs
 
 
-def _worker(rank, world, init_file, out_dir):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _rank_checks(rank, world):
     counter = {"bytes": 0, "layout_bytes": 0}  # per-token all-reduces; the one small shape check
     for name in ("all_reduce", "all_gather"):
         real = getattr(dist, name)
@@ -184,21 +177,12 @@ def _worker(rank, world, init_file, out_dir):
             counter["bytes" if _name == "all_reduce" else "layout_bytes"] += t.numel() * t.element_size()
             return _real(*a, **k)
         setattr(dist, name, counted)
-    try:
-        res = _checks(rank, world, counter)
-    except Exception:
-        res = {"exception": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(res, f)
-    dist.destroy_process_group()
+    return _checks(rank, world, counter)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocabulary_parallel_equals_one_process(world):
-    with tempfile.TemporaryDirectory() as d:
-        init = os.path.join(d, "init")
-        mp.spawn(_worker, args=(world, init, d), nprocs=world, join=True)
-        results = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]
+    results = run_ranks(_rank_checks, world)
     for r, res in enumerate(results):
         assert "exception" not in res, f"rank {r}:\n{res.get('exception')}"
     worst = {}

@@ -16,17 +16,13 @@ CPU (one spawn per world size, every check inside it):
   data-parallel conflict_weights equals one process with group_size, and gtpo-official (a sum over
   completions) with each rank's loss times world;
 - a smoke run of bench/parallel.py (bytes per token, 2 ranks against 1)."""
-import json
-import os
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import gtpo_reference
+from gloo import run_ranks
 from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
 
 B_TOT, G, T_MAX, V_IDS = 12, 4, 9, 4  # 3 groups of 4; few ids: many conflicts
@@ -228,10 +224,7 @@ def _dp_loss_checks(rank, world):
     return res
 
 
-def _worker(rank, world, init_file, out_dir):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _rank_checks(rank, world):
     counter = {"all_gather": 0}
     real = dist.all_gather
 
@@ -239,24 +232,17 @@ def _worker(rank, world, init_file, out_dir):
         counter["all_gather"] += tensor.numel() * tensor.element_size() * len(tensors)
         return real(tensors, tensor, *a, **k)
     dist.all_gather = counted
-    try:
-        conflicts, raised = _conflict_checks(rank, world, counter)
-        res = {"conflicts": conflicts, "raised": raised, "loss": _dp_loss_checks(rank, world)}
-        if world == 2:  # bench/parallel.py's smoke run, in these processes
-            from bench import parallel
-            res["bench"] = parallel.measure(tokens=64, vocab=512, repeats=1, warmup=0)
-    except Exception:
-        res = {"exception": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(res, f)
-    dist.destroy_process_group()
+    conflicts, raised = _conflict_checks(rank, world, counter)
+    res = {"conflicts": conflicts, "raised": raised, "loss": _dp_loss_checks(rank, world)}
+    if world == 2:  # bench/parallel.py's smoke run, in these processes
+        from bench import parallel
+        res["bench"] = parallel.measure(tokens=64, vocab=512, repeats=1, warmup=0)
+    return res
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_data_parallel(world):
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "init"), d), nprocs=world, join=True)
-        results = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]
+    results = run_ranks(_rank_checks, world)
     for r, res in enumerate(results):
         assert "exception" not in res, f"rank {r}:\n{res.get('exception')}"
     if world == 2:
