@@ -29,28 +29,36 @@ def _packed(x, ids, old):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("packed", [False, True])
-def test_compile_fullgraph_with_validate_left_at_its_default(backend, packed):
-    """The first thing users try: no graph break from the host-side checks, same numbers as eager."""
+@pytest.mark.parametrize("validate", [None, False])
+def test_compile_fullgraph_matches_eager(backend, packed, validate):
+    """torch.compile(fullgraph=True) of a step that calls gtpo_loss, with validate left at its default
+    (the first thing users try: no graph break from the host-side checks) and with validate=False:
+    no graph break, the same numbers as eager."""
     torch._dynamo.reset()
     x, ids, adv, old = batch()
     kw = dict(group_size=2, backend=backend, config=GTPOConfig(entropy_threshold=2.75, entropy_coef=0.01))
+    if validate is not None:
+        kw["validate"] = validate
     if packed:
         x, ids, old, extra = _packed(x, ids, old)
         kw.update(extra)
 
     def step(x, ids, adv, old):
         out = gtpo_loss(x, ids, adv, old_logps=old, **kw)
-        return out.loss, out.logps, out.metrics["filtered_frac"]
+        return out.loss, out.logps, out.entropy, out.metrics["clip_frac"], out.metrics["filtered_frac"]
 
     xe = x.clone().requires_grad_()
-    le, lpe, fe = step(xe, ids, adv, old)
+    le, lpe, ee, ce, fe = step(xe, ids, adv, old)
     le.backward()
     xc = x.clone().requires_grad_()
-    lc, lpc, fc = torch.compile(step, fullgraph=True)(xc, ids, adv, old)
+    lc, lpc, ec, cc, fc = torch.compile(step, fullgraph=True)(xc, ids, adv, old)
     lc.backward()
     assert 0 < float(fe) < 1, "the filter should keep some completions and drop others here"
     assert_value_close("loss", lc.detach(), le.detach(), 1e-6)
     assert_value_close("logps", lpc, lpe, 1e-6)
+    assert_value_close("entropy", ec, ee, 1e-6)
+    assert_value_close("clip_frac", cc, ce, 1e-6)
+    assert_value_close("filtered_frac", fc, fe, 1e-6)
     assert_grad_close("grad", xc.grad, xe.grad, 1e-6)
     assert xe.grad.abs().sum() > 0
 

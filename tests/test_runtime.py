@@ -185,40 +185,6 @@ def test_conflict_kernel_matches_reference(case, w, block_t):
                        torch_raw_conflicts(ids, m, pos, neg, case.G))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("packed", [False, True])
-def test_torch_compile_fullgraph_matches_eager(backend, packed):
-    """torch.compile(fullgraph=True) of a step that calls gtpo_loss: no graph break, same numbers."""
-    torch._dynamo.reset()
-    B, T, V = 4, 6, 24
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(B, T, V, generator=g)
-    ids = torch.randint(0, V, (B, T), generator=g)
-    ids[1, :3] = ids[0, :3]
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    old = torch.randn(B, T, generator=g) * 0.1 - 3
-    cfg = GTPOConfig(entropy_threshold=None, entropy_coef=0.01)
-    kw = dict(group_size=2, backend=backend, validate=False, config=cfg)
-    if packed:
-        x, ids, old = x.reshape(B * T, V), ids.reshape(-1), old.reshape(-1)
-        kw.update(cu_seqlens=torch.arange(0, B * T + 1, T), max_seqlen=T)
-
-    def step(x, ids, adv, old):
-        out = gtpo_loss(x, ids, adv, old_logps=old, **kw)
-        return out.loss, out.entropy, out.metrics["clip_frac"]
-
-    xe = x.clone().requires_grad_()
-    le, ee, ce = step(xe, ids, adv, old)
-    le.backward()
-    xc = x.clone().requires_grad_()
-    lc, ec, cc = torch.compile(step, fullgraph=True)(xc, ids, adv, old)
-    lc.backward()
-    assert_value_close("loss", lc.detach(), le.detach(), 1e-6)
-    assert_value_close("entropy", ec, ee, 1e-6)
-    assert_value_close("clip_frac", cc, ce, 1e-6)
-    assert_grad_close("grad", xc.grad, xe.grad, 1e-6)
-
-
 def test_conflict_kernel_block_does_not_follow_the_length(monkeypatch):
     seen = []
 
