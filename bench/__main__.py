@@ -118,6 +118,21 @@ def main(argv=None):
     sys.exit(status)
 
 
+def _record(a, report, res, prefix, plot_fn):
+    """A suite's JSON (and latest-<prefix><device>.json) and plots into a.out, saying where they went."""
+    path = report.write_json(res, a.out, prefix=prefix)
+    print(f"\nresults: {os.path.relpath(path)} (and latest-{prefix}{res['device']}.json next to it)")
+    if not a.no_plots:
+        try:
+            from . import plots
+            for p in getattr(plots, plot_fn)(res, a.out, log=print):
+                print(f"plot: {os.path.relpath(p)}")
+        except ImportError as e:
+            print(f"plots skipped: {e} (pip install matplotlib)")
+    if not a.save:
+        print(f"written to {os.path.relpath(a.out)}/ (not the committed bench/results/: pass --save for that)")
+
+
 def _linear_suite(a, device, torch, report):
     """The loss from hidden states and the LM head; its own table, JSON (linear-<device>-<date>.json,
     latest-linear-<device>.json) and plots. Returns the exit status (1 when an implementation is wrong)."""
@@ -139,17 +154,7 @@ def _linear_suite(a, device, torch, report):
     bad = any(r["status"] == "wrong" for r in res["rows"])
     if a.check_only:
         return 1 if bad else 0
-    path = report.write_json(res, a.out, prefix="linear-")
-    print(f"\nresults: {os.path.relpath(path)} (and latest-linear-{res['device']}.json next to it)")
-    if not a.no_plots:
-        try:
-            from . import plots
-            for p in plots.plot_linear(res, a.out, log=print):
-                print(f"plot: {os.path.relpath(p)}")
-        except ImportError as e:
-            print(f"plots skipped: {e} (pip install matplotlib)")
-    if not a.save:
-        print(f"written to {os.path.relpath(a.out)}/ (not the committed bench/results/: pass --save for that)")
+    _record(a, report, res, "linear-", "plot_linear")
     return 1 if bad else 0
 
 
@@ -187,17 +192,7 @@ def _logits_suite(a, device, torch, report):
     if a.check_only:
         bad = [r for r in results["rows"] if r["status"] == "wrong"]
         return 1 if bad else 0
-    path = report.write_json(results, a.out)
-    print(f"\nresults: {os.path.relpath(path)} (and latest-{results['device']}.json next to it)")
-    if not a.no_plots:
-        try:
-            from . import plots
-            for p in plots.plot(results, a.out, log=print):
-                print(f"plot: {os.path.relpath(p)}")
-        except ImportError as e:
-            print(f"plots skipped: {e} (pip install matplotlib)")
-    if not a.save:
-        print(f"written to {os.path.relpath(a.out)}/ (not the committed bench/results/: pass --save for that)")
+    _record(a, report, results, "", "plot")
     failed_aot = aot is not None and not all(r.ok for r in aot)
     return 1 if failed_aot or any(r["status"] == "wrong" for r in results["rows"]) else 0
 
