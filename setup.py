@@ -1,4 +1,4 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="gtpo-kernels",
@@ -6,7 +6,7 @@ setup(
     description="Fused Triton kernels for the GTPO policy-gradient loss (GRPO family) for LLM RL",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    packages=["gtpo_kernels", "gtpo_kernels.integrations", "gtpo_reference"],
+    packages=find_packages(include=["gtpo_kernels", "gtpo_kernels.*"]) + ["gtpo_reference"],
     package_dir={"gtpo_kernels": "gtpo_kernels", "gtpo_reference": "reference"},
     python_requires=">=3.10",  # torch 2.13 and triton 3.8; the test and trl extras need 3.11
     # torch is not pinned here: install the build that fits your machine first (see README)

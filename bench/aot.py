@@ -244,7 +244,7 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    from gtpo_kernels import vocab_triton as vt
+    from gtpo_kernels.kernels import vocab_triton as vt
 
     name = kernel.fn.__name__
     variant = "" if has_e is None else ("HAS_E" if has_e else "no E")
@@ -366,7 +366,7 @@ def report_peers(arch=90, dtype=torch.bfloat16):
 def report(archs=ARCHS, dtypes=DTYPES, odd_v=True):
     """Every kernel variant x dtype x arch at V_REAL, plus (informational, `expect_vector=False`) the
     forward in bfloat16 at V = 50257, whose odd row stride allows no 16-byte load."""
-    from gtpo_kernels import vocab_triton as vt
+    from gtpo_kernels.kernels import vocab_triton as vt
     out = []
     for arch in archs:
         for dt in dtypes:

@@ -12,7 +12,7 @@
 #      ChunkedLogProbFunction + the same loss, Liger-Kernel's LigerFusedLinearGRPOLoss; fwd+bwd time over
 #      TRL's and peak memory above inputs and gradients, at TRL's default tile (4096 x 32768 bf16 = 256 MiB);
 #   5. the launch configurations of bench/tune.py's static model (BLOCK_V x warps) timed on this GPU
-#      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/vocab_triton.py.
+#      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/kernels/vocab_triton.py.
 # Results (JSON, PNG) go to $OUT when set (the device runner brings that folder back), else bench/results.
 # Liger: installed from a wheel if missing: $LIGER_WHEEL, or .whl/liger_kernel-*.whl
 #   (pip download --no-deps liger-kernel -d .whl  on a machine with the registry, then carry .whl).

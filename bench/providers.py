@@ -42,7 +42,7 @@ def interpreted(device) -> bool:
 def _ours(backend):
     def make(cfg: GTPOConfig, device):
         if backend == "triton" and interpreted(device):
-            from gtpo_kernels.dispatch import interpreter_active
+            from gtpo_kernels.kernels.dispatch import interpreter_active
             if not interpreter_active():
                 raise Unavailable("needs CUDA, or TRITON_INTERPRET=1 for the interpreter")
 

@@ -157,7 +157,7 @@ def measure_ours(inp, cfg, keep=None):
     Returns the three ratios to the ideal of spec section 8, with the raw byte counts. `keep`, a dict,
     receives the outputs ((loss, logps, entropy) and the gradient) for a correctness check."""
     from gtpo_kernels import gtpo_loss
-    from gtpo_kernels import vocab_triton as vt
+    from gtpo_kernels.kernels import vocab_triton as vt
 
     e = inp.logits.element_size()
     B, T_l, V = inp.logits.shape

@@ -32,7 +32,7 @@ NEED_PER_SM = BANDWIDTH * LATENCY / SMS  # bytes in flight per SM
 
 def static(dtype=torch.bfloat16, arch=90, V=aot.V_REAL):
     """One row per (kernel, variant, BLOCK_V, warps), with the chosen configuration marked."""
-    from gtpo_kernels import vocab_triton as vt
+    from gtpo_kernels.kernels import vocab_triton as vt
     rows = []
     for kernel, has_e in ((vt._vocab_fwd_kernel, None), (vt._vocab_bwd_kernel, False), (vt._vocab_bwd_kernel, True)):
         group = []
@@ -54,7 +54,7 @@ def static(dtype=torch.bfloat16, arch=90, V=aot.V_REAL):
 def timed(N=16384, V=151936, dtype=torch.bfloat16, repeats=20):
     """On CUDA: forward and backward time of each candidate (median of `repeats`), the launcher's
     block size overridden for the sweep."""
-    from gtpo_kernels import vocab_triton as vt
+    from gtpo_kernels.kernels import vocab_triton as vt
     dev = torch.device("cuda")
     x = torch.randn(1, N, V, device=dev, dtype=dtype)
     ids = torch.randint(0, V, (N,), device=dev)

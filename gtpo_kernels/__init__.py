@@ -6,15 +6,18 @@
     from gtpo_kernels import linear_gtpo_loss, linear_token_logprobs    # spec section 11
 
 The specification is docs/GTPO_SPEC.md; `gtpo_reference` (installed alongside) is the pure-PyTorch
-oracle.
+oracle. The layers, each importing only those below it: api (the public calls) > pipeline (what they
+run) > distributed (torch.distributed protocols) > objective (the O(N) loss math) > kernels (the
+vocabulary and conflict passes, custom ops) > core (config, batch layout, checks, flags, output).
 """
-from .advantages import gtpo_token_advantages
-from .api import gtpo_loss, gtpo_loss_from_logps, token_logprobs
-from .api_linear import linear_gtpo_loss, linear_token_logprobs
-from .config import IS_LEVELS, LOSS_AGGS, POLICY_LOSSES, PRESETS, GTPOConfig
-from .loss import GTPOOutput
-from .rollout import ROLLOUT_IS_MODES, rollout_is_weights
-from .weights import conflict_weights
+from .api.advantages import gtpo_token_advantages
+from .api.linear import linear_gtpo_loss, linear_token_logprobs
+from .api.logits import gtpo_loss, token_logprobs
+from .api.logps import gtpo_loss_from_logps
+from .api.rollout import ROLLOUT_IS_MODES, rollout_is_weights
+from .api.weights import conflict_weights
+from .core.config import IS_LEVELS, LOSS_AGGS, POLICY_LOSSES, PRESETS, GTPOConfig
+from .core.output import GTPOOutput
 
 __all__ = ["gtpo_loss", "gtpo_loss_from_logps", "linear_gtpo_loss", "linear_token_logprobs", "token_logprobs",
            "conflict_weights", "rollout_is_weights", "gtpo_token_advantages", "GTPOConfig", "GTPOOutput",

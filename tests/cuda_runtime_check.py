@@ -44,7 +44,8 @@ def check_no_sync(dev):
 
 
 def check_jit_cache(dev):
-    from gtpo_kernels import GTPOConfig, conflict_triton, gtpo_loss, vocab_triton
+    from gtpo_kernels import GTPOConfig, gtpo_loss
+    from gtpo_kernels.kernels import conflict_triton, vocab_triton
     kernels = {"fwd": vocab_triton._vocab_fwd_kernel, "bwd": vocab_triton._vocab_bwd_kernel,
                "conflict": conflict_triton._raw_conflicts_kernel}
     cfg = GTPOConfig(entropy_threshold=None)

@@ -75,7 +75,7 @@ def _errors():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name,call,exc,match", _errors(), ids=[e[0] for e in _errors()])
 def test_errors_name_the_argument(name, call, exc, match, backend, monkeypatch):
-    import gtpo_kernels.dispatch as d
+    import gtpo_kernels.kernels.dispatch as d
     real = d.resolve_backend
     monkeypatch.setattr(d, "resolve_backend", lambda b, dev, dtype=None: real(backend if b == "auto" else b, dev, dtype))
     with pytest.raises(exc, match=match):
@@ -250,7 +250,7 @@ print(json.dumps({"peak_above_inputs": after - before, "logits_bytes": x.numel()
 
 
 def test_torch_path_peak_memory_stays_within_a_few_chunks():
-    from gtpo_kernels.vocab_torch import CHUNK_ELEMENTS
+    from gtpo_kernels.kernels.vocab_torch import CHUNK_ELEMENTS
 
     def measure(kind):
         # a fixed mmap threshold: glibc then returns every freed chunk at once, and the resident peak

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import assert_grad_close, assert_value_close
-from gtpo_kernels import GTPOConfig, dispatch, gtpo_loss, token_logprobs
+from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
+from gtpo_kernels.kernels import dispatch
 
 BACKENDS = ["triton", "torch"]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gtpo_kernels
-from gtpo_kernels import dispatch
+from gtpo_kernels.kernels import dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_TRL = importlib.util.find_spec("trl") is not None
@@ -759,7 +759,8 @@ def test_train_loop_example_runs(tmp_path):
 
 def test_demo_runs_small(tmp_path):
     out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "gtpo_kernels.demo", "--steps", "4", "--warmup-steps", "20", "--seeds", "0",
+    demo = Path(__file__).resolve().parents[1] / "examples" / "toy_rl.py"
+    r = subprocess.run([sys.executable, str(demo), "--steps", "4", "--warmup-steps", "20", "--seeds", "0",
                         "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     curves = json.loads((out / "toy_rl.json").read_text())

@@ -14,7 +14,7 @@ import gtpo_reference as ref
 from batches import DTYPES, cases, cases_and_configs, completion_entropies, reference_logps
 from conftest import TOL, assert_grad_close, assert_value_close
 from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss, token_logprobs
-from gtpo_kernels import vocab_torch, vocab_triton
+from gtpo_kernels.kernels import vocab_torch, vocab_triton
 
 BACKENDS = ["triton", "torch"]
 # GTPO_TEST_DEVICE=cuda (with TRITON_INTERPRET=0, as bench/gpu_check.sh runs them) sends our side of the
@@ -60,8 +60,8 @@ class _PoisonedTorch:
 @contextlib.contextmanager
 def poisoned_empty():
     """Every torch.empty / empty_like in gtpo_kernels is filled with NaN while the block runs."""
-    import gtpo_kernels.autograd as ag
-    import gtpo_kernels.conflict_triton as ct
+    import gtpo_kernels.kernels.autograd as ag
+    import gtpo_kernels.kernels.conflict_triton as ct
     mods = (vocab_triton, vocab_torch, ag, ct)
     saved = [m.torch for m in mods]
     for m in mods:

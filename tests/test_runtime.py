@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import gtpo_reference as ref
 from batches import cases
 from conftest import assert_grad_close, assert_value_close
-from gtpo_kernels import GTPOConfig, conflict_weights, conflict_triton, dispatch, gtpo_loss, vocab_triton
+from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
+from gtpo_kernels.kernels import conflict_triton, dispatch, vocab_triton
 
 KERNELS = [vocab_triton._vocab_fwd_kernel, vocab_triton._vocab_bwd_kernel,
            conflict_triton._raw_conflicts_kernel]
@@ -180,7 +181,7 @@ def test_conflict_kernel_matches_reference(case, w, block_t):
     ids = case.ids.long()
     m = case.counted
     pos, neg = case.adv > 0, case.adv < 0
-    from gtpo_kernels.conflict import raw_conflicts as torch_raw_conflicts
+    from gtpo_kernels.kernels.conflict_torch import raw_conflicts as torch_raw_conflicts
     assert torch.equal(conflict_triton.raw_conflicts(ids, m, pos, neg, case.G, block_t=block_t),
                        torch_raw_conflicts(ids, m, pos, neg, case.G))
 

@@ -95,7 +95,7 @@ def _run(world_size, rank, out_dir, loss_type):
                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
                          callbacks=[GradSpy()])
     assert tr.accelerator.num_processes == world_size and tr.accelerator.process_index == rank
-    from gtpo_kernels import dispatch
+    from gtpo_kernels.kernels import dispatch
     orig, kernel = dispatch.vocab_fwd, {"vocab_fwd": 0}
 
     def spy(*a, **k):  # our fused vocabulary kernel

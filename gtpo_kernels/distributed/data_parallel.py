@@ -1,89 +1,20 @@
-"""conflict_weights: the public call for the conflict-token weights of spec section 3 (the kernels are
-conflict.py and conflict_triton.py).
+"""conflict_weights(process_group=...): groups split across data-parallel ranks (spec 12).
 
-With `process_group=` (data parallelism, spec 12) a group's completions may sit on several ranks: one
-small all-gather of every rank's shapes comes first (ranks that disagree, or a batch that groups cannot
-split evenly, raise the same error on every rank instead of leaving one waiting), then one all-gather of
-the token ids, the mask and the advantages' signs (all the weights depend on, spec 3; 16 bytes per
-token and 8 per completion, padded to the longest rank), the weights are computed on the whole batch in rank order and each
-rank keeps its own rows."""
+A group's completions may sit on several ranks: one small all-gather of every rank's shapes comes first
+(ranks that disagree, or a batch that groups cannot split evenly, raise the same error on every rank
+instead of leaving one waiting), then one all-gather of the token ids, the mask and the advantages'
+signs (all the weights depend on, spec 3; 16 bytes per token and 8 per completion, padded to the longest
+rank); the weights are computed on the whole batch in rank order and each rank keeps its own rows."""
 from __future__ import annotations
 
 import torch
 
-from . import checks, conflict, dispatch
-from .config import GTPOConfig, as_config
-from .layout import pad, packed_layout
-
-def conflict_weights(completion_ids, completion_mask, advantages, group_size=None, *, group_ids=None, config=None,
-                     cu_seqlens=None, max_seqlen=None, dtype=torch.float32, validate=True, backend="auto",
-                     process_group=None):
-    """Conflict-token weights (spec section 3) -> (lam, n_conf).
-
-    Call it once per batch when the advantages are computed (groups must be whole), then pass
-    `lam=lam[rows], n_conf=n_conf[rows]` to `gtpo_loss` for any micro-batch of rows. lam has the shape
-    of completion_ids ((B, T), or (N,) packed) and n_conf is (B,). Weights come from `config`
-    (default GTPOConfig(): w_pos = 2.0, w_neg = 0.0). backend: 'auto' (a Triton kernel on CUDA, sort-based
-    torch ops on the CPU), 'triton' or 'torch'; neither syncs with the host when validate=False (packed
-    form: give max_seqlen too).
-
-    Groups: `group_size` consecutive rows, or `group_ids` (instead): one hashable key per row (verl's
-    `uid`: strings, ints, a numpy object array, or a 1-D integer tensor), rows of a group in any order,
-    groups of any sizes. Grouping by key costs one host sync (the largest group's size).
-
-    process_group (data parallelism): this rank's rows are its part of one batch whose groups may
-    straddle ranks. The batch is the ranks' rows concatenated in rank order (each rank may hold any
-    number of rows, padded rows of any length T, or packed rows); with `group_size`, groups are
-    `group_size` consecutive rows of that concatenation (its total must be a multiple of group_size;
-    a rank's own count need not be); with `group_ids`, the keys are gathered too (integer tensors by
-    an all-gather, other keys, e.g. strings, with `all_gather_object`, which on NCCL needs
-    `torch.cuda.set_device` done) and a group is the rows with the same key on any rank. Returns this
-    rank's rows: lam of its completion_ids' shape and n_conf (B,), equal to a single process's call on
-    the concatenated batch. Every rank must call it (collectives); it syncs with the host.
-    """
-    if process_group is not None:
-        return _dp_conflict_weights(completion_ids, completion_mask, advantages, group_size, group_ids, config,
-                                    cu_seqlens, max_seqlen, dtype, validate, backend, process_group)
-    cfg = GTPOConfig() if config is None else as_config(config)
-    if advantages is None:
-        raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
-    b = checks.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
-                              max_seqlen=max_seqlen, validate=checks.host_checks(validate))
-    layout = None
-    if group_ids is not None:
-        if group_size is not None:
-            raise TypeError("pass group_size (contiguous groups) or group_ids (a group key per row), not both")
-        from .grouping import group_layout
-        layout = group_layout(group_ids, b.B, device=b.counted.device)
-    else:
-        group_size = checks.check_group_size(group_size, b.B)
-    backend = dispatch.resolve_backend(backend, completion_ids.device)
-    lam, n_conf = conflict_flat(b, group_size, cfg, dtype, "torch" if backend == "reference" else backend,
-                                 layout=layout)
-    return lam.reshape(b.tok_shape), n_conf
-
-
-def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
-    """lam (N,) flat and n_conf (B,) for a prepared batch (padded or packed). With a
-    grouping.GroupLayout, rows are first moved to contiguous groups of layout.size slots."""
-    if b.packed:
-        L, pos = packed_layout(b)
-        ids, m = pad(b, b.ids.long(), L, pos), pad(b, b.counted, L, pos)
-    else:
-        ids, m = b.ids.reshape(b.tok_shape), b.counted.reshape(b.tok_shape)
-    if layout is None:
-        conf_f, conf_b = conflict.conflict_runs(ids, m, b.adv, group_size, backend)
-    else:  # padding slots: masked out, advantage 0 (inactive): they change no weight
-        conf_f, conf_b = conflict.conflict_runs(layout.to_slots(ids), layout.to_slots(m, False),
-                                                layout.to_slots(b.adv), layout.size, backend)
-        conf_f, conf_b = conf_f[layout.slot], conf_b[layout.slot]
-    lam, n_conf = conflict.weights_from_runs(conf_f, conf_b, b.adv, cfg.conflict_pos_weight,
-                                             cfg.conflict_neg_weight, dtype)
-    return (lam[b.seg, pos] if b.packed else lam.reshape(-1)), n_conf
-
-
-# ---------------------------------------------------------------------------------------------------
-# data parallelism: groups split across ranks
+from ..core import batch, checks
+from ..core.config import GTPOConfig, as_config
+from ..core.layout import packed_layout
+from ..kernels import dispatch
+from ..objective.conflict import conflict_flat
+from ..objective.grouping import group_codes, group_layout
 
 _KEYS_NONE, _KEYS_TENSOR, _KEYS_OBJECTS = 0, 1, 2
 
@@ -111,7 +42,7 @@ def _local_keys(group_ids, B):
     return [k.item() if hasattr(k, "item") else k for k in group_ids]
 
 
-def _dp_conflict_weights(completion_ids, completion_mask, advantages, group_size, group_ids, config, cu_seqlens,
+def dp_conflict_weights(completion_ids, completion_mask, advantages, group_size, group_ids, config, cu_seqlens,
                          max_seqlen, dtype, validate, backend, group):
     import torch.distributed as dist
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -120,15 +51,13 @@ def _dp_conflict_weights(completion_ids, completion_mask, advantages, group_size
     err, b = None, None
     try:
         cfg = GTPOConfig() if config is None else as_config(config)
-        if advantages is None:
-            raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
-        b = checks.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
+        checks.require_advantages(advantages)
+        b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
                                   max_seqlen=max_seqlen, validate=checks.host_checks(validate))
         if group_ids is not None:
             if group_size is not None:
                 raise TypeError("pass group_size (contiguous groups) or group_ids (a group key per row), not both")
-            from .grouping import _codes
-            _codes(group_ids, b.B, "group_ids", b.ids.device)  # the same checks as one process
+            group_codes(group_ids, b.B, "group_ids", b.ids.device)  # the same checks as one process
         else:  # a positive int (the local row count need not be a multiple: groups may straddle ranks)
             group_size = checks.check_group_size(group_size, 0)
         backend = dispatch.resolve_backend(backend, completion_ids.device)
@@ -191,17 +120,16 @@ def _dp_conflict_weights(completion_ids, completion_mask, advantages, group_size
         all_ids, all_m = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]).bool()
         all_sign = torch.cat([p[3] for p in parts])
         all_keys = torch.cat([p[4] for p in parts]) if key_col else None
-        whole = checks.prepare_tokens(all_ids, all_m, all_sign.float(), cu_seqlens=all_cu, max_seqlen=max(Ls),
+        whole = batch.prepare_tokens(all_ids, all_m, all_sign.float(), cu_seqlens=all_cu, max_seqlen=max(Ls),
                                       validate=False)
     else:
         width = 2 * T_max + 1 + len(key_col)
         rows = torch.cat([g.reshape(B_max, width)[:Bs[r]] for r, g in enumerate(gathered)])
         all_ids, all_m, all_sign = rows[:, :T_max], rows[:, T_max:2 * T_max].bool(), rows[:, 2 * T_max]
         all_keys = rows[:, 2 * T_max + 1] if key_col else None
-        whole = checks.prepare_tokens(all_ids, all_m, all_sign.float(), validate=False)
+        whole = batch.prepare_tokens(all_ids, all_m, all_sign.float(), validate=False)
     layout = None
     if kinds[0] != _KEYS_NONE:
-        from .grouping import group_layout
         if all_keys is None:  # arbitrary keys (or a mix of kinds): gathered as Python objects
             keys = [None] * world
             dist.all_gather_object(keys, _local_keys(group_ids, b.B), group=group)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks
+from ..core import checks
 
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .layout import float_dtype_for, padded_window
+from ..core.layout import float_dtype_for, padded_window
 
 
 def token_logprobs(b, logits, temperature):

@@ -5,9 +5,14 @@ import numbers
 
 import torch
 
-from . import api, checks, dispatch, linear, loss, parallel
-from .config import GTPOConfig, as_config, is_zero
-from .layout import float_dtype_for
+from ..core import batch, checks
+from ..core.config import GTPOConfig, as_config, is_zero
+from ..core.layout import float_dtype_for
+from ..distributed import vocab_parallel as parallel
+from ..kernels import dispatch
+from ..pipeline import head as linear
+from ..pipeline import loss
+from . import logits as api
 
 SCHEDULES = ("auto", "fused", "recompute")
 
@@ -37,8 +42,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     Selecting the counted rows reads their number on the host (one sync).
     """
     cfg = as_config(config)
-    if advantages is None:
-        raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
+    checks.require_advantages(advantages)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     host = checks.host_checks(validate)
@@ -47,13 +51,12 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                                max_seqlen, logit_scale, logit_softcap, memory_budget, host, vp)
     extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                   rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
-    checks.add_extras(b, hidden.device, validate=host, **extras)
+    batch.add_extras(b, hidden.device, validate=host, **extras)
     dt = float_dtype_for(hidden)
     num_items = loss.check_loss_args(b, cfg, num_items_in_batch, dt)
     backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
     if backend == "reference":  # the oracle on the materialized logits (autograd through the projection)
-        if vp is not None:
-            raise ValueError("backend='reference' takes the whole vocabulary: no process_group")
+        checks.refuse_reference_with_group(vp)
         logits = _materialize(head, hidden)
         return api.gtpo_loss(logits, completion_ids, advantages, completion_mask, group_size=group_size,
                              config=cfg, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
@@ -91,8 +94,7 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
                                max_seqlen, logit_scale, logit_softcap, memory_budget, host, vp)
     backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
     if backend == "reference":
-        if vp is not None:
-            raise ValueError("backend='reference' takes the whole vocabulary: no process_group")
+        checks.refuse_reference_with_group(vp)
         with torch.no_grad():
             logits = _materialize(head, hidden)
         return api.token_logprobs(logits, completion_ids, temperature, completion_mask, cu_seqlens=cu_seqlens,
@@ -112,8 +114,7 @@ def _coefficient_span(cfg):
     """What a token's gradient coefficients depend on beyond the token: None, 'completion' or 'batch'."""
     if not is_zero(cfg.top_entropy_quantile - 1.0):
         return "batch"  # the quantile spans every counted token
-    if cfg.entropy_threshold is not None or not is_zero(cfg.entropy_penalty) or \
-            cfg.importance_sampling_level == "sequence" or cfg.off_policy_mask_threshold is not None or \
+    if cfg.shapes_advantages or cfg.importance_sampling_level == "sequence" or cfg.off_policy_mask_threshold is not None or \
             cfg.policy_loss == "vespo":
         return "completion"
     return None
@@ -169,7 +170,7 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
         memory_budget = linear.DEFAULT_MEMORY_BUDGET
     elif isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) or memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
-    b = checks.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
+    b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
                               max_seqlen=max_seqlen, device=hidden.device, validate=host)
     if tuple(hidden.shape[:-1]) != tuple(b.tok_shape):
         raise ValueError(f"hidden must have shape {tuple(b.tok_shape) + (D,)} (completion_ids' shape + (D,)), "

@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core import flags
+
 # Largest block over the vocabulary, and the warps of a block: the choice of the static model of
 # `python -m bench.tune` for all three kernels (bf16, sm_90, V = 151936: memory-bound by the roofline,
 # 1.5x the bytes in flight Little's law asks at an H200's bandwidth, then the highest occupancy, then the
@@ -78,6 +80,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 NEG_SENTINEL = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: a lane's maximum before it has seen a finite entry
 BIG = tl.constexpr(1.0e30)  # |t| clamp: exp2(-BIG) = 0 and 0 * BIG = 0, where 0 * inf would be NaN
+# the per-token flags of core/flags.py, as compile-time constants
+BAD_NONFINITE = tl.constexpr(flags.BAD_NONFINITE)
+BAD_TARGET_NEG_INF = tl.constexpr(flags.BAD_TARGET_NEG_INF)
+BAD_ID = tl.constexpr(flags.BAD_ID)
 
 
 @triton.jit
@@ -169,11 +175,11 @@ def _vocab_fwd_kernel(
         logp = (z_y - m_safe) * inv_temp - log_s
         top = z_y == m
         q = tl.where(top, r_tot / s_tot, 1.0 - tl.exp(tl.where(top, 0.0, logp)))
-        # flags, as in checks.BAD_*: 1 non-finite row (a NaN entry makes R NaN; +inf is the maximum), 2
-        # target logit -inf, 4 id outside [0, V)
-        bad = tl.where((r_raw != r_raw) | (m == float("inf")), 1, 0)
-        bad = tl.where(z_y == float("-inf"), bad | 2, bad)
-        bad = tl.where(y_ok, bad, bad | 4)
+        # flags (core/flags.py): a non-finite row (a NaN entry makes R NaN; +inf is the maximum), the
+        # target logit -inf, the id outside [0, V)
+        bad = tl.where((r_raw != r_raw) | (m == float("inf")), BAD_NONFINITE, 0)
+        bad = tl.where(z_y == float("-inf"), bad | BAD_TARGET_NEG_INF, bad)
+        bad = tl.where(y_ok, bad, bad | BAD_ID)
         m = m_safe
     tl.store(logp_ptr + tok, logp)
     tl.store(ent_ptr + tok, ent)
@@ -268,6 +274,11 @@ def _vocab_bwd_kernel(
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + lanes
             tl.store(grad_row + offs, zero, mask=offs < V)
+
+
+def interpreted() -> bool:
+    """True when these kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(_vocab_fwd_kernel).__name__ == "InterpretedFunction"
 
 
 def temperature_tensor(temperature, device):

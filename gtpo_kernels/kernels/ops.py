@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
-from .layout import float_dtype_for
+from ..core.layout import float_dtype_for
 
 
 def as_tensor_param(x):

@@ -4,33 +4,19 @@ flags (whole vocabulary or vocabulary-parallel), the O(N) surrogate, the loss va
 attached, and the output."""
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from typing import Dict
 
 import torch
 
-from . import autograd  # noqa: F401  (registers attach_grad's backward)
-from . import checks, ops, parallel
-from .config import is_zero
-from .layout import float_dtype_for
-from .surrogate import surrogate
-from .weights import conflict_flat
-
-
-@dataclasses.dataclass
-class GTPOOutput:
-    """What `gtpo_loss` returns. Per-token tensors are (B, T) (packed form: (N,)), detached, 0 where
-    masked out; `loss` is differentiable (a scalar, or per token with loss_agg='none')."""
-    loss: torch.Tensor
-    logps: torch.Tensor
-    entropy: torch.Tensor
-    per_token_loss: torch.Tensor
-    lam: torch.Tensor
-    n_conf: torch.Tensor
-    kept: torch.Tensor
-    seq_entropy: torch.Tensor
-    metrics: Dict[str, torch.Tensor]
+from ..core import checks
+from ..core.config import is_zero
+from ..core.layout import float_dtype_for
+from ..core.output import GTPOOutput
+from ..distributed import vocab_parallel as parallel
+from ..kernels import autograd  # noqa: F401  (registers attach_grad's backward)
+from ..kernels import ops
+from ..objective.conflict import conflict_flat
+from ..objective.surrogate import surrogate
 
 
 def check_loss_args(b, cfg, num_items_in_batch, dt):

@@ -1,14 +1,17 @@
-"""The public calls on logits and on log-probs: gtpo_loss, gtpo_loss_from_logps, token_logprobs (the
-conflict weights: weights.py; from hidden states: api_linear.py)."""
+"""The public calls on logits: gtpo_loss and token_logprobs (from log-probs: logps.py; from hidden
+states: linear.py; the conflict weights: weights.py)."""
 from __future__ import annotations
 
 import torch
 
-from . import checks, dispatch, ops, parallel, reference_backend
-from .config import GTPOConfig, as_config, is_zero
-from .layout import float_dtype_for
-from .loss import (GTPOOutput, check_loss_args, conflicts_for, forward, fused_loss, loss_value, make_output,
-                   run_surrogate, vocab_parallel)
+from ..core import batch, checks
+from ..core.config import GTPOConfig, as_config
+from ..core.layout import float_dtype_for
+from ..core.output import GTPOOutput
+from ..distributed import vocab_parallel as parallel
+from ..kernels import dispatch, ops
+from ..pipeline import reference
+from ..pipeline.loss import check_loss_args, conflicts_for, forward, fused_loss, make_output, vocab_parallel
 
 def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group_size=None,
               old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None, n_conf=None,
@@ -61,14 +64,13 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     last dimension brings its own group.
     """
     cfg = as_config(config)
-    if advantages is None:
-        raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
+    checks.require_advantages(advantages)
     host = checks.host_checks(validate)
     logits, process_group = parallel.unwrap_dtensor(logits, process_group)
     vp = vocab_parallel(process_group, logits, completion_ids, logits_start, cu_seqlens)
     extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                   rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
-    b = checks.prepare(logits, completion_ids, completion_mask, advantages=advantages, cu_seqlens=cu_seqlens,
+    b = batch.prepare(logits, completion_ids, completion_mask, advantages=advantages, cu_seqlens=cu_seqlens,
                        max_seqlen=max_seqlen, logits_start=logits_start, validate=host,
                        vocab_size=None if vp is None else vp.V, **extras)
     checks.check_inplace(inplace, logits)
@@ -76,63 +78,12 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     num_items = check_loss_args(b, cfg, num_items_in_batch, dt)
     backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
     if backend == "reference":
-        if vp is not None:
-            raise ValueError("backend='reference' takes the whole vocabulary: no process_group")
-        return reference_backend.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput)
+        checks.refuse_reference_with_group(vp)
+        return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput)
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
     conflicts_for(b, cfg, group_size, dt, backend)
     loss, res = fused_loss(b, cfg, backend, inplace, host, num_items, vp)
-    return make_output(b, cfg, loss, res, dt, host)
-
-
-def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None, *, entropy=None,
-                         group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
-                         n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
-                         rollout_is_weights=None, rollout_logps=None, validate=True) -> GTPOOutput:
-    """`gtpo_loss` from per-token log-probs computed elsewhere (spec 10): TRL's fused LM head, verl's or
-    Megatron's vocabulary-parallel log-probs, an inference engine.
-
-    logps    (B, T) (packed: (N,), with cu_seqlens) the current policy's log-probs of completion_ids,
-             differentiable; values at masked-out positions are ignored (and get zero gradient).
-    entropy  the per-token entropies (same shape), needed by the entropy filter and shaping, the
-             top-entropy quantile and the entropy bonus (differentiable for the bonus).
-    completion_ids serve the conflict weights only. Every other argument is gtpo_loss's. It equals
-    gtpo_loss on the logits that gave these log-probs and entropies, outputs included.
-    """
-    cfg = as_config(config)
-    if advantages is None:
-        raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
-    checks.check_float_tensor("logps", logps)
-    host = checks.host_checks(validate)
-    b = checks.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
-                              max_seqlen=max_seqlen, device=logps.device, validate=host)
-    checks.check_same_shape("logps", logps, b.tok_shape)
-    needs_entropy = cfg.entropy_threshold is not None or not is_zero(cfg.entropy_penalty) or \
-        not is_zero(cfg.entropy_coef) or not is_zero(cfg.top_entropy_quantile - 1.0)
-    if entropy is None and needs_entropy:
-        raise ValueError("entropy (per-token entropies, shape of completion_ids) is required by this config: its "
-                         "entropy filter, shaping (entropy_penalty), entropy bonus or top_entropy_quantile use "
-                         "it; pass it, or turn those off (e.g. GTPOConfig.preset('grpo'))")
-    if entropy is not None:
-        checks.check_float_tensor("entropy", entropy)
-        checks.check_same_shape("entropy", entropy, b.tok_shape)
-    checks.add_extras(b, logps.device, old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
-                      rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps, validate=host)
-    dt = float_dtype_for(logps)
-    num_items = check_loss_args(b, cfg, num_items_in_batch, dt)
-    conflicts_for(b, cfg, group_size, dt, dispatch.resolve_backend("auto", logps.device))
-    zero = torch.zeros((), dtype=dt, device=logps.device)
-    lp = torch.where(b.counted, logps.reshape(-1).to(dt), zero)  # gradient only where counted
-    ent = zero.expand(lp.shape) if entropy is None else torch.where(b.counted, entropy.reshape(-1).to(dt), zero)
-    with torch.no_grad():
-        res = run_surrogate(b, cfg, lp.detach(), ent.detach(), num_items, dt)
-        value = loss_value(b, cfg, res)
-    # the value, with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1)
-    attach = res["c"] * (lp - lp.detach())
-    if res["e"] is not None:
-        attach = attach + res["e"] * (ent - ent.detach())
-    loss = value + (attach.reshape(b.tok_shape) if cfg.loss_agg == "none" else attach.sum())
     return make_output(b, cfg, loss, res, dt, host)
 
 
@@ -146,13 +97,12 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     host = checks.host_checks(validate)
     logits, process_group = parallel.unwrap_dtensor(logits, process_group)
     vp = vocab_parallel(process_group, logits, completion_ids, logits_start, cu_seqlens)
-    b = checks.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+    b = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                        logits_start=logits_start, validate=host, vocab_size=None if vp is None else vp.V)
     backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
     if backend == "reference":
-        if vp is not None:
-            raise ValueError("backend='reference' takes the whole vocabulary: no process_group")
-        return reference_backend.token_logprobs(b, logits, temperature)
+        checks.refuse_reference_with_group(vp)
+        return reference.token_logprobs(b, logits, temperature)
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
     dt = float_dtype_for(logits)

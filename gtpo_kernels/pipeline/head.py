@@ -19,8 +19,10 @@ import torch
 
 import types
 
-from . import dispatch, parallel
-from .surrogate import surrogate
+from ..core.checks import raise_on_flags
+from ..distributed import vocab_parallel as parallel
+from ..kernels import dispatch
+from ..objective.surrogate import surrogate
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes for one tile of logits and its gradient
 
@@ -129,7 +131,6 @@ def forward_tiles(plan, hidden, with_grad):
             lp, en, st, bad = parallel.vp_forward(tile, plan.kernel_ids[idx], plan.temperature, plan.backend,
                                                   plan.vp.group, plan.vp.V)
         if plan.host:
-            from .checks import raise_on_flags
             raise_on_flags(_flags_at(bad, idx, N), b.tok_shape)
         invalid = bad != 0
         logp[idx] = torch.where(invalid, nan, lp.to(acc))

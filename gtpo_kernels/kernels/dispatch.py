@@ -1,7 +1,7 @@
 """Which implementation runs each pass: the Triton kernels or the PyTorch path.
 
     vocab_fwd / vocab_bwd   vocab_triton (CUDA, or the interpreter) | vocab_torch (chunked rows)
-    raw_conflicts           conflict_triton                         | conflict (sort-based)
+    raw_conflicts           conflict_triton                         | conflict_torch (sort-based)
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def interpreter_active() -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return False
     from . import vocab_triton
-    return type(vocab_triton._vocab_fwd_kernel).__name__ == "InterpretedFunction"
+    return vocab_triton.interpreted()
 
 
 def _vocab_impl(backend):
@@ -67,5 +67,5 @@ def raw_conflicts(backend, ids, m, pos, neg, group_size):
     if backend == "triton":
         from .conflict_triton import raw_conflicts as impl
     else:
-        from .conflict import raw_conflicts as impl
+        from .conflict_torch import raw_conflicts as impl
     return impl(ids, m, pos, neg, group_size)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .checks import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
+from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
+from ..kernels import ops
 
 BYTES_PER_TOKEN = 4 + 7 * 4  # the two all-reduces of vp_forward (float32 statistics)
 

@@ -171,6 +171,17 @@ class GTPOConfig:
     def replace(self, **changes) -> "GTPOConfig":
         return dataclasses.replace(self, **changes)
 
+    @property
+    def shapes_advantages(self) -> bool:
+        """The entropy filter or shaping (spec 2) is on: Ahat needs the completions' entropies."""
+        return self.entropy_threshold is not None or not is_zero(self.entropy_penalty)
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Some term reads the per-token entropies: the filter, shaping, the bonus or the quantile mask."""
+        return self.shapes_advantages or not is_zero(self.entropy_coef) or \
+            not is_zero(self.top_entropy_quantile - 1.0)
+
 
 _NO_GTPO = dict(use_conflict_mask=False, entropy_threshold=None, entropy_penalty=0.0)
 PRESETS = {

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from . import checks
+from ..core import checks
+from ..core.config import as_config
+from ..objective.grouping import group_layout
+from ..objective.surrogate import entropy_control
 from .weights import conflict_weights
-from .config import as_config, is_zero
-from .grouping import group_layout
-from .surrogate import entropy_control
 
 
 def _row_advantages(advantages, mask, B, T):
@@ -73,9 +73,8 @@ def gtpo_token_advantages(advantages, responses, response_mask, entropy, uid, co
     m = response_mask.bool() if response_mask.dtype == torch.bool or not response_mask.dtype.is_floating_point \
         else response_mask != 0
     adv = _row_advantages(advantages, m, B, T).to(responses.device)
-    needs_entropy = cfg.entropy_threshold is not None or not is_zero(cfg.entropy_penalty)
     if entropy is None:
-        if needs_entropy:
+        if cfg.shapes_advantages:
             raise ValueError("entropy (B, T) is required by this config's entropy filter or shaping "
                              "(entropy_threshold, entropy_penalty); pass the old policy's entropies, or turn "
                              "those off")

@@ -33,7 +33,7 @@ class GroupLayout:
         return out
 
 
-def _codes(group_ids, B, name, device):
+def group_codes(group_ids, B, name, device):
     """Any per-row key -> (B,) int64 group codes and the number of groups."""
     if isinstance(group_ids, torch.Tensor):
         if group_ids.dim() != 1 or group_ids.numel() != B:
@@ -62,7 +62,7 @@ def _codes(group_ids, B, name, device):
 def group_layout(group_ids, B, *, device=None, name="group_ids") -> GroupLayout:
     """The slot layout of B rows grouped by `group_ids` (any hashable key per row, any order; a 1-D
     integer tensor is grouped on its device). One host sync (the largest group's size)."""
-    code, n_groups = _codes(group_ids, B, name, device)
+    code, n_groups = group_codes(group_ids, B, name, device)
     if B == 0:
         return GroupLayout(slot=code, code=code, n_groups=0, size=1)
     counts = torch.bincount(code, minlength=n_groups)

@@ -17,8 +17,8 @@ import math
 
 import torch
 
+from ..core.config import is_zero
 from . import policy
-from .config import is_zero
 
 
 def seg_sum(x, seg, B):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .checks import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
-from .layout import float_dtype_for
+from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
+from ..core.layout import float_dtype_for
 
 # float32 elements upcast at a time (16 MiB): the chunk of rows is CHUNK_ELEMENTS // V rows.
 CHUNK_ELEMENTS = 1 << 22

@@ -1,0 +1,1 @@
+"""The public calls, re-exported from the package root."""

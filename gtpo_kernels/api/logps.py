@@ -1,0 +1,58 @@
+"""gtpo_loss_from_logps: the loss from per-token log-probs computed elsewhere (spec 10)."""
+from __future__ import annotations
+
+import torch
+
+from ..core import batch, checks
+from ..core.config import GTPOConfig, as_config
+from ..core.layout import float_dtype_for
+from ..core.output import GTPOOutput
+from ..kernels import dispatch
+from ..pipeline.loss import check_loss_args, conflicts_for, loss_value, make_output, run_surrogate
+
+
+def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None, *, entropy=None,
+                         group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
+                         n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
+                         rollout_is_weights=None, rollout_logps=None, validate=True) -> GTPOOutput:
+    """`gtpo_loss` from per-token log-probs computed elsewhere (spec 10): TRL's fused LM head, verl's or
+    Megatron's vocabulary-parallel log-probs, an inference engine.
+
+    logps    (B, T) (packed: (N,), with cu_seqlens) the current policy's log-probs of completion_ids,
+             differentiable; values at masked-out positions are ignored (and get zero gradient).
+    entropy  the per-token entropies (same shape), needed by the entropy filter and shaping, the
+             top-entropy quantile and the entropy bonus (differentiable for the bonus).
+    completion_ids serve the conflict weights only. Every other argument is gtpo_loss's. It equals
+    gtpo_loss on the logits that gave these log-probs and entropies, outputs included.
+    """
+    cfg = as_config(config)
+    checks.require_advantages(advantages)
+    checks.check_float_tensor("logps", logps)
+    host = checks.host_checks(validate)
+    b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
+                              max_seqlen=max_seqlen, device=logps.device, validate=host)
+    checks.check_same_shape("logps", logps, b.tok_shape)
+    if entropy is None and cfg.needs_entropy:
+        raise ValueError("entropy (per-token entropies, shape of completion_ids) is required by this config: its "
+                         "entropy filter, shaping (entropy_penalty), entropy bonus or top_entropy_quantile use "
+                         "it; pass it, or turn those off (e.g. GTPOConfig.preset('grpo'))")
+    if entropy is not None:
+        checks.check_float_tensor("entropy", entropy)
+        checks.check_same_shape("entropy", entropy, b.tok_shape)
+    batch.add_extras(b, logps.device, old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
+                      rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps, validate=host)
+    dt = float_dtype_for(logps)
+    num_items = check_loss_args(b, cfg, num_items_in_batch, dt)
+    conflicts_for(b, cfg, group_size, dt, dispatch.resolve_backend("auto", logps.device))
+    zero = torch.zeros((), dtype=dt, device=logps.device)
+    lp = torch.where(b.counted, logps.reshape(-1).to(dt), zero)  # gradient only where counted
+    ent = zero.expand(lp.shape) if entropy is None else torch.where(b.counted, entropy.reshape(-1).to(dt), zero)
+    with torch.no_grad():
+        res = run_surrogate(b, cfg, lp.detach(), ent.detach(), num_items, dt)
+        value = loss_value(b, cfg, res)
+    # the value, with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1)
+    attach = res["c"] * (lp - lp.detach())
+    if res["e"] is not None:
+        attach = attach + res["e"] * (ent - ent.detach())
+    loss = value + (attach.reshape(b.tok_shape) if cfg.loss_agg == "none" else attach.sum())
+    return make_output(b, cfg, loss, res, dt, host)

@@ -1,0 +1,159 @@
+"""Argument checks shared by the public calls. Errors name the argument and what was expected (the
+Batch is built from the checked arguments in `batch`)."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .flags import BAD_NONFINITE, BAD_TARGET_NEG_INF
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+
+def host_checks(validate) -> bool:
+    """Whether the host-side checks run: `validate`, except inside torch.compile or CUDA-graph capture,
+    where a host read would sync or break the graph (invalid tokens then give NaN instead)."""
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {validate!r}")
+    if not validate or torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def check_inplace(inplace, logits):
+    """inplace=True writes the gradient over the logits: each element must own its memory."""
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {inplace!r}")
+    if not inplace:
+        return
+    if torch.compiler.is_compiling():
+        raise ValueError("inplace=True is not supported inside torch.compile: the compiled backward would "
+                         "copy the logits to write them, which loses the memory saving; use inplace=False")
+    if logits.stride(-1) != 1:
+        raise ValueError("inplace=True needs logits with vocabulary stride 1 (it writes the gradient "
+                         "into their storage)")
+    dims = sorted((st, n) for st, n in zip(logits.stride(), logits.shape) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            raise ValueError(f"inplace=True needs logits whose rows do not overlap in memory; these have "
+                             f"shape {tuple(logits.shape)} and strides {logits.stride()} (an expanded or "
+                             f"broadcast view?): pass a copy, or inplace=False")
+        span = st * n
+
+
+def check_num_items(num_items, loss_agg, device, dtype):
+    """num_items_in_batch: the denominator of 'token-mean' (a positive number or tensor), or None."""
+    if num_items is None:
+        return None
+    if loss_agg != "token-mean":
+        raise ValueError(f"num_items_in_batch is the denominator of loss_agg='token-mean' only; with "
+                         f"loss_agg={loss_agg!r} the denominators are per completion or per batch (spec 4): "
+                         f"scale the loss instead (README, 'Normalizers')")
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1 or num_items.dtype == torch.bool or num_items.dtype.is_complex:
+            raise ValueError(f"num_items_in_batch must be a positive number or a one-element real tensor, "
+                             f"got a {num_items.dtype} tensor of shape {tuple(num_items.shape)}")
+        return num_items.reshape(()).to(device, dtype).clamp(min=1)
+    if isinstance(num_items, numbers.Real) and not isinstance(num_items, bool) and num_items > 0:
+        return max(float(num_items), 1.0)
+    raise ValueError(f"num_items_in_batch must be a positive number or tensor, got {num_items!r}")
+
+
+def check_nonneg_int(name, x):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {x!r}")
+    return int(x)
+
+
+def check_tensor(name, x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_shape(name, x, want, what):
+    if tuple(x.shape) != tuple(want):
+        raise ValueError(f"{name} must have shape {what} = {tuple(want)}, got {tuple(x.shape)}")
+
+
+def check_int_tensor(name, x):
+    check_tensor(name, x)
+    if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
+        raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {x.dtype}")
+
+
+def check_same_shape(name, x, tok_shape):
+    check_shape(name, x, tok_shape, "completion_ids' shape")
+
+
+def check_float_tensor(name, x):
+    check_tensor(name, x)
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def check_device(name, x, device):
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but logits are on {device}")
+
+
+def check_logits(logits, ndim, what):
+    check_tensor("logits", logits)
+    if logits.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"logits must be float16, bfloat16, float32 or float64, got {logits.dtype}")
+    if logits.dim() != ndim:
+        raise ValueError(f"logits must be {what}, got shape {tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError("logits must have a vocabulary dimension V >= 1")
+
+
+def check_ids_in_range(ids, counted, V):
+    bad = counted & ((ids < 0) | (ids >= V))
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"completion_ids must lie in [0, V) = [0, {V}) at counted positions; flat position {k} "
+            f"holds {int(ids[k])} (mask it out, or fix the ids)")
+
+
+def check_group_size(group_size, B):
+    if group_size is None:
+        raise ValueError("group_size is required to compute the conflict weights (or pass lam and "
+                         "n_conf from conflict_weights, or turn use_conflict_mask off)")
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if B % group_size:
+        raise ValueError(f"group_size = {group_size} must divide the number of completions B = {B}")
+    return int(group_size)
+
+
+def raise_on_flags(bad, tok_shape):
+    """Host-side report of the forward kernel's per-token flags (validate=True only)."""
+    nz = bad.nonzero()
+    if nz.numel() == 0:
+        return
+    k = int(nz[0, 0])
+    where = tuple(int(v) for v in torch.unravel_index(torch.tensor(k), tok_shape))
+    f = int(bad[k])
+    if f & BAD_NONFINITE:
+        what = "contains NaN or +inf"
+    elif f & BAD_TARGET_NEG_INF:
+        what = "gives its own target token a logit of -inf (log-prob -inf)"
+    else:
+        what = "has a target id outside [0, V)"
+    raise ValueError(f"logits: the row predicting completion token {where} {what}; "
+                     f"{nz.shape[0]} counted row(s) are invalid")
+
+
+def require_advantages(advantages):
+    if advantages is None:
+        raise TypeError("advantages is required: a (B,) tensor, one advantage per completion")
+
+
+def refuse_reference_with_group(vp):
+    """backend='reference' materializes the whole vocabulary on one process."""
+    if vp is not None:
+        raise ValueError("backend='reference' takes the whole vocabulary: no process_group")

@@ -1,0 +1,6 @@
+"""The per-token flags the forward pass writes (Triton kernel, torch path and vocabulary-parallel merge
+alike), defined once, below both the kernels and the checks that report them."""
+
+BAD_NONFINITE = 1  # NaN or +inf in the counted row
+BAD_TARGET_NEG_INF = 2  # the target's own logit is -inf
+BAD_ID = 4  # id outside [0, V) (never read)

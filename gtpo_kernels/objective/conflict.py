@@ -1,0 +1,71 @@
+"""Conflict-token weights lambda (spec section 3) from the raw flags, vectorized over the whole batch.
+
+For each alignment (forward: row t; backward: rows counted from each completion's last counted row) the
+raw flags come from the `raw_conflicts` custom op (kernels: a Triton kernel or a sort); the conflict
+region is the leading run of raw conflicts (a cumulative product along the positions); lambda is the
+product of the two alignments' weights.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.layout import pad, packed_layout
+from ..kernels import ops
+
+
+def _leading_run(raw):
+    return torch.cumprod(raw.to(torch.int32), dim=1).bool()
+
+
+def conflict_runs(ids, m, adv, group_size, backend="torch"):
+    """Forward and backward conflict regions, each (B, T) bool, for padded ids/mask. The raw flags come
+    from `ops.raw_conflicts`: the Triton kernel or the sort (kernels.dispatch)."""
+    B, T = ids.shape
+    ids = ids.long()
+    pos, neg = adv > 0, adv < 0
+
+    def raw(ids, m):
+        return ops.raw_conflicts(ids, m, pos, neg, group_size, backend)
+    conf_f = _leading_run(raw(ids, m))
+    # right-align every completion at its last counted row: aligned index r = last - t
+    t_idx = torch.arange(T, device=ids.device)
+    last = torch.where(m, t_idx, -1).amax(dim=1) if T else torch.full((B,), -1, device=ids.device)
+    src = last[:, None] - t_idx[None, :]  # row t of completion i seen at aligned index r
+    valid = src >= 0
+    src_c = src.clamp(min=0)
+    ids_r = ids.gather(1, src_c)
+    m_r = m.gather(1, src_c) & valid
+    conf_r = _leading_run(raw(ids_r, m_r))
+    conf_b = conf_r.gather(1, src_c) & valid  # back to row order: t = last - r  <=>  r = last - t
+    return conf_f, conf_b
+
+
+def weights_from_runs(conf_f, conf_b, adv, pos_weight, neg_weight, dtype=torch.float32):
+    pos = (adv > 0)[:, None]
+    neg = (adv < 0)[:, None]
+    one = torch.ones((), dtype=dtype, device=adv.device)
+
+    def lam(conf):
+        return torch.where(conf & pos, pos_weight * one, torch.where(conf & neg, neg_weight * one, one))
+
+    n_conf = torch.maximum(conf_f.sum(1), conf_b.sum(1)).clamp(min=1).to(dtype)
+    return (lam(conf_f) * lam(conf_b)).to(dtype), n_conf
+
+
+def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
+    """lam (N,) flat and n_conf (B,) for a prepared batch (padded or packed). With a
+    grouping.GroupLayout, rows are first moved to contiguous groups of layout.size slots."""
+    if b.packed:
+        L, pos = packed_layout(b)
+        ids, m = pad(b, b.ids.long(), L, pos), pad(b, b.counted, L, pos)
+    else:
+        ids, m = b.ids.reshape(b.tok_shape), b.counted.reshape(b.tok_shape)
+    if layout is None:
+        conf_f, conf_b = conflict_runs(ids, m, b.adv, group_size, backend)
+    else:  # padding slots: masked out, advantage 0 (inactive): they change no weight
+        conf_f, conf_b = conflict_runs(layout.to_slots(ids), layout.to_slots(m, False),
+                                       layout.to_slots(b.adv), layout.size, backend)
+        conf_f, conf_b = conf_f[layout.slot], conf_b[layout.slot]
+    lam, n_conf = weights_from_runs(conf_f, conf_b, b.adv, cfg.conflict_pos_weight, cfg.conflict_neg_weight,
+                                    dtype)
+    return (lam[b.seg, pos] if b.packed else lam.reshape(-1)), n_conf

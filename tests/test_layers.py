@@ -1,0 +1,92 @@
+"""The house's layers (README, Layout): each subpackage of gtpo_kernels imports only the layers below it,
+lazy imports inside functions included, and no module imports itself back through another (no cycle)."""
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "gtpo_kernels"
+# bottom to top; a module may import its own layer and the ones before it
+LAYERS = ["core", "kernels", "objective", "distributed", "pipeline", "api", "integrations"]
+
+
+def _layer(mod):
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def _imports(path):
+    """Every gtpo_kernels module a file imports, at the top or inside a function."""
+    mod = "gtpo_kernels." + ".".join(path.relative_to(PKG).with_suffix("").parts)
+    pkg = mod.rsplit(".", 1)[0] if path.name != "__init__.py" else mod.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("gtpo_kernels"):
+                out.add(target)
+                out.update(f"{target}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("gtpo_kernels"))
+    return mod, out
+
+
+def _graph():
+    g = {}
+    for path in PKG.rglob("*.py"):
+        mod, deps = _imports(path)
+        g[mod.removesuffix(".__init__")] = deps
+    return g
+
+
+def test_imports_point_down():
+    bad = []
+    for mod, deps in _graph().items():
+        me = _layer(mod)
+        if me is None:
+            continue
+        for d in deps:
+            other = _layer(d)
+            if other is not None and LAYERS.index(other) > LAYERS.index(me):
+                bad.append(f"{mod} -> {d}")
+    assert not bad, "imports that point up a layer:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycle():
+    g = {m: {d for d in deps if d in _graph_modules()} - {m} for m, deps in _graph().items()}
+    seen, stack = {}, []
+
+    def visit(m):
+        seen[m] = 1
+        stack.append(m)
+        for d in g.get(m, ()):
+            if seen.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in seen:
+                visit(d)
+        stack.pop()
+        seen[m] = 2
+
+    for m in sorted(g):
+        if m not in seen:
+            visit(m)
+
+
+def _graph_modules():
+    return {m for m in _graph() if "." in m and not m.endswith(("api", "core", "kernels", "objective",
+                                                                 "distributed", "pipeline", "integrations"))}
+
+
+def test_layer_rule_can_fail():
+    """The checker sees an upward import (a deliberate break, as a file would write it)."""
+    mod, deps = "gtpo_kernels.kernels.ops", {"gtpo_kernels.api.logits"}
+    assert LAYERS.index(_layer(next(iter(deps)))) > LAYERS.index(_layer(mod))
+
+
+def test_files_stay_small():
+    """No file of the package over about 300 lines (the kernels' file included)."""
+    big = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 330}
+    assert not big, f"files over ~300 lines: {big}"
