@@ -1,9 +1,12 @@
-"""The static GPU report, made on any machine: our kernels compiled ahead of time for Hopper and Ampere.
+"""The static GPU report, made on any machine: our kernels compiled ahead of time for Hopper (sm_90),
+Ampere (sm_80), Blackwell (sm_100) and AMD's CDNA3 (gfx942, MI300; counted by bench/aot_amd.py).
 
 Each kernel is specialized as a real launch would be (Triton's own binder on stand-in arguments: pointers
 16-byte aligned, V and the row strides divisible by 16 at real vocabulary sizes, T and logits_start not
-specialized), compiled with `triton.compile` for `GPUTarget("cuda", 90 | 80, 32)`, then
-- `ptxas -v` (the one Triton ships, triton/backends/nvidia/bin) gives registers and spill bytes;
+specialized, scale = 1 and no soft-cap unless --transforms), compiled with `triton.compile` for
+`GPUTarget("cuda", 90 | 80 | 100, 32)` (and `GPUTarget("hip", "gfx942", 64)`), then
+- `ptxas -v` (the one Triton ships, triton/backends/nvidia/bin; ptxas-blackwell for sm_100) gives
+  registers and spill bytes;
 - `cuobjdump -sass` of the cubin lists the global loads by width. The only tensor-shaped loads of both
   kernels are the logits (checked on the TTIR); the other loads are per-token scalars. So the logits
   are read with 16-byte loads when the SASS has LDG.E.128 and no more narrow loads than the kernel has
@@ -11,8 +14,9 @@ specialized), compiled with `triton.compile` for `GPUTarget("cuda", 90 | 80, 32)
 - the main vocabulary loop is found in that SASS (see `find_main_loop`): instructions per logit element,
   barriers and special-function (MUFU) operations per iteration;
 - occupancy (warps per SM) from registers and shared memory with the sm_90 / sm_80 limits (`SM_LIMITS`);
-- a roofline estimate for N = 16384 tokens, V = 151936, bf16 on an H100 SXM and an H200 (`DEVICES`,
-  `roofline`): the largest of memory time, issue time and special-function time.
+- a roofline estimate for N = 16384 tokens, V = 151936, bf16 on each device of `DEVICES` whose
+  constants are known, from the counts of its architecture (`roofline`): the largest of memory time,
+  issue time and special-function time. None for gfx942 (no constants established here).
 
 Method of the loop count. cuobjdump prints one instruction per address; the main loop is the body of the
 backward branch (`BRA` to a lower address, not a self-branch) whose body holds a global load (LDG) and,
@@ -30,8 +34,9 @@ Peers (`peer_kernels`, optional: compiled when installed, with their own launche
 the same way, shown with ours / theirs; they never decide the exit status): Liger-Kernel's GRPO loss
 forward and backward (pip install liger-kernel==0.8.5) and TRL's log-prob / entropy forward.
 
-    python -m bench.aot            # the table; writes bench/results/aot-sm90.json and the SASS under
-                                   # bench/results/aot/; exit status 1 if a kernel fails the check
+    python -m bench.aot            # the table; writes bench/out/aot-sm90.json (sm_90 and the peers),
+                                   # aot-archs.json (every architecture) and the SASS / AMDGCN under
+                                   # aot/ (--save: into bench/results/); exit 1 if a kernel fails
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ import tempfile
 
 import torch
 
-ARCHS = (90, 80)
+ARCHS = (90, 80, 100, "gfx942")  # an int: NVIDIA's compute capability; a str: an AMD target
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 V_REAL = 151936  # all of 32000, 128256, 151936, 262144 get the same specialization and BLOCK_V
 T_REAL = 1024
@@ -56,17 +61,29 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SM_LIMITS = {
     90: dict(regs=65536, reg_unit=256, max_warps=64, max_blocks=32, smem=228 * 1024, smem_per_block=1024),
     80: dict(regs=65536, reg_unit=256, max_warps=64, max_blocks=32, smem=164 * 1024, smem_per_block=1024),
+    100: dict(regs=65536, reg_unit=256, max_warps=64, max_blocks=32, smem=228 * 1024, smem_per_block=1024),
 }
 
-# The roofline's devices (both GH100, sm_90). bw: achievable device-to-device copy bandwidth in bytes/s
-# counting bytes read plus written (spec section 8: an H200 copies about 4.3 TB/s; an H100 SXM, 3.35 TB/s
-# HBM3 peak, about 3.0 TB/s the same way); clock: 1.755 GHz, the sustained boost clock under load (max
-# boost is 1.98 GHz; a lower clock is the cautious side for the issue and MUFU times); issue: warp
-# instructions issued per clock per SM (4 schedulers, 1 each); mufu: MUFU results (ex2, lg2, rcp) per
-# clock per SM (16, programming guide throughput table for 9.0).
+# The roofline's devices, each estimated from the counts of its architecture (`arch`). bw: achievable
+# device-to-device copy bandwidth in bytes/s counting bytes read plus written; clock: the sustained clock
+# under load; issue: warp instructions issued per clock per SM (4 schedulers, 1 each); mufu: MUFU
+# results (ex2, lg2, rcp) per clock per SM (16, programming guide throughput table for 8.0 and 9.0).
+# `basis` says where the numbers come from:
+# - H100 SXM, H200 (GH100, sm_90): spec section 8's 4.3 TB/s for an H200; an H100 SXM (3.35 TB/s HBM3
+#   peak) about 3.0 TB/s the same way; 1.755 GHz sustained (max boost 1.98 GHz: a lower clock is the
+#   cautious side for the issue and MUFU times).
+# - A100 SXM (GA100, sm_80): datasheet figures, not a measurement: 2.04 TB/s HBM2e peak, taken as
+#   ~1.9 TB/s of copy; 108 SMs; 1.41 GHz boost clock.
+# - B200 (sm_100): datasheet figures and assumptions, not a measurement: 8 TB/s HBM3e peak, taken as
+#   ~7 TB/s of copy; 148 SMs; the clock assumed as GH100's 1.755 GHz and the issue / MUFU rates as
+#   sm_90's (no published per-SM table used here).
+# - gfx942 (MI300X): no entry; its issue model (wave64 on SIMD16) and copy bandwidth are not
+#   established here, so no estimate is made.
 DEVICES = {
-    "H100 SXM": dict(sms=132, clock=1.755e9, bw=3.0e12, issue=4, mufu=16),
-    "H200": dict(sms=132, clock=1.755e9, bw=4.3e12, issue=4, mufu=16),
+    "H100 SXM": dict(arch=90, sms=132, clock=1.755e9, bw=3.0e12, issue=4, mufu=16, basis="estimate from the 3.35 TB/s peak"),
+    "H200": dict(arch=90, sms=132, clock=1.755e9, bw=4.3e12, issue=4, mufu=16, basis="spec 8"),
+    "A100 SXM": dict(arch=80, sms=108, clock=1.41e9, bw=1.9e12, issue=4, mufu=16, basis="datasheet"),
+    "B200": dict(arch=100, sms=148, clock=1.755e9, bw=7.0e12, issue=4, mufu=16, basis="datasheet + assumed"),
 }
 ROOF_N, ROOF_V = 16384, 151936  # roofline problem: N counted tokens (every row carries a gradient)
 
@@ -89,7 +106,7 @@ def _arg_for(name, dtype, V, T, has_e):
         return _Ptr({"logits_ptr": dtype, "grad_ptr": dtype, "ids_ptr": torch.int64, "mask_ptr": torch.bool,
                      "bad_ptr": torch.int8}.get(name, torch.float32))
     table = {"stride_lb": T_l * V, "stride_gb": T_l * V, "stride_lt": V, "stride_gt": V, "T": T, "T_l": T_l,
-             "V": V, "logits_start": 0}
+             "V": V, "logits_start": 0, "scale": 0.5, "softcap": 30.0}  # floats: never specialized
     if name in table:
         return table[name]
     raise KeyError(f"aot: no stand-in for kernel parameter {name!r}; teach bench/aot.py its value")
@@ -108,7 +125,7 @@ class AotResult:
     kernel: str
     variant: str
     dtype: str
-    arch: int
+    arch: object  # int (NVIDIA compute capability) or str (AMD target)
     V: int
     ok: bool
     registers: int = -1
@@ -176,7 +193,8 @@ def find_main_loop(sass):
     ins = sass_instructions(sass)
     best = None
     for i, (addr, text) in enumerate(ins):
-        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        # BRA 0x..., or on sm_100 BRA.U !UP0, 0x... (the uniform predicate an operand)
+        m = re.search(r"\bBRA(?:\.U)?\s+(?:!?U?P\w+\s*,\s*)?(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
         if not m or not _opcode(text).startswith("BRA"):
             continue
         target = int(m.group(1), 16)
@@ -234,25 +252,41 @@ def roofline(r, device, n=ROOF_N, v=ROOF_V):
     return dict(parts, est_ms=parts[bound], bound=bound.replace("_ms", ""))
 
 
+def arch_name(arch):
+    return arch if isinstance(arch, str) else f"sm_{arch}"
+
+
+def _target(arch):
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget("hip", arch, 64) if isinstance(arch, str) else GPUTarget("cuda", arch, 32)
+
+
+def _variant(has_e, transform):
+    v = "" if has_e is None else ("HAS_E" if has_e else "no E")
+    extra = ("+scale" if transform[0] else "") + ("+cap" if transform[1] else "")
+    return (v or "-") + extra if extra else v
+
+
 def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_vector=True, peer=None,
-                   block=None, warps=None) -> AotResult:
+                   block=None, warps=None, transform=(False, False)) -> AotResult:
     """One kernel compiled and counted. `peer` (another project's kernel, see `peer_kernels`): a dict with
     provider, variant, kwargs (every parameter by name, constexprs included, as its launcher passes them),
-    block, num_warps and num_stages. block / warps: another launch configuration of ours (bench.tune)."""
+    block, num_warps and num_stages. block / warps: another launch configuration of ours (bench.tune).
+    transform: (HAS_SCALE, HAS_SOFTCAP) of our kernels (the default path: neither). arch: an int (NVIDIA,
+    counted on the SASS) or an AMD target such as "gfx942" (counted by bench.aot_amd)."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
     from gtpo_kernels.kernels import vocab_triton as vt
 
     name = kernel.fn.__name__
-    variant = "" if has_e is None else ("HAS_E" if has_e else "no E")
-    if peer is not None:
-        variant = peer["variant"]
-    res = AotResult(name, variant, str(dtype).replace("torch.", ""), arch, V, ok=False, expect_vector=expect_vector)
+    variant = _variant(has_e, transform) if peer is None else peer["variant"]
+    amd = isinstance(arch, str)
+    res = AotResult(name, variant, str(dtype).replace("torch.", ""), arch, V, ok=False,
+                    expect_vector=expect_vector and not amd)
     try:
-        target = GPUTarget("cuda", arch, 32)
+        target = _target(arch)
         backend = make_backend(target)
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)
         if peer is None:
@@ -260,6 +294,8 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
             meta = {"BLOCK_V": bv, "num_warps": warps or vt.num_warps_for(bv)}
             if has_e is not None:
                 meta["HAS_E"] = has_e
+            if any(p.name == "HAS_SOFTCAP" for p in kernel.params):
+                meta["HAS_SCALE"], meta["HAS_SOFTCAP"] = transform
             args = [_arg_for(p.name, dtype, V, T, has_e) for p in kernel.params if not p.is_constexpr]
             bound, spec, opts = binder(*args, **meta)
         else:
@@ -271,39 +307,50 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
             bound, spec, opts = binder(**kw, num_warps=meta["num_warps"], num_stages=meta["num_stages"])
         options, sig, constexprs, attrs = kernel._pack_args(backend, meta, bound, spec, opts)
         ck = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target, options=options.__dict__)
-        ptx, cubin, ttir = ck.asm["ptx"], ck.asm["cubin"], ck.asm["ttir"]
         res.block, res.num_warps, res.shared = bv, meta["num_warps"], int(getattr(ck.metadata, "shared", 0))
-        gpu = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1).rstrip(",")
-        with tempfile.TemporaryDirectory() as d:
-            with open(os.path.join(d, "k.ptx"), "w") as f:
-                f.write(ptx)
-            with open(os.path.join(d, "k.cubin"), "wb") as f:
-                f.write(cubin)
-            info = subprocess.run([_bin("ptxas"), "-v", f"--gpu-name={gpu}", os.path.join(d, "k.ptx"), "-o",
-                                   os.path.join(d, "v.cubin")], capture_output=True, text=True, check=True)
-            sass = subprocess.run([_bin("cuobjdump"), "-sass", os.path.join(d, "k.cubin")], capture_output=True,
-                                  text=True, check=True).stdout
-        text = info.stdout + info.stderr
-        res.registers = int(re.search(r"Used (\d+) registers", text).group(1))
-        sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-        res.spill_stores, res.spill_loads = int(sp.group(1)), int(sp.group(2))
-        widths = _ldg_widths(sass)
-        res.ldg128 = sum(w == 128 for w in widths)
-        res.narrow_ldg = sum(w < 128 for w in widths)
-        loads = [ln for ln in ttir.splitlines() if "tt.load" in ln]
-        res.scalar_loads = sum("tensor<" not in ln for ln in loads)
-        (res.loop_instr, res.elems_per_thread, res.instr_per_elem, res.bar_per_iter, res.mufu_per_elem,
-         res.ldg128_in_loop, res.loop_note) = loop_stats(sass, bv, res.num_warps, dtype.itemsize)
-        res.warps_per_sm = warps_per_sm(res.registers, res.num_warps, res.shared, arch)
-        res.sass_text = sass
+        if amd:
+            from . import aot_amd
+            aot_amd.count(res, ck.asm["amdgcn"], bv, res.num_warps, dtype.itemsize)
+            res.sass_text = ck.asm["amdgcn"]
+        else:
+            _count_nvidia(res, ck, arch, dtype)
         elem = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype]
-        tensor_loads = [ln for ln in loads if "tensor<" in ln]
+        tensor_loads = [ln for ln in ck.asm["ttir"].splitlines() if "tt.load" in ln and "tensor<" in ln]
         if peer is None and any(f"!tt.ptr<{elem}>" not in ln for ln in tensor_loads):
             res.error = "a tensor-shaped load that is not of the logits: the check's premise no longer holds"
     except Exception as e:  # a compile error is a result
         res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
     res.ok = not res.problems()
     return res
+
+
+def _count_nvidia(res, ck, arch, dtype):
+    """ptxas -v (registers, spills) and cuobjdump's SASS (loads, the main loop) of a CUDA compile."""
+    ptx, cubin, ttir = ck.asm["ptx"], ck.asm["cubin"], ck.asm["ttir"]
+    gpu = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1).rstrip(",")
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.ptx"), "w") as f:
+            f.write(ptx)
+        with open(os.path.join(d, "k.cubin"), "wb") as f:
+            f.write(cubin)
+        ptxas = _bin("ptxas-blackwell" if arch >= 100 else "ptxas")
+        info = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", os.path.join(d, "k.ptx"), "-o",
+                               os.path.join(d, "v.cubin")], capture_output=True, text=True, check=True)
+        sass = subprocess.run([_bin("cuobjdump"), "-sass", os.path.join(d, "k.cubin")], capture_output=True,
+                              text=True, check=True).stdout
+    text = info.stdout + info.stderr
+    res.registers = int(re.search(r"Used (\d+) registers", text).group(1))
+    sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    res.spill_stores, res.spill_loads = int(sp.group(1)), int(sp.group(2))
+    widths = _ldg_widths(sass)
+    res.ldg128 = sum(w == 128 for w in widths)
+    res.narrow_ldg = sum(w < 128 for w in widths)
+    loads = [ln for ln in ttir.splitlines() if "tt.load" in ln]
+    res.scalar_loads = sum("tensor<" not in ln for ln in loads)
+    (res.loop_instr, res.elems_per_thread, res.instr_per_elem, res.bar_per_iter, res.mufu_per_elem,
+     res.ldg128_in_loop, res.loop_note) = loop_stats(sass, res.block, res.num_warps, dtype.itemsize)
+    res.warps_per_sm = warps_per_sm(res.registers, res.num_warps, res.shared, arch)
+    res.sass_text = sass
 
 
 def _load_peer_file(package, relpath):
@@ -363,9 +410,10 @@ def report_peers(arch=90, dtype=torch.bfloat16):
     return [compile_kernel(k, dtype, arch, peer=p) for k, p in peer_kernels(dtype)]
 
 
-def report(archs=ARCHS, dtypes=DTYPES, odd_v=True):
+def report(archs=ARCHS, dtypes=DTYPES, odd_v=True, transforms=False):
     """Every kernel variant x dtype x arch at V_REAL, plus (informational, `expect_vector=False`) the
-    forward in bfloat16 at V = 50257, whose odd row stride allows no 16-byte load."""
+    forward in bfloat16 at V = 50257, whose odd row stride allows no 16-byte load; with `transforms`,
+    each kernel variant with scale != 1 and with the soft-cap, bf16, every arch (variant '+scale', '+cap')."""
     from gtpo_kernels.kernels import vocab_triton as vt
     out = []
     for arch in archs:
@@ -375,6 +423,11 @@ def report(archs=ARCHS, dtypes=DTYPES, odd_v=True):
                 out.append(compile_kernel(vt._vocab_bwd_kernel, dt, arch, has_e=has_e))
     if odd_v:
         out.append(compile_kernel(vt._vocab_fwd_kernel, torch.bfloat16, archs[0], V=50257, expect_vector=False))
+    for arch in archs if transforms else ():
+        for tr in ((True, False), (False, True)):
+            out.append(compile_kernel(vt._vocab_fwd_kernel, torch.bfloat16, arch, transform=tr))
+            for has_e in (False, True):
+                out.append(compile_kernel(vt._vocab_bwd_kernel, torch.bfloat16, arch, has_e=has_e, transform=tr))
     return out
 
 
@@ -393,7 +446,9 @@ def report_in_subprocess(timeout=600):
 
 
 def format_table(results):
-    lines = [f"{'kernel':<22} {'variant':<6} {'dtype':<9} {'arch':<5} {'V':>7} {'regs':>5} {'spill':>7} "
+    """One row per compiled kernel. spill: bytes stored / loaded (NVIDIA, ptxas -v); for gfx942 the
+    VGPR + SGPR spill count / scratch bytes (bench.aot_amd); LDG.128: 16-byte loads (dwordx4 on AMD)."""
+    lines = [f"{'kernel':<22} {'variant':<10} {'dtype':<9} {'arch':<6} {'V':>7} {'regs':>5} {'spill':>7} "
              f"{'LDG.128':>7} {'narrow':>6} {'instr/el':>8} {'BAR/it':>6} {'MUFU/el':>7} {'warps/SM':>8}  verdict"]
     for r in results:
         verdict = "ok" if r.ok else "FAIL: " + "; ".join(r.problems())
@@ -402,16 +457,20 @@ def format_table(results):
                 ("" if r.ok else f" ({verdict})")
         if r.loop_note:
             verdict += f" [loop: {r.loop_note}]"
-        lines.append(f"{r.kernel:<22} {r.variant:<6} {r.dtype:<9} sm_{r.arch:<2} {r.V:>7} {r.registers:>5} "
+        if isinstance(r.arch, str) and not r.error:
+            verdict = ("ok" if r.ok else verdict) + " (AMD: load widths informational)"
+        lines.append(f"{r.kernel:<22} {r.variant:<10} {r.dtype:<9} {arch_name(r.arch):<6} {r.V:>7} {r.registers:>5} "
                      f"{r.spill_stores:>3}/{r.spill_loads:<3} {r.ldg128:>7} {r.narrow_ldg:>6} "
                      f"{r.instr_per_elem:>8.2f} {r.bar_per_iter:>6} {r.mufu_per_elem:>7.3f} {r.warps_per_sm:>8}"
                      f"  {verdict}")
     return "\n".join(lines)
 
 
-def _headline(results):
-    """The rows of the roofline: bf16, sm_90, V = V_REAL, each kernel variant."""
-    return [r for r in results if r.arch == 90 and r.dtype == "bfloat16" and r.V == V_REAL and not r.error]
+def _headline(results, archs=(90,)):
+    """The rows of the roofline: bf16, V = V_REAL, each kernel variant of the default path (no transform),
+    on the given architectures."""
+    return [r for r in results if r.arch in archs and r.dtype == "bfloat16" and r.V == V_REAL and not r.error
+            and "+" not in r.variant]
 
 
 def _kind(kernel):
@@ -419,15 +478,16 @@ def _kind(kernel):
 
 
 def records(results):
-    """bench/results/aot-sm90.json: one record per kernel variant and device (ours, then any peers'); a
-    peer's record carries ours / theirs for the same pass (forward: our forward; backward: our backward
-    without the entropy term, the peers have none)."""
+    """One record per kernel variant and device of DEVICES, from the counts of the device's architecture
+    (ours, then any peers'; aot-sm90.json holds the sm_90 ones, aot-archs.json all); a peer's record
+    carries ours / theirs for the same pass (forward: our forward; backward: our backward without the
+    entropy term, the peers have none)."""
     out = []
-    for r in _headline(results):
-        sass = os.path.join("aot", _sass_name(r))  # under the folder holding aot-sm90.json
-        for dev in DEVICES:
+    for r in _headline(results, ARCHS):
+        sass = os.path.join("aot", _sass_name(r))  # under the folder holding the JSON
+        for dev in (d for d, c in DEVICES.items() if c["arch"] == r.arch):
             out.append(dict(provider=r.provider, kernel=r.kernel, variant=r.variant or "-", dtype=r.dtype,
-                            arch=f"sm_{r.arch}", V=r.V, block=r.block, num_warps=r.num_warps,
+                            arch=arch_name(r.arch), V=r.V, block=r.block, num_warps=r.num_warps,
                             elems_per_thread=r.elems_per_thread, loop_instr=r.loop_instr,
                             instr_per_elem=round(r.instr_per_elem, 3), bar_per_iter=r.bar_per_iter,
                             mufu_per_elem=round(r.mufu_per_elem, 4), regs=r.registers,
@@ -451,8 +511,9 @@ def records(results):
 def format_roofline(recs):
     lines = [f"roofline: N={ROOF_N} V={ROOF_V} bf16; memory = bytes / bw, issue = instr / (SMs * 4 * clock), "
              f"MUFU = ops / (SMs * 16 * clock); " + "; ".join(
-                 f"{k}: {d['sms']} SMs, {d['clock'] / 1e9:.3f} GHz, {d['bw'] / 1e12:.2f} TB/s"
-                 for k, d in DEVICES.items()),
+                 f"{k} ({arch_name(d['arch'])}): {d['sms']} SMs, {d['clock'] / 1e9:.3f} GHz, "
+                 f"{d['bw'] / 1e12:.2f} TB/s [{d['basis']}]" for k, d in DEVICES.items())
+             + "; gfx942: no estimate (constants not established)",
              f"{'provider':<13} {'kernel':<22} {'variant':<6} {'block':>5} {'warps':>5} {'instr/el':>8} "
              f"{'BAR/it':>6} {'regs':>4} {'device':<9} {'mem ms':>7} {'issue ms':>8} {'MUFU ms':>7} "
              f"{'est ms':>7}  bound  ours/theirs (est, instr)"]
@@ -469,7 +530,8 @@ def format_roofline(recs):
 def _sass_name(r):
     v = {"": "", "-": "", "no E": "-noE", "HAS_E": "-E"}.get(r.variant, "-" + r.variant.replace(" ", ""))
     who = "" if r.provider == "gtpo_kernels" else r.provider + "-"
-    return f"{who}{r.kernel.strip('_')}{v}-{r.dtype}-sm{r.arch}.sass"
+    ext = "amdgcn" if isinstance(r.arch, str) else "sass"
+    return f"{who}{r.kernel.strip('_')}{v}-{r.dtype}-{arch_name(r.arch).replace('_', '')}.{ext}"
 
 
 def _clean_sass(sass):
@@ -483,10 +545,11 @@ def _clean_sass(sass):
 
 
 def write_results(results, root=RESULTS):
-    """aot-sm90.json and the headline kernels' SASS under bench/results/aot/."""
+    """aot-sm90.json (the sm_90 records, ours and the peers'), aot-archs.json (every architecture's) and
+    the headline kernels' SASS (AMDGCN for gfx942) under bench/results/aot/."""
     import json
     os.makedirs(os.path.join(root, "aot"), exist_ok=True)
-    for r in _headline(results):
+    for r in _headline(results, ARCHS):
         if r.sass_text:
             with open(os.path.join(root, "aot", _sass_name(r)), "w") as f:
                 f.write(_clean_sass(r.sass_text))
@@ -494,26 +557,47 @@ def write_results(results, root=RESULTS):
     repo = os.path.dirname(os.path.dirname(RESULTS))
     for rec in recs:  # the SASS path as written, from the repository's root (bench/results/aot/... with --save)
         rec["sass"] = os.path.relpath(os.path.join(root, rec["sass"]), repo)
-    with open(os.path.join(root, "aot-sm90.json"), "w") as f:
-        json.dump(recs, f, indent=1)
-        f.write("\n")
+    for name, keep in (("aot-sm90.json", [c for c in recs if c["arch"] == "sm_90"]),
+                       ("aot-archs.json", recs + arch_rows(results))):
+        with open(os.path.join(root, name), "w") as f:
+            json.dump(keep, f, indent=1)
+            f.write("\n")
     return recs
+
+
+def arch_rows(results):
+    """The architectures without a device in DEVICES (gfx942): their counts, no estimate."""
+    known = {c["arch"] for c in DEVICES.values()}
+    return [dict(provider=r.provider, kernel=r.kernel, variant=r.variant or "-", dtype=r.dtype,
+                 arch=arch_name(r.arch), V=r.V, block=r.block, num_warps=r.num_warps,
+                 elems_per_thread=r.elems_per_thread, loop_instr=r.loop_instr,
+                 instr_per_elem=round(r.instr_per_elem, 3), bar_per_iter=r.bar_per_iter,
+                 mufu_per_elem=round(r.mufu_per_elem, 4), regs=r.registers, spill=[r.spill_stores, r.spill_loads],
+                 warps_per_sm=r.warps_per_sm, device=None, est_ms=None,
+                 estimate="none: the device's constants are not established here",
+                 sass=os.path.join("aot", _sass_name(r)))
+            for r in _headline(results, ARCHS) if r.arch not in known]
 
 
 def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(
         prog="python -m bench.aot", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Compile our kernels (and the installed peers') for sm_90 / sm_80 without a GPU and report "
-                    "registers, spills, 16-byte loads, SASS instructions per element, barriers, occupancy and a "
-                    "roofline estimate (N=16384, V=151936, bf16; H100 SXM and H200).")
+        description="Compile our kernels (and the installed peers', for sm_90) for sm_90 / sm_80 / sm_100 and "
+                    "AMD gfx942 without a GPU and report registers, spills, 16-byte loads, instructions per "
+                    "element in the main loop, barriers, occupancy and a roofline estimate (N=16384, V=151936, "
+                    "bf16) on the devices whose constants are known (H100 SXM, H200, A100 SXM, B200).")
     ap.add_argument("--json", action="store_true", help="print the records as JSON instead of the tables")
     ap.add_argument("--save", action="store_true",
-                    help="write aot-sm90.json and the SASS into bench/results/ (the committed record)")
+                    help="write aot-sm90.json, aot-archs.json and the SASS into bench/results/ (the committed "
+                         "record)")
+    ap.add_argument("--transforms", action="store_true",
+                    help="also compile the tile's transforms (scale, soft-cap) in bf16 on every architecture "
+                         "(informational rows, not in the records)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(RESULTS), "out"),
                     help="where a run without --save writes them (git-ignored)")
     args = ap.parse_args(argv)
-    res = report()
+    res = report(transforms=args.transforms)
     if args.json:
         import json
         print(json.dumps([{k: v for k, v in r.__dict__.items() if k != "sass_text"} for r in res]))
@@ -530,7 +614,8 @@ def main(argv=None):
         print()
         root = RESULTS if args.save else args.out
         print(format_roofline(write_results(res + peers, root)))
-        print(f"\nwritten: {os.path.join(root, 'aot-sm90.json')} and the SASS under {os.path.join(root, 'aot')}"
+        print(f"\nwritten: {os.path.join(root, 'aot-sm90.json')}, aot-archs.json and the SASS / AMDGCN under "
+              f"{os.path.join(root, 'aot')}"
               + ("" if args.save else " (--save writes bench/results/)"))
     sys.exit(0 if all(r.ok for r in res) else 1)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one script (about 6 minutes on an H200; each step has its own time limit):
+# The GPU check, one script (about 8 minutes on an H200; each step has its own time limit):
 #   1. the correctness tests on CUDA (Triton compiled, not interpreted) and the runtime checks of
 #      tests/cuda_runtime_check.py (host syncs, JIT cache, CUDA graphs);
 #   2. our kernels against the float64 reference on sampled completions of a problem with
@@ -11,6 +11,8 @@
 #      V = 151936, bf16: materialized logits + gtpo_loss, linear_gtpo_loss fused / recompute, TRL's
 #      ChunkedLogProbFunction + the same loss, Liger-Kernel's LigerFusedLinearGRPOLoss; fwd+bwd time over
 #      TRL's and peak memory above inputs and gradients, at TRL's default tile (4096 x 32768 bf16 = 256 MiB);
+#   4b. the LM head alone at V = 151936 and a 7-8B model's hidden size (N = 8192, D = 4096) with the budget
+#      TRL uses (its 256 MiB tile): linear_gtpo_loss fused / recompute against TRL's and Liger's heads;
 #   5. the launch configurations of bench/tune.py's static model (BLOCK_V x warps) timed on this GPU
 #      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/kernels/vocab_triton.py.
 # Results (JSON, PNG) go to $OUT when set (the device runner brings that folder back), else bench/results.
@@ -59,6 +61,11 @@ step "4. linear suite (from hidden states) at V = 151936"
 timeout 150 python -m bench --device cuda --suite linear --linear-size 4096,1024,151936 \
   --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "linear suite: exit $rc"; status=1; }
+
+step "4b. the LM head at V = 151936, D = 4096, TRL's tile budget: ours against TRL's and Liger's heads"
+timeout 120 python -m bench --device cuda --suite linear --linear-size 8192,4096,151936 \
+  --linear-impls fused,recompute,trl,liger --linear-tile 256 --out "$OUT_DIR" 2>&1
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "LM head at V = 151936: exit $rc"; status=1; }
 
 step "5. launch configurations: the static model's candidates (bench/tune.py) timed on this GPU"
 timeout 90 python -m bench.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12

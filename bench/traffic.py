@@ -163,7 +163,7 @@ def measure_ours(inp, cfg, keep=None):
     B, T_l, V = inp.logits.shape
     with TrafficCounter(vt._vocab_fwd_kernel) as fwd:
         out = gtpo_loss(inp.logits, inp.ids, inp.adv, inp.mask, lam=inp.lam, n_conf=inp.n_conf, config=cfg,
-                        backend="triton")
+                        logits_start=0, backend="triton")
     with TrafficCounter(vt._vocab_bwd_kernel) as bwd:
         grad, = torch.autograd.grad(out.loss, inp.logits)
     if keep is not None:

@@ -14,7 +14,7 @@ import gtpo_reference as ref
 from batches import DTYPES, cases, cases_and_configs, completion_entropies, reference_logps
 from conftest import TOL, assert_grad_close, assert_value_close
 from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss, token_logprobs
-from gtpo_kernels.kernels import vocab_torch, vocab_triton
+from gtpo_kernels.kernels import dispatch, ops, vocab_torch, vocab_triton
 
 BACKENDS = ["triton", "torch"]
 # GTPO_TEST_DEVICE=cuda (with TRITON_INTERPRET=0, as bench/gpu_check.sh runs them) sends our side of the
@@ -159,6 +159,65 @@ def test_loss_and_gradient_match_reference(backend, data, old_noise, small, seed
     # an all-zero reference gradient compares little: the strategy makes it rare (zero advantages
     # without shaping, every token clipped or weighted 0), and such an example does not count
     assume((rg != 0).any())
+
+
+def _transformed(z, scale, softcap):
+    """The tile's transforms of spec 11 on materialized logits (the reference side)."""
+    z = z * scale
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(seed=st.integers(0, 2**20), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       transform=st.sampled_from([(0.6, None), (1.0, 4.0), (2.5, 3.0)]), tau=st.sampled_from([0.7, 1.3]),
+       has_e=st.booleans(), inplace=st.booleans(), small=st.booleans())
+def test_transforms_match_reference(backend, seed, dtype, transform, tau, has_e, inplace, small):
+    """scale and softcap applied inside the vocabulary passes (forward values and the gradient of the raw
+    logits) against the float64 reference on materialized transformed logits: -inf entries, saturated
+    and small tanh arguments, uncounted tokens, rows outside the completion window, in-place backward."""
+    scale, softcap = transform
+    gen = torch.Generator().manual_seed(seed)
+    B, T, start, V = 2, 5, 1, 37
+    z = (6 * torch.randn(B, start + T + 1, V, generator=gen)).to(dtype)
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    counted = torch.rand(B, T, generator=gen) < 0.8
+    counted[0, 0] = True
+    ban = torch.rand(z.shape, generator=gen) < 0.2  # -inf entries (banned vocabulary), never a target
+    ban[:, start:start + T].scatter_(2, ids[..., None], False)
+    z = z.masked_fill(ban, float("-inf"))
+    c = torch.randn(B * T, generator=gen) * counted.reshape(-1)
+    e = torch.randn(B * T, generator=gen) * counted.reshape(-1) if has_e else None
+    zr = z.double().requires_grad_()
+    rlp, rent = ref.token_logprobs(_transformed(zr, scale, softcap)[:, start:start + T], ids, tau, counted)
+    obj = (rlp.reshape(-1) * c.double()).sum() + (0 if e is None else (rent.reshape(-1) * e.double()).sum())
+    rg, = torch.autograd.grad(obj, zr)
+    assert (rg != 0).any()
+    zd, idd, cd = dev(z, ids.reshape(-1), counted.reshape(-1))
+    temp = ops.as_tensor_param(tau)
+    with small_chunks(small), poisoned_empty():
+        lp, ent, stats, bad = ops.vocab_fwd(zd, idd, cd, temp, start, scale, softcap, backend)
+        if inplace:
+            grad = zd.clone()
+            ops.vocab_bwd_inplace(grad, idd, stats, ent, *dev(c, e), temp, start, scale, softcap, backend)
+        else:
+            grad = torch.full_like(zd, float("nan"))  # poisoned: every entry must be written
+            dispatch.vocab_bwd(backend, zd, grad, idd, stats, ent, *dev(c, e), temp, start, scale, softcap)
+    tol = TOL[dtype]
+    assert (bad.cpu() == 0).all()
+    assert_value_close("logp", lp.cpu(), rlp.detach().reshape(-1), tol["value"])
+    assert_value_close("entropy", ent.cpu(), rent.detach().reshape(-1), tol["value"])
+    assert grad.dtype == dtype
+    assert_grad_close("grad of the raw logits", grad.cpu(), rg, tol["grad"])
+
+
+@pytest.mark.parametrize("scale, softcap, err", [(float("nan"), None, TypeError), ("2", None, TypeError),
+                                                 (1.0, 0.0, ValueError), (1.0, -3.0, ValueError),
+                                                 (1.0, float("inf"), ValueError)])
+def test_transforms_refuse_bad_values(scale, softcap, err):
+    z, ids = torch.randn(1, 3, 8), torch.zeros(3, dtype=torch.long)
+    name = "scale" if err is TypeError else "softcap"
+    with pytest.raises(err, match=name):
+        dispatch.vocab_fwd("torch", z, ids, torch.ones(3, dtype=torch.bool), 1.0, 0, scale, softcap)
 
 
 @given(case=cases(), seed=st.integers(0, 1000))

@@ -18,7 +18,7 @@ from gtpo_kernels.kernels import conflict_triton, dispatch, vocab_triton
 
 KERNELS = [vocab_triton._vocab_fwd_kernel, vocab_triton._vocab_bwd_kernel,
            conflict_triton._raw_conflicts_kernel]
-ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "BLOCK_G", "BLOCK_T"}  # block sizes and switches only
+ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", "BLOCK_T"}  # block sizes, switches
 PER_BATCH_SIZES = {"T", "T_l", "logits_start", "n_t_blocks"}  # vary every step
 
 

@@ -3,7 +3,9 @@
 `gtpo_loss` computes the loss value and the per-token coefficients c = dL/dlogp, e = dL/dH in closed
 form between the passes (surrogate.py, O(tokens)); `attach_grad` hands the value back with
 
-    dL/dlogits = g * (c * dlogp/dz + e * dH/dz)   (see vocab_triton's docstring)
+    dL/dlogits = g * (c * dlogp/dz + e * dH/dz)   (see vocab_bwd_triton's docstring)
+
+with z the raw logits (scale and softcap, the tile's transforms, are in the chain rule of the kernels).
 
 attached, g being the incoming gradient (a scalar, or one per token with loss_agg='none'). Saved for
 backward: the logits by reference and O(1) numbers per token (ids, stats, H, c, e).
@@ -16,9 +18,9 @@ from . import ops
 
 
 def _setup_context(ctx, inputs, output):
-    logits3, _value, ids, stats, ent, c, e, temperature, logits_start, backend, inplace = inputs
+    logits3, _value, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend, inplace = inputs
     ctx.save_for_backward(logits3, ids, stats, ent, c, e, temperature)
-    ctx.meta = (logits_start, backend, inplace)
+    ctx.meta = (logits_start, scale, softcap, backend, inplace)
 
 
 def _scale(coef, g):
@@ -29,15 +31,15 @@ def _scale(coef, g):
 
 def _backward(ctx, grad):
     logits3, ids, stats, ent, c, e, temperature = ctx.saved_tensors
-    logits_start, backend, inplace = ctx.meta
+    logits_start, scale, softcap, backend, inplace = ctx.meta
     g = grad.reshape(-1).to(c.dtype)  # scalar loss: (1,); loss_agg='none': one per token
     c, e = _scale(c, g), _scale(e, g)
     if inplace:
-        ops.vocab_bwd_inplace(logits3, ids, stats, ent, c, e, temperature, logits_start, backend)
+        ops.vocab_bwd_inplace(logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend)
         grad3 = logits3.view(logits3.shape)  # a fresh view: autograd can take it as .grad without a copy
     else:
-        grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, backend)
-    return (grad3,) + (None,) * 10
+        grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend)
+    return (grad3,) + (None,) * 12
 
 
 ops.attach_grad.register_autograd(_backward, setup_context=_setup_context)

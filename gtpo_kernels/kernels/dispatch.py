@@ -1,10 +1,12 @@
 """Which implementation runs each pass: the Triton kernels or the PyTorch path.
 
     vocab_fwd / vocab_bwd   vocab_triton (CUDA, or the interpreter) | vocab_torch (chunked rows)
+                            (both apply the tile's transforms, scale and softcap, to the raw logits)
     raw_conflicts           conflict_triton                         | conflict_torch (sort-based)
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -38,6 +40,11 @@ def interpreter_active() -> bool:
     return vocab_triton.interpreted()
 
 
+def _resolved(backend, logits3):
+    """'auto' (the custom ops' default) as resolve_backend chooses it; a resolved name as it is."""
+    return resolve_backend(backend, logits3.device, logits3.dtype) if backend == "auto" else backend
+
+
 def _vocab_impl(backend):
     if backend == "triton":
         from . import vocab_triton as impl
@@ -54,13 +61,30 @@ def _temperature(backend, temperature):
     return float(temperature)
 
 
-def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start):
-    return _vocab_impl(backend).vocab_fwd(logits3, ids, counted, _temperature(backend, temperature), logits_start)
+def check_transforms(scale, softcap):
+    """The tile's transforms as the kernels take them (spec 11): scale a finite number, softcap None or
+    a finite number > 0. Python numbers: no device read."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale (logit_scale) must be a finite Python number, got {scale!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap (logit_softcap) must be None or a finite number > 0, got {softcap!r}")
 
 
-def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
-    return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e, _temperature(backend, temperature),
-                                          logits_start)
+def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
+    """Per token (logp, H, stats, flags) of z' = softcap * tanh(z * scale / softcap) (or z * scale)."""
+    check_transforms(scale, softcap)
+    backend = _resolved(backend, logits3)
+    return _vocab_impl(backend).vocab_fwd(logits3, ids, counted, _temperature(backend, temperature),
+                                          logits_start, scale, softcap)
+
+
+def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None):
+    """dL/dz of the raw logits into grad3 (stats from vocab_fwd with the same scale and softcap)."""
+    check_transforms(scale, softcap)
+    backend = _resolved(backend, logits3)
+    return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e,
+                                          _temperature(backend, temperature), logits_start, scale, softcap)
 
 
 def raw_conflicts(backend, ids, m, pos, neg, group_size):

@@ -6,7 +6,9 @@
     attach_grad       (logits, value) -> value; its autograd rule (autograd.py) runs vocab_bwd
     raw_conflicts     the raw conflict flags of spec section 3
 
-Being custom ops, the passes are opaque to `torch.compile`, which traces everything around them
+`scale` and `softcap` (after logits_start, before backend) are the tile's transforms of spec 11,
+applied by the kernels to the raw logits (dispatch.vocab_fwd); the defaults leave the logits as they are.
+`backend` defaults to 'auto' (resolved by dispatch). Being custom ops, the passes are opaque to `torch.compile`, which traces everything around them
 without graph breaks. Which implementation runs is `dispatch`'s choice.
 """
 from __future__ import annotations
@@ -33,12 +35,13 @@ def acc_dtype(logits3, backend):
 
 @torch.library.custom_op("gtpo_kernels::vocab_fwd", mutates_args=())
 def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, temperature: torch.Tensor,
-              logits_start: int, backend: str) -> List[torch.Tensor]:
-    return list(dispatch.vocab_fwd(backend, logits3, ids, counted, temperature, logits_start))
+              logits_start: int, scale: float = 1.0, softcap: Optional[float] = None,
+              backend: str = "auto") -> List[torch.Tensor]:
+    return list(dispatch.vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale, softcap))
 
 
 @vocab_fwd.register_fake
-def _(logits3, ids, counted, temperature, logits_start, backend):
+def _(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, backend="auto"):
     n = ids.numel()
     acc = acc_dtype(logits3, backend)
     return [logits3.new_empty(n, dtype=acc), logits3.new_empty(n, dtype=acc),
@@ -48,33 +51,42 @@ def _(logits3, ids, counted, temperature, logits_start, backend):
 @torch.library.custom_op("gtpo_kernels::vocab_bwd", mutates_args=())
 def vocab_bwd(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent: torch.Tensor,
               c: torch.Tensor, e: Optional[torch.Tensor], temperature: torch.Tensor,
-              logits_start: int, backend: str) -> torch.Tensor:
+              logits_start: int, scale: float = 1.0, softcap: Optional[float] = None,
+              backend: str = "auto") -> torch.Tensor:
     grad3 = torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
-    dispatch.vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start)
+    dispatch.vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap)
     return grad3
 
 
 @vocab_bwd.register_fake
-def _(logits3, ids, stats, ent, c, e, temperature, logits_start, backend):
+def _(logits3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto"):
     return torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
 
 
 @torch.library.custom_op("gtpo_kernels::vocab_bwd_inplace", mutates_args=("logits3",))
 def vocab_bwd_inplace(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent: torch.Tensor,
                       c: torch.Tensor, e: Optional[torch.Tensor], temperature: torch.Tensor,
-                      logits_start: int, backend: str) -> None:
-    dispatch.vocab_bwd(backend, logits3, logits3, ids, stats, ent, c, e, temperature, logits_start)
+                      logits_start: int, scale: float = 1.0, softcap: Optional[float] = None,
+                      backend: str = "auto") -> None:
+    dispatch.vocab_bwd(backend, logits3, logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap)
+
+
+@vocab_bwd_inplace.register_fake
+def _(logits3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto"):
+    return None
 
 
 @torch.library.custom_op("gtpo_kernels::attach_grad", mutates_args=())
 def attach_grad(logits3: torch.Tensor, value: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor,
                 ent: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor],
-                temperature: torch.Tensor, logits_start: int, backend: str, inplace: bool) -> torch.Tensor:
+                temperature: torch.Tensor, logits_start: int, scale: float = 1.0,
+                softcap: Optional[float] = None, backend: str = "auto", inplace: bool = False) -> torch.Tensor:
     return value.clone()
 
 
 @attach_grad.register_fake
-def _(logits3, value, ids, stats, ent, c, e, temperature, logits_start, backend, inplace):
+def _(logits3, value, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto",
+      inplace=False):
     return torch.empty_like(value)
 
 

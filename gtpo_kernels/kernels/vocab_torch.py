@@ -24,8 +24,27 @@ def _rows_per_chunk(V: int) -> int:
 _LOG_ZERO = -1e4
 
 
-def vocab_fwd(logits3, ids, counted, temperature, logits_start):
-    """Same contract as vocab_triton.vocab_fwd: logp, entropy, stats (m, log S, q), flags."""
+def _transform(z, scale, softcap):
+    """z' of a chunk of raw logits in the accumulation dtype, in place: z * scale, then
+    softcap * tanh(z' / softcap) (spec 11; the kernels' vocab_jit does the same in registers)."""
+    if scale != 1.0:
+        z.mul_(scale)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
+def _chain(z_t, scale, softcap):
+    """dz'/dz from the chunk of transformed logits z' (a new chunk), or the number scale."""
+    if softcap is None:
+        return scale
+    th = z_t / softcap
+    return th.mul_(th).neg_().add_(1.0).mul_(scale)
+
+
+def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
+    """Same contract as vocab_triton.vocab_fwd: logp, entropy, stats (m, log S, q), flags of the
+    transformed logits z' (scale, softcap)."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -46,7 +65,7 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start):
         sl = slice(k, k + step)
         idx = rows_idx[sl]
         # one chunk of rows in the accumulation dtype, and one more for the exponentials; in place after
-        z = logits3[bi[sl], ti[sl]].to(acc)
+        z = _transform(logits3[bi[sl], ti[sl]].to(acc), scale, softcap)
         y = ids[idx].long()
         y_ok = (y >= 0) & (y < V)
         yc = y.clamp(0, V - 1)[:, None]
@@ -83,8 +102,8 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start):
     return logp, ent, stats, bad
 
 
-def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
-    """Same contract as vocab_triton.vocab_bwd."""
+def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None):
+    """Same contract as vocab_triton.vocab_bwd: dL/dz of the raw logits, through the transforms."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -109,7 +128,8 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
         cc = c[idx, None]
         st = stats[idx]
         # log p = (z - m) / tau - log S (clamped where p = 0), p = exp(log p): two chunks, in place
-        logq = logits3[bi, ti].to(stats.dtype)
+        logq = _transform(logits3[bi, ti].to(stats.dtype), scale, softcap)
+        dz = _chain(logq, scale, softcap)
         logq.sub_(st[:, 0:1]).mul_(inv_t).sub_(st[:, 1:2]).clamp_(min=_LOG_ZERO)
         p = torch.exp(logq)
         q = st[:, 2:3]
@@ -125,8 +145,11 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start):
         # the target entry, where the id lies in this vocabulary (a slice of it under process_group)
         y_ok = (ids[idx] >= 0) & (ids[idx] < V)
         g.scatter_(1, yc, torch.where(y_ok[:, None], g_y, g.gather(1, yc)))
-        grad3[bi, ti] = g.mul_(inv_t).to(grad3.dtype)
-        del logq, p, g
+        g.mul_(inv_t)
+        if softcap is not None or scale != 1.0:  # the chain rule through the transforms
+            g.mul_(dz)
+        grad3[bi, ti] = g.to(grad3.dtype)
+        del logq, p, g, dz
     if zero_rows is not None and zero_rows.numel():
         grad3[zero_rows // T, zero_rows % T + logits_start] = 0
     return grad3
