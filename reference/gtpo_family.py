@@ -126,18 +126,21 @@ def policy_term(policy, r, Ahat, logp, *, clip, eps_low, eps_high, delta, sapo_t
                 sapo_temperature_neg, phi=None):
     """The per-token policy term pg before lambda, masks and weights (spec 4, 9).
 
-    Returns (pg, clip_removed): clip_removed marks where PPO's clip (or delta) took the gradient away;
-    the other policy terms remove none (all False)."""
+    Returns (pg, clip_removed): clip_removed marks where PPO's clip (or delta) took the gradient away
+    (Ahat != 0 and the branch the minimum takes is a constant there); the other policy terms remove none.
+    """
     none_removed = torch.zeros_like(r, dtype=torch.bool)
     if policy == "ppo":
         r1 = r if delta is None else torch.clamp(r, max=delta)   # INTELLECT-2 two-sided clip
+        capped = none_removed if delta is None else r > delta    # min(r, delta) = delta, a constant
         unclipped = r1 * Ahat
         if not clip:
-            return -unclipped, (none_removed if delta is None else r > delta)
+            return -unclipped, capped & (Ahat != 0)
         clipped = torch.clamp(r, 1.0 - eps_low, 1.0 + eps_high) * Ahat   # the unclamped r (as TRL)
-        removed = unclipped > clipped                 # the clipped branch is a constant there
-        if delta is not None:
-            removed = removed | ((unclipped <= clipped) & (r > delta))   # min(r, delta) = delta
+        outside = (r < 1.0 - eps_low) | (r > 1.0 + eps_high)            # clip(r) is a constant there
+        # the minimum takes the clipped branch where unclipped > clipped: it keeps the gradient of r
+        # inside the clip range (A < 0, delta < r < 1 + eps_high), none outside
+        removed = torch.where(unclipped > clipped, outside, capped) & (Ahat != 0)
         return -torch.min(unclipped, clipped), removed
     if policy == "cispo":
         # eps_high is an absolute bound on the ratio here (TRL's convention)
@@ -192,10 +195,11 @@ def k3(ref, logp, r=None):
 
 @torch.no_grad()
 def rollout_is_weights(old_logps, rollout_logps, completion_mask, mode, clip_min=None, clip_max=3.0):
-    """-> (B, T) float64 training/inference importance weights (spec 9), as TRL computes them.
+    """-> float64 training/inference importance weights (spec 9), as TRL computes them: (B, T) for the
+    token modes, (B, 1) per completion for the sequence modes (as TRL; consumers read it once).
 
     d = m * (old - rollout) with NaN -> 0; token modes use exp(d) per token, sequence modes exp of the
-    completion's sum of d, on every token of it (TRL keeps that one as (B, 1)). "*_truncate" clamps to
+    completion's sum of d. "*_truncate" clamps to
     [clip_min, clip_max]; "*_mask" sets values outside [clip_min, clip_max] to 0 (a None bound is open).
     """
     if mode not in ROLLOUT_IS_MODES:
@@ -232,4 +236,4 @@ def rollout_is_weights(old_logps, rollout_logps, completion_mask, mode, clip_min
         lo = -math.inf if clip_min is None else clip_min
         hi = math.inf if clip_max is None else clip_max
         w = w.masked_fill((w < lo) | (w > hi), 0.0)
-    return w.expand(B, T).clone()
+    return w

@@ -43,6 +43,16 @@ def _bool_mask(mask, shape, device):
     return mask != 0
 
 
+def _log_softmax(s):
+    """log p_v = s_v - lse with lse = max + log1p(S), S = sum over every entry but one maximum of
+    exp(s_v - max): exact on near-certain rows, where torch.log_softmax rounds log(1 + S) to 0 once
+    S < 1e-16 (log p of the top token then reads 0 and its entropy term p log p vanishes)."""
+    mx = s.max(dim=-1, keepdim=True)
+    e = torch.exp(s - mx.values)
+    S = e.scatter(-1, mx.indices, 0.0).sum(dim=-1, keepdim=True)
+    return (s - mx.values) - torch.log1p(S)  # s - max first: exact 0 at the maximum
+
+
 class _TargetLogProb(torch.autograd.Function):
     """logp = log_softmax(s)[y], with its gradient 1[v = y] - p_v formed at the target as
     1 - p_y = sum_{v != y} p_v (a sum of positive terms): autograd of log_softmax subtracts p_y from 1
@@ -50,7 +60,7 @@ class _TargetLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, s, idx):
-        logp_all = torch.log_softmax(s, dim=-1)
+        logp_all = _log_softmax(s)
         logp = logp_all.gather(-1, idx).squeeze(-1)
         ctx.save_for_backward(logp_all, idx)
         return logp
@@ -71,7 +81,7 @@ def _full_logp_entropy(logits, ids, temperature):
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     s = logits.double() / temperature                       # s = z / tau
-    logp_all = torch.log_softmax(s, dim=-1)                 # log p_v = s_v - lse
+    logp_all = _log_softmax(s)                              # log p_v = s_v - lse
     V = s.shape[-1]
     # ids at masked-out positions may be anything (e.g. -100): clamp so the gather is legal.
     idx = ids.long().clamp(0, V - 1).unsqueeze(-1)
@@ -241,7 +251,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         loss = (tok.sum(dim=1) / n.clamp(min=1)).sum() / max(B, 1)
     elif agg == "token-mean":
         if num_items_in_batch is not None:
-            denom = torch.as_tensor(num_items_in_batch, device=device).double().clamp(min=1)
+            denom = torch.as_tensor(num_items_in_batch, device=device).double()   # > 0, never clamped
         else:
             denom = M.clamp(min=1)
         loss = tok.sum() / denom

@@ -269,7 +269,7 @@ def test_all_masked_batch(agg):
     logits = torch.randn(2, 3, 4, requires_grad=True)
     ids = torch.full((2, 3), -100)
     out = ref.gtpo_loss(logits, ids, torch.tensor([1.0, -1.0]), torch.zeros(2, 3), group_size=2,
-                        loss_agg=agg, n_conf=None, num_items_in_batch=0 if agg == "token-mean" else None)
+                        loss_agg=agg, n_conf=None, num_items_in_batch=3.0 if agg == "token-mean" else None)
     out["loss"].sum().backward()
     assert (out["loss"] == 0).all() and (logits.grad == 0).all()
     assert all(torch.isfinite(v) and v == 0 for k, v in out["metrics"].items() if k != "filtered_frac")
@@ -284,3 +284,37 @@ def test_conflict_metrics_through_loss():
     assert out["metrics"]["conflict_frac"].item() == pytest.approx(8 / 11)
     off = ref.gtpo_loss(torch.randn(2, 8, 10), ids, torch.tensor([1.0, -1.0]), mask, use_conflict_mask=False)
     assert off["lam"].eq(1).all() and off["n_conf"].eq(1).all()
+
+
+# ---------------------------------------------------------------- near-certain rows (issue 16 item 4)
+
+def test_near_certain_rows_exact():
+    """Rows whose top entry leads by 30..45 nats (1 - p_max down to 1e-19): logp and entropy to 1e-13 of
+    their own size against an exact log-sum-exp in mpmath (log_softmax rounds log(1 + 1e-17) to 0, which
+    zeroes log p of the top token and its entropy term), and the gradient's target entry 1 - p_y."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 60
+    g = torch.Generator().manual_seed(11)
+    B, T, V = 2, 4, 9
+    z = torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    margin = torch.tensor([30.0, 36.0, 40.0, 45.0], dtype=torch.float64)
+    top = ids.clone()
+    top[1] = (ids[1] + 1) % V  # row 1: a near-certain entry that is not the target
+    z.scatter_add_(-1, top[..., None], margin.expand(B, T)[..., None])
+    x = z.clone().requires_grad_()
+    lp, H = ref.token_logprobs(x, ids)
+    lp.sum().backward()
+    lp, H = lp.detach(), H.detach()
+    for b in range(B):
+        for t in range(T):
+            row = [mpmath.mpf(float(v)) for v in z[b, t]]
+            lse = mpmath.log(mpmath.fsum(mpmath.exp(v) for v in row))
+            logp = [v - lse for v in row]
+            want_lp = logp[int(ids[b, t])]
+            want_H = -mpmath.fsum(mpmath.exp(v) * v for v in logp)
+            want_g = 1 - mpmath.exp(want_lp)  # d logp_y / d z_y = 1 - p_y
+            for name, got, want in (("logp", lp[b, t], want_lp), ("entropy", H[b, t], want_H),
+                                    ("grad", x.grad[b, t, ids[b, t]], want_g)):
+                err = abs(mpmath.mpf(float(got)) - want) / max(abs(want), mpmath.mpf(1e-300))
+                assert err <= 1e-13, (name, b, t, float(got), float(want), float(err))

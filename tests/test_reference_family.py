@@ -19,6 +19,7 @@ GTPO_OFF = dict(use_conflict_mask=False, entropy_threshold=None, entropy_penalty
 
 def close(a, b, tol=1e-10):
     a, b = torch.as_tensor(a, dtype=F64), torch.as_tensor(b, dtype=F64)
+    assert a.shape == b.shape, (a.shape, b.shape)
     assert torch.allclose(a, b, rtol=tol, atol=tol), (a, b)
 
 
@@ -189,10 +190,10 @@ def test_rollout_is_weights_modes():
     close(W("token_truncate", clip_min=0.5), [[2, 3, 1], [0.5, 1, 1]])
     close(W("token_mask"), [[2, 0, 1], [0.25, 1, 1]])
     close(W("token_mask", clip_min=0.5), [[2, 0, 1], [0, 1, 1]])
-    close(W("sequence_truncate"), [[3, 3, 3], [0.25] * 3])    # exp(ln 8) -> 3
-    close(W("sequence_mask"), [[0, 0, 0], [0.25] * 3])
-    close(W("sequence_mask", clip_min=0.5, clip_max=10.0), [[8, 8, 8], [0, 0, 0]])
-    assert W("token_mask").dtype == F64 and W("sequence_mask").shape == (2, 3)
+    close(W("sequence_truncate"), [[3], [0.25]])              # exp(ln 8) -> 3; one per completion
+    close(W("sequence_mask"), [[0], [0.25]])
+    close(W("sequence_mask", clip_min=0.5, clip_max=10.0), [[8], [0]])
+    assert W("token_mask").dtype == F64 and W("sequence_mask").shape == (2, 1)
 
 
 def test_refusals():
@@ -341,8 +342,9 @@ def compare(trl, loss_type, scenario, entropy_coef=0.0, tol=1e-10, sapo_neg=None
     stand_in = trl_stand_in(trl, loss_type if loss_type != "gspo" else "grpo", **trl_cfg)
     if scenario == "all":
         inputs["importance_sampling_ratio"] = trl_rollout_ratio(trl, stand_in, old, roll, mask)
-        close(w, inputs["importance_sampling_ratio"].expand(B, T), tol=0)   # TRL's weights, exactly
-        assert ((w[mask.bool()] == 0) | (w[mask.bool()] == 0.5) | (w[mask.bool()] == hi)).any()
+        close(w, inputs["importance_sampling_ratio"], tol=0)   # TRL's weights, exactly (and their shape)
+        we = w.expand(B, T)[mask.bool()]
+        assert ((we == 0) | (we == 0.5) | (we == hi)).any()
     stand_in.logits = z.clone().requires_grad_()
     trl_loss = stand_in._compute_loss(None, inputs)
     trl_loss.backward()

@@ -8,6 +8,7 @@ from ..core.config import GTPOConfig, as_config
 from ..core.layout import float_dtype_for
 from ..core.output import GTPOOutput
 from ..kernels import dispatch
+from ..objective.conflict import ID_LIMIT
 from ..pipeline.loss import check_loss_args, conflicts_for, loss_value, make_output, run_surrogate
 
 
@@ -22,8 +23,9 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
              differentiable; values at masked-out positions are ignored (and get zero gradient).
     entropy  the per-token entropies (same shape), needed by the entropy filter and shaping, the
              top-entropy quantile and the entropy bonus (differentiable for the bonus).
-    completion_ids serve the conflict weights only. Every other argument is gtpo_loss's. It equals
-    gtpo_loss on the logits that gave these log-probs and entropies, outputs included.
+    completion_ids serve the conflict weights only (counted ids in [0, 2**31)). Every other argument is
+    gtpo_loss's (rollout_is_weights: (B, T) / packed (N,) per token, (B, 1) per completion, (B,) padded
+    only). It equals gtpo_loss on the logits that gave these log-probs and entropies, outputs included.
     """
     cfg = as_config(config)
     checks.require_advantages(advantages)
@@ -32,6 +34,8 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
     b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
                               max_seqlen=max_seqlen, device=logps.device, validate=host)
     checks.check_same_shape("logps", logps, b.tok_shape)
+    if host:  # the conflict weights' ids (unvalidated: lam = NaN for a completion holding another id)
+        checks.check_ids_in_range(b.ids, b.counted, ID_LIMIT)
     if entropy is None and cfg.needs_entropy:
         raise ValueError("entropy (per-token entropies, shape of completion_ids) is required by this config: its "
                          "entropy filter, shaping (entropy_penalty), entropy bonus or top_entropy_quantile use "
@@ -42,7 +46,7 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
     batch.add_extras(b, logps.device, old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps, validate=host)
     dt = float_dtype_for(logps)
-    num_items = check_loss_args(b, cfg, num_items_in_batch, dt)
+    num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
     conflicts_for(b, cfg, group_size, dt, dispatch.resolve_backend("auto", logps.device))
     zero = torch.zeros((), dtype=dt, device=logps.device)
     lp = torch.where(b.counted, logps.reshape(-1).to(dt), zero)  # gradient only where counted

@@ -9,11 +9,13 @@ ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequen
 
 
 def rollout_is_weights(old_logps, rollout_logps, completion_mask, mode, clip_min=None, clip_max=3.0):
-    """Weights (B, T) for `gtpo_loss(..., rollout_is_weights=...)` from the trainer's old-policy log-probs
-    and the inference engine's (vLLM, SGLang) log-probs of the same tokens.
+    """Weights for `gtpo_loss(..., rollout_is_weights=...)` from the trainer's old-policy log-probs
+    and the inference engine's (vLLM, SGLang) log-probs of the same tokens: (B, T) per token (token_*),
+    (B, 1) per completion (sequence_*, as TRL), which every consumer reads once per completion (VESPO
+    folds one log w per completion into its weight).
 
-    Per token (token_*) the ratio is exp(m * (old - rollout)); per sequence (sequence_*) the exp of its
-    masked sum, on every token of the completion. '*_truncate' clamps the ratios to [clip_min, clip_max]
+    Per token the ratio is exp(m * (old - rollout)); per sequence the exp of the completion's masked
+    sum. '*_truncate' clamps the ratios to [clip_min, clip_max]
     (clip_min None: no lower bound); '*_mask' sets ratios outside [clip_min, clip_max] to 0 (clip_min None:
     0). NaN differences (tokens the engine could not score) count as 0. No gradient."""
     if mode not in ROLLOUT_IS_MODES:
@@ -34,7 +36,7 @@ def rollout_is_weights(old_logps, rollout_logps, completion_mask, mode, clip_min
     with torch.no_grad():
         diff = torch.nan_to_num((old_logps - rollout_logps.to(old_logps.dtype)) * m, nan=0.0) * m
         if mode.startswith("sequence"):
-            diff = diff.sum(-1, keepdim=True).expand_as(diff)
+            diff = diff.sum(-1, keepdim=True)  # (B, 1): one weight per completion
         w = torch.exp(diff)
         if mode.endswith("truncate"):
             return torch.clamp(w, min=clip_min, max=clip_max)

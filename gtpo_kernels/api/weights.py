@@ -8,7 +8,7 @@ from ..core import batch, checks
 from ..core.config import GTPOConfig, as_config
 from ..distributed.data_parallel import dp_conflict_weights
 from ..kernels import dispatch
-from ..objective.conflict import conflict_flat
+from ..objective.conflict import ID_LIMIT, conflict_flat
 from ..objective.grouping import group_layout
 
 def conflict_weights(completion_ids, completion_mask, advantages, group_size=None, *, group_ids=None, config=None,
@@ -19,9 +19,10 @@ def conflict_weights(completion_ids, completion_mask, advantages, group_size=Non
     Call it once per batch when the advantages are computed (groups must be whole), then pass
     `lam=lam[rows], n_conf=n_conf[rows]` to `gtpo_loss` for any micro-batch of rows. lam has the shape
     of completion_ids ((B, T), or (N,) packed) and n_conf is (B,). Weights come from `config`
-    (default GTPOConfig(): w_pos = 2.0, w_neg = 0.0). backend: 'auto' (a Triton kernel on CUDA, sort-based
-    torch ops on the CPU), 'triton' or 'torch'; neither syncs with the host when validate=False (packed
-    form: give max_seqlen too).
+    (default GTPOConfig(): w_pos = 2.0, w_neg = 0.0). Counted ids must lie in [0, 2**31) (checked
+    when validating; unvalidated, a completion holding another id gets lam = NaN). backend: 'auto' (a
+    Triton kernel on CUDA, sort-based torch ops on the CPU), 'triton' or 'torch'; neither syncs with the
+    host when validate=False (packed form: give max_seqlen too).
 
     Groups: `group_size` consecutive rows, or `group_ids` (instead): one hashable key per row (verl's
     `uid`: strings, ints, a numpy object array, or a 1-D integer tensor), rows of a group in any order,
@@ -42,8 +43,11 @@ def conflict_weights(completion_ids, completion_mask, advantages, group_size=Non
                                     cu_seqlens, max_seqlen, dtype, validate, backend, process_group)
     cfg = GTPOConfig() if config is None else as_config(config)
     checks.require_advantages(advantages)
+    host = checks.host_checks(validate)
     b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
-                              max_seqlen=max_seqlen, validate=checks.host_checks(validate))
+                              max_seqlen=max_seqlen, validate=host)
+    if host:  # unvalidated, a completion with such an id gets lam = NaN (objective/conflict.py)
+        checks.check_ids_in_range(b.ids, b.counted, ID_LIMIT)
     layout = None
     if group_ids is not None:
         if group_size is not None:

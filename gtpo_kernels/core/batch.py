@@ -13,75 +13,135 @@ def vocab_contiguous(logits):
     return logits if logits.stride(-1) == 1 or logits.shape[-1] == 1 else logits.contiguous()
 
 
+def _padded_tokens(completion_ids, device):
+    """Padded form: (N, B, tok_shape, max_len, seg)."""
+    if completion_ids.dim() != 2:
+        raise ValueError(f"completion_ids must have shape (B, T), got {tuple(completion_ids.shape)}"
+                         " (pass cu_seqlens for the packed (N,) form)")
+    B, T = completion_ids.shape
+    return B * T, B, (B, T), T, torch.arange(B, device=device).repeat_interleave(T)
+
+
+def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate):
+    """Packed form: (N, B, cu_seqlens, max_seqlen, max_len, seg, malformed). Unvalidated, a malformed
+    cu_seqlens (not starting at 0, decreasing, not ending at N) becomes a 0-d bool flag on the device and
+    a well-formed stand-in (clamped into [0, N], non-decreasing, from 0 to N), so that nothing reads out
+    of bounds; the caller turns the flag into NaN outputs."""
+    checks.check_int_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must have shape (B + 1,), got {tuple(cu_seqlens.shape)}")
+    checks.check_device("cu_seqlens", cu_seqlens, device)
+    if completion_ids.dim() != 1:
+        raise ValueError(f"completion_ids must have shape (N,) in the packed form, "
+                         f"got {tuple(completion_ids.shape)}")
+    N, B = completion_ids.shape[0], cu_seqlens.numel() - 1
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    malformed = None
+    if validate and (int(cu[0]) != 0 or int(cu[-1]) != N or bool((lengths < 0).any())):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N = {N} "
+                         f"(completion_ids' length), got {cu_seqlens.tolist()}")
+    if not validate:
+        malformed = (cu[0] != 0) | (cu[-1] != N) | (lengths < 0).any()
+        cu = cu.clamp(0, N).cummax(0).values
+        cu = torch.cat([cu.new_zeros(1), cu[1:-1], cu.new_full((1,), N)])
+        lengths = cu[1:] - cu[:-1]
+        cu_seqlens = cu.to(cu_seqlens.dtype)
+    if max_seqlen is not None:
+        max_seqlen = checks.check_nonneg_int("max_seqlen", max_seqlen)
+        if validate and max_seqlen < int(lengths.max()):
+            raise ValueError(f"max_seqlen = {max_seqlen} is shorter than the longest completion in "
+                             f"cu_seqlens ({int(lengths.max())})")
+    seg = torch.repeat_interleave(torch.arange(B, device=device), lengths, output_size=N)
+    max_len = lengths.max().clamp(min=1)  # the longest completion (a tensor: no host sync)
+    return N, B, cu_seqlens, max_seqlen, max_len, seg, malformed
+
+
+def _counted(completion_mask, tok_shape, N, device, validate):
+    if completion_mask is None:
+        return torch.ones(N, dtype=torch.bool, device=device)
+    checks.check_tensor("completion_mask", completion_mask)
+    checks.check_shape("completion_mask", completion_mask, tok_shape, "completion_ids' shape")
+    checks.check_device("completion_mask", completion_mask, device)
+    if validate and completion_mask.dtype != torch.bool and \
+            bool(((completion_mask != 0) & (completion_mask != 1)).any()):
+        raise ValueError("completion_mask must hold only 0 and 1 (1 = the token counts); it is a mask, "
+                         "not a per-token weight (scale the loss, or pass rollout weights, instead)")
+    return (completion_mask != 0).reshape(-1).contiguous()
+
+
+def _advantages(advantages, B, device, validate):
+    """advantages (B,) or (B, 1) -> (B,); non-finite values refused when validating (NaN loss else)."""
+    checks.check_tensor("advantages", advantages)
+    if advantages.dtype == torch.bool or advantages.dtype.is_complex:
+        raise TypeError(f"advantages must be a real tensor, got {advantages.dtype}")
+    if tuple(advantages.shape) not in ((B,), (B, 1)):
+        raise ValueError(f"advantages must have shape (B,) or (B, 1) with B = {B}, "
+                         f"got {tuple(advantages.shape)}")
+    checks.check_device("advantages", advantages, device)
+    if validate:
+        checks.check_finite("advantages", advantages)
+    return advantages.reshape(B)
+
+
 def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_seqlens=None,
                    max_seqlen=None, device=None, validate=True) -> Batch:
-    """The per-token part of a Batch (no logits): ids, counted, seg, shapes, advantages."""
+    """The per-token part of a Batch (no logits): ids, counted, seg, shapes, advantages. Unvalidated
+    malformed cu_seqlens make every counted id -1 and every advantage NaN (NaN outputs, no sync)."""
     checks.check_int_tensor("completion_ids", completion_ids)
     device = completion_ids.device if device is None else device
     checks.check_device("completion_ids", completion_ids, device)
+    malformed = None
     if cu_seqlens is None:
-        if completion_ids.dim() != 2:
-            raise ValueError(f"completion_ids must have shape (B, T), got {tuple(completion_ids.shape)}"
-                             " (pass cu_seqlens for the packed (N,) form)")
-        B, T = completion_ids.shape
-        N, tok_shape, max_len = B * T, (B, T), T
-        seg = torch.arange(B, device=device).repeat_interleave(T)
+        N, B, tok_shape, max_len, seg = _padded_tokens(completion_ids, device)
     else:
-        checks.check_int_tensor("cu_seqlens", cu_seqlens)
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must have shape (B + 1,), got {tuple(cu_seqlens.shape)}")
-        checks.check_device("cu_seqlens", cu_seqlens, device)
-        if completion_ids.dim() != 1:
-            raise ValueError(f"completion_ids must have shape (N,) in the packed form, "
-                             f"got {tuple(completion_ids.shape)}")
-        N, B = completion_ids.shape[0], cu_seqlens.numel() - 1
+        N, B, cu_seqlens, max_seqlen, max_len, seg, malformed = _packed_tokens(
+            completion_ids, cu_seqlens, max_seqlen, device, validate)
         tok_shape = (N,)
-        cu = cu_seqlens.long()
-        lengths = cu[1:] - cu[:-1]
-        if validate and (int(cu[0]) != 0 or int(cu[-1]) != N or bool((lengths < 0).any())):
-            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N = {N} "
-                             f"(completion_ids' length), got {cu_seqlens.tolist()}")
-        if max_seqlen is not None:
-            max_seqlen = checks.check_nonneg_int("max_seqlen", max_seqlen)
-            if validate and max_seqlen < int(lengths.max()):
-                raise ValueError(f"max_seqlen = {max_seqlen} is shorter than the longest completion in "
-                                 f"cu_seqlens ({int(lengths.max())})")
-        seg = torch.repeat_interleave(torch.arange(B, device=device), lengths, output_size=N)
-        max_len = lengths.max().clamp(min=1)  # the longest completion (a tensor: no host sync)
     if B == 0:
         raise ValueError("the batch is empty: completion_ids needs at least one completion")
-    if completion_mask is None:
-        counted = torch.ones(N, dtype=torch.bool, device=device)
-    else:
-        checks.check_tensor("completion_mask", completion_mask)
-        checks.check_shape("completion_mask", completion_mask, tok_shape, "completion_ids' shape")
-        checks.check_device("completion_mask", completion_mask, device)
-        if validate and completion_mask.dtype != torch.bool and \
-                bool(((completion_mask != 0) & (completion_mask != 1)).any()):
-            raise ValueError("completion_mask must hold only 0 and 1 (1 = the token counts); it is a mask, "
-                             "not a per-token weight (scale the loss, or pass rollout weights, instead)")
-        counted = (completion_mask != 0).reshape(-1).contiguous()
-    batch = Batch(logits3=None, ids=completion_ids.reshape(-1).contiguous(), counted=counted, seg=seg,
-                  B=B, logits_start=0, tok_shape=tok_shape, cu_seqlens=cu_seqlens,
-                  max_seqlen=max_seqlen, max_len=max_len)
+    counted = _counted(completion_mask, tok_shape, N, device, validate)
+    ids = completion_ids.reshape(-1).contiguous()
+    if malformed is not None:
+        ids = torch.where(malformed, torch.full_like(ids, -1), ids)
+    batch = Batch(logits3=None, ids=ids, counted=counted, seg=seg, B=B, logits_start=0, tok_shape=tok_shape,
+                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, max_len=max_len)
     if advantages is not None:
-        checks.check_tensor("advantages", advantages)
-        if advantages.dtype == torch.bool or advantages.dtype.is_complex:
-            raise TypeError(f"advantages must be a real tensor, got {advantages.dtype}")
-        if tuple(advantages.shape) not in ((B,), (B, 1)):
-            raise ValueError(f"advantages must have shape (B,) or (B, 1) with B = {B}, "
-                             f"got {tuple(advantages.shape)}")
-        checks.check_device("advantages", advantages, device)
-        batch.adv = advantages.reshape(B)
+        batch.adv = _advantages(advantages, B, device, validate)
+        if malformed is not None:
+            batch.adv = torch.where(malformed, float("nan"), batch.adv)
     return batch
 
 
+def resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens=None):
+    """logits_start=None (spec 6): the logits hold exactly one row per token (T rows, packed: N) and
+    row t predicts token t; more rows are refused with a hint (a model's (B, P + T, V) logits need
+    logits_start = P - 1). An explicit logits_start is checked and kept."""
+    if logits_start is not None:
+        return checks.check_nonneg_int("logits_start", logits_start)
+    if not isinstance(logits, torch.Tensor) or not isinstance(completion_ids, torch.Tensor):
+        return 0  # prepare names the argument
+    packed = cu_seqlens is not None
+    if (logits.dim(), completion_ids.dim()) != ((2, 1) if packed else (3, 2)) or \
+            (not packed and logits.shape[0] != completion_ids.shape[0]):
+        return 0  # prepare names the argument whose shape is wrong
+    dim = 0 if packed else 1
+    T_l, T = logits.shape[dim], completion_ids.shape[dim]
+    what = "N" if packed else "T"
+    if T_l < T:
+        raise ValueError(f"logits must hold at least {what} = {T} rows (one per completion token), got {T_l}")
+    if T_l > T:
+        raise ValueError(f"logits hold {T_l} rows but completion_ids {T} ({what}): with logits_start=None they "
+                         f"must be equal; pass logits_start={T_l - T - 1} if row {T_l - T - 1} predicts the first "
+                         f"completion token (a model's (B, P + T, V) logits: logits_start=P - 1), or slice them")
+    return 0
+
+
 def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, cu_seqlens=None,
-            max_seqlen=None, logits_start=0, validate=True, vocab_size=None, **extras) -> Batch:
+            max_seqlen=None, logits_start=None, validate=True, vocab_size=None, **extras) -> Batch:
     """A Batch for the vocabulary passes: prepare_tokens plus the logits and the per-token extras
     (old_logps, ref_logps, lam, n_conf, rollout_is_weights, rollout_logps: see add_extras). vocab_size:
     the whole vocabulary's size when the logits hold a slice of it (vocabulary-parallel)."""
-    logits_start = checks.check_nonneg_int("logits_start", logits_start)
     if cu_seqlens is None:
         checks.check_logits(logits, 3, "(B, T_l, V) (pass cu_seqlens for the packed (N, V) form)")
     else:
@@ -90,6 +150,7 @@ def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, cu
     if cu_seqlens is None and (completion_ids.dim() != 2 or completion_ids.shape[0] != logits.shape[0]):
         raise ValueError(f"completion_ids must have shape (B, T) with B = {logits.shape[0]} (logits' "
                          f"first dimension), got {tuple(completion_ids.shape)}")
+    logits_start = resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
     b = prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
                        max_seqlen=max_seqlen, device=logits.device, validate=validate)
     if cu_seqlens is None:
@@ -112,10 +173,32 @@ def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, cu
     return b
 
 
+def rollout_weights(b, w, device):
+    """rollout_is_weights -> (per token (N,), per completion (B,) or None). Per token: completion_ids'
+    shape; per completion: (B, 1), or (B,) in the padded form only (packed, (B,) could be read as (N,)
+    per-token weights when N == B: refused)."""
+    checks.check_float_tensor("rollout_is_weights", w)
+    checks.check_device("rollout_is_weights", w, device)
+    shape = tuple(w.shape)
+    if shape == tuple(b.tok_shape):
+        return w.reshape(-1), None
+    if shape == (b.B, 1) or (shape == (b.B,) and not b.packed):
+        seq = w.reshape(b.B)
+        return seq[b.seg], seq
+    if b.packed and shape == (b.B,):
+        raise ValueError(f"rollout_is_weights of shape ({b.B},) is ambiguous in the packed form: per-token "
+                         f"weights are (N,) = {tuple(b.tok_shape)}; pass per-completion weights as "
+                         f"({b.B}, 1)")
+    per_seq = f"({b.B}, 1)" if b.packed else f"({b.B}, 1) or ({b.B},)"
+    raise ValueError(f"rollout_is_weights must have completion_ids' shape {tuple(b.tok_shape)} (per token) "
+                     f"or {per_seq} (per completion), got {shape}")
+
+
 def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=None, rollout_is_weights=None,
                rollout_logps=None, validate=True):
     """Per-token inputs of the loss, flattened onto the Batch: each of completion_ids' shape, except
-    n_conf (B,) and rollout_is_weights (per token, or (B,) / (B, 1) per completion: then repeated)."""
+    n_conf (B,) and rollout_is_weights (see rollout_weights). Validating, non-finite log-probs and
+    weights at counted positions are refused (unvalidated they give NaN: objective/surrogate.py)."""
     for name, x, attr in (("old_logps", old_logps, "old"), ("ref_logps", ref_logps, "ref"),
                           ("lam", lam, "lam"), ("rollout_logps", rollout_logps, "rollout_logps")):
         if x is not None:
@@ -123,25 +206,15 @@ def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=No
             checks.check_shape(name, x, b.tok_shape, "completion_ids' shape")
             checks.check_device(name, x, device)
             setattr(b, attr, x.reshape(-1))
+            if validate and name in ("old_logps", "ref_logps"):  # rollout_logps: NaN counts as 0 (spec 9)
+                checks.check_finite(name, getattr(b, attr), b.counted)
     if n_conf is not None:
         checks.check_tensor("n_conf", n_conf)
         checks.check_shape("n_conf", n_conf, (b.B,), "(B,)")
         checks.check_device("n_conf", n_conf, device)
         b.n_conf = n_conf
-    w = rollout_is_weights
-    if w is not None:
-        checks.check_float_tensor("rollout_is_weights", w)
-        checks.check_device("rollout_is_weights", w, device)
-        if tuple(w.shape) == tuple(b.tok_shape):
-            b.rollout_w = w.reshape(-1)
-        elif tuple(w.shape) in ((b.B,), (b.B, 1)):
-            b.rollout_w_seq = w.reshape(b.B)
-            b.rollout_w = b.rollout_w_seq[b.seg]
-        else:
-            raise ValueError(f"rollout_is_weights must have completion_ids' shape {tuple(b.tok_shape)} (per "
-                             f"token) or ({b.B},) / ({b.B}, 1) (per completion), got {tuple(w.shape)}")
-        if validate and bool((b.counted & ~(b.rollout_w >= 0)).any()):
-            raise ValueError("rollout_is_weights must be >= 0 (and not NaN) at counted positions "
+    if rollout_is_weights is not None:
+        b.rollout_w, b.rollout_w_seq = rollout_weights(b, rollout_is_weights, device)
+        if validate and bool((b.counted & ~((b.rollout_w >= 0) & torch.isfinite(b.rollout_w))).any()):
+            raise ValueError("rollout_is_weights must be >= 0 and finite at counted positions "
                              "(see rollout_is_weights() for TRL's modes)")
-
-

@@ -2,6 +2,7 @@
 Batch is built from the checked arguments in `batch`)."""
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -44,8 +45,10 @@ def check_inplace(inplace, logits):
         span = st * n
 
 
-def check_num_items(num_items, loss_agg, device, dtype):
-    """num_items_in_batch: the denominator of 'token-mean' (a positive number or tensor), or None."""
+def check_num_items(num_items, loss_agg, device, dtype, validate=True):
+    """num_items_in_batch: the denominator of 'token-mean', or None. One rule for numbers and tensors: it
+    must be finite and > 0, never clamped (a global token count over the world size may be fractional).
+    A tensor is read on the host only when validating; unvalidated, an invalid one gives a NaN loss."""
     if num_items is None:
         return None
     if loss_agg != "token-mean":
@@ -56,10 +59,24 @@ def check_num_items(num_items, loss_agg, device, dtype):
         if num_items.numel() != 1 or num_items.dtype == torch.bool or num_items.dtype.is_complex:
             raise ValueError(f"num_items_in_batch must be a positive number or a one-element real tensor, "
                              f"got a {num_items.dtype} tensor of shape {tuple(num_items.shape)}")
-        return num_items.reshape(()).to(device, dtype).clamp(min=1)
-    if isinstance(num_items, numbers.Real) and not isinstance(num_items, bool) and num_items > 0:
-        return max(float(num_items), 1.0)
-    raise ValueError(f"num_items_in_batch must be a positive number or tensor, got {num_items!r}")
+        x = num_items.reshape(()).to(device, dtype)
+        ok = (x > 0) & torch.isfinite(x)
+        if validate and not bool(ok):
+            raise ValueError(f"num_items_in_batch must be finite and > 0, got {float(x)}")
+        return torch.where(ok, x, torch.full((), float("nan"), dtype=dtype, device=device))
+    if isinstance(num_items, numbers.Real) and not isinstance(num_items, bool) and math.isfinite(num_items) \
+            and num_items > 0:
+        return float(num_items)
+    raise ValueError(f"num_items_in_batch must be a finite number > 0 or a one-element tensor, got {num_items!r}")
+
+
+def check_finite(name, x, counted=None):
+    """Host check (validate=True only): x finite (at counted positions when `counted` is given)."""
+    bad = ~torch.isfinite(x) if counted is None else counted & ~torch.isfinite(x.reshape(-1))
+    if bool(bad.any()):
+        k = int(bad.reshape(-1).nonzero()[0, 0])
+        raise ValueError(f"{name} must be finite{' at counted positions' if counted is not None else ''}; "
+                         f"flat position {k} holds {float(x.reshape(-1)[k])}")
 
 
 def check_nonneg_int(name, x):
@@ -111,7 +128,7 @@ def check_logits(logits, ndim, what):
 
 
 def check_ids_in_range(ids, counted, V):
-    bad = counted & ((ids < 0) | (ids >= V))
+    bad = counted & ((ids < 0) | (ids.long() >= V))  # int64: an int32 tensor would wrap V = 2**31
     if bool(bad.any()):
         k = int(bad.nonzero()[0, 0])
         raise ValueError(

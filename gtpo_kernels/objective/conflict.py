@@ -52,14 +52,27 @@ def weights_from_runs(conf_f, conf_b, adv, pos_weight, neg_weight, dtype=torch.f
     return (lam(conf_f) * lam(conf_b)).to(dtype), n_conf
 
 
+ID_LIMIT = 2 ** 31  # counted ids must lie in [0, 2**31) (the sort packs them into 31 bits)
+
+
+def invalid_ids(ids, counted):
+    """Counted tokens whose id lies outside [0, 2**31) (N,) bool."""
+    ids = ids.long()  # an int32 tensor would wrap 2**31 around
+    return counted & ((ids < 0) | (ids >= ID_LIMIT))
+
+
 def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
     """lam (N,) flat and n_conf (B,) for a prepared batch (padded or packed). With a
-    grouping.GroupLayout, rows are first moved to contiguous groups of layout.size slots."""
+    grouping.GroupLayout, rows are first moved to contiguous groups of layout.size slots. A completion
+    with a counted id outside [0, 2**31) (unvalidated) gets lam = NaN and n_conf = NaN; its invalid tokens
+    take part in no one's conflicts."""
+    bad_tok = invalid_ids(b.ids, b.counted)
+    counted = b.counted & ~bad_tok
     if b.packed:
         L, pos = packed_layout(b)
-        ids, m = pad(b, b.ids.long(), L, pos), pad(b, b.counted, L, pos)
+        ids, m = pad(b, b.ids.long(), L, pos), pad(b, counted, L, pos)
     else:
-        ids, m = b.ids.reshape(b.tok_shape), b.counted.reshape(b.tok_shape)
+        ids, m = b.ids.reshape(b.tok_shape), counted.reshape(b.tok_shape)
     if layout is None:
         conf_f, conf_b = conflict_runs(ids, m, b.adv, group_size, backend)
     else:  # padding slots: masked out, advantage 0 (inactive): they change no weight
@@ -68,4 +81,7 @@ def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
         conf_f, conf_b = conf_f[layout.slot], conf_b[layout.slot]
     lam, n_conf = weights_from_runs(conf_f, conf_b, b.adv, cfg.conflict_pos_weight, cfg.conflict_neg_weight,
                                     dtype)
-    return (lam[b.seg, pos] if b.packed else lam.reshape(-1)), n_conf
+    lam = lam[b.seg, pos] if b.packed else lam.reshape(-1)
+    bad = torch.zeros(b.B, dtype=torch.int32, device=lam.device).index_add_(0, b.seg, bad_tok.to(torch.int32)) > 0
+    nan = torch.full((), float("nan"), dtype=dtype, device=lam.device)
+    return torch.where(bad[b.seg], nan, lam), torch.where(bad, nan, n_conf)

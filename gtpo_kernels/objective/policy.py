@@ -18,21 +18,36 @@ def operand(x, like):
     return x.to(like.device, like.dtype) if isinstance(x, torch.Tensor) else x
 
 
+def full(x, like):
+    """A hyper-parameter (Python number or 0-d tensor) as a tensor of `like`'s shape, dtype and device."""
+    return operand(x, like).expand_as(like) if isinstance(x, torch.Tensor) else torch.full_like(like, x)
+
+
 def ppo(r, A, cfg):
-    """-min(r1 A, clip(r, 1 - eps_low, 1 + eps_high) A), r1 = r or min(r, delta); clip=False: -r1 A."""
+    """-min(r1 A, clip(r, 1 - eps_low, 1 + eps_high) A), r1 = r or min(r, delta); clip=False: -r1 A.
+
+    d pg / d log r is that of the branch the minimum takes: -A d r1 (r1 = r: r; r1 = delta: 0) on the
+    unclipped one, -A r inside [1 - eps_low, 1 + eps_high] (0 outside) on the clipped one. With
+    delta < 1 + eps_high and A < 0 the clipped branch r A is the minimum for delta < r < 1 + eps_high and
+    keeps its gradient. `clipped`: the tokens whose gradient the clip or delta removed."""
     zero = torch.zeros((), dtype=r.dtype, device=r.device)
     if cfg.delta is None:
-        r1, dr1 = r, r
+        r1, dr1, capped = r, r, torch.zeros_like(r, dtype=torch.bool)
     else:
         delta = operand(cfg.delta, r)
         r1 = torch.clamp(r, max=delta)
-        dr1 = torch.where(r <= delta, r, zero)  # d r1 / d log r
+        capped = r > delta
+        dr1 = torch.where(capped, zero, r)  # d r1 / d log r
     u1 = r1 * A
     if not cfg.clip:
-        return -u1, -dr1 * A, None, torch.zeros_like(r, dtype=torch.bool)
-    u2 = torch.clamp(r, operand(1.0 - cfg.eps_low, r), operand(1.0 + cfg.eps_high, r)) * A
-    clipped = u1 > u2  # the clipped branch is the minimum: outside the range, no gradient
-    return -torch.minimum(u1, u2), torch.where(clipped, zero, -dr1 * A), None, clipped
+        return -u1, -dr1 * A, None, capped & (A != 0)
+    lo, hi = operand(1.0 - cfg.eps_low, r), operand(1.0 + cfg.eps_high, r)
+    u2 = torch.clamp(r, lo, hi) * A
+    on_clip = u1 > u2  # the minimum takes the clipped branch
+    outside = (r < lo) | (r > hi)  # clip(r) is a constant there
+    d_logr = torch.where(on_clip, torch.where(outside, zero, -r * A), -dr1 * A)
+    clipped = torch.where(on_clip, outside, capped) & (A != 0)
+    return -torch.minimum(u1, u2), d_logr, None, clipped
 
 
 def cispo(r, A, logp, cfg):
@@ -42,8 +57,9 @@ def cispo(r, A, logp, cfg):
 
 
 def sapo(r, A, cfg):
-    """-(4 / tau_s) sigmoid(tau_s (r - 1)) A, tau_s by the sign of A (spec 9)."""
-    tau = torch.where(A > 0, operand(cfg.sapo_temperature_pos, r), operand(cfg.sapo_temperature_neg, r))
+    """-(4 / tau_s) sigmoid(tau_s (r - 1)) A, tau_s by the sign of A (spec 9), in r's dtype (a
+    torch.where of two Python floats would round the temperatures to float32)."""
+    tau = torch.where(A > 0, full(cfg.sapo_temperature_pos, r), full(cfg.sapo_temperature_neg, r))
     sig = torch.sigmoid(tau * (r - 1.0))
     return -(4.0 / tau) * sig * A, -4.0 * sig * (1.0 - sig) * r * A, None, torch.zeros_like(r, dtype=torch.bool)
 
@@ -51,17 +67,19 @@ def sapo(r, A, cfg):
 def vespo_phi(log_r, m, seg_sum, adv, rollout_w, cfg):
     """VESPO's per-completion weight phi[i] (spec 9, as TRL computes it): L = clamp(sum_t m clamp(log r,
     -20, 20) + sum_t log(rollout weight), log 1e-8, 20), w = e^L, log phi = lam + k L - lam w by the sign
-    of A; non-finite phi -> 0."""
+    of A; non-finite phi -> 0 (NaN input gives NaN)."""
     lo = math.log(1e-8)
     L = seg_sum(torch.where(m, log_r.clamp(-20.0, 20.0), torch.zeros_like(log_r)))
     if rollout_w is not None:
         L = L + rollout_w
+    invalid = torch.isnan(L)  # NaN input (unchecked): NaN, not the 0 of an overflowing phi
     L = L.clamp(lo, 20.0)
     pos = adv >= 0
-    k = torch.where(pos, operand(cfg.vespo_k_pos, L), operand(cfg.vespo_k_neg, L))
-    lam = torch.where(pos, operand(cfg.vespo_lambda_pos, L), operand(cfg.vespo_lambda_neg, L)).clamp(min=1e-4)
+    k = torch.where(pos, full(cfg.vespo_k_pos, L), full(cfg.vespo_k_neg, L))
+    lam = torch.where(pos, full(cfg.vespo_lambda_pos, L), full(cfg.vespo_lambda_neg, L)).clamp(min=1e-4)
     phi = torch.exp(lam + k * L - lam * torch.exp(L))
-    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+    phi = torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.where(invalid, torch.full_like(phi, float("nan")), phi)
 
 
 def vespo(phi_tok, A, logp):

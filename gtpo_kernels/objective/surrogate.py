@@ -62,7 +62,9 @@ def off_policy_keep(logp, sampling, m, seg, B, n_safe, adv, threshold):
 
 def top_entropy_mask(ent, m, M, rho):
     """Spec 9: counted tokens whose entropy is at least the (1 - rho) quantile of the counted tokens'
-    entropies (linear interpolation, as torch.quantile), without a host sync."""
+    entropies (linear interpolation, as torch.quantile), without a host sync. No counted token: none."""
+    if ent.numel() == 0:  # an empty batch (a static shape, no sync): nothing to index
+        return m
     q = 1.0 - rho
     key = torch.where(m, ent, torch.full_like(ent, float("inf")))  # uncounted tokens sort last
     srt = key.sort().values
@@ -92,45 +94,41 @@ def aggregation_weights(mf, seg, B, n_safe, M_safe, cfg, n_conf, num_items, max_
     return mf  # "none": per-token loss, the incoming gradient is per token
 
 
-def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n_conf=None,
-              num_items=None, max_len=None, rollout_w=None, rollout_w_seq=None, rollout_logps=None):
-    """logp, ent (N,) float; m (N,) bool; seg (N,) int64; adv (B,) float; lam (N,) or None;
-    n_conf (B,) or None; max_len: scalar (python or 0-d tensor) for 'seq-mean-token-sum-norm';
-    rollout_w: (N,) rollout importance weights (per-completion ones, rollout_w_seq (B,), repeated on
-    their tokens).
-    Returns a dict: loss_tok (N,), weight (N,), c (N,), e (N,) or None, kept, seq_entropy, metrics.
-    """
-    dt = logp.dtype
-    zero = torch.zeros((), dtype=dt, device=logp.device)
-    mf = m.to(dt)
-    logp = torch.where(m, logp, zero)
-    ent = torch.where(m, ent, zero)
-    n = seg_sum(mf, seg, B)  # counted tokens per completion
-    n_safe = n.clamp(min=1)
-    M = mf.sum(dtype=torch.float64).to(dt)  # exact counts past 2**24 tokens
-    M_safe = M.clamp(min=1)
-    adv = adv.to(dt)
-    seq_ent, kept, a_hat = entropy_control(ent, seg, B, n_safe, adv, cfg)
-    A = a_hat[seg]
+def finite_or_nan(x):
+    """Non-finite values become NaN: unchecked invalid input (validate=False) gives NaN, never a finite
+    wrong number (an old log-prob of -inf would otherwise clip to a finite loss)."""
+    return torch.where(torch.isfinite(x), x, torch.full((), float("nan"), dtype=x.dtype, device=x.device))
 
-    # the policy term (spec 4, 9) and its multipliers: lambda, the masks, the rollout weights
-    log_r = log_ratio(logp, old, m, seg, B, n_safe, cfg.importance_sampling_level)
+
+def rollout_log_w(rollout_w, rollout_w_seq, m, seg, B, dt):
+    """VESPO's sum_t log(rollout weight) per completion (B,), each log clamped to [log 1e-8, 20] as TRL;
+    a per-completion weight enters once."""
+    if rollout_w_seq is not None:
+        return torch.log(rollout_w_seq.to(dt)).clamp(min=math.log(1e-8), max=20.0)
+    if rollout_w is None:
+        return None
+    lw = torch.log(rollout_w.to(dt)).clamp(min=math.log(1e-8), max=20.0)
+    return seg_sum(torch.where(m, lw, torch.zeros_like(lw)), seg, B)
+
+
+def policy_term(logp, log_r, A, adv, m, seg, B, cfg, rollout_w, rollout_w_seq):
+    """Spec 4, 9: (pg, d pg / d log r, d pg / d logp, clipped) per token, before the multipliers."""
     r = torch.exp(log_r)
     if cfg.policy_loss == "ppo":
-        pg, d_logr, d_logp, clipped = policy.ppo(r, A, cfg)
-    elif cfg.policy_loss == "cispo":
-        pg, d_logr, d_logp, clipped = policy.cispo(r, A, logp, cfg)
-    elif cfg.policy_loss == "sapo":
-        pg, d_logr, d_logp, clipped = policy.sapo(r, A, cfg)
-    else:  # vespo: the rollout weights are folded into phi
-        log_w = None  # sum_t log(rollout weight), each log clamped to [log 1e-8, 20] as TRL
-        if rollout_w_seq is not None:  # a per-completion weight enters once
-            log_w = torch.log(rollout_w_seq.to(dt)).clamp(min=math.log(1e-8), max=20.0)
-        elif rollout_w is not None:
-            lw = torch.log(rollout_w.to(dt)).clamp(min=math.log(1e-8), max=20.0)
-            log_w = seg_sum(torch.where(m, lw, zero), seg, B)
-        phi = policy.vespo_phi(log_r, m, lambda x: seg_sum(x, seg, B), adv, log_w, cfg)
-        pg, d_logr, d_logp, clipped = policy.vespo(phi[seg], A, logp)
+        return policy.ppo(r, A, cfg)
+    if cfg.policy_loss == "cispo":
+        return policy.cispo(r, A, logp, cfg)
+    if cfg.policy_loss == "sapo":
+        return policy.sapo(r, A, cfg)
+    log_w = rollout_log_w(rollout_w, rollout_w_seq, m, seg, B, logp.dtype)  # vespo folds them into phi
+    phi = policy.vespo_phi(log_r, m, lambda x: seg_sum(x, seg, B), adv, log_w, cfg)
+    return policy.vespo(phi[seg], A, logp)
+
+
+def multipliers(logp, ent, m, seg, B, n_safe, M, adv, cfg, lam, old, rollout_w, rollout_logps):
+    """Spec 9's order: lambda, the off-policy mask, the top-entropy mask, the rollout weights (not for
+    vespo, which folds them into phi). -> (mult (N,), emask (N,) or None)."""
+    dt = logp.dtype
     mult = torch.ones_like(logp) if lam is None else lam.to(dt)
     if cfg.off_policy_mask_threshold is not None:
         sampling = rollout_logps if rollout_logps is not None else old
@@ -142,43 +140,97 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
         mult = mult * emask
     if rollout_w is not None and cfg.policy_loss != "vespo":
         mult = mult * rollout_w.to(dt)
-    loss_tok = mult * pg
-    d_logr = None if d_logr is None else mult * d_logr
-    d_logp = None if d_logp is None else mult * d_logp
+    return mult, emask
 
-    if ref is not None and not is_zero(cfg.beta):  # beta * k3, times r with the bias correction
-        d = torch.where(m, ref.to(dt), zero) - logp
-        ed = torch.exp(d)
-        k3 = ed - d - 1.0
-        dk3 = 1.0 - ed  # d k3 / d logp
-        if cfg.use_bias_correction_kl:
-            loss_tok = loss_tok + cfg.beta * k3 * r
-            d_logp = (0.0 if d_logp is None else d_logp) + cfg.beta * dk3 * r
-            d_logr = (0.0 if d_logr is None else d_logr) + cfg.beta * k3 * r
-        else:
-            loss_tok = loss_tok + cfg.beta * k3
-            d_logp = (0.0 if d_logp is None else d_logp) + cfg.beta * dk3
-    coef = None
-    if not is_zero(cfg.entropy_coef):
-        coef = -cfg.entropy_coef if emask is None else -cfg.entropy_coef * emask
-        loss_tok = loss_tok - cfg.entropy_coef * ent * (1.0 if emask is None else emask)
-    loss_tok = torch.where(m, loss_tok, zero)
 
-    w = aggregation_weights(mf, seg, B, n_safe, M_safe, cfg, n_conf, num_items, max_len)
-    c = torch.zeros_like(logp) if d_logp is None else w * d_logp
+def kl_term(logp, ref, log_r, cfg):
+    """beta * k3(ref, logp) (times r with the bias correction, spec 9) -> (value, d/dlogp, d/dlog r)."""
+    d = ref - logp
+    ed = torch.exp(d)
+    k3 = ed - d - 1.0
+    dk3 = 1.0 - ed  # d k3 / d logp
+    if not cfg.use_bias_correction_kl:
+        return cfg.beta * k3, cfg.beta * dk3, None
+    r = torch.exp(log_r)
+    return cfg.beta * k3 * r, cfg.beta * dk3 * r, cfg.beta * k3 * r
+
+
+def coefficients(w, d_logp, d_logr, m, mf, seg, B, n_safe, level):
+    """c = d loss / d logp per token: direct, plus through log r (at the sequence level through the
+    completion's mean into each counted token)."""
+    zero = torch.zeros((), dtype=w.dtype, device=w.device)
+    c = torch.zeros_like(w) if d_logp is None else w * d_logp
     if d_logr is not None:
         g = w * d_logr  # d loss / d log r, per token
-        if cfg.importance_sampling_level == "sequence":
-            g = (seg_sum(g, seg, B) / n_safe)[seg] * mf  # through the mean into each counted token
+        if level == "sequence":
+            g = (seg_sum(torch.where(m, g, zero), seg, B) / n_safe)[seg] * mf
         c = c + g
-    c = torch.where(m, c, zero)
-    e = None if coef is None else w * coef
+    return torch.where(m, c, zero)
 
-    metrics = {
+
+def batch_metrics(clipped, kept, lam, ent, m, B, M_safe):
+    dt = ent.dtype
+    zero = torch.zeros((), dtype=dt, device=ent.device)
+    return {
         "clip_frac": (clipped & m).to(dt).sum() / M_safe,
         "filtered_frac": (~kept).to(dt).mean() if B else zero,
         "conflict_frac": zero if lam is None else ((lam != 1) & m).to(dt).sum() / M_safe,
         "mean_entropy": ent.sum(dtype=torch.float64).to(dt) / M_safe,
     }
-    return dict(loss_tok=loss_tok, weight=w, c=c, e=e, kept=kept, seq_entropy=seq_ent,
-                logp=logp, ent=ent, metrics=metrics)
+
+
+def _add(x, y):
+    return y if x is None else (x if y is None else x + y)
+
+
+def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n_conf=None,
+              num_items=None, max_len=None, rollout_w=None, rollout_w_seq=None, rollout_logps=None,
+              totals=None):
+    """totals: (counted tokens per completion (B,), M, the batch's B) when the tokens are a slice of a
+    batch's whole completions (the fused LM head's tile); the aggregation then uses the batch's counts.
+    logp, ent (N,) float; m (N,) bool; seg (N,) int64; adv (B,) float; lam (N,) or None;
+    n_conf (B,) or None; max_len: scalar (python or 0-d tensor) for 'seq-mean-token-sum-norm';
+    rollout_w: (N,) rollout importance weights (per-completion ones, rollout_w_seq (B,), repeated on
+    their tokens). Non-finite advantages, old/ref log-probs or rollout weights at counted tokens give NaN.
+    Returns a dict: loss_tok (N,), weight (N,), c (N,), e (N,) or None, kept, seq_entropy, metrics.
+    """
+    dt = logp.dtype
+    zero = torch.zeros((), dtype=dt, device=logp.device)
+    mf = m.to(dt)
+    logp, ent = torch.where(m, logp, zero), torch.where(m, ent, zero)
+    old = None if old is None else finite_or_nan(torch.where(m, old.to(dt), zero))
+    ref = None if ref is None else finite_or_nan(torch.where(m, ref.to(dt), zero))
+    if rollout_w is not None:  # >= 0 and finite where counted; ignored elsewhere
+        rw = rollout_w.to(dt)
+        rollout_w = torch.where(m, torch.where(rw >= 0, finite_or_nan(rw), float("nan")), 1.0)
+    if rollout_w_seq is not None:
+        rw = rollout_w_seq.to(dt)
+        rollout_w_seq = torch.where(rw >= 0, finite_or_nan(rw), float("nan"))
+    n_safe = (seg_sum(mf, seg, B) if totals is None else totals[0]).clamp(min=1)  # counted tokens per completion
+    M = mf.sum(dtype=torch.float64).to(dt) if totals is None else totals[1]  # exact counts past 2**24 tokens
+    M_safe = M.clamp(min=1)
+    adv = finite_or_nan(adv.to(dt))
+    seq_ent, kept, a_hat = entropy_control(ent, seg, B, n_safe, adv, cfg)
+    A = a_hat[seg]
+
+    log_r = log_ratio(logp, old, m, seg, B, n_safe, cfg.importance_sampling_level)
+    pg, d_logr, d_logp, clipped = policy_term(logp, log_r, A, adv, m, seg, B, cfg, rollout_w, rollout_w_seq)
+    mult, emask = multipliers(logp, ent, m, seg, B, n_safe, M, adv, cfg, lam, old, rollout_w, rollout_logps)
+    loss_tok = mult * pg
+    d_logr = None if d_logr is None else mult * d_logr
+    d_logp = None if d_logp is None else mult * d_logp
+    if ref is not None and not is_zero(cfg.beta):
+        kl, kl_logp, kl_logr = kl_term(logp, ref, log_r, cfg)
+        loss_tok, d_logp, d_logr = loss_tok + kl, _add(d_logp, kl_logp), _add(d_logr, kl_logr)
+    e = None
+    if not is_zero(cfg.entropy_coef):  # the bonus, masked by the top-entropy mask too
+        coef = -cfg.entropy_coef if emask is None else -cfg.entropy_coef * emask
+        loss_tok = loss_tok + coef * ent
+    loss_tok = torch.where(m, loss_tok, zero)
+
+    w = aggregation_weights(mf, seg, B if totals is None else totals[2], n_safe, M_safe, cfg, n_conf, num_items, max_len)
+    c = coefficients(w, d_logp, d_logr, m, mf, seg, B, n_safe, cfg.importance_sampling_level)
+    if not is_zero(cfg.entropy_coef):
+        e = w * coef
+    return dict(loss_tok=loss_tok, weight=w, c=c, e=e, kept=kept, seq_entropy=seq_ent, logp=logp, ent=ent,
+                metrics=batch_metrics(clipped, kept, lam, ent, m, B, M_safe))
