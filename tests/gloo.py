@@ -1,30 +1,93 @@
-"""Tests only: run a function on W gloo processes on the CPU and collect what each rank returns."""
+"""Tests only: run a function on W gloo processes on the CPU and collect what each rank returns.
+
+With a watchdog (run_ranks(..., watchdog=seconds)) a hang fails the test instead of blocking it: every
+rank reports its progress (`progress`) and can wait for the others outside torch.distributed (`sync`,
+a barrier on files: a rank that raised stays alive there, as a trainer that logged its error would, so
+that a peer stuck in a collective stays stuck and shows as a hang); when no rank progresses for
+`watchdog` seconds, the processes are killed and the test fails naming each rank's last step."""
 import json
 import os
 import tempfile
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+STARTUP_S = 120  # spawning and importing on a loaded 2-core machine, before the watchdog applies
+
 
 def _rank(rank, world, init_file, out_dir, fn):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ["GLOO_TEST_DIR"] = out_dir
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    progress("started")
     try:
         res = fn(rank, world)
     except Exception:
         res = {"exception": traceback.format_exc()}
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(res, f)
+    progress("finished")
     dist.destroy_process_group()
 
 
-def run_ranks(fn, world):
+def progress(note):
+    """Record this rank's latest step (for the watchdog's report)."""
+    path = os.path.join(os.environ["GLOO_TEST_DIR"], f"{dist.get_rank()}.progress")
+    with open(path, "a") as f:
+        f.write(f"{note}\n")
+
+
+def sync(tag):
+    """Wait until every rank has reached sync(tag) (files, not a collective: a rank stuck in a collective
+    keeps the others waiting here, alive, until the watchdog ends them)."""
+    d, rank, world = os.environ["GLOO_TEST_DIR"], dist.get_rank(), dist.get_world_size()
+    tag = "".join(c if c.isalnum() else "_" for c in tag)
+    open(os.path.join(d, f"sync.{tag}.{rank}"), "w").close()
+    progress(f"waiting at {tag}")
+    while not all(os.path.exists(os.path.join(d, f"sync.{tag}.{r}")) for r in range(world)):
+        time.sleep(0.01)
+
+
+def _snapshot(d, world):
+    out = []
+    for r in range(world):
+        try:
+            with open(os.path.join(d, f"{r}.progress")) as f:
+                out.append(f.read().splitlines())
+        except FileNotFoundError:
+            out.append([])
+    return out
+
+
+def _watch(ctx, d, world, watchdog):
+    """Join the ranks; kill them and fail when no rank reports progress for `watchdog` seconds."""
+    seen, last = None, time.monotonic()
+    while not ctx.join(timeout=0.2):
+        now, state = time.monotonic(), _snapshot(d, world)
+        if state != seen:
+            seen, last = state, now
+        started = all(state) and all(lines[0] == "started" for lines in state)
+        if now - last > (watchdog if started else STARTUP_S):
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            last_steps = {r: (lines[-1] if lines else "not started") for r, lines in enumerate(state)}
+            raise AssertionError(f"hang: no rank progressed for {watchdog} s; each rank's last step: {last_steps}")
+
+
+def run_ranks(fn, world, watchdog=None):
     """fn(rank, world) -> a JSON-able dict, run on every rank of a fresh gloo group (fn must be a module-level
-    function); returns the ranks' dicts in rank order, {'exception': traceback} where one raised."""
+    function); returns the ranks' dicts in rank order, {'exception': traceback} where one raised. With
+    `watchdog` (seconds), a rank that makes no progress that long fails the test as a hang."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rank, args=(world, os.path.join(d, "init"), d, fn), nprocs=world, join=True)
+        args = (world, os.path.join(d, "init"), d, fn)
+        if watchdog is None:
+            mp.spawn(_rank, args=args, nprocs=world, join=True)
+        else:
+            _watch(mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn"), d, world,
+                   watchdog)
         return [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]

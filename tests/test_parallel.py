@@ -32,7 +32,7 @@ def _case(seed, packed):
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     old = -torch.rand(B, T, generator=g) * 3 - 1.5
     if not packed:
-        return x, ids, mask, adv, old, {}
+        return x[:, :T], ids, mask, adv, old, {}  # one row per token (logits_start=None)
     keep = mask.reshape(-1)
     lengths = mask.sum(1)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
@@ -98,15 +98,16 @@ def _checks(rank, world, counter):
     # errors on every rank, never a hang
     x, ids, mask, adv, old, _ = _case(7, False)
     raised = {}
-    bad_T = ids if rank == 0 else ids[:, :4]
+    bad_T, bad_mask = (ids, mask) if rank == 0 else (ids[:, :4], mask[:, :4])  # (each valid on its own)
     try:
-        gtpo_loss(x[..., sl], bad_T, adv, group_size=2, config="grpo", process_group=dist.group.WORLD)
+        gtpo_loss(x[..., sl], bad_T, adv, bad_mask, group_size=2, config="grpo", logits_start=0,
+                  process_group=dist.group.WORLD)
     except ValueError as err:
         raised["shapes"] = str(err)
     bad_id = ids.clone()
     bad_id[0, 0] = 37  # outside the global vocabulary (inside no slice)
     try:
-        gtpo_loss(x[..., sl], bad_id, adv, group_size=2, config="grpo", process_group=dist.group.WORLD)
+        gtpo_loss(x[..., sl], bad_id, adv, mask, group_size=2, config="grpo", process_group=dist.group.WORLD)
     except ValueError as err:
         raised["ids"] = str(err)
     out = gtpo_loss(x[..., sl], bad_id, adv, group_size=2, config="grpo", validate=False,

@@ -8,14 +8,16 @@ from ..core import batch, checks
 from ..core.config import GTPOConfig, as_config
 from ..core.layout import float_dtype_for
 from ..core.output import GTPOOutput
+from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch, ops
 from ..pipeline import reference
-from ..pipeline.loss import check_loss_args, conflicts_for, forward, fused_loss, make_output, vocab_parallel
+from ..pipeline.loss import (check_loss_args, conflicts_for, forward, fused_loss, make_output, vocab_parallel,
+                             vocab_summary)
 
 def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group_size=None,
               old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None, n_conf=None,
-              cu_seqlens=None, max_seqlen=None, logits_start=0, num_items_in_batch=None,
+              cu_seqlens=None, max_seqlen=None, logits_start=None, num_items_in_batch=None,
               rollout_is_weights=None, rollout_logps=None, inplace=False, validate=True,
               backend="auto", process_group=None) -> GTPOOutput:
     """The GTPO policy-gradient loss (spec: docs/GTPO_SPEC.md), fused over the vocabulary.
@@ -30,6 +32,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
 
     logits          (B, T_l, V) float16/bfloat16/float32 (float64: backend 'torch'), any strides; row
                     logits_start + t predicts completion_ids[:, t]. Packed form (cu_seqlens): (N_l, V).
+                    With logits_start=None, T_l == T (packed: N_l == N).
     completion_ids  (B, T) (packed: (N,)) any integer dtype; ignored where the mask is 0.
     advantages      (B,) or (B, 1), one per completion.
     completion_mask (B, T) (packed: (N,)) bool, or int/float holding only 0 and 1 (checked when
@@ -41,12 +44,15 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     (B,)); when given they are used as they are, whatever config.use_conflict_mask says.
     old_logps       (shape of completion_ids) the sampling policy's log-probs; None = on-policy.
     ref_logps       the reference model's log-probs, needed when config.beta > 0.
-    logits_start    row of logits that predicts completion token 0.
+    logits_start    row of logits that predicts completion token 0; None (default): the logits hold
+                    exactly one row per token, anything else is refused with a hint (a model's
+                    (B, P + T, V) logits need logits_start=P - 1).
     num_items_in_batch  the denominator of loss_agg='token-mean' instead of this call's counted tokens
                     (gradient accumulation, data parallelism: see the README's "Normalizers"); refused
                     with any other aggregation.
-    rollout_is_weights  rollout importance weights (training/inference mismatch, spec 9), per token
-                    (completion_ids' shape) or per completion ((B,) / (B, 1)), >= 0; they multiply the
+    rollout_is_weights  rollout importance weights (training/inference mismatch, spec 9), finite and >= 0:
+                    per token (completion_ids' shape: (B, T), packed (N,)) or per completion ((B, 1);
+                    (B,) in the padded form only: packed, it is refused as ambiguous); they multiply the
                     policy term (see `rollout_is_weights()` for TRL's four ways to make them).
     rollout_logps   the inference engine's log-probs (completion_ids' shape): the sampling policy of
                     config.off_policy_mask_threshold (default: old_logps).
@@ -63,46 +69,52 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     identical on every rank; the gradient is this rank's slice. A DTensor sharded on the
                     last dimension brings its own group.
     """
-    cfg = as_config(config)
-    checks.require_advantages(advantages)
-    host = checks.host_checks(validate)
     logits, process_group = parallel.unwrap_dtensor(logits, process_group)
-    vp = vocab_parallel(process_group, logits, completion_ids, logits_start, cu_seqlens)
-    extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
-                  rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
-    b = batch.prepare(logits, completion_ids, completion_mask, advantages=advantages, cu_seqlens=cu_seqlens,
-                       max_seqlen=max_seqlen, logits_start=logits_start, validate=host,
-                       vocab_size=None if vp is None else vp.V, **extras)
-    checks.check_inplace(inplace, logits)
-    dt = float_dtype_for(logits)
-    num_items = check_loss_args(b, cfg, num_items_in_batch, dt)
-    backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
-    if backend == "reference":
-        checks.refuse_reference_with_group(vp)
-        return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput)
+    with agree.guard(process_group) as g:  # with a group, an error is held until every rank knows (spec 12)
+        cfg = as_config(config)
+        checks.require_advantages(advantages)
+        host = checks.host_checks(validate)
+        logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
+        extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
+                      rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
+        b = batch.prepare(logits, completion_ids, completion_mask, advantages=advantages, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen, logits_start=logits_start, validate=host,
+                           vocab_size=_local_vocab(process_group), **extras)
+        checks.check_inplace(inplace, logits)
+        dt = float_dtype_for(logits)
+        num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
+        backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
+        if backend == "reference":
+            checks.refuse_reference_with_group(process_group)
+            return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput)
+        conflicts_for(b, cfg, group_size, dt, backend)
+        vocab_summary(g, b, logits, host, backend, cfg.temperature)
+    vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
-    conflicts_for(b, cfg, group_size, dt, backend)
     loss, res = fused_loss(b, cfg, backend, inplace, host, num_items, vp)
     return make_output(b, cfg, loss, res, dt, host)
 
 
-def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None, *, logits_start=0,
+def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None, *, logits_start=None,
                    cu_seqlens=None, max_seqlen=None, validate=True, backend="auto", process_group=None):
     """Forward-only log-probs and entropies (no autograd), e.g. for the old-policy and reference
     passes: -> (logps, entropy), each of completion_ids' shape, float32 (float64 for float64 logits),
     0 where masked out (NaN at an invalid counted token when the host checks are off). Nothing of size
     tokens x vocabulary is allocated. process_group: vocabulary-parallel logits, as in gtpo_loss."""
-    GTPOConfig(temperature=temperature)  # validates the temperature
-    host = checks.host_checks(validate)
     logits, process_group = parallel.unwrap_dtensor(logits, process_group)
-    vp = vocab_parallel(process_group, logits, completion_ids, logits_start, cu_seqlens)
-    b = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                       logits_start=logits_start, validate=host, vocab_size=None if vp is None else vp.V)
-    backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
-    if backend == "reference":
-        checks.refuse_reference_with_group(vp)
-        return reference.token_logprobs(b, logits, temperature)
+    with agree.guard(process_group) as g:  # with a group, an error is held until every rank knows (spec 12)
+        GTPOConfig(temperature=temperature)  # validates the temperature
+        host = checks.host_checks(validate)
+        logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
+        b = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                           logits_start=logits_start, validate=host, vocab_size=_local_vocab(process_group))
+        backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
+        if backend == "reference":
+            checks.refuse_reference_with_group(process_group)
+            return reference.token_logprobs(b, logits, temperature)
+        vocab_summary(g, b, logits, host, backend, temperature)
+    vp = vocab_parallel(g, logits, "token_logprobs(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
     dt = float_dtype_for(logits)
@@ -112,3 +124,9 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     logp = torch.where(b.counted, logp.to(dt), zero)
     ent = torch.where(b.counted, ent.to(dt), zero)
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
+
+
+def _local_vocab(process_group):
+    """prepare's range check: the logits' own V on one process; with a group the whole vocabulary is known
+    only after the agreement (vocab_layout checks it there), so only negative ids are refused here."""
+    return None if process_group is None else float("inf")

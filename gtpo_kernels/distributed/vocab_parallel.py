@@ -15,6 +15,10 @@ then log S = log1p(R), H = log S - U / S, logp = (z_y - M) / tau - log S and q =
 one device: 32 bytes per token in all. Every rank ends with the same per-token statistics, so the loss,
 the outputs and the metrics are identical on every rank; the backward pass runs on each slice with them
 and communicates nothing (each rank's gradient is its slice of the single-process gradient).
+
+Before any of that, `vocab_layout` makes the one small collective (agree.py): every rank's error flag,
+slice size, shapes, options and a digest of its tokens, so that a rank that failed its checks, ranks
+that disagree, or ids outside the whole vocabulary make every rank raise the same error.
 """
 from __future__ import annotations
 
@@ -22,27 +26,53 @@ import torch
 import torch.distributed as dist
 
 from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
+from ..core import checks
 from ..kernels import ops
+from . import agree
 
 BYTES_PER_TOKEN = 4 + 7 * 4  # the two all-reduces of vp_forward (float32 statistics)
+KEY = 8  # the shapes a rank brings to the agreement, padded to this many int64
 
 
-def vocab_layout(group, V_local, shape_key, device):
-    """One small collective before anything else: every rank's slice size and shapes. -> VocabParallel
-    (this slice's first id, the whole vocabulary's size, the largest slice). Ranks that disagree on
-    shapes all raise the same error (none is left waiting)."""
-    world = dist.get_world_size(group)
-    mine = torch.tensor([V_local, *shape_key], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    every = torch.stack(every).cpu()
-    if not bool((every[:, 1:] == every[0, 1:]).all()):
-        raise ValueError(f"process_group: the ranks disagree on the shapes of the per-token inputs "
-                         f"(batch, tokens, logits rows, logits_start, packed) = {every[:, 1:].tolist()}; "
-                         f"every rank must pass the same tokens, with its own slice of the vocabulary")
-    sizes = every[:, 0]
-    rank = dist.get_rank(group)
-    return VocabParallel(group, int(sizes[:rank].sum()), int(sizes.sum()), int(sizes.max()))
+def summary(g, b, V_local, key, host, options):
+    """Inside the guard, last: what this rank brings to the one small collective (its slice size, the
+    shapes `key`, a fingerprint of `host` (validate) and the `options` that shape the collectives, the
+    tokens' digest). Nothing without a group."""
+    if g.group is not None:
+        g.batch, g.host = b, host
+        g.fields = [V_local, *key, *(0,) * (KEY - len(key)), agree.fingerprint((host, *options)),
+                    *agree.token_digest(b)]
+
+
+def vocab_layout(g, device, where):
+    """The one small collective, before any other (spec 12): every rank's error flag, slice size,
+    shapes, options and tokens -> VocabParallel (this slice's first id, the whole vocabulary's size, the
+    largest slice). A rank that failed its checks, ranks that disagree, or (validating) counted ids
+    outside the whole vocabulary: every rank raises the same error (none is left waiting)."""
+    rows = agree.agree(g, 1 + KEY + 4, device, where)  # 14 int64 with the flag
+    sizes = [row[0] for row in rows]
+    agree.disagree(where, [tuple(row[1:1 + KEY]) for row in rows], "the shapes of the per-token inputs "
+                   "(tokens, logits rows, logits_start or D, packed)", "every rank must pass the same tokens, "
+                   "with its own slice of the vocabulary")
+    agree.disagree(where, [row[1 + KEY] for row in rows], "the options that shape the collectives (dtype, "
+                   "backend, validate, temperature; the head's schedule and memory_budget)", "pass the same "
+                   "options on every rank")
+    V = sum(sizes)
+    out = [r for r, row in enumerate(rows) if row[-1] >= V]
+    if g.host and out:  # (validate is the same on every rank: in the options)
+        cause = None
+        try:
+            checks.check_ids_in_range(g.batch.ids, g.batch.counted, V)
+        except ValueError as e:
+            cause = e
+        raise ValueError(f"{where}: completion_ids must lie in [0, V) = [0, {V}) at counted positions (V: the "
+                         f"whole vocabulary over the group); rank(s) {out} hold counted ids up to "
+                         f"{[rows[r][-1] for r in out]}; every rank raises this error") from cause
+    agree.disagree(where, [tuple(row[-3:-1]) for row in rows], "the counted tokens (their number, a checksum "
+                   "of completion_ids, completion_mask and cu_seqlens)", "every rank must pass the same "
+                   "tokens (its own slice of the vocabulary)")
+    rank = dist.get_rank(g.group)
+    return VocabParallel(g.group, sum(sizes[:rank]), V, max(sizes))
 
 
 def local_ids(ids, vocab_start):
@@ -50,11 +80,13 @@ def local_ids(ids, vocab_start):
     return ids.long() - vocab_start
 
 
-def vp_forward(b, ids_loc, temperature, backend, group, V_global):
+def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, softcap=None):
     """The forward pass on this rank's slice, merged over the group -> (logp, H, stats, flags) per
-    token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics)."""
+    token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics).
+    scale, softcap: the tile's transforms (spec 11), applied by the kernel to this slice."""
     logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, b.counted,
-                                                  ops.as_tensor_param(temperature), b.logits_start, backend)
+                                                  ops.as_tensor_param(temperature), b.logits_start, scale, softcap,
+                                                  backend)
     inv_t = 1.0 / temperature  # a number or a 0-d tensor (no host read)
     ninf = torch.tensor(float("-inf"), dtype=stats_r.dtype, device=stats_r.device)
     m_r, ls_r = stats_r[:, 0], stats_r[:, 1]

@@ -12,6 +12,7 @@ from ..core import checks
 from ..core.config import is_zero
 from ..core.layout import float_dtype_for
 from ..core.output import GTPOOutput
+from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..kernels import autograd  # noqa: F401  (registers attach_grad's backward)
 from ..kernels import ops
@@ -19,7 +20,7 @@ from ..objective.conflict import conflict_flat
 from ..objective.surrogate import surrogate
 
 
-def check_loss_args(b, cfg, num_items_in_batch, dt):
+def check_loss_args(b, cfg, num_items_in_batch, dt, validate=True):
     """Checks that depend on the config; returns num_items_in_batch as the surrogate takes it."""
     if b.ref is None and not is_zero(cfg.beta):
         raise ValueError("config.beta > 0 (or a tensor beta) needs ref_logps (the reference model's "
@@ -28,7 +29,7 @@ def check_loss_args(b, cfg, num_items_in_batch, dt):
         raise ValueError("loss_agg='none' with importance_sampling_level='sequence' is refused: each token's "
                          "loss then depends on every token of its completion, so a per-token upstream "
                          "gradient has no per-token meaning; aggregate the loss instead")
-    return checks.check_num_items(num_items_in_batch, cfg.loss_agg, b.counted.device, dt)
+    return checks.check_num_items(num_items_in_batch, cfg.loss_agg, b.counted.device, dt, validate)
 
 
 def conflicts_for(b, cfg, group_size, dt, backend):
@@ -43,10 +44,30 @@ def conflicts_for(b, cfg, group_size, dt, backend):
         b.lam = torch.where(b.counted, b.lam, torch.ones_like(b.lam))
 
 
-def run_surrogate(b, cfg, logp, ent, num_items, dt):
+def run_surrogate(b, cfg, logp, ent, num_items, dt, totals=None):
+    """The O(N) surrogate on the batch's tokens (totals: the whole batch's counts when b is a slice of
+    it, the fused LM head's tile)."""
     return surrogate(logp.to(dt), ent.to(dt), b.counted, b.seg, b.B, b.adv, cfg, old=b.old, ref=b.ref,
                      lam=b.lam, n_conf=b.n_conf, num_items=num_items, max_len=b.max_len,
-                     rollout_w=b.rollout_w, rollout_w_seq=b.rollout_w_seq, rollout_logps=b.rollout_logps)
+                     rollout_w=b.rollout_w, rollout_w_seq=b.rollout_w_seq, rollout_logps=b.rollout_logps,
+                     totals=totals)
+
+
+def value_and_coefficients(b, cfg, logp, ent, num_items, dt, cdt):
+    """Surrogate -> (res, the loss value, c, e in the kernels' dtype cdt), without autograd: what the
+    logits path and the fused LM head attach their backward to."""
+    with torch.no_grad():
+        res = run_surrogate(b, cfg, logp, ent, num_items, dt)
+        value = loss_value(b, cfg, res)
+        c = res["c"].to(cdt)
+        e = None if res["e"] is None else res["e"].to(cdt)
+    return res, value, c, e
+
+
+def shape_key(b, *rows):
+    """The vocabulary-parallel agreement's shapes (spec 12): the tokens' shape, what the per-token rows
+    are read from (`rows`), and the packed flag."""
+    return [*b.tok_shape, *(0,) * (2 - len(b.tok_shape)), *rows, int(b.packed)]
 
 
 def loss_value(b, cfg, res):
@@ -77,7 +98,7 @@ def forward(b, temperature, backend, host, vp=None):
     vp: the vocabulary-parallel layout (parallel.VocabParallel), or None."""
     if vp is None:
         logp, ent, stats, bad = ops.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
-                                              b.logits_start, backend)
+                                              b.logits_start, backend=backend)
     else:
         logp, ent, stats, bad = parallel.vp_forward(b, vp.ids, temperature, backend, vp.group, vp.V)
     if host:
@@ -93,23 +114,23 @@ def fused_loss(b, cfg, backend, inplace, host, num_items, vp=None):
     with torch.no_grad():
         temperature = ops.as_tensor_param(cfg.temperature)
         logp, ent, stats = forward(b, temperature, backend, host, vp)
-        res = run_surrogate(b, cfg, logp, ent, num_items, dt)
-        value = loss_value(b, cfg, res)
-        cdt = stats.dtype  # the kernel's coefficients in its accumulation dtype
-        c = res["c"].to(cdt)
-        e = None if res["e"] is None else res["e"].to(cdt)
+    cdt = stats.dtype  # the kernel's coefficients in its accumulation dtype
+    res, value, c, e = value_and_coefficients(b, cfg, logp, ent, num_items, dt, cdt)
     ids = b.ids if vp is None else vp.ids  # vocabulary-parallel: this slice's ids
     loss = ops.attach_grad(b.logits3, value, ids, stats, ent.to(cdt), c, e, temperature, b.logits_start,
-                           backend, inplace)
+                           backend=backend, inplace=inplace)
     return loss, res
 
 
-def vocab_parallel(group, logits, completion_ids, logits_start, cu_seqlens):
-    """The vocabulary-parallel layout (spec 12) after one small collective, or None without a group."""
-    if group is None:
+def vocab_summary(g, b, logits, host, backend, temperature):
+    """Inside the guard, last: this rank's part of the agreement (vocabulary-parallel only, spec 12)."""
+    key = shape_key(b, *b.logits3.shape[:2], b.logits_start)
+    parallel.summary(g, b, logits.shape[-1], key, host, (str(logits.dtype), backend, temperature))
+
+
+def vocab_parallel(g, logits, where):
+    """The vocabulary-parallel layout (spec 12) after the one small collective, or None without a group:
+    if any rank failed its checks (held by the guard g) or the ranks disagree, every rank raises."""
+    if g.group is None:
         return None
-    if not isinstance(logits, torch.Tensor) or not isinstance(completion_ids, torch.Tensor):
-        raise TypeError("logits and completion_ids must be tensors")
-    key = [completion_ids.dim(), *completion_ids.shape, *(0,) * (2 - completion_ids.dim()), logits.dim(),
-           *logits.shape[:-1], *(0,) * (3 - logits.dim()), int(logits_start), int(cu_seqlens is None)]
-    return parallel.vocab_layout(group, logits.shape[-1], key, logits.device)
+    return parallel.vocab_layout(g, agree.collective_device(g.group, logits), where)

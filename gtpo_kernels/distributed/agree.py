@@ -1,0 +1,156 @@
+"""Failure is collective (spec 12): no input, valid or not, on any subset of ranks leaves another rank
+waiting in a collective.
+
+Every entry point that takes a process group runs this rank's local checks inside `guard` (with a group,
+every Exception is held instead of raised), then makes its one small collective through `agree`: an
+all-gather of a few int64 per rank whose first is this rank's error flag. If any rank failed, every rank
+raises the same ValueError naming the failing rank(s) (on a failing rank, chained to its own error), so
+no rank raises or returns while another still waits. The rest of each row is what the ranks must agree on
+(shapes, options, and for a vocabulary-parallel group the tokens' `token_digest`); `odd_ranks` names the
+ranks that differ, and the caller raises, on every rank, the same error for them.
+
+A condition that is only known on the device (a malformed cu_seqlens unvalidated) joins the error flag
+through `fail_if` without a host read of its own: the gathered row is the one read."""
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+
+import torch
+
+_MASK61 = (1 << 61) - 1
+_K1, _K2, _K3, _K4 = (0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D,
+                      0xBF58476D1CE4E5B9 - (1 << 64))  # odd 64-bit mixers, as int64
+_KINDS = ("ValueError", "TypeError", "RuntimeError", "IndexError", "KeyError", "AttributeError",
+          "PicklingError", "OverflowError", "NotImplementedError")
+
+
+class guard:
+    """`with guard(group) as g:` this rank's checks. Without a group (None) errors propagate as usual;
+    with one, the first Exception is held in g.error (the block stops there) until `agree` reports it
+    on every rank. g.fields: what the rank brings to the agreement (set at the end of the block)."""
+
+    def __init__(self, group):
+        self.group, self.error, self.fields, self.later = group, None, None, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if self.group is None or not isinstance(err, Exception):
+            return False
+        self.error = err
+        return True
+
+
+def fail_if(g, bad, error):
+    """A 0-d bool tensor `bad` (on the device, unread) counts as this rank failing with `error`."""
+    g.later.append((bad, error))
+
+
+def _kind(err):
+    name = type(err).__name__
+    return 1 + (_KINDS.index(name) if name in _KINDS else len(_KINDS))
+
+
+def _kind_name(code):
+    return _KINDS[code - 1] if code - 1 < len(_KINDS) else "an exception"
+
+
+def _row(g, width, device):
+    """[error flag, *fields] as one int64 tensor on `device` (device fields are not read on the host)."""
+    try:
+        if g.error is None:
+            fields = list(g.fields)
+            if len(fields) != width:
+                raise RuntimeError(f"agree: {len(fields)} fields, expected {width}")
+            row = torch.tensor([0] + [0 if isinstance(f, torch.Tensor) else int(f) for f in fields],
+                               dtype=torch.int64).to(device)
+            on_dev = [i for i, f in enumerate(fields) if isinstance(f, torch.Tensor)]
+            if on_dev:
+                row[[i + 1 for i in on_dev]] = torch.stack([fields[i].reshape(()).to(device, torch.int64)
+                                                            for i in on_dev])
+            for bad, error in g.later:
+                row[0] = torch.where(bad.to(device), _kind(error), row[0])
+            return row
+    except Exception as e:  # noqa: BLE001 - held like any other local failure
+        g.error = e
+    row = torch.zeros(width + 1, dtype=torch.int64, device=device)
+    row[0] = _kind(g.error)
+    return row
+
+
+def agree(g, width, device, where):
+    """The one small collective: every rank's [error flag, *g.fields] -> the fields of every rank (lists
+    of ints, rank order); one host read. If any rank failed, every rank raises the same ValueError
+    naming the failing rank(s); a failing rank chains its own error."""
+    import torch.distributed as dist
+    mine = _row(g, width, device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(g.group))]
+    dist.all_gather(every, mine, group=g.group)
+    rows = torch.stack(every).tolist()
+    if g.error is None and rows[dist.get_rank(g.group)][0]:  # a device-side condition failed here
+        g.error = next(e for bad, e in g.later if bool(bad))
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        why = ", ".join(f"rank {r}: {_kind_name(rows[r][0])}" for r in failed)
+        raise ValueError(f"{where}: rank(s) {failed} refused their arguments ({why}; the error chained on "
+                         f"the failing rank says why); every rank of the group raises this error, none is "
+                         f"left waiting") from g.error
+    return [row[1:] for row in rows]
+
+
+def odd_ranks(values):
+    """The ranks whose value differs from the majority's; without a strict majority (two ranks that
+    differ, say), every rank: none can be told apart as the one that is wrong."""
+    common, n = Counter(values).most_common(1)[0]
+    if 2 * n <= len(values):
+        return list(range(len(values))) if len(set(values)) > 1 else []
+    return [r for r, v in enumerate(values) if v != common]
+
+
+def disagree(where, values, what, fix):
+    """Raise (the same text on every rank) when the ranks' `values` differ."""
+    odd = odd_ranks(values)
+    if odd:
+        raise ValueError(f"{where}: the ranks disagree on {what}: rank(s) {odd} differ"
+                         f"{' from the others' if len(odd) < len(values) else ''}; per rank {values}; {fix}")
+
+
+def fingerprint(options):
+    """A stable int for a tuple of plain options (the same on every process, unlike hash()); a tensor
+    counts by its type only (no host read)."""
+    return zlib.crc32(repr(tuple(type(o).__name__ if isinstance(o, torch.Tensor) else o
+                                 for o in options)).encode())
+
+
+def token_digest(b):
+    """(counted tokens, checksum of ids, mask and segments mod 2**61, largest counted id) of a Batch as
+    0-d int64 tensors on its device: a few elementwise passes over N, no host read."""
+    ids, counted = b.ids.long(), b.counted
+    if ids.numel() == 0:
+        zero = torch.zeros((), dtype=torch.int64, device=ids.device)
+        return zero, zero, zero - 1
+    pos = torch.arange(ids.numel(), device=ids.device)
+    x = ids * _K1 + pos * _K2 + b.seg.long() * _K3  # wraps mod 2**64
+    x = (x ^ (x >> 31)) * _K4
+    x = x ^ (x >> 29)
+    zero = torch.zeros((), dtype=torch.int64, device=ids.device)
+    checksum = torch.where(counted, x, zero).sum() & _MASK61
+    top = torch.where(counted, ids, zero - 1).max()
+    return counted.sum(), checksum, top
+
+
+def cu_malformed(cu_seqlens, N):
+    """0-d bool on the device: cu_seqlens does not start at 0, decreases or does not end at N."""
+    cu = cu_seqlens.long()
+    return (cu[0] != 0) | (cu[-1] != N) | (cu[1:] < cu[:-1]).any()
+
+
+def collective_device(group, x):
+    """Where the small collective's tensors live: x's device, CUDA for a CPU tensor under NCCL."""
+    import torch.distributed as dist
+    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+    if device.type == "cpu" and dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
