@@ -17,6 +17,9 @@ import gtpo_reference as ref
 from batches import cases
 from conftest import TOL, assert_grad_close, assert_value_close
 from gtpo_kernels import GTPOConfig, linear_gtpo_loss, linear_token_logprobs
+from gtpo_kernels.pipeline import loss as pipeline_loss
+from gtpo_kernels.pipeline import tiles
+from gtpo_kernels.pipeline.head import row_bytes
 
 BACKENDS = ["triton", "torch"]
 PRESETS = ["gtpo", "gtpo-official", "grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "gspo", "luspo", "vespo"]
@@ -33,30 +36,38 @@ def _head(case, D, dtype, gen, bias_on):
     return hidden, weight, bias
 
 
-def _materialized(hidden, weight, bias, scale, cap):
-    z = hidden @ weight.t()
-    z = (z if bias is None else z + bias) * scale
+def _raw(hidden, weight, bias):
+    """The GEMM output as the head holds it (bias added by the GEMM), in the inputs' dtype."""
+    return hidden @ weight.t() if bias is None else torch.addmm(bias, hidden.reshape(-1, hidden.shape[-1]),
+                                                                 weight.t()).reshape(*hidden.shape[:-1], -1)
+
+
+def _transform(z, scale, cap):
+    z = z * scale
     return z if cap is None else cap * torch.tanh(z / cap)
 
 
-def _reference(case, cfg, hidden, weight, bias, scale, cap, old):
-    """The reference on the materialized logits: values on the logits as the materialized path holds them
-    (16-bit inputs: the projection's 16-bit logits, the same ops; float32: float64), gradients by
-    float64 autograd through the projection."""
-    kw = dict(group_size=case.G, old_logps=old, **dataclasses.asdict(cfg))
+def _materialized(hidden, weight, bias, scale, cap):
+    return _transform(_raw(hidden, weight, bias), scale, cap)
 
+
+def _reference(case, cfg, hidden, weight, bias, scale, cap, old):
+    """The reference on the materialized logits: the raw GEMM output as the head holds it (16-bit inputs:
+    its 16-bit values; float32: float64), scale, softcap and the loss in float64 (the kernels apply the
+    transforms in float32 registers), gradients by float64 autograd through the projection."""
+    kw = dict(group_size=case.G, old_logps=old, **dataclasses.asdict(cfg))
     low = hidden.dtype in (torch.bfloat16, torch.float16)
-    held = _materialized(hidden, weight, bias, scale, cap).double()  # the logits as the path holds them
+    held = _raw(hidden, weight, bias).double()
 
     def grads(round_grad=False):
         h, w = hidden.double().requires_grad_(), weight.double().requires_grad_()
         bb = None if bias is None else bias.double().requires_grad_()
-        z = _materialized(h, w, bb, scale, cap)
-        if low:  # the values of the 16-bit logits, the float64 chain rule through the projection
-            z = z + (held - z).detach()
-        if round_grad:  # the materialized path stores dL/dlogits in the logits' dtype
-            z.register_hook(lambda g: g.to(hidden.dtype).double())
-        r = ref.gtpo_loss(z, case.ids, case.adv, case.mask, **kw)
+        zr = _raw(h, w, bb)
+        if low:  # the values of the 16-bit GEMM output, the float64 chain rule through the projection
+            zr = zr + (held - zr).detach()
+        if round_grad:  # the head stores dL/dz_raw in the inputs' dtype
+            zr.register_hook(lambda g: g.to(hidden.dtype).double())
+        r = ref.gtpo_loss(_transform(zr, scale, cap), case.ids, case.adv, case.mask, **kw)
         r["loss"].backward()
         return r, [h.grad, w.grad, None if bb is None else bb.grad]
     r, exact = grads()
@@ -71,18 +82,22 @@ def _reference(case, cfg, hidden, weight, bias, scale, cap, old):
 @given(case=cases(max_V=40), preset=st.sampled_from(PRESETS), schedule=st.sampled_from(["auto", "recompute"]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), scale=st.sampled_from([1.0, 0.7]),
        cap=st.sampled_from([None, 4.0]), bias_on=st.booleans(), packed=st.booleans(),
-       budget_rows=st.sampled_from([1, 3, 1000]), with_old=st.booleans(), seed=st.integers(0, 1000))
+       budget_rows=st.sampled_from([1, 3, 1000]), with_old=st.booleans(),
+       threshold=st.sampled_from([None, 2.0, 3.0]), seed=st.integers(0, 1000))
 def test_linear_matches_reference(backend, case, preset, schedule, dtype, scale, cap, bias_on, packed, budget_rows,
-                                  with_old, seed):
+                                  with_old, threshold, seed):
     gen = torch.Generator().manual_seed(seed)
     V = case.logits.shape[-1]
     hidden, weight, bias = _head(case, 8, dtype, gen, bias_on)
-    cfg = GTPOConfig.preset(preset, temperature=case.temperature, entropy_threshold=None)
     B, T = case.ids.shape
+    # the entropy filter against the reference too; the packed form's default length normalizer is the
+    # longest completion, the padded form's T: both given T
+    cfg = GTPOConfig.preset(preset, temperature=case.temperature, entropy_threshold=threshold,
+                            max_completion_length=T)
     old = None
     if with_old:
         old = torch.where(case.counted, -torch.rand(B, T, generator=gen) * 4, torch.full((B, T), float("nan")))
-    budget = budget_rows * 2 * V * hidden.element_size()
+    budget = budget_rows * row_bytes(V, dtype, hidden.device)
     r, (rh, rw, rb), slack = _reference(case, cfg, hidden, weight, bias, scale, cap, old)
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
@@ -100,18 +115,17 @@ def test_linear_matches_reference(backend, case, preset, schedule, dtype, scale,
         gh = torch.zeros(B * T, hp.shape[-1], dtype=hp.dtype)
         gh[m] = hp.grad
         gh = gh.reshape(B, T, -1)
-        logps = torch.zeros(B * T)
-        logps[m] = out.logps
-        logps = logps.reshape(B, T)
-        if cfg.loss_agg == "seq-mean-token-sum-norm":  # the packed default denominator is the longest length
-            return
+        logps, entropy = torch.zeros(B * T), torch.zeros(B * T)
+        logps[m], entropy[m] = out.logps, out.entropy
+        logps, entropy = logps.reshape(B, T), entropy.reshape(B, T)
     else:
         out = linear_gtpo_loss(h, w, case.ids, case.adv, case.mask, old_logps=old, **kw)
         out.loss.backward()
-        gh, logps = h.grad, out.logps
+        gh, logps, entropy = h.grad, out.logps, out.entropy
     tol = TOL[dtype]
     assert_value_close("loss", out.loss.detach(), r["loss"].detach(), tol["loss"])
     assert_value_close("logps", logps, r["logps"], tol["value"])
+    assert_value_close("entropy", entropy, r["entropy"], tol["value"])
     # 16-bit inputs: the spec's tolerance beyond what the materialized path itself loses by storing
     # dL/dlogits in 16 bits (slack: its error against the exact float64 gradient)
     # hidden, weight and bias gradients are GEMMs over the vocabulary: the issue's 1e-4 in float32
@@ -122,9 +136,8 @@ def test_linear_matches_reference(backend, case, preset, schedule, dtype, scale,
     assert w.grad.dtype == dtype
 
 
-@pytest.mark.parametrize("preset,expect_fused", [("grpo", 1.0), ("dapo", 1.0), ("cispo", 1.0), ("gtpo", 1.0),
-                                                 ("gspo", 1.0), ("vespo", 1.0)])
-def test_auto_schedule_and_forcing(preset, expect_fused):
+@pytest.mark.parametrize("preset", ["grpo", "dapo", "cispo", "gtpo", "gspo", "vespo"])
+def test_auto_schedule_and_forcing(preset):
     """Coefficients local to a tile: fused (3 GEMMs); per-completion statistics are local when every tile
     holds whole completions, and need the recompute schedule when a completion spans tiles."""
     g = torch.Generator().manual_seed(0)
@@ -134,7 +147,7 @@ def test_auto_schedule_and_forcing(preset, expect_fused):
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     kw = dict(group_size=2, config=GTPOConfig.preset(preset, entropy_threshold=3.0) if preset == "gtpo" else preset)
     out = linear_gtpo_loss(h, w, ids, adv, **kw)
-    assert float(out.metrics["grad_in_forward"]) == expect_fused
+    assert float(out.metrics["grad_in_forward"]) == 1.0
     small = 2 * V * 4 * 4  # 4 rows a tile: completions of 6 tokens span tiles
     out = linear_gtpo_loss(h, w, ids, adv, memory_budget=small, **kw)
     spans = preset in ("gtpo", "gspo", "vespo")
@@ -242,3 +255,196 @@ def test_linear_errors_name_the_argument(mutate, exc, match):
     with pytest.raises(exc, match=match):
         linear_gtpo_loss(a["hidden"], a["weight"], ids, adv, bias=a["bias"], memory_budget=a["memory_budget"],
                          logit_softcap=a["logit_softcap"], schedule=a["schedule"], config="grpo")
+
+
+# ---- issue 19: the budget, per-tile work, zero rows, autograd and torch.compile ----------------------
+
+def _long_batch(B=4, T=12, D=8, V=30, seed=3, peaked=(), flat=()):
+    """Completions of T tokens (longer than the small budgets below), holes in the mask; completions in
+    `peaked` get low entropy, those in `flat` near log V (the entropy filter drops them)."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g)
+    for i in peaked:
+        h[i] *= 4.0
+    for i in flat:
+        h[i] *= 0.01
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, T - 3:] = False
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:B]
+    return h, w, ids, mask, adv
+
+
+def _spy(monkeypatch, name, record):
+    """Wraps tiles.<name> so that record(args) sees each call (the GEMMs: project, grad_gemms)."""
+    orig = getattr(tiles, name)
+
+    def wrapped(*args):
+        record(*args)
+        return orig(*args)
+    monkeypatch.setattr(tiles, name, wrapped)
+
+
+SPANNING = [("gtpo", {}), ("gspo", {}), ("grpo", dict(off_policy_mask_threshold=0.5)), ("vespo", {}),
+            ("grpo", dict(top_entropy_quantile=0.5)), ("grpo", dict(loss_agg="none")), ("grpo", {})]
+
+
+@pytest.mark.parametrize("preset,over", SPANNING)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_tile_exceeds_the_budget(monkeypatch, preset, over, dtype):
+    """Spec 11: the budget is a bound. Every projected tile (the GEMM's output buffer, and its gradient
+    written in its place or beside it) fits memory_budget, for every option that changes the schedule,
+    with completions longer than a tile: they are split and the recompute schedule runs; 'fused' is refused."""
+    h, w, ids, mask, adv = _long_batch()
+    h, w = h.to(dtype), w.to(dtype)
+    V = w.shape[0]
+    budget = 5 * row_bytes(V, dtype, h.device) + 7  # 5 rows; completions hold up to 12
+    seen = []
+    _spy(monkeypatch, "project", lambda hh, ww, bb, out: seen.append(out.shape[0]))
+    cfg = GTPOConfig.preset(preset, entropy_threshold=3.0, **over) if preset == "gtpo" else \
+        GTPOConfig.preset(preset, **over)
+    hh = h.clone().requires_grad_()
+    out = linear_gtpo_loss(hh, w, ids, adv, mask, group_size=2, config=cfg, memory_budget=budget, backend="torch")
+    out.loss.sum().backward()
+    assert seen and max(seen) <= 5, seen
+    assert sum(seen) >= int(mask.sum()), seen  # every counted row projected
+    assert max(seen) * row_bytes(V, dtype, h.device) <= budget
+    spans = not (preset == "grpo" and not over)
+    assert float(out.metrics["grad_in_forward"]) == (0.0 if spans else 1.0)
+    if spans:
+        with pytest.raises(ValueError, match="schedule='fused' needs"):
+            linear_gtpo_loss(h, w, ids, adv, mask, group_size=2, config=cfg, memory_budget=budget, schedule="fused")
+    with pytest.raises(ValueError, match="memory_budget = .* holds no row"):
+        linear_gtpo_loss(h, w, ids, adv, mask, group_size=2, config=cfg,
+                         memory_budget=row_bytes(V, dtype, h.device) - 1)
+
+
+class _Syncs:
+    """Counts the host reads (the Tensor methods that read the device) made by the package outside the
+    kernels (the torch backend's chunking and its CPU temperature read belong to the kernels' path)."""
+    NAMES = ("tolist", "item", "nonzero", "__bool__", "__int__", "__float__")
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counted(orig))
+
+    def _counted(self, orig):
+        def f(t, *a, **k):
+            caller = sys._getframe(1).f_code.co_filename
+            if "gtpo_kernels" in caller and f"{os.sep}kernels{os.sep}" not in caller:
+                self.n += 1
+            return orig(t, *a, **k)
+        return f
+
+
+@pytest.mark.parametrize("preset", ["grpo", "gtpo"])
+def test_tile_work_does_not_grow_with_the_tiles(monkeypatch, preset):
+    """The fused schedule's O(N) work and its host reads are the same with 1 tile and with a tile per
+    completion: the surrogate sees each token once per tile loop plus once for the loss, and no host read
+    happens inside the loop (validate=False)."""
+    h, w, ids, mask, adv = _long_batch(T=6, peaked=(0, 2))
+    cfg = GTPOConfig.preset(preset, entropy_threshold=3.0) if preset == "gtpo" else preset
+    tokens = []
+    orig = pipeline_loss.surrogate
+    monkeypatch.setattr(pipeline_loss, "surrogate", lambda logp, *a, **k: tokens.append(logp.numel()) or
+                        orig(logp, *a, **k))
+    counts, grads = [], []
+    for rows in (1000, 6):
+        tokens.clear()
+        syncs = _Syncs(monkeypatch)
+        hh = h.clone().requires_grad_()
+        out = linear_gtpo_loss(hh, w, ids, adv, mask, group_size=2, config=cfg, validate=False, backend="torch",
+                               memory_budget=rows * row_bytes(w.shape[0], w.dtype, h.device))
+        out.loss.backward()
+        assert float(out.metrics["grad_in_forward"]) == 1.0
+        counts.append((sum(tokens), syncs.n))
+        grads.append(hh.grad)
+        monkeypatch.undo()
+        monkeypatch.setattr(pipeline_loss, "surrogate", lambda logp, *a, **k: tokens.append(logp.numel()) or
+                            orig(logp, *a, **k))
+    M, N = int(mask.sum()), mask.numel()
+    assert counts[0] == counts[1], counts  # (surrogate tokens, host reads): 1 tile vs 4
+    assert counts[0][0] == M + N, counts
+    assert counts[0][1] <= 3, counts  # the plan: counted rows, rows per completion (+ the longest, when needed)
+    assert grads[0].abs().sum() > 0
+    assert_grad_close("grad hidden, 1 tile vs 4", grads[1], grads[0], 1e-6)
+
+
+def test_zero_rows_skip_the_gradient_gemms(monkeypatch):
+    """Recompute schedule: with half the completions dropped by the entropy filter, the backward's
+    projection and both gradient GEMMs run on the kept half of the rows only; gradients match 'fused'."""
+    h, w, ids, mask, adv = _long_batch(T=6, peaked=(0, 2), flat=(1, 3))
+    mask[:] = True
+    cfg = GTPOConfig.preset("gtpo", entropy_threshold=2.0, use_conflict_mask=False)
+    proj, grad_rows = [], []
+    _spy(monkeypatch, "project", lambda hh, ww, bb, out: proj.append(out.shape[0]))
+    _spy(monkeypatch, "grad_gemms", lambda gz, hh, idx, ww, g: grad_rows.append(gz.shape[0]))
+    got = {}
+    for schedule in ("recompute", "fused"):
+        proj.clear(), grad_rows.clear()
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = linear_gtpo_loss(hh, ww, ids, adv, mask, group_size=2, config=cfg, schedule=schedule, backend="torch")
+        out.loss.backward()
+        assert out.kept.tolist() == [True, False, True, False]
+        got[schedule] = (hh.grad, ww.grad, list(proj), list(grad_rows))
+    N = mask.numel()
+    _, _, proj_r, grad_r = got["recompute"]
+    assert sum(proj_r) == N + N // 2, proj_r  # the forward's projection, then the kept half
+    assert sum(grad_r) == N // 2, grad_r
+    assert (got["recompute"][0][1::2] == 0).all() and got["recompute"][0].abs().sum() > 0
+    assert_grad_close("grad hidden", got["recompute"][0], got["fused"][0], 1e-6)
+    assert_grad_close("grad weight", got["recompute"][1], got["fused"][1], 1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bias_on", [False, True])
+def test_fused_backward_twice_and_autograd_grad(backend, bias_on):
+    """The fused schedule's backward runs twice (retain_graph) and under autograd.grad, with an upstream
+    gradient of 3, and equals the recompute schedule's gradients."""
+    h, w, ids, mask, adv = _long_batch(T=6, peaked=(0, 2))
+    bias = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(5)) if bias_on else None
+    cfg = GTPOConfig.preset("gtpo", entropy_threshold=3.0)
+
+    def run(schedule):
+        params = [h.clone().requires_grad_(), w.clone().requires_grad_()] + \
+            ([bias.clone().requires_grad_()] if bias_on else [])
+        out = linear_gtpo_loss(params[0], params[1], ids, adv, mask, bias=params[2] if bias_on else None,
+                               group_size=2, config=cfg, schedule=schedule, backend=backend)
+        return params, out.loss * 3.0
+    rp, rl = run("recompute")
+    ref_grads = torch.autograd.grad(rl, rp)
+    assert all(g.abs().sum() > 0 for g in ref_grads)
+    fp, fl = run("fused")
+    first = torch.autograd.grad(fl, fp, retain_graph=True)
+    fl.backward(retain_graph=True)
+    fl.backward()
+    for name, a, b, r in zip(("hidden", "weight", "bias"), first, [p.grad for p in fp], ref_grads):
+        assert_grad_close(f"grad {name}: fused vs recompute", a, r, 1e-5)
+        assert_grad_close(f"grad {name}: two backwards", b, 2 * r, 1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["auto", "recompute"])
+def test_compile_fullgraph_matches_eager(schedule):
+    """torch.compile(fullgraph=True) of a step calling linear_gtpo_loss with its defaults (validate,
+    memory_budget, the default GTPOConfig) traces without a graph break, both schedules, same numbers."""
+    torch._dynamo.reset()
+    h, w, ids, mask, adv = _long_batch(T=6, peaked=(0, 1, 2))
+
+    def step(h, w):
+        out = linear_gtpo_loss(h, w, ids, adv, group_size=2, schedule=schedule)
+        return out.loss, out.logps, out.entropy, out.metrics["grad_in_forward"]
+    he, we = h.clone().requires_grad_(), w.clone().requires_grad_()
+    le, lpe, ee, fe = step(he, we)
+    le.backward()
+    hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lc, lpc, ec, fc = torch.compile(step, fullgraph=True)(hc, wc)
+    lc.backward()
+    assert float(fe) == float(fc) == (1.0 if schedule == "auto" else 0.0)
+    assert_value_close("loss", lc.detach(), le.detach(), 1e-6)
+    assert_value_close("logps", lpc, lpe, 1e-6)
+    assert_value_close("entropy", ec, ee, 1e-6)
+    assert he.grad.abs().sum() > 0
+    assert_grad_close("grad hidden", hc.grad, he.grad, 1e-6)
+    assert_grad_close("grad weight", wc.grad, we.grad, 1e-6)

@@ -6,12 +6,13 @@ import numbers
 import torch
 
 from ..core import batch, checks
-from ..core.config import GTPOConfig, as_config, is_zero
+from ..core.config import GTPOConfig, as_config
 from ..core.layout import float_dtype_for
+from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch
 from ..pipeline import head as linear
-from ..pipeline import loss
+from ..pipeline import head_ops, loss
 from . import logits as api
 
 SCHEDULES = ("auto", "fused", "recompute")
@@ -35,50 +36,40 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
               tile alone, else 'recompute', 4 GEMMs), or force 'fused' / 'recompute';
               out.metrics['grad_in_forward'] is 1 when the fused schedule ran.
     Gradients reach hidden, weight and bias (whichever require grad); weight and bias gradients
-    accumulate in float32 across tiles and are cast once. Every other argument is gtpo_loss's.
+    accumulate in float32 across tiles and are cast once. Every other argument is gtpo_loss's
+    (rollout_is_weights: (B, T) / packed (N,) per token, (B, 1) per completion, (B,) padded only).
     process_group  vocabulary-parallel head (spec 12): weight (and bias) hold this rank's contiguous
               slice of the vocabulary rows in rank order; ids are global; the loss and outputs are
               identical on every rank, the weight/bias gradients are this rank's slice.
-    Selecting the counted rows reads their number on the host (one sync).
+    Host reads: planning the tiles (the counted rows and their number per completion; the recompute
+    backward: the rows with a gradient), and validating, the flags once after the tiles.
     """
-    cfg = as_config(config)
-    checks.require_advantages(advantages)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    host = checks.host_checks(validate)
-    vp = _vocab_parallel(process_group, hidden, weight, completion_ids)
-    b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens,
-                               max_seqlen, logit_scale, logit_softcap, memory_budget, host, vp)
-    extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
-                  rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
-    batch.add_extras(b, hidden.device, validate=host, **extras)
-    dt = float_dtype_for(hidden)
-    num_items = loss.check_loss_args(b, cfg, num_items_in_batch, dt)
-    backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
-    if backend == "reference":  # the oracle on the materialized logits (autograd through the projection)
-        checks.refuse_reference_with_group(vp)
-        logits = _materialize(head, hidden)
-        return api.gtpo_loss(logits, completion_ids, advantages, completion_mask, group_size=group_size,
-                             config=cfg, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                             num_items_in_batch=num_items_in_batch, validate=validate, backend="reference",
-                             **extras)
-    loss.conflicts_for(b, cfg, group_size, dt, backend)
-    rows = b.counted.nonzero().squeeze(1)  # the only rows projected (a host read of their number)
-    span = _coefficient_span(cfg)
-    tiles, whole = linear.tile_bounds(b, rows, head.weight.shape[0] if vp is None else vp.V_max,
-                                      hidden.element_size(), budget, whole_completions=span == "completion")
-    local = (span is None or (span == "completion" and whole)) and cfg.loss_agg != "none"
-    if schedule == "fused" and not local:
-        raise ValueError("schedule='fused' needs each tile's gradient coefficients to depend on that tile "
-                         f"alone; here they do not ({_why_not_local(cfg, span, whole)}): use 'recompute' "
-                         "or 'auto'")
-    fused = local if schedule == "auto" else schedule == "fused"
-    plan = linear.Plan(b, cfg, head, backend, float(cfg.temperature), tiles, rows,
-                       num_items, fused, host, vp)
-    value = linear.LinearLoss.apply(hidden, weight, bias, plan)
-    res = plan.res
-    res["metrics"]["grad_in_forward"] = torch.tensor(1.0 if fused else 0.0, dtype=dt, device=hidden.device)
-    return loss.make_output(b, cfg, value, res, dt, host)
+    with agree.guard(process_group) as g:  # with a group, an error is held until every rank knows (spec 12)
+        cfg = as_config(config)
+        checks.require_advantages(advantages)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        host = checks.host_checks(validate)
+        b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens,
+                                   max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group)
+        extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
+                      rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
+        batch.add_extras(b, hidden.device, validate=host, **extras)
+        dt = float_dtype_for(hidden)
+        num_items = loss.check_loss_args(b, cfg, num_items_in_batch, dt, host)
+        backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
+        if backend == "reference":  # the oracle on the materialized logits (autograd through the projection)
+            checks.refuse_reference_with_group(process_group)
+            logits = _materialize(head, hidden)
+            return api.gtpo_loss(logits, completion_ids, advantages, completion_mask, group_size=group_size,
+                                 config=cfg, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                 num_items_in_batch=num_items_in_batch, validate=validate, backend="reference",
+                                 **extras)
+        loss.conflicts_for(b, cfg, group_size, dt, backend)
+        span = head_ops.coefficient_span(cfg)
+        _summary(g, b, hidden, weight, host, (backend, cfg.temperature, schedule, budget, span, cfg.loss_agg))
+    vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)")
+    return head_ops.head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, vp)
 
 
 def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,
@@ -87,57 +78,32 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
     """Forward-only log-probs and entropies from hidden states (old-policy and reference passes):
     -> (logps, entropy) of completion_ids' shape, float32 (float64 for float64 inputs), 0 where masked
     out. No autograd; only a tile of logits at a time. process_group: as in linear_gtpo_loss."""
-    cfg = GTPOConfig(temperature=temperature)  # validates the temperature
-    host = checks.host_checks(validate)
-    vp = _vocab_parallel(process_group, hidden, weight, completion_ids)
-    b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
-                               max_seqlen, logit_scale, logit_softcap, memory_budget, host, vp)
-    backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
-    if backend == "reference":
-        checks.refuse_reference_with_group(vp)
-        with torch.no_grad():
-            logits = _materialize(head, hidden)
-        return api.token_logprobs(logits, completion_ids, temperature, completion_mask, cu_seqlens=cu_seqlens,
-                                  max_seqlen=max_seqlen, validate=validate, backend="reference")
-    rows = b.counted.nonzero().squeeze(1)
-    tiles, _ = linear.tile_bounds(b, rows, head.weight.shape[0] if vp is None else vp.V_max,
-                                  hidden.element_size(), budget, False)
-    plan = linear.Plan(b, cfg, head, backend, float(temperature), tiles, rows, None, False, host, vp)
-    with torch.no_grad():
-        logp, ent, _, _ = linear.forward_tiles(plan, hidden, with_grad=False)
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    return (torch.where(b.counted, logp, zero).reshape(b.tok_shape),
-            torch.where(b.counted, ent, zero).reshape(b.tok_shape))
-
-
-def _coefficient_span(cfg):
-    """What a token's gradient coefficients depend on beyond the token: None, 'completion' or 'batch'."""
-    if not is_zero(cfg.top_entropy_quantile - 1.0):
-        return "batch"  # the quantile spans every counted token
-    if cfg.shapes_advantages or cfg.importance_sampling_level == "sequence" or cfg.off_policy_mask_threshold is not None or \
-            cfg.policy_loss == "vespo":
-        return "completion"
-    return None
-
-
-def _why_not_local(cfg, span, whole):
-    if cfg.loss_agg == "none":
-        return "loss_agg='none' takes a per-token upstream gradient"
-    if span == "batch":
-        return "top_entropy_quantile < 1 spans the whole batch"
-    return "a completion's statistics span more than one tile (raise memory_budget)" if not whole else "?"
+    with agree.guard(process_group) as g:  # with a group, an error is held until every rank knows (spec 12)
+        cfg = GTPOConfig(temperature=temperature)  # validates the temperature
+        host = checks.host_checks(validate)
+        b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
+                                   max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group)
+        backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
+        if backend == "reference":
+            checks.refuse_reference_with_group(process_group)
+            with torch.no_grad():
+                logits = _materialize(head, hidden)
+            return api.token_logprobs(logits, completion_ids, temperature, completion_mask, cu_seqlens=cu_seqlens,
+                                      max_seqlen=max_seqlen, validate=validate, backend="reference")
+        _summary(g, b, hidden, weight, host, (backend, temperature, "logprobs", budget))
+    vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)")
+    return head_ops.head_logprobs(b, head, hidden, temperature, budget, backend, host, vp)
 
 
 def _materialize(head, hidden):
     """The whole logits, out of place (autograd flows through): the reference backend only."""
-    z = hidden @ head.weight.t()
-    z = (z if head.bias is None else z + head.bias) * head.scale
-    return z if head.cap is None else head.cap * torch.tanh(z / head.cap)
+    return linear.materialize(hidden, *head)
 
 
 def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens, max_seqlen,
-             logit_scale, logit_softcap, memory_budget, host, vp=None):
-    """Checks of the head's arguments (names, shapes, dtypes, devices) -> (Batch, Head, budget)."""
+             logit_scale, logit_softcap, memory_budget, host, group=None):
+    """Checks of the head's arguments (names, shapes, dtypes, devices) -> (Batch, Head, budget). With a
+    process group, counted ids are checked against the whole vocabulary once the ranks agree."""
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -176,19 +142,20 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
         raise ValueError(f"hidden must have shape {tuple(b.tok_shape) + (D,)} (completion_ids' shape + (D,)), "
                          f"got {tuple(hidden.shape)}")
     if host:
-        checks.check_ids_in_range(b.ids, b.counted, V if vp is None else vp.V)
-    if vp is not None:
-        vp.ids = parallel.local_ids(b.ids, vp.start)
+        checks.check_ids_in_range(b.ids, b.counted, V if group is None else float("inf"))
     return b, linear.Head(weight, bias, logit_scale, logit_softcap), memory_budget
 
 
-def _vocab_parallel(group, hidden, weight, completion_ids):
-    """The vocabulary-parallel layout of the head's rows (one small collective), or None."""
-    if group is None:
+def _summary(g, b, hidden, weight, host, options):
+    """Inside the guard, last: this rank's part of the agreement (the tiles are planned after it from
+    agreed inputs: the counted tokens, the largest slice, dtype, memory_budget, schedule and span)."""
+    parallel.summary(g, b, weight.shape[0], loss.shape_key(b, hidden.shape[-1]), host, (str(hidden.dtype), *options))
+
+
+def _vocab_parallel(g, hidden, where):
+    """The vocabulary-parallel layout of the head's rows after the one small collective, or None."""
+    if g.group is None:
         return None
-    for name, x in (("hidden", hidden), ("weight", weight), ("completion_ids", completion_ids)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    key = [completion_ids.dim(), *completion_ids.shape, *(0,) * (2 - completion_ids.dim()), hidden.dim(),
-           *hidden.shape, *(0,) * (3 - hidden.dim()), 0, 0]
-    return parallel.vocab_layout(group, weight.shape[0], key, hidden.device)
+    vp = parallel.vocab_layout(g, agree.collective_device(g.group, hidden), where)
+    vp.ids = parallel.local_ids(g.batch.ids, vp.start)
+    return vp

@@ -1,0 +1,553 @@
+"""What one call of the fused LM head does outside its kernels, counted on the CPU (spec 11).
+
+For one `linear_gtpo_loss` forward + backward per schedule ('fused', 'recompute'), and TRL's and
+Liger-Kernel's heads at the same tile budget, a TorchDispatchMode sees every torch op and counts:
+
+  tile passes   ops that read or write a logits tile or its gradient (a tensor with at least a tile's
+                elements, or 2-D with the tile's vocabulary width as a dimension), by op and by shape;
+                the floor is 3 per tile (fused) or 4 (recompute, TRL, Liger)
+  host syncs    ops that read the device on the host: .item() (aten._local_scalar_dense), nonzero,
+                boolean indexing, unique, bincount, repeat_interleave without a size, .tolist()
+  over budget   tensors allocated with more bytes than memory_budget (and above half of it: the tile's share),
+                besides those of last dimension D (weight, hidden, their gradients: counted as V x D allocs)
+  V x D allocs  tensors of the head's size allocated (the weight gradient and its temporaries)
+  GEMM FLOPs    2 M N K per mm / addmm / bmm, against the floor 2 V D (N + 2 N_nz) (fused) or
+                2 V D (N + 3 N_nz): N counted tokens, N_nz those with a nonzero gradient coefficient
+  per tile      N-sized allocations, N-sized ops and host syncs between the first and the last
+                projection GEMM of a pass, divided by the tiles in between (the tile loop's own work)
+
+The vocabulary kernels' work is not counted: ours run with backend='torch' and every
+gtpo_kernels.kernels.dispatch.vocab_* call suspends the count (so do TRL's _forward_tile / _backward_tile,
+its kernels' torch stand-ins); Liger's chunked loss is torch code throughout and counted whole.
+A torch.library.custom_op (the head may run as one) is not counted as one op: its Python body runs
+under the counter instead, so what it does inside is counted like the rest.
+Caveats: a tensor whose last dimension is D is never a tile (so a tile of exactly D tokens, transposed,
+is missed); partial tiles are recognized by their vocabulary width.
+
+    python -m bench.head_accounting            # table on stdout, JSON in bench/out/
+    python -m bench.head_accounting --save     # JSON in bench/results/head-accounting-after.json
+Call from code: `measure(cases, providers, validate)` -> JSON-ready dict; `markdown(result)` -> table.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from collections import Counter as Tally
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique2", "aten.unique_dim",
+            "aten.unique_consecutive", "aten.bincount", "aten.is_nonzero", "aten.equal", "aten.histc"}
+INDEX_OPS = {"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"}
+NO_PASS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
+           "aten.lift_fresh", "aten.detach", "aten.alias"}  # besides views: ops that touch no element
+SPARSE = {"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_", "aten.gather", "aten.scatter",
+          "aten.scatter_", "aten.index_select", "aten.select"}  # touch only the indexed elements of their 1st argument
+PROVIDERS = ("fused", "recompute", "trl", "liger")
+TRL_TOKEN_CHUNK = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
+LIGER_TILE = (2048, 4096)  # liger_kernel's _SELECTIVE_LOGPROB_SEQ_CHUNK_SIZE, _VOCAB_CHUNK_SIZE
+G = 4  # completions per group (the conflict weights, computed once per batch as a trainer does)
+
+
+@dataclasses.dataclass
+class Geometry:
+    """What the counter calls a tile, an N-sized tensor, the weight and hidden."""
+    V: int
+    D: int
+    widths: tuple  # vocabulary columns of a tile (the last one may be narrower)
+    tile_elems: int
+    budget: int  # bytes
+    tok_shape: tuple  # (B, T)
+    n_counted: int
+    pinned: tuple = ()  # storage pointers of hidden and weight (views of them are never tiles)
+
+    def is_tile(self, t):
+        s = tuple(t.shape)
+        if not s or s[-1] == self.D or _ptr(t) in self.pinned:
+            return False
+        return t.numel() >= self.tile_elems or (len(s) >= 2 and any(w in s[-2:] for w in self.widths))
+
+    def is_n(self, t):
+        s = tuple(t.shape)
+        n = self.tok_shape[0] * self.tok_shape[1]
+        return bool(s) and s[-1] != self.D and (n in s or self.n_counted in s or s[:2] == self.tok_shape)
+
+
+def _ptr(t):
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - sparse or meta tensors have no storage
+        return None
+
+
+def _python_impl(func):
+    """The Python body of a torch.library.custom_op (None for aten ops and other registrations)."""
+    if func.namespace in ("aten", "prims", "prim"):
+        return None
+    from torch._library import custom_ops
+    opdef = getattr(custom_ops, "OPDEFS", {}).get(f"{func.namespace}::{func._opname}")
+    return getattr(opdef, "_init_fn", None)
+
+
+def gemm_flops(name, args):
+    """2 M N K of one GEMM (aten.mm / addmm / bmm / baddbmm / mv / addmv), else 0."""
+    name = name.rstrip("_")
+    if name in ("aten.addmm", "aten.baddbmm", "aten.addmv"):
+        args = args[1:]
+    if name in ("aten.mm", "aten.addmm"):
+        (m, k), n = args[0].shape, args[1].shape[1]
+        return 2 * m * n * k
+    if name in ("aten.bmm", "aten.baddbmm"):
+        (b, m, k), n = args[0].shape, args[1].shape[2]
+        return 2 * b * m * n * k
+    if name in ("aten.mv", "aten.addmv"):
+        return 2 * args[0].numel()
+    return 0
+
+
+def is_sync(name, args, kwargs):
+    if name in SYNC_OPS:
+        return True
+    if name in INDEX_OPS:  # a boolean mask as an index is a nonzero on the device
+        idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx or ())
+    if name == "aten.repeat_interleave":
+        return kwargs.get("output_size") is None and (len(args) < 3 or args[-1] is None)
+    return False
+
+
+class HeadCounter(TorchDispatchMode):
+    """Counts the torch ops of one call (see the module's docstring); `phase` tags forward / backward."""
+
+    def __init__(self, geo: Geometry):
+        super().__init__()
+        self.geo, self.phase, self.suspended = geo, "forward", 0
+        self.events = []  # (phase, kind) in order: kind in proj, n_alloc, n_op, sync
+        self.by_op, self.by_size, self.syncs = Tally(), Tally(), Tally()
+        self.reads = self.writes = self.flops_fwd = self.flops_bwd = 0
+        self.over_budget, self.over_share, self.vd_allocs, self.largest = [], 0, 0, 0
+        self.kernel_calls = self.kernel_ops = 0
+        self.custom_ops = Tally()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        impl = None if self.suspended else _python_impl(func)
+        if impl is not None:  # a torch.library.custom_op: count what its Python body runs
+            self.custom_ops[name] += 1
+            with self:
+                return impl(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.suspended:
+            self.kernel_ops += 1
+            return out
+        ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not (func.is_view or name in NO_PASS):
+            self._tiles(name, args, ins, outs)
+        self._allocs(name, ins, outs)
+        if is_sync(name, args, kwargs):
+            self.sync(name)
+        flops = gemm_flops(name, args)
+        if flops:
+            self.flops_fwd += flops if self.phase == "forward" else 0
+            self.flops_bwd += flops if self.phase == "backward" else 0
+            if any(self.geo.is_tile(t) for t in outs):
+                self.events.append((self.phase, "proj"))
+        if any(self.geo.is_n(t) for t in ins + outs):
+            self.events.append((self.phase, "n_op"))
+        return out
+
+    def sync(self, name):
+        self.syncs[name] += 1
+        self.events.append((self.phase, "sync"))
+
+    def _tiles(self, name, args, ins, outs):
+        if name in SPARSE and args and isinstance(args[0], torch.Tensor):  # its first argument is not swept
+            ins, outs = ins[1:], [t for t in outs if _ptr(t) != _ptr(args[0])]
+        r = [t for t in ins if self.geo.is_tile(t)]
+        w = [t for t in outs if self.geo.is_tile(t)]
+        if r or w:
+            self.reads, self.writes = self.reads + len(r), self.writes + len(w)
+            self.by_op[name] += 1
+            self.by_size["x".join(map(str, max(r + w, key=torch.Tensor.numel).shape))] += 1
+
+    def _allocs(self, name, ins, outs):
+        seen = {_ptr(t) for t in ins}
+        geo = self.geo
+        for t in outs:
+            if _ptr(t) in seen or t.untyped_storage().nbytes() == 0:
+                continue  # a view or an in-place result
+            nbytes = t.untyped_storage().nbytes()
+            seen.add(_ptr(t))
+            self.largest = max(self.largest, nbytes)
+            self.vd_allocs += t.dim() == 2 and t.numel() == geo.V * geo.D
+            if t.dim() and t.shape[-1] == geo.D:
+                continue  # the weight, hidden, their gradients: the inputs' and outputs' sizes, not the budget's
+            if nbytes > geo.budget:
+                self.over_budget.append(f"{name} {'x'.join(map(str, t.shape))} {nbytes} B")
+            self.over_share += nbytes > geo.budget // 2
+            if geo.is_n(t) and not geo.is_tile(t):
+                self.events.append((self.phase, "n_alloc"))
+
+    def per_tile(self, phase, kind):
+        """Events of `kind` between the first and last projection of `phase`, per tile in between."""
+        ev = [k for p, k in self.events if p == phase]
+        proj = [i for i, k in enumerate(ev) if k == "proj"]
+        if len(proj) < 2:
+            return None
+        return round(sum(k == kind for k in ev[proj[0]:proj[-1]]) / (len(proj) - 1), 2)
+
+    def summary(self):
+        return dict(
+            projections=sum(k == "proj" for _, k in self.events), tile_passes=sum(self.by_op.values()),
+            tile_reads=self.reads, tile_writes=self.writes,
+            tile_passes_by_op=dict(self.by_op), tile_passes_by_size=dict(self.by_size),
+            host_syncs=sum(self.syncs.values()), host_syncs_by_op=dict(self.syncs),
+            host_syncs_per_tile={p: self.per_tile(p, "sync") for p in ("forward", "backward")},
+            allocs_over_budget=len(self.over_budget), allocs_over_budget_list=self.over_budget[:8],
+            allocs_over_half_budget=self.over_share, largest_alloc_bytes=self.largest, vd_allocs=self.vd_allocs,
+            gemm_flops=self.flops_fwd + self.flops_bwd, gemm_flops_forward=self.flops_fwd,
+            gemm_flops_backward=self.flops_bwd,
+            n_allocs_per_tile={p: self.per_tile(p, "n_alloc") for p in ("forward", "backward")},
+            n_ops_per_tile={p: self.per_tile(p, "n_op") for p in ("forward", "backward")},
+            kernel_calls=self.kernel_calls, kernel_ops_excluded=self.kernel_ops, custom_ops=dict(self.custom_ops))
+
+
+@contextlib.contextmanager
+def counting(counter, kernels=()):
+    """The counter active, with each (module, name) in `kernels` suspending it while it runs, and
+    Tensor.tolist counted as a host sync (it reads CPU tensors without a torch op)."""
+    def suspend(fn):
+        def wrapped(*a, **k):
+            counter.kernel_calls += 1
+            counter.suspended += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                counter.suspended -= 1
+        return wrapped
+
+    tolist, own = torch.Tensor.tolist, torch.Tensor.__dict__.get("tolist")
+
+    def counted_tolist(self):
+        if not counter.suspended:
+            counter.sync("Tensor.tolist")
+        return tolist(self)
+
+    saved = [(m, n, getattr(m, n)) for m, n in kernels]
+    try:
+        for m, n, fn in saved:
+            setattr(m, n, suspend(fn))
+        torch.Tensor.tolist = counted_tolist
+        with counter:
+            yield counter
+    finally:
+        if own is None:
+            del torch.Tensor.tolist  # back to TensorBase's
+        else:
+            torch.Tensor.tolist = own
+        for m, n, fn in saved:
+            setattr(m, n, fn)
+
+
+def count_call(run, wrt, geo, kernels=()):
+    """Counts of `loss = run()` then torch.autograd.grad(loss, wrt), as HeadCounter.summary()."""
+    counter = HeadCounter(geo)
+    with counting(counter, kernels):
+        loss = run()
+        counter.phase = "backward"
+        torch.autograd.grad(loss, wrt)
+    return counter.summary()
+
+
+def our_kernels():
+    from gtpo_kernels.kernels import dispatch
+    return [(dispatch, n) for n in dir(dispatch) if n.startswith("vocab_") and callable(getattr(dispatch, n))]
+
+
+# ---- the cases -----------------------------------------------------------------------------------
+
+CASES = {
+    # name: (B, T, preset, config overrides, tiles wanted, head transforms)
+    "default": (8, 72, "grpo", {}, 4, {}),
+    "long": (4, 128, "gtpo", dict(entropy_threshold=None), 16, {}),
+    "filtered": (8, 72, "gtpo", dict(entropy_threshold="median"), 4, {}),
+    "transforms": (8, 72, "grpo", {}, 4, dict(bias=True, logit_scale=0.5, logit_softcap=30.0)),
+}
+CASE_NOTES = {
+    "default": "grpo preset, 4 tiles",
+    "long": "gtpo preset (shaping: whole completions wanted), every completion about 4 tiles long",
+    "filtered": "gtpo preset, entropy_threshold at the median completion entropy: half the completions dropped",
+    "transforms": "grpo preset with bias, logit_scale=0.5, logit_softcap=30",
+}
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    hidden: torch.Tensor  # (B, T, D), requires grad
+    weight: torch.Tensor  # (V, D), requires grad
+    bias: object  # (V,) requiring grad, or None
+    ids: torch.Tensor
+    mask: torch.Tensor
+    adv: torch.Tensor
+    old: torch.Tensor
+    cfg: object
+    lam: object  # conflict weights from conflict_weights (groups of G), or None
+    n_conf: object
+    scale: float
+    cap: object
+    budget: int  # memory_budget: a tile of `rows` tokens x V and its gradient, float32
+    rows: int
+    N: int  # counted tokens
+    N_nz: int  # counted tokens with a nonzero gradient coefficient
+    filtered_frac: float
+
+    def wrt(self):
+        return (self.hidden, self.weight) + (() if self.bias is None else (self.bias,))
+
+
+def make_case(name, D=64, V=4096, seed=0) -> Case:
+    """Random float32 inputs of a case (CASES), old log-probs = current + N(0, 0.1) noise (so the clip
+    range is active), and the counted tokens whose gradient row is nonzero (from the materialized
+    logits' gradient through gtpo_loss)."""
+    from gtpo_kernels import GTPOConfig, conflict_weights, linear_token_logprobs
+    B, T, preset, over, tiles, tf = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, D, generator=gen)
+    weight = torch.randn(V, D, generator=gen) * (2.0 / math.sqrt(D))
+    bias = 0.1 * torch.randn(V, generator=gen) if tf.get("bias") else None
+    lengths = T - (0.2 * T * torch.rand(B, generator=gen)).long()
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    ids = torch.where(mask, torch.randint(0, V, (B, T), generator=gen), 0)
+    adv = torch.randn(B, generator=gen)
+    scale, cap = tf.get("logit_scale", 1.0), tf.get("logit_softcap")
+    logp, ent = linear_token_logprobs(hidden, weight, ids, completion_mask=mask, bias=bias, logit_scale=scale,
+                                      logit_softcap=cap)
+    old = torch.where(mask, logp + 0.1 * torch.randn(B, T, generator=gen), 0.0)
+    if over.get("entropy_threshold") == "median":  # between the two middle completion entropies
+        hbar = ((ent * mask).sum(1) / mask.sum(1)).sort().values
+        over = {**over, "entropy_threshold": float(hbar[B // 2 - 1] + hbar[B // 2]) / 2}
+    cfg = GTPOConfig.preset(preset, **over)
+    lam, n_conf = conflict_weights(ids, mask, adv, G, config=cfg) if cfg.use_conflict_mask else (None, None)
+    N = int(mask.sum())
+    rows = math.ceil(N / tiles)
+    case = Case(name, hidden, weight, bias, ids, mask, adv, old, cfg, lam, n_conf, scale, cap, 2 * rows * V * 4, rows,
+                N, 0, 0.0)
+    case.N_nz, case.filtered_frac = _nonzero_rows(case)
+    for t in case.wrt():
+        t.requires_grad_()
+    return case
+
+
+def _nonzero_rows(case):
+    from gtpo_kernels import gtpo_loss
+    z = case.hidden @ case.weight.t()
+    z = (z if case.bias is None else z + case.bias) * case.scale
+    z = (z if case.cap is None else case.cap * torch.tanh(z / case.cap)).requires_grad_()
+    out = gtpo_loss(z, case.ids, case.adv, case.mask, old_logps=case.old, config=case.cfg, lam=case.lam,
+                    n_conf=case.n_conf, backend="torch")
+    g, = torch.autograd.grad(out.loss, z)
+    return int(((g != 0).any(-1) & case.mask).sum()), float(out.metrics["filtered_frac"])
+
+
+def provider_setup(case, provider, validate):
+    """-> (run, geometry, kernels, planned tiles, note) of one head on a case; raises Unavailable."""
+    from gtpo_kernels import gtpo_loss_from_logps, linear_gtpo_loss
+    from .providers import Unavailable
+    V, D = case.weight.shape
+    pinned = (_ptr(case.hidden), _ptr(case.weight))
+    geo = Geometry(V, D, (V,), case.rows * V, case.budget, tuple(case.mask.shape), case.N, pinned)
+    tiles = math.ceil(case.N / case.rows)
+    if provider in ("fused", "recompute"):
+        def run():
+            return linear_gtpo_loss(case.hidden, case.weight, case.ids, case.adv, case.mask, bias=case.bias,
+                                    logit_scale=case.scale, logit_softcap=case.cap, memory_budget=case.budget,
+                                    schedule=provider, old_logps=case.old, config=case.cfg, lam=case.lam,
+                                    n_conf=case.n_conf, validate=validate, backend="torch").loss
+        return run, geo, our_kernels(), tiles, f"tiles of {case.rows} tokens x {V}, backend='torch'"
+    if provider == "trl":
+        try:
+            from trl.kernels import ChunkedLogProbFunction, chunked_logprob
+        except Exception as e:  # noqa: BLE001
+            raise Unavailable(f"trl not installed ({type(e).__name__})")
+        n = min(case.N, TRL_TOKEN_CHUNK)
+        chunk = max(1, min(V, case.budget // 2 // (n * 4)))  # its [n, chunk] tile: half the budget
+
+        def run():
+            m = case.mask
+            lp, ent, *_ = ChunkedLogProbFunction.apply(case.hidden[m], case.weight, case.bias, case.ids[m],
+                                                       float(case.cfg.temperature), chunk, case.cap, case.scale,
+                                                       ("entropy",))
+            logps, entropy = (x.new_zeros(m.shape).masked_scatter(m, x) for x in (lp, ent))
+            return gtpo_loss_from_logps(logps, case.ids, case.adv, m, entropy=entropy, old_logps=case.old,
+                                        config=case.cfg, lam=case.lam, n_conf=case.n_conf, validate=False).loss
+        geo = dataclasses.replace(geo, widths=(chunk, V - (math.ceil(V / chunk) - 1) * chunk), tile_elems=n * chunk)
+        kernels = [(chunked_logprob, "_forward_tile"), (chunked_logprob, "_backward_tile")]
+        return run, geo, kernels, math.ceil(case.N / n) * math.ceil(V / chunk), \
+            f"tiles of {n} tokens x {chunk}; its _forward_tile/_backward_tile not counted; our loss from its log-probs"
+    if provider == "liger":
+        if case.bias is not None or case.cap is not None or case.scale != 1.0:
+            raise Unavailable("no logit_scale / logit_softcap in its API")
+        from .linear import make_liger
+        fn = make_liger(case.cfg, "cpu", case.budget // 2)
+        rows, width = min(case.mask.shape[1], LIGER_TILE[0]), min(V, LIGER_TILE[1])
+        geo = dataclasses.replace(geo, widths=(width, V - (math.ceil(V / width) - 1) * width), tile_elems=rows * width)
+        B, T = case.mask.shape
+        return (lambda: fn(case)), geo, [], B * math.ceil(T / rows) * math.ceil(V / width), \
+            f"its own tiles of {rows} tokens x {width} (every position); all its torch ops counted"
+    raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
+
+
+def measure_one(case, provider, validate):
+    """One row of the table: the counts of one head on one case, with its floors."""
+    from .providers import Unavailable
+    row = dict(case=case.name, provider=provider, validate=validate if provider in ("fused", "recompute") else None,
+               N=case.N, N_nz=case.N_nz, V=case.weight.shape[0], D=case.weight.shape[1],
+               memory_budget=case.budget, filtered_frac=case.filtered_frac)
+    try:
+        run, geo, kernels, tiles, note = provider_setup(case, provider, validate)
+        row.update(note=note, tiles_planned=tiles, tile_elems=geo.tile_elems, tile_widths=geo.widths)
+        row.update(count_call(run, case.wrt(), geo, kernels))
+    except (Unavailable, ValueError, TypeError, RuntimeError) as e:  # e.g. a schedule refused on this case
+        row.update(unavailable=f"{type(e).__name__}: {e}")
+        return row
+    k = 3 if provider == "fused" else 4
+    V, D = row["V"], row["D"]
+    row.update(tile_pass_floor=k * tiles, gemm_flops_floor=2 * V * D * (case.N + (k - 1) * case.N_nz))
+    row["gemm_flops_over_floor"] = round(row["gemm_flops"] / row["gemm_flops_floor"], 3)
+    return row
+
+
+def measure(cases=tuple(CASES), providers=PROVIDERS, validate=(True, False), D=64, V=4096, seed=0):
+    """-> {'meta': where and what was measured, 'rows': [measure_one rows]} (JSON-ready)."""
+    rows = []
+    for name in cases:
+        case = make_case(name, D, V, seed)
+        for p in providers:
+            for v in (validate if p in ("fused", "recompute") else (False,)):
+                rows.append(measure_one(case, p, v))
+    return dict(meta=meta(cases), rows=rows)
+
+
+def _git(src, *args):
+    try:
+        return subprocess.run(["git", "-C", str(src), *args], capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def meta(cases=tuple(CASES)):
+    import gtpo_kernels
+    src = Path(gtpo_kernels.__file__).resolve().parent
+    versions = {"torch": torch.__version__}
+    for mod in ("trl", "liger_kernel", "triton"):
+        try:
+            from importlib.metadata import version
+            versions[mod] = version(mod.replace("_", "-"))
+        except Exception:  # noqa: BLE001
+            versions[mod] = None
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "") \
+        if os.path.exists("/proc/cpuinfo") else platform.processor()
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                commit=_git(src, "rev-parse", "HEAD"), dirty=bool(_git(src, "status", "--porcelain", "--", ".")),
+                gtpo_kernels=str(src), machine=f"{platform.platform()}; {cpu}; {os.cpu_count()} CPUs",
+                versions=versions, cases={c: CASE_NOTES[c] for c in cases},
+                counted="torch ops outside the vocabulary kernels, one forward + torch.autograd.grad, float32, CPU")
+
+
+# ---- the table -----------------------------------------------------------------------------------
+
+COLUMNS = (  # header, value of a row
+    ("tiles", lambda r: str(r["tiles_planned"])),
+    ("projections", lambda r: str(r["projections"])),
+    ("tile passes / floor", lambda r: f"{r['tile_passes']} / {r['tile_pass_floor']}"),
+    ("host syncs (per tile fwd, bwd)", lambda r: f"{r['host_syncs']} ({_pair(r['host_syncs_per_tile'])})"),
+    ("allocs > budget (> half)", lambda r: f"{r['allocs_over_budget']} ({r['allocs_over_half_budget']})"),
+    ("V x D allocs", lambda r: str(r["vd_allocs"])),
+    ("GEMM MFLOP / floor", lambda r: f"{r['gemm_flops'] / 1e6:.0f} / {r['gemm_flops_floor'] / 1e6:.0f}"),
+    ("N-sized allocs per tile (fwd, bwd)", lambda r: _pair(r["n_allocs_per_tile"])),
+    ("N-sized ops per tile (fwd, bwd)", lambda r: _pair(r["n_ops_per_tile"])),
+)
+
+
+def _pair(d):
+    return ", ".join("-" if d[p] is None else f"{d[p]:g}" for p in ("forward", "backward"))
+
+
+def _key(r):
+    return r["case"], r["provider"], r.get("validate")
+
+
+def markdown(result, before=None):
+    """The table of `result`; with `before` (an earlier result), each cell reads 'before -> now'."""
+    old = {_key(r): r for r in (before or {}).get("rows", [])}
+    head = ["case", "head", "validate", "N (N_nz)"] + [c for c, _ in COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["rows"]:
+        v = "-" if r.get("validate") is None else ("on" if r["validate"] else "off")
+        cells = [r["case"], r["provider"], v, f"{r['N']} ({r['N_nz']})"]
+        for _, f in COLUMNS:
+            now = "n/a" if "unavailable" in r else f(r)
+            b = old.get(_key(r))
+            if b is not None:
+                was = "n/a" if "unavailable" in b else f(b)
+                now = now if was == now else f"{was} -> {now}"
+            cells.append(now)
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = list(dict.fromkeys(f"- {r['case']} / {r['provider']}: {r['unavailable']}" for r in result["rows"]
+                               if "unavailable" in r))
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def main(argv=None):
+    here = Path(__file__).resolve().parent
+    p = argparse.ArgumentParser(prog="python -m bench.head_accounting",
+                                description="Count what one call of the fused LM head does outside its kernels "
+                                            "(forward + backward, CPU): tile passes, host syncs, allocations "
+                                            "above the budget, GEMM FLOPs against their floor.")
+    p.add_argument("--cases", nargs="+", choices=tuple(CASES), default=list(CASES),
+                   help="which inputs to count on (default: all: " + "; ".join(
+                       f"{k}: {v}" for k, v in CASE_NOTES.items()) + ")")
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
+                   help="which heads to count: our two schedules, TRL's, Liger's (default: all)")
+    p.add_argument("--validate", choices=("on", "off", "both"), default="both",
+                   help="our heads' validate argument (default: both)")
+    p.add_argument("--dim", type=int, default=64, help="hidden size D (default: 64)")
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size V (default: 4096)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    p.add_argument("--label", default="after", help="name of the measurement, in the file name (default: after)")
+    p.add_argument("--save", action="store_true",
+                   help="write the JSON to bench/results/ instead of bench/out/ (default: off)")
+    p.add_argument("--before", default=str(here / "results" / "head-accounting-before.json"),
+                   help="an earlier JSON to show beside this one, if it exists and the label is not 'before' "
+                        "(default: bench/results/head-accounting-before.json)")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    validate = {"on": (True,), "off": (False,), "both": (True, False)}[a.validate]
+    result = measure(a.cases, a.providers, validate, a.dim, a.vocab, a.seed)
+    result["meta"].update(label=a.label, command=" ".join(["python -m bench.head_accounting", *(argv or sys.argv[1:])]))
+    out = here / ("results" if a.save else "out") / f"head-accounting-{a.label}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    before = None
+    if a.label != "before" and os.path.exists(a.before):
+        before = json.loads(Path(a.before).read_text())
+    print(markdown(result, before))
+    print(f"\nwritten: {out}")
+
+
+if __name__ == "__main__":
+    main()

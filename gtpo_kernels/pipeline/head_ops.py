@@ -1,0 +1,217 @@
+"""The fused LM head through torch.library custom ops, as the logits path (kernels/ops.py, autograd.py):
+
+    head_fwd     (hidden, weight, bias, tokens) -> per token (logp, H, stats, flags); with the fused
+                 schedule also the gradients dL/dh, dL/dW, dL/db, formed tile by tile (tiles.py)
+    head_attach  (value, ...) -> value; its autograd rule scales the fused schedule's gradients by the
+                 upstream gradient, or runs head_bwd (the recompute schedule)
+    head_bwd     the recompute schedule's backward
+
+The ops plan their tiles inside (host reads that torch.compile cannot trace), so a step calling
+linear_gtpo_loss compiles with fullgraph=True; the options travel by key (head.options_key). The
+loss value, the surrogate and the gradient scaling are the logits path's (loss.py, autograd.py).
+"""
+from __future__ import annotations
+
+import types
+from typing import List, Optional
+
+import torch
+
+from ..core import checks
+from ..core.config import is_zero
+from ..core.layout import float_dtype_for
+from ..kernels import ops
+from ..kernels.autograd import _scale as scale_by_upstream
+from ..objective.surrogate import seg_sum
+from . import head as hd
+from . import loss, tiles
+
+EXTRAS = ("adv", "old", "ref", "lam", "n_conf", "rollout_w", "rollout_w_seq", "rollout_logps", "num_items",
+          "max_len")
+Tensor = torch.Tensor
+
+
+def _tensors(hidden, weight, bias, ids, kernel_ids, counted, seg, extras, temperature):
+    x = types.SimpleNamespace(**dict(zip(EXTRAS, extras or [None] * len(EXTRAS))))
+    return types.SimpleNamespace(hidden=hidden, weight=weight, bias=bias, ids=ids, kernel_ids=kernel_ids,
+                                 counted=counted, seg=seg, extras=x, temperature=temperature)
+
+
+def _grads_or_empty(grads, hidden):
+    return [hidden.new_empty(0) if x is None else x for x in grads]
+
+
+def _fake_grads(opts, hidden, weight, bias, need, acc):
+    """The gradients' shapes: what head_fwd (fused) and head_bwd return, empty where not needed."""
+    acc = float_dtype_for(weight) if acc else None
+    return [torch.empty_like(hidden) if need[0] else hidden.new_empty(0),
+            weight.new_empty(weight.shape, dtype=acc or weight.dtype) if need[1] else hidden.new_empty(0),
+            weight.new_empty(weight.shape[0], dtype=acc or weight.dtype) if need[2] and bias is not None
+            else hidden.new_empty(0)]
+
+
+@torch.library.custom_op("gtpo_kernels::head_fwd", mutates_args=())
+def head_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, kernel_ids: Tensor,
+             counted: Tensor, seg: Tensor, extras: List[Optional[Tensor]], temperature: Tensor, key: str,
+             need: List[bool]) -> List[Tensor]:
+    opts = hd.options(key)
+    t = _tensors(hidden, weight, bias, ids, kernel_ids, counted, seg, extras, temperature)
+    logp, ent, stats, bad, grads = tiles.forward_tiles(opts, t, need)
+    return [logp, ent, stats, bad, *_grads_or_empty(grads, hidden)]
+
+
+@head_fwd.register_fake
+def _(hidden, weight, bias, ids, kernel_ids, counted, seg, extras, temperature, key, need):
+    opts, n = hd.options(key), ids.numel()
+    acc = ops.acc_dtype(hidden, opts.backend)
+    grads = _fake_grads(opts, hidden, weight, bias, need if opts.fused else [False] * 3, True)
+    return [hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc), hidden.new_empty((n, 3), dtype=acc),
+            hidden.new_empty(n, dtype=torch.int8), *grads]
+
+
+@torch.library.custom_op("gtpo_kernels::head_bwd", mutates_args=())
+def head_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_ids: Tensor, stats: Tensor,
+             ent: Tensor, c: Tensor, e: Optional[Tensor], temperature: Tensor, key: str,
+             need: List[bool]) -> List[Tensor]:
+    t = _tensors(hidden, weight, bias, kernel_ids, kernel_ids, None, None, None, temperature)
+    dh, dw, db = tiles.backward_tiles(hd.options(key), t, stats, ent, c, e, need)
+    dw = None if dw is None else dw.to(weight.dtype)  # cast once
+    db = None if db is None else db.to(bias.dtype)
+    return _grads_or_empty([dh, dw, db], hidden)
+
+
+@head_bwd.register_fake
+def _(hidden, weight, bias, kernel_ids, stats, ent, c, e, temperature, key, need):
+    return _fake_grads(hd.options(key), hidden, weight, bias, need, False)
+
+
+@torch.library.custom_op("gtpo_kernels::head_attach", mutates_args=())
+def head_attach(value: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_ids: Tensor,
+                stats: Tensor, ent: Tensor, c: Tensor, e: Optional[Tensor], dh: Tensor, dw: Tensor, db: Tensor,
+                temperature: Tensor, key: str) -> Tensor:
+    return value.clone()
+
+
+@head_attach.register_fake
+def _(value, hidden, weight, bias, kernel_ids, stats, ent, c, e, dh, dw, db, temperature, key):
+    return torch.empty_like(value)
+
+
+def _setup_context(ctx, inputs, output):
+    _value, hidden, weight, bias, kernel_ids, stats, ent, c, e, dh, dw, db, temperature, key = inputs
+    ctx.save_for_backward(hidden, weight, bias, kernel_ids, stats, ent, c, e, dh, dw, db, temperature)
+    ctx.key = key
+
+
+def _scaled(acc, g, dtype):
+    """acc * g in `dtype`: one new tensor (the cast, scaled in place), acc left as it is (a second
+    backward reads it again)."""
+    return acc * g.to(dtype) if acc.dtype == dtype else acc.to(dtype).mul_(g.to(dtype))
+
+
+def _backward(ctx, grad):
+    hidden, weight, bias, kernel_ids, stats, ent, c, e, dh, dw, db, temperature = ctx.saved_tensors
+    opts = hd.options(ctx.key)
+    need = [bool(x) for x in ctx.needs_input_grad[1:4]]  # hidden, weight, bias
+    if opts.fused:  # a scalar loss: the gradients were formed in the forward
+        dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        out = [_scaled(x, grad, d) if n else None for x, d, n in zip((dh, dw, db), dtypes, need)]
+    else:
+        g = grad.reshape(-1).to(c.dtype)  # scalar loss: (1,); loss_agg='none': one per token
+        out = head_bwd(hidden, weight, bias, kernel_ids, stats, ent, scale_by_upstream(c, g),
+                       scale_by_upstream(e, g), temperature, ctx.key, need)
+        out = [x if n else None for x, n in zip(out, need)]
+    return (None, *out) + (None,) * 10
+
+
+head_attach.register_autograd(_backward, setup_context=_setup_context)
+
+
+def coefficient_span(cfg):
+    """What a token's gradient coefficients depend on beyond the token: None, 'completion' or 'batch'."""
+    if not is_zero(cfg.top_entropy_quantile - 1.0):
+        return "batch"  # the quantile spans every counted token
+    if cfg.shapes_advantages or cfg.importance_sampling_level == "sequence" or \
+            cfg.off_policy_mask_threshold is not None or cfg.policy_loss == "vespo":
+        return "completion"
+    return None
+
+
+def _longest_fits(b, per_tile):
+    """Whether every completion's counted tokens fit in one tile: from the shapes when they tell
+    (T, or max_seqlen), else one host read (none under torch.compile: then assume not)."""
+    bound = b.tok_shape[1] if not b.packed else b.max_seqlen
+    if bound is not None and bound <= per_tile:
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    return int(seg_sum(b.counted.to(torch.int32), b.seg, b.B).max()) <= per_tile
+
+
+def choose_schedule(b, cfg, schedule, per_tile):
+    """fused (True) when each tile's coefficients can come from the tile alone, else recompute; a
+    forced 'fused' that cannot run is refused."""
+    span = coefficient_span(cfg)
+    why = None
+    if cfg.loss_agg == "none":
+        why = "loss_agg='none' takes a per-token upstream gradient"
+    elif span == "batch":
+        why = "top_entropy_quantile < 1 spans the whole batch"
+    elif span == "completion" and not _longest_fits(b, per_tile):
+        why = (f"a completion longer than a tile ({per_tile} rows within memory_budget) is split across tiles, "
+               "and its statistics span them (raise memory_budget)")
+    if schedule == "fused" and why is not None:
+        raise ValueError("schedule='fused' needs each tile's gradient coefficients to depend on that tile "
+                         f"alone; here they do not ({why}): use 'recompute' or 'auto'")
+    return why is None if schedule == "auto" else schedule == "fused"
+
+
+def _key(b, cfg, head, backend, schedule, budget, vp):
+    """The per-call options' key: tile rows from the budget (sized by the largest vocabulary slice, so
+    that every rank makes the same tiles), and the schedule."""
+    V = head.weight.shape[0] if vp is None else vp.V_max
+    per_tile = hd.rows_per_tile(V, head.weight.dtype, head.weight.device, budget)
+    fused = cfg is not None and choose_schedule(b, cfg, schedule, per_tile)
+    cap = None if head.cap is None else float(head.cap)
+    return hd.options_key(cfg, backend, float(head.scale), cap, per_tile, fused, b.B,
+                          None if vp is None else (vp.group, vp.V)), fused
+
+
+def _forward(b, head, hidden, key, temperature, vp, extras, need, host):
+    """head_fwd on detached inputs; the flags reported on the host after the tile loop (validating)."""
+    bias = None if head.bias is None else head.bias.detach()
+    out = head_fwd(hidden.detach(), head.weight.detach(), bias, b.ids, b.ids if vp is None else vp.ids,
+                   b.counted, b.seg, extras, temperature, key, need)
+    if host:
+        checks.raise_on_flags(out[3], b.tok_shape)
+    return out
+
+
+def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, vp):
+    """linear_gtpo_loss after its checks: the tiles (the fused schedule forms the gradient there), the
+    surrogate and the loss value with the backward attached (as the logits path), the output."""
+    dt = float_dtype_for(hidden)
+    key, fused = _key(b, cfg, head, backend, schedule, budget, vp)
+    temperature = ops.as_tensor_param(cfg.temperature)
+    max_len = b.max_len if isinstance(b.max_len, Tensor) else torch.tensor(float(b.max_len), dtype=dt)
+    num = num_items if num_items is None or isinstance(num_items, Tensor) else torch.tensor(float(num_items))
+    extras = [b.adv, b.old, b.ref, b.lam, b.n_conf, b.rollout_w, b.rollout_w_seq, b.rollout_logps, num, max_len]
+    params = (hidden, head.weight, head.bias)
+    need = [x is not None and x.requires_grad and torch.is_grad_enabled() for x in params]
+    logp, ent, stats, _, dh, dw, db = _forward(b, head, hidden, key, temperature, vp, extras, need, host)
+    res, value, c, e = loss.value_and_coefficients(b, cfg, logp, ent, num_items, dt, stats.dtype)
+    value = head_attach(value, *params, b.ids if vp is None else vp.ids, stats, ent, c, e, dh, dw, db,
+                        temperature, key)
+    res["metrics"]["grad_in_forward"] = torch.tensor(1.0 if fused else 0.0, dtype=dt, device=hidden.device)
+    return loss.make_output(b, cfg, value, res, dt, host)
+
+
+def head_logprobs(b, head, hidden, temperature, budget, backend, host, vp):
+    """linear_token_logprobs after its checks: (logps, entropy) of the tokens' shape, 0 where masked out."""
+    key, _ = _key(b, None, head, backend, "recompute", budget, vp)
+    with torch.no_grad():
+        logp, ent = _forward(b, head, hidden, key, ops.as_tensor_param(temperature), vp, [None] * len(EXTRAS),
+                             [False] * 3, host)[:2]
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    return (torch.where(b.counted, logp, zero).reshape(b.tok_shape),
+            torch.where(b.counted, ent, zero).reshape(b.tok_shape))

@@ -1,0 +1,207 @@
+"""The fused LM head's tiles (spec 11): the plan, and the loops over tiles of counted rows.
+
+Planning reads the counted rows and their number per completion on the host (2 syncs a pass; the
+recompute backward reads the rows with a nonzero coefficient, 1 sync); nothing inside the loops
+reads the device. Each tile is projected by one GEMM into one buffer reused across tiles (never more
+than `per_tile` rows: the memory budget), the vocabulary kernels run on it, and with a gradient the
+kernel writes dL/dz_raw in place of the logits, which the two gradient GEMMs read:
+
+    fused (forward)        project, statistics, the tile's coefficients c, e, gradient, dL/dh, dL/dW
+    recompute (backward)   only rows with c != 0 or e != 0: project, gradient, dL/dh, dL/dW
+
+The fused schedule's c, e come from the surrogate run on the tile's tokens and completions alone,
+with the batch-wide counts (totals) computed once, so the O(N) work does not grow with the tiles.
+"""
+from __future__ import annotations
+
+import bisect
+import types
+from typing import NamedTuple
+
+import torch
+
+from ..core.layout import Batch, float_dtype_for
+from ..distributed import vocab_parallel as parallel
+from ..kernels import dispatch
+from . import head as hd
+from . import loss
+
+
+class Tile(NamedTuple):
+    s: int  # first and one-past-last position in the sorted counted rows
+    e: int
+    g0: int  # first and last completion with a row in the tile
+    g1: int
+
+
+def plan(counts, per_tile, whole):
+    """Tiles over the counted rows (host ints): `counts` rows per completion, at most `per_tile` rows a
+    tile. whole: boundaries between completions, a completion longer than a tile split across tiles
+    (the caller's schedule is then 'recompute'); else fixed-size tiles."""
+    n = sum(counts)
+    if whole:
+        bounds, start, size = [], 0, 0
+        for c in counts:
+            if size and size + c > per_tile:
+                bounds.append((start, start + size))
+                start, size = start + size, 0
+            size += c
+            while size > per_tile:  # a completion longer than a tile
+                bounds.append((start, start + per_tile))
+                start, size = start + per_tile, size - per_tile
+        if size:
+            bounds.append((start, start + size))
+    else:
+        bounds = [(s, min(n, s + per_tile)) for s in range(0, n, per_tile)]
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    at = lambda r: bisect.bisect_right(starts, r) - 1  # noqa: E731  (the completion of row r)
+    return [Tile(s, e, at(s), at(e - 1)) for s, e in bounds]
+
+
+def rows_of(hidden, idx):
+    """The hidden states of flat tokens idx: (N, D), or (B, T, D) with any strides (read in place)."""
+    if hidden.dim() == 2:
+        return hidden.index_select(0, idx)
+    T = hidden.shape[1]
+    return hidden[idx // T, idx % T]
+
+
+class Workspace:
+    """One call's tile buffers, reused across its tiles, and the per-tile GEMMs and kernel calls."""
+
+    def __init__(self, opts, t, rows):
+        self.o, self.t = opts, t
+        V = t.weight.shape[0]
+        dt, dev = t.weight.dtype, t.weight.device
+        self.buf = torch.empty(rows * V, dtype=dt, device=dev)
+        self.gbuf = None if opts.in_kernel or opts.softcap is None else torch.empty_like(self.buf)
+        self.ones = torch.ones(rows, dtype=torch.bool, device=dev)
+
+    def project(self, h):
+        """The tile's raw logits h @ W.T + bias, by one GEMM into the reused buffer."""
+        z = self.buf[:h.shape[0] * self.t.weight.shape[0]].view(h.shape[0], -1)
+        return project(h, self.t.weight, self.t.bias, z)
+
+    def statistics(self, z, idx):
+        """(logp, H, stats, flags) of the tile's rows."""
+        o, t, ones = self.o, self.t, self.ones[:z.shape[0]]
+        if o.in_kernel:
+            return dispatch.vocab_fwd(o.backend, z.unsqueeze(0), t.kernel_ids[idx], ones, t.temperature, 0,
+                                      scale=o.scale, softcap=o.softcap)
+        o.transform(z)
+        if o.vp is None:
+            return dispatch.vocab_fwd(o.backend, z.unsqueeze(0), t.kernel_ids[idx], ones, t.temperature, 0)
+        tile = types.SimpleNamespace(logits3=z.unsqueeze(0), counted=ones, logits_start=0, V=z.shape[-1],
+                                     ids=t.ids[idx])  # the statistics merged over the vocabulary slices
+        return parallel.vp_forward(tile, t.kernel_ids[idx], t.temperature, o.backend, o.vp[0], o.vp[1])
+
+    def gradient(self, z, h, idx, st, en, c, e, grads):
+        """dL/dz_raw of the tile written over z (the kernel's chain rule), then dL/dh, dL/dW, dL/db."""
+        o, t = self.o, self.t
+        z3 = z.unsqueeze(0)
+        if o.in_kernel:
+            dispatch.vocab_bwd(o.backend, z3, z3, t.kernel_ids[idx], st, en, c, e, t.temperature, 0,
+                               scale=o.scale, softcap=o.softcap)
+            gz = z
+        else:
+            gz = z if self.gbuf is None else self.gbuf[:z.numel()].view(z.shape)
+            dispatch.vocab_bwd(o.backend, z3, gz.unsqueeze(0), t.kernel_ids[idx], st, en, c, e,
+                               t.temperature, 0)
+            o.chain(gz, z)
+        grad_gemms(gz, h, idx, t.weight, grads)
+
+
+def project(h, weight, bias, out):
+    """out = h @ weight.T (+ bias, added by the GEMM)."""
+    if bias is None:
+        return torch.mm(h, weight.t(), out=out)
+    return torch.addmm(bias, h, weight.t(), out=out)
+
+
+def grad_gemms(gz, h, idx, weight, grads):
+    """The tile's two gradient GEMMs: dL/dh rows = gz @ W, dL/dW += gz.T @ h (float32); dL/db."""
+    dh, dw, db = grads
+    if dh is not None:
+        dh.view(-1, dh.shape[-1]).index_copy_(0, idx, torch.mm(gz, weight))
+    if dw is not None:
+        hd.accumulate(dw, gz.t(), h)
+    if db is not None:
+        db += gz.sum(0, dtype=db.dtype)
+
+
+def zero_grads(t, need):
+    """The gradients' accumulators: dL/dh in hidden's dtype, dL/dW and dL/db in float32 (float64)."""
+    acc = float_dtype_for(t.weight)
+    dev = t.weight.device
+    dh = torch.zeros(t.hidden.shape, dtype=t.hidden.dtype, device=dev) if need[0] else None
+    dw = torch.zeros(t.weight.shape, dtype=acc, device=dev) if need[1] else None
+    db = torch.zeros(t.weight.shape[0], dtype=acc, device=dev) if need[2] and t.bias is not None else None
+    return [dh, dw, db]
+
+
+def forward_tiles(opts, t, need):
+    """Per token (logp, H, stats, flags), flat (N,); with the fused schedule also [dh, dw, db] (None
+    where not needed). Flagged counted tokens get NaN logp and H."""
+    rows = t.counted.nonzero().squeeze(1)  # sync: the rows projected
+    counts_dev = torch.bincount(t.seg[rows], minlength=opts.B)
+    counts = counts_dev.tolist()  # sync: the tiles
+    tiles = plan(counts, opts.per_tile, opts.fused)
+    N, dev = t.counted.numel(), t.hidden.device
+    acc = torch.float64 if t.hidden.dtype == torch.float64 and opts.backend == "torch" else torch.float32
+    logp, ent = torch.zeros(N, dtype=acc, device=dev), torch.zeros(N, dtype=acc, device=dev)
+    stats, bad = torch.zeros((N, 3), dtype=acc, device=dev), torch.zeros(N, dtype=torch.int8, device=dev)
+    ws = Workspace(opts, t, max((k.e - k.s for k in tiles), default=0))
+    grads = zero_grads(t, need) if opts.fused else [None, None, None]
+    dt = float_dtype_for(t.hidden)
+    totals = (counts_dev.to(dt), torch.full((), rows.numel(), dtype=dt, device=dev))
+    nan = torch.full((), float("nan"), dtype=acc, device=dev)
+    for k in tiles:
+        idx = rows[k.s:k.e]
+        h = rows_of(t.hidden, idx)
+        z = ws.project(h)
+        lp, en, st, bd = ws.statistics(z, idx)
+        logp[idx], ent[idx], stats[idx], bad[idx] = lp, en, st, bd
+        if opts.fused:  # this tile's coefficients from its own tokens and completions
+            invalid = bd != 0
+            c, e = tile_coefficients(opts, t, k, idx, torch.where(invalid, nan, lp), torch.where(invalid, nan, en),
+                                     totals, ws.ones)
+            ws.gradient(z, h, idx, st.to(acc), en.to(acc), c.to(acc), None if e is None else e.to(acc), grads)
+    invalid = bad != 0
+    return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats, bad, grads
+
+
+def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
+    """c, e of the tile's tokens: the surrogate on the tile alone (its completions g0..g1, whole or with
+    token-local coefficients), normalized by the batch-wide counts."""
+    g = slice(k.g0, k.g1 + 1)
+    x = t.extras
+    sl = lambda v, i: None if v is None else v[i]  # noqa: E731
+    n = idx.numel()
+    sub = Batch(logits3=None, ids=t.ids[idx], counted=ones[:n],
+                seg=t.seg[idx] - k.g0, B=k.g1 + 1 - k.g0, logits_start=0, tok_shape=(n,), adv=sl(x.adv, g),
+                old=sl(x.old, idx), ref=sl(x.ref, idx), lam=sl(x.lam, idx), n_conf=sl(x.n_conf, g),
+                rollout_w=sl(x.rollout_w, idx), rollout_w_seq=sl(x.rollout_w_seq, g),
+                rollout_logps=sl(x.rollout_logps, idx), max_len=x.max_len)
+    counts, M = totals
+    res = loss.run_surrogate(sub, opts.cfg, logp, ent, x.num_items, counts.dtype, totals=(counts[g], M, opts.B))
+    return res["c"], res["e"]
+
+
+def backward_tiles(opts, t, stats, ent, c, e, need):
+    """The recompute schedule's backward: [dh, dw, db] from the coefficients (already scaled by the
+    upstream gradient), projecting again only the rows where c or e is nonzero."""
+    live = c != 0 if e is None else (c != 0) | (e != 0)
+    rows = live.nonzero().squeeze(1)  # sync: the rows with a gradient
+    n = rows.numel()
+    grads = zero_grads(t, need)
+    ws = Workspace(opts, t, min(n, opts.per_tile))
+    for s in range(0, n, opts.per_tile):
+        idx = rows[s:s + opts.per_tile]
+        h = rows_of(t.hidden, idx)
+        z = ws.project(h)
+        if not opts.in_kernel:
+            opts.transform(z)
+        ws.gradient(z, h, idx, stats[idx], ent[idx], c[idx], None if e is None else e[idx], grads)
+    return grads
