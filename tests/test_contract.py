@@ -2,9 +2,12 @@
 checked on the host gives NaN, per-token upstream gradients at uncounted tokens are ignored,
 num_items_in_batch only where it means something, in-place writes only where they are safe, float64
 on the Triton backend, mask values."""
+import dataclasses
+
 import pytest
 import torch
 
+import gtpo_reference as ref
 from conftest import assert_grad_close, assert_value_close
 from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
 from gtpo_kernels.kernels import dispatch
@@ -167,11 +170,31 @@ def test_inplace_on_overlapping_rows_is_refused(backend):
     zero_stride = torch.randn(4, 1, 24).expand(4, 6, 24)
     with pytest.raises(ValueError, match="rows do not overlap"):
         gtpo_loss(zero_stride, ids, adv, group_size=2, inplace=True, backend=backend)
-    # a non-contiguous but non-overlapping view is fine
-    wide = torch.randn(4, 9, 24)[:, 1:7]
-    gtpo_loss(wide.clone().requires_grad_()[:, :], ids, adv, group_size=2, inplace=False, backend=backend)
-    out = gtpo_loss(wide, ids, adv, group_size=2, inplace=True, backend=backend)
-    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_on_a_strided_view_writes_the_gradient_there(backend):
+    """A non-contiguous but non-overlapping view (columns 1..6 of a wider buffer) is accepted with
+    inplace=True: the loss and the gradient equal the float64 reference, and the columns around the
+    view are not written."""
+    x, ids, adv, old = batch()
+    cfg = GTPOConfig(entropy_threshold=None)  # random logits: the ln 2 filter would drop every completion
+    buf = torch.randn(4, 9, 24, generator=torch.Generator().manual_seed(7))
+    buf[:, 1:7] = x
+    before = buf.clone()
+    view = buf[:, 1:7].detach().requires_grad_()  # a leaf over buf's storage, strides of buf
+    assert not view.is_contiguous() and view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    xr = x.double().requires_grad_()
+    r = ref.gtpo_loss(xr, ids, adv, group_size=2, old_logps=old, **dataclasses.asdict(cfg))
+    r["loss"].backward()
+    assert xr.grad.abs().sum() > 0 and (r["lam"] != 1).any()
+    out = gtpo_loss(view, ids, adv, group_size=2, old_logps=old, config=cfg, inplace=True, backend=backend)
+    assert torch.equal(buf, before)  # the forward does not touch them
+    out.loss.backward()
+    assert_value_close("loss", out.loss.detach(), r["loss"].detach(), 1e-5)
+    assert_grad_close("inplace grad", view.grad, xr.grad, 1e-5)
+    assert torch.equal(buf[:, 1:7], view.grad)  # written over the view's logits (then copied by autograd)
+    assert torch.equal(buf[:, 0], before[:, 0]) and torch.equal(buf[:, 7:], before[:, 7:])
 
 
 def test_inplace_inside_torch_compile_says_it_cannot():

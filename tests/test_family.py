@@ -199,6 +199,19 @@ def test_from_logps_gradient_reaches_entropy_only_with_the_bonus():
     out.loss.backward()
     assert logps.grad.abs().sum() > 0
     assert torch.allclose(ent.grad, torch.full((B, T), -0.1 / (B * T)))
+    # without the bonus, with the entropy filter (one completion dropped) and shaping on: Hbar is a
+    # constant (spec 2), so no gradient reaches the entropies, while the log-probs still get theirs
+    hbar = ent.detach().mean(1)
+    cut = float(hbar.sort().values[2:].mean())  # between the 3rd and 4th completion's Hbar
+    assert (hbar > cut).sum() == 1
+    for coef in (0.0, 0.1):
+        logps.grad = ent.grad = None
+        out = gtpo_loss_from_logps(logps, ids, adv, entropy=ent, group_size=2,
+                                   config=GTPOConfig(entropy_threshold=cut, entropy_coef=coef))
+        out.loss.backward()
+        assert float(out.metrics["filtered_frac"]) == 0.25 and logps.grad.abs().sum() > 0
+        reached = ent.grad is not None and bool(ent.grad.abs().sum() > 0)
+        assert reached == (coef != 0.0), (coef, ent.grad)
     with pytest.raises(ValueError, match="entropy .* is required"):
         gtpo_loss_from_logps(logps, ids, adv, group_size=2)  # the default gtpo preset filters on entropy
     out = gtpo_loss_from_logps(logps, ids, adv, config="grpo")  # no entropy needed

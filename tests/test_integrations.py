@@ -227,7 +227,7 @@ def trl_pair(tmp_path_factory):
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         am = torch.cat([batch["prompt_mask"], m], 1)
         logits = ours.model(input_ids=ids, attention_mask=am, logits_to_keep=T + 1).logits
-        lp, _ = gtpo_kernels.token_logprobs(logits, batch["completion_ids"], 0.7, m)
+        lp, _ = gtpo_kernels.token_logprobs(logits, batch["completion_ids"], 0.7, m, logits_start=0)
     g = torch.Generator().manual_seed(3)
     # off-policy: old log-probs moved away from the current ones so that ratios clip
     batch["old_per_token_logps"] = lp + 0.4 * torch.randn(lp.shape, generator=g)
@@ -599,10 +599,49 @@ def test_trl_fused_head_peak_memory_at_most_stock():
     assert res["fused"]["peak"] < res["logits"]["peak"], mb
 
 
+def _gtpo_on_top_against_reference(tr, batch, G=4):
+    """The adapter's conflict weights on `batch` (a positive and a negative completion of each group made
+    to share their first two tokens) against the float64 reference per group, then its loss with them
+    against the reference GTPO loss on the model's logits (one micro-batch, no accumulation)."""
+    import dataclasses
+
+    import gtpo_reference as ref
+    from gtpo_kernels.integrations.trl_config import _loss_mask
+    cfg, batch = tr.gtpo_config, dict(batch)
+    ids, adv = batch["completion_ids"].clone(), batch["advantages"]
+    for g in range(ids.size(0) // G):
+        rows = range(g * G, (g + 1) * G)
+        pos, neg = next(i for i in rows if adv[i] > 0), next(i for i in rows if adv[i] < 0)
+        ids[neg, :2] = ids[pos, :2]
+    batch["completion_ids"] = ids
+    m = _loss_mask(batch) != 0
+    lam, n_conf = tr._gtpo_conflict_weights(batch, G)
+    lam_r, n_r = ref.conflict_weights(ids, m, adv, G, cfg.conflict_pos_weight, cfg.conflict_neg_weight)
+    assert {0.5, 0.25} & set(lam_r[m].tolist()), lam_r  # conflict tokens of negative completions: w_neg
+    assert torch.equal(lam.double()[m], lam_r[m]) and torch.equal(n_conf.double(), n_r)
+    tr.args.steps_per_generation = tr.current_gradient_accumulation_steps = 1
+    tr.model.train()
+    losses = []
+    for w in ((lam, n_conf), (torch.ones_like(lam), torch.ones_like(n_conf))):
+        batch["gtpo_lam"], batch["gtpo_n_conf"] = w
+        with torch.no_grad():
+            losses.append(float(tr._compute_loss(tr.model, batch)))
+    with torch.no_grad():
+        T = ids.size(1)
+        logits = tr.model(input_ids=torch.cat([batch["prompt_ids"], ids], 1), logits_to_keep=T + 1,
+                          attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)).logits
+    r = float(ref.gtpo_loss(logits.double(), ids, adv, m, group_size=G, old_logps=batch["old_per_token_logps"],
+                            num_items_in_batch=batch["num_items_in_batch"], **dataclasses.asdict(cfg))["loss"])
+    assert abs(losses[0] - r) <= 1e-5 * max(1.0, abs(r)), (losses, r)
+    assert abs(losses[1] - r) > 1e-3 * abs(r), (losses, r)  # the weights change the loss
+
+
 @needs_trl
 def test_trl_clip_metric_and_gtpo_on_top(trl_pair):
-    """gtpo_loss='gtpo' on a TRL loss type: the loss type's policy term with the conflict weights on;
-    clip metrics are logged."""
+    """gtpo_loss='gtpo' on a TRL loss type: the loss type's policy term with the conflict weights on
+    (the weights the adapter computes at advantage time equal the float64 reference's, and the loss
+    with them the reference GTPO loss; a w_neg of 0.5 from gtpo_kwargs shows the config reaches
+    them); clip metrics are logged."""
     from gtpo_kernels.integrations.trl import gtpo_config_from_args
     ours = trl_pair["ours"]
     _trl_losses(trl_pair, {}, None, accum=1, spg=1)
@@ -614,7 +653,12 @@ def test_trl_clip_metric_and_gtpo_on_top(trl_pair):
         assert (cfg.policy_loss, cfg.loss_agg, cfg.eps_high, cfg.use_conflict_mask) == ("cispo", "token-mean", 5.0,
                                                                                         True)
         assert cfg.entropy_threshold == pytest.approx(0.6931471805599453) and cfg.entropy_penalty == 0.1
+        # no entropy filter: the tiny model's entropy (~3.4 nats) would drop every completion (loss 0)
+        ours.args.gtpo_kwargs = {"conflict_neg_weight": 0.5, "entropy_threshold": None}
+        ours._gtpo_setup()
+        _gtpo_on_top_against_reference(ours, trl_pair["batch"])
     finally:
+        ours.args.gtpo_kwargs = None
         _configure(ours)
 
 

@@ -103,16 +103,20 @@ def test_token_advantages_match_reference(case, cfg_i, seed, uid_kind, n_pad, dr
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=cases(), seed=st.integers(0, 2**31 - 1), packed=st.booleans())
-def test_conflict_weights_group_ids(case, seed, packed):
+@given(case=cases(), seed=st.integers(0, 2**31 - 1), packed=st.booleans(), holes=st.booleans())
+def test_conflict_weights_group_ids(case, seed, packed, holes):
     """group_ids: shuffled rows and unequal groups equal the reference per group; contiguous keys
-    equal group_size; packed form too."""
+    equal group_size; the packed form too (rows cut after their last counted token or one later, holes
+    in the mask kept). `holes`: more masked-out tokens, keeping their ids (inside shared prefixes and
+    suffixes a hole must end a conflict run)."""
     gen = torch.Generator().manual_seed(seed)
     B, T = case.ids.shape
     group = torch.arange(B) // case.G
     perm = torch.randperm(B, generator=gen)
     keep = perm[: max(1, B - int(torch.randint(0, B, (1,), generator=gen)) // 2)]
     ids, mask, adv, group = case.ids[keep], case.mask[keep], case.adv[keep], group[keep]
+    if holes:
+        mask = (mask * (torch.rand(mask.shape, generator=gen) > 0.25)).to(mask.dtype)
     m = mask != 0
     lam_w = torch.ones(ids.shape, dtype=F64)
     nc_w = torch.ones(ids.shape[0], dtype=F64)
@@ -120,15 +124,16 @@ def test_conflict_weights_group_ids(case, seed, packed):
         r = torch.nonzero(group == g).squeeze(1)
         lam_w[r], nc_w[r] = ref.conflict_weights(ids[r], m[r], adv[r], len(r))
     keys = [f"g{g}" for g in group.tolist()]
-    if packed:
-        lens = m.sum(1)  # keep the counted tokens only: a packed completion, no holes
-        rows_ok = torch.stack([(m[i].cumsum(0) == torch.arange(1, T + 1)).sum() == lens[i] for i in range(len(lens))])
-        if not bool(rows_ok.all()):
-            return
+    if packed:  # each row up to its last counted token, or further (masked-out tail), holes kept in the mask
+        last = torch.where(m, torch.arange(1, T + 1), 0).amax(1)
+        lens = torch.minimum(last + torch.randint(0, 2, last.shape, generator=gen), torch.tensor(T))
+        keep_tok = torch.arange(T)[None] < lens[:, None]
         cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
         cu[1:] = lens.cumsum(0)
-        lam, nc = conflict_weights(ids[m], None, adv, group_ids=keys, cu_seqlens=cu)
-        torch.testing.assert_close(lam.double(), lam_w[m])
+        lam, nc = conflict_weights(ids[keep_tok], m[keep_tok], adv, group_ids=keys, cu_seqlens=cu)
+        assert lam.shape == (int(cu[-1]),)
+        counted = m[keep_tok]
+        torch.testing.assert_close(lam.double()[counted], lam_w[m])
     else:
         lam, nc = conflict_weights(ids, mask, adv, group_ids=keys)
         torch.testing.assert_close(torch.where(m, lam.double(), 1.0), torch.where(m, lam_w, 1.0))

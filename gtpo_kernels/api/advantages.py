@@ -24,9 +24,11 @@ def _row_advantages(advantages, mask, B, T):
     if not advantages.dtype.is_floating_point:
         advantages = advantages.to(torch.float32)
     if advantages.dim() == 2 and advantages.shape == (B, T) and T != 1:
+        if T == 0:  # no token: every row is inactive (its advantage multiplies nothing)
+            return advantages.new_zeros(B)
         # verl's outcome advantages: the row's value at its counted tokens (0 elsewhere)
         first = torch.where(mask, torch.arange(T, device=mask.device), T).amin(dim=1).clamp(max=max(T - 1, 0))
-        row = advantages.gather(1, first[:, None]).squeeze(1) if T else advantages.new_zeros(B)
+        row = advantages.gather(1, first[:, None]).squeeze(1)
         row = torch.where(mask.any(dim=1), row, torch.zeros_like(row))
         if bool(((advantages != row[:, None]) & mask).any()):
             raise ValueError("advantages (B, T) must hold one value per row at its counted tokens (an outcome "
@@ -61,27 +63,10 @@ def gtpo_token_advantages(advantages, responses, response_mask, entropy, uid, co
     if uid is None:
         raise ValueError("uid is required: one group key per row (verl's non_tensor_batch['uid']), so that the "
                          "conflict weights compare completions of the same prompt")
-    if not isinstance(responses, torch.Tensor) or responses.dim() != 2:
-        raise ValueError(f"responses must be a (B, T) tensor of token ids, got "
-                         f"{tuple(responses.shape) if isinstance(responses, torch.Tensor) else type(responses).__name__}")
-    B, T = responses.shape
-    if response_mask is None:
-        raise ValueError("response_mask is required: (B, T) like responses, 1 where the token counts")
-    response_mask = torch.as_tensor(response_mask, device=responses.device)
-    if tuple(response_mask.shape) != (B, T):
-        raise ValueError(f"response_mask must have the shape of responses {(B, T)}, got {tuple(response_mask.shape)}")
-    m = response_mask.bool() if response_mask.dtype == torch.bool or not response_mask.dtype.is_floating_point \
-        else response_mask != 0
+    B, T = _check_responses(responses)
+    m = _counted(response_mask, responses)
     adv = _row_advantages(advantages, m, B, T).to(responses.device)
-    if entropy is None:
-        if cfg.shapes_advantages:
-            raise ValueError("entropy (B, T) is required by this config's entropy filter or shaping "
-                             "(entropy_threshold, entropy_penalty); pass the old policy's entropies, or turn "
-                             "those off")
-        entropy = torch.zeros(B, T, dtype=adv.dtype, device=responses.device)
-    checks.check_float_tensor("entropy", entropy)
-    if tuple(entropy.shape) != (B, T):
-        raise ValueError(f"entropy must have the shape of responses {(B, T)}, got {tuple(entropy.shape)}")
+    entropy = _entropy_arg(entropy, cfg, B, T, adv.dtype, responses.device)
     dt = torch.float64 if adv.dtype == torch.float64 else torch.float32
 
     # spec 3: conflict weights, grouped by uid (checked here, so that errors name it)
@@ -91,14 +76,52 @@ def gtpo_token_advantages(advantages, responses, response_mask, entropy, uid, co
     else:
         lam = torch.ones(B, T, dtype=dt, device=responses.device)
         n_conf = torch.ones(B, dtype=dt, device=responses.device)
-
-    # spec 2: Hbar over counted tokens, the filter and the shaped advantage
-    seg = torch.arange(B, device=responses.device).repeat_interleave(T)
-    mf = m.reshape(-1)
-    ent = torch.where(mf, entropy.reshape(-1).to(dt), torch.zeros((), dtype=dt, device=responses.device))
-    n_safe = m.sum(dim=1).clamp(min=1).to(dt)
-    _, _, a_hat = entropy_control(ent, seg, B, n_safe, adv.to(dt), cfg)
+    a_hat = _shaped_advantages(adv.to(dt), entropy, m, cfg)
     if cfg.loss_agg == "gtpo-official":
         a_hat = a_hat / n_conf
     out = lam * a_hat[:, None]
     return torch.where(m, out, torch.zeros((), dtype=dt, device=out.device))
+
+
+def _check_responses(responses):
+    """responses must be a (B, T) tensor -> (B, T)."""
+    if not isinstance(responses, torch.Tensor) or responses.dim() != 2:
+        raise ValueError(f"responses must be a (B, T) tensor of token ids, got "
+                         f"{tuple(responses.shape) if isinstance(responses, torch.Tensor) else type(responses).__name__}")
+    return responses.shape
+
+
+def _counted(response_mask, responses):
+    """response_mask (B, T) of any dtype -> the bool mask of counted tokens."""
+    B, T = responses.shape
+    if response_mask is None:
+        raise ValueError("response_mask is required: (B, T) like responses, 1 where the token counts")
+    response_mask = torch.as_tensor(response_mask, device=responses.device)
+    if tuple(response_mask.shape) != (B, T):
+        raise ValueError(f"response_mask must have the shape of responses {(B, T)}, got {tuple(response_mask.shape)}")
+    return response_mask.bool() if response_mask.dtype == torch.bool or not response_mask.dtype.is_floating_point \
+        else response_mask != 0
+
+
+def _entropy_arg(entropy, cfg, B, T, dtype, device):
+    """The (B, T) entropies, checked; zeros when the config neither filters nor shapes (None given)."""
+    if entropy is None:
+        if cfg.shapes_advantages:
+            raise ValueError("entropy (B, T) is required by this config's entropy filter or shaping "
+                             "(entropy_threshold, entropy_penalty); pass the old policy's entropies, or turn "
+                             "those off")
+        entropy = torch.zeros(B, T, dtype=dtype, device=device)
+    checks.check_float_tensor("entropy", entropy)
+    if tuple(entropy.shape) != (B, T):
+        raise ValueError(f"entropy must have the shape of responses {(B, T)}, got {tuple(entropy.shape)}")
+    return entropy
+
+
+def _shaped_advantages(adv, entropy, m, cfg):
+    """Spec 2: Hbar over the counted tokens, the filter and the shaped advantage Ahat (B,) in adv's dtype."""
+    B, T = m.shape
+    dt = adv.dtype
+    seg = torch.arange(B, device=m.device).repeat_interleave(T)
+    ent = torch.where(m.reshape(-1), entropy.reshape(-1).to(dt), torch.zeros((), dtype=dt, device=m.device))
+    n_safe = m.sum(dim=1).clamp(min=1).to(dt)
+    return entropy_control(ent, seg, B, n_safe, adv, cfg)[2]

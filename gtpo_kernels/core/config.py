@@ -24,6 +24,12 @@ def _norm(name: str) -> str:
     return name.strip().lower().replace("_", "-")
 
 
+# the fields that must be finite numbers (or 0-d floating tensors) in every config
+_NUMBER_FIELDS = ("temperature", "eps_low", "eps_high", "conflict_pos_weight", "conflict_neg_weight",
+                  "entropy_penalty", "entropy_coef", "beta", "sapo_temperature_pos", "sapo_temperature_neg",
+                  "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile")
+
+
 @dataclasses.dataclass(frozen=True)
 class GTPOConfig:
     """Options of `gtpo_loss` (defaults: the paper's GTPO, spec sections 2-5).
@@ -89,69 +95,78 @@ class GTPOConfig:
     top_entropy_quantile: float = 1.0
 
     def __post_init__(self):
-        def bad(field, expected):
-            raise ValueError(f"GTPOConfig.{field} must be {expected}, got {getattr(self, field)!r}")
+        for f in _NUMBER_FIELDS:
+            self._number(f)
+        if self._number("temperature") <= 0:
+            self._bad("temperature", "> 0")
+        self._check_policy_term()
+        self._check_masks_and_kl()
+        self._check_switches_and_aggregation()
 
-        def value(field):
-            """The field's number; a 0-d floating tensor is read once, here (see is_tensor_param)."""
-            v = getattr(self, field)
-            if isinstance(v, torch.Tensor):
-                if v.dim() != 0 or not v.dtype.is_floating_point:
-                    bad(field, "a finite number or a 0-d floating-point tensor")
-                v = float(v)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                bad(field, "a finite number or a 0-d floating-point tensor")
-            return v
+    def _bad(self, field, expected):
+        raise ValueError(f"GTPOConfig.{field} must be {expected}, got {getattr(self, field)!r}")
 
-        for f in ("temperature", "eps_low", "eps_high", "conflict_pos_weight", "conflict_neg_weight",
-                  "entropy_penalty", "entropy_coef", "beta", "sapo_temperature_pos", "sapo_temperature_neg",
-                  "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile"):
-            value(f)
-        if value("temperature") <= 0:
-            bad("temperature", "> 0")
+    def _number(self, field):
+        """The field's number; a 0-d floating tensor is read once, here (see is_tensor_param)."""
+        v = getattr(self, field)
+        if isinstance(v, torch.Tensor):
+            if v.dim() != 0 or not v.dtype.is_floating_point:
+                self._bad(field, "a finite number or a 0-d floating-point tensor")
+            v = float(v)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            self._bad(field, "a finite number or a 0-d floating-point tensor")
+        return v
+
+    def _check_policy_term(self):
+        """policy_loss (normalised), importance_sampling_level, the clip range, delta, SAPO's temperatures."""
         pl = _norm(self.policy_loss) if isinstance(self.policy_loss, str) else None
         if pl not in POLICY_LOSSES:
-            bad("policy_loss", f"one of {POLICY_LOSSES}")
+            self._bad("policy_loss", f"one of {POLICY_LOSSES}")
         object.__setattr__(self, "policy_loss", pl)
         level = self.importance_sampling_level
         if level not in IS_LEVELS:
-            bad("importance_sampling_level", f"one of {IS_LEVELS}")
+            self._bad("importance_sampling_level", f"one of {IS_LEVELS}")
         if level == "sequence" and pl != "ppo":
-            bad("importance_sampling_level", f"'token' with policy_loss={pl!r} (its policy term has no "
-                "sequence-level form here; TRL warns about it)")
-        if not 0.0 <= value("eps_low") < 1.0:
-            bad("eps_low", "in [0, 1)")
+            self._bad("importance_sampling_level", f"'token' with policy_loss={pl!r} (its policy term has no "
+                      "sequence-level form here; TRL warns about it)")
+        if not 0.0 <= self._number("eps_low") < 1.0:
+            self._bad("eps_low", "in [0, 1)")
         if pl == "cispo":  # an absolute bound on the ratio (TRL's convention)
-            if value("eps_high") <= 0:
-                bad("eps_high", "> 0 with policy_loss='cispo' (the ratio's upper bound, e.g. 5.0)")
-        elif not 0.0 <= value("eps_high") < 1.0:
-            bad("eps_high", "in [0, 1)")
-        if self.delta is not None and value("delta") <= 1.0:
-            bad("delta", "None or > 1")
+            if self._number("eps_high") <= 0:
+                self._bad("eps_high", "> 0 with policy_loss='cispo' (the ratio's upper bound, e.g. 5.0)")
+        elif not 0.0 <= self._number("eps_high") < 1.0:
+            self._bad("eps_high", "in [0, 1)")
+        if self.delta is not None and self._number("delta") <= 1.0:
+            self._bad("delta", "None or > 1")
         for f in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            if value(f) <= 0:
-                bad(f, "> 0")
+            if self._number(f) <= 0:
+                self._bad(f, "> 0")
+
+    def _check_masks_and_kl(self):
+        """The off-policy mask, the entropy quantile, the KL term and the entropy control's optional numbers."""
         if self.off_policy_mask_threshold is not None:
-            value("off_policy_mask_threshold")
-        if not 0.0 < value("top_entropy_quantile") <= 1.0:
-            bad("top_entropy_quantile", "in (0, 1]")
+            self._number("off_policy_mask_threshold")
+        if not 0.0 < self._number("top_entropy_quantile") <= 1.0:
+            self._bad("top_entropy_quantile", "in (0, 1]")
         if not isinstance(self.use_bias_correction_kl, bool):
-            bad("use_bias_correction_kl", "a bool")
-        if value("beta") < 0:
-            bad("beta", ">= 0")
+            self._bad("use_bias_correction_kl", "a bool")
+        if self._number("beta") < 0:
+            self._bad("beta", ">= 0")
         for f in ("entropy_threshold", "initial_entropy"):
             if getattr(self, f) is not None:
-                value(f)
-        if not isinstance(self.clip, bool):
-            bad("clip", "a bool")
-        if not isinstance(self.use_conflict_mask, bool):
-            bad("use_conflict_mask", "a bool")
+                self._number(f)
+
+    def _check_switches_and_aggregation(self):
+        """clip and use_conflict_mask (bools), loss_agg (normalised), max_completion_length."""
+        for f in ("clip", "use_conflict_mask"):
+            if not isinstance(getattr(self, f), bool):
+                self._bad(f, "a bool")
         if not isinstance(self.loss_agg, str) or _norm(self.loss_agg) not in LOSS_AGGS:
-            bad("loss_agg", f"one of {LOSS_AGGS}")
+            self._bad("loss_agg", f"one of {LOSS_AGGS}")
         object.__setattr__(self, "loss_agg", _norm(self.loss_agg))
         m = self.max_completion_length
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            bad("max_completion_length", "None or a positive int")
+            self._bad("max_completion_length", "None or a positive int")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GTPOConfig":

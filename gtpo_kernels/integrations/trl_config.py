@@ -53,18 +53,7 @@ def _norm(name):
 def gtpo_config_from_args(args) -> GTPOConfig:
     """The `GTPOConfig` a `GTPOTrainer` uses for TRL config `args` (a GTPOTrainerConfig, or a plain
     GRPOConfig, which then gets gtpo_loss="gtpo" on top of its loss_type). See the module docstring."""
-    kwargs = getattr(args, "gtpo_kwargs", None) or {}
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"gtpo_kwargs must be a dict or a JSON object string, got {kwargs!r}") from e
-    if not isinstance(kwargs, dict):
-        raise TypeError(f"gtpo_kwargs must be a dict or a JSON object string, got {type(kwargs).__name__}")
-    for field, trl_field in _TRL_OWNED.items():
-        if field in kwargs:
-            raise ValueError(f"gtpo_kwargs[{field!r}] is not accepted: the trainer must agree on it, so set "
-                             f"the TRL config's `{trl_field}` instead")
+    kwargs = _gtpo_kwargs(args)
     loss_type = _norm(str(args.loss_type))
     if loss_type not in TRL_LOSS_TYPES:
         raise ValueError(f"loss_type={args.loss_type!r}: GTPOTrainer knows TRL's {TRL_LOSS_TYPES}")
@@ -81,18 +70,7 @@ def gtpo_config_from_args(args) -> GTPOConfig:
         raise ValueError(f"gtpo_loss='gtpo-official' is the authors' whole loss (unclipped surrogate, their "
                          f"aggregation) and replaces the loss type: use it with loss_type='grpo', not "
                          f"{args.loss_type!r}; for GTPO's parts on top of {args.loss_type!r} use gtpo_loss='gtpo'")
-    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-    # getattr: an older TRL without an option behaves as its default
-    opt = {f: getattr(args, f, default) for f, default in _TRL_OPTION_DEFAULTS.items()}
-    base = dict(temperature=float(args.temperature), eps_low=float(args.epsilon), eps_high=float(eps_high),
-                beta=float(args.beta), importance_sampling_level=opt["importance_sampling_level"],
-                use_bias_correction_kl=bool(opt["use_bias_correction_kl"]),
-                top_entropy_quantile=float(opt["top_entropy_quantile"]),
-                **{f: (None if opt[f] is None else float(opt[f])) for f in ("delta", "off_policy_mask_threshold")},
-                **{f: float(opt[f]) for f in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-                                              "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")})
-    if "max_completion_length" not in kwargs and args.max_completion_length is not None:
-        base["max_completion_length"] = int(args.max_completion_length)
+    base = _trl_fields(args, kwargs)
     if base["importance_sampling_level"] == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
         raise ValueError(f"importance_sampling_level='sequence' with loss_type={args.loss_type!r} is not "
                          f"supported: gtpo_loss has sequence-level ratios for the PPO term only (TRL 1.16 "
@@ -107,6 +85,40 @@ def gtpo_config_from_args(args) -> GTPOConfig:
     if cfg.loss_agg == "none":  # pragma: no cover - no TRL loss type maps to it
         raise ValueError("loss_agg='none' cannot be used in a trainer (it needs a scalar loss)")
     return cfg
+
+
+def _gtpo_kwargs(args) -> dict:
+    """args.gtpo_kwargs (a dict, a JSON object string or None) as a dict, without the fields TRL owns."""
+    kwargs = getattr(args, "gtpo_kwargs", None) or {}
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"gtpo_kwargs must be a dict or a JSON object string, got {kwargs!r}") from e
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"gtpo_kwargs must be a dict or a JSON object string, got {type(kwargs).__name__}")
+    for field, trl_field in _TRL_OWNED.items():
+        if field in kwargs:
+            raise ValueError(f"gtpo_kwargs[{field!r}] is not accepted: the trainer must agree on it, so set "
+                             f"the TRL config's `{trl_field}` instead")
+    return kwargs
+
+
+def _trl_fields(args, kwargs) -> dict:
+    """The GTPOConfig fields TRL's config sets (and max_completion_length unless gtpo_kwargs sets it)."""
+    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    # getattr: an older TRL without an option behaves as its default
+    opt = {f: getattr(args, f, default) for f, default in _TRL_OPTION_DEFAULTS.items()}
+    base = dict(temperature=float(args.temperature), eps_low=float(args.epsilon), eps_high=float(eps_high),
+                beta=float(args.beta), importance_sampling_level=opt["importance_sampling_level"],
+                use_bias_correction_kl=bool(opt["use_bias_correction_kl"]),
+                top_entropy_quantile=float(opt["top_entropy_quantile"]),
+                **{f: (None if opt[f] is None else float(opt[f])) for f in ("delta", "off_policy_mask_threshold")},
+                **{f: float(opt[f]) for f in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                                              "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")})
+    if "max_completion_length" not in kwargs and args.max_completion_length is not None:
+        base["max_completion_length"] = int(args.max_completion_length)
+    return base
 
 
 def _refusals(args, accelerator):

@@ -55,8 +55,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..advantages import gtpo_token_advantages
-from ..config import GTPOConfig, as_config
+from ..api.advantages import gtpo_token_advantages
+from ..core.config import GTPOConfig, as_config
 
 import verl.utils.torch_functional as verl_F  # noqa: E402  (verl is required by this module)
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss  # noqa: E402
@@ -120,10 +120,6 @@ def gtpo_config_from(section) -> GTPOConfig:
     return GTPOConfig.preset(fields.pop("preset", "gtpo"), **fields)
 
 
-def _entropy_needed(cfg):
-    return cfg.entropy_threshold is not None or float(cfg.entropy_penalty) != 0.0
-
-
 def rewrite_advantages(batch, uid, cfg) -> dict:
     """The advantage-time step on a padded batch (a TensorDict or dict of (bs, response_length)
     tensors: `advantages`, `responses`, `response_mask`, and `entropy` when the config's entropy
@@ -133,7 +129,7 @@ def rewrite_advantages(batch, uid, cfg) -> dict:
         if key not in batch.keys():
             raise KeyError(f"the GTPO advantage step needs '{key}' in the batch")
     entropy = None
-    if _entropy_needed(cfg):
+    if cfg.shapes_advantages:
         if "entropy" not in batch.keys():
             raise KeyError("the GTPO advantage step needs the old policy's 'entropy' in the batch (verl "
                            "computes it with old_log_probs; rollout_correction.bypass_mode skips that pass): "
@@ -176,7 +172,7 @@ def _register_trainer():
         def _compute_advantage(self, batch, metrics: dict):
             batch = super()._compute_advantage(batch, metrics)
             cfg = self._gtpo_config()
-            fields = ["uid", "responses", "response_mask", "advantages"] + (["entropy"] if _entropy_needed(cfg) else [])
+            fields = ["uid", "responses", "response_mask", "advantages"] + (["entropy"] if cfg.shapes_advantages else [])
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
             response_mask = data["response_mask"]  # nested (bs, response_len)
             padded = data.to_padded_tensor()
