@@ -18,6 +18,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Per-test example counts for tests that set their own max_examples (tests/test_joint.py): `examples(n)`
+# is n under the ci profile, 10 n under nightly (the long search runs 10x more of every such test, as the
+# profile's own 500 is 10x ci's 50) and a third of n under dev.
+EXAMPLE_SCALE = {"ci": 1.0, "dev": 0.3, "nightly": 10.0}
+
+
+def examples(n_ci):
+    return max(1, int(n_ci * EXAMPLE_SCALE.get(os.environ.get("HYPOTHESIS_PROFILE", "ci"), 1.0)))
+
 # spec section 7: tolerances by logits dtype
 TOL = {
     torch.float32: dict(value=1e-5, loss=1e-5, grad=1e-5),

@@ -1,0 +1,486 @@
+"""The option space sampled jointly (issue 16, item 3): one generator (joint_strategies.joints) draws the
+entry point (logits, hidden states + head, log-probs, token advantages), the form (padded, packed, empty,
+one token), the preset with every option of spec 9, the rollout weights in every shape and mode, the
+conflict weights (computed or precomputed), num_items_in_batch, dtype and backend, together. A call that
+raises must raise one of the refusals the API documents (REFUSALS); every other call is compared with the
+float64 reference on the same inputs (values, outputs, metrics, gradients; spec 7 tolerances), and the
+family part with TRL 1.16's own _compute_loss on the same log-probs.
+
+Example counts: `python -m pytest -q tests/test_joint.py --hypothesis-show-statistics` lists the share of
+each entry point, form and backend (hypothesis events)."""
+import dataclasses
+import re
+
+import pytest
+import torch
+from hypothesis import assume, event, given, settings
+from hypothesis import strategies as st
+
+import gtpo_reference as ref
+from conftest import TOL, assert_grad_close, assert_value_close, examples
+from gtpo_kernels import (GTPOConfig, conflict_weights, gtpo_loss, gtpo_loss_from_logps, gtpo_token_advantages,
+                          linear_gtpo_loss, rollout_is_weights)
+from joint_strategies import (build_data, head_values, held_logits, joints, logits_values, materialize,
+                              side_inputs)
+
+# gradients of hidden, weight and bias are GEMMs over V: 1e-4 in float32 (issue 8), as tests/test_linear.py
+WEIGHT_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float64: 1e-7}
+GRAD_SEEN = {}  # entry -> examples whose reference gradient is not zero
+
+# The refusals the API documents, each with the condition under which it applies (spec 6, 9, 11 and the
+# docstrings). "required": the call must raise it; otherwise it may (it depends on the tiling).
+REFUSALS = {
+    "sequence level with cispo/sapo/vespo (spec 9)": r"importance_sampling_level",
+    "loss_agg='none' with sequence level": r"loss_agg='none' with importance_sampling_level='sequence'",
+    "num_items_in_batch with an aggregation other than token-mean (spec 4)": r"num_items_in_batch",
+    "num_items_in_batch <= 0": r"num_items_in_batch",
+    "beta > 0 without ref_logps": r"ref_logps",
+    "schedule='fused' when the coefficients are not tile-local (spec 11)": r"schedule='fused'",
+    "entropy missing where the config reads it (spec 10)": r"entropy .*required",
+    "per-completion rollout weights (B,) in the packed form (spec 9: ambiguous)": r"rollout_is_weights",
+}
+
+
+def expected_refusals(j, cfg):
+    """[(reason, required)] for this configuration (cfg built; the config's own refusal is checked apart)."""
+    out = []
+    if j.entry == "token_adv":
+        if not j.with_entropy and cfg.shapes_advantages:
+            out.append(("entropy missing where the config reads it (spec 10)", True))
+        return out
+    seq = cfg.importance_sampling_level == "sequence"
+    if cfg.loss_agg == "none" and seq:
+        out.append(("loss_agg='none' with sequence level", True))
+    if j.num_items is not None and cfg.loss_agg != "token-mean":
+        out.append(("num_items_in_batch with an aggregation other than token-mean (spec 4)", True))
+    if j.num_items is not None and j.num_items[1] == 0:
+        out.append(("num_items_in_batch <= 0", True))
+    if cfg.beta > 0 and not j.with_ref:
+        out.append(("beta > 0 without ref_logps", True))
+    if j.entry == "logps" and not j.with_entropy and cfg.needs_entropy:
+        out.append(("entropy missing where the config reads it (spec 10)", True))
+    if j.packed and j.rollout == "b":
+        out.append(("per-completion rollout weights (B,) in the packed form (spec 9: ambiguous)", True))
+    if j.entry == "linear" and j.head["schedule"] == "fused":
+        span_batch = cfg.top_entropy_quantile < 1.0
+        span_completion = cfg.shapes_advantages or seq or cfg.off_policy_mask_threshold is not None or \
+            cfg.policy_loss == "vespo"
+        if span_batch or cfg.loss_agg == "none" or span_completion:
+            out.append(("schedule='fused' when the coefficients are not tile-local (spec 11)",
+                        span_batch or cfg.loss_agg == "none"))
+    return out
+
+
+def call_checked(expected, fn):
+    """fn() -> its result, or None when it raised one of `expected`; fails on anything else."""
+    try:
+        result = fn()
+    except (ValueError, TypeError) as e:
+        reasons = [r for r, _ in expected if re.search(REFUSALS[r], str(e))]
+        assert reasons, f"refused, but no documented refusal applies (expected {expected}): {e!r}"
+        event(f"refused: {reasons[0]}")
+        return None
+    required = [r for r, req in expected if req]
+    assert not required, f"accepted, but the API documents refusing it: {required}"
+    return result
+
+
+def build_config(j):
+    try:
+        return GTPOConfig.preset(j.preset, **j.over)
+    except ValueError as e:
+        level = j.over.get("importance_sampling_level")
+        policy = GTPOConfig.preset(j.preset).policy_loss
+        assert level == "sequence" and policy != "ppo", f"config refused: {e!r}"
+        assert re.search(REFUSALS["sequence level with cispo/sapo/vespo (spec 9)"], str(e))
+        event("refused: sequence level with cispo/sapo/vespo (spec 9)")
+        return None
+
+
+def completion_entropy(H, m):
+    return (H * m).sum(1) / m.sum(1).clamp(min=1)
+
+
+def settle_filter(j, cfg, hbar, m):
+    """Like tests/batches.cases_and_configs: when the filter would drop every completion, move its threshold
+    between two completion entropies (or above all) so that the gradient is not zero merely for that."""
+    thr, h0 = cfg.entropy_threshold, cfg.initial_entropy
+    if thr is None or (h0 is not None and h0 > thr) or not j.filter_between:
+        return cfg
+    h = hbar[m.any(1)].sort().values
+    if h.numel() and not (h <= thr).any():
+        k = int(torch.randint(0, h.numel(), (1,)))
+        thr = float((h[k] + h[k + 1]) / 2) if k + 1 < h.numel() else float(h[-1]) + 0.5
+        cfg = cfg.replace(entropy_threshold=thr)
+    return cfg
+
+
+def away_from_thresholds(cfg, m, rlp, rent, old, sampling):
+    """Decisions taken on float32 values and on float64 ones must not sit on their thresholds."""
+    edges = (1 - cfg.eps_low, 1 + cfg.eps_high) + ((cfg.delta,) if cfg.delta else ())
+    if cfg.policy_loss == "cispo":
+        edges = (cfg.eps_high,)
+    if old is not None and cfg.policy_loss in ("ppo", "cispo"):
+        lr = torch.where(m, rlp - old.double(), torch.zeros(()))
+        if cfg.importance_sampling_level == "sequence":
+            r = torch.exp(lr.sum(1) / m.sum(1).clamp(min=1))[m.any(1)]
+        else:
+            r = torch.exp(lr)[m]
+        for e in edges:
+            assume(r.numel() == 0 or (r - e).abs().min() > 1e-4)
+    if cfg.top_entropy_quantile < 1.0 and m.sum() > 1:
+        gaps = rent[m].sort().values.diff()
+        assume(bool(((gaps == 0) | (gaps > 1e-4)).all()))
+    if cfg.off_policy_mask_threshold is not None and sampling is not None:
+        kl = torch.where(m, (sampling.double() - rlp).nan_to_num(0.0), torch.zeros(())).sum(1) / m.sum(1).clamp(min=1)
+        assume(bool(((kl - cfg.off_policy_mask_threshold).abs() > 1e-4)[m.any(1)].all()))
+    gated = cfg.initial_entropy is not None and cfg.entropy_threshold is not None and \
+        cfg.initial_entropy > cfg.entropy_threshold
+    if cfg.entropy_threshold is not None and not gated:
+        hbar = completion_entropy(rent, m)[m.any(1)]
+        assume(bool(((hbar - cfg.entropy_threshold).abs() > 1e-4).all()))
+
+
+def rollout_weights(j, d, old, roll):
+    """(the call's weights, the reference's (B, T) or (B, 1)), or (None, None)."""
+    B, T, gen = j.B, j.T, d.gen
+    if j.rollout == "none":
+        return None, None
+    if j.rollout == "token":
+        w = torch.rand(B, T, generator=gen) * 1.5 + 0.25
+        return (d.pack(w) if j.packed else w), w
+    if j.rollout in ("b1", "b"):
+        w = torch.rand(B, 1, generator=gen) * 1.5 + 0.25
+        return (w if j.rollout == "b1" else w[:, 0]), w
+    w = rollout_is_weights(old, roll, d.mask, j.rollout, clip_min=j.clip_min, clip_max=j.clip_max)
+    # spec 9: sequence-mode weights are per completion, read once per completion by every consumer
+    w_ref = w[:, :1] if j.rollout.startswith("sequence") else w
+    if j.packed and tuple(w.shape) == (B, T):
+        w = d.pack(w)
+    return w, w_ref
+
+
+def num_items(j, m):
+    if j.num_items is None:
+        return None
+    kind, k = j.num_items
+    v = float(k * int(m.sum()) + 1) if k else 0.0
+    return v if kind == "float" else torch.tensor(v)
+
+
+def api_side(j, d, old, refl, roll):
+    """The call's per-token tensors (packed when the form is) and the form's keywords."""
+    pk = d.pack if j.packed else (lambda x: x)
+    kw = {}
+    if j.packed:
+        kw["cu_seqlens"] = d.cu_seqlens
+        if j.max_seqlen:
+            kw["max_seqlen"] = j.T
+    return pk(d.ids), pk(d.mask), (pk(old) if j.with_old else None), (pk(refl) if j.with_ref else None), \
+        (pk(roll) if j.with_roll_lp else None), kw
+
+
+def precomputed(j, d, cfg, ids, mask, form_kw, dt):
+    """conflict_weights (the public call) against the reference's; -> ((lam, n_conf) call, reference)."""
+    lam, n_conf = conflict_weights(ids, mask, d.adv, j.G, config=cfg, dtype=dt, backend=j.backend, **form_kw)
+    lr, nr = ref.conflict_weights(d.ids, d.mask, d.adv.double(), j.G, cfg.conflict_pos_weight,
+                                  cfg.conflict_neg_weight)
+    assert_value_close("conflict_weights lam", lam, d.pack(lr) if j.packed else lr, 0.0)
+    assert_value_close("conflict_weights n_conf", n_conf, nr, 0.0)
+    return (lam, n_conf), (lr, nr)
+
+
+def backward(loss, up):
+    """The upstream gradient: 1, or `up` per token with loss_agg='none'."""
+    (loss if loss.dim() == 0 else (loss.double() * up).sum()).backward()
+
+
+def call_logits(j, d, Z, cfg, tensors, kw, up):
+    """gtpo_loss on the logits (offset rows when logits_start is given) -> (out, {name: (grad, ref place)})."""
+    ids, mask = tensors
+    s = j.logits_start
+    rows = d.pack(Z) if j.packed else Z
+    if s:  # rows before and after the ones that predict completion tokens
+        g = torch.Generator().manual_seed(j.seed + 1)
+        pad = lambda n: torch.randn(*((n,) if j.packed else (j.B, n)), j.V, generator=g, dtype=torch.float64)  # noqa: E731
+        rows = torch.cat([pad(s), rows, pad(1)], dim=0 if j.packed else 1)
+    x = rows.to(j.dtype).clone().requires_grad_()
+    start = {} if s is None else {"logits_start": s}
+    out = gtpo_loss(x, ids, d.adv, mask, backend=j.backend, **start, **kw)
+    backward(out.loss, up)
+
+    def place(gref):  # the reference's (B, T, V) gradient where the call's rows are, 0 elsewhere
+        full = torch.zeros_like(x, dtype=torch.float64)
+        g = d.pack(gref) if j.packed else gref
+        if j.packed:
+            full[(s or 0):(s or 0) + g.shape[0]] = g
+        else:
+            full[:, (s or 0):(s or 0) + j.T] = g
+        return full
+    return out, {"grad logits": (x.grad, place)}
+
+
+def call_logps(j, d, Z, cfg, tensors, kw, up):
+    """gtpo_loss_from_logps on the reference's log-probs and entropies of Z, chained back to Z."""
+    ids, mask = tensors
+    z = Z.detach().clone().requires_grad_()
+    lp, H = ref.token_logprobs(z, d.ids, cfg.temperature, d.mask)
+    lp, H = lp.to(j.dtype), H.to(j.dtype)
+    if j.packed:
+        lp, H = d.pack(lp), d.pack(H)
+    out = gtpo_loss_from_logps(lp, ids, d.adv, mask, entropy=H if j.with_entropy else None, **kw)
+    backward(out.loss, up)
+    return out, {"grad logits (through the log-probs)": (z.grad, lambda g: g)}
+
+
+def call_linear(j, d, head, cfg, tensors, kw, up):
+    hidden, weight, bias = head
+    ids, mask = tensors
+    h = (d.pack(hidden) if j.packed else hidden).clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    b = None if bias is None else bias.clone().requires_grad_()
+    # about budget_rows rows a tile: a row of logits and its gradient, plus a float32 copy of the gradient
+    budget = j.head["budget_rows"] * (2 * hidden.element_size() + 4) * j.V
+    out = linear_gtpo_loss(h, w, ids, d.adv, mask, bias=b, logit_scale=j.head["scale"],
+                           logit_softcap=j.head["cap"], memory_budget=budget, schedule=j.head["schedule"],
+                           backend=j.backend, **kw)
+    backward(out.loss, up)
+    grads = {"grad hidden": (h.grad, (lambda g: d.pack(g)) if j.packed else (lambda g: g)),
+             "grad weight": (w.grad, lambda g: g)}
+    if b is not None:
+        grads["grad bias"] = (None if b.grad is None else b.grad[None], lambda g: g[None])
+    return out, grads
+
+
+def reference(j, d, Z, head, kw_ref, up):
+    """The float64 reference on the same values -> (result, {grad name: gradient}, {grad name: slack}).
+    Hidden states: the values of the logits as the call's dtype holds them, gradients by float64 autograd
+    through the projection; 16-bit: plus the error of storing dL/dlogits in 16 bits (as tests/test_linear.py)."""
+    if head is None:
+        z = Z.detach().clone().requires_grad_()
+        r = ref.gtpo_loss(z, d.ids, d.adv, d.mask, **kw_ref)
+        backward(r["loss"], up)
+        name = "grad logits" if j.entry == "logits" else "grad logits (through the log-probs)"
+        return r, {name: z.grad}, {}
+    low = j.dtype == torch.bfloat16
+
+    def run(round_grad):
+        leaves = [None if x is None else x.double().requires_grad_() for x in head]
+        z = materialize(*leaves, j.head["scale"], j.head["cap"])
+        if low:
+            z = z + (Z - z).detach()
+        if round_grad:
+            z.register_hook(lambda g: g.to(j.dtype).double())
+        r = ref.gtpo_loss(z, d.ids, d.adv, d.mask, **kw_ref)
+        backward(r["loss"], up)
+        return r, {n: x.grad for n, x in zip(("grad hidden", "grad weight", "grad bias"), leaves) if x is not None}
+    r, exact = run(False)
+    slack = {}
+    if low:
+        _, rounded = run(True)
+        slack = {n: 0.0 if exact[n].norm() == 0 else float((rounded[n] - exact[n]).norm() / exact[n].norm())
+                 for n in exact}
+    return r, exact, slack
+
+
+def compare(j, d, out, r, grads, rgrads, slack):
+    tol = TOL[j.dtype]
+    pk = d.pack if j.packed else (lambda x: x)
+    rl = r["loss"].detach()
+    assert_value_close("loss", out.loss.detach(), rl if rl.dim() == 0 else pk(rl), tol["loss"])
+    no_entropy = j.entry == "logps" and not j.with_entropy  # then nothing reads or reports entropies
+    for name in ("logps", "entropy", "per_token_loss", "lam"):
+        if not (no_entropy and name == "entropy"):
+            assert_value_close(name, getattr(out, name), pk(r[name]), tol["value"])
+    for name in ("n_conf", "seq_entropy"):
+        if not (no_entropy and name == "seq_entropy"):
+            assert_value_close(name, getattr(out, name), r[name], tol["value"])
+    assert torch.equal(out.kept, r["kept"]), f"kept {out.kept} != reference {r['kept']}"
+    for k, v in r["metrics"].items():
+        if no_entropy and k == "mean_entropy":
+            continue
+        assert_value_close(f"metrics[{k!r}]", out.metrics[k], v, tol["value"])
+    nonzero = False
+    for name, (g, place) in grads.items():
+        gref = place(rgrads[name])
+        g = torch.zeros_like(gref) if g is None else g
+        gtol = (WEIGHT_TOL[j.dtype] if name != "grad logits" and j.entry == "linear" else tol["grad"]) + \
+            slack.get(name, 0.0)
+        assert_grad_close(name, g, gref, gtol)
+        nonzero |= bool(gref.norm() > 0)
+    if nonzero:
+        GRAD_SEEN[j.entry] = GRAD_SEEN.get(j.entry, 0) + 1
+        event("reference gradient not zero")
+
+
+def check_token_adv(j, d, cfg):
+    """gtpo_token_advantages against spec 2-3 in float64 (the reference's conflict weights): lam * Ahat,
+    / n_conf with gtpo-official, 0 where masked out; rows in any order, grouped by uid."""
+    B, T, m = j.B, j.T, d.mask
+    _, H = ref.token_logprobs(logits_values(j, d), d.ids, cfg.temperature, m)
+    cfg = settle_filter(j, cfg, completion_entropy(H, m), m)
+    H = H.to(j.dtype)
+    away_from_thresholds(cfg.replace(top_entropy_quantile=1.0, off_policy_mask_threshold=None), m, None,
+                         H.double(), None, None)
+    adv = d.adv.to(j.dtype)
+    adv_in = {"B": adv, "B1": adv[:, None],
+              "BT": torch.where(m, adv[:, None].expand(B, T), torch.zeros((), dtype=j.dtype))}[j.adv_shape]
+    perm = torch.randperm(B, generator=d.gen) if j.uid == "shuffled" else torch.arange(B)
+    uid = {"int": [int(i) // j.G for i in perm], "str": [f"p{int(i) // j.G}" for i in perm],
+           "shuffled": perm // j.G}[j.uid]
+    ent = H[perm] if j.with_entropy else None
+    out = call_checked(expected_refusals(j, cfg), lambda: gtpo_token_advantages(
+        adv_in[perm], d.ids[perm], m[perm], ent, uid, config=cfg))
+    if out is None:
+        return
+    A = adv.double()
+    if cfg.use_conflict_mask:
+        lam, n_conf = ref.conflict_weights(d.ids, m, A, j.G, cfg.conflict_pos_weight, cfg.conflict_neg_weight)
+    else:
+        lam, n_conf = torch.ones(B, T, dtype=torch.float64), torch.ones(B, dtype=torch.float64)
+    hbar = completion_entropy(torch.where(m, H.double(), torch.zeros(())) if j.with_entropy else
+                              torch.zeros(B, T, dtype=torch.float64), m)
+    thr, h0 = cfg.entropy_threshold, cfg.initial_entropy
+    kept = torch.ones(B, dtype=torch.bool) if thr is None or (h0 is not None and h0 > thr) else hbar <= thr
+    ahat = kept.double() * (A - cfg.entropy_penalty * hbar)
+    if cfg.loss_agg == "gtpo-official":
+        ahat = ahat / n_conf
+    want = torch.where(m, lam * ahat[:, None], torch.zeros(()))[perm]
+    assert out.dtype == j.dtype, f"token advantages are {out.dtype}, expected {j.dtype}"
+    assert_value_close("token advantages", out, want, TOL[j.dtype]["value"])
+
+
+@settings(max_examples=examples(150))
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@given(j=joints())
+def test_joint_matches_reference(j):
+    for e in (f"entry={j.entry}", f"form={j.form}", f"{j.backend} {str(j.dtype)[6:]}"):
+        event(e)
+    cfg = build_config(j)
+    if cfg is None:
+        return
+    d = build_data(j)
+    if j.entry == "token_adv":
+        return check_token_adv(j, d, cfg)
+    head = head_values(j, d) if j.entry == "linear" else None
+    if head is None:
+        Z = logits_values(j, d)
+    elif j.dtype == torch.bfloat16:  # the logits as bf16 holds them
+        Z = held_logits(*head, j.head["scale"], j.head["cap"])
+    else:
+        Z = materialize(*[None if x is None else x.double() for x in head], j.head["scale"], j.head["cap"])
+    rlp, rent = ref.token_logprobs(Z, d.ids, cfg.temperature, d.mask)
+    cfg = settle_filter(j, cfg, completion_entropy(rent, d.mask), d.mask)
+    old, refl, roll = side_inputs(j, d, rlp)
+    sampling = roll if j.with_roll_lp else (old if j.with_old else None)
+    away_from_thresholds(cfg, d.mask, rlp, rent, old if j.with_old else None, sampling)
+    ids, mask, old_a, ref_a, roll_a, form_kw = api_side(j, d, old, refl, roll)
+    w_api, w_ref = rollout_weights(j, d, old, roll)
+    lam_kw, lam_ref = {}, {}
+    if j.conflict == "precomputed":
+        dt = torch.float64 if j.dtype == torch.float64 else torch.float32
+        (lam, n_conf), (lr, nr) = call_checked([], lambda: precomputed(j, d, cfg, ids, mask, form_kw, dt))
+        lam_kw, lam_ref = dict(lam=lam, n_conf=n_conf), dict(lam=lr, n_conf=nr)
+    items = num_items(j, d.mask)
+    kw = dict(group_size=j.G, old_logps=old_a, ref_logps=ref_a, config=cfg, num_items_in_batch=items,
+              rollout_is_weights=w_api, rollout_logps=roll_a, **lam_kw, **form_kw)
+    up = torch.randn(j.B, j.T, generator=d.gen, dtype=torch.float64)
+    caller = {"logits": call_logits, "logps": call_logps, "linear": call_linear}[j.entry]
+    res = call_checked(expected_refusals(j, cfg), lambda: caller(j, d, Z if head is None else head, cfg,
+                                                                  (ids, mask), kw, d.pack(up) if j.packed else up))
+    if res is None:
+        return
+    kw_ref = dict(dataclasses.asdict(cfg), group_size=j.G, old_logps=old if j.with_old else None,
+                  ref_logps=refl if j.with_ref else None, rollout_is_weights=w_ref,
+                  rollout_logps=roll if j.with_roll_lp else None, num_items_in_batch=items, **lam_ref)
+    if j.packed and cfg.max_completion_length is None:  # the packed default: the longest completion
+        kw_ref["max_completion_length"] = max(int(d.lengths.max()), 1) if j.B else 1
+    r, rgrads, slack = reference(j, d, Z, head, kw_ref, up)
+    compare(j, d, res[0], r, res[1], rgrads, slack)
+
+
+# ------------------------------------------------------------- the family part against TRL 1.16's own code
+
+TRL_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "gspo", "luspo", "vespo")
+
+
+@st.composite
+def trl_joints(draw):
+    """A TRL loss type with its options drawn together (GTPO's parts off): KL with and without bias
+    correction, delta, both clip bounds, off-policy mask, entropy quantile, every rollout-weight mode,
+    the entropy bonus where TRL's equals spec 9's (token-mean types), on- and off-policy."""
+    t = draw(st.sampled_from(TRL_TYPES))
+    ppo = t not in ("cispo", "sapo", "vespo")
+    o = dict(seed=draw(st.integers(0, 2**31 - 1)), type=t, B=draw(st.integers(1, 5)), T=draw(st.integers(1, 5)),
+             off_policy=draw(st.booleans()), beta=draw(st.sampled_from([0.0, 0.05])), bias_kl=draw(st.booleans()),
+             delta=draw(st.sampled_from([None, 1.1, 1.5])) if ppo else None,
+             eps_low=draw(st.sampled_from([0.2, 0.1])),
+             eps_high=draw(st.sampled_from([2.0, 5.0] if t == "cispo" else [0.2, 0.28])),
+             threshold=draw(st.sampled_from([None, -0.1, 0.02, 0.5])), rho=draw(st.sampled_from([1.0, 0.3, 0.6])),
+             mode=draw(st.sampled_from([None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])),
+             clip_min=draw(st.sampled_from([None, 0.5])), clip_max=draw(st.sampled_from([1.5, 3.0])),
+             coef=draw(st.sampled_from([0.0, 0.03])) if t in ("bnpo", "dapo", "cispo", "vespo") else 0.0,
+             sapo_neg=draw(st.sampled_from([1.25, 1.5])))  # exact in float32 (TRL's where on floats)
+    if o["coef"]:  # TRL's bonus is the mean of H over the entropy-masked tokens; spec 9 aggregates -coef * H
+        o["rho"] = 1.0
+    return o
+
+
+@settings(max_examples=examples(30))
+@given(o=trl_joints())
+def test_family_equals_trl_compute_loss(o):
+    """gtpo_loss_from_logps (float64) against TRL's GRPOTrainer._compute_loss on the same log-probs and
+    entropies: the loss and its gradient with respect to both."""
+    trl = pytest.importorskip("trl.trainer.grpo_trainer")
+    from test_reference_family import TRL_LOSSES, trl_rollout_ratio, trl_stand_in
+    event(f"trl loss_type={o['type']}")
+    g = torch.Generator().manual_seed(o["seed"])
+    B, T, f64 = o["B"], o["T"], torch.float64
+    lp_all = torch.log_softmax(2 * torch.randn(B, T, 7, generator=g, dtype=f64), -1)
+    ids = torch.randint(0, 7, (B, T), generator=g)
+    lp, H = lp_all.gather(-1, ids[..., None])[..., 0], -(lp_all.exp() * lp_all).sum(-1)
+    H = H.float().double()  # TRL takes the entropy quantile on a float32 copy: the same values here
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None]).long()
+    noise = lambda s: s * torch.randn(B, T, generator=g, dtype=f64)  # noqa: E731
+    old, refl = lp + noise(0.25), lp + noise(0.2)
+    roll = old + noise(0.3)
+    A = torch.randn(B, generator=g, dtype=f64)
+    trl_cfg, ref_kw = (dict(x) for x in TRL_LOSSES[o["type"]])
+    items = ref_kw.pop("items", False)
+    sapo = dict(sapo_temperature_neg=o["sapo_neg"]) if o["type"] == "sapo" else {}
+    trl_cfg.update(epsilon=o["eps_low"], epsilon_high=o["eps_high"], beta=o["beta"], delta=o["delta"],
+                   use_bias_correction_kl=o["bias_kl"], off_policy_mask_threshold=o["threshold"],
+                   top_entropy_quantile=o["rho"], entropy_coef=o["coef"], max_completion_length=9,
+                   vllm_importance_sampling_correction=o["mode"] is not None, **sapo)
+    if o["mode"]:
+        trl_cfg.update(vllm_importance_sampling_mode=o["mode"], vllm_importance_sampling_clip_min=o["clip_min"],
+                       vllm_importance_sampling_clip_max=o["clip_max"])
+    s = trl_stand_in(trl, "grpo" if o["type"] == "gspo" else o["type"], **trl_cfg)
+    type(s)._get_per_token_logps_and_entropies = lambda self, *a, **k: (self.lp, self.H, None)
+    inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
+                  completion_ids=ids, completion_mask=mask, advantages=A, num_items_in_batch=mask.sum().double(),
+                  ref_per_token_logps=refl, sampling_per_token_logps=roll)
+    if o["off_policy"]:
+        inputs["old_per_token_logps"] = old
+    w = None
+    if o["mode"]:
+        inputs["importance_sampling_ratio"] = trl_rollout_ratio(trl, s, old, roll, mask)
+        w = rollout_is_weights(old, roll, mask, o["mode"], clip_min=o["clip_min"], clip_max=o["clip_max"])
+    s.lp, s.H = lp.clone().requires_grad_(), H.clone().requires_grad_()
+    want = s._compute_loss(None, inputs)
+    want.backward()
+    ref_kw.update(sapo, use_conflict_mask=False, entropy_threshold=None, entropy_penalty=0.0, eps_low=o["eps_low"],
+                  eps_high=o["eps_high"], beta=o["beta"], delta=o["delta"], use_bias_correction_kl=o["bias_kl"],
+                  off_policy_mask_threshold=o["threshold"], top_entropy_quantile=o["rho"], entropy_coef=o["coef"],
+                  max_completion_length=9)
+    cfg = GTPOConfig(**ref_kw)
+    x, h = lp.clone().requires_grad_(), H.clone().requires_grad_()
+    got = gtpo_loss_from_logps(x, ids, A, mask, entropy=h, old_logps=old if o["off_policy"] else None,
+                               ref_logps=refl, config=cfg, num_items_in_batch=mask.sum() if items else None,
+                               rollout_is_weights=w, rollout_logps=roll)
+    got.loss.backward()
+    tol = TOL[f64]
+    assert_value_close("loss against TRL", got.loss.detach(), want.detach(), tol["loss"])
+    assert_grad_close("d loss / d logps against TRL", x.grad, s.lp.grad, tol["grad"])
+    if o["coef"]:
+        assert_grad_close("d loss / d entropy against TRL", h.grad, s.H.grad, tol["grad"])
