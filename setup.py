@@ -14,7 +14,8 @@ setup(
     install_requires=["torch>=2.4", "triton>=3.6,<3.9; platform_system=='Linux'"],
     extras_require={
         "test": ["pytest", "hypothesis", "numpy"],
-        "bench": ["matplotlib>=3.8", "numpy"],
+        # what `python -m bench` compares against: TRL's fused LM head (linear suite), Liger-Kernel
+        "bench": ["matplotlib>=3.8", "numpy", "trl>=1.14,<1.17", "transformers>=5.24,<6", "liger-kernel>=0.8.5,<0.9"],
         "trl": ["trl>=1.14,<1.17", "transformers>=5.24,<6"],
         "demo": ["matplotlib>=3.8"],
         # verl pins transformers<5.11, the trl extra >=5.24: the two extras cannot share one environment.

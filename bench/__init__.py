@@ -1,7 +1,7 @@
 """Microbenchmarks of gtpo-kernels against the eager baseline, torch.compile and Liger-Kernel.
 
     python -m bench                 # CPU-sized default; on a CUDA machine: python -m bench --gpu-sizes
-    python -m bench --suite linear --linear-size 4096,1024,32000   # from hidden states, the issue's CPU point
+    python -m bench --suite linear --linear-size 4096,1024,32000   # from hidden states, the README's CPU point
     python -m bench --help
 
 Files: providers.py (one function per implementation), inputs.py (the problems and the reference

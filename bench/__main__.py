@@ -6,8 +6,11 @@ V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16.
 The `linear` suite (`--suite linear`, also part of the default `all`) computes the loss from hidden states
 and the LM head (N tokens x D x V): materialized logits + gtpo_loss, linear_gtpo_loss in each schedule,
 TRL's ChunkedLogProbFunction + the same loss, Liger-Kernel's LigerFusedLinearGRPOLoss; default CPU point
-1024,256,8192 (`--linear-size 4096,1024,32000` for the issue's point); it writes linear-<device>-<date>.json,
+1024,256,8192 (`--linear-size 4096,1024,32000` for the README's point); it writes linear-<device>-<date>.json,
 latest-linear-<device>.json and linear-*.png.
+Every suite times its implementations in interleaved rounds (A, B, C, A, B, C, ...) after warm-up rounds
+and reports medians with their range, ratios per round, and the machine's load before and after; a ratio
+whose rounds spread too far, or any ratio of a run on a loaded machine, is marked unreliable ('!').
 Prints a table and writes <device>-<date>.json, latest-<device>.json and PNG plots into bench/out/
 (git-ignored; `--out DIR` for another folder); `--save` writes them into bench/results/ instead, the
 committed record the README quotes.
@@ -51,9 +54,12 @@ def parse_args(argv):
                     help="comma-separated: triton, torch, eager, compile, liger")
     ap.add_argument("--preset", default="gtpo", choices=("gtpo", "grpo"), help="loss preset (Liger: always grpo)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="logits dtype")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs (default: CPU 5; CUDA 10, through do_bench)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed runs before the timed ones (CPU)")
-    ap.add_argument("--modes", default=None, help="any of fwd,bwd,full (default: CPU full,fwd; CUDA fwd,bwd,full)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed rounds, each running every implementation once (default: CPU 5; CUDA 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds before the timed ones")
+    ap.add_argument("--modes", default=None,
+                    help="any of fwd,bwd,full; fwd+bwd and fwd are timed in the same round, bwd is their difference "
+                         "(default: CPU full,fwd; CUDA fwd,bwd,full)")
     ap.add_argument("--traffic-size", default="128x32000", help="TOKENSxV for the interpreter byte count")
     ap.add_argument("--no-traffic", action="store_true", help="skip the interpreter byte count")
     ap.add_argument("--no-aot", action="store_true", help="skip the ahead-of-time sm_90/sm_80 compile report")
@@ -64,13 +70,15 @@ def parse_args(argv):
                     help="seconds for the sweep; sizes not started by then are reported as skipped "
                          "(default: no limit)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the benchmark inputs")
-    ap.add_argument("--suite", default="all", choices=("all", "logits", "linear", "parallel"),
+    ap.add_argument("--suite", default="all", choices=("all", "logits", "linear", "parallel", "head"),
                     help="logits: the loss from the logits (the grid above); linear: the loss from hidden states "
                          "and the LM head (N x D x V, see --linear-size); all: both; parallel: vocabulary-parallel "
-                         "bytes per token and 2 gloo ranks against 1 on the CPU (python -m bench.parallel)")
+                         "bytes per token and 2 gloo ranks against 1 on the CPU (python -m bench.parallel); head: "
+                         "what one call of the fused LM head does outside its kernels, counted (tile passes, host "
+                         "syncs, allocations, GEMM FLOPs; python -m bench.head_accounting, its own options)")
     ap.add_argument("--linear-size", action="append", default=None, metavar="N,D,V",
                     help="tokens, hidden size, vocabulary of a linear-suite problem; repeat the flag for more "
-                         "(default: CPU 1024,256,8192; CUDA 4096,1024,151936). The issue's CPU point: "
+                         "(default: CPU 1024,256,8192; CUDA 4096,1024,151936). The README's CPU point: "
                          "--suite linear --linear-size 4096,1024,32000 (a few minutes)")
     ap.add_argument("--linear-impls", default="materialized,fused,recompute,trl,liger",
                     help="comma-separated: materialized, fused, recompute, trl, liger")
@@ -79,6 +87,8 @@ def parse_args(argv):
     ap.add_argument("--linear-dtype", default=None, choices=("bfloat16", "float16", "float32"),
                     help="hidden and weight dtype (default: CPU float32; CUDA bfloat16)")
     ap.add_argument("--linear-warmup", type=int, default=1, help="untimed rounds of the linear suite")
+    ap.add_argument("--parallel-tokens", type=int, default=1024, help="tokens of the parallel suite")
+    ap.add_argument("--parallel-vocab", type=int, default=32000, help="vocabulary of the parallel suite")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads for this run and its memory child processes (default: torch's)")
     ap.add_argument("--save", action="store_true",
@@ -92,8 +102,20 @@ def parse_args(argv):
     return a
 
 
+def quiet_interpreter_overflow():
+    """Triton's interpreter runs the kernels in numpy, which warns "overflow encountered in multiply" where
+    a lane's running maximum still holds its start value (-FLT_MAX, the kernels' sentinel) and is scaled by
+    log2(e): the product is -inf on purpose and exp2 of it is 0, as on a GPU, which overflows silently.
+    The results are unaffected (every one is checked against the float64 reference), so the warning is
+    hidden; any other warning still shows."""
+    import warnings
+    warnings.filterwarnings("ignore", message="overflow encountered in multiply", category=RuntimeWarning,
+                            module="triton.runtime.interpreter")
+
+
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
+    quiet_interpreter_overflow()
     import torch
     device = a.device
     if device == "auto":
@@ -108,7 +130,14 @@ def main(argv=None):
     status = 0
     if a.suite == "parallel":
         from . import parallel
-        sys.exit(parallel.main(["--out", a.out]))
+        sys.exit(parallel.main(["--out", a.out, "--tokens", str(a.parallel_tokens), "--vocab", str(a.parallel_vocab),
+                                "--repeats", str(a.repeats or 5), "--warmup", str(min(a.warmup, 1))]))
+    if a.suite == "head":
+        from . import head_accounting
+        sys.exit(head_accounting.main(["--save"] if a.save else []))
+    from .providers import missing_peers
+    for line in missing_peers():
+        print(f"not compared in this run: {line}", flush=True)
     if a.suite in ("all", "logits"):
         status = max(status, _logits_suite(a, device, torch, report))
     if a.suite in ("all", "linear"):

@@ -26,7 +26,7 @@ import torch
 from gtpo_kernels import GTPOConfig, gtpo_loss, gtpo_loss_from_logps, linear_gtpo_loss, linear_token_logprobs
 
 from .inputs import shape_for
-from .providers import Unavailable
+from .providers import Unavailable, make_from, require
 
 PROVIDERS = ("materialized", "fused", "recompute", "trl", "liger")
 LABELS = {
@@ -155,10 +155,7 @@ def make_trl(cfg, device, tile_bytes):
     """TRL's fused LM head as its GRPOTrainer calls it on a Triton device (trl/trainer/utils.py): the
     counted rows only (hidden[mask]), entropy requested, per-token values scattered back with
     masked_scatter; then the same loss in torch from its log-probs and entropies."""
-    try:
-        from trl.kernels import ChunkedLogProbFunction
-    except Exception as e:
-        raise Unavailable(f"trl not installed ({type(e).__name__}: {e})")
+    ChunkedLogProbFunction = require("trl.kernels", "ChunkedLogProbFunction", "TRL")
 
     def run(inp):
         m = inp.mask
@@ -179,10 +176,7 @@ def make_liger(cfg, device, tile_bytes):
     beta=0, no reference model, our clip range and temperature, one completion per chunk (its default).
     compiled=False on the CPU (its torch.compile of the loss math is for GPUs), its default True on CUDA.
     Its chunked torch code projects every position, masked ones included."""
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-    except Exception as e:
-        raise Unavailable(f"not installed ({type(e).__name__})")
+    LigerFusedLinearGRPOLoss = require("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss", "Liger-Kernel")
     if cfg.loss_agg != "seq-mean-token-mean" or cfg.beta:
         raise Unavailable("compared with the grpo preset only")
     fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=torch.device(device).type == "cuda", use_ref_model=False,
@@ -197,9 +191,7 @@ def make_liger(cfg, device, tile_bytes):
 
 
 def make(name, cfg, device, tile_bytes):
-    if name not in PROVIDERS:
-        raise ValueError(f"unknown linear implementation {name!r}; expected some of {PROVIDERS}")
-    return globals()[f"make_{name}"](cfg, device, tile_bytes)
+    return make_from(globals(), PROVIDERS, name, cfg, device, tile_bytes)
 
 
 def tile_note(name, inp: LinearInputs, tile_bytes: int) -> str:

@@ -1,12 +1,12 @@
-"""The `linear` suite: the loss from hidden states and the LM head (spec section 11), side by side with
+"""The `linear` suite: the loss from hidden states and the LM head, side by side with
 the materialized logits, TRL's fused head and Liger-Kernel's fused linear GRPO loss.
 
 Per size (N tokens x D x V) the inputs are made once; every implementation is checked against a float64
 evaluation of the materialized path on the same inputs (loss, gradients of hidden and weight), then
-timed, forward+backward with respect to hidden and weight. Timing goes round-robin: each repeat runs
-every implementation once, so a load change on a shared machine hits all of them alike; the table
-gives medians and each implementation's time over TRL's (the median of the per-round ratios, with its
-range). Peak memory is one forward+backward above the inputs and the parameter gradients it returns
+timed, forward+backward with respect to hidden and weight, in interleaved rounds (bench.runner.interleaved:
+each round runs every implementation once, so a load change on a shared machine hits all of them alike);
+the table gives medians with their range and each implementation's time over TRL's (the per-round
+ratios' median and range, flagged by bench.runner's rule). Peak memory is one forward+backward above the inputs and the parameter gradients it returns
 (hidden's and weight's, in their dtype): CUDA, max_memory_allocated in this process; CPU, the peak
 resident size of a fresh child process per implementation (`python -m bench.linear_suite --memory`,
 bench.runner's method: a warm-up, then VmHWM reset through /proc/self/clear_refs, glibc told to give
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,7 +24,7 @@ import torch
 
 from . import linear, runner
 from .providers import Unavailable
-from .runner import _reset_hwm, _status_kb, is_oom
+from .runner import is_oom
 
 # bound on each implementation's error against the float64 evaluation (loss: absolute, the per-token
 # terms are O(1); gradients: relative Frobenius norm), by input dtype
@@ -43,11 +41,6 @@ def parse_size(text):
     if len(parts) != 3:
         raise ValueError(f"a linear size is N,D,V (tokens, hidden size, vocabulary), got {text!r}")
     return tuple(parts)
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def reference(inp: linear.LinearInputs, cfg):
@@ -75,53 +68,21 @@ def cuda_peak_bytes(run, inp) -> int:
     return runner.cuda_peak_bytes(lambda: linear.forward_backward(run, inp)) - inp.grad_bytes()
 
 
-# ---- CPU peak memory: one child process per implementation --------------------------------------
+# ---- CPU peak memory: one child process per implementation (bench.runner's method) ----------------
 
 def memory_child(impl, sizes, dtype, tile_bytes, seed):
-    """In the child: for each size, inputs, a warm-up forward+backward, then one measured. Returns
-    {size: bytes above the inputs and the parameter gradients, or 'oom' / 'error: ...'}."""
+    """In the child: {size: bytes above the inputs and the parameter gradients, or 'oom' / 'error: ...'}."""
     cfg = linear.config()
-    out = {}
-    try:
-        run = linear.make(impl, cfg, "cpu", tile_bytes)
-    except Unavailable as e:
-        return {"error": str(e)}
-    for N, D, V in sizes:
-        key = size_key(N, D, V)
-        try:
-            inp = linear.make_inputs(N, D, V, dtype=dtype, device="cpu", seed=seed)
-            r = linear.forward_backward(run, inp)
-            del r
-            gc.collect()
-            base = _status_kb("VmRSS")
-            _reset_hwm()
-            r = linear.forward_backward(run, inp)
-            peak = _status_kb("VmHWM")
-            out[key] = (peak - base) * 1024 - inp.grad_bytes()
-            del r, inp
-            gc.collect()
-        except Exception as e:  # reported per size
-            out[key] = "oom" if is_oom(e) else f"error: {type(e).__name__}: {e}"
-    return out
+    return runner.measure_peaks(lambda: linear.make(impl, cfg, "cpu", tile_bytes), sizes,
+                                lambda s: linear.make_inputs(*s, dtype=dtype, device="cpu", seed=seed),
+                                linear.forward_backward, lambda s: size_key(*s), excess=lambda inp: inp.grad_bytes())
 
 
 def cpu_peak_bytes(impl, sizes, dtype, tile_bytes, seed, threads=None, timeout=1200):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    cmd = [sys.executable, "-m", "bench.linear_suite", "--memory", impl,
-           "--sizes", ",".join(size_key(*s) for s in sizes), "--dtype", str(dtype).replace("torch.", ""),
-           "--tile-bytes", str(tile_bytes), "--seed", str(seed)]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
-    except subprocess.TimeoutExpired:
-        return {size_key(*s): "error: timeout" for s in sizes}
-    if p.returncode:
-        tail = p.stderr.strip().splitlines()[-1:] or ["?"]
-        killed = p.returncode in (-9, 137)
-        return {size_key(*s): "oom" if killed else f"error: {tail[0]}" for s in sizes}
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    args = ["--memory", impl, "--sizes", ",".join(size_key(*s) for s in sizes), "--dtype",
+            str(dtype).replace("torch.", ""), "--tile-bytes", str(tile_bytes), "--seed", str(seed)]
+    args += ["--threads", str(threads)] if threads else []
+    return runner.child_peaks("bench.linear_suite", args, [size_key(*s) for s in sizes], timeout=timeout)
 
 
 # ---- the suite ----------------------------------------------------------------------------------
@@ -153,7 +114,7 @@ class LinearSuite:
         return row
 
     def run(self):
-        load_before = os.getloadavg()
+        load_before = runner.load_snapshot()
         makers = {}
         for impl in self.impls:
             try:
@@ -161,119 +122,87 @@ class LinearSuite:
             except Unavailable as e:
                 makers[impl] = e
         rows = []
+        for size in self.sizes:
+            rows += self._size(makers, *size)
+        if self.memory and self.device == "cpu":  # after the timing: two children at a time
+            runner.cpu_memory(rows, lambda impl, sizes: cpu_peak_bytes(impl, sizes, self.dtype, self.tile_bytes,
+                                                                       self.seed, self.threads),
+                              lambda r: (r["N"], r["D"], r["V"]), lambda r: size_key(r["N"], r["D"], r["V"]),
+                              workers=2, progress=self.progress)
+        load = runner.load_record(load_before, runner.load_snapshot())
+        self._ratios(rows, load)
         tol_loss, tol_grad = TOLERANCE[self.dtype]
-        for N, D, V in self.sizes:
-            self.progress(f"{size_key(N, D, V)}: inputs and the float64 reference")
-            inp = linear.make_inputs(N, D, V, dtype=self.dtype, device=self.device, seed=self.seed)
-            ref = reference(inp, self.cfg)
-            runs, by = {}, {}
-            for impl in self.impls:
-                run = makers[impl]
-                if isinstance(run, Exception):
-                    by[impl] = self._row(impl, N, D, V, "unavailable", note=str(run))
-                    continue
-                self.progress(f"{size_key(N, D, V)}: check {impl}")
-                f = dict(tile=linear.tile_note(impl, inp, self.tile_bytes), counted_tokens=inp.counted)
-                try:
-                    r = linear.forward_backward(run, inp)
-                    err = errors(r, ref)
-                    f.update(loss=float(r[0]), errors=err)
-                    del r
-                    ok = err["loss"] <= tol_loss * max(1.0, abs(ref[0])) and \
-                        max(err["grad_hidden"], err["grad_weight"]) <= tol_grad
-                    status = "ok" if ok else "wrong"
-                    if ok:
-                        runs[impl] = run
-                except Exception as e:
-                    status = "oom" if is_oom(e) else "error"
-                    if status == "error":
-                        f["note"] = f"{type(e).__name__}: {str(e)[:200]}"
-                finally:
-                    gc.collect()
-                    if self.device == "cuda":
-                        torch.cuda.empty_cache()
-                by[impl] = self._row(impl, N, D, V, status, **f)
-            self.progress(f"{size_key(N, D, V)}: timing {', '.join(runs)} round-robin "
-                          f"({self.warmup} warm-up + {self.repeats} rounds)")
-            times = self._time(runs, inp)
-            for impl, ts in times.items():
-                by[impl]["times_ms"] = ts
-                by[impl]["time_ms"] = {"full": statistics.median(ts)}
-            if self.device == "cuda":
-                for impl, run in runs.items():
-                    try:
-                        by[impl]["peak_bytes"] = cuda_peak_bytes(run, inp)
-                    except Exception as e:
-                        by[impl]["peak_note"] = "oom" if is_oom(e) else f"{type(e).__name__}"
-                    gc.collect()
-                    torch.cuda.empty_cache()
-            rows += [by[i] for i in self.impls]
-            del inp, ref, runs
-            gc.collect()
-        if self.memory and self.device == "cpu":
-            self._cpu_memory(rows)
-        self._ratios(rows)
         return dict(suite="linear", rows=rows, device=self.device, dtype=str(self.dtype).replace("torch.", ""),
                     preset=linear.PRESET, tile_bytes=self.tile_bytes, repeats=self.repeats, warmup=self.warmup,
+                    timing="interleaved rounds", rule=runner.RULE, load=load,
                     sizes=[list(s) for s in self.sizes], threads=torch.get_num_threads(),
-                    load_average_before=list(load_before), load_average_after=list(os.getloadavg()),
                     tolerance=dict(loss=tol_loss, grad=tol_grad))
 
-    def _time(self, runs, inp):
-        """{impl: [ms per round]}: every implementation once per round, `warmup` rounds untimed."""
-        fns = {impl: (lambda run=run: linear.forward_backward(run, inp)) for impl, run in runs.items()}
-        ts = {impl: [] for impl in fns}
-        for k in range(self.warmup + self.repeats):
-            for impl, fn in fns.items():
-                try:
-                    _sync(self.device)
-                    t0 = time.perf_counter()
-                    r = fn()
-                    _sync(self.device)
-                    dt = time.perf_counter() - t0
-                    del r
-                except Exception as e:  # an implementation that fails while timed is dropped
-                    ts[impl] = None
-                    self.progress(f"{impl} failed while timed: {type(e).__name__}: {e}")
-                    continue
-                if k >= self.warmup and ts[impl] is not None:
-                    ts[impl].append(1e3 * dt)
-            fns = {i: f for i, f in fns.items() if ts[i] is not None}
-        return {i: t for i, t in ts.items() if t}
+    def _check(self, run, inp, ref):
+        """(status, fields) of one implementation against the float64 evaluation."""
+        tol_loss, tol_grad = TOLERANCE[self.dtype]
+        f = {}
+        try:
+            r = linear.forward_backward(run, inp)
+            err = errors(r, ref)
+            f.update(loss=float(r[0]), errors=err)
+            del r
+            ok = err["loss"] <= tol_loss * max(1.0, abs(ref[0])) and \
+                max(err["grad_hidden"], err["grad_weight"]) <= tol_grad
+            return ("ok" if ok else "wrong"), f
+        except Exception as e:
+            if is_oom(e):
+                return "oom", f
+            return "error", dict(f, note=f"{type(e).__name__}: {str(e)[:200]}")
+        finally:
+            gc.collect()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
 
-    def _cpu_memory(self, rows):
-        by_impl = {}
-        for r in rows:
-            if r["status"] == "ok":
-                by_impl.setdefault(r["impl"], []).append((r["N"], r["D"], r["V"]))
-        # after the timing: two children at a time (each measures its own resident size)
-        from concurrent.futures import ThreadPoolExecutor
-        self.progress(f"peak memory of {', '.join(by_impl)} (a fresh process each, two at a time)")
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            futures = {impl: pool.submit(cpu_peak_bytes, impl, sizes, self.dtype, self.tile_bytes, self.seed,
-                                         self.threads) for impl, sizes in by_impl.items()}
-        for impl, fut in futures.items():
-            res = fut.result()
-            for r in rows:
-                if r["impl"] == impl and r["status"] == "ok":
-                    v = res.get(size_key(r["N"], r["D"], r["V"]), res.get("error"))
-                    if isinstance(v, int):
-                        r["peak_bytes"] = v
-                    else:
-                        r["peak_note"] = v
+    def _size(self, makers, N, D, V):
+        """The rows of one size: every implementation checked, then the checked ones timed together."""
+        self.progress(f"{size_key(N, D, V)}: inputs and the float64 reference")
+        inp = linear.make_inputs(N, D, V, dtype=self.dtype, device=self.device, seed=self.seed)
+        ref = reference(inp, self.cfg)
+        runs, by = {}, {}
+        for impl, run in makers.items():
+            if isinstance(run, Exception):
+                by[impl] = self._row(impl, N, D, V, "unavailable", note=str(run))
+                continue
+            self.progress(f"{size_key(N, D, V)}: check {impl}")
+            status, f = self._check(run, inp, ref)
+            by[impl] = self._row(impl, N, D, V, status, tile=linear.tile_note(impl, inp, self.tile_bytes),
+                                 counted_tokens=inp.counted, **f)
+            if status == "ok":
+                runs[impl] = run
+        self.progress(f"{size_key(N, D, V)}: timing {', '.join(runs)} in interleaved rounds "
+                      f"({self.warmup} warm-up + {self.repeats} rounds)")
+        times = runner.interleaved({i: (lambda run=run: linear.forward_backward(run, inp)) for i, run in runs.items()},
+                                   self.repeats, self.warmup, self.device,
+                                   on_error=lambda i, e: by[i].update(status="error", note=f"while timed: {e}"))
+        for impl, ts in times.items():
+            by[impl].update(times_ms=ts, time_ms={"full": statistics.median(ts)},
+                            time_range_ms={"full": [min(ts), max(ts)]})
+        if self.device == "cuda":
+            for impl, run in runs.items():
+                try:
+                    by[impl]["peak_bytes"] = cuda_peak_bytes(run, inp)
+                except Exception as e:
+                    by[impl]["peak_note"] = "oom" if is_oom(e) else f"{type(e).__name__}"
+                gc.collect()
+                torch.cuda.empty_cache()
+        return [by[i] for i in self.impls]
 
     @staticmethod
-    def _ratios(rows):
+    def _ratios(rows, load):
         trl = {(r["N"], r["D"], r["V"]): r for r in rows if r["impl"] == "trl" and r["status"] == "ok"}
         for r in rows:
             t = trl.get((r["N"], r["D"], r["V"]))
             if not t:
                 continue
             if r.get("times_ms") and t.get("times_ms"):
-                per_round = [a / b for a, b in zip(r["times_ms"], t["times_ms"])]
-                r["vs_trl"] = dict(full=r["time_ms"]["full"] / t["time_ms"]["full"],
-                                   per_round_median=statistics.median(per_round),
-                                   per_round_min=min(per_round), per_round_max=max(per_round))
+                v = runner.per_round_ratio(r["times_ms"], t["times_ms"])
+                r["vs_trl"] = {"full": dict(v, unreliable=runner.unreliable(v, load))}
             if "peak_bytes" in r and "peak_bytes" in t and t["peak_bytes"] > 0:
                 r["peak_vs_trl"] = r["peak_bytes"] / t["peak_bytes"]
 
@@ -285,36 +214,35 @@ def _mb(b):
 
 
 def table(res):
-    head = ["implementation", "N x D x V", "fwd+bwd ms (min-max)", "vs TRL (per-round range)",
+    from .report import format_rows, load_line, ratio_cell
+    head = ["implementation", "N x D x V", "fwd+bwd ms (min-max)", "vs TRL (per round)",
             "peak above inputs+grads", "peak vs TRL", "tiles", "max err loss/dh/dw", "status / note"]
     lines = []
     for r in res["rows"]:
         ts = r.get("times_ms")
         t = f"{r['time_ms']['full']:.1f} ({min(ts):.1f}-{max(ts):.1f})" if ts else "-"
-        v = r.get("vs_trl")
-        vs = f"{v['full']:.2f}x ({v['per_round_min']:.2f}-{v['per_round_max']:.2f})" if v else "-"
         e = r.get("errors")
         err = f"{e['loss']:.0e}/{e['grad_hidden']:.0e}/{e['grad_weight']:.0e}" if e else "-"
         note = "; ".join(x for x in (r["status"] if r["status"] != "ok" else "", r.get("note", ""),
                                      r.get("peak_note", "")) if x)
-        lines.append([r["label"], f"{r['N']} x {r['D']} x {r['V']}", t, vs,
+        lines.append([r["label"], f"{r['N']} x {r['D']} x {r['V']}", t, ratio_cell(r.get("vs_trl", {}).get("full")),
                       _mb(r["peak_bytes"]) if "peak_bytes" in r else "-",
                       f"{r['peak_vs_trl']:.2f}x" if "peak_vs_trl" in r else "-", r.get("tile", "-"), err, note])
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *lines)]
-    fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-    out = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines]
-    lb, la = res["load_average_before"], res["load_average_after"]
+    out = [format_rows(head, lines)]
     out += ["", f"linear suite: device {res['device']}, {res['dtype']}, preset {res['preset']} (old_logps given), "
             f"hidden and weight require grad; tile {_mb(res['tile_bytes'])} of logits for ours and TRL; "
-            f"{res['threads']} threads; load average {lb[0]:.2f} before, {la[0]:.2f} after.",
-            f"times: median of {res['repeats']} round-robin rounds after {res['warmup']} warm-up "
-            + ("(CUDA, synchronized wall clock)" if res["device"] == "cuda" else "(CPU wall clock)")
-            + "; vs TRL = median time / TRL's median (range: the per-round ratios).",
+            f"{res['threads']} threads.",
+            f"times: median (min-max) of {res['repeats']} interleaved rounds after {res['warmup']} warm-up round(s) "
+            + ("(CUDA, synchronized)" if res["device"] == "cuda" else "(CPU wall clock)")
+            + "; vs TRL: each round's time over TRL's in the same round.",
+            load_line(res.get("load")) + " " + res.get("rule", ""),
             "peak: one forward+backward, above the inputs and the returned gradients of hidden and weight"
             + (" (max_memory_allocated)." if res["device"] == "cuda"
                else " (peak resident size, a fresh process per implementation)."),
             f"errors against a float64 materialized evaluation: loss absolute, gradients relative norm "
             f"(bounds {res['tolerance']['loss']:.0e} / {res['tolerance']['grad']:.0e})."]
+    if not any(r["impl"] == "trl" and r["status"] == "ok" for r in res["rows"]):
+        out.append("vs TRL: not compared (TRL is not installed: pip install -e \".[bench]\").")
     return "\n".join(out)
 
 
@@ -323,10 +251,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="peak-memory child process of the linear suite (used by python -m bench)")
     ap.add_argument("--memory", required=True, help="implementation")
     ap.add_argument("--sizes", required=True, help="comma-separated NxDxV")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--tile-bytes", type=int, required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="float32", help="hidden and weight dtype (default: float32)")
+    ap.add_argument("--tile-bytes", type=int, required=True, help="bytes of logits projected at once")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

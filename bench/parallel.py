@@ -1,5 +1,5 @@
-"""Vocabulary-parallel gtpo_loss (spec 12, issue 11 item 4): bytes communicated per token, and time with
-2 gloo ranks against 1 on the CPU.
+"""Vocabulary-parallel gtpo_loss (the vocabulary split over ranks): bytes communicated per token, and
+time with 2 gloo ranks against 1 process on the CPU.
 
 Bytes: every torch.distributed collective that gtpo_loss(..., process_group=pg) issues is counted in
 each rank (the all-reduces that merge the per-slice statistics, per token; the one small all-gather of
@@ -7,13 +7,14 @@ shapes, per call), against what a trainer that all-gathers the logits moves inst
 per token (V = 151936 bf16: 303,872 bytes), independent of the world size (each rank receives
 (W - 1) / W of that from the others and holds all of it).
 
-Time: forward + backward of the `gtpo` preset (torch backend) on `tokens` x V float32 logits: one
-process on the whole vocabulary (1 thread, and 2 threads), against 2 gloo processes of 1 thread each,
-each holding half the vocabulary (a step's time = the slower rank's; median over repeats). The 2-rank
-loss and each rank's gradient slice are checked against the one-process run. On a shared 2-core CPU
-machine the figures move with the other jobs' load.
+Time: forward + backward of the `gtpo` preset without its entropy filter (torch backend) on `tokens` x V
+float32 logits, in interleaved rounds (bench.runner.interleaved): each round runs the 2 gloo ranks of 1
+thread each, each holding half the vocabulary (a step's time = the slower rank's), then rank 0 alone on
+the whole vocabulary with 1 thread, then with 2 threads. Each figure is the median over the rounds with
+its range; the speed-ups are per-round ratios, flagged unreliable by bench.runner's rule (range, load).
+The 2-rank loss and each rank's gradient slice are checked against the one-process run.
 
-    python -m bench.parallel                      # 1024 tokens x V = 32000 float32, 5 repeats
+    python -m bench.parallel                      # 1024 tokens x V = 32000 float32, 5 rounds
     python -m bench.parallel --tokens 512 --vocab 16000 --repeats 3
 
 Prints a table and writes JSON (date, commit, machine, versions) into bench/out/ (git-ignored).
@@ -23,10 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -36,6 +35,7 @@ SIZES = (  # (label, V, element size) of the logits a trainer would all-gather
     ("V=151936 bf16 (Qwen 2.5/3)", 151936, 2),
     ("V=151936 fp32", 151936, 4),
 )
+ONE_PROCESS = {"1 rank": 1, "1 rank, 2 threads": 2}  # one process on the whole vocabulary: threads
 G = 4        # completions per group
 B = 8        # completions: tokens = B * T
 
@@ -61,36 +61,25 @@ def _call(logits, ids, mask, adv, old, **kw):
     return gtpo_loss(logits, ids, adv, mask, group_size=G, old_logps=old, config=cfg, backend="torch", **kw)
 
 
-def _time(step, repeats, warmup, sync=None):
-    for _ in range(warmup):
-        step()
-    ts = []
-    for _ in range(repeats):
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        step()
-        dt = time.perf_counter() - t0
-        ts.append(sync(dt) if sync else dt)
-    return statistics.median(ts) * 1e3
-
-
-def _one_rank(inp, threads, repeats, warmup):
+def _one_process(inp, threads):
+    """One process on the whole vocabulary with `threads` threads: a forward+backward step."""
     logits = inp[0]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        def step():
+
+    def step():
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
             x = logits.clone().requires_grad_()
             _call(x, *inp[1:]).loss.backward()
-        return _time(step, repeats, warmup)
-    finally:
-        torch.set_num_threads(before)
+        finally:
+            torch.set_num_threads(before)
+    return step
 
 
 def measure(tokens, vocab, repeats, warmup, group=None):
     """In every rank of an initialized process group (this rank's vocabulary slice): the bytes its
-    collectives send, its step time (the slower rank's), and its errors against one process."""
+    collectives send, the rounds' times (ms: the 2-rank step, the slower rank's; rank 0 alone with 1 and
+    2 threads), and its errors against one process."""
     import torch.distributed as dist
     pg = dist.group.WORLD if group is None else group
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
@@ -124,15 +113,14 @@ def measure(tokens, vocab, repeats, warmup, group=None):
             setattr(dist, n, real[n])
     res["all_reduce_bytes"], res["all_gather_bytes"] = counter["all_reduce"], counter["all_gather"]
 
-    def sync(dt=None):  # start together; a step lasts as long as the slower rank
-        if dt is None:
-            dist.barrier(group=pg)
-            return None
-        t = torch.tensor([dt], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-        return float(t)
-
-    res["fwd_bwd_ms"] = _time(step, repeats, warmup, sync)
+    inp = (logits, ids, mask, adv, old)
+    alone = {k: _one_process(inp, n) if rank == 0 else (lambda: None) for k, n in ONE_PROCESS.items()}
+    from .runner import interleaved
+    ts = interleaved({f"{world} ranks": step, **alone}, repeats, warmup,
+                     before=lambda key: dist.barrier(group=pg))  # start together
+    t = torch.tensor(ts[f"{world} ranks"], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)  # a step lasts as long as the slower rank
+    res["rounds_ms"] = {f"{world} ranks": t.tolist(), **{k: ts[k] for k in ONE_PROCESS}}
     full = logits.clone().requires_grad_()  # the one-process answer, for the check
     one = _call(full, ids, mask, adv, old)
     one.loss.backward()
@@ -160,7 +148,10 @@ def _worker(rank, world, init_file, out_dir, tokens, vocab, repeats, warmup):
 
 def run(tokens=1024, vocab=32000, repeats=5, warmup=1, sizes=SIZES):
     import torch.multiprocessing as mp
+
+    from .runner import load_record, load_snapshot
     world = 2
+    before = load_snapshot()
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(world, os.path.join(d, "init"), d, tokens, vocab, repeats, warmup),
                  nprocs=world, join=True)
@@ -168,36 +159,35 @@ def run(tokens=1024, vocab=32000, repeats=5, warmup=1, sizes=SIZES):
     for r, x in enumerate(ranks):
         if "exception" in x:
             raise RuntimeError(f"rank {r} failed:\n{x['exception']}")
-    inp = _inputs(tokens, vocab)
-    t1 = _one_rank(inp, 1, repeats, warmup)
-    t1b = _one_rank(inp, 2, repeats, warmup)
-    return summarize(ranks, t1, t1b, tokens, vocab, repeats, warmup, sizes)
+    return summarize(ranks, tokens, vocab, repeats, warmup, load_record(before, load_snapshot()), sizes)
 
 
-def summarize(ranks, t1, t1b, tokens, vocab, repeats, warmup, sizes=SIZES):
-    """The result of run() from the ranks' measure() and the one-process times (ms, 1 and 2 threads)."""
+def summarize(ranks, tokens, vocab, repeats, warmup, load, sizes=SIZES):
+    """The result of run() from the ranks' measure() (rank 0's rounds hold every timing)."""
+    from .runner import RULE, per_round_ratio, summary, unreliable
     world = len(ranks)
     ours = max(x["all_reduce_bytes"] for x in ranks) / tokens
     rows = [dict(label=label, V=V, element_bytes=e, allgather_per_token=V * e, ours_per_token=ours,
                  ratio=V * e / ours) for label, V, e in sizes]
+    rounds = ranks[0]["rounds_ms"]
+    multi = f"{world} ranks"
+    time = {k: dict(threads=ONE_PROCESS.get(k, 1), rounds_ms=t, **summary(t)) for k, t in rounds.items()}
+    speedup = {k: per_round_ratio(rounds[k], rounds[multi]) for k in ONE_PROCESS}
+    for v in speedup.values():
+        v["unreliable"] = unreliable(v, load)
     return dict(
-        device="cpu", tokens=tokens, V=vocab, dtype="float32", preset="gtpo", backend="torch",
-        completions=B, group_size=G, world=world, repeats=repeats, warmup=warmup,
-        preset_overrides=dict(entropy_threshold=None),
-        note=(f"shared {os.cpu_count()}-core CPU machine (other jobs may run); 1 thread per rank; the {world} "
-              f"ranks hold vocabulary slices; a step's time is the slower rank's, median over repeats"),
+        suite="parallel", device="cpu", tokens=tokens, V=vocab, dtype="float32", preset="gtpo", backend="torch",
+        completions=B, group_size=G, world=world, repeats=repeats, warmup=warmup, timing="interleaved rounds",
+        rule=RULE, load=load, preset_overrides=dict(entropy_threshold=None),
         bytes=dict(ours_per_token=ours, shape_check_bytes_per_call=max(x["all_gather_bytes"] for x in ranks),
                    rows=rows),
-        time={"1 rank": dict(threads=1, fwd_bwd_ms=t1),
-              **({"1 rank, 2 threads": dict(threads=2, fwd_bwd_ms=t1b)} if t1b is not None else {}),
-              f"{world} ranks": dict(threads=1, fwd_bwd_ms=max(x["fwd_bwd_ms"] for x in ranks),
-                              max_rel_err=max(max(x["loss_rel_err"], x["grad_rel_err"]) for x in ranks),
-                              speedup_vs_1_rank=t1 / max(x["fwd_bwd_ms"] for x in ranks),
-                              min_grad_norm=min(x["grad_norm"] for x in ranks))},
-    )
+        time=time, speedup_of_ranks_over=speedup,
+        max_rel_err=max(max(x["loss_rel_err"], x["grad_rel_err"]) for x in ranks),
+        min_grad_norm=min(x["grad_norm"] for x in ranks))
 
 
 def table(res):
+    from .report import load_line, ratio_cell
     b = res["bytes"]
     out = [f"Bytes communicated per token: gtpo_loss(process_group=...) vs all-gathering the logits "
            f"(measured at {res['tokens']} tokens x V = {res['V']}, 2 ranks; plus one shape check of "
@@ -206,14 +196,16 @@ def table(res):
     for r in b["rows"]:
         out.append(f"{r['label']:<30}{r['allgather_per_token']:>20,}{r['ours_per_token']:>8.0f}{r['ratio']:>9,.0f}x")
     out.append("")
-    out.append(f"Forward + backward, {res['tokens']} tokens x V = {res['V']} {res['dtype']}, preset {res['preset']}, "
-               f"torch backend ({res['note']})")
-    out.append(f"{'run':<22}{'threads/rank':>13}{'ms':>10}")
+    out.append(f"Forward + backward, {res['tokens']} tokens x V = {res['V']} {res['dtype']}, preset {res['preset']} "
+               f"without its entropy filter, torch backend; median (min-max) of {res['repeats']} interleaved rounds "
+               f"after {res['warmup']} warm-up")
+    out.append(f"{'run':<22}{'threads/rank':>13}{'ms (min-max)':>26}")
     for k, t in res["time"].items():
-        out.append(f"{k:<22}{t['threads']:>13}{t['fwd_bwd_ms']:>10.1f}")
-    t = res["time"][f"{res['world']} ranks"]
-    out.append(f"{res['world']} ranks vs 1 rank (1 thread): {t['speedup_vs_1_rank']:.2f}x; 2-rank loss and gradient slices vs "
-               f"one process: max rel. error {t['max_rel_err']:.1e}")
+        out.append(f"{k:<22}{t['threads']:>13}{t['median']:>10.1f} ({t['min']:.1f}-{t['max']:.1f})")
+    for k, v in res["speedup_of_ranks_over"].items():
+        out.append(f"{res['world']} ranks vs {k}: {ratio_cell(v)} faster (per round)")
+    out.append(f"{res['world']}-rank loss and gradient slices vs one process: max rel. error {res['max_rel_err']:.1e}")
+    out.append(load_line(res["load"]) + " " + res["rule"])
     return "\n".join(out)
 
 
@@ -222,8 +214,8 @@ def main(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tokens", type=int, default=1024, help=f"tokens (a multiple of {B}: {B} completions)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (split in halves over 2 ranks)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
                    help="folder for the JSON")
     a = p.parse_args(argv)

@@ -101,6 +101,11 @@ def plot(res, out_dir, log=None):
     return paths
 
 
+def _median(v):
+    """A per-round ratio summary's median (an older JSON's plain number as is)."""
+    return v["median"] if isinstance(v, dict) else v
+
+
 def plot_linear(res, out_dir, log=None):
     """The linear suite's figures: forward+backward time over TRL's and peak memory, one group of bars per
     size (N x D x V), one bar per implementation; implementations without a value are left out and said so.
@@ -113,7 +118,7 @@ def plot_linear(res, out_dir, log=None):
     sizes = [tuple(s) for s in res["sizes"]]
     labels = list(dict.fromkeys(r["label"] for r in rows))
     tag = f"linear-{res['device']}-{res['dtype']}"
-    specs = [("time", lambda r: r.get("vs_trl", {}).get("full"), "fwd+bwd time / TRL's"),
+    specs = [("time", lambda r: _median(r.get("vs_trl", {}).get("full")), "fwd+bwd time / TRL's (median of rounds)"),
              ("memory", lambda r: r["peak_bytes"] / 2**20 if "peak_bytes" in r else None,
               "peak MiB above inputs and gradients")]
     names = list(LABELS.values())

@@ -7,7 +7,7 @@ inputs: the config's preset, the precomputed conflict weights `inp.lam`, on-poli
 """
 from __future__ import annotations
 
-import os
+import importlib
 import time
 
 import torch
@@ -32,6 +32,21 @@ class Unavailable(Exception):
     """The provider cannot run here; the message says why (shown in the table)."""
 
 
+def require(module, attr, what, extra="bench"):
+    """`module.attr`, or Unavailable saying what is missing and how to get it."""
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception as e:
+        raise Unavailable(f"{what} not installed ({type(e).__name__}; pip install -e \".[{extra}]\")")
+
+
+def make_from(namespace: dict, providers, name: str, *args):
+    """The provider `name` of a suite: namespace['make_<name>'](*args), after checking the name."""
+    if name not in providers:
+        raise ValueError(f"unknown implementation {name!r}; expected some of {providers}")
+    return namespace[f"make_{name}"](*args)
+
+
 def interpreted(device) -> bool:
     """Triton on CPU runs in its interpreter: counted for bytes, never timed."""
     return torch.device(device).type == "cpu"
@@ -47,8 +62,8 @@ def _ours(backend):
                 raise Unavailable("needs CUDA, or TRITON_INTERPRET=1 for the interpreter")
 
         def run(inp):
-            out = gtpo_loss(inp.logits, inp.ids, inp.adv, inp.mask, lam=inp.lam, n_conf=inp.n_conf,
-                            config=cfg, backend=backend)
+            out = gtpo_loss(inp.logits, inp.ids, inp.adv, inp.mask, logits_start=0, lam=inp.lam,
+                            n_conf=inp.n_conf, config=cfg, backend=backend)
             return out.loss, out.logps, out.entropy
         return run
     return make
@@ -126,10 +141,7 @@ def make_liger(cfg: GTPOConfig, device):
     overwrites the logits with the gradient). It takes logits (B, T + 1, V) and returns no entropy."""
     if torch.device(device).type != "cuda":
         raise Unavailable("not run: needs CUDA")
-    try:
-        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
-    except Exception as e:
-        raise Unavailable(f"not installed ({type(e).__name__})")
+    triton_grpo_loss = require("liger_kernel.transformers.grpo_loss", "triton_grpo_loss", "Liger-Kernel")
 
     def run(inp):
         loss, _metrics = triton_grpo_loss(
@@ -149,11 +161,12 @@ def config_for(name: str, cfg: GTPOConfig) -> GTPOConfig:
 
 
 def make(name: str, cfg: GTPOConfig, device):
-    if name not in PROVIDERS:
-        raise ValueError(f"unknown implementation {name!r}; expected some of {PROVIDERS}")
-    return globals()[f"make_{name}"](config_for(name, cfg), device)
+    return make_from(globals(), PROVIDERS, name, config_for(name, cfg), device)
 
 
-def interpret_env() -> dict:
-    """Environment for a child process that runs Triton on the CPU."""
-    return dict(os.environ, TRITON_INTERPRET="1")
+def missing_peers() -> list:
+    """'<peer> (pip install ...)' for each comparison library that is not installed here."""
+    import importlib.util
+    peers = (("trl", "TRL (the linear suite's comparison)"), ("liger_kernel", "Liger-Kernel"))
+    return [f"{what}: pip install -e \".[bench]\"" for mod, what in peers if importlib.util.find_spec(mod) is None]
+

@@ -1,13 +1,20 @@
 """The shared runner: check, time, peak memory and saved bytes of one implementation on one problem.
 
-- time: forward, backward and forward+backward. CUDA: `triton.testing.do_bench` (median). CPU: median of
-  `repeats` wall-clock runs after `warmup` runs. The backward is timed on a graph kept alive
-  (`retain_graph=True`), as do_bench does it.
+- time: every suite times its implementations in interleaved rounds (`interleaved`): after `warmup`
+  untimed rounds, each of `rounds` rounds runs every implementation once (A, B, C, A, B, C, ...), so a
+  change of the machine's load hits all of them alike. A figure is the median over the rounds with its
+  range (min-max); a ratio between two implementations is computed per round, then summarized the same
+  way (`summary`, `per_round_ratio`). The logits suite times forward+backward and forward in the same
+  round; backward is their difference in that round. On CUDA each sample is the mean of enough
+  synchronized calls to last ~20 ms.
+- load: the load average and the core count, read before and after a suite (`load_snapshot`); a ratio is
+  flagged unreliable (`unreliable`) when its per-round range exceeds SPREAD_LIMIT of its median or the
+  1-minute load average exceeded LOAD_LIMIT x cores before or after the run.
 - peak memory of one forward + backward above the inputs. CUDA: `max_memory_allocated` minus what was
-  allocated before. CPU: a fresh subprocess per implementation (`python -m bench.runner --memory ...`)
-  that, for each size, resets the kernel's high-water mark of its resident size (/proc/self/clear_refs)
-  after a warm-up and reads VmHWM after one forward + backward; glibc is told to give large blocks back
-  to the system (MALLOC_MMAP_THRESHOLD_), so freed tensors do not hide in the heap.
+  allocated before. CPU: a fresh subprocess per implementation (`child_peaks`) that, for each size, resets
+  the kernel's high-water mark of its resident size (/proc/self/clear_refs) after a warm-up and reads
+  VmHWM after one forward + backward; glibc is told to give large blocks back to the system
+  (MALLOC_MMAP_THRESHOLD_), so freed tensors do not hide in the heap.
 - tensors saved for backward, per token: `saved_tensors_hooks` records the storage of every saved
   tensor, counted once, except storage shared with the logits (saved by reference).
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -27,6 +35,12 @@ from . import providers
 from .inputs import make_inputs
 
 MODES = ("fwd", "bwd", "full")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPREAD_LIMIT = 0.25  # a ratio whose per-round range (max - min) exceeds 25% of its median is unreliable
+LOAD_LIMIT = 0.5  # ... and every ratio of a run whose 1-minute load average exceeded 0.5 x cores
+RULE = (f"'!' = unreliable: the per-round range exceeds {SPREAD_LIMIT:.0%} of the median, or the 1-minute "
+        f"load average exceeded {LOAD_LIMIT:g} x cores before or after the run")
+CUDA_SAMPLE_S = 0.02  # on CUDA a sample is the mean of enough calls to last this long
 
 
 def is_oom(e: BaseException) -> bool:
@@ -41,40 +55,90 @@ def forward_backward(run, inp):
     return out, grad
 
 
-def _sync(device):
+def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 
-def time_ms(run, inp, modes=MODES, repeats=5, warmup=3):
-    """{mode: milliseconds}. CUDA: do_bench medians; CPU: wall-clock medians."""
-    z = inp.logits
-    cuda = z.is_cuda
-    fns = {}
-    if "fwd" in modes:
-        fns["fwd"] = lambda: run(inp)
-    if "full" in modes:
-        fns["full"] = lambda: torch.autograd.grad(run(inp)[0], z)
-    if "bwd" in modes:
-        kept = run(inp)[0]
-        fns["bwd"] = lambda: torch.autograd.grad(kept, z, retain_graph=True)
-    res = {}
-    for mode, fn in fns.items():
-        if cuda:
-            import triton.testing
-            res[mode] = float(triton.testing.do_bench(fn, warmup=10, rep=max(20, 10 * repeats),
-                                                      return_mode="median"))
-        else:
-            for _ in range(warmup):
-                fn()
-            ts = []
-            for _ in range(repeats):
+# ---- timing: interleaved rounds, medians with their range, per-round ratios ------------------------
+
+def load_snapshot() -> dict:
+    """The 1, 5 and 15-minute load averages and the core count, now."""
+    return dict(load_average=[round(x, 2) for x in os.getloadavg()], cores=os.cpu_count())
+
+
+def load_record(before: dict, after: dict) -> dict:
+    """The JSON's `load` field: before and after a suite, and whether it exceeded LOAD_LIMIT x cores."""
+    cores = before["cores"]
+    peak = max(before["load_average"][0], after["load_average"][0])
+    return dict(cores=cores, before=before["load_average"], after=after["load_average"],
+                limit=LOAD_LIMIT * cores, loaded=peak > LOAD_LIMIT * cores)
+
+
+def summary(xs) -> dict:
+    """{'median', 'min', 'max', 'spread' ((max - min) / median)} of per-round values."""
+    xs = [float(x) for x in xs]
+    med = statistics.median(xs)
+    return dict(median=med, min=min(xs), max=max(xs),
+                spread=(max(xs) - min(xs)) / abs(med) if med else math.inf)
+
+
+def per_round_ratio(xs, ys) -> dict:
+    """summary() of x / y round by round (both lists from the same interleaved rounds)."""
+    return summary([x / y for x, y in zip(xs, ys)])
+
+
+def unreliable(ratio: dict, load: dict) -> bool:
+    return ratio["spread"] > SPREAD_LIMIT or bool(load and load.get("loaded"))
+
+
+def interleaved(steps: dict, rounds: int, warmup: int, device="cpu", on_error=None, before=None) -> dict:
+    """{key: [ms per round]}: `warmup` untimed rounds, then `rounds` rounds in each of which every step
+    runs once, in the order given (before(key), when given, runs untimed just before each). A step that
+    raises is dropped (on_error(key, exception) is told)."""
+    steps, times = dict(steps), {k: [] for k in steps}
+    calls = {k: 1 for k in steps}
+    for k in range(warmup + rounds):
+        for key, fn in list(steps.items()):
+            try:
+                if before is not None:
+                    before(key)
+                sync(device)
                 t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-            res[mode] = 1e3 * statistics.median(ts)
-    fns.clear()
-    return res
+                for _ in range(calls[key]):
+                    fn()
+                sync(device)
+                dt = (time.perf_counter() - t0) / calls[key]
+            except Exception as e:
+                del steps[key], times[key]
+                if on_error is not None:
+                    on_error(key, e)
+                continue
+            if k >= warmup:
+                times[key].append(1e3 * dt)
+            elif torch.device(device).type == "cuda":  # calibrate: a sample lasts ~CUDA_SAMPLE_S
+                calls[key] = max(1, int(CUDA_SAMPLE_S / max(dt, 1e-6)))
+    return times
+
+
+def step_fns(run, inp, modes):
+    """The callables timed for `modes` of one implementation: 'full' (forward+backward) and 'fwd'; 'bwd'
+    is derived per round (full - fwd), so asking for it times both."""
+    z = inp.logits
+    fns = {}
+    if "full" in modes or "bwd" in modes:
+        fns["full"] = lambda: torch.autograd.grad(run(inp)[0], z)
+    if "fwd" in modes or "bwd" in modes:
+        fns["fwd"] = lambda: run(inp)
+    return fns
+
+
+def mode_times(ts: dict, modes) -> dict:
+    """{mode: [ms per round]} from the timed 'full' and 'fwd' rounds; bwd = full - fwd per round."""
+    out = {m: ts[m] for m in ("full", "fwd") if m in modes and m in ts}
+    if "bwd" in modes and "full" in ts and "fwd" in ts:
+        out["bwd"] = [a - b for a, b in zip(ts["full"], ts["fwd"])]
+    return out
 
 
 def saved_bytes(run, inp) -> int:
@@ -124,52 +188,90 @@ def _reset_hwm():
         f.write("5")  # reset the peak resident size to the current one (Linux >= 4.0)
 
 
-def memory_child(impl, sizes, dtype, preset, seed):
-    """Runs in the child: for each size, inputs, a warm-up forward+backward, then one measured."""
-    from gtpo_kernels import GTPOConfig
-    cfg = GTPOConfig.preset(preset)
-    out = {}
+def measure_peaks(make_run, sizes, inputs_for, step, key_of, excess=lambda inp: 0) -> dict:
+    """In a memory child: for each size, inputs, a warm-up step, then one measured. Returns {key: bytes
+    of the peak resident size above the state before the step, less excess(inp), or 'oom' / 'error: ...'};
+    {'error': why} when the implementation is unavailable."""
     try:
-        run = providers.make(impl, cfg, "cpu")
+        run = make_run()
     except providers.Unavailable as e:
         return {"error": str(e)}
-    for tokens, V in sizes:
-        key = f"{tokens}x{V}"
+    out = {}
+    for size in sizes:
+        key = key_of(size)
         try:
-            inp = make_inputs(tokens, V, dtype=dtype, device="cpu", seed=seed, config=providers.config_for(impl, cfg))
-            r = forward_backward(run, inp)
+            inp = inputs_for(size)
+            r = step(run, inp)
             del r
             gc.collect()
             base = _status_kb("VmRSS")
             _reset_hwm()
-            r = forward_backward(run, inp)
-            peak = _status_kb("VmHWM")
+            r = step(run, inp)
+            out[key] = (_status_kb("VmHWM") - base) * 1024 - excess(inp)
             del r, inp
             gc.collect()
-            out[key] = (peak - base) * 1024
         except Exception as e:  # reported per size
             out[key] = "oom" if is_oom(e) else f"error: {type(e).__name__}: {e}"
     return out
 
 
-def cpu_peak_bytes(impl, sizes, dtype, preset, seed, timeout=900):
-    """{'<tokens>x<V>': bytes or 'oom' / 'error: ...'} from a fresh child process."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    if impl == "triton":
-        env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "bench.runner", "--memory", impl, "--sizes",
-           ",".join(f"{t}x{v}" for t, v in sizes), "--dtype", str(dtype).replace("torch.", ""),
-           "--preset", preset, "--seed", str(seed)]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def child_peaks(module, args, keys, env=None, timeout=900) -> dict:
+    """`python -m <module> <args>` in a fresh process (a memory child printing measure_peaks' JSON as its
+    last line); on failure {key: 'oom' / 'error: ...'} for every key."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", **(env or {}))
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+        p = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True, text=True,
+                           timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
-        return {f"{t}x{v}": "error: timeout" for t, v in sizes}
+        return {k: "error: timeout" for k in keys}
     if p.returncode:
         tail = p.stderr.strip().splitlines()[-1:] or ["?"]
         killed = p.returncode in (-9, 137)
-        return {f"{t}x{v}": "oom" if killed else f"error: {tail[0]}" for t, v in sizes}
+        return {k: "oom" if killed else f"error: {tail[0]}" for k in keys}
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def cpu_memory(rows, peaks_of, size_of, key_of, select=lambda r: True, workers=1, progress=None):
+    """Peak memory of every implementation with an 'ok' row (and select(row)), one child process each
+    (peaks_of(impl, sizes) -> {key: bytes or a note}, `workers` at a time), merged into the rows as
+    'peak_bytes' or 'peak_note'."""
+    from concurrent.futures import ThreadPoolExecutor
+    by_impl = {}
+    for r in rows:
+        if r["status"] == "ok" and select(r):
+            by_impl.setdefault(r["impl"], []).append(size_of(r))
+    if progress is not None and by_impl:
+        progress(f"peak memory of {', '.join(by_impl)} (a fresh process each, {workers} at a time)")
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {impl: pool.submit(peaks_of, impl, sizes) for impl, sizes in by_impl.items()}
+    for impl, fut in futures.items():
+        res = fut.result()
+        for r in rows:
+            if r["impl"] == impl and r["status"] == "ok" and select(r):
+                v = res.get(key_of(r), res.get("error"))
+                r.update({"peak_bytes": v} if isinstance(v, int) else {"peak_note": v})
+
+
+def _logits_key(size):
+    return f"{size[0]}x{size[1]}"
+
+
+def memory_child(impl, sizes, dtype, preset, seed):
+    """Runs in the child: the logits suite's peaks (measure_peaks) for `impl` at each (tokens, V)."""
+    from gtpo_kernels import GTPOConfig
+    cfg = GTPOConfig.preset(preset)
+    return measure_peaks(lambda: providers.make(impl, cfg, "cpu"), sizes,
+                         lambda s: make_inputs(*s, dtype=dtype, device="cpu", seed=seed,
+                                               config=providers.config_for(impl, cfg)),
+                         forward_backward, _logits_key)
+
+
+def cpu_peak_bytes(impl, sizes, dtype, preset, seed, timeout=900):
+    """{'<tokens>x<V>': bytes or 'oom' / 'error: ...'} from a fresh child process."""
+    args = ["--memory", impl, "--sizes", ",".join(map(_logits_key, sizes)),
+            "--dtype", str(dtype).replace("torch.", ""), "--preset", preset, "--seed", str(seed)]
+    return child_peaks("bench.runner", args, [_logits_key(s) for s in sizes],
+                       env={"TRITON_INTERPRET": "1"} if impl == "triton" else None, timeout=timeout)
 
 
 def parse_sizes(text):
@@ -181,9 +283,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="peak-memory child process (used by python -m bench)")
     ap.add_argument("--memory", required=True, help="implementation")
     ap.add_argument("--sizes", required=True, help="comma-separated TOKENSxV")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--preset", default="gtpo")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", help="logits dtype (default: bfloat16)")
+    ap.add_argument("--preset", default="gtpo", help="loss preset (default: gtpo)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
     a = ap.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
     res = memory_child(a.memory, parse_sizes(a.sizes), getattr(torch, a.dtype), a.preset, a.seed)

@@ -2,8 +2,9 @@
 
 Per size the inputs are made once; each implementation is checked against the reference on them
 (a wrong one is reported, not timed; one that runs out of memory is reported as such), then its saved
-bytes, times and (CUDA) peak memory are measured. CPU peak memory comes after, from one child process
-per implementation. Triton on the CPU runs in the interpreter: it is checked and counted (bytes moved)
+bytes and (CUDA) peak memory are measured; then every checked implementation is timed in interleaved
+rounds (bench.runner.interleaved: forward+backward and forward of each in every round). CPU peak memory
+comes after, from one child process per implementation. Triton on the CPU runs in the interpreter: it is checked and counted (bytes moved)
 at the traffic size only, never timed.
 """
 from __future__ import annotations
@@ -39,8 +40,8 @@ class Suite:
         row.update(kw)
         return row
 
-    def _measure(self, impl, run, inp, timed):
-        """Check, then saved bytes, times and CUDA peak memory. Returns the row's fields."""
+    def _measure(self, impl, run, inp):
+        """Check, then saved bytes and CUDA peak memory. Returns the row's fields."""
         cfg = providers.config_for(impl, self.cfg)
         try:
             out, grad = runner.forward_backward(run, inp)
@@ -55,8 +56,6 @@ class Suite:
             if self.check_only:
                 return dict(f, status="ok")
             f["saved_bytes_per_token"] = runner.saved_bytes(run, inp) / inp.tokens
-            if timed:
-                f["time_ms"] = runner.time_ms(run, inp, self.modes, self.repeats, self.warmup)
             if inp.logits.is_cuda:
                 f["peak_bytes"] = runner.cuda_peak_bytes(lambda: runner.forward_backward(run, inp))
             return dict(f, status="ok")
@@ -72,32 +71,69 @@ class Suite:
     def run(self):
         rows, runs = [], {}
         interp = self.device == "cpu"
+        load_before = runner.load_snapshot()
         for impl in self.impls:
             try:
                 runs[impl] = providers.make(impl, self.cfg, self.device)
             except providers.Unavailable as e:
                 runs[impl] = e
         native = [i for i in self.impls if not (i == "triton" and interp)]
-        n = len(self.sizes) * len(native)
-        k = 0
         for tokens, V in self.sizes:
             if self.time_budget and time.perf_counter() - self.t0 > self.time_budget:
                 rows += [self._row(i, tokens, V, "skipped", note="time budget spent") for i in native]
-                k += len(native)
                 continue
-            inp = make_inputs(tokens, V, dtype=self.dtype, device=self.device, seed=self.seed, config=self.cfg)
-            for impl in native:
-                k += 1
-                run = runs[impl]
-                if isinstance(run, Exception):
-                    self.progress(f"[{k}/{n}] {impl} {tokens}x{V}: unavailable")
-                    rows.append(self._row(impl, tokens, V, "unavailable", note=str(run)))
-                    continue
-                self.progress(f"[{k}/{n}] {impl} {tokens}x{V}")
-                f = self._measure(impl, run, inp, timed=True)
-                rows.append(self._row(impl, tokens, V, **f))
-            del inp
-            gc.collect()
+            rows += self._size(runs, native, tokens, V)
+        traffic = self._traffic_rows(rows, runs, interp)
+        if self.memory and self.device == "cpu" and not self.check_only:
+            runner.cpu_memory(rows, lambda impl, sizes: runner.cpu_peak_bytes(impl, sizes, self.dtype, self.preset,
+                                                                             self.seed),
+                              lambda r: (r["tokens"], r["V"]), lambda r: f"{r['tokens']}x{r['V']}",
+                              select=lambda r: "time_ms" in r, progress=self.progress)  # not the interpreter's
+        load = runner.load_record(load_before, runner.load_snapshot())
+        self._ratios(rows, load)
+        out = dict(rows=rows, traffic=traffic, device=self.device, preset=self.preset,
+                   dtype=str(self.dtype).replace("torch.", ""), modes=list(self.modes), repeats=self.repeats,
+                   warmup=self.warmup, timing="interleaved rounds", rule=runner.RULE, load=load,
+                   sizes=[list(s) for s in self.sizes])
+        if self.device == "cuda" and not self.check_only:
+            out["copy_bandwidth_GBps"] = self._copy_bandwidth()
+            self._bandwidth(rows, out["copy_bandwidth_GBps"])
+        return out
+
+    def _size(self, runs, native, tokens, V):
+        """The rows of one size: every implementation checked, then the checked ones timed together."""
+        inp = make_inputs(tokens, V, dtype=self.dtype, device=self.device, seed=self.seed, config=self.cfg)
+        by, ok = {}, {}
+        for impl in native:
+            run = runs[impl]
+            if isinstance(run, Exception):
+                self.progress(f"{impl} {tokens}x{V}: unavailable ({run})")
+                by[impl] = self._row(impl, tokens, V, "unavailable", note=str(run))
+                continue
+            self.progress(f"{impl} {tokens}x{V}: check")
+            by[impl] = self._row(impl, tokens, V, **self._measure(impl, run, inp))
+            if by[impl]["status"] == "ok" and not self.check_only:
+                ok[impl] = run
+        if ok:
+            self.progress(f"{tokens}x{V}: timing {', '.join(ok)} in interleaved rounds "
+                          f"({self.warmup} warm-up + {self.repeats})")
+            steps = {(impl, m): fn for impl, run in ok.items() for m, fn in runner.step_fns(run, inp, self.modes).items()}
+
+            def failed(key, e):
+                by[key[0]].update(status="oom" if runner.is_oom(e) else "error",
+                                  note=f"while timed: {type(e).__name__}: {str(e)[:200]}")
+            ts = runner.interleaved(steps, self.repeats, self.warmup, self.device, on_error=failed)
+            for impl in ok:
+                rounds = runner.mode_times({m: t for (i, m), t in ts.items() if i == impl}, self.modes)
+                if rounds and by[impl]["status"] == "ok":
+                    by[impl].update(rounds_ms=rounds, time_ms={m: runner.summary(t)["median"] for m, t in rounds.items()},
+                                    time_range_ms={m: [min(t), max(t)] for m, t in rounds.items()})
+        del inp
+        gc.collect()
+        return [by[i] for i in native]
+
+    def _traffic_rows(self, rows, runs, interp):
+        """The interpreter's byte count (and, on the CPU, the Triton row it checks); None when not run."""
         traffic = None
         if "triton" in self.impls and interp and isinstance(runs["triton"], Exception):
             rows.append(self._row("triton", *(self.traffic_size or self.sizes[0]), "unavailable",
@@ -109,16 +145,7 @@ class Suite:
             for r in rows:
                 if r["impl"] == "triton" and r["status"] == "ok":
                     r["traffic"] = traffic["ratios"]
-        if self.memory and self.device == "cpu" and not self.check_only:
-            self._cpu_memory(rows)
-        self._ratios(rows)
-        out = dict(rows=rows, traffic=traffic, device=self.device, preset=self.preset,
-                   dtype=str(self.dtype).replace("torch.", ""), modes=list(self.modes), repeats=self.repeats,
-                   sizes=[list(s) for s in self.sizes])
-        if self.device == "cuda" and not self.check_only:
-            out["copy_bandwidth_GBps"] = self._copy_bandwidth()
-            self._bandwidth(rows, out["copy_bandwidth_GBps"])
-        return out
+        return traffic
 
     def _traffic(self, interpreted_run=None):
         """Bytes moved by our kernels at the traffic size (in the interpreter; a child process when this
@@ -140,29 +167,18 @@ class Suite:
             f["saved_bytes_per_token"] = runner.saved_bytes(interpreted_run, inp) / inp.tokens
         return res, self._row("triton", tokens, V, **f)
 
-    def _cpu_memory(self, rows):
-        by_impl = {}
-        for r in rows:
-            if r["status"] == "ok" and "time_ms" in r:  # not the interpreter's
-                by_impl.setdefault(r["impl"], []).append((r["tokens"], r["V"]))
-        for impl, sizes in by_impl.items():
-            self.progress(f"peak memory of {impl} (fresh process, {len(sizes)} sizes)")
-            res = runner.cpu_peak_bytes(impl, sizes, self.dtype, self.preset, self.seed)
-            for r in rows:
-                if r["impl"] == impl and r["status"] == "ok":
-                    v = res.get(f"{r['tokens']}x{r['V']}", res.get("error"))
-                    if isinstance(v, int):
-                        r["peak_bytes"] = v
-                    else:
-                        r["peak_note"] = v
-
     @staticmethod
-    def _ratios(rows):
-        eager = {(r["tokens"], r["V"]): r for r in rows if r["impl"] == "eager" and "time_ms" in r}
+    def _ratios(rows, load):
+        """vs_eager: per mode, each round's time over eager's in the same round, summarized (median, range),
+        with 'unreliable' set by bench.runner's rule."""
+        eager = {(r["tokens"], r["V"]): r for r in rows if r["impl"] == "eager" and "rounds_ms" in r}
         for r in rows:
             e = eager.get((r["tokens"], r["V"]))
-            if e and "time_ms" in r:
-                r["vs_eager"] = {m: r["time_ms"][m] / e["time_ms"][m] for m in r["time_ms"] if m in e["time_ms"]}
+            if e and "rounds_ms" in r:
+                r["vs_eager"] = {m: runner.per_round_ratio(t, e["rounds_ms"][m]) for m, t in r["rounds_ms"].items()
+                                 if m in e["rounds_ms"]}
+                for v in r["vs_eager"].values():
+                    v["unreliable"] = runner.unreliable(v, load)
 
     def _copy_bandwidth(self):
         import triton.testing

@@ -206,7 +206,8 @@ def plot(result, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="GTPO vs GRPO on a toy task with a fixed answer format",
+    p = argparse.ArgumentParser(prog="python examples/toy_rl.py",
+                                description="GTPO vs GRPO on a toy task with a fixed answer format (CPU)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="RL steps per arm")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="one run per seed and arm")
@@ -218,7 +219,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--out", default="toy_rl_out",
                    help="folder for toy_rl.json and toy_rl.png, relative to the current directory")
-    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines, only the summary")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # tiny ops: one thread is fastest, and steady on a busy machine
     out = Path(args.out)

@@ -51,7 +51,7 @@ def main():
     class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
+    p = argparse.ArgumentParser(prog="python examples/train_loop.py", description=__doc__, formatter_class=Help)
     p.add_argument("--steps", type=int, default=20, help="training steps (one batch each)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (P)")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")

@@ -77,8 +77,9 @@ def test_python_m_bench_smoke():
                 for n in names if os.path.exists(os.path.join(ROOT, n))}
 
     before = tracked_bench_files()
-    cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--tokens", "64", "--vocab", "1000",
-           "--impls", "triton,torch,eager,liger", "--repeats", "1", "--traffic-size", "64x1000", "--no-aot"]
+    cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--suite", "logits", "--tokens", "64", "--vocab", "1000",
+           "--impls", "triton,torch,eager,liger", "--repeats", "2", "--warmup", "1", "--traffic-size", "64x1000",
+           "--no-aot", "--modes", "full,fwd,bwd"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, TRITON_INTERPRET="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -98,6 +99,21 @@ def test_python_m_bench_smoke():
     assert by[("eager", 64)]["status"] == "ok" and by[("eager", 64)]["peak_bytes"] > 0
     assert by[("torch", 64)]["saved_bytes_per_token"] < by[("eager", 64)]["saved_bytes_per_token"]
     assert by[("triton", 64)]["status"] == "ok" and "time_ms" not in by[("triton", 64)]  # interpreted
+    # interleaved rounds: every figure a median with its range, ratios per round, the load recorded
+    assert doc["repeats"] == 2 and doc["timing"] == "interleaved rounds" and doc["rule"]
+    assert set(doc["load"]) >= {"cores", "before", "after", "loaded"} and len(doc["load"]["before"]) == 3
+    for impl in ("torch", "eager"):
+        r = by[(impl, 64)]
+        assert all(len(r["rounds_ms"][m]) == 2 for m in ("full", "fwd", "bwd")), r["rounds_ms"]
+        assert r["rounds_ms"]["bwd"] == [a - b for a, b in zip(r["rounds_ms"]["full"], r["rounds_ms"]["fwd"])]
+        assert r["time_range_ms"]["full"][0] <= r["time_ms"]["full"] <= r["time_range_ms"]["full"][1]
+        assert r["time_ms"]["fwd"] <= r["time_range_ms"]["full"][1]  # forward alone within fwd+bwd's range
+        assert {"median", "min", "max", "spread", "unreliable"} <= set(r["vs_eager"]["full"])
+    assert by[("eager", 64)]["vs_eager"]["full"]["median"] == 1.0
+    assert "fwd+bwd vs eager (per round)" in p.stdout and "load average (1 min)" in p.stdout
+    from bench import readme_numbers
+    rendered = readme_numbers.render_logits(doc, rel)
+    assert "| gtpo-kernels torch | 64 x 1000 |" in rendered and "interleaved" in rendered
     bad = subprocess.run([sys.executable, "-m", "bench", "--save", "--out", "x"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "not both" in bad.stderr
@@ -120,11 +136,11 @@ def test_linear_suite_smoke(tmp_path):
     LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32 inputs: against each other and the float64 evaluation
     cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--suite", "linear", "--linear-size", "256,64,1000",
            "--linear-tile", "0.25", "--repeats", "1", "--linear-warmup", "0", "--out", str(tmp_path)]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((tmp_path / "latest-linear-cpu.json").read_text())
     assert {"date", "commit", "machine", "versions", "rows", "suite", "device", "dtype", "preset", "tile_bytes",
-            "threads", "load_average_before", "load_average_after", "tolerance"} <= set(doc)
+            "threads", "load", "rule", "timing", "tolerance"} <= set(doc)
     assert doc["suite"] == "linear" and doc["dtype"] == "float32" and doc["preset"] == "grpo"
     by = {r["impl"]: r for r in doc["rows"]}
     assert set(by) == set(PROVIDERS)
@@ -138,10 +154,12 @@ def test_linear_suite_smoke(tmp_path):
         r = by[i]
         assert r["errors"]["loss"] <= LOSS_TOL and max(r["errors"]["grad_hidden"], r["errors"]["grad_weight"]) \
             <= GRAD_TOL, (i, r["errors"])
-        assert r["time_ms"]["full"] > 0 and len(r["times_ms"]) == 1, i
+        assert r["time_ms"]["full"] > 0 and len(r["times_ms"]) == 1 and r["time_range_ms"]["full"], i
         assert r["peak_bytes"] > 0 and r["peak_vs_trl"] > 0, (i, r.get("peak_note"))
         assert "vs_trl" in r and (r["N"], r["D"], r["V"]) == (256, 64, 1000), i
-    assert by["trl"]["vs_trl"]["full"] == 1.0 and by["trl"]["peak_vs_trl"] == 1.0
+    assert by["trl"]["vs_trl"]["full"]["median"] == 1.0 and by["trl"]["peak_vs_trl"] == 1.0
+    from bench import readme_numbers
+    assert "| linear_gtpo_loss fused | 256 x 64 x 1000 |" in readme_numbers.render_linear(doc, "x.json")
     # several tiles: 0.25 MiB of float32 logits at V = 1000 is 65 tokens for ours, 277 columns for TRL
     assert by["fused"]["tile"] == "tiles of 65 tokens x 1000", by["fused"]["tile"]
     assert by["trl"]["tile"].endswith(" x 277"), by["trl"]["tile"]
@@ -151,3 +169,71 @@ def test_linear_suite_smoke(tmp_path):
     except ImportError:
         return
     assert (tmp_path / "linear-cpu-float32-time.png").exists() and (tmp_path / "linear-cpu-float32-memory.png").exists()
+
+
+# ---- the timing machinery (no benchmark runs) ---------------------------------------------------
+
+def test_interleaved_rounds_order_warmup_and_errors():
+    """Rounds run every step once in order (A, B, C, A, B, C); warm-up rounds are not recorded; a step
+    that raises is dropped and reported, the others go on."""
+    from bench.runner import interleaved
+    calls, failed = [], []
+
+    def step(name, fail=False):
+        def fn():
+            calls.append(name)
+            if fail and calls.count(name) == 2:
+                raise RuntimeError("boom")
+        return fn
+    ts = interleaved({"A": step("A"), "B": step("B", fail=True), "C": step("C")}, rounds=3, warmup=1,
+                     on_error=lambda k, e: failed.append((k, str(e))))
+    assert calls == ["A", "B", "C", "A", "B", "C", "A", "C", "A", "C"]
+    assert set(ts) == {"A", "C"} and all(len(t) == 3 and min(t) >= 0 for t in ts.values())
+    assert failed == [("B", "boom")]
+
+
+def test_per_round_ratios_and_the_unreliable_rule():
+    """Ratios are taken round by round (a load spike in one round hits both sides), then summarized; the
+    rule flags a range above 25% of the median, or a run whose load exceeded half the cores."""
+    from bench import runner
+    a, b = [10.0, 30.0, 11.0, 10.5, 10.0], [20.0, 60.0, 22.0, 21.0, 20.0]
+    r = runner.per_round_ratio(a, b)
+    assert r["median"] == 0.5 and r["min"] == r["max"] == 0.5 and r["spread"] == 0.0
+    quiet = runner.load_record(dict(load_average=[0.2, 0, 0], cores=2), dict(load_average=[0.9, 0, 0], cores=2))
+    busy = runner.load_record(dict(load_average=[0.2, 0, 0], cores=2), dict(load_average=[1.1, 0, 0], cores=2))
+    assert not quiet["loaded"] and busy["loaded"] and busy["limit"] == 1.0
+    assert not runner.unreliable(r, quiet) and runner.unreliable(r, busy)
+    wide = runner.per_round_ratio([1.0, 1.3, 1.0], [1.0, 1.0, 1.0])
+    assert abs(wide["spread"] - 0.3) < 1e-12 and runner.unreliable(wide, quiet)
+    assert runner.mode_times({"full": [5.0, 6.0], "fwd": [2.0, 2.5]}, ("full", "bwd")) == \
+        {"full": [5.0, 6.0], "bwd": [3.0, 3.5]}
+
+
+def test_parallel_summary_and_tables():
+    """The parallel suite's result from its ranks' rounds: per-round speed-ups, the load, the tables."""
+    from bench import parallel, readme_numbers
+    from bench.runner import load_record
+    rounds = {"2 ranks": [100.0, 110.0, 300.0], "1 rank": [200.0, 220.0, 600.0], "1 rank, 2 threads": [100.0] * 3}
+    ranks = [dict(all_reduce_bytes=32 * 64, all_gather_bytes=72, rounds_ms=rounds, loss_rel_err=1e-7,
+                  grad_rel_err=2e-7, grad_norm=1.0), dict(all_reduce_bytes=32 * 64, all_gather_bytes=72,
+                                                          rounds_ms={}, loss_rel_err=0, grad_rel_err=0, grad_norm=1.0)]
+    load = load_record(dict(load_average=[0.1, 0, 0], cores=2), dict(load_average=[0.2, 0, 0], cores=2))
+    res = parallel.summarize(ranks, 64, 1000, 3, 1, load)
+    sp = res["speedup_of_ranks_over"]
+    assert sp["1 rank"]["median"] == 2.0 and sp["1 rank"]["spread"] == 0 and not sp["1 rank"]["unreliable"]
+    assert sp["1 rank, 2 threads"]["min"] == 1 / 3 and sp["1 rank, 2 threads"]["unreliable"]
+    assert res["time"]["2 ranks"]["median"] == 110.0 and res["bytes"]["ours_per_token"] == 32
+    assert "2 ranks vs 1 rank: 2.00x (2.00-2.00) faster" in parallel.table(res)
+    res.update(date="2026-12-03T00:00:00", commit="abcdef0", machine=dict(cpu="x", cpu_count=2))
+    md = readme_numbers.render_parallel(res, "p.json")
+    assert "| V=32000 fp32 | 128,000 | 32 | 4,000x |" in md and "| 2 ranks | 1 | 110.0 (100.0-300.0) |" in md
+
+
+def test_missing_peers_say_how_to_get_them(monkeypatch):
+    import importlib.util
+
+    from bench import providers
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "trl" else real(n, *a))
+    lines = providers.missing_peers()
+    assert len(lines) == 1 and lines[0].startswith("TRL") and 'pip install -e ".[bench]"' in lines[0]

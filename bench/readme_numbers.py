@@ -1,0 +1,225 @@
+"""The README's benchmark tables, rendered from the committed JSON under bench/results/.
+
+Each table the README quotes sits between two markers that name its JSON:
+
+    <!-- bench:logits bench/results/latest-cpu.json -->
+    ...the table, as render() writes it from that file...
+    <!-- /bench:logits -->
+
+`tests/test_readme_numbers.py` fails when a table and its JSON disagree (drift), when a JSON a table
+names is missing, or when a table is not rendered from its file. A table whose JSON has not been measured
+yet holds one line, PLACEHOLDER, instead.
+
+    python -m bench.readme_numbers                # check: exit 1 and say which table drifted
+    python -m bench.readme_numbers --write        # rewrite the README's tables from the JSON
+    python -m bench.readme_numbers --run          # measure every table's JSON (--save), then --write
+    python -m bench.readme_numbers --run --out bench/results/loaded   # measure into another folder only
+
+--run runs, one after the other (about 10 minutes on an idle 2-core CPU):
+    python -m bench --suite logits --no-aot --save                                  # bench:logits
+    python -m bench --suite linear --linear-size 4096,1024,32000 --threads 2 --save # bench:linear
+    python -m bench --suite parallel --save                                         # bench:parallel
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+PLACEHOLDER = "Not measured yet: `python -m bench.readme_numbers --run` writes this table."
+BLOCK = re.compile(r"<!-- bench:(\w+) (\S+) -->\n(.*?)<!-- /bench:\1 -->", re.S)
+COMMANDS = {
+    "logits": ["--suite", "logits", "--no-aot"],
+    "linear": ["--suite", "linear", "--linear-size", "4096,1024,32000", "--threads", "2"],
+    "parallel": ["--suite", "parallel"],
+}
+
+
+def _mib(b):
+    return f"{b / 2**20:,.0f} MiB" if b >= 2**20 else f"{b / 2**10:,.0f} KiB"
+
+
+def _range(med, lo_hi, fmt="{:.1f}"):
+    return fmt.format(med) + (f" ({fmt.format(lo_hi[0])}-{fmt.format(lo_hi[1])})" if lo_hi else "")
+
+
+def _ratio(v, load=None):
+    """ratio_cell of a per-round summary, its '!' decided by bench.runner's rule when the JSON predates it."""
+    from .report import ratio_cell
+    from .runner import unreliable
+    if isinstance(v, dict) and "unreliable" not in v:
+        v = dict(v, spread=(v["max"] - v["min"]) / abs(v["median"]))
+        v["unreliable"] = unreliable(v, load)
+    return ratio_cell(v)
+
+
+def load_of(doc):
+    """The doc's `load` record; built from the older load_average_before/after fields when absent."""
+    if doc.get("load") or "load_average_before" not in doc:
+        return doc.get("load")
+    from .runner import load_record
+    cores = doc.get("machine", {}).get("cpu_count") or 1
+    return load_record(dict(load_average=doc["load_average_before"], cores=cores),
+                       dict(load_average=doc["load_average_after"], cores=cores))
+
+
+def provenance(doc, path):
+    """One line: the file, its date, commit, machine and load."""
+    m, load = doc.get("machine", {}), load_of(doc)
+    where = f"{m.get('cpu', '?')}, {m.get('cpu_count', '?')} cores"
+    if "gpu" in m:
+        where = f"{m['gpu']}, {where}"
+    if load:
+        ld = (f"load average {load['before'][0]:.2f} before, {load['after'][0]:.2f} after"
+              + (" (above half the cores: every ratio unreliable)" if load["loaded"] else ""))
+    else:
+        ld = "load not recorded"
+    commit = (doc.get("commit") or "?")[:7] + ("+dirty" if (doc.get("commit") or "").endswith("+dirty") else "")
+    rounds = f"{doc.get('repeats', '?')} rounds" + (", interleaved" if doc.get("timing") else "")
+    return f"From `{path}`: {doc['date'][:10]}, commit {commit}, {where}, {ld}; {rounds}."
+
+
+def _markdown(head, lines):
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(c) + " |" for c in lines])
+
+
+def _footer(doc, lines):
+    from .runner import RULE
+    flagged = any(c.endswith(" !") for row in lines for c in row)
+    return ["", f"{doc.get('rule', RULE)}."] if flagged else []
+
+
+def render_logits(doc, path):
+    head = ["implementation", "tokens x V", "fwd+bwd ms (min-max)", "fwd ms (min-max)",
+            "fwd+bwd vs eager (per round)", "peak above inputs", "saved for backward"]
+    lines = []
+    for r in doc["rows"]:
+        if r["status"] != "ok" or "time_ms" not in r:
+            continue
+        rg = r.get("time_range_ms", {})
+        lines.append([r["label"], f"{r['tokens']} x {r['V']}", _range(r["time_ms"]["full"], rg.get("full")),
+                      _range(r["time_ms"]["fwd"], rg.get("fwd")) if "fwd" in r["time_ms"] else "-",
+                      _ratio(r.get("vs_eager", {}).get("full"), load_of(doc)),
+                      _mib(r["peak_bytes"]) if "peak_bytes" in r else "-",
+                      f"{r['saved_bytes_per_token']:,.0f} B/token"])
+    out = [provenance(doc, path), "", _markdown(head, lines)] + _footer(doc, lines)
+    t = doc.get("traffic")
+    if t:
+        r = t["ratios"]
+        out.append("")
+        out.append(f"Bytes moved by the Triton kernels (counted in the interpreter at {t['tokens']} x {t['V']} "
+                   f"{t['dtype']}) over the ideal: forward read {r['fwd_read']:.4f}, backward read "
+                   f"{r['bwd_read']:.4f}, backward write {r['bwd_write']:.4f}.")
+    return "\n".join(x for x in out if x is not None) + "\n"
+
+
+def render_linear(doc, path):
+    head = ["implementation", "N x D x V", "fwd+bwd s (min-max)", "time vs TRL (per round)",
+            "peak above inputs and gradients", "peak vs TRL"]
+    lines = []
+    for r in doc["rows"]:
+        if r["status"] != "ok" or not r.get("times_ms"):
+            continue
+        ts = [t / 1e3 for t in r["times_ms"]]
+        v = r.get("vs_trl", {})
+        v = v.get("full") if isinstance(v.get("full"), dict) else (  # before interleaved rounds were recorded
+            dict(median=v["per_round_median"], min=v["per_round_min"], max=v["per_round_max"]) if v else None)
+        lines.append([r["label"], f"{r['N']} x {r['D']} x {r['V']}",
+                      _range(r["time_ms"]["full"] / 1e3, (min(ts), max(ts)), "{:.2f}"), _ratio(v, load_of(doc)),
+                      _mib(r["peak_bytes"]) if "peak_bytes" in r else "-",
+                      f"{r['peak_vs_trl']:.2f}x" if "peak_vs_trl" in r else "-"])
+    out = [provenance(doc, path), "", _markdown(head, lines)] + _footer(doc, lines)
+    return "\n".join(x for x in out if x is not None) + "\n"
+
+
+def render_parallel(doc, path):
+    b = doc["bytes"]
+    bytes_rows = [[r["label"], f"{r['allgather_per_token']:,}", f"{r['ours_per_token']:.0f}", f"{r['ratio']:,.0f}x"]
+                  for r in b["rows"]]
+    time_rows = [[k, str(t["threads"]), _range(t["median"], (t["min"], t["max"]))] for k, t in doc["time"].items()]
+    speed = "; ".join(f"{doc['world']} ranks over {k}: {_ratio(v)}" for k, v in doc["speedup_of_ranks_over"].items())
+    out = [provenance(doc, path), "",
+           _markdown(["logits", "all-gather bytes per token", "ours", "ratio"], bytes_rows), "",
+           f"Plus one shape check of {b['shape_check_bytes_per_call']} bytes per call. Forward + backward, "
+           f"{doc['tokens']} tokens x V = {doc['V']} {doc['dtype']}:", "",
+           _markdown(["run", "threads per rank", "ms (min-max)"], time_rows), "",
+           f"Speed-up per round: {speed}. The {doc['world']}-rank loss and gradient slices are within "
+           f"{doc['max_rel_err']:.1e} of one process."] + _footer(doc, [[c] for c in speed.split("; ")])
+    return "\n".join(x for x in out if x is not None) + "\n"
+
+
+RENDER = {"logits": render_logits, "linear": render_linear, "parallel": render_parallel}
+
+
+def blocks(text):
+    """[(name, json path, body)] of the README's marked tables."""
+    return [(m.group(1), m.group(2), m.group(3)) for m in BLOCK.finditer(text)]
+
+
+def expected(name, path):
+    """The body a table should hold: rendered from its JSON, or PLACEHOLDER when there is no file yet."""
+    full = os.path.join(ROOT, path)
+    if not os.path.exists(full):
+        return PLACEHOLDER + "\n"
+    with open(full) as f:
+        return RENDER[name](json.load(f), path)
+
+
+def drift(text):
+    """Problems: a table that differs from its JSON's rendering, an unknown table name."""
+    out = []
+    for name, path, body in blocks(text):
+        if name not in RENDER:
+            out.append(f"bench:{name}: no renderer (expected one of {sorted(RENDER)})")
+        elif body != expected(name, path):
+            out.append(f"bench:{name}: the README's table differs from {path} "
+                       f"(python -m bench.readme_numbers --write rewrites it)")
+    return out
+
+
+def write(text):
+    return BLOCK.sub(lambda m: f"<!-- bench:{m.group(1)} {m.group(2)} -->\n{expected(m.group(1), m.group(2))}"
+                               f"<!-- /bench:{m.group(1)} -->", text)
+
+
+def run(out=None):
+    """Measures every table's JSON, one suite after the other (into bench/results/, or `out`)."""
+    for name, args in COMMANDS.items():
+        cmd = [sys.executable, "-m", "bench", *args, *(["--out", out] if out else ["--save"])]
+        print("$ " + " ".join(["python"] + cmd[1:]), flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.readme_numbers", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--write", action="store_true", help="rewrite the README's tables from their JSON")
+    ap.add_argument("--run", action="store_true",
+                    help="measure every table's JSON into bench/results/ (--save), then rewrite the tables")
+    ap.add_argument("--out", default=None,
+                    help="with --run: measure into this folder instead, and leave the README as it is")
+    a = ap.parse_args(argv)
+    if a.run:
+        run(a.out)
+        if a.out:
+            return 0
+    with open(README) as f:
+        text = f.read()
+    if a.write or a.run:
+        with open(README, "w") as f:
+            f.write(write(text))
+        print(f"rewrote {len(blocks(text))} tables in README.md")
+        return 0
+    problems = drift(text)
+    print("\n".join(problems) or f"README.md: {len(blocks(text))} tables match their JSON")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
