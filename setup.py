@@ -13,7 +13,7 @@ setup(
     # triton: tested with 3.6 (CUDA) and 3.8 (CPU interpreter, with numpy 2.4)
     install_requires=["torch>=2.4", "triton>=3.6,<3.9; platform_system=='Linux'"],
     extras_require={
-        "test": ["pytest", "hypothesis", "numpy"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "numpy"],
         # what `python -m bench` compares against: TRL's fused LM head (linear suite), Liger-Kernel
         "bench": ["matplotlib>=3.8", "numpy", "trl>=1.14,<1.17", "transformers>=5.24,<6", "liger-kernel>=0.8.5,<0.9"],
         "trl": ["trl>=1.14,<1.17", "transformers>=5.24,<6"],

@@ -7,6 +7,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+# one thread per pytest-xdist worker (`-n auto` starts one worker per core): no oversubscription
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 settings.register_profile(
     "ci", max_examples=50, derandomize=True, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtpo_reference as ref
 from batches import cases
-from conftest import assert_grad_close, assert_value_close
+from conftest import assert_grad_close, assert_value_close, examples
 from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss, token_logprobs
 
 BACKENDS = ["triton", "torch"]
@@ -189,6 +189,7 @@ def _pack(case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@settings(max_examples=examples(20))  # CI time: nightly runs 200
 @given(case=cases(), agg=st.sampled_from(["seq-mean-token-mean", "token-mean", "gtpo-official",
                                           "seq-mean-token-sum-norm", "none"]))
 def test_packed_equals_padded(backend, case, agg):

@@ -7,12 +7,12 @@ import os
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import gtpo_reference as ref
 from batches import DTYPES, cases, cases_and_configs, completion_entropies, reference_logps
-from conftest import TOL, assert_grad_close, assert_value_close
+from conftest import TOL, assert_grad_close, assert_value_close, examples
 from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss, token_logprobs
 from gtpo_kernels.kernels import dispatch, ops, vocab_torch, vocab_triton
 
@@ -168,6 +168,7 @@ def _transformed(z, scale, softcap):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=examples(15))  # CI time: nightly runs 150
 @given(seed=st.integers(0, 2**20), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
        transform=st.sampled_from([(0.6, None), (1.0, 4.0), (2.5, 3.0)]), tau=st.sampled_from([0.7, 1.3]),
        has_e=st.booleans(), inplace=st.booleans(), small=st.booleans())
@@ -220,6 +221,7 @@ def test_transforms_refuse_bad_values(scale, softcap, err):
         dispatch.vocab_fwd("torch", z, ids, torch.ones(3, dtype=torch.bool), 1.0, 0, scale, softcap)
 
 
+@settings(max_examples=examples(15))  # CI time: three passes per example; nightly runs 150
 @given(case=cases(), seed=st.integers(0, 1000))
 def test_invariances(case, seed):
     """Shift a row, permute the vocabulary with the ids, reorder completions inside a group."""
