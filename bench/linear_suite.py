@@ -114,7 +114,7 @@ class LinearSuite:
         return row
 
     def run(self):
-        load_before = runner.load_snapshot()
+        load_before = runner.load_snapshot(settle=True)
         makers = {}
         for impl in self.impls:
             try:

@@ -151,7 +151,7 @@ def run(tokens=1024, vocab=32000, repeats=5, warmup=1, sizes=SIZES):
 
     from .runner import load_record, load_snapshot
     world = 2
-    before = load_snapshot()
+    before = load_snapshot(settle=True)
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(world, os.path.join(d, "init"), d, tokens, vocab, repeats, warmup),
                  nprocs=world, join=True)

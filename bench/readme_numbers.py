@@ -76,7 +76,7 @@ def provenance(doc, path):
         where = f"{m['gpu']}, {where}"
     if load:
         ld = (f"load average {load['before'][0]:.2f} before, {load['after'][0]:.2f} after"
-              + (" (above half the cores: every ratio unreliable)" if load["loaded"] else ""))
+              + (" (other work shared the machine: every ratio unreliable)" if load["loaded"] else ""))
     else:
         ld = "load not recorded"
     commit = (doc.get("commit") or "?")[:7] + ("+dirty" if (doc.get("commit") or "").endswith("+dirty") else "")

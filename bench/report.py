@@ -38,8 +38,9 @@ def load_line(load):
         return "load average: not recorded."
     line = (f"load average (1 min) {load['before'][0]:.2f} before, {load['after'][0]:.2f} after, "
             f"{load['cores']} cores")
-    return line + (f": ABOVE {load['limit']:g}, every time ratio of this run is unreliable." if load["loaded"]
-                   else f" (limit {load['limit']:g}).")
+    limits = f"limits {load['limit']:g} before, {load.get('limit_after', load['limit']):g} after"
+    return line + (f": ABOVE the {limits}: other work shared the machine, every time ratio of this run is "
+                   f"unreliable." if load["loaded"] else f" ({limits}).")
 
 
 def _note(r):

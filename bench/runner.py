@@ -7,9 +7,11 @@
   way (`summary`, `per_round_ratio`). The logits suite times forward+backward and forward in the same
   round; backward is their difference in that round. On CUDA each sample is the mean of enough
   synchronized calls to last ~20 ms.
-- load: the load average and the core count, read before and after a suite (`load_snapshot`); a ratio is
-  flagged unreliable (`unreliable`) when its per-round range exceeds SPREAD_LIMIT of its median or the
-  1-minute load average exceeded LOAD_LIMIT x cores before or after the run.
+- load: the load average and the core count, read before and after a suite (`load_snapshot`; before, it
+  first waits up to SETTLE_S for an earlier run's load to decay); a ratio is flagged unreliable
+  (`unreliable`) when its per-round range exceeds SPREAD_LIMIT of its median, or when other work shared the
+  machine: the 1-minute load average exceeded LOAD_LIMIT x cores before the run, or (cores + LOAD_LIMIT x
+  cores) after it (the run itself keeps up to every core busy, so its own load is not held against it).
 - peak memory of one forward + backward above the inputs. CUDA: `max_memory_allocated` minus what was
   allocated before. CPU: a fresh subprocess per implementation (`child_peaks`) that, for each size, resets
   the kernel's high-water mark of its resident size (/proc/self/clear_refs) after a warm-up and reads
@@ -37,9 +39,12 @@ from .inputs import make_inputs
 MODES = ("fwd", "bwd", "full")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPREAD_LIMIT = 0.25  # a ratio whose per-round range (max - min) exceeds 25% of its median is unreliable
-LOAD_LIMIT = 0.5  # ... and every ratio of a run whose 1-minute load average exceeded 0.5 x cores
-RULE = (f"'!' = unreliable: the per-round range exceeds {SPREAD_LIMIT:.0%} of the median, or the 1-minute "
-        f"load average exceeded {LOAD_LIMIT:g} x cores before or after the run")
+LOAD_LIMIT = 0.5  # ... and every ratio of a run that shared the machine: 1-minute load above 0.5 x cores
+# before it, or above cores + 0.5 x cores after it (the run's own threads account for up to the cores)
+SETTLE_S = 60  # before a suite, wait up to this long for the load of an earlier run to decay
+RULE = (f"'!' = unreliable: the per-round range exceeds {SPREAD_LIMIT:.0%} of the median, or other work shared "
+        f"the machine (1-minute load average above {LOAD_LIMIT:g} x cores before the run, or above "
+        f"{1 + LOAD_LIMIT:g} x cores after it, the run's own threads counting for up to the cores)")
 CUDA_SAMPLE_S = 0.02  # on CUDA a sample is the mean of enough calls to last this long
 
 
@@ -62,17 +67,23 @@ def sync(device):
 
 # ---- timing: interleaved rounds, medians with their range, per-round ratios ------------------------
 
-def load_snapshot() -> dict:
-    """The 1, 5 and 15-minute load averages and the core count, now."""
-    return dict(load_average=[round(x, 2) for x in os.getloadavg()], cores=os.cpu_count())
+def load_snapshot(settle=False) -> dict:
+    """The 1, 5 and 15-minute load averages and the core count, now; settle: first wait up to SETTLE_S
+    for the 1-minute load to fall below LOAD_LIMIT x cores (an earlier suite's own load decaying)."""
+    cores = os.cpu_count()
+    deadline = time.monotonic() + (SETTLE_S if settle else 0)
+    while os.getloadavg()[0] > LOAD_LIMIT * cores and time.monotonic() < deadline:
+        time.sleep(2)
+    return dict(load_average=[round(x, 2) for x in os.getloadavg()], cores=cores)
 
 
 def load_record(before: dict, after: dict) -> dict:
-    """The JSON's `load` field: before and after a suite, and whether it exceeded LOAD_LIMIT x cores."""
+    """The JSON's `load` field: before and after a suite, and whether other work shared the machine
+    (before above LOAD_LIMIT x cores, or after above (1 + LOAD_LIMIT) x cores)."""
     cores = before["cores"]
-    peak = max(before["load_average"][0], after["load_average"][0])
+    loaded = before["load_average"][0] > LOAD_LIMIT * cores or after["load_average"][0] > (1 + LOAD_LIMIT) * cores
     return dict(cores=cores, before=before["load_average"], after=after["load_average"],
-                limit=LOAD_LIMIT * cores, loaded=peak > LOAD_LIMIT * cores)
+                limit=LOAD_LIMIT * cores, limit_after=(1 + LOAD_LIMIT) * cores, loaded=loaded)
 
 
 def summary(xs) -> dict:

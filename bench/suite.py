@@ -71,7 +71,7 @@ class Suite:
     def run(self):
         rows, runs = [], {}
         interp = self.device == "cpu"
-        load_before = runner.load_snapshot()
+        load_before = runner.load_snapshot(settle=True)
         for impl in self.impls:
             try:
                 runs[impl] = providers.make(impl, self.cfg, self.device)

@@ -5,9 +5,8 @@ frozen options one call runs with.
     z     = softcap * tanh(z_raw * scale / softcap)   (softcap optional), then / temperature
 
 The vocabulary kernels take `scale` and `softcap` and apply them to the values they load, in the
-forward and in the chain rule of the backward (which writes dL/dz_raw): the tile is then only touched
-by the GEMMs. With the vocabulary-parallel merge (whose forward does not pass them), `transform` and
-`chain` apply them in torch, in place.
+forward and in the chain rule of the backward (which writes dL/dz_raw over the tile): the tile is then
+only touched by the GEMMs, on one process and vocabulary-parallel alike.
 """
 from __future__ import annotations
 
@@ -45,27 +44,6 @@ class HeadOptions:
     fused: bool
     B: int
     vp: object = None
-
-    @property
-    def in_kernel(self) -> bool:
-        """Whether scale and softcap are applied inside the vocabulary kernels."""
-        return self.vp is None
-
-    def transform(self, z):
-        """In place: z_raw -> softcap(z_raw * scale) (the torch fallback of the kernels' transforms)."""
-        if self.scale != 1.0:
-            z.mul_(self.scale)
-        if self.softcap is not None:
-            torch.tanh(z.div_(self.softcap), out=z).mul_(self.softcap)
-        return z
-
-    def chain(self, gz, z):
-        """In place: dL/dz -> dL/dz_raw (gz), z the transformed tile (overwritten when softcapped)."""
-        if self.softcap is not None:  # d (c tanh(u / c)) / du = 1 - (z / c)^2
-            gz.mul_(z.div_(self.softcap).square_().neg_().add_(1.0))
-        if self.scale != 1.0:
-            gz.mul_(self.scale)
-        return gz
 
 
 _KEYS: dict = {}

@@ -76,7 +76,6 @@ class Workspace:
         V = t.weight.shape[0]
         dt, dev = t.weight.dtype, t.weight.device
         self.buf = torch.empty(rows * V, dtype=dt, device=dev)
-        self.gbuf = None if opts.in_kernel or opts.softcap is None else torch.empty_like(self.buf)
         self.ones = torch.ones(rows, dtype=torch.bool, device=dev)
 
     def project(self, h):
@@ -85,32 +84,23 @@ class Workspace:
         return project(h, self.t.weight, self.t.bias, z)
 
     def statistics(self, z, idx):
-        """(logp, H, stats, flags) of the tile's rows."""
+        """(logp, H, stats, flags) of the tile's rows; scale and softcap applied inside the kernels."""
         o, t, ones = self.o, self.t, self.ones[:z.shape[0]]
-        if o.in_kernel:
+        if o.vp is None:
             return dispatch.vocab_fwd(o.backend, z.unsqueeze(0), t.kernel_ids[idx], ones, t.temperature, 0,
                                       scale=o.scale, softcap=o.softcap)
-        o.transform(z)
-        if o.vp is None:
-            return dispatch.vocab_fwd(o.backend, z.unsqueeze(0), t.kernel_ids[idx], ones, t.temperature, 0)
         tile = types.SimpleNamespace(logits3=z.unsqueeze(0), counted=ones, logits_start=0, V=z.shape[-1],
                                      ids=t.ids[idx])  # the statistics merged over the vocabulary slices
-        return parallel.vp_forward(tile, t.kernel_ids[idx], t.temperature, o.backend, o.vp[0], o.vp[1])
+        return parallel.vp_forward(tile, t.kernel_ids[idx], t.temperature, o.backend, o.vp[0], o.vp[1],
+                                   scale=o.scale, softcap=o.softcap)
 
     def gradient(self, z, h, idx, st, en, c, e, grads):
         """dL/dz_raw of the tile written over z (the kernel's chain rule), then dL/dh, dL/dW, dL/db."""
         o, t = self.o, self.t
         z3 = z.unsqueeze(0)
-        if o.in_kernel:
-            dispatch.vocab_bwd(o.backend, z3, z3, t.kernel_ids[idx], st, en, c, e, t.temperature, 0,
-                               scale=o.scale, softcap=o.softcap)
-            gz = z
-        else:
-            gz = z if self.gbuf is None else self.gbuf[:z.numel()].view(z.shape)
-            dispatch.vocab_bwd(o.backend, z3, gz.unsqueeze(0), t.kernel_ids[idx], st, en, c, e,
-                               t.temperature, 0)
-            o.chain(gz, z)
-        grad_gemms(gz, h, idx, t.weight, grads)
+        dispatch.vocab_bwd(o.backend, z3, z3, t.kernel_ids[idx], st, en, c, e, t.temperature, 0,
+                           scale=o.scale, softcap=o.softcap)
+        grad_gemms(z, h, idx, t.weight, grads)
 
 
 def project(h, weight, bias, out):
@@ -201,7 +191,5 @@ def backward_tiles(opts, t, stats, ent, c, e, need):
         idx = rows[s:s + opts.per_tile]
         h = rows_of(t.hidden, idx)
         z = ws.project(h)
-        if not opts.in_kernel:
-            opts.transform(z)
         ws.gradient(z, h, idx, stats[idx], ent[idx], c[idx], None if e is None else e[idx], grads)
     return grads
