@@ -124,12 +124,13 @@ class LinearSuite:
         rows = []
         for size in self.sizes:
             rows += self._size(makers, *size)
+        load_after = runner.load_snapshot()  # right after the timing: the memory children below load the machine
         if self.memory and self.device == "cpu":  # after the timing: two children at a time
             runner.cpu_memory(rows, lambda impl, sizes: cpu_peak_bytes(impl, sizes, self.dtype, self.tile_bytes,
                                                                        self.seed, self.threads),
                               lambda r: (r["N"], r["D"], r["V"]), lambda r: size_key(r["N"], r["D"], r["V"]),
                               workers=2, progress=self.progress)
-        load = runner.load_record(load_before, runner.load_snapshot())
+        load = runner.load_record(load_before, load_after)
         self._ratios(rows, load)
         tol_loss, tol_grad = TOLERANCE[self.dtype]
         return dict(suite="linear", rows=rows, device=self.device, dtype=str(self.dtype).replace("torch.", ""),

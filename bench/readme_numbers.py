@@ -154,7 +154,43 @@ def render_parallel(doc, path):
     return "\n".join(x for x in out if x is not None) + "\n"
 
 
-RENDER = {"logits": render_logits, "linear": render_linear, "parallel": render_parallel}
+_DEVICE = {"sm_90": "H200", "sm_80": "A100 SXM", "sm_100": "B200", "gfx942": None}
+
+
+def _aot_cell(r):
+    unit = " VGPRs" if r["arch"].startswith("gfx") else ""
+    return f"{r['instr_per_elem']:.2f}, {r['regs']}{unit}"
+
+
+def _estimate(r):
+    if r.get("est_ms") is None:
+        return None
+    return f"{r['est_ms']:.3f} {'memory' if r['bound'] == 'mem' else r['bound']}-bound"
+
+
+def render_aot(doc, path):
+    """Our vocabulary kernels per architecture (bench.aot --save's aot-archs.json), bf16."""
+    ours = [r for r in doc if r["provider"] == "gtpo_kernels" and r["dtype"] == "bfloat16"]
+    lines = []
+    for arch, device in _DEVICE.items():
+        rs = [r for r in ours if r["arch"] == arch and r.get("device") in (device, None)]
+        if not rs:
+            continue
+        fwd = next(r for r in rs if r["kernel"] == "_vocab_fwd_kernel")
+        no_e = next(r for r in rs if r["kernel"] == "_vocab_bwd_kernel" and r["variant"] == "no E")
+        has_e = next(r for r in rs if r["kernel"] == "_vocab_bwd_kernel" and r["variant"] == "HAS_E")
+        spills = sum(sum(r["spill"]) if "spill" in r else r["spill_bytes"] for r in (fwd, no_e, has_e))
+        bars = max(r["bar_per_iter"] for r in (fwd, no_e, has_e))
+        est = (f"{_estimate(fwd)} / {_estimate(no_e)}" if _estimate(fwd) else "no estimate")
+        lines.append([f"{arch} ({device or 'MI300'})", _aot_cell(fwd), f"{_aot_cell(no_e)} / {_aot_cell(has_e)}",
+                      str(spills), str(bars), est])
+    head = ["arch (device)", "forward instr/elem, regs", "backward instr/elem, regs (no entropy / with)",
+            "spilled bytes", "barriers / iteration", "estimate fwd / bwd ms (static model)"]
+    return f"From `{path}` (`python -m bench.aot --save`), bf16, V = 151936, N = 16384:\n\n" + \
+        _markdown(head, lines) + "\n"
+
+
+RENDER = {"logits": render_logits, "linear": render_linear, "parallel": render_parallel, "aot": render_aot}
 
 
 def blocks(text):
@@ -212,8 +248,9 @@ def main(argv=None):
     with open(README) as f:
         text = f.read()
     if a.write or a.run:
+        new = write(text)  # rendered before the file is opened: an error leaves the README as it was
         with open(README, "w") as f:
-            f.write(write(text))
+            f.write(new)
         print(f"rewrote {len(blocks(text))} tables in README.md")
         return 0
     problems = drift(text)

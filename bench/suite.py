@@ -83,13 +83,14 @@ class Suite:
                 rows += [self._row(i, tokens, V, "skipped", note="time budget spent") for i in native]
                 continue
             rows += self._size(runs, native, tokens, V)
+        load_after = runner.load_snapshot()  # right after the timing: the memory children below load the machine
         traffic = self._traffic_rows(rows, runs, interp)
         if self.memory and self.device == "cpu" and not self.check_only:
             runner.cpu_memory(rows, lambda impl, sizes: runner.cpu_peak_bytes(impl, sizes, self.dtype, self.preset,
                                                                              self.seed),
                               lambda r: (r["tokens"], r["V"]), lambda r: f"{r['tokens']}x{r['V']}",
                               select=lambda r: "time_ms" in r, progress=self.progress)  # not the interpreter's
-        load = runner.load_record(load_before, runner.load_snapshot())
+        load = runner.load_record(load_before, load_after)
         self._ratios(rows, load)
         out = dict(rows=rows, traffic=traffic, device=self.device, preset=self.preset,
                    dtype=str(self.dtype).replace("torch.", ""), modes=list(self.modes), repeats=self.repeats,
