@@ -190,7 +190,20 @@ def render_aot(doc, path):
         _markdown(head, lines) + "\n"
 
 
-RENDER = {"logits": render_logits, "linear": render_linear, "parallel": render_parallel, "aot": render_aot}
+def render_head(doc, path):
+    """The fused head's accounting (bench.head_accounting --save), each cell 'before -> after' against
+    bench/results/head-accounting-before.json (the head before its rewrite) where that file exists."""
+    from .head_accounting import markdown
+    meta = doc["meta"]
+    before_path = os.path.join(ROOT, "bench", "results", "head-accounting-before.json")
+    before = json.load(open(before_path)) if os.path.exists(before_path) else None
+    line = (f"From `{path}`: {meta['date'][:10]}, commit {meta['commit'][:7]}{'+dirty' if meta.get('dirty') else ''}"
+            + (f"; 'a -> b' cells: before (commit {before['meta']['commit'][:7]}) -> now" if before else "") + ".")
+    return line + "\n\n" + markdown(doc, before) + "\n"
+
+
+RENDER = {"logits": render_logits, "linear": render_linear, "parallel": render_parallel, "aot": render_aot,
+          "head": render_head}
 
 
 def blocks(text):
