@@ -91,6 +91,9 @@ def parse_args(argv):
     ap.add_argument("--parallel-vocab", type=int, default=32000, help="vocabulary of the parallel suite")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads for this run and its memory child processes (default: torch's)")
+    ap.add_argument("--settle", type=float, default=60.0, metavar="SECONDS",
+                    help="before each suite, wait at most this long for an earlier run's load to decay "
+                         "(default 60; 0: start at once)")
     ap.add_argument("--save", action="store_true",
                     help="write the JSON and plots into bench/results/ (tracked: the record the README quotes)")
     ap.add_argument("--out", default=None,
@@ -125,13 +128,14 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if a.threads:
         torch.set_num_threads(a.threads)
-    from . import report
+    from . import report, runner
+    runner.SETTLE_S = a.settle
     t0 = time.perf_counter()
     status = 0
     if a.suite == "parallel":
         from . import parallel
         sys.exit(parallel.main(["--out", a.out, "--tokens", str(a.parallel_tokens), "--vocab", str(a.parallel_vocab),
-                                "--repeats", str(a.repeats or 5), "--warmup", str(min(a.warmup, 1))]))
+                                "--repeats", str(a.repeats or 5), "--warmup", str(min(a.warmup, 1)), "--settle", str(a.settle)]))
     if a.suite == "head":
         from . import head_accounting
         sys.exit(head_accounting.main(["--save"] if a.save else []))

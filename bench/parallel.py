@@ -216,9 +216,13 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (split in halves over 2 ranks)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
+    p.add_argument("--settle", type=float, default=60.0,
+                   help="seconds to wait at most for an earlier run's load to decay (0: start at once)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
                    help="folder for the JSON")
     a = p.parse_args(argv)
+    from . import runner
+    runner.SETTLE_S = a.settle
     res = run(a.tokens, a.vocab, a.repeats, a.warmup)
     print(table(res))
     from .report import write_json

@@ -79,7 +79,7 @@ def test_python_m_bench_smoke():
     before = tracked_bench_files()
     cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--suite", "logits", "--tokens", "64", "--vocab", "1000",
            "--impls", "triton,torch,eager,liger", "--repeats", "2", "--warmup", "1", "--traffic-size", "64x1000",
-           "--no-aot", "--modes", "full,fwd,bwd"]
+           "--no-aot", "--modes", "full,fwd,bwd", "--settle", "0"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, TRITON_INTERPRET="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -135,7 +135,7 @@ def test_linear_suite_smoke(tmp_path):
     from bench.linear import PROVIDERS
     LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32 inputs: against each other and the float64 evaluation
     cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--suite", "linear", "--linear-size", "256,64,1000",
-           "--linear-tile", "0.25", "--repeats", "1", "--linear-warmup", "0", "--out", str(tmp_path)]
+           "--linear-tile", "0.25", "--repeats", "1", "--linear-warmup", "0", "--settle", "0", "--out", str(tmp_path)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((tmp_path / "latest-linear-cpu.json").read_text())
@@ -239,6 +239,25 @@ def test_missing_peers_say_how_to_get_them(monkeypatch):
 
     from bench import providers
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "trl" else real(n, *a))
+    # TRL missing, Liger present, whatever this machine has installed
+    fake = {"trl": None, "liger_kernel": object()}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: fake[n] if n in fake else real(n, *a))
     lines = providers.missing_peers()
     assert len(lines) == 1 and lines[0].startswith("TRL") and 'pip install -e ".[bench]"' in lines[0]
+
+
+def test_settle_waits_for_the_load_to_fall_and_zero_does_not_wait(monkeypatch):
+    """--settle: before a suite the run waits (at most SETTLE_S) for an earlier run's 1-minute load to fall
+    below the limit; 0 starts at once, whatever the load (the test suite's own runs)."""
+    from bench import runner
+    loads = iter([9.0, 9.0, 0.1, 0.1, 0.1])
+    monkeypatch.setattr(runner.os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 2)
+    slept = []
+    monkeypatch.setattr(runner.time, "sleep", slept.append)
+    monkeypatch.setattr(runner, "SETTLE_S", 60)
+    snap = runner.load_snapshot(settle=True)
+    assert len(slept) == 2 and snap["load_average"][0] == 0.1
+    loads = iter([9.0, 9.0])
+    monkeypatch.setattr(runner, "SETTLE_S", 0)
+    assert runner.load_snapshot(settle=True)["load_average"][0] == 9.0 and len(slept) == 2

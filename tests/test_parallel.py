@@ -64,7 +64,10 @@ def _checks(rank, world, counter):
     errs = {}
     for backend in ("torch", "triton"):
         for packed in (False, True):
-            for name, cfg in CONFIGS.items():
+            for i, (name, cfg) in enumerate(CONFIGS.items()):
+                if world == 3 and (i + packed + (backend == "triton")) % 2:
+                    continue  # CI time: 3 ranks run half of the 16 (backend, form, preset) cases, each preset
+                    # once per backend and once per form; 2 ranks run all 16
                 x, ids, mask, adv, old, kw = _case(7, packed)
                 refl = old + 0.1 if cfg.beta > 0 else None
                 full = x.clone().requires_grad_()
