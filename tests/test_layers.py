@@ -87,3 +87,22 @@ def test_files_stay_small():
     """No file of the package over about 300 lines (the kernels' file included)."""
     big = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 330}
     assert not big, f"files over ~300 lines: {big}"
+
+
+def test_import_does_not_load_the_compiler():
+    """`import gtpo_kernels` does not import torch._dynamo (3 s of a 6 s import on this machine); the head's
+    options key carries the mark torch.compiler.assume_constant_result would give it."""
+    import subprocess
+    import sys
+
+    import torch
+
+    code = "import sys, gtpo_kernels; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", out
+    from gtpo_kernels.pipeline.head import options_key
+
+    def probe():
+        pass
+    marked = torch.compiler.assume_constant_result(probe)
+    assert vars(marked) and all(getattr(options_key, k, None) == v for k, v in vars(marked).items())
