@@ -28,6 +28,19 @@ class Case:
         return self.mask != 0
 
 
+def copy_template(ids, template, lengths, G, gen):
+    """In place: completion i (of group i // G, length L) copies a random prefix of its group's template
+    and a random suffix ending at L, so that completions of a group share tokens (conflict candidates)."""
+    T = ids.shape[1]
+    for i in range(ids.shape[0]):
+        g, L = i // G, int(lengths[i])
+        k1 = int(torch.randint(0, T + 1, (1,), generator=gen))
+        ids[i, :k1] = template[g, :k1]
+        k2 = min(int(torch.randint(0, T + 1, (1,), generator=gen)), L)
+        if k2:
+            ids[i, L - k2:L] = template[g, T - k2:]
+
+
 @st.composite
 def cases(draw, dtypes=(torch.float32,), max_V=70, max_T=6, max_rows=40, min_V=1, nonempty=False):
     """A batch; `nonempty=True`: at least one token counts (never an all-masked batch)."""
@@ -50,13 +63,7 @@ def cases(draw, dtypes=(torch.float32,), max_V=70, max_T=6, max_rows=40, min_V=1
     lengths = torch.randint(0, T + 1, (B,), generator=gen)
     if draw(st.booleans()):
         lengths = torch.full((B,), T)
-    for i in range(B):
-        g, L = i // G, int(lengths[i])
-        k1 = int(torch.randint(0, T + 1, (1,), generator=gen))
-        ids[i, :k1] = template[g, :k1]
-        k2 = min(int(torch.randint(0, T + 1, (1,), generator=gen)), L)
-        if k2:
-            ids[i, L - k2:L] = template[g, T - k2:]
+    copy_template(ids, template, lengths, G, gen)
     mask = torch.arange(T)[None, :] < lengths[:, None]
     if draw(st.booleans()):  # holes
         mask &= torch.rand(B, T, generator=gen) > 0.15

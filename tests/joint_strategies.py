@@ -10,6 +10,8 @@ import math
 import torch
 from hypothesis import strategies as st
 
+from batches import copy_template
+
 ENTRIES = ("logits", "linear", "logps", "token_adv")
 PRESETS = ("gtpo", "gtpo-official", "grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "gspo", "luspo", "vespo")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
@@ -189,13 +191,7 @@ def build_data(j: Joint) -> Data:
         lengths = torch.zeros(B, dtype=torch.long)
     elif torch.rand(1, generator=gen) < 0.4:
         lengths = torch.full((B,), T)
-    for i in range(B):
-        g, L = i // G, int(lengths[i])
-        k1 = int(torch.randint(0, T + 1, (1,), generator=gen))
-        ids[i, :k1] = template[g, :k1]
-        k2 = min(int(torch.randint(0, T + 1, (1,), generator=gen)), L)
-        if k2:
-            ids[i, L - k2:L] = template[g, T - k2:]
+    copy_template(ids, template, lengths, G, gen)
     inside = torch.arange(T)[None, :] < lengths[:, None]
     mask = inside.clone()
     if T > 1 and torch.rand(1, generator=gen) < 0.5:  # holes
