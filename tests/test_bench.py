@@ -130,12 +130,14 @@ def test_python_m_bench_smoke():
 def test_linear_suite_smoke(tmp_path):
     """`python -m bench --suite linear` at a tiny size with several tiles: every implementation of the loss
     from hidden states runs (Liger-Kernel's only when installed), all agree on the loss and the gradients
-    of hidden and weight, and the JSON has the fields the README and the plots read."""
+    of hidden and weight, and the JSON has the fields the README and the plots read. (Peak memory off: CI
+    time. The memory children run in test_python_m_bench_smoke; our head's and TRL's peaks are
+    checked by test_linear.py and test_integrations.py.)"""
     pytest.importorskip("trl.kernels")
     from bench.linear import PROVIDERS
     LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32 inputs: against each other and the float64 evaluation
     cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--suite", "linear", "--linear-size", "256,64,1000",
-           "--linear-tile", "0.25", "--repeats", "1", "--linear-warmup", "0", "--settle", "0", "--out", str(tmp_path)]
+           "--linear-tile", "0.25", "--repeats", "1", "--linear-warmup", "0", "--settle", "0", "--no-memory", "--out", str(tmp_path)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((tmp_path / "latest-linear-cpu.json").read_text())
@@ -155,9 +157,8 @@ def test_linear_suite_smoke(tmp_path):
         assert r["errors"]["loss"] <= LOSS_TOL and max(r["errors"]["grad_hidden"], r["errors"]["grad_weight"]) \
             <= GRAD_TOL, (i, r["errors"])
         assert r["time_ms"]["full"] > 0 and len(r["times_ms"]) == 1 and r["time_range_ms"]["full"], i
-        assert r["peak_bytes"] > 0 and r["peak_vs_trl"] > 0, (i, r.get("peak_note"))
         assert "vs_trl" in r and (r["N"], r["D"], r["V"]) == (256, 64, 1000), i
-    assert by["trl"]["vs_trl"]["full"]["median"] == 1.0 and by["trl"]["peak_vs_trl"] == 1.0
+    assert by["trl"]["vs_trl"]["full"]["median"] == 1.0
     from bench import readme_numbers
     assert "| linear_gtpo_loss fused | 256 x 64 x 1000 |" in readme_numbers.render_linear(doc, "x.json")
     # several tiles: 0.25 MiB of float32 logits at V = 1000 is 65 tokens for ours, 277 columns for TRL
@@ -168,7 +169,8 @@ def test_linear_suite_smoke(tmp_path):
         import matplotlib  # noqa: F401
     except ImportError:
         return
-    assert (tmp_path / "linear-cpu-float32-time.png").exists() and (tmp_path / "linear-cpu-float32-memory.png").exists()
+    assert (tmp_path / "linear-cpu-float32-time.png").exists()
+    assert not (tmp_path / "linear-cpu-float32-memory.png").exists()  # --no-memory: no peaks to plot
 
 
 # ---- the timing machinery (no benchmark runs) ---------------------------------------------------

@@ -79,6 +79,7 @@ def window(case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=examples(25))  # CI time: nightly runs 250
 @given(case=cases(dtypes=DTYPES + [torch.float64]), small=st.booleans())
 def test_token_logprobs_match_reference(backend, case, small):
     if backend == "triton" and case.logits.dtype == torch.float64:  # refused, not accumulated in float32
@@ -120,6 +121,7 @@ LOSS_DTYPES = {"triton": DTYPES, "torch": DTYPES + [torch.float64]}  # Triton re
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=examples(25))  # CI time: nightly runs 250
 @given(data=st.data(), old_noise=st.sampled_from([None, 0.05, 1.0]), small=st.booleans(),
        seed=st.integers(0, 1000))
 def test_loss_and_gradient_match_reference(backend, data, old_noise, small, seed):

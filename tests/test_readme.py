@@ -123,3 +123,13 @@ def test_readme_excerpts_are_in_their_files():
 def test_readme_outlines_compile():
     for marker, code in snippets("outline"):
         compile(code, "README outline", "exec")
+
+
+def test_ci_runs_the_readme_test_commands():
+    """The README's test commands (quick start's second, and verl's environment) are the lines .ci/run runs."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    ci = open(os.path.join(ROOT, ".ci", "run")).read().splitlines()
+    lines = [ln for ln in readme.splitlines() if ln.startswith("pip install") and "pytest" in ln]
+    assert len(lines) == 2 and any("[test,trl,demo]" in ln for ln in lines) and any("verl" in ln for ln in lines)
+    for ln in lines:
+        assert ln in ci, f"README's {ln!r} is not a line of .ci/run"
