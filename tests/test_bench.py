@@ -132,7 +132,7 @@ def test_linear_suite_smoke(tmp_path):
     from hidden states runs (Liger-Kernel's only when installed), all agree on the loss and the gradients
     of hidden and weight, and the JSON has the fields the README and the plots read. (Peak memory off: CI
     time. The memory children run in test_python_m_bench_smoke; our head's and TRL's peaks are
-    checked by test_linear.py and test_integrations.py.)"""
+    checked by test_linear.py and test_trl_models.py.)"""
     pytest.importorskip("trl.kernels")
     from bench.linear import PROVIDERS
     LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32 inputs: against each other and the float64 evaluation

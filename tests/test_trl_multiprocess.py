@@ -22,7 +22,8 @@ import traceback
 import pytest
 import torch
 
-from test_integrations import tiny_model, tiny_tokenizer
+import gtpo_kernels
+from trl_setup import needs_trl, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                                 reason="TRL is not installed: pip install 'gtpo-kernels[trl]'")
@@ -226,3 +227,77 @@ def test_trl_two_processes_equal_one(runs, loss_type):
     # the update is the gradient (SGD, lr 1, no clipping)
     assert _rel(-_flat(one["update"]), g1) < 1e-5
 
+
+# ---------------------------------------------------------------- TRL with several processes: conflict weights
+
+# TRL gives process r the rows r * B .. (r + 1) * B of the generation batch, padded to that process's
+# longest completion: 3 groups of 4 over 2 processes of 6 rows (group 1, rows 4..7, straddles them),
+# process 0 padded to T = 7, process 1 to T = 5
+_DP_G, _DP_B, _DP_T = 4, 6, (7, 5)
+
+
+def _dp_batch():
+    """The whole batch (12 completions, padded to 7) as TRL's keys, and the GTPOConfig."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 2 * _DP_B, max(_DP_T)
+    lens = torch.cat([torch.randint(1, T_r + 1, (_DP_B,), generator=g) for T_r in _DP_T])
+    lens[0], lens[_DP_B] = _DP_T  # each process's longest completion sets its padding
+    mask = (torch.arange(T) < lens[:, None]).long()
+    ids = torch.randint(3, 7, (B, T), generator=g) * mask  # a small vocabulary: many shared tokens; pad 0
+    tool_mask = torch.ones(B, T, dtype=torch.long)
+    tool_mask[5, 0] = tool_mask[6, 1] = 0  # tool-output tokens of the straddling group (not counted)
+    adv = torch.tensor([1., -1., .5, 0., 1., -1., -.5, 2., -1., 1., -2., .5])
+    cfg = gtpo_kernels.GTPOConfig.preset("gtpo", conflict_neg_weight=0.5)
+    return {"completion_ids": ids, "completion_mask": mask, "tool_mask": tool_mask, "advantages": adv}, cfg
+
+
+def _dp_conflict_worker(rank, init_file, out_dir):
+    """One process: the adapter's _gtpo_conflict_weights on a stand-in trainer with this process's slice."""
+    import traceback
+    from types import MethodType, SimpleNamespace
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        from gtpo_kernels.integrations.trl import GTPOTrainer
+        batch, cfg = _dp_batch()
+        rows, T = slice(rank * _DP_B, (rank + 1) * _DP_B), _DP_T[rank]
+        local = {k: (v[rows, :T] if v.dim() == 2 else v[rows]) for k, v in batch.items()}
+        stand_in = SimpleNamespace(accelerator=SimpleNamespace(num_processes=2, process_index=rank), gtpo_config=cfg)
+        lam, n_conf = MethodType(GTPOTrainer._gtpo_conflict_weights, stand_in)(local, _DP_G)
+        res = {"lam": lam, "n_conf": n_conf}
+    except Exception:
+        res = {"exception": traceback.format_exc()}
+    torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@needs_trl
+def test_trl_conflict_weights_across_two_processes(tmp_path):
+    """With 2 processes (gloo) the adapter's conflict weights, through conflict_weights(process_group=...),
+    equal one process's on the whole batch, row for row, with a group straddling the processes and each
+    process padded to its own T."""
+    import torch.multiprocessing as mp
+
+    from gtpo_kernels.integrations import trl  # noqa: F401  (imported here, the forked processes inherit it)
+    # fork, not spawn: a spawned process spends seconds importing TRL; the workers run one thread each
+    # (as DataLoader's forked workers) and no process group exists before the fork
+    mp.start_processes(_dp_conflict_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    batch, cfg = _dp_batch()
+    mask = batch["completion_mask"] * batch["tool_mask"]
+    lam_ref, n_ref = gtpo_kernels.conflict_weights(batch["completion_ids"], mask, batch["advantages"], _DP_G,
+                                                   config=cfg)
+    for rank in range(2):
+        res = torch.load(tmp_path / f"{rank}.pt")
+        assert "exception" not in res, f"rank {rank}:\n{res.get('exception')}"
+        rows, T = slice(rank * _DP_B, (rank + 1) * _DP_B), _DP_T[rank]
+        assert res["lam"].shape == (_DP_B, T) and res["n_conf"].shape == (_DP_B,)
+        assert torch.equal(res["lam"], lam_ref[rows, :T]), rank
+        assert torch.equal(res["n_conf"], n_ref[rows]), rank
+    # the straddling group's weights need both processes' rows: its halves alone give other weights
+    halves = gtpo_kernels.conflict_weights(batch["completion_ids"][4:8], mask[4:8], batch["advantages"][4:8], 2,
+                                           config=cfg)[0]
+    assert not torch.equal(halves, lam_ref[4:8])
+    assert len(set(lam_ref[mask.bool()].tolist())) == 3  # weights 2.0 and 0.5 on conflict tokens, 1.0 elsewhere

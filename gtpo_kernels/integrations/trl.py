@@ -90,11 +90,11 @@ tokens, TRL over all processes), and multimodal inputs.
 Memory: with the fused head neither the stock trainer (TRL 1.16's chunked LM head) nor this adapter
 holds the (B, T, V) logits; ours holds one tile of counted tokens at a time (at most TRL's tile) and
 the float32 weight-gradient accumulator. On the tiny test model (V = 32000, D = 32, 8 x 64 completion
-tokens, CPU) one step's peak is at most the stock trainer's (tests/test_integrations.py measures both).
+tokens, CPU) one step's peak is at most the stock trainer's (tests/test_trl_models.py measures both).
 `gtpo_head="logits"` holds the logits once plus their gradient, and no other tokens x vocabulary
 intermediate.
 
-Tested with trl 1.16.0 / transformers 5.24.0 (see tests/test_integrations.py: every loss type and the
+Tested with trl 1.16.0 / transformers 5.24.0 (see tests/test_trl_losses.py: every loss type and the
 options above against the stock trainer's loss and gradients).
 
 Layout: this module (the trainer and its config; re-exports `gtpo_config_from_args`, `TRL_LOSS_TYPES`),
