@@ -18,17 +18,7 @@ specialized, scale = 1 and no soft-cap unless --transforms), compiled with `trit
   constants are known, from the counts of its architecture (`roofline`): the largest of memory time,
   issue time and special-function time. None for gfx942 (no constants established here).
 
-Method of the loop count. cuobjdump prints one instruction per address; the main loop is the body of the
-backward branch (`BRA` to a lower address, not a self-branch) whose body holds a global load (LDG) and,
-of those, the longest. Its instructions (NOPs excluded, every path of a branch inside the body counted)
-are executed once per iteration by every thread, and one iteration covers BLOCK_V elements of the row
-over 32 * num_warps threads, so
-
-    instr_per_elem = body instructions / (BLOCK_V / (32 * num_warps))
-
-(BLOCK_V = 4096, 8 warps: 16 elements per thread per iteration). The elements per thread are checked
-against the bytes the body's LDGs load (a loop that ptxas unrolled or split would show as a mismatch,
-reported in `loop_note`). Work outside the loop (once per row of 151936 elements) is not counted.
+The SASS analysis (the main loop, occupancy, roofline) is bench/sass.py; the tables and files bench/aot_report.py.
 
 Peers (`peer_kernels`, optional: compiled when installed, with their own launchers' settings, counted
 the same way, shown with ours / theirs; they never decide the exit status): Liger-Kernel's GRPO loss
@@ -49,43 +39,12 @@ import tempfile
 
 import torch
 
-ARCHS = (90, 80, 100, "gfx942")  # an int: NVIDIA's compute capability; a str: an AMD target
+from .aot_report import RESULTS, arch_rows, format_roofline, format_table, records, write_results  # noqa: F401
+from .sass import (ARCHS, DEVICES, V_REAL, _ldg_widths, arch_name, loop_stats, roofline,  # noqa: F401
+                   warps_per_sm)
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-V_REAL = 151936  # all of 32000, 128256, 151936, 262144 get the same specialization and BLOCK_V
 T_REAL = 1024
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-# Limits per SM used for the occupancy (CUDA programming guide, compute capability 9.0 / 8.0):
-# 32-bit registers, registers allocated per warp in units of 256, the most warps and blocks, shared memory
-# per SM and the 1 KiB the driver reserves per block.
-SM_LIMITS = {
-    90: dict(regs=65536, reg_unit=256, max_warps=64, max_blocks=32, smem=228 * 1024, smem_per_block=1024),
-    80: dict(regs=65536, reg_unit=256, max_warps=64, max_blocks=32, smem=164 * 1024, smem_per_block=1024),
-    100: dict(regs=65536, reg_unit=256, max_warps=64, max_blocks=32, smem=228 * 1024, smem_per_block=1024),
-}
-
-# The roofline's devices, each estimated from the counts of its architecture (`arch`). bw: achievable
-# device-to-device copy bandwidth in bytes/s counting bytes read plus written; clock: the sustained clock
-# under load; issue: warp instructions issued per clock per SM (4 schedulers, 1 each); mufu: MUFU
-# results (ex2, lg2, rcp) per clock per SM (16, programming guide throughput table for 8.0 and 9.0).
-# `basis` says where the numbers come from:
-# - H100 SXM, H200 (GH100, sm_90): spec section 8's 4.3 TB/s for an H200; an H100 SXM (3.35 TB/s HBM3
-#   peak) about 3.0 TB/s the same way; 1.755 GHz sustained (max boost 1.98 GHz: a lower clock is the
-#   cautious side for the issue and MUFU times).
-# - A100 SXM (GA100, sm_80): datasheet figures, not a measurement: 2.04 TB/s HBM2e peak, taken as
-#   ~1.9 TB/s of copy; 108 SMs; 1.41 GHz boost clock.
-# - B200 (sm_100): datasheet figures and assumptions, not a measurement: 8 TB/s HBM3e peak, taken as
-#   ~7 TB/s of copy; 148 SMs; the clock assumed as GH100's 1.755 GHz and the issue / MUFU rates as
-#   sm_90's (no published per-SM table used here).
-# - gfx942 (MI300X): no entry; its issue model (wave64 on SIMD16) and copy bandwidth are not
-#   established here, so no estimate is made.
-DEVICES = {
-    "H100 SXM": dict(arch=90, sms=132, clock=1.755e9, bw=3.0e12, issue=4, mufu=16, basis="estimate from the 3.35 TB/s peak"),
-    "H200": dict(arch=90, sms=132, clock=1.755e9, bw=4.3e12, issue=4, mufu=16, basis="spec 8"),
-    "A100 SXM": dict(arch=80, sms=108, clock=1.41e9, bw=1.9e12, issue=4, mufu=16, basis="datasheet"),
-    "B200": dict(arch=100, sms=148, clock=1.755e9, bw=7.0e12, issue=4, mufu=16, basis="datasheet + assumed"),
-}
-ROOF_N, ROOF_V = 16384, 151936  # roofline problem: N counted tokens (every row carries a gradient)
 
 
 class _Ptr:
@@ -160,100 +119,6 @@ class AotResult:
             out.append(f"narrow logits loads (LDG.E.128: {self.ldg128}, narrow: {self.narrow_ldg}, "
                        f"scalar loads: {self.scalar_loads})")
         return out
-
-
-def _ldg_widths(sass):
-    widths = []
-    for m in re.finditer(r"\bLDG((?:\.[A-Z0-9_]+)*)", sass):
-        mods = m.group(1).split(".")
-        w = 32
-        for mod, bits in (("128", 128), ("64", 64), ("U16", 16), ("S16", 16), ("U8", 8), ("S8", 8)):
-            if mod in mods:
-                w = bits
-        widths.append(w)
-    return widths
-
-
-_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-
-
-def sass_instructions(sass):
-    """[(address, text)] of the SASS listing, encodings and blank lines dropped."""
-    return [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.match, sass.splitlines()) if m]
-
-
-def _opcode(text):
-    t = re.sub(r"^@!?U?P\w+\s+", "", text)  # predicate guard
-    return t.split()[0] if t.split() else ""
-
-
-def find_main_loop(sass):
-    """The main vocabulary loop: the longest backward-branch body holding a global load.
-    Returns the body's [(address, text)] (first to the branch, inclusive) or None."""
-    ins = sass_instructions(sass)
-    best = None
-    for i, (addr, text) in enumerate(ins):
-        # BRA 0x..., or on sm_100 BRA.U !UP0, 0x... (the uniform predicate an operand)
-        m = re.search(r"\bBRA(?:\.U)?\s+(?:!?U?P\w+\s*,\s*)?(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
-        if not m or not _opcode(text).startswith("BRA"):
-            continue
-        target = int(m.group(1), 16)
-        if target >= addr:
-            continue  # forward branch or the final self-branch
-        body = [(a, t) for a, t in ins if target <= a <= addr and _opcode(t) != "NOP"]
-        if any(_opcode(t).startswith("LDG") for _, t in body) and (best is None or len(body) > len(best)):
-            best = body
-    return best
-
-
-def loop_stats(sass, block, num_warps, elem_bytes):
-    """Counts over the main loop: (body instructions, elements per thread, instr/elem, BAR per iteration,
-    MUFU per element, LDG.E.128 in the body, note)."""
-    body = find_main_loop(sass)
-    if body is None:
-        return -1, 0, -1.0, -1, -1.0, 0, "no loop with a global load found"
-    ops = [_opcode(t) for _, t in body]
-    ept = max(1, block // (32 * num_warps))
-    widths = _ldg_widths("\n".join(t for _, t in body if _opcode(t).startswith("LDG")))
-    loaded = sum(widths) // 8
-    note = ""
-    if loaded != ept * elem_bytes:
-        note = f"the body loads {loaded} bytes a thread, {ept} elements would be {ept * elem_bytes}"
-    n_bar = sum(o.startswith("BAR") for o in ops)
-    n_mufu = sum(o.startswith("MUFU") for o in ops)
-    return (len(ops), ept, len(ops) / ept, n_bar, n_mufu / ept, sum(w == 128 for w in widths), note)
-
-
-def warps_per_sm(regs, num_warps, shared, arch=90):
-    """Resident warps per SM: blocks limited by registers (allocated per warp), shared memory, the block
-    and warp limits."""
-    lim = SM_LIMITS[arch]
-    per_warp = -(-max(regs, 1) * 32 // lim["reg_unit"]) * lim["reg_unit"]
-    by_regs = (lim["regs"] // per_warp) // num_warps
-    by_smem = lim["smem"] // (shared + lim["smem_per_block"])
-    blocks = min(by_regs, by_smem, lim["max_blocks"], lim["max_warps"] // num_warps)
-    return blocks * num_warps
-
-
-def roofline(r, device, n=ROOF_N, v=ROOF_V):
-    """Estimated ms of one pass over n rows of v elements (of r.dtype) on `device` (a DEVICES key):
-    memory = bytes / bw (forward reads the logits; backward reads them and writes the gradient),
-    issue = loop warp instructions / (SMs * issue * clock), special function = MUFU ops / (SMs * mufu *
-    clock); the estimate is the largest."""
-    d = DEVICES[device]
-    e = {"bfloat16": 2, "float16": 2, "float32": 4}[r.dtype]
-    elems = n * v
-    passes = 2 if "bwd" in r.kernel else 1
-    mem = passes * elems * e / d["bw"]
-    issue = elems * r.instr_per_elem / 32 / (d["sms"] * d["issue"] * d["clock"])
-    mufu = elems * r.mufu_per_elem / (d["sms"] * d["mufu"] * d["clock"])
-    parts = {"mem_ms": mem * 1e3, "issue_ms": issue * 1e3, "mufu_ms": mufu * 1e3}
-    bound = max(parts, key=parts.get)
-    return dict(parts, est_ms=parts[bound], bound=bound.replace("_ms", ""))
-
-
-def arch_name(arch):
-    return arch if isinstance(arch, str) else f"sm_{arch}"
 
 
 def _target(arch):
@@ -443,140 +308,6 @@ def report_in_subprocess(timeout=600):
         return [AotResult(**d) for d in json.loads(p.stdout.strip().splitlines()[-1])]
     except Exception:
         raise RuntimeError(f"AOT child failed: {p.stderr[-2000:]}")
-
-
-def format_table(results):
-    """One row per compiled kernel. spill: bytes stored / loaded (NVIDIA, ptxas -v); for gfx942 the
-    VGPR + SGPR spill count / scratch bytes (bench.aot_amd); LDG.128: 16-byte loads (dwordx4 on AMD)."""
-    lines = [f"{'kernel':<22} {'variant':<10} {'dtype':<9} {'arch':<6} {'V':>7} {'regs':>5} {'spill':>7} "
-             f"{'LDG.128':>7} {'narrow':>6} {'instr/el':>8} {'BAR/it':>6} {'MUFU/el':>7} {'warps/SM':>8}  verdict"]
-    for r in results:
-        verdict = "ok" if r.ok else "FAIL: " + "; ".join(r.problems())
-        if not r.expect_vector and not r.error:
-            verdict = ("info: odd V, no 16-byte alignment possible" if r.ldg128 == 0 else "info") + \
-                ("" if r.ok else f" ({verdict})")
-        if r.loop_note:
-            verdict += f" [loop: {r.loop_note}]"
-        if isinstance(r.arch, str) and not r.error:
-            verdict = ("ok" if r.ok else verdict) + " (AMD: load widths informational)"
-        lines.append(f"{r.kernel:<22} {r.variant:<10} {r.dtype:<9} {arch_name(r.arch):<6} {r.V:>7} {r.registers:>5} "
-                     f"{r.spill_stores:>3}/{r.spill_loads:<3} {r.ldg128:>7} {r.narrow_ldg:>6} "
-                     f"{r.instr_per_elem:>8.2f} {r.bar_per_iter:>6} {r.mufu_per_elem:>7.3f} {r.warps_per_sm:>8}"
-                     f"  {verdict}")
-    return "\n".join(lines)
-
-
-def _headline(results, archs=(90,)):
-    """The rows of the roofline: bf16, V = V_REAL, each kernel variant of the default path (no transform),
-    on the given architectures."""
-    return [r for r in results if r.arch in archs and r.dtype == "bfloat16" and r.V == V_REAL and not r.error
-            and "+" not in r.variant]
-
-
-def _kind(kernel):
-    return "bwd" if "bwd" in kernel else "fwd"
-
-
-def records(results):
-    """One record per kernel variant and device of DEVICES, from the counts of the device's architecture
-    (ours, then any peers'; aot-sm90.json holds the sm_90 ones, aot-archs.json all); a peer's record
-    carries ours / theirs for the same pass (forward: our forward; backward: our backward without the
-    entropy term, the peers have none)."""
-    out = []
-    for r in _headline(results, ARCHS):
-        sass = os.path.join("aot", _sass_name(r))  # under the folder holding the JSON
-        for dev in (d for d, c in DEVICES.items() if c["arch"] == r.arch):
-            out.append(dict(provider=r.provider, kernel=r.kernel, variant=r.variant or "-", dtype=r.dtype,
-                            arch=arch_name(r.arch), V=r.V, block=r.block, num_warps=r.num_warps,
-                            elems_per_thread=r.elems_per_thread, loop_instr=r.loop_instr,
-                            instr_per_elem=round(r.instr_per_elem, 3), bar_per_iter=r.bar_per_iter,
-                            mufu_per_elem=round(r.mufu_per_elem, 4), regs=r.registers,
-                            spill_bytes=r.spill_stores + r.spill_loads, ldg128=r.ldg128,
-                            ldg128_in_loop=r.ldg128_in_loop, shared=r.shared, warps_per_sm=r.warps_per_sm,
-                            device=dev, N=ROOF_N, roof_V=ROOF_V,
-                            **{k: (round(v, 4) if isinstance(v, float) else v)
-                               for k, v in roofline(r, dev).items()},
-                            sass=sass))
-    ours = {(c["device"], _kind(c["kernel"])): c for c in out
-            if c["provider"] == "gtpo_kernels" and c["variant"] in ("-", "no E")}
-    for c in out:
-        o = ours.get((c["device"], _kind(c["kernel"])))
-        if c["provider"] != "gtpo_kernels" and o is not None:
-            c["ours"] = f"{o['kernel']} {o['variant']}".strip(" -")
-            c["ours_over_theirs_est"] = round(o["est_ms"] / c["est_ms"], 3)
-            c["ours_over_theirs_instr"] = round(o["instr_per_elem"] / c["instr_per_elem"], 3)
-    return out
-
-
-def format_roofline(recs):
-    lines = [f"roofline: N={ROOF_N} V={ROOF_V} bf16; memory = bytes / bw, issue = instr / (SMs * 4 * clock), "
-             f"MUFU = ops / (SMs * 16 * clock); " + "; ".join(
-                 f"{k} ({arch_name(d['arch'])}): {d['sms']} SMs, {d['clock'] / 1e9:.3f} GHz, "
-                 f"{d['bw'] / 1e12:.2f} TB/s [{d['basis']}]" for k, d in DEVICES.items())
-             + "; gfx942: no estimate (constants not established)",
-             f"{'provider':<13} {'kernel':<22} {'variant':<6} {'block':>5} {'warps':>5} {'instr/el':>8} "
-             f"{'BAR/it':>6} {'regs':>4} {'device':<9} {'mem ms':>7} {'issue ms':>8} {'MUFU ms':>7} "
-             f"{'est ms':>7}  bound  ours/theirs (est, instr)"]
-    for c in recs:
-        ratio = (f"  {c['ours_over_theirs_est']:.2f}, {c['ours_over_theirs_instr']:.2f} ({c['ours']})"
-                 if "ours" in c else "")
-        lines.append(f"{c['provider']:<13} {c['kernel']:<22} {c['variant']:<6} {c['block']:>5} "
-                     f"{c['num_warps']:>5} {c['instr_per_elem']:>8.2f} {c['bar_per_iter']:>6} {c['regs']:>4} "
-                     f"{c['device']:<9} {c['mem_ms']:>7.3f} {c['issue_ms']:>8.3f} {c['mufu_ms']:>7.3f} "
-                     f"{c['est_ms']:>7.3f}  {c['bound']:<5}{ratio}")
-    return "\n".join(lines)
-
-
-def _sass_name(r):
-    v = {"": "", "-": "", "no E": "-noE", "HAS_E": "-E"}.get(r.variant, "-" + r.variant.replace(" ", ""))
-    who = "" if r.provider == "gtpo_kernels" else r.provider + "-"
-    ext = "amdgcn" if isinstance(r.arch, str) else "sass"
-    return f"{who}{r.kernel.strip('_')}{v}-{r.dtype}-{arch_name(r.arch).replace('_', '')}.{ext}"
-
-
-def _clean_sass(sass):
-    """The listing without the encoding comments and blank lines (half the size, same instructions)."""
-    out = []
-    for ln in sass.splitlines():
-        ln = re.sub(r"\s*/\* 0x[0-9a-f]{16} \*/\s*$", "", ln)
-        if ln.strip():
-            out.append(ln.rstrip())
-    return "\n".join(out) + "\n"
-
-
-def write_results(results, root=RESULTS):
-    """aot-sm90.json (the sm_90 records, ours and the peers'), aot-archs.json (every architecture's) and
-    the headline kernels' SASS (AMDGCN for gfx942) under bench/results/aot/."""
-    import json
-    os.makedirs(os.path.join(root, "aot"), exist_ok=True)
-    for r in _headline(results, ARCHS):
-        if r.sass_text:
-            with open(os.path.join(root, "aot", _sass_name(r)), "w") as f:
-                f.write(_clean_sass(r.sass_text))
-    recs = records(results)
-    repo = os.path.dirname(os.path.dirname(RESULTS))
-    for rec in recs:  # the SASS path as written, from the repository's root (bench/results/aot/... with --save)
-        rec["sass"] = os.path.relpath(os.path.join(root, rec["sass"]), repo)
-    for name, keep in (("aot-sm90.json", [c for c in recs if c["arch"] == "sm_90"]),
-                       ("aot-archs.json", recs + arch_rows(results))):
-        with open(os.path.join(root, name), "w") as f:
-            json.dump(keep, f, indent=1)
-            f.write("\n")
-    return recs
-
-
-def arch_rows(results):
-    """The architectures without a device in DEVICES (gfx942): their counts, no estimate."""
-    known = {c["arch"] for c in DEVICES.values()}
-    return [dict(provider=r.provider, kernel=r.kernel, variant=r.variant or "-", dtype=r.dtype,
-                 arch=arch_name(r.arch), V=r.V, block=r.block, num_warps=r.num_warps,
-                 elems_per_thread=r.elems_per_thread, loop_instr=r.loop_instr,
-                 instr_per_elem=round(r.instr_per_elem, 3), bar_per_iter=r.bar_per_iter,
-                 mufu_per_elem=round(r.mufu_per_elem, 4), regs=r.registers, spill=[r.spill_stores, r.spill_loads],
-                 warps_per_sm=r.warps_per_sm, device=None, est_ms=None,
-                 estimate="none: the device's constants are not established here",
-                 sass=os.path.join("aot", _sass_name(r)))
-            for r in _headline(results, ARCHS) if r.arch not in known]
 
 
 def main(argv=None):

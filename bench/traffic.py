@@ -21,7 +21,6 @@ kernel that reads its input twice.
 from __future__ import annotations
 
 import collections
-import contextlib
 import inspect
 import json
 import os
