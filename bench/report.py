@@ -49,7 +49,8 @@ def _note(r):
         status = "ok*"
     if status == "wrong":
         status = f"WRONG: {r.get('check', '')}"
-    return "; ".join(x for x in (status if status != "ok" else "", r.get("note", ""), r.get("peak_note", ""),
+    noisy = "unreliable: fwd alone above fwd+bwd's slowest round" if r.get("fwd_above_full") else ""
+    return "; ".join(x for x in (status if status != "ok" else "", noisy, r.get("note", ""), r.get("peak_note", ""),
                                  f"compile {r['compile_s']:.1f} s" if r.get("compile_s") else "") if x)
 
 

@@ -11,7 +11,8 @@
   first waits up to SETTLE_S for an earlier run's load to decay); a ratio is flagged unreliable
   (`unreliable`) when its per-round range exceeds SPREAD_LIMIT of its median, or when other work shared the
   machine: the 1-minute load average exceeded LOAD_LIMIT x cores before the run, or (cores + LOAD_LIMIT x
-  cores) after it (the run itself keeps up to every core busy, so its own load is not held against it).
+  cores) after it (the run itself keeps up to every core busy, so its own load is not held against it),
+  or when the row's median forward alone exceeds its slowest forward+backward round (`fwd_above_full`).
 - peak memory of one forward + backward above the inputs. CUDA: `max_memory_allocated` minus what was
   allocated before. CPU: a fresh subprocess per implementation (`child_peaks`) that, for each size, resets
   the kernel's high-water mark of its resident size (/proc/self/clear_refs) after a warm-up and reads
@@ -44,7 +45,8 @@ LOAD_LIMIT = 0.5  # ... and every ratio of a run that shared the machine: 1-minu
 SETTLE_S = 60  # before a suite, wait up to this long for the load of an earlier run to decay
 RULE = (f"'!' = unreliable: the per-round range exceeds {SPREAD_LIMIT:.0%} of the median, or other work shared "
         f"the machine (1-minute load average above {LOAD_LIMIT:g} x cores before the run, or above "
-        f"{1 + LOAD_LIMIT:g} x cores after it, the run's own threads counting for up to the cores)")
+        f"{1 + LOAD_LIMIT:g} x cores after it, the run's own threads counting for up to the cores), or the row's "
+        f"forward alone took longer than its slowest forward+backward round")
 CUDA_SAMPLE_S = 0.02  # on CUDA a sample is the mean of enough calls to last this long
 
 
@@ -99,8 +101,18 @@ def per_round_ratio(xs, ys) -> dict:
     return summary([x / y for x, y in zip(xs, ys)])
 
 
-def unreliable(ratio: dict, load: dict) -> bool:
-    return ratio["spread"] > SPREAD_LIMIT or bool(load and load.get("loaded"))
+def unreliable(ratio: dict, load: dict, row: dict | None = None) -> bool:
+    """The rule above; also every ratio of a row whose forward alone came out slower than its
+    forward+backward (`fwd_above_full`): noise, not a measurement."""
+    return (ratio["spread"] > SPREAD_LIMIT or bool(load and load.get("loaded"))
+            or bool(row and row.get("fwd_above_full")))
+
+
+def fwd_above_full(rounds: dict) -> bool:
+    """True when the median forward-only time exceeds the slowest forward+backward round: the rounds
+    cannot be trusted (a forward is part of every forward+backward)."""
+    fwd, full = rounds.get("fwd"), rounds.get("full")
+    return bool(fwd and full) and statistics.median(fwd) > max(full)
 
 
 def interleaved(steps: dict, rounds: int, warmup: int, device="cpu", on_error=None, before=None) -> dict:

@@ -129,6 +129,8 @@ class Suite:
                 if rounds and by[impl]["status"] == "ok":
                     by[impl].update(rounds_ms=rounds, time_ms={m: runner.summary(t)["median"] for m, t in rounds.items()},
                                     time_range_ms={m: [min(t), max(t)] for m, t in rounds.items()})
+                    if runner.fwd_above_full(rounds):
+                        by[impl]["fwd_above_full"] = True
         del inp
         gc.collect()
         return [by[i] for i in native]
@@ -179,7 +181,7 @@ class Suite:
                 r["vs_eager"] = {m: runner.per_round_ratio(t, e["rounds_ms"][m]) for m, t in r["rounds_ms"].items()
                                  if m in e["rounds_ms"]}
                 for v in r["vs_eager"].values():
-                    v["unreliable"] = runner.unreliable(v, load)
+                    v["unreliable"] = runner.unreliable(v, load, r)
 
     def _copy_bandwidth(self):
         import triton.testing
