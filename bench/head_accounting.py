@@ -55,12 +55,15 @@ CASES = {
     "long": (4, 128, "gtpo", dict(entropy_threshold=None), 16, {}),
     "filtered": (8, 72, "gtpo", dict(entropy_threshold="median"), 4, {}),
     "transforms": (8, 72, "grpo", {}, 4, dict(bias=True, logit_scale=0.5, logit_softcap=30.0)),
+    "zero_adv": (8, 72, "grpo", dict(zero_groups=1), 4, {}),
 }
 CASE_NOTES = {
     "default": "grpo preset, 4 tiles",
     "long": "gtpo preset (shaping: whole completions wanted), every completion about 4 tiles long",
     "filtered": "gtpo preset, entropy_threshold at the median completion entropy: half the completions dropped",
     "transforms": "grpo preset with bias, logit_scale=0.5, logit_softcap=30",
+    "zero_adv": "grpo preset, one of the two groups of 4 with equal rewards (A = 0: half the completions "
+                "have no gradient)",
 }
 
 
@@ -103,6 +106,8 @@ def make_case(name, D=64, V=4096, seed=0) -> Case:
     mask = torch.arange(T)[None, :] < lengths[:, None]
     ids = torch.where(mask, torch.randint(0, V, (B, T), generator=gen), 0)
     adv = torch.randn(B, generator=gen)
+    over = dict(over)
+    adv[:over.pop("zero_groups", 0) * G] = 0.0  # a group whose rewards were all equal
     scale, cap = tf.get("logit_scale", 1.0), tf.get("logit_softcap")
     logp, ent = linear_token_logprobs(hidden, weight, ids, completion_mask=mask, bias=bias, logit_scale=scale,
                                       logit_softcap=cap)

@@ -100,7 +100,7 @@ def test_host_reads_of_every_kind_are_counted():
 
 
 @pytest.mark.parametrize("schedule,gemms", [("fused", 3), ("recompute", 4)])
-def test_linear_head_gemm_flops_are_the_floor_without_zero_rows(schedule, gemms):
+def test_linear_head_gemm_flops_are_the_floor(schedule, gemms):
     gen = torch.Generator().manual_seed(2)
     hidden = torch.randn(B, T, D, generator=gen, requires_grad=True)
     weight = (torch.randn(V, D, generator=gen) * 0.5).requires_grad_()
@@ -119,3 +119,9 @@ def test_linear_head_gemm_flops_are_the_floor_without_zero_rows(schedule, gemms)
     assert c["gemm_flops"] == gemms * 2 * N * V * D
     assert c["kernel_calls"] > 0  # the vocabulary passes ran through dispatch.vocab_*, suspended
     assert c["allocs_over_budget"] == 0
+    # completion 1 with A = 0 (its group's rewards all equal): both schedules project every row once in
+    # the forward, and run the other GEMMs (the recompute schedule's second projection too) on row 0's
+    run0 = lambda: linear_gtpo_loss(hidden, weight, ids, torch.tensor([1.0, 0.0]), mask, config=cfg,  # noqa
+                                    memory_budget=2 * rows * V * 4, schedule=schedule, backend="torch").loss
+    c0 = ha.count_call(run0, (hidden, weight), _geometry(rows, hidden, weight), ha.our_kernels())
+    assert c0["gemm_flops"] == 2 * N * V * D + (gemms - 1) * 2 * T * V * D, (c0["gemm_flops"], N, T)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_grad_close, assert_value_close
-from gtpo_kernels import GTPOConfig, linear_gtpo_loss
+from gtpo_kernels import GTPOConfig, conflict_weights, linear_gtpo_loss
 from gtpo_kernels.pipeline import loss as pipeline_loss
 from gtpo_kernels.pipeline import tiles
 from gtpo_kernels.pipeline.head import row_bytes
@@ -130,23 +130,31 @@ def test_tile_work_does_not_grow_with_the_tiles(monkeypatch, preset):
     assert_grad_close("grad hidden, 1 tile vs 4", grads[1], grads[0], 1e-6)
 
 
+def _both_schedules(monkeypatch, h, w, ids, adv, mask, cfg, backend, **kw):
+    """{schedule: (grad hidden, grad weight, rows of each projection, rows of each gradient GEMM call),
+    'kept': the fused call's kept completions}, groups of 2."""
+    proj, grad_rows, got = [], [], {}
+    _spy(monkeypatch, "project", lambda hh, ww, bb, out: proj.append(out.shape[0]))
+    _spy(monkeypatch, "grad_gemms", lambda gz, hh, idx, ww, g: grad_rows.append(gz.shape[0]))
+    for schedule in ("fused", "recompute"):
+        proj.clear(), grad_rows.clear()
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = linear_gtpo_loss(hh, ww, ids, adv, mask, group_size=2, config=cfg, schedule=schedule, backend=backend,
+                               **kw)
+        out.loss.backward()
+        got[schedule] = (hh.grad, ww.grad, list(proj), list(grad_rows))
+        got.setdefault("kept", out.kept.tolist())
+    return got
+
+
 def test_zero_rows_skip_the_gradient_gemms(monkeypatch):
     """Recompute schedule: with half the completions dropped by the entropy filter, the backward's
     projection and both gradient GEMMs run on the kept half of the rows only; gradients match 'fused'."""
     h, w, ids, mask, adv = _long_batch(T=6, peaked=(0, 2), flat=(1, 3))
     mask[:] = True
     cfg = GTPOConfig.preset("gtpo", entropy_threshold=2.0, use_conflict_mask=False)
-    proj, grad_rows = [], []
-    _spy(monkeypatch, "project", lambda hh, ww, bb, out: proj.append(out.shape[0]))
-    _spy(monkeypatch, "grad_gemms", lambda gz, hh, idx, ww, g: grad_rows.append(gz.shape[0]))
-    got = {}
-    for schedule in ("recompute", "fused"):
-        proj.clear(), grad_rows.clear()
-        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        out = linear_gtpo_loss(hh, ww, ids, adv, mask, group_size=2, config=cfg, schedule=schedule, backend="torch")
-        out.loss.backward()
-        assert out.kept.tolist() == [True, False, True, False]
-        got[schedule] = (hh.grad, ww.grad, list(proj), list(grad_rows))
+    got = _both_schedules(monkeypatch, h, w, ids, adv, mask, cfg, "torch")
+    assert got["kept"] == [True, False, True, False]
     N = mask.numel()
     _, _, proj_r, grad_r = got["recompute"]
     assert sum(proj_r) == N + N // 2, proj_r  # the forward's projection, then the kept half
@@ -154,6 +162,44 @@ def test_zero_rows_skip_the_gradient_gemms(monkeypatch):
     assert (got["recompute"][0][1::2] == 0).all() and got["recompute"][0].abs().sum() > 0
     assert_grad_close("grad hidden", got["recompute"][0], got["fused"][0], 1e-6)
     assert_grad_close("grad weight", got["recompute"][1], got["fused"][1], 1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["zero_adv", "zero_adv_split", "conflict_token", "conflict_split",
+                                  "conflict_sequence", "kl"])
+def test_fused_skips_rows_known_to_have_no_gradient(monkeypatch, backend, case):
+    """Fused schedule: rows whose coefficient is 0 before any logit is read skip the gradient kernel and
+    GEMMs (counted while planning, no extra host read): a completion with A = 0 and no shaping; with w_neg = 0, a
+    conflict token of a negative completion at the token level. Not at the sequence level (gspo: the
+    ratio spreads over the completion) nor with a KL term. Gradients equal the recompute schedule's."""
+    h, w, ids, mask, adv = _long_batch(T=6)
+    mask[:] = True
+    ids[1, :4] = ids[0, :4]  # completions 0 (A > 0) and 1 (A < 0) share 4 tokens: conflict tokens
+    ref, rows = None, 12
+    if case.startswith("zero_adv"):  # split: tiles of 4 rows, a completion (6) spans two (token-local c)
+        adv = torch.tensor([1.0, -1.0, 0.0, 0.0])
+        cfg, skipped, rows = GTPOConfig.preset("grpo"), 2 * 6, 4 if case == "zero_adv_split" else 12
+    elif case == "kl":
+        adv = torch.tensor([1.0, -1.0, 0.0, 0.0])
+        ref = -torch.rand(4, 6, generator=torch.Generator().manual_seed(2)) * 3
+        cfg, skipped = GTPOConfig.preset("grpo", beta=0.1), 0
+    else:  # split: grpo (token-local c) with conflict weights on top, tiles of 4 rows
+        preset = {"conflict_token": "gtpo", "conflict_split": "grpo", "conflict_sequence": "gspo"}[case]
+        cfg = GTPOConfig.preset(preset, entropy_threshold=None, use_conflict_mask=True, conflict_neg_weight=0.0)
+        lam, _ = conflict_weights(ids, mask, adv, 2, config=cfg)
+        skipped = int((lam == 0).sum()) if case != "conflict_sequence" else 0
+        rows = 4 if case == "conflict_split" else 12
+        assert int((lam[1] == 0).sum()) >= 4 and (lam[0] > 1).any()
+    got = _both_schedules(monkeypatch, h, w, ids, adv, mask, cfg, backend, ref_logps=ref,
+                          memory_budget=row_bytes(w.shape[0], w.dtype, "cpu") * rows)
+    assert got["fused"][1].abs().sum() > 0
+    assert_grad_close("grad hidden", got["fused"][0], got["recompute"][0], 1e-6)
+    assert_grad_close("grad weight", got["fused"][1], got["recompute"][1], 1e-6)
+    N = mask.numel()
+    _, _, proj_f, grad_f = got["fused"]
+    assert sum(proj_f) == N and sum(grad_f) == N - skipped, (proj_f, grad_f)
+    if skipped:
+        assert int((got["fused"][0] == 0).all(-1).sum()) == skipped
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

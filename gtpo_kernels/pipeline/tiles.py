@@ -1,12 +1,14 @@
 """The fused LM head's tiles (spec 11): the plan, and the loops over tiles of counted rows.
 
 Planning reads the counted rows and their number per completion on the host (2 syncs a pass; the
-recompute backward reads the rows with a nonzero coefficient, 1 sync); nothing inside the loops
-reads the device. Each tile is projected by one GEMM into one buffer reused across tiles (never more
-than `per_tile` rows: the memory budget), the vocabulary kernels run on it, and with a gradient the
+fused schedule's count of rows known to have no gradient comes with the second; the recompute backward
+reads the rows with a nonzero coefficient, 1 sync); nothing inside the loops reads the device. Each
+tile is projected by one GEMM into one buffer reused across tiles (never more than `per_tile` rows: the
+memory budget), the vocabulary kernels run on it, and with a gradient the
 kernel writes dL/dz_raw in place of the logits, which the two gradient GEMMs read:
 
     fused (forward)        project, statistics, the tile's coefficients c, e, gradient, dL/dh, dL/dW
+                           (the gradient only on rows not known to have c = e = 0: prior_live)
     recompute (backward)   only rows with c != 0 or e != 0: project, gradient, dL/dh, dL/dW
 
 The fused schedule's c, e come from the surrogate run on the tile's tokens and completions alone,
@@ -20,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.config import is_zero
 from ..core.layout import Batch, float_dtype_for
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch
@@ -134,10 +137,7 @@ def zero_grads(t, need):
 def forward_tiles(opts, t, need):
     """Per token (logp, H, stats, flags), flat (N,); with the fused schedule also [dh, dw, db] (None
     where not needed). Flagged counted tokens get NaN logp and H."""
-    rows = t.counted.nonzero().squeeze(1)  # sync: the rows projected
-    counts_dev = torch.bincount(t.seg[rows], minlength=opts.B)
-    counts = counts_dev.tolist()  # sync: the tiles
-    tiles = plan(counts, opts.per_tile, opts.fused)
+    rows, counts_dev, tiles, live = plan_rows(opts, t, opts.fused and any(need))
     N, dev = t.counted.numel(), t.hidden.device
     acc = torch.float64 if t.hidden.dtype == torch.float64 and opts.backend == "torch" else torch.float32
     logp, ent = torch.zeros(N, dtype=acc, device=dev), torch.zeros(N, dtype=acc, device=dev)
@@ -147,7 +147,7 @@ def forward_tiles(opts, t, need):
     dt = float_dtype_for(t.hidden)
     totals = (counts_dev.to(dt), torch.full((), rows.numel(), dtype=dt, device=dev))
     nan = torch.full((), float("nan"), dtype=acc, device=dev)
-    for k in tiles:
+    for i, k in enumerate(tiles):
         idx = rows[k.s:k.e]
         h = rows_of(t.hidden, idx)
         z = ws.project(h)
@@ -157,9 +157,61 @@ def forward_tiles(opts, t, need):
             invalid = bd != 0
             c, e = tile_coefficients(opts, t, k, idx, torch.where(invalid, nan, lp), torch.where(invalid, nan, en),
                                      totals, ws.ones)
-            ws.gradient(z, h, idx, st.to(acc), en.to(acc), c.to(acc), None if e is None else e.to(acc), grads)
+            n = k.e - k.s if live is None else live[i]  # the gradient on the rows that may have one
+            if n:
+                ws.gradient(z[:n], h[:n], idx[:n], st[:n].to(acc), en[:n].to(acc), c[:n].to(acc),
+                            None if e is None else e[:n].to(acc), grads)
     invalid = bad != 0
     return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats, bad, grads
+
+
+def plan_rows(opts, t, skip):
+    """(rows, counted rows per completion (device), tiles, live rows per tile or None). skip: the fused
+    schedule's gradient (whole completions a tile), whose rows known to have c = e = 0 (prior_live) are
+    put last in their tile; their number per completion is read with the counts (2 syncs in all, one
+    more only when a completion spans tiles: token-local coefficients and a completion over a tile)."""
+    rows = t.counted.nonzero().squeeze(1)  # sync: the rows projected
+    counts_dev = torch.bincount(t.seg[rows], minlength=opts.B)
+    live = prior_live(opts, t, rows) if skip else None
+    if live is None:
+        counts = counts_dev.tolist()  # sync: the tiles
+        return rows, counts_dev, plan(counts, opts.per_tile, opts.fused), None
+    dev, n, B = rows.device, rows.numel(), opts.B
+    per_c = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, t.seg[rows], live.long())
+    both = torch.cat([counts_dev, per_c]).tolist()  # sync: the tiles
+    counts, per_c = both[:B], both[B:]
+    tiles = plan(counts, opts.per_tile, True)
+    sizes = torch.tensor([k.e - k.s for k in tiles], dtype=torch.long, device=dev)
+    tile = torch.repeat_interleave(torch.arange(len(tiles), device=dev), sizes, output_size=n)
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    if all(starts[k.g0] == k.s and starts[k.g1 + 1] == k.e for k in tiles):  # whole completions
+        per_tile = [sum(per_c[k.g0:k.g1 + 1]) for k in tiles]
+    else:
+        per_tile = torch.zeros(len(tiles), dtype=torch.long, device=dev).index_add_(0, tile, live.long()).tolist()
+    order = torch.sort(2 * tile + (~live).long(), stable=True).indices  # within each tile, live rows first
+    return rows[order], counts_dev, tiles, per_tile
+
+
+def prior_live(opts, t, rows):
+    """The rows whose c, e may be nonzero, as far as is known before any logit is read (None: all).
+    With no KL term and no entropy bonus, c is the policy term's, which every policy multiplies by
+    Ahat_i and by lambda_j: Ahat_i = 0 when A_i = 0 without shaping (gamma = 0); lambda_j = 0 on a
+    conflict token of a negative completion with w_neg = 0, at the token level (a sequence-level ratio
+    spreads over the completion's tokens). Rows whose gradient depends on the logits (the entropy
+    filter, clipping, masks) still go through the fused schedule's GEMMs: it cannot read them before
+    its tile's GEMMs without a sync per tile (the recompute schedule skips them)."""
+    cfg, x = opts.cfg, t.extras
+    if cfg is None or not is_zero(cfg.entropy_coef) or (x.ref is not None and not is_zero(cfg.beta)):
+        return None
+    live = None
+    if is_zero(cfg.entropy_penalty):
+        live = x.adv[t.seg[rows]] != 0  # NaN counts as live
+    if x.lam is not None and cfg.importance_sampling_level == "token":
+        on = x.lam[rows] != 0
+        live = on if live is None else live & on
+    return live
 
 
 def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
