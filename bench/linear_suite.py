@@ -9,7 +9,7 @@ the table gives medians with their range and each implementation's time over TRL
 ratios' median and range, flagged by bench.runner's rule). Peak memory is one forward+backward above the inputs and the parameter gradients it returns
 (hidden's and weight's, in their dtype): CUDA, max_memory_allocated in this process; CPU, the peak
 resident size of a fresh child process per implementation (`python -m bench.linear_suite --memory`,
-bench.runner's method: a warm-up, then VmHWM reset through /proc/self/clear_refs, glibc told to give
+bench.memory's method: a warm-up, then VmHWM reset through /proc/self/clear_refs, glibc told to give
 large blocks back at once with MALLOC_MMAP_THRESHOLD_).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from . import linear, runner
+from . import linear, memory, runner
 from .providers import Unavailable
 from .runner import is_oom
 
@@ -65,15 +65,15 @@ def errors(result, ref):
 
 def cuda_peak_bytes(run, inp) -> int:
     """Peak above the inputs and the returned parameter gradients."""
-    return runner.cuda_peak_bytes(lambda: linear.forward_backward(run, inp)) - inp.grad_bytes()
+    return memory.cuda_peak_bytes(lambda: linear.forward_backward(run, inp)) - inp.grad_bytes()
 
 
-# ---- CPU peak memory: one child process per implementation (bench.runner's method) ----------------
+# ---- CPU peak memory: one child process per implementation (bench.memory's method) ----------------
 
 def memory_child(impl, sizes, dtype, tile_bytes, seed):
     """In the child: {size: bytes above the inputs and the parameter gradients, or 'oom' / 'error: ...'}."""
     cfg = linear.config()
-    return runner.measure_peaks(lambda: linear.make(impl, cfg, "cpu", tile_bytes), sizes,
+    return memory.measure_peaks(lambda: linear.make(impl, cfg, "cpu", tile_bytes), sizes,
                                 lambda s: linear.make_inputs(*s, dtype=dtype, device="cpu", seed=seed),
                                 linear.forward_backward, lambda s: size_key(*s), excess=lambda inp: inp.grad_bytes())
 
@@ -82,7 +82,7 @@ def cpu_peak_bytes(impl, sizes, dtype, tile_bytes, seed, threads=None, timeout=1
     args = ["--memory", impl, "--sizes", ",".join(size_key(*s) for s in sizes), "--dtype",
             str(dtype).replace("torch.", ""), "--tile-bytes", str(tile_bytes), "--seed", str(seed)]
     args += ["--threads", str(threads)] if threads else []
-    return runner.child_peaks("bench.linear_suite", args, [size_key(*s) for s in sizes], timeout=timeout)
+    return memory.child_peaks("bench.linear_suite", args, [size_key(*s) for s in sizes], timeout=timeout)
 
 
 # ---- the suite ----------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class LinearSuite:
             rows += self._size(makers, *size)
         load_after = runner.load_snapshot()  # right after the timing: the memory children below load the machine
         if self.memory and self.device == "cpu":  # after the timing: two children at a time
-            runner.cpu_memory(rows, lambda impl, sizes: cpu_peak_bytes(impl, sizes, self.dtype, self.tile_bytes,
+            memory.cpu_memory(rows, lambda impl, sizes: cpu_peak_bytes(impl, sizes, self.dtype, self.tile_bytes,
                                                                        self.seed, self.threads),
                               lambda r: (r["N"], r["D"], r["V"]), lambda r: size_key(r["N"], r["D"], r["V"]),
                               workers=2, progress=self.progress)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from . import providers, runner
+from . import memory, providers, runner
 from .inputs import check, make_inputs
 
 
@@ -57,7 +57,7 @@ class Suite:
                 return dict(f, status="ok")
             f["saved_bytes_per_token"] = runner.saved_bytes(run, inp) / inp.tokens
             if inp.logits.is_cuda:
-                f["peak_bytes"] = runner.cuda_peak_bytes(lambda: runner.forward_backward(run, inp))
+                f["peak_bytes"] = memory.cuda_peak_bytes(lambda: runner.forward_backward(run, inp))
             return dict(f, status="ok")
         except Exception as e:
             if runner.is_oom(e):
@@ -86,7 +86,7 @@ class Suite:
         load_after = runner.load_snapshot()  # right after the timing: the memory children below load the machine
         traffic = self._traffic_rows(rows, runs, interp)
         if self.memory and self.device == "cpu" and not self.check_only:
-            runner.cpu_memory(rows, lambda impl, sizes: runner.cpu_peak_bytes(impl, sizes, self.dtype, self.preset,
+            memory.cpu_memory(rows, lambda impl, sizes: memory.cpu_peak_bytes(impl, sizes, self.dtype, self.preset,
                                                                              self.seed),
                               lambda r: (r["tokens"], r["V"]), lambda r: f"{r['tokens']}x{r['V']}",
                               select=lambda r: "time_ms" in r, progress=self.progress)  # not the interpreter's
