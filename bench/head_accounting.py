@@ -26,7 +26,7 @@ is missed); partial tiles are recognized by their vocabulary width.
 
     python -m bench.head_accounting            # table on stdout, JSON in bench/out/
     python -m bench.head_accounting --save     # JSON in bench/results/head-accounting-after.json
-Call from code: `measure(cases, providers, validate)` -> JSON-ready dict; `markdown(result)` -> table.
+Call from code: `measure(cases, providers, validate)` -> JSON-ready dict; `markdown(result)` -> table (bench/head_table.py).
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ import torch
 # the counter (tests/test_head_accounting.py reads it through this module)
 from .head_counter import (G, LIGER_TILE, PROVIDERS, TRL_TOKEN_CHUNK, Geometry, HeadCounter, _ptr,  # noqa: F401
                            count_call, counting, our_kernels)
+from .head_table import markdown
 
 # ---- the cases -----------------------------------------------------------------------------------
 
@@ -241,50 +242,6 @@ def meta(cases=tuple(CASES)):
                 gtpo_kernels=str(src), machine=f"{platform.platform()}; {cpu}; {os.cpu_count()} CPUs",
                 versions=versions, cases={c: CASE_NOTES[c] for c in cases},
                 counted="torch ops outside the vocabulary kernels, one forward + torch.autograd.grad, float32, CPU")
-
-
-# ---- the table -----------------------------------------------------------------------------------
-
-COLUMNS = (  # header, value of a row
-    ("tiles", lambda r: str(r["tiles_planned"])),
-    ("projections", lambda r: str(r["projections"])),
-    ("tile passes / floor", lambda r: f"{r['tile_passes']} / {r['tile_pass_floor']}"),
-    ("host syncs (per tile fwd, bwd)", lambda r: f"{r['host_syncs']} ({_pair(r['host_syncs_per_tile'])})"),
-    ("allocs > budget (> half)", lambda r: f"{r['allocs_over_budget']} ({r['allocs_over_half_budget']})"),
-    ("V x D allocs", lambda r: str(r["vd_allocs"])),
-    ("GEMM MFLOP / floor", lambda r: f"{r['gemm_flops'] / 1e6:.0f} / {r['gemm_flops_floor'] / 1e6:.0f}"),
-    ("N-sized allocs per tile (fwd, bwd)", lambda r: _pair(r["n_allocs_per_tile"])),
-    ("N-sized ops per tile (fwd, bwd)", lambda r: _pair(r["n_ops_per_tile"])),
-)
-
-
-def _pair(d):
-    return ", ".join("-" if d[p] is None else f"{d[p]:g}" for p in ("forward", "backward"))
-
-
-def _key(r):
-    return r["case"], r["provider"], r.get("validate")
-
-
-def markdown(result, before=None):
-    """The table of `result`; with `before` (an earlier result), each cell reads 'before -> now'."""
-    old = {_key(r): r for r in (before or {}).get("rows", [])}
-    head = ["case", "head", "validate", "N (N_nz)"] + [c for c, _ in COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in result["rows"]:
-        v = "-" if r.get("validate") is None else ("on" if r["validate"] else "off")
-        cells = [r["case"], r["provider"], v, f"{r['N']} ({r['N_nz']})"]
-        for _, f in COLUMNS:
-            now = "n/a" if "unavailable" in r else f(r)
-            b = old.get(_key(r))
-            if b is not None:
-                was = "n/a" if "unavailable" in b else f(b)
-                now = now if was == now else f"{was} -> {now}"
-            cells.append(now)
-        lines.append("| " + " | ".join(cells) + " |")
-    notes = list(dict.fromkeys(f"- {r['case']} / {r['provider']}: {r['unavailable']}" for r in result["rows"]
-                               if "unavailable" in r))
-    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def main(argv=None):

@@ -193,7 +193,7 @@ def render_aot(doc, path):
 def render_head(doc, path):
     """The fused head's accounting (bench.head_accounting --save), each cell 'before -> after' against
     bench/results/head-accounting-before.json (the head before its rewrite) where that file exists."""
-    from .head_accounting import markdown
+    from .head_table import markdown
     meta = doc["meta"]
     before_path = os.path.join(ROOT, "bench", "results", "head-accounting-before.json")
     before = json.load(open(before_path)) if os.path.exists(before_path) else None
