@@ -1,5 +1,5 @@
-"""The public contract (spec section 6): errors, awkward but valid inputs, in-place, the packed form,
-and the torch path's memory."""
+"""The public contract (spec section 6): errors, awkward but valid inputs, in-place, the torch path's memory,
+magnitudes and corner cases. The packed form: tests/test_packed_form.py."""
 import dataclasses
 import json
 import math
@@ -9,13 +9,10 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import gtpo_reference as ref
-from batches import cases
-from conftest import assert_grad_close, assert_value_close, examples
-from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss, token_logprobs
+from conftest import assert_grad_close, assert_value_close
+from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
 
 BACKENDS = ["triton", "torch"]
 
@@ -171,57 +168,6 @@ def test_strided_views_of_the_model_logits(backend):
     assert_grad_close("strided grad", t.grad, full.grad, 1e-6)
 
 
-# ---------------------------------------------------------------- the packed form
-
-
-def _pack(case):
-    """The padded case with trailing padding removed: (logits (N, V), ids (N,), mask (N,), cu, lengths)."""
-    m = case.counted
-    T = m.shape[1]
-    last = torch.where(m, torch.arange(T), -1).amax(1)
-    lengths = last + 1
-    rows = [(i, t) for i in range(m.shape[0]) for t in range(int(lengths[i]))]
-    ii = torch.tensor([r[0] for r in rows], dtype=torch.long)
-    tt = torch.tensor([r[1] for r in rows], dtype=torch.long)
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
-    return case.logits[ii, tt + case.logits_start], case.ids[ii, tt], case.mask[ii, tt], cu, ii, tt
-
-
-@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
-@settings(max_examples=examples(12))  # CI time: nightly runs 120
-@given(case=cases(), agg=st.sampled_from(["seq-mean-token-mean", "token-mean", "gtpo-official",
-                                          "seq-mean-token-sum-norm", "none"]))
-def test_packed_equals_padded(backend, case, agg):
-    T = case.ids.shape[1]
-    cfg = GTPOConfig(entropy_threshold=1.5, loss_agg=agg, temperature=case.temperature,
-                     max_completion_length=T)
-    x = case.logits.clone().requires_grad_()
-    pad = gtpo_loss(x, case.ids, case.adv, case.mask, group_size=case.G, config=cfg,
-                    logits_start=case.logits_start, backend=backend)
-    lg, ids, mask, cu, ii, tt = _pack(case)
-    xp = lg.clone().requires_grad_()
-    packed = gtpo_loss(xp, ids, case.adv, mask, group_size=case.G, config=cfg, cu_seqlens=cu,
-                       backend=backend)
-    if agg == "none":
-        w = torch.rand(case.ids.shape, generator=torch.Generator().manual_seed(0))
-        (pad.loss * w).sum().backward()
-        (packed.loss * w[ii, tt]).sum().backward()
-    else:
-        assert_value_close("loss", packed.loss.detach(), pad.loss.detach(), 1e-6)
-        pad.loss.backward()
-        packed.loss.backward()
-    for name in ("logps", "entropy", "per_token_loss", "lam"):
-        assert_value_close(name, getattr(packed, name), getattr(pad, name)[ii, tt], 1e-6)
-    for name in ("n_conf", "seq_entropy"):
-        assert_value_close(name, getattr(packed, name), getattr(pad, name), 1e-6)
-    assert xp.grad is not None and x.grad is not None, (xp.grad is None, x.grad is None)
-    assert_grad_close("packed grad", xp.grad, x.grad[ii, tt + case.logits_start], 1e-6)
-    lam, n_conf = conflict_weights(ids, mask, case.adv, case.G, config=cfg, cu_seqlens=cu)
-    assert torch.equal(lam.double(), pad.lam[ii, tt].double())
-    assert torch.equal(n_conf.double(), pad.n_conf.double())
-
-
 # ---------------------------------------------------------------- memory of the torch path
 
 _MEM_SCRIPT = r"""
@@ -308,19 +254,6 @@ def test_entropy_bonus_with_banned_vocabulary_stays_finite(backend):
     (ref.gtpo_loss(xr, ids, torch.tensor([1.0, -1.0]), **dataclasses.asdict(cfg))["loss"] * 3).backward()
     assert_grad_close("grad", xx.grad, xr.grad, 1e-5)
     assert (xx.grad[..., [2]][x[..., [2]] == float("-inf")] == 0).all()
-
-
-def test_packed_max_seqlen_is_checked_and_not_the_denominator():
-    g = torch.Generator().manual_seed(0)
-    x, ids = torch.randn(8, 10, generator=g), torch.randint(0, 10, (8,), generator=g)
-    cu, adv = torch.tensor([0, 3, 8]), torch.tensor([1.0, -1.0])
-    with pytest.raises(ValueError, match="max_seqlen = 4 is shorter than the longest"):
-        gtpo_loss(x, ids, adv, group_size=2, cu_seqlens=cu, max_seqlen=4)
-    losses = [gtpo_loss(x, ids, adv, cu_seqlens=cu, max_seqlen=m, config="dr_grpo").loss for m in (None, 5, 8)]
-    assert losses[0] == losses[1] == losses[2]  # the longest completion (5), whatever max_seqlen says
-    five = gtpo_loss(x, ids, adv, cu_seqlens=cu, config=GTPOConfig.preset("dr_grpo", max_completion_length=5)).loss
-    eight = gtpo_loss(x, ids, adv, cu_seqlens=cu, config=GTPOConfig.preset("dr_grpo", max_completion_length=8)).loss
-    assert losses[0] == five and eight != five
 
 
 def test_weights_given_without_n_conf_when_conflicts_are_off():

@@ -4,7 +4,8 @@ one token), the preset with every option of spec 9, the rollout weights in every
 conflict weights (computed or precomputed), num_items_in_batch, dtype and backend, together. A call that
 raises must raise one of the refusals the API documents (REFUSALS); every other call is compared with the
 float64 reference on the same inputs (values, outputs, metrics, gradients; spec 7 tolerances), and the
-family part with TRL 1.16's own _compute_loss on the same log-probs (tests/test_joint_trl.py).
+family part with TRL 1.16's own _compute_loss on the same log-probs (tests/test_joint_trl.py). The calls, the
+reference side and the comparison: tests/joint_calls.py.
 
 Example counts: `python -m pytest -q tests/test_joint.py --hypothesis-show-statistics` lists the share of
 each entry point, form and backend (hypothesis events)."""
@@ -13,18 +14,15 @@ import re
 
 import pytest
 import torch
-from hypothesis import assume, event, given, settings
+from hypothesis import event, given, settings
 
 import gtpo_reference as ref
-from conftest import TOL, assert_grad_close, assert_value_close, examples
-from gtpo_kernels import (GTPOConfig, conflict_weights, gtpo_loss, gtpo_loss_from_logps, gtpo_token_advantages,
-                          linear_gtpo_loss, rollout_is_weights)
-from joint_strategies import (build_data, head_values, held_logits, joints, logits_values, materialize,
-                              side_inputs)
+from conftest import TOL, assert_value_close, examples
+from gtpo_kernels import GTPOConfig, gtpo_token_advantages
+from joint_calls import (api_side, away_from_thresholds, call_linear, call_logits, call_logps, compare,
+                         completion_entropy, num_items, precomputed, reference, rollout_weights, settle_filter)
+from joint_strategies import build_data, head_values, held_logits, joints, logits_values, materialize, side_inputs
 
-# gradients of hidden, weight and bias are GEMMs over V: 1e-4 in float32 (issue 8), as tests/test_linear.py
-WEIGHT_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float64: 1e-7}
-GRAD_SEEN = {}  # entry -> examples whose reference gradient is not zero
 
 # The refusals the API documents, each with the condition under which it applies (spec 6, 9, 11 and the
 # docstrings). "required": the call must raise it; otherwise it may (it depends on the tiling).
@@ -94,222 +92,6 @@ def build_config(j):
         assert re.search(REFUSALS["sequence level with cispo/sapo/vespo (spec 9)"], str(e))
         event("refused: sequence level with cispo/sapo/vespo (spec 9)")
         return None
-
-
-def completion_entropy(H, m):
-    return (H * m).sum(1) / m.sum(1).clamp(min=1)
-
-
-def settle_filter(j, cfg, hbar, m):
-    """Like tests/batches.cases_and_configs: when the filter would drop every completion, move its threshold
-    between two completion entropies (or above all) so that the gradient is not zero merely for that."""
-    thr, h0 = cfg.entropy_threshold, cfg.initial_entropy
-    if thr is None or (h0 is not None and h0 > thr) or not j.filter_between:
-        return cfg
-    h = hbar[m.any(1)].sort().values
-    if h.numel() and not (h <= thr).any():
-        k = int(torch.randint(0, h.numel(), (1,)))
-        thr = float((h[k] + h[k + 1]) / 2) if k + 1 < h.numel() else float(h[-1]) + 0.5
-        cfg = cfg.replace(entropy_threshold=thr)
-    return cfg
-
-
-def away_from_thresholds(cfg, m, rlp, rent, old, sampling):
-    """Decisions taken on float32 values and on float64 ones must not sit on their thresholds."""
-    edges = (1 - cfg.eps_low, 1 + cfg.eps_high) + ((cfg.delta,) if cfg.delta else ())
-    if cfg.policy_loss == "cispo":
-        edges = (cfg.eps_high,)
-    if old is not None and cfg.policy_loss in ("ppo", "cispo"):
-        lr = torch.where(m, rlp - old.double(), torch.zeros(()))
-        if cfg.importance_sampling_level == "sequence":
-            r = torch.exp(lr.sum(1) / m.sum(1).clamp(min=1))[m.any(1)]
-        else:
-            r = torch.exp(lr)[m]
-        for e in edges:
-            assume(r.numel() == 0 or (r - e).abs().min() > 1e-4)
-    if cfg.top_entropy_quantile < 1.0 and m.sum() > 1:
-        gaps = rent[m].sort().values.diff()
-        assume(bool(((gaps == 0) | (gaps > 1e-4)).all()))
-    if cfg.off_policy_mask_threshold is not None and sampling is not None:
-        kl = torch.where(m, (sampling.double() - rlp).nan_to_num(0.0), torch.zeros(())).sum(1) / m.sum(1).clamp(min=1)
-        assume(bool(((kl - cfg.off_policy_mask_threshold).abs() > 1e-4)[m.any(1)].all()))
-    gated = cfg.initial_entropy is not None and cfg.entropy_threshold is not None and \
-        cfg.initial_entropy > cfg.entropy_threshold
-    if cfg.entropy_threshold is not None and not gated:
-        hbar = completion_entropy(rent, m)[m.any(1)]
-        assume(bool(((hbar - cfg.entropy_threshold).abs() > 1e-4).all()))
-
-
-def rollout_weights(j, d, old, roll):
-    """(the call's weights, the reference's (B, T) or (B, 1)), or (None, None)."""
-    B, T, gen = j.B, j.T, d.gen
-    if j.rollout == "none":
-        return None, None
-    if j.rollout == "token":
-        w = torch.rand(B, T, generator=gen) * 1.5 + 0.25
-        return (d.pack(w) if j.packed else w), w
-    if j.rollout in ("b1", "b"):
-        w = torch.rand(B, 1, generator=gen) * 1.5 + 0.25
-        return (w if j.rollout == "b1" else w[:, 0]), w
-    w = rollout_is_weights(old, roll, d.mask, j.rollout, clip_min=j.clip_min, clip_max=j.clip_max)
-    # spec 9: sequence-mode weights are per completion, read once per completion by every consumer
-    w_ref = w[:, :1] if j.rollout.startswith("sequence") else w
-    if j.packed and tuple(w.shape) == (B, T):
-        w = d.pack(w)
-    return w, w_ref
-
-
-def num_items(j, m):
-    if j.num_items is None:
-        return None
-    kind, k = j.num_items
-    v = float(k * int(m.sum()) + 1) if k else 0.0
-    return v if kind == "float" else torch.tensor(v)
-
-
-def api_side(j, d, old, refl, roll):
-    """The call's per-token tensors (packed when the form is) and the form's keywords."""
-    pk = d.pack if j.packed else (lambda x: x)
-    kw = {}
-    if j.packed:
-        kw["cu_seqlens"] = d.cu_seqlens
-        if j.max_seqlen:
-            kw["max_seqlen"] = j.T
-    return pk(d.ids), pk(d.mask), (pk(old) if j.with_old else None), (pk(refl) if j.with_ref else None), \
-        (pk(roll) if j.with_roll_lp else None), kw
-
-
-def precomputed(j, d, cfg, ids, mask, form_kw, dt):
-    """conflict_weights (the public call) against the reference's; -> ((lam, n_conf) call, reference)."""
-    lam, n_conf = conflict_weights(ids, mask, d.adv, j.G, config=cfg, dtype=dt, backend=j.backend, **form_kw)
-    lr, nr = ref.conflict_weights(d.ids, d.mask, d.adv.double(), j.G, cfg.conflict_pos_weight,
-                                  cfg.conflict_neg_weight)
-    assert_value_close("conflict_weights lam", lam, d.pack(lr) if j.packed else lr, 0.0)
-    assert_value_close("conflict_weights n_conf", n_conf, nr, 0.0)
-    return (lam, n_conf), (lr, nr)
-
-
-def backward(loss, up):
-    """The upstream gradient: 1, or `up` per token with loss_agg='none'."""
-    (loss if loss.dim() == 0 else (loss.double() * up).sum()).backward()
-
-
-def call_logits(j, d, Z, cfg, tensors, kw, up):
-    """gtpo_loss on the logits (offset rows when logits_start is given) -> (out, {name: (grad, ref place)})."""
-    ids, mask = tensors
-    s = j.logits_start
-    rows = d.pack(Z) if j.packed else Z
-    if s:  # rows before and after the ones that predict completion tokens
-        g = torch.Generator().manual_seed(j.seed + 1)
-        pad = lambda n: torch.randn(*((n,) if j.packed else (j.B, n)), j.V, generator=g, dtype=torch.float64)  # noqa: E731
-        rows = torch.cat([pad(s), rows, pad(1)], dim=0 if j.packed else 1)
-    x = rows.to(j.dtype).clone().requires_grad_()
-    start = {} if s is None else {"logits_start": s}
-    out = gtpo_loss(x, ids, d.adv, mask, backend=j.backend, **start, **kw)
-    backward(out.loss, up)
-
-    def place(gref):  # the reference's (B, T, V) gradient where the call's rows are, 0 elsewhere
-        full = torch.zeros_like(x, dtype=torch.float64)
-        g = d.pack(gref) if j.packed else gref
-        if j.packed:
-            full[(s or 0):(s or 0) + g.shape[0]] = g
-        else:
-            full[:, (s or 0):(s or 0) + j.T] = g
-        return full
-    return out, {"grad logits": (x.grad, place)}
-
-
-def call_logps(j, d, Z, cfg, tensors, kw, up):
-    """gtpo_loss_from_logps on the reference's log-probs and entropies of Z, chained back to Z."""
-    ids, mask = tensors
-    z = Z.detach().clone().requires_grad_()
-    lp, H = ref.token_logprobs(z, d.ids, cfg.temperature, d.mask)
-    lp, H = lp.to(j.dtype), H.to(j.dtype)
-    if j.packed:
-        lp, H = d.pack(lp), d.pack(H)
-    out = gtpo_loss_from_logps(lp, ids, d.adv, mask, entropy=H if j.with_entropy else None, **kw)
-    backward(out.loss, up)
-    return out, {"grad logits (through the log-probs)": (z.grad, lambda g: g)}
-
-
-def call_linear(j, d, head, cfg, tensors, kw, up):
-    hidden, weight, bias = head
-    ids, mask = tensors
-    h = (d.pack(hidden) if j.packed else hidden).clone().requires_grad_()
-    w = weight.clone().requires_grad_()
-    b = None if bias is None else bias.clone().requires_grad_()
-    # about budget_rows rows a tile: a row of logits and its gradient, plus a float32 copy of the gradient
-    budget = j.head["budget_rows"] * (2 * hidden.element_size() + 4) * j.V
-    out = linear_gtpo_loss(h, w, ids, d.adv, mask, bias=b, logit_scale=j.head["scale"],
-                           logit_softcap=j.head["cap"], memory_budget=budget, schedule=j.head["schedule"],
-                           backend=j.backend, **kw)
-    backward(out.loss, up)
-    grads = {"grad hidden": (h.grad, (lambda g: d.pack(g)) if j.packed else (lambda g: g)),
-             "grad weight": (w.grad, lambda g: g)}
-    if b is not None:
-        grads["grad bias"] = (None if b.grad is None else b.grad[None], lambda g: g[None])
-    return out, grads
-
-
-def reference(j, d, Z, head, kw_ref, up):
-    """The float64 reference on the same values -> (result, {grad name: gradient}, {grad name: slack}).
-    Hidden states: the values of the logits as the call's dtype holds them, gradients by float64 autograd
-    through the projection; 16-bit: plus the error of storing dL/dlogits in 16 bits (as tests/test_linear.py)."""
-    if head is None:
-        z = Z.detach().clone().requires_grad_()
-        r = ref.gtpo_loss(z, d.ids, d.adv, d.mask, **kw_ref)
-        backward(r["loss"], up)
-        name = "grad logits" if j.entry == "logits" else "grad logits (through the log-probs)"
-        return r, {name: z.grad}, {}
-    low = j.dtype == torch.bfloat16
-
-    def run(round_grad):
-        leaves = [None if x is None else x.double().requires_grad_() for x in head]
-        z = materialize(*leaves, j.head["scale"], j.head["cap"])
-        if low:
-            z = z + (Z - z).detach()
-        if round_grad:
-            z.register_hook(lambda g: g.to(j.dtype).double())
-        r = ref.gtpo_loss(z, d.ids, d.adv, d.mask, **kw_ref)
-        backward(r["loss"], up)
-        return r, {n: x.grad for n, x in zip(("grad hidden", "grad weight", "grad bias"), leaves) if x is not None}
-    r, exact = run(False)
-    slack = {}
-    if low:
-        _, rounded = run(True)
-        slack = {n: 0.0 if exact[n].norm() == 0 else float((rounded[n] - exact[n]).norm() / exact[n].norm())
-                 for n in exact}
-    return r, exact, slack
-
-
-def compare(j, d, out, r, grads, rgrads, slack):
-    tol = TOL[j.dtype]
-    pk = d.pack if j.packed else (lambda x: x)
-    rl = r["loss"].detach()
-    assert_value_close("loss", out.loss.detach(), rl if rl.dim() == 0 else pk(rl), tol["loss"])
-    no_entropy = j.entry == "logps" and not j.with_entropy  # then nothing reads or reports entropies
-    for name in ("logps", "entropy", "per_token_loss", "lam"):
-        if not (no_entropy and name == "entropy"):
-            assert_value_close(name, getattr(out, name), pk(r[name]), tol["value"])
-    for name in ("n_conf", "seq_entropy"):
-        if not (no_entropy and name == "seq_entropy"):
-            assert_value_close(name, getattr(out, name), r[name], tol["value"])
-    assert torch.equal(out.kept, r["kept"]), f"kept {out.kept} != reference {r['kept']}"
-    for k, v in r["metrics"].items():
-        if no_entropy and k == "mean_entropy":
-            continue
-        assert_value_close(f"metrics[{k!r}]", out.metrics[k], v, tol["value"])
-    nonzero = False
-    for name, (g, place) in grads.items():
-        gref = place(rgrads[name])
-        g = torch.zeros_like(gref) if g is None else g
-        gtol = (WEIGHT_TOL[j.dtype] if name != "grad logits" and j.entry == "linear" else tol["grad"]) + \
-            slack.get(name, 0.0)
-        assert_grad_close(name, g, gref, gtol)
-        nonzero |= bool(gref.norm() > 0)
-    if nonzero:
-        GRAD_SEEN[j.entry] = GRAD_SEEN.get(j.entry, 0) + 1
-        event("reference gradient not zero")
 
 
 def check_token_adv(j, d, cfg):
