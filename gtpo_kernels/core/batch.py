@@ -36,17 +36,17 @@ def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate):
                          f"got {tuple(completion_ids.shape)}")
     N, B = completion_ids.shape[0], cu_seqlens.numel() - 1
     cu = cu_seqlens.long()
-    lengths = cu[1:] - cu[:-1]
-    malformed = None
-    if validate and (int(cu[0]) != 0 or int(cu[-1]) != N or bool((lengths < 0).any())):
-        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N = {N} "
-                         f"(completion_ids' length), got {cu_seqlens.tolist()}")
-    if not validate:
-        malformed = (cu[0] != 0) | (cu[-1] != N) | (lengths < 0).any()
+    malformed = cu_malformed(cu, N)
+    if validate:
+        if bool(malformed):
+            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N = {N} "
+                             f"(completion_ids' length), got {cu_seqlens.tolist()}")
+        malformed = None
+    else:
         cu = cu.clamp(0, N).cummax(0).values
         cu = torch.cat([cu.new_zeros(1), cu[1:-1], cu.new_full((1,), N)])
-        lengths = cu[1:] - cu[:-1]
         cu_seqlens = cu.to(cu_seqlens.dtype)
+    lengths = cu[1:] - cu[:-1]
     if max_seqlen is not None:
         max_seqlen = checks.check_nonneg_int("max_seqlen", max_seqlen)
         if validate and max_seqlen < int(lengths.max()):
@@ -55,6 +55,12 @@ def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate):
     seg = torch.repeat_interleave(torch.arange(B, device=device), lengths, output_size=N)
     max_len = lengths.max().clamp(min=1)  # the longest completion (a tensor: no host sync)
     return N, B, cu_seqlens, max_seqlen, max_len, seg, malformed
+
+
+def cu_malformed(cu_seqlens, N):
+    """0-d bool on the device: cu_seqlens does not start at 0, decreases or does not end at N."""
+    cu = cu_seqlens.long()
+    return (cu[0] != 0) | (cu[-1] != N) | (cu[1:] < cu[:-1]).any()
 
 
 def _counted(completion_mask, tok_shape, N, device, validate):

@@ -141,12 +141,6 @@ def token_digest(b):
     return counted.sum(), checksum, top
 
 
-def cu_malformed(cu_seqlens, N):
-    """0-d bool on the device: cu_seqlens does not start at 0, decreases or does not end at N."""
-    cu = cu_seqlens.long()
-    return (cu[0] != 0) | (cu[-1] != N) | (cu[1:] < cu[:-1]).any()
-
-
 def collective_device(group, x):
     """Where the small collective's tensors live: x's device, CUDA for a CPU tensor under NCCL."""
     import torch.distributed as dist

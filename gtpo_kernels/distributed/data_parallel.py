@@ -47,7 +47,7 @@ def dp_conflict_weights(completion_ids, completion_mask, advantages, group_size,
                          cu_seqlens, max_seqlen, validate, backend)
         if cu_seqlens is not None and not g.local.host:  # unvalidated: flagged on the device, read below
             N = completion_ids.shape[0]
-            agree.fail_if(g, agree.cu_malformed(cu_seqlens, N), ValueError(
+            agree.fail_if(g, batch.cu_malformed(cu_seqlens, N), ValueError(
                 f"cu_seqlens must start at 0, never decrease and end at N = {N} (completion_ids' length)"))
         g.fields = g.local.fields
     rows = agree.agree(g, 6, agree.collective_device(group, completion_ids), where)  # 2. 56 bytes per rank

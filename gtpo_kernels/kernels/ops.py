@@ -8,8 +8,9 @@
 
 `scale` and `softcap` (after logits_start, before backend) are the tile's transforms of spec 11,
 applied by the kernels to the raw logits (dispatch.vocab_fwd); the defaults leave the logits as they are.
-`backend` defaults to 'auto' (resolved by dispatch). Being custom ops, the passes are opaque to `torch.compile`, which traces everything around them
-without graph breaks. Which implementation runs is `dispatch`'s choice.
+`backend` defaults to 'auto' (resolved by dispatch). Being custom ops, the passes are opaque to
+`torch.compile`, which traces everything around them without graph breaks. Which implementation runs is
+`dispatch`'s choice.
 """
 from __future__ import annotations
 

@@ -171,22 +171,20 @@ def plan_rows(opts, t, skip):
     put last in their tile; their number per completion is read with the counts (2 syncs in all, one
     more only when a completion spans tiles: token-local coefficients and a completion over a tile)."""
     rows = t.counted.nonzero().squeeze(1)  # sync: the rows projected
-    counts_dev = torch.bincount(t.seg[rows], minlength=opts.B)
-    live = prior_live(opts, t, rows) if skip else None
+    seg = t.seg[rows]
+    counts_dev = torch.bincount(seg, minlength=opts.B)
+    live = prior_live(opts, t, rows, seg) if skip else None
     if live is None:
         counts = counts_dev.tolist()  # sync: the tiles
         return rows, counts_dev, plan(counts, opts.per_tile, opts.fused), None
     dev, n, B = rows.device, rows.numel(), opts.B
-    per_c = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, t.seg[rows], live.long())
+    per_c = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, seg, live.long())
     both = torch.cat([counts_dev, per_c]).tolist()  # sync: the tiles
     counts, per_c = both[:B], both[B:]
     tiles = plan(counts, opts.per_tile, True)
     sizes = torch.tensor([k.e - k.s for k in tiles], dtype=torch.long, device=dev)
     tile = torch.repeat_interleave(torch.arange(len(tiles), device=dev), sizes, output_size=n)
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
-    if all(starts[k.g0] == k.s and starts[k.g1 + 1] == k.e for k in tiles):  # whole completions
+    if max(counts, default=0) <= opts.per_tile:  # plan() cut only between completions
         per_tile = [sum(per_c[k.g0:k.g1 + 1]) for k in tiles]
     else:
         per_tile = torch.zeros(len(tiles), dtype=torch.long, device=dev).index_add_(0, tile, live.long()).tolist()
@@ -194,9 +192,9 @@ def plan_rows(opts, t, skip):
     return rows[order], counts_dev, tiles, per_tile
 
 
-def prior_live(opts, t, rows):
-    """The rows whose c, e may be nonzero, as far as is known before any logit is read (None: all).
-    With no KL term and no entropy bonus, c is the policy term's, which every policy multiplies by
+def prior_live(opts, t, rows, seg):
+    """The rows (of completions `seg`) whose c, e may be nonzero, as far as is known before any logit is
+    read (None: all). With no KL term and no entropy bonus, c is the policy term's, which every policy multiplies by
     Ahat_i and by lambda_j: Ahat_i = 0 when A_i = 0 without shaping (gamma = 0); lambda_j = 0 on a
     conflict token of a negative completion with w_neg = 0, at the token level (a sequence-level ratio
     spreads over the completion's tokens). Rows whose gradient depends on the logits (the entropy
@@ -207,7 +205,7 @@ def prior_live(opts, t, rows):
         return None
     live = None
     if is_zero(cfg.entropy_penalty):
-        live = x.adv[t.seg[rows]] != 0  # NaN counts as live
+        live = x.adv[seg] != 0  # NaN counts as live
     if x.lam is not None and cfg.importance_sampling_level == "token":
         on = x.lam[rows] != 0
         live = on if live is None else live & on
