@@ -1,12 +1,16 @@
-"""Microbenchmarks of gtpo-kernels against the eager baseline, torch.compile and Liger-Kernel.
+"""Benchmarks of gtpo-kernels against the eager baseline, torch.compile, TRL and Liger-Kernel.
 
-    python -m bench                 # CPU-sized default; on a CUDA machine: python -m bench --gpu-sizes
-    python -m bench --suite linear --linear-size 4096,1024,32000   # from hidden states, the README's CPU point
+    python -m bench                          # the timing suites (CPU-sized default; CUDA: --gpu-sizes)
+    python -m bench --suite linear --linear-size 4096,1024,32000   # from hidden states at a larger point
     python -m bench --help
+    python -m bench.aot                      # the static GPU report, no GPU needed
+    python -m bench.head_accounting          # the LM head's work outside its kernels, counted
+    python -m bench.readme_numbers           # the README's tables against their committed JSON
 
-Files: providers.py (one function per implementation), inputs.py (the problems and the reference
-check), runner.py (time, peak memory, saved bytes), traffic.py (bytes moved, counted in Triton's
-interpreter), aot.py (the static GPU report: registers, spills, 16-byte loads), plots.py, gpu_check.sh;
-the `linear` suite (the loss from hidden states and the LM head): linear.py (inputs, implementations),
-linear_suite.py (check, round-robin timing, peak memory, its table).
+One subpackage per tool: timing/ (the suites of `python -m bench`: logits, linear, parallel; time, peak
+memory, saved bytes, bytes moved), aot/ (the static GPU report), head_accounting/ (the LM head's
+accounting), common/ (where results go, their stamp, the clean-tree rule). results/ holds the committed
+record (written with --save, only from a clean tree); out/ every other run (git-ignored); gpu_check.sh
+is the check to run on a CUDA machine. parallel.py and memory.py keep `python -m bench.parallel` and
+`python -m bench.memory` (the logits suite's memory child) working.
 """

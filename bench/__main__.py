@@ -22,11 +22,10 @@ import os
 import sys
 import time
 
+from .common import record
+
 GPU_TOKENS = (4096, 16384, 32768)
 GPU_VOCAB = (32000, 128256, 151936, 262144)
-HERE = os.path.dirname(os.path.abspath(__file__))
-SAVE_DIR = os.path.join(HERE, "results")   # tracked: the record the README quotes (--save)
-SCRATCH_DIR = os.path.join(HERE, "out")    # git-ignored: every other run
 
 
 def _ints(text):
@@ -95,13 +94,14 @@ def parse_args(argv):
                     help="before each suite, wait at most this long for an earlier run's load to decay "
                          "(default 60; 0: start at once)")
     ap.add_argument("--save", action="store_true",
-                    help="write the JSON and plots into bench/results/ (tracked: the record the README quotes)")
+                    help="write the JSON and plots into bench/results/ (tracked: the record the README quotes); "
+                         "refused while tracked files have uncommitted changes")
     ap.add_argument("--out", default=None,
                     help="folder for the JSON and the plots (default: bench/out/, git-ignored)")
     a = ap.parse_args(argv)
     if a.save and a.out is not None:
         ap.error("--save writes into bench/results/; give --save or --out DIR, not both")
-    a.out = SAVE_DIR if a.save else (a.out or SCRATCH_DIR)
+    a.out = record.RESULTS if a.save else (a.out or record.SCRATCH)
     return a
 
 
@@ -118,6 +118,8 @@ def quiet_interpreter_overflow():
 
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
+    if not a.check_only:
+        record.require_clean(a.out)  # before minutes of measuring, not after
     quiet_interpreter_overflow()
     import torch
     device = a.device
@@ -128,18 +130,18 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if a.threads:
         torch.set_num_threads(a.threads)
-    from . import report, runner
+    from .timing import report, runner
     runner.SETTLE_S = a.settle
     t0 = time.perf_counter()
     status = 0
     if a.suite == "parallel":
-        from . import parallel
+        from .timing import parallel
         sys.exit(parallel.main(["--out", a.out, "--tokens", str(a.parallel_tokens), "--vocab", str(a.parallel_vocab),
                                 "--repeats", str(a.repeats or 5), "--warmup", str(min(a.warmup, 1)), "--settle", str(a.settle)]))
     if a.suite == "head":
-        from . import head_accounting
-        sys.exit(head_accounting.main(["--save"] if a.save else []))
-    from .providers import missing_peers
+        from .head_accounting.measure import main as head_main
+        sys.exit(head_main(["--save"] if a.save else ["--out", a.out]))
+    from .timing.providers import missing_peers
     for line in missing_peers():
         print(f"not compared in this run: {line}", flush=True)
     if a.suite in ("all", "logits"):
@@ -153,11 +155,11 @@ def main(argv=None):
 
 def _record(a, report, res, prefix, plot_fn):
     """A suite's JSON (and latest-<prefix><device>.json) and plots into a.out, saying where they went."""
-    path = report.write_json(res, a.out, prefix=prefix)
+    path = record.write_json(res, a.out, prefix=prefix)
     print(f"\nresults: {os.path.relpath(path)} (and latest-{prefix}{res['device']}.json next to it)")
     if not a.no_plots:
         try:
-            from . import plots
+            from .timing import plots
             for p in getattr(plots, plot_fn)(res, a.out, log=print):
                 print(f"plot: {os.path.relpath(p)}")
         except ImportError as e:
@@ -169,7 +171,7 @@ def _record(a, report, res, prefix, plot_fn):
 def _linear_suite(a, device, torch, report):
     """The loss from hidden states and the LM head; its own table, JSON (linear-<device>-<date>.json,
     latest-linear-<device>.json) and plots. Returns the exit status (1 when an implementation is wrong)."""
-    from .linear_suite import LinearSuite, parse_size, table
+    from .timing.linear_suite import LinearSuite, parse_size, table
     sizes = [parse_size(s) for s in (a.linear_size or (["1024,256,8192"] if device == "cpu"
                                                          else ["4096,1024,151936"]))]
     tile = a.linear_tile if a.linear_tile is not None else (64 if device == "cpu" else 256)
@@ -193,7 +195,7 @@ def _linear_suite(a, device, torch, report):
 
 def _logits_suite(a, device, torch, report):
     """The loss from the logits: the grid of tokens x V. Returns the exit status."""
-    from .suite import Suite
+    from .timing.logits_suite import Suite
     impls = [x for x in a.impls.split(",") if x]
     if a.gpu_sizes:
         tokens, vocab = list(GPU_TOKENS), list(GPU_VOCAB)
@@ -210,7 +212,8 @@ def _logits_suite(a, device, torch, report):
     results = suite.run()
     aot = None
     if not a.no_aot and not a.check_only:
-        suite.progress("AOT compile for sm_90 / sm_80 (registers, spills, LDG.E.128)")
+        suite.progress("static GPU report: our kernels compiled for sm_90 / sm_80 / sm_100 / gfx942 (no GPU used; "
+                       "--no-aot skips it)")
         from . import aot as aot_mod
         aot = aot_mod.report_in_subprocess() if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") \
             else aot_mod.report()
@@ -218,10 +221,13 @@ def _logits_suite(a, device, torch, report):
     results["wall_s"] = time.perf_counter() - t0
     print(report.table(results))
     if aot is not None:
-        from .aot import format_table
+        from .aot import format_table, summary_line
         print()
-        print("Static GPU report (compiled ahead of time, no GPU used):")
-        print(format_table(aot))
+        if device == "cuda":
+            print("Static GPU report (compiled ahead of time):")
+            print(format_table(aot))
+        else:  # a CPU run: one line; the full report is its own command
+            print(summary_line(aot) + " (the rows: 'aot' in the JSON below)")
     if a.check_only:
         bad = [r for r in results["rows"] if r["status"] == "wrong"]
         return 1 if bad else 0

@@ -13,7 +13,7 @@
 #      TRL's and peak memory above inputs and gradients, at TRL's default tile (4096 x 32768 bf16 = 256 MiB);
 #   4b. the LM head alone at V = 151936 and a 7-8B model's hidden size (N = 8192, D = 4096) with the budget
 #      TRL uses (its 256 MiB tile): linear_gtpo_loss fused / recompute against TRL's and Liger's heads;
-#   5. the launch configurations of bench/tune.py's static model (BLOCK_V x warps) timed on this GPU
+#   5. the launch configurations of bench/aot/tune.py's static model (BLOCK_V x warps) timed on this GPU
 #      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/kernels/vocab_triton.py.
 # Results (JSON, PNG) go to $OUT when set (the device runner brings that folder back), else bench/results.
 # Liger: installed from a wheel if missing: $LIGER_WHEEL, or .whl/liger_kernel-*.whl
@@ -67,8 +67,8 @@ timeout 120 python -m bench --device cuda --suite linear --linear-size 8192,4096
   --linear-impls fused,recompute,trl,liger --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "LM head at V = 151936: exit $rc"; status=1; }
 
-step "5. launch configurations: the static model's candidates (bench/tune.py) timed on this GPU"
-timeout 90 python -m bench.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12
+step "5. launch configurations: the static model's candidates (bench/aot/tune.py) timed on this GPU"
+timeout 90 python -m bench.aot.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "tune: exit $rc"; status=1; }
 
 step "done: status $status"

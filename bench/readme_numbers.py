@@ -50,8 +50,8 @@ def _range(med, lo_hi, fmt="{:.1f}"):
 
 def _ratio(v, load=None):
     """ratio_cell of a per-round summary, its '!' decided by bench.runner's rule when the JSON predates it."""
-    from .report import ratio_cell
-    from .runner import unreliable
+    from .timing.report import ratio_cell
+    from .timing.runner import unreliable
     if isinstance(v, dict) and "unreliable" not in v:
         v = dict(v, spread=(v["max"] - v["min"]) / abs(v["median"]))
         v["unreliable"] = unreliable(v, load)
@@ -62,7 +62,7 @@ def load_of(doc):
     """The doc's `load` record; built from the older load_average_before/after fields when absent."""
     if doc.get("load") or "load_average_before" not in doc:
         return doc.get("load")
-    from .runner import load_record
+    from .timing.runner import load_record
     cores = doc.get("machine", {}).get("cpu_count") or 1
     return load_record(dict(load_average=doc["load_average_before"], cores=cores),
                        dict(load_average=doc["load_average_after"], cores=cores))
@@ -90,7 +90,7 @@ def _markdown(head, lines):
 
 
 def _footer(doc, lines):
-    from .runner import RULE
+    from .timing.runner import RULE
     flagged = any(c.endswith(" !") for row in lines for c in row)
     return ["", f"{doc.get('rule', RULE)}."] if flagged else []
 
@@ -193,7 +193,7 @@ def render_aot(doc, path):
 def render_head(doc, path):
     """The fused head's accounting (bench.head_accounting --save), each cell 'before -> after' against
     bench/results/head-accounting-before.json (the head before its rewrite) where that file exists."""
-    from .head_table import markdown
+    from .head_accounting.table import markdown
     meta = doc["meta"]
     before_path = os.path.join(ROOT, "bench", "results", "head-accounting-before.json")
     before = json.load(open(before_path)) if os.path.exists(before_path) else None

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from bench import traffic  # noqa: E402
+from bench.timing import traffic  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAFFIC_BOUND = 1.02  # forward read, backward read, backward write: within 2% of the ideal
@@ -65,35 +65,41 @@ def test_aot_compile_registers_spills_wide_loads():
     assert all(need <= set(c) and c["est_ms"] > 0 for c in recs)
 
 
-def test_python_m_bench_smoke():
-    """A default run (no --save, no --out) writes into the git-ignored bench/out/ and says so; the tracked
-    record (bench/results/, every tracked file under bench/) is left as it was."""
+def _tree_state():
+    """The repository as a bench run could change it: every tracked file's content and the set of untracked
+    and ignored files (bench/out/ included), Python's and the test tools' caches left out."""
     import hashlib
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split("\0")
+    tracked = {n: hashlib.sha256(open(os.path.join(ROOT, n), "rb").read()).hexdigest()
+               for n in names if n and os.path.isfile(os.path.join(ROOT, n))}
+    other = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all", "-z"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    caches = ("__pycache__", ".pyc", ".hypothesis", ".pytest_cache", ".venv", ".egg-info", "build/")
+    return tracked, {x for x in other if x[:2] in ("??", "!!") and not any(c in x for c in caches)}
 
-    def tracked_bench_files():
-        names = subprocess.run(["git", "ls-files", "bench"], cwd=ROOT, capture_output=True, text=True,
-                               check=True).stdout.split()
-        return {n: hashlib.sha256(open(os.path.join(ROOT, n), "rb").read()).hexdigest()
-                for n in names if os.path.exists(os.path.join(ROOT, n))}
 
-    before = tracked_bench_files()
+def test_python_m_bench_smoke(tmp_path):
+    """A run with --out writes its JSON and plots there and nowhere else: the repository's tree (tracked files,
+    bench/out/, bench/results/) is left as it was."""
+    before = _tree_state()
     cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--suite", "logits", "--tokens", "64", "--vocab", "1000",
            "--impls", "triton,torch,eager,liger", "--repeats", "2", "--warmup", "1", "--traffic-size", "64x1000",
-           "--no-aot", "--modes", "full,fwd,bwd", "--settle", "0"]
+           "--no-aot", "--modes", "full,fwd,bwd", "--settle", "0", "--out", str(tmp_path)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, TRITON_INTERPRET="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert _tree_state() == before, "a bench run with --out changed the repository's tree"
     assert "eager baseline" in p.stdout and "not run: needs CUDA" in p.stdout
-    assert tracked_bench_files() == before, "a run without --save changed tracked files under bench/"
-    out_dir = os.path.join(ROOT, "bench", "out")
+    # progress on stderr: each configuration numbered, no wait with --settle 0
+    assert "[1/1] tokens=64 V=1000: check torch, eager, liger" in p.stderr, p.stderr
+    assert "waiting up to" not in p.stderr
     rel = next(ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("results: "))
     path = os.path.join(ROOT, rel)
-    assert os.path.dirname(os.path.abspath(path)) == out_dir, rel
+    assert os.path.dirname(os.path.abspath(path)) == str(tmp_path), rel
     assert "pass --save" in p.stdout
-    ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
-    assert ignored.returncode == 0, f"{rel} is not git-ignored"
     doc = json.loads(open(path).read())
-    assert doc == json.loads(open(os.path.join(out_dir, "latest-cpu.json")).read())
+    assert doc == json.loads((tmp_path / "latest-cpu.json").read_text())
     assert {"date", "commit", "machine", "versions", "rows", "traffic"} <= set(doc)
     by = {(r["impl"], r["tokens"]): r for r in doc["rows"]}
     assert by[("eager", 64)]["status"] == "ok" and by[("eager", 64)]["peak_bytes"] > 0
@@ -126,9 +132,20 @@ def test_python_m_bench_smoke():
     except ImportError:
         return  # plots are optional
     plots = [ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("plot: ")]
-    assert plots and all(os.path.dirname(os.path.join(ROOT, x)) == out_dir for x in plots), plots
+    assert plots and all(os.path.dirname(os.path.join(ROOT, x)) == str(tmp_path) for x in plots), plots
     # no empty line or panel: what has no data (Liger on the CPU, interpreted Triton) is left out and said so
     assert "no line for liger triton_grpo_loss (unavailable: not run: needs CUDA)" in p.stdout
+
+
+def test_default_folders():
+    """Without --out a run writes into bench/out/ (git-ignored), with --save into bench/results/ (tracked)."""
+    from bench.__main__ import parse_args
+    from bench.common import record
+    assert parse_args([]).out == record.SCRATCH and parse_args(["--save"]).out == record.RESULTS
+    probe = os.path.join(record.SCRATCH, "latest-cpu.json")
+    assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=ROOT).returncode == 0, "bench/out/ not ignored"
+    assert subprocess.run(["git", "check-ignore", "-q", os.path.join(record.RESULTS, "latest-cpu.json")],
+                          cwd=ROOT).returncode == 1, "bench/results/ is ignored"
 
 
 def test_linear_suite_smoke(tmp_path):
@@ -138,7 +155,7 @@ def test_linear_suite_smoke(tmp_path):
     time. The memory children run in test_python_m_bench_smoke; our head's and TRL's peaks are
     checked by test_linear.py and test_trl_models.py.)"""
     pytest.importorskip("trl.kernels")
-    from bench.linear import PROVIDERS
+    from bench.timing.linear import PROVIDERS
     LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32 inputs: against each other and the float64 evaluation
     cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--suite", "linear", "--linear-size", "256,64,1000",
            "--linear-tile", "0.25", "--repeats", "1", "--linear-warmup", "0", "--settle", "0", "--no-memory", "--out", str(tmp_path)]
@@ -182,7 +199,7 @@ def test_linear_suite_smoke(tmp_path):
 def test_interleaved_rounds_order_warmup_and_errors():
     """Rounds run every step once in order (A, B, C, A, B, C); warm-up rounds are not recorded; a step
     that raises is dropped and reported, the others go on."""
-    from bench.runner import interleaved
+    from bench.timing.runner import interleaved
     calls, failed = [], []
 
     def step(name, fail=False):
@@ -202,7 +219,7 @@ def test_per_round_ratios_and_the_unreliable_rule():
     """Ratios are taken round by round (a load spike in one round hits both sides), then summarized; the
     rule flags a range above 25% of the median, or a run that shared the machine (load above half the
     cores before it, or above 1.5 x cores after it)."""
-    from bench import runner
+    from bench.timing import runner
     a, b = [10.0, 30.0, 11.0, 10.5, 10.0], [20.0, 60.0, 22.0, 21.0, 20.0]
     r = runner.per_round_ratio(a, b)
     assert r["median"] == 0.5 and r["min"] == r["max"] == 0.5 and r["spread"] == 0.0
@@ -223,14 +240,15 @@ def test_per_round_ratios_and_the_unreliable_rule():
     assert runner.fwd_above_full({"full": [0.5, 0.6], "fwd": [0.3, 32.0, 30.0]})
     assert not runner.fwd_above_full({"full": [5.0, 6.0]})
     assert runner.unreliable(r, quiet, {"fwd_above_full": True}) and not runner.unreliable(r, quiet, {})
-    from bench.report import _note
+    from bench.timing.report import _note
     assert "unreliable: fwd alone above" in _note({"status": "ok", "fwd_above_full": True})
 
 
 def test_parallel_summary_and_tables():
     """The parallel suite's result from its ranks' rounds: per-round speed-ups, the load, the tables."""
-    from bench import parallel, readme_numbers
-    from bench.runner import load_record
+    from bench import readme_numbers
+    from bench.timing import parallel
+    from bench.timing.runner import load_record
     rounds = {"2 ranks": [100.0, 110.0, 300.0], "1 rank": [200.0, 220.0, 600.0], "1 rank, 2 threads": [100.0] * 3}
     ranks = [dict(all_reduce_bytes=32 * 64, all_gather_bytes=72, rounds_ms=rounds, loss_rel_err=1e-7,
                   grad_rel_err=2e-7, grad_norm=1.0), dict(all_reduce_bytes=32 * 64, all_gather_bytes=72,
@@ -250,7 +268,7 @@ def test_parallel_summary_and_tables():
 def test_missing_peers_say_how_to_get_them(monkeypatch):
     import importlib.util
 
-    from bench import providers
+    from bench.timing import providers
     real = importlib.util.find_spec
     # TRL missing, Liger present, whatever this machine has installed
     fake = {"trl": None, "liger_kernel": object()}
@@ -261,16 +279,137 @@ def test_missing_peers_say_how_to_get_them(monkeypatch):
 
 def test_settle_waits_for_the_load_to_fall_and_zero_does_not_wait(monkeypatch):
     """--settle: before a suite the run waits (at most SETTLE_S) for an earlier run's 1-minute load to fall
-    below the limit; 0 starts at once, whatever the load (the test suite's own runs)."""
-    from bench import runner
-    loads = iter([9.0, 9.0, 0.1, 0.1, 0.1])
-    monkeypatch.setattr(runner.os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
+    below the limit, and says so (what it waits for, how to skip it, when it starts); 0 starts at once,
+    whatever the load (the test suite's own runs)."""
+    from bench.timing import runner
+    slept, said = [], []
+    monkeypatch.setattr(runner.os, "getloadavg", lambda: (9.0 if len(slept) < 2 else 0.1, 0.0, 0.0))
     monkeypatch.setattr(runner.os, "cpu_count", lambda: 2)
-    slept = []
     monkeypatch.setattr(runner.time, "sleep", slept.append)
     monkeypatch.setattr(runner, "SETTLE_S", 60)
-    snap = runner.load_snapshot(settle=True)
+    snap = runner.load_snapshot(settle=True, log=said.append)
     assert len(slept) == 2 and snap["load_average"][0] == 0.1
-    loads = iter([9.0, 9.0])
+    assert len(said) == 2, said
+    assert "waiting up to 60 s for the 1-minute load average (9.00) to fall below 1" in said[0], said
+    assert "--settle 0" in said[0] and said[1].startswith("load 0.10 after ") and said[1].endswith("starting")
+    slept.clear(), said.clear()
+    monkeypatch.setattr(runner.os, "getloadavg", lambda: (9.0, 0.0, 0.0))
     monkeypatch.setattr(runner, "SETTLE_S", 0)
-    assert runner.load_snapshot(settle=True)["load_average"][0] == 9.0 and len(slept) == 2
+    assert runner.load_snapshot(settle=True, log=said.append)["load_average"][0] == 9.0
+    assert slept == [] and said == []
+    assert runner.load_snapshot(settle=False, log=said.append) and said == []
+
+
+# ---- results are recorded only from a clean tree -------------------------------------------------
+
+def _git(cwd, *args):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def test_tracked_changes_outside_results_make_the_tree_dirty(tmp_path):
+    """In a scratch repository: a clean tree, an untracked file or a changed result under bench/results/
+    is clean (one suite re-measured after another leaves the first's files changed); a changed tracked
+    file elsewhere is dirty, and the commit stamp then ends in '+dirty'."""
+    from bench.common import record
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "bench" / "results" / "r.json").write_text("{}\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "init")
+    head = _git(tmp_path, "rev-parse", "HEAD").strip()
+    assert record.tracked_changes(tmp_path) == [] and record.commit(tmp_path) == head
+    (tmp_path / "new.py").write_text("")
+    (tmp_path / "bench" / "results" / "r.json").write_text('{"a": 1}\n')
+    assert record.tracked_changes(tmp_path) == [] and record.commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert [ln.split()[-1] for ln in record.tracked_changes(tmp_path)] == ["code.py"]
+    assert record.commit(tmp_path) == head + "+dirty"
+
+
+def test_recording_into_results_is_refused_from_a_dirty_tree(monkeypatch, tmp_path):
+    """With tracked changes, every writer into bench/results/ refuses before it measures, naming the
+    changed files and what to do; any other folder is written as usual."""
+    from bench.common import record
+    changes = [" M gtpo_kernels/core/batch.py"]
+    monkeypatch.setattr(record, "tracked_changes", lambda root=record.ROOT: changes)
+    with pytest.raises(record.DirtyTree) as e:
+        record.require_clean(os.path.join(record.RESULTS, "aot"))
+    assert "uncommitted changes" in str(e.value) and "gtpo_kernels/core/batch.py" in str(e.value)
+    record.require_clean(str(tmp_path))  # not the record: fine
+    assert os.path.exists(record.write_json(dict(device="cpu", rows=[]), str(tmp_path)))
+    with pytest.raises(record.DirtyTree):
+        record.write_json(dict(device="cpu", rows=[]), record.RESULTS)
+
+    def never(*a, **k):
+        raise AssertionError("measured although the record would be refused")
+    from bench import __main__ as cli
+    from bench.aot import __main__ as aot_cli
+    from bench.aot import tune
+    from bench.head_accounting import measure as head
+    from bench.timing import logits_suite, parallel
+    monkeypatch.setattr(logits_suite.Suite, "run", never)
+    monkeypatch.setattr(aot_cli, "report", never)
+    monkeypatch.setattr(tune, "static", never)
+    monkeypatch.setattr(head, "measure", never)
+    monkeypatch.setattr(parallel, "run", never)
+    for main, argv in ((cli.main, ["--save", "--suite", "logits", "--no-aot"]), (cli.main, ["--save", "--suite", "head"]),
+                       (cli.main, ["--save", "--suite", "parallel"]), (aot_cli.main, ["--save"]),
+                       (tune.main, ["--save"]), (head.main, ["--save"]), (parallel.main, ["--out", record.RESULTS])):
+        with pytest.raises(record.DirtyTree, match="refusing to record into bench/results"):
+            main(argv)
+
+
+# ---- the house: subpackages by tool, no import cycle ---------------------------------------------
+
+def _bench_imports():
+    """{module: {bench modules it imports}} over every .py file under bench/, imports inside functions
+    included (a lazy import is still a dependency)."""
+    import ast
+    base = os.path.join(ROOT, "bench")
+    mods = {}
+    for d, _, files in os.walk(base):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, f), ROOT)[:-3].split(os.sep)
+                mods[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = os.path.join(d, f)
+    graph = {}
+    for mod, path in mods.items():
+        pkg = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base_mod = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[:len(pkg.split(".")) - (node.level - 1)]
+                    base_mod = ".".join(up + ([node.module] if node.module else []))
+                deps |= {f"{base_mod}.{a.name}" if f"{base_mod}.{a.name}" in mods else base_mod for a in node.names}
+        graph[mod] = {x for x in deps if x in mods and x != mod}
+    return graph
+
+
+def test_bench_has_no_import_cycle_and_common_depends_on_no_tool():
+    graph = _bench_imports()
+    assert {"bench.timing.runner", "bench.aot.compiler", "bench.aot.peers", "bench.head_accounting.counter",
+            "bench.common.record", "bench.readme_numbers"} <= set(graph), sorted(graph)
+    assert "bench.aot.compiler" in graph["bench.aot.peers"]  # the parser sees relative imports
+    state, stack = {}, []
+
+    def visit(m):  # depth-first search; a module met again while on the stack closes a cycle
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = "done"
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    for m in (m for m in graph if m.startswith("bench.common")):
+        assert all(d.startswith("bench.common") for d in graph[m]), (m, graph[m])

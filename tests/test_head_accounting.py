@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from bench import head_accounting as ha
+from bench.head_accounting import counter as ha
 from gtpo_kernels import GTPOConfig, gtpo_loss, linear_gtpo_loss
 
 B, T, D, V = 2, 8, 12, 64  # N = 16 rows, D = 12, tiles of 4 rows: 4 tiles of 4 x 64 logits

@@ -271,7 +271,7 @@ _BENCH = dict(tokens=64, vocab=512, repeats=1, warmup=0)
 
 
 def _bench_rank(rank, world):
-    from bench import parallel
+    from bench.timing import parallel
     return parallel.measure(**_BENCH)
 
 
@@ -280,7 +280,7 @@ def test_bench_parallel_smoke():
     loss (checked here, on the bench's inputs, not only by the bench's own error figures), the bytes
     the all-reduces move per token are few and counted, both ranks report the slower rank's step times,
     and the summary and table come out of them."""
-    from bench import parallel
+    from bench.timing import parallel
     ranks = run_ranks(_bench_rank, 2)
     for r, x in enumerate(ranks):
         assert "exception" not in x, f"rank {r}:\n{x.get('exception')}"

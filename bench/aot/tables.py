@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import re
 
+from ..common.record import RESULTS, ROOT, require_clean
 from .sass import ARCHS, DEVICES, ROOF_N, ROOF_V, V_REAL, arch_name, roofline
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def format_table(results):
     """One row per compiled kernel. spill: bytes stored / loaded (NVIDIA, ptxas -v); for gfx942 the
-    VGPR + SGPR spill count / scratch bytes (bench.aot_amd); LDG.128: 16-byte loads (dwordx4 on AMD)."""
+    VGPR + SGPR spill count / scratch bytes (amd.py); LDG.128: 16-byte loads (dwordx4 on AMD)."""
     lines = [f"{'kernel':<22} {'variant':<10} {'dtype':<9} {'arch':<6} {'V':>7} {'regs':>5} {'spill':>7} "
              f"{'LDG.128':>7} {'narrow':>6} {'instr/el':>8} {'BAR/it':>6} {'MUFU/el':>7} {'warps/SM':>8}  verdict"]
     for r in results:
@@ -29,6 +28,21 @@ def format_table(results):
                      f"{r.instr_per_elem:>8.2f} {r.bar_per_iter:>6} {r.mufu_per_elem:>7.3f} {r.warps_per_sm:>8}"
                      f"  {verdict}")
     return "\n".join(lines)
+
+
+def summary_line(results):
+    """The report in one line: how many kernels compiled for which targets, how many pass the checks (no
+    spill, 16-byte logits loads), and the sm_90 bf16 main loop's instructions per element."""
+    archs = ", ".join(dict.fromkeys(arch_name(r.arch) for r in results))
+    bad = [r for r in results if not r.ok]
+    verdict = "all ok (no spill, 16-byte logits loads)" if not bad else \
+        f"{len(bad)} FAILED ({', '.join(sorted({f'{r.kernel} {arch_name(r.arch)}' for r in bad}))})"
+    head = {(r.kernel, r.variant): r for r in _headline(results)}
+    loop = ", ".join(f"{'fwd' if 'fwd' in k else 'bwd'}{' ' + v if v else ''} {r.instr_per_elem:.2f}"
+                     for (k, v), r in head.items())
+    return (f"static GPU report (compiled ahead of time, no GPU used): {len(results)} kernels for {archs}: "
+            f"{verdict}" + (f"; sm_90 bf16 instructions per logit element: {loop}" if loop else "")
+            + ". Full report: python -m bench.aot")
 
 
 def _headline(results, archs=(90,)):
@@ -113,15 +127,15 @@ def write_results(results, root=RESULTS):
     """aot-sm90.json (the sm_90 records, ours and the peers'), aot-archs.json (every architecture's) and
     the headline kernels' SASS (AMDGCN for gfx942) under bench/results/aot/."""
     import json
+    require_clean(root)
     os.makedirs(os.path.join(root, "aot"), exist_ok=True)
     for r in _headline(results, ARCHS):
         if r.sass_text:
             with open(os.path.join(root, "aot", _sass_name(r)), "w") as f:
                 f.write(_clean_sass(r.sass_text))
     recs = records(results)
-    repo = os.path.dirname(os.path.dirname(RESULTS))
     for rec in recs:  # the SASS path as written, from the repository's root (bench/results/aot/... with --save)
-        rec["sass"] = os.path.relpath(os.path.join(root, rec["sass"]), repo)
+        rec["sass"] = os.path.relpath(os.path.join(root, rec["sass"]), ROOT)
     for name, keep in (("aot-sm90.json", [c for c in recs if c["arch"] == "sm_90"]),
                        ("aot-archs.json", recs + arch_rows(results))):
         with open(os.path.join(root, name), "w") as f:

@@ -8,7 +8,7 @@ each round runs every implementation once, so a load change on a shared machine 
 the table gives medians with their range and each implementation's time over TRL's (the per-round
 ratios' median and range, flagged by bench.runner's rule). Peak memory is one forward+backward above the inputs and the parameter gradients it returns
 (hidden's and weight's, in their dtype): CUDA, max_memory_allocated in this process; CPU, the peak
-resident size of a fresh child process per implementation (`python -m bench.linear_suite --memory`,
+resident size of a fresh child process per implementation (`python -m bench.timing.linear_suite --memory`,
 bench.memory's method: a warm-up, then VmHWM reset through /proc/self/clear_refs, glibc told to give
 large blocks back at once with MALLOC_MMAP_THRESHOLD_).
 """
@@ -82,7 +82,7 @@ def cpu_peak_bytes(impl, sizes, dtype, tile_bytes, seed, threads=None, timeout=1
     args = ["--memory", impl, "--sizes", ",".join(size_key(*s) for s in sizes), "--dtype",
             str(dtype).replace("torch.", ""), "--tile-bytes", str(tile_bytes), "--seed", str(seed)]
     args += ["--threads", str(threads)] if threads else []
-    return memory.child_peaks("bench.linear_suite", args, [size_key(*s) for s in sizes], timeout=timeout)
+    return memory.child_peaks("bench.timing.linear_suite", args, [size_key(*s) for s in sizes], timeout=timeout)
 
 
 # ---- the suite ----------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ class LinearSuite:
         return row
 
     def run(self):
-        load_before = runner.load_snapshot(settle=True)
+        load_before = runner.load_snapshot(settle=True, log=self.progress)
         makers = {}
         for impl in self.impls:
             try:
@@ -122,7 +122,9 @@ class LinearSuite:
             except Unavailable as e:
                 makers[impl] = e
         rows = []
-        for size in self.sizes:
+        for k, size in enumerate(self.sizes, 1):
+            self.progress(f"[{k}/{len(self.sizes)}] N={size[0]} D={size[1]} V={size[2]}: check {', '.join(makers)}, "
+                          f"then time them in {self.warmup} warm-up + {self.repeats} interleaved rounds")
             rows += self._size(makers, *size)
         load_after = runner.load_snapshot()  # right after the timing: the memory children below load the machine
         if self.memory and self.device == "cpu":  # after the timing: two children at a time

@@ -1,10 +1,6 @@
-"""The stdout table and the JSON file (with the machine, the versions, the date and the commit)."""
+"""The timing suites' stdout tables and the cells they share with the README's (ratios, the load line);
+the JSON file and its stamp: bench/common/record.py."""
 from __future__ import annotations
-
-import datetime
-import json
-import os
-import platform
 
 
 def _mb(b):
@@ -103,66 +99,3 @@ def format_rows(head, lines):
     widths = [max(len(str(c)) for c in col) for col in zip(head, *lines)]
     fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines])
-
-
-def machine(device):
-    import torch
-    m = dict(platform=platform.platform(), python=platform.python_version(), cpu=platform.processor(),
-             cpu_count=os.cpu_count())
-    try:
-        with open("/proc/cpuinfo") as f:
-            m["cpu"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    if device == "cuda":
-        p = torch.cuda.get_device_properties(0)
-        m.update(gpu=p.name, gpu_memory_bytes=p.total_memory, capability=list(torch.cuda.get_device_capability(0)),
-                 cuda=torch.version.cuda)
-    return m
-
-
-def versions():
-    import torch
-    v = dict(torch=torch.__version__)
-    for mod in ("triton", "gtpo_kernels", "liger_kernel", "numpy", "matplotlib"):
-        try:
-            m = __import__(mod)
-            v[mod] = getattr(m, "__version__", "?")
-        except Exception:
-            v[mod] = None
-    from importlib.metadata import version
-    for mod, dist in (("liger_kernel", "liger-kernel"), ("trl", "trl")):
-        if v.get(mod, "?") == "?":  # no __version__ (Liger), or not imported: importing trl takes seconds
-            try:
-                v[mod] = version(dist)
-            except Exception:
-                v[mod] = None
-    return v
-
-
-def commit():
-    """The git commit the figures were measured on ('+dirty' when the tree had changes), or None."""
-    import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (head + ("+dirty" if dirty else "")) or None
-
-
-def write_json(res, out_dir, prefix=""):
-    """<prefix><device>-<date>.json and latest-<prefix><device>.json in out_dir; returns the first path."""
-    os.makedirs(out_dir, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    doc = dict(date=now.isoformat(timespec="seconds"), commit=commit(), machine=machine(res["device"]),
-               versions=versions(), **res)
-    path = os.path.join(out_dir, f"{prefix}{res['device']}-{now.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    with open(os.path.join(out_dir, f"latest-{prefix}{res['device']}.json"), "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    return path

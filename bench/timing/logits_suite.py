@@ -71,17 +71,19 @@ class Suite:
     def run(self):
         rows, runs = [], {}
         interp = self.device == "cpu"
-        load_before = runner.load_snapshot(settle=True)
+        load_before = runner.load_snapshot(settle=True, log=self.progress)
         for impl in self.impls:
             try:
                 runs[impl] = providers.make(impl, self.cfg, self.device)
             except providers.Unavailable as e:
                 runs[impl] = e
         native = [i for i in self.impls if not (i == "triton" and interp)]
-        for tokens, V in self.sizes:
+        for k, (tokens, V) in enumerate(self.sizes, 1):
             if self.time_budget and time.perf_counter() - self.t0 > self.time_budget:
                 rows += [self._row(i, tokens, V, "skipped", note="time budget spent") for i in native]
                 continue
+            self.progress(f"[{k}/{len(self.sizes)}] tokens={tokens} V={V}: check {', '.join(native)}, then time "
+                          f"them in {self.warmup} warm-up + {self.repeats} interleaved rounds")
             rows += self._size(runs, native, tokens, V)
         load_after = runner.load_snapshot()  # right after the timing: the memory children below load the machine
         traffic = self._traffic_rows(rows, runs, interp)

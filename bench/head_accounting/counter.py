@@ -1,6 +1,6 @@
-"""The counter behind bench/head_accounting.py: a TorchDispatchMode that sees every torch op of a call and
+"""The counter behind bench.head_accounting: a TorchDispatchMode that sees every torch op of a call and
 tallies tile passes, host syncs, allocations over the budget, V x D allocations, GEMM FLOPs and the tile
-loop's own per-tile work (the definitions are in head_accounting.py's docstring), with the vocabulary
+loop's own per-tile work (the definitions are in measure.py's docstring), with the vocabulary
 kernels' own work suspended (`counting(counter, kernels)`)."""
 from __future__ import annotations
 

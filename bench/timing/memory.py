@@ -4,7 +4,8 @@ CUDA: `max_memory_allocated` minus what was allocated before (`cuda_peak_bytes`)
 subprocess per implementation (`child_peaks`) that, for each size, resets the kernel's high-water mark of
 its resident size (/proc/self/clear_refs) after a warm-up and reads VmHWM after one forward + backward;
 glibc is told to give large blocks back to the system (MALLOC_MMAP_THRESHOLD_), so freed tensors do not
-hide in the heap. `python -m bench.memory` is the logits suite's child.
+hide in the heap. `python -m bench.timing.memory` is the logits suite's child
+(`python -m bench.memory` too).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import torch
 
 from . import providers
 from .inputs import make_inputs
-from .runner import ROOT, forward_backward, is_oom
+from ..common.record import ROOT
+from .runner import forward_backward, is_oom
 
 
 def cuda_peak_bytes(step) -> int:
@@ -133,7 +135,7 @@ def cpu_peak_bytes(impl, sizes, dtype, preset, seed, timeout=900):
     """{'<tokens>x<V>': bytes or 'oom' / 'error: ...'} from a fresh child process."""
     args = ["--memory", impl, "--sizes", ",".join(map(_logits_key, sizes)),
             "--dtype", str(dtype).replace("torch.", ""), "--preset", preset, "--seed", str(seed)]
-    return child_peaks("bench.memory", args, [_logits_key(s) for s in sizes],
+    return child_peaks("bench.timing.memory", args, [_logits_key(s) for s in sizes],
                        env={"TRITON_INTERPRET": "1"} if impl == "triton" else None, timeout=timeout)
 
 

@@ -1,7 +1,7 @@
 """BLOCK_V and num_warps for the vocabulary kernels: a static model here, a timed sweep on a GPU.
 
-    python -m bench.tune            # no GPU needed: compile each candidate for sm_90 (bf16, V = 151936)
-    python -m bench.tune --gpu      # on CUDA: time each candidate (forward, backward) and record them
+    python -m bench.aot.tune            # no GPU needed: compile each candidate for sm_90 (bf16, V = 151936)
+    python -m bench.aot.tune --gpu      # on CUDA: time each candidate (forward, backward) and record them
 
 Static model (a choice, not a measurement): every candidate is compiled as `python -m bench.aot` does and
 counted (SASS instructions per logit element in the main loop, registers, occupancy in warps per SM).
@@ -23,21 +23,23 @@ import time
 
 import torch
 
-from . import aot
+from ..common import record
+from .compiler import compile_kernel
+from .sass import V_REAL
 
 CANDIDATES = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]
 BANDWIDTH, LATENCY, SMS = 4.3e12, 700e-9, 132  # H200: bytes/s, seconds of DRAM latency, SMs
 NEED_PER_SM = BANDWIDTH * LATENCY / SMS  # bytes in flight per SM
 
 
-def static(dtype=torch.bfloat16, arch=90, V=aot.V_REAL):
+def static(dtype=torch.bfloat16, arch=90, V=V_REAL):
     """One row per (kernel, variant, BLOCK_V, warps), with the chosen configuration marked."""
     from gtpo_kernels.kernels import vocab_triton as vt
     rows = []
     for kernel, has_e in ((vt._vocab_fwd_kernel, None), (vt._vocab_bwd_kernel, False), (vt._vocab_bwd_kernel, True)):
         group = []
         for block, warps in CANDIDATES:
-            r = aot.compile_kernel(kernel, dtype, arch, V=V, has_e=has_e, block=block, warps=warps)
+            r = compile_kernel(kernel, dtype, arch, V=V, has_e=has_e, block=block, warps=warps)
             in_flight = r.warps_per_sm * 32 * r.elems_per_thread * torch.tensor([], dtype=dtype).element_size()
             group.append(dict(kernel=r.kernel, variant=r.variant or "-", block=block, num_warps=warps, regs=r.registers,
                               spills=r.spill_stores + r.spill_loads, instr_per_elem=r.instr_per_elem,
@@ -89,15 +91,18 @@ def timed(N=16384, V=151936, dtype=torch.bfloat16, repeats=20):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.tune", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    ap = argparse.ArgumentParser(prog="python -m bench.aot.tune", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="also time every candidate on CUDA (N=16384, V=151936 bf16)")
     ap.add_argument("--save", action="store_true", help="write into bench/results/ (the committed record)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(aot.RESULTS), "out"),
-                    help="where a run without --save writes (git-ignored)")
+    ap.add_argument("--out", default=None, help="where a run without --save writes (default: bench/out/, git-ignored)")
     args = ap.parse_args(argv)
+    if args.save and args.out:
+        ap.error("--save writes into bench/results/; give --save or --out DIR, not both")
+    root = record.RESULTS if args.save else (args.out or record.SCRATCH)
+    record.require_clean(root)
     rows = static()
-    print(f"static model, bf16 sm_90 V={aot.V_REAL}: need {NEED_PER_SM / 1024:.1f} KiB in flight per SM "
+    print(f"static model, bf16 sm_90 V={V_REAL}: need {NEED_PER_SM / 1024:.1f} KiB in flight per SM "
           f"({BANDWIDTH / 1e12:.1f} TB/s x {LATENCY * 1e9:.0f} ns / {SMS} SMs)")
     print(f"{'kernel':<20} {'var':<6} {'block':>6} {'warps':>5} {'regs':>5} {'instr/el':>8} {'warps/SM':>8} "
           f"{'KiB in flight/SM':>16}  chosen")
@@ -114,7 +119,7 @@ def main(argv=None):
         for r in out["cuda"]:
             print(f"cuda block {r['block']:>5} warps {r['num_warps']:>2}: fwd {r['fwd_ms']:.3f} ms "
                   f"({r['fwd_TBps']:.2f} TB/s), bwd {r['bwd_ms']:.3f} ms ({r['bwd_TBps']:.2f} TB/s)")
-    root = aot.RESULTS if args.save else args.out
+    record.require_clean(root)
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, f"tune-{'cuda' if args.gpu else 'static'}.json")
     with open(path, "w") as f:

@@ -1,4 +1,4 @@
-"""The peers' vocabulary kernels, compiled and counted as bench/aot.py counts ours (optional: only those
+"""The peers' vocabulary kernels, compiled and counted as compiler.py counts ours (optional: only those
 installed; shown beside ours in the roofline, never part of the check): Liger-Kernel's GRPO loss forward
 and backward (pip install liger-kernel==0.8.5) and TRL's log-prob / entropy forward, each with its own
 launcher's settings."""
@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .aot import T_REAL, V_REAL, _Ptr, compile_kernel
+from .compiler import T_REAL, V_REAL, _Ptr, compile_kernel
 
 
 def _load_peer_file(package, relpath):

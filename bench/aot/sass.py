@@ -1,6 +1,6 @@
 """Reading the SASS of a compiled kernel, and the static model built on it: the main vocabulary loop
 and its counts (instructions, loads, barriers, MUFU per element), occupancy from registers and shared
-memory (`SM_LIMITS`), and the roofline estimate per device (`DEVICES`). Used by bench/aot.py.
+memory (`SM_LIMITS`), and the roofline estimate per device (`DEVICES`). Used by compiler.py.
 
 Method of the loop count. cuobjdump prints one instruction per address; the main loop is the body of the
 backward branch (`BRA` to a lower address, not a self-branch) whose body holds a global load (LDG) and,

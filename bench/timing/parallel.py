@@ -29,6 +29,8 @@ import tempfile
 
 import torch
 
+from ..common import record
+
 SIZES = (  # (label, V, element size) of the logits a trainer would all-gather
     ("V=32000 fp32", 32000, 4),
     ("V=128256 bf16 (Llama 3)", 128256, 2),
@@ -218,15 +220,15 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     p.add_argument("--settle", type=float, default=60.0,
                    help="seconds to wait at most for an earlier run's load to decay (0: start at once)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
-                   help="folder for the JSON")
+    p.add_argument("--out", default=record.SCRATCH,
+                   help="folder for the JSON (bench/results/: only from a clean tree)")
     a = p.parse_args(argv)
+    record.require_clean(a.out)  # before the run, not after
     from . import runner
     runner.SETTLE_S = a.settle
     res = run(a.tokens, a.vocab, a.repeats, a.warmup)
     print(table(res))
-    from .report import write_json
-    path = write_json(res, a.out, prefix="parallel-")
+    path = record.write_json(res, a.out, prefix="parallel-")
     print(f"\nwrote {path}")
     return 0
 

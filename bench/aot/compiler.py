@@ -1,5 +1,5 @@
 """The static GPU report, made on any machine: our kernels compiled ahead of time for Hopper (sm_90),
-Ampere (sm_80), Blackwell (sm_100) and AMD's CDNA3 (gfx942, MI300; counted by bench/aot_amd.py).
+Ampere (sm_80), Blackwell (sm_100) and AMD's CDNA3 (gfx942, MI300; counted by amd.py).
 
 Each kernel is specialized as a real launch would be (Triton's own binder on stand-in arguments: pointers
 16-byte aligned, V and the row strides divisible by 16 at real vocabulary sizes, T and logits_start not
@@ -18,15 +18,13 @@ specialized, scale = 1 and no soft-cap unless --transforms), compiled with `trit
   constants are known, from the counts of its architecture (`roofline`): the largest of memory time,
   issue time and special-function time. None for gfx942 (no constants established here).
 
-The SASS analysis (the main loop, occupancy, roofline) is bench/sass.py; the tables and files bench/aot_report.py.
+The SASS analysis (the main loop, occupancy, roofline) is sass.py; the tables and files tables.py.
 
-Peers (bench/aot_peers.py, optional: compiled when installed, with their own launchers' settings, counted
+Peers (peers.py, optional: compiled when installed, with their own launchers' settings, counted
 the same way, shown with ours / theirs; they never decide the exit status): Liger-Kernel's GRPO loss
 forward and backward (pip install liger-kernel==0.8.5) and TRL's log-prob / entropy forward.
 
-    python -m bench.aot            # the table; writes bench/out/aot-sm90.json (sm_90 and the peers),
-                                   # aot-archs.json (every architecture) and the SASS / AMDGCN under
-                                   # aot/ (--save: into bench/results/); exit 1 if a kernel fails
+The command is `python -m bench.aot` (__main__.py).
 """
 from __future__ import annotations
 
@@ -39,9 +37,8 @@ import tempfile
 
 import torch
 
-from .aot_report import RESULTS, arch_rows, format_roofline, format_table, records, write_results  # noqa: F401
-from .sass import (ARCHS, DEVICES, V_REAL, _ldg_widths, arch_name, loop_stats, roofline,  # noqa: F401
-                   warps_per_sm)
+from ..common.record import ROOT
+from .sass import ARCHS, V_REAL, _ldg_widths, loop_stats, warps_per_sm
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 T_REAL = 1024
@@ -68,7 +65,7 @@ def _arg_for(name, dtype, V, T, has_e):
              "V": V, "logits_start": 0, "scale": 0.5, "softcap": 30.0}  # floats: never specialized
     if name in table:
         return table[name]
-    raise KeyError(f"aot: no stand-in for kernel parameter {name!r}; teach bench/aot.py its value")
+    raise KeyError(f"aot: no stand-in for kernel parameter {name!r}; teach bench/aot/compiler.py its value")
 
 
 def _bin(tool):
@@ -134,11 +131,11 @@ def _variant(has_e, transform):
 
 def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_vector=True, peer=None,
                    block=None, warps=None, transform=(False, False)) -> AotResult:
-    """One kernel compiled and counted. `peer` (another project's kernel, see bench/aot_peers.py): a dict with
+    """One kernel compiled and counted. `peer` (another project's kernel, see peers.py): a dict with
     provider, variant, kwargs (every parameter by name, constexprs included, as its launcher passes them),
     block, num_warps and num_stages. block / warps: another launch configuration of ours (bench.tune).
     transform: (HAS_SCALE, HAS_SOFTCAP) of our kernels (the default path: neither). arch: an int (NVIDIA,
-    counted on the SASS) or an AMD target such as "gfx942" (counted by bench.aot_amd)."""
+    counted on the SASS) or an AMD target such as "gfx942" (counted by amd.py)."""
     import triton
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -174,8 +171,8 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
         ck = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target, options=options.__dict__)
         res.block, res.num_warps, res.shared = bv, meta["num_warps"], int(getattr(ck.metadata, "shared", 0))
         if amd:
-            from . import aot_amd
-            aot_amd.count(res, ck.asm["amdgcn"], bv, res.num_warps, dtype.itemsize)
+            from . import amd
+            amd.count(res, ck.asm["amdgcn"], bv, res.num_warps, dtype.itemsize)
             res.sass_text = ck.asm["amdgcn"]
         else:
             _count_nvidia(res, ck, arch, dtype)
@@ -244,56 +241,9 @@ def report_in_subprocess(timeout=600):
     interpreter's, which cannot be compiled). Returns AotResult objects."""
     import json
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-m", "bench.aot", "--json"], env=env, capture_output=True, text=True,
-                       timeout=timeout, cwd=root)
+                       timeout=timeout, cwd=ROOT)
     try:
         return [AotResult(**d) for d in json.loads(p.stdout.strip().splitlines()[-1])]
     except Exception:
         raise RuntimeError(f"AOT child failed: {p.stderr[-2000:]}")
-
-
-def main(argv=None):
-    import argparse
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.aot", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Compile our kernels (and the installed peers', for sm_90) for sm_90 / sm_80 / sm_100 and "
-                    "AMD gfx942 without a GPU and report registers, spills, 16-byte loads, instructions per "
-                    "element in the main loop, barriers, occupancy and a roofline estimate (N=16384, V=151936, "
-                    "bf16) on the devices whose constants are known (H100 SXM, H200, A100 SXM, B200).")
-    ap.add_argument("--json", action="store_true", help="print the records as JSON instead of the tables")
-    ap.add_argument("--save", action="store_true",
-                    help="write aot-sm90.json, aot-archs.json and the SASS into bench/results/ (the committed "
-                         "record)")
-    ap.add_argument("--transforms", action="store_true",
-                    help="also compile the tile's transforms (scale, soft-cap) in bf16 on every architecture "
-                         "(informational rows, not in the records)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(RESULTS), "out"),
-                    help="where a run without --save writes them (git-ignored)")
-    args = ap.parse_args(argv)
-    res = report(transforms=args.transforms)
-    if args.json:
-        import json
-        print(json.dumps([{k: v for k, v in r.__dict__.items() if k != "sass_text"} for r in res]))
-    else:
-        print(format_table(res))
-        try:  # the peers (optional dependencies): counted for the roofline, never part of the check
-            from .aot_peers import report_peers
-            peers = report_peers()
-        except Exception as e:
-            peers = []
-            print(f"peers: not compiled ({type(e).__name__}: {e})")
-        if peers:
-            print("\npeers (their own launch settings, bf16 sm_90):")
-            print(format_table(peers))
-        print()
-        root = RESULTS if args.save else args.out
-        print(format_roofline(write_results(res + peers, root)))
-        print(f"\nwritten: {os.path.join(root, 'aot-sm90.json')}, aot-archs.json and the SASS / AMDGCN under "
-              f"{os.path.join(root, 'aot')}"
-              + ("" if args.save else " (--save writes bench/results/)"))
-    sys.exit(0 if all(r.ok for r in res) else 1)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,5 @@
 """The shared runner: time, load and saved bytes of one implementation on one problem (peak memory:
-bench/memory.py).
+bench/timing/memory.py).
 
 - time: every suite times its implementations in interleaved rounds (`interleaved`): after `warmup`
   untimed rounds, each of `rounds` rounds runs every implementation once (A, B, C, A, B, C, ...), so a
@@ -22,13 +22,13 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
 
 
 MODES = ("fwd", "bwd", "full")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPREAD_LIMIT = 0.25  # a ratio whose per-round range (max - min) exceeds 25% of its median is unreliable
 LOAD_LIMIT = 0.5  # ... and every ratio of a run that shared the machine: 1-minute load above 0.5 x cores
 # before it, or above cores + 0.5 x cores after it (the run's own threads account for up to the cores)
@@ -59,13 +59,31 @@ def sync(device):
 
 # ---- timing: interleaved rounds, medians with their range, per-round ratios ------------------------
 
-def load_snapshot(settle=False) -> dict:
+def _say(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load_snapshot(settle=False, log=_say) -> dict:
     """The 1, 5 and 15-minute load averages and the core count, now; settle: first wait up to SETTLE_S
-    for the 1-minute load to fall below LOAD_LIMIT x cores (an earlier suite's own load decaying)."""
+    for the 1-minute load to fall below LOAD_LIMIT x cores (an earlier suite's own load decaying), saying
+    so through `log` when it waits."""
     cores = os.cpu_count()
-    deadline = time.monotonic() + (SETTLE_S if settle else 0)
-    while os.getloadavg()[0] > LOAD_LIMIT * cores and time.monotonic() < deadline:
+    limit = LOAD_LIMIT * cores
+    start = time.monotonic()
+    deadline = start + (SETTLE_S if settle else 0)
+    waited = False
+    while os.getloadavg()[0] > limit and time.monotonic() < deadline:
+        if not waited:
+            log(f"waiting up to {SETTLE_S:g} s for the 1-minute load average ({os.getloadavg()[0]:.2f}) to fall "
+                f"below {limit:g} ({LOAD_LIMIT:g} x {cores} cores), so that other work does not skew the times "
+                f"(--settle 0: start at once)")
+            waited = True
         time.sleep(2)
+    now = os.getloadavg()[0]
+    if waited:
+        log(f"load {now:.2f} after {time.monotonic() - start:.0f} s: "
+            + ("starting" if now <= limit else "starting anyway (every time ratio of this run will be flagged "
+                                                "unreliable)"))
     return dict(load_average=[round(x, 2) for x in os.getloadavg()], cores=cores)
 
 

@@ -24,9 +24,9 @@ under the counter instead, so what it does inside is counted like the rest.
 Caveats: a tensor whose last dimension is D is never a tile (so a tile of exactly D tokens, transposed,
 is missed); partial tiles are recognized by their vocabulary width.
 
-    python -m bench.head_accounting            # table on stdout, JSON in bench/out/
-    python -m bench.head_accounting --save     # JSON in bench/results/head-accounting-after.json
-Call from code: `measure(cases, providers, validate)` -> JSON-ready dict; `markdown(result)` -> table (bench/head_table.py).
+    python -m bench.head_accounting            # table on stdout, JSON in bench/out/ (--out DIR: elsewhere)
+    python -m bench.head_accounting --save     # JSON in bench/results/head-accounting-after.json (clean tree)
+Call from code: `measure(cases, providers, validate)` -> JSON-ready dict; `markdown(result)` -> table (table.py).
 """
 from __future__ import annotations
 
@@ -37,16 +37,14 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-# the counter (tests/test_head_accounting.py reads it through this module)
-from .head_counter import (G, LIGER_TILE, PROVIDERS, TRL_TOKEN_CHUNK, Geometry, HeadCounter, _ptr,  # noqa: F401
-                           count_call, counting, our_kernels)
-from .head_table import markdown
+from ..common import record
+from .counter import G, LIGER_TILE, PROVIDERS, TRL_TOKEN_CHUNK, Geometry, _ptr, count_call, our_kernels
+from .table import markdown
 
 # ---- the cases -----------------------------------------------------------------------------------
 
@@ -177,7 +175,7 @@ def provider_setup(case, provider, validate):
     if provider == "liger":
         if case.bias is not None or case.cap is not None or case.scale != 1.0:
             raise Unavailable("no logit_scale / logit_softcap in its API")
-        from .linear import make_liger
+        from ..timing.linear import make_liger
         fn = make_liger(case.cfg, "cpu", case.budget // 2)
         rows, width = min(case.mask.shape[1], LIGER_TILE[0]), min(V, LIGER_TILE[1])
         geo = dataclasses.replace(geo, widths=(width, V - (math.ceil(V / width) - 1) * width), tile_elems=rows * width)
@@ -189,7 +187,7 @@ def provider_setup(case, provider, validate):
 
 def measure_one(case, provider, validate):
     """One row of the table: the counts of one head on one case, with its floors."""
-    from .providers import Unavailable
+    from ..timing.providers import Unavailable
     row = dict(case=case.name, provider=provider, validate=validate if provider in ("fused", "recompute") else None,
                N=case.N, N_nz=case.N_nz, V=case.weight.shape[0], D=case.weight.shape[1],
                memory_budget=case.budget, filtered_frac=case.filtered_frac)
@@ -218,13 +216,6 @@ def measure(cases=tuple(CASES), providers=PROVIDERS, validate=(True, False), D=6
     return dict(meta=meta(cases), rows=rows)
 
 
-def _git(src, *args):
-    try:
-        return subprocess.run(["git", "-C", str(src), *args], capture_output=True, text=True, timeout=30).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return ""
-
-
 def meta(cases=tuple(CASES)):
     import gtpo_kernels
     src = Path(gtpo_kernels.__file__).resolve().parent
@@ -238,14 +229,13 @@ def meta(cases=tuple(CASES)):
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "") \
         if os.path.exists("/proc/cpuinfo") else platform.processor()
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                commit=_git(src, "rev-parse", "HEAD"), dirty=bool(_git(src, "status", "--porcelain", "--", ".")),
+                commit=(record.commit(src) or "").removesuffix("+dirty"), dirty=bool(record.tracked_changes(src)),
                 gtpo_kernels=str(src), machine=f"{platform.platform()}; {cpu}; {os.cpu_count()} CPUs",
                 versions=versions, cases={c: CASE_NOTES[c] for c in cases},
                 counted="torch ops outside the vocabulary kernels, one forward + torch.autograd.grad, float32, CPU")
 
 
 def main(argv=None):
-    here = Path(__file__).resolve().parent
     p = argparse.ArgumentParser(prog="python -m bench.head_accounting",
                                 description="Count what one call of the fused LM head does outside its kernels "
                                             "(forward + backward, CPU): tile passes, host syncs, allocations "
@@ -262,16 +252,23 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--label", default="after", help="name of the measurement, in the file name (default: after)")
     p.add_argument("--save", action="store_true",
-                   help="write the JSON to bench/results/ instead of bench/out/ (default: off)")
-    p.add_argument("--before", default=str(here / "results" / "head-accounting-before.json"),
+                   help="write the JSON to bench/results/ (the committed record; only from a clean tree) instead "
+                        "of bench/out/ (default: off)")
+    p.add_argument("--out", default=None, help="folder for the JSON (default: bench/out/, git-ignored)")
+    p.add_argument("--before", default=os.path.join(record.RESULTS, "head-accounting-before.json"),
                    help="an earlier JSON to show beside this one, if it exists and the label is not 'before' "
                         "(default: bench/results/head-accounting-before.json)")
     a = p.parse_args(argv)
+    if a.save and a.out:
+        p.error("--save writes into bench/results/; give --save or --out DIR, not both")
+    folder = record.RESULTS if a.save else (a.out or record.SCRATCH)
+    record.require_clean(folder)
     torch.set_num_threads(1)
     validate = {"on": (True,), "off": (False,), "both": (True, False)}[a.validate]
     result = measure(a.cases, a.providers, validate, a.dim, a.vocab, a.seed)
     result["meta"].update(label=a.label, command=" ".join(["python -m bench.head_accounting", *(argv or sys.argv[1:])]))
-    out = here / ("results" if a.save else "out") / f"head-accounting-{a.label}.json"
+    record.require_clean(folder)
+    out = Path(folder) / f"head-accounting-{a.label}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     before = None

@@ -16,7 +16,7 @@ What the count does not see: caches (a lane read twice costs twice here, maybe o
 sectors (a lane is counted at its size, not at the 32-byte sector it pulls in). The self-test runs a toy
 kernel that reads its input twice.
 
-    python -m bench.traffic --tokens 128 --vocab 5000     # JSON on stdout (sets TRITON_INTERPRET=1)
+    python -m bench.timing.traffic --tokens 128 --vocab 5000     # JSON on stdout (sets TRITON_INTERPRET=1)
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ import sys
 
 import numpy as np
 import torch
+
+from ..common.record import ROOT
 
 
 def _interp():
@@ -199,10 +201,10 @@ def run_in_subprocess(tokens, V, dtype, preset, seed=0, timeout=600):
     """The same in a child process with the interpreter on (when this process runs Triton natively)."""
     import subprocess
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "bench.traffic", "--tokens", str(tokens), "--vocab", str(V), "--dtype",
+    cmd = [sys.executable, "-m", "bench.timing.traffic", "--tokens", str(tokens), "--vocab", str(V), "--dtype",
            str(dtype).replace("torch.", ""), "--preset", preset, "--seed", str(seed)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=ROOT)
     if p.returncode:
         raise RuntimeError(f"traffic child failed: {p.stderr[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])

@@ -1,0 +1,63 @@
+"""python -m bench.aot: the static GPU report (see compiler.py's docstring for the method).
+
+    python -m bench.aot            # the tables; writes bench/out/aot-sm90.json (sm_90 and the peers),
+                                   # aot-archs.json (every architecture) and the SASS / AMDGCN under
+                                   # aot/ (--save: into bench/results/, from a clean tree only);
+                                   # exit 1 if a kernel fails
+"""
+import os
+import sys
+
+from ..common import record
+from .compiler import report
+from .tables import format_roofline, format_table, write_results
+
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.aot", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Compile our kernels (and the installed peers', for sm_90) for sm_90 / sm_80 / sm_100 and "
+                    "AMD gfx942 without a GPU and report registers, spills, 16-byte loads, instructions per "
+                    "element in the main loop, barriers, occupancy and a roofline estimate (N=16384, V=151936, "
+                    "bf16) on the devices whose constants are known (H100 SXM, H200, A100 SXM, B200).")
+    ap.add_argument("--json", action="store_true", help="print the records as JSON instead of the tables")
+    ap.add_argument("--save", action="store_true",
+                    help="write aot-sm90.json, aot-archs.json and the SASS into bench/results/ (the committed "
+                         "record)")
+    ap.add_argument("--transforms", action="store_true",
+                    help="also compile the tile's transforms (scale, soft-cap) in bf16 on every architecture "
+                         "(informational rows, not in the records)")
+    ap.add_argument("--out", default=None,
+                    help="where a run without --save writes them (default: bench/out/, git-ignored)")
+    args = ap.parse_args(argv)
+    if args.save and args.out:
+        ap.error("--save writes into bench/results/; give --save or --out DIR, not both")
+    root = record.RESULTS if args.save else (args.out or record.SCRATCH)
+    if not args.json:
+        record.require_clean(root)
+    res = report(transforms=args.transforms)
+    if args.json:
+        import json
+        print(json.dumps([{k: v for k, v in r.__dict__.items() if k != "sass_text"} for r in res]))
+    else:
+        print(format_table(res))
+        try:  # the peers (optional dependencies): counted for the roofline, never part of the check
+            from .peers import report_peers
+            peers = report_peers()
+        except Exception as e:
+            peers = []
+            print(f"peers: not compiled ({type(e).__name__}: {e})")
+        if peers:
+            print("\npeers (their own launch settings, bf16 sm_90):")
+            print(format_table(peers))
+        print()
+        print(format_roofline(write_results(res + peers, root)))
+        print(f"\nwritten: {os.path.join(root, 'aot-sm90.json')}, aot-archs.json and the SASS / AMDGCN under "
+              f"{os.path.join(root, 'aot')}"
+              + ("" if args.save else " (--save writes bench/results/)"))
+    sys.exit(0 if all(r.ok for r in res) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Where results go, what a recorded result carries about its origin, and the rule for recording.
+
+- bench/results/ (RESULTS, tracked): the committed record the README and docs quote. Written only with
+  --save, and only from a clean tree: every writer calls `require_clean(folder)` before it measures and
+  again before it writes, so no committed result is stamped '+dirty'. Changes under bench/results/
+  itself do not count (re-measuring one table after another leaves the earlier ones modified).
+- bench/out/ (SCRATCH, git-ignored): every other run, unless --out names another folder.
+- the stamp: the date, the commit (`commit`), the machine (`machine`) and the versions (`versions`).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+RESULTS = os.path.join(ROOT, "bench", "results")
+SCRATCH = os.path.join(ROOT, "bench", "out")
+
+
+def _git(root, *args):
+    """git's stdout in `root`, or None when git or the repository is missing."""
+    try:
+        p = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
+def tracked_changes(root=ROOT) -> list:
+    """`git status --porcelain` lines of tracked files changed in `root`'s repository, bench/results/
+    excluded; [] when clean or not a git checkout."""
+    out = _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results")
+    return [ln for ln in (out or "").splitlines() if ln.strip()]
+
+
+def commit(root=ROOT):
+    """The commit the figures were measured on ('+dirty' when tracked files had changes), or None."""
+    head = (_git(root, "rev-parse", "HEAD") or "").strip()
+    return (head + ("+dirty" if tracked_changes(root) else "")) or None
+
+
+def is_results(folder) -> bool:
+    """Whether `folder` is bench/results/ or inside it."""
+    folder, results = os.path.realpath(folder), os.path.realpath(RESULTS)
+    return folder == results or folder.startswith(results + os.sep)
+
+
+class DirtyTree(SystemExit):
+    """Raised instead of writing into bench/results/ from a tree with uncommitted changes."""
+
+
+def require_clean(folder, changes=None):
+    """Refuses (DirtyTree, a SystemExit: the command exits with its message) to record into bench/results/
+    while tracked files outside it have uncommitted changes; any other folder is always fine."""
+    if not is_results(folder):
+        return
+    changes = tracked_changes() if changes is None else changes
+    if changes:
+        shown = "\n  ".join(changes[:10]) + ("\n  ..." if len(changes) > 10 else "")
+        raise DirtyTree(f"refusing to record into {os.path.relpath(folder, ROOT)}: the tree has uncommitted changes "
+                        f"(a committed result must name the commit it was measured on):\n  {shown}\n"
+                        f"commit or stash them first, or write elsewhere (--out DIR, or no --save).")
+
+
+def machine(device="cpu"):
+    import torch
+    m = dict(platform=platform.platform(), python=platform.python_version(), cpu=platform.processor(),
+             cpu_count=os.cpu_count())
+    try:
+        with open("/proc/cpuinfo") as f:
+            m["cpu"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        m.update(gpu=p.name, gpu_memory_bytes=p.total_memory, capability=list(torch.cuda.get_device_capability(0)),
+                 cuda=torch.version.cuda)
+    return m
+
+
+def versions():
+    import torch
+    v = dict(torch=torch.__version__)
+    for mod in ("triton", "gtpo_kernels", "liger_kernel", "numpy", "matplotlib"):
+        try:
+            m = __import__(mod)
+            v[mod] = getattr(m, "__version__", "?")
+        except Exception:
+            v[mod] = None
+    from importlib.metadata import version
+    for mod, dist in (("liger_kernel", "liger-kernel"), ("trl", "trl")):
+        if v.get(mod, "?") == "?":  # no __version__ (Liger), or not imported: importing trl takes seconds
+            try:
+                v[mod] = version(dist)
+            except Exception:
+                v[mod] = None
+    return v
+
+
+def write_json(res, out_dir, prefix=""):
+    """<prefix><device>-<date>.json and latest-<prefix><device>.json in out_dir, stamped with the date,
+    commit, machine and versions; returns the first path. Into bench/results/ only from a clean tree."""
+    require_clean(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    doc = dict(date=now.isoformat(timespec="seconds"), commit=commit(), machine=machine(res["device"]),
+               versions=versions(), **res)
+    path = os.path.join(out_dir, f"{prefix}{res['device']}-{now.strftime('%Y%m%d-%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    with open(os.path.join(out_dir, f"latest-{prefix}{res['device']}.json"), "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    return path
