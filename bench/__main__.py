@@ -1,7 +1,7 @@
 """python -m bench: speed, peak memory, saved bytes and bytes moved, side by side with the peers.
 
-Default on a CPU machine: a small grid (a few minutes on 2 cores); Triton runs in its interpreter,
-counted for bytes at one small size, never timed. On CUDA, `--gpu-sizes` is the grid of the spec:
+Default on a CPU machine: a small grid (its measured duration: DEFAULT_RUN below, also in --help); Triton
+runs in its interpreter, counted for bytes at one small size, never timed. On CUDA, `--gpu-sizes` is the grid of the spec:
 V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16.
 The `linear` suite (`--suite linear`, also part of the default `all`) computes the loss from hidden states
 and the LM head (N tokens x D x V): materialized logits + gtpo_loss, linear_gtpo_loss in each schedule,
@@ -26,6 +26,10 @@ from .common import record
 
 GPU_TOKENS = (4096, 16384, 32768)
 GPU_VOCAB = (32000, 128256, 151936, 262144)
+# the default run (`python -m bench` on a CPU machine), as measured; the start line and --help quote it
+DEFAULT_RUN = ("the default run (python -m bench on a CPU) took 17 min of wall clock and 4.3 min of CPU time on a "
+               "2-core CPU shared with other work (1-minute load 6 to 12), 2 min of it waiting for the load to "
+               "settle (up to 60 s before each suite; --settle 0: no wait)")
 
 
 def _ints(text):
@@ -41,7 +45,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0],
-                                 formatter_class=_Help)
+                                 formatter_class=_Help, epilog=f"Duration: {DEFAULT_RUN}")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="auto: CUDA when available (the GPU grid needs --gpu-sizes), else CPU")
     ap.add_argument("--tokens", default=None,
@@ -132,6 +136,10 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     from .timing import report, runner
     runner.SETTLE_S = a.settle
+    print(f"python -m bench --suite {a.suite} on {device}"
+          + (f": {DEFAULT_RUN}" if _is_default(a, device) else
+             f"; each suite first waits up to {a.settle:g} s for the machine's load to settle (--settle 0: no wait)"),
+          file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     status = 0
     if a.suite == "parallel":
@@ -151,6 +159,12 @@ def main(argv=None):
     if a.suite == "all":
         print(f"\nboth suites: {time.perf_counter() - t0:.0f} s")
     sys.exit(status)
+
+
+def _is_default(a, device):
+    """Whether this is the run DEFAULT_RUN describes: both suites on the CPU at their default sizes."""
+    return (device == "cpu" and a.suite == "all" and not (a.tokens or a.vocab or a.linear_size or a.repeats
+                                                          or a.check_only or a.time_budget) and a.settle == 60)
 
 
 def _record(a, report, res, prefix, plot_fn):

@@ -92,7 +92,7 @@ def test_python_m_bench_smoke(tmp_path):
     assert _tree_state() == before, "a bench run with --out changed the repository's tree"
     assert "eager baseline" in p.stdout and "not run: needs CUDA" in p.stdout
     # progress on stderr: each configuration numbered, no wait with --settle 0
-    assert "[1/1] tokens=64 V=1000: check torch, eager, liger" in p.stderr, p.stderr
+    assert "[1/1] tokens=64 V=1000: check torch, eager, then time them in 1 warm-up + 2" in p.stderr, p.stderr
     assert "waiting up to" not in p.stderr
     rel = next(ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("results: "))
     path = os.path.join(ROOT, rel)
@@ -330,15 +330,18 @@ def test_tracked_changes_outside_results_make_the_tree_dirty(tmp_path):
 
 def test_recording_into_results_is_refused_from_a_dirty_tree(monkeypatch, tmp_path):
     """With tracked changes, every writer into bench/results/ refuses before it measures, naming the
-    changed files and what to do; any other folder is written as usual."""
+    changed files and what to do; any other folder is written as usual. (The results folder is a scratch
+    one here: a writer that failed to refuse must not touch the committed record.)"""
     from bench.common import record
     changes = [" M gtpo_kernels/core/batch.py"]
     monkeypatch.setattr(record, "tracked_changes", lambda root=record.ROOT: changes)
+    monkeypatch.setattr(record, "RESULTS", str(tmp_path / "results"))
+    out = tmp_path / "out"
     with pytest.raises(record.DirtyTree) as e:
         record.require_clean(os.path.join(record.RESULTS, "aot"))
     assert "uncommitted changes" in str(e.value) and "gtpo_kernels/core/batch.py" in str(e.value)
-    record.require_clean(str(tmp_path))  # not the record: fine
-    assert os.path.exists(record.write_json(dict(device="cpu", rows=[]), str(tmp_path)))
+    record.require_clean(str(out))  # not the record: fine
+    assert os.path.exists(record.write_json(dict(device="cpu", rows=[]), str(out)))
     with pytest.raises(record.DirtyTree):
         record.write_json(dict(device="cpu", rows=[]), record.RESULTS)
 
@@ -357,8 +360,9 @@ def test_recording_into_results_is_refused_from_a_dirty_tree(monkeypatch, tmp_pa
     for main, argv in ((cli.main, ["--save", "--suite", "logits", "--no-aot"]), (cli.main, ["--save", "--suite", "head"]),
                        (cli.main, ["--save", "--suite", "parallel"]), (aot_cli.main, ["--save"]),
                        (tune.main, ["--save"]), (head.main, ["--save"]), (parallel.main, ["--out", record.RESULTS])):
-        with pytest.raises(record.DirtyTree, match="refusing to record into bench/results"):
+        with pytest.raises(record.DirtyTree, match="refusing to record into .*results: the tree has uncommitted"):
             main(argv)
+    assert not (tmp_path / "results").exists()
 
 
 # ---- the house: subpackages by tool, no import cycle ---------------------------------------------

@@ -123,8 +123,10 @@ class LinearSuite:
                 makers[impl] = e
         rows = []
         for k, size in enumerate(self.sizes, 1):
-            self.progress(f"[{k}/{len(self.sizes)}] N={size[0]} D={size[1]} V={size[2]}: check {', '.join(makers)}, "
-                          f"then time them in {self.warmup} warm-up + {self.repeats} interleaved rounds")
+            ready = [i for i, m in makers.items() if not isinstance(m, Exception)]
+            self.progress(f"[{k}/{len(self.sizes)}] N={size[0]} D={size[1]} V={size[2]}: check "
+                          f"{', '.join(ready) or 'nothing'}, then time them in {self.warmup} warm-up + {self.repeats} "
+                          f"interleaved rounds")
             rows += self._size(makers, *size)
         load_after = runner.load_snapshot()  # right after the timing: the memory children below load the machine
         if self.memory and self.device == "cpu":  # after the timing: two children at a time

@@ -72,6 +72,7 @@ class Suite:
         rows, runs = [], {}
         interp = self.device == "cpu"
         load_before = runner.load_snapshot(settle=True, log=self.progress)
+        self.progress(f"preparing {', '.join(self.impls)}")
         for impl in self.impls:
             try:
                 runs[impl] = providers.make(impl, self.cfg, self.device)
@@ -82,8 +83,10 @@ class Suite:
             if self.time_budget and time.perf_counter() - self.t0 > self.time_budget:
                 rows += [self._row(i, tokens, V, "skipped", note="time budget spent") for i in native]
                 continue
-            self.progress(f"[{k}/{len(self.sizes)}] tokens={tokens} V={V}: check {', '.join(native)}, then time "
-                          f"them in {self.warmup} warm-up + {self.repeats} interleaved rounds")
+            ready = [i for i in native if not isinstance(runs[i], Exception)]
+            self.progress(f"[{k}/{len(self.sizes)}] tokens={tokens} V={V}: check {', '.join(ready) or 'nothing'}"
+                          + ("" if self.check_only else
+                             f", then time them in {self.warmup} warm-up + {self.repeats} interleaved rounds"))
             rows += self._size(runs, native, tokens, V)
         load_after = runner.load_snapshot()  # right after the timing: the memory children below load the machine
         traffic = self._traffic_rows(rows, runs, interp)
