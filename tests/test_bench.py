@@ -369,7 +369,7 @@ def test_recording_into_results_is_refused_from_a_dirty_tree(monkeypatch, tmp_pa
 
 def _bench_imports():
     """{module: {bench modules it imports}} over every .py file under bench/, imports inside functions
-    included (a lazy import is still a dependency)."""
+    included (a lazy import is still a dependency); an import of a bench module that does not exist raises."""
     import ast
     base = os.path.join(ROOT, "bench")
     mods = {}
@@ -391,11 +391,15 @@ def _bench_imports():
                     up = pkg.split(".")[:len(pkg.split(".")) - (node.level - 1)]
                     base_mod = ".".join(up + ([node.module] if node.module else []))
                 deps |= {f"{base_mod}.{a.name}" if f"{base_mod}.{a.name}" in mods else base_mod for a in node.names}
+        missing = {x for x in deps if x.split(".")[0] == "bench" and x not in mods}
+        assert not missing, f"{path} imports what bench/ does not hold: {sorted(missing)}"
         graph[mod] = {x for x in deps if x in mods and x != mod}
     return graph
 
 
 def test_bench_has_no_import_cycle_and_common_depends_on_no_tool():
+    """Every import between bench's modules resolves (lazy ones too), none closes a cycle, and common/
+    imports no tool."""
     graph = _bench_imports()
     assert {"bench.timing.runner", "bench.aot.compiler", "bench.aot.peers", "bench.head_accounting.counter",
             "bench.common.record", "bench.readme_numbers"} <= set(graph), sorted(graph)

@@ -140,7 +140,7 @@ def _nonzero_rows(case):
 def provider_setup(case, provider, validate):
     """-> (run, geometry, kernels, planned tiles, note) of one head on a case; raises Unavailable."""
     from gtpo_kernels import gtpo_loss_from_logps, linear_gtpo_loss
-    from .providers import Unavailable
+    from ..timing.providers import Unavailable
     V, D = case.weight.shape
     pinned = (_ptr(case.hidden), _ptr(case.weight))
     geo = Geometry(V, D, (V,), case.rows * V, case.budget, tuple(case.mask.shape), case.N, pinned)
