@@ -138,7 +138,8 @@ def main(argv=None):
     runner.SETTLE_S = a.settle
     print(f"python -m bench --suite {a.suite} on {device}"
           + (f": {DEFAULT_RUN}" if _is_default(a, device) else
-             f"; each suite first waits up to {a.settle:g} s for the machine's load to settle (--settle 0: no wait)"),
+             (f"; each suite first waits up to {a.settle:g} s for the machine's load to settle (--settle 0: no wait)"
+              if a.settle else "; no wait for the load to settle (--settle 0)")),
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     status = 0

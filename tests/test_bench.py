@@ -63,6 +63,13 @@ def test_aot_compile_registers_spills_wide_loads():
     need = {"provider", "kernel", "variant", "dtype", "block", "num_warps", "instr_per_elem", "bar_per_iter",
             "regs", "est_ms", "sass"}
     assert all(need <= set(c) and c["est_ms"] > 0 for c in recs)
+    # a CPU run of python -m bench prints the report as one line, pointing at the full one
+    import dataclasses
+    line = aot.summary_line(results)
+    assert f"{len(results)} kernels for sm_90, sm_80, sm_100, gfx942: all ok" in line and "\n" not in line, line
+    assert line.endswith("Full report: python -m bench.aot") and "fwd " in line and "bwd HAS_E " in line, line
+    failed = aot.summary_line(results[:-1] + [dataclasses.replace(results[-1], spill_stores=8, ok=False)])
+    assert "1 FAILED (" in failed and "all ok" not in failed, failed
 
 
 def _tree_state():
