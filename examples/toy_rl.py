@@ -19,7 +19,7 @@ completions with random digits (identical for both arms: one warm-started checkp
 the format, not the answer. Then both arms run the same number of on-policy steps from the same
 weights with the same seeds, the same optimizer and the same group advantages rule; they differ only
 in the loss preset: 'gtpo' (conflict weights, entropy filter and penalty) or 'grpo'. Outputs: one
-line per seed and arm (`--verbose`: per step), and in `--out` (default `toy_rl_out/` in the current directory, git-ignored here)
+line per seed and arm (`--verbose`: per step), and in `--out` (default `toy_rl_out/` in the current directory)
 `toy_rl.json` with every curve (per seed and mean over seeds) and `toy_rl.png` (reward, format
 accuracy, conflict-token fraction and mean entropy against step, both arms). The figure in
 docs/trainers.md, bench/results/toy_rl/toy_rl.png, is a default run with `--out bench/results/toy_rl`.

@@ -1,4 +1,4 @@
-"""The house's layers (README, Layout): each subpackage of gtpo_kernels imports only the layers below it,
+"""The house's layers (docs/design.md): each subpackage of gtpo_kernels imports only the layers below it,
 lazy imports inside functions included, and no module imports itself back through another (no cycle)."""
 import ast
 from pathlib import Path
