@@ -251,6 +251,9 @@ def render_linear_summary(doc, path):
            f"({fused['peak_vs_trl']:.2f}x)")
     if mat:
         out += f", the materialized logits at {_mib(mat['peak_bytes'])}"
+    v = fused.get("vs_trl", {}).get("full")
+    if isinstance(v, dict):  # a CPU time: quoted with its per-round range and its '!' when unreliable
+        out += f"; forward + backward CPU time {_ratio(v, load_of(doc))} TRL's (per round)"
     return out + f" (`{path}`: {_short(doc)}).\n"
 
 
