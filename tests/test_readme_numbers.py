@@ -153,6 +153,8 @@ FROM_TESTS = [
     ("docs/head.md", "within the tile budget + the float32 weight-gradient accumulator + 8 MiB",
      "tests/test_linear.py", 'm["budget"] + weight_acc + (8 << 20)'),
     ("docs/head.md", "more than two `N x V` float32 buffers", "tests/test_linear.py", '> 2 * mat["logits"]'),
+    ("docs/head.md", "(N = 2048 tokens, D = 256, V = 16000, float32, a 16 MiB tile budget)", "tests/test_linear.py",
+     "N, D, V, budget = 2048, 256, 16000, 16 << 20"),
     ("docs/accuracy.md", "to 1e-4 in float32 and 1e-2 in 16-bit dtypes", "tests/test_linear.py",
      "WEIGHT_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}"),
     ("docs/benchmarks.md", "counts 2.000", "tests/test_bench.py", 'res["read_ratio"] == 2.0'),
