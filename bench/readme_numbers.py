@@ -1,9 +1,9 @@
-"""The README's benchmark tables, rendered from the committed JSON under bench/results/.
+"""The measured figures of README.md and docs/*.md, rendered from the committed JSON under bench/results/.
 
-Each table the README quotes sits between two markers that name its JSON:
+Each table or sentence of measured figures sits between two markers that name its JSON:
 
     <!-- bench:logits bench/results/latest-cpu.json -->
-    ...the table, as render() writes it from that file...
+    ...the table, as its renderer writes it from that file...
     <!-- /bench:logits -->
 
 `tests/test_readme_numbers.py` fails when a table and its JSON disagree (drift), when a JSON a table
@@ -11,7 +11,7 @@ names is missing, or when a table is not rendered from its file. A table whose J
 yet holds one line, PLACEHOLDER, instead.
 
     python -m bench.readme_numbers                # check: exit 1 and say which table drifted
-    python -m bench.readme_numbers --write        # rewrite the README's tables from the JSON
+    python -m bench.readme_numbers --write        # rewrite the tables of README.md and docs/ from the JSON
     python -m bench.readme_numbers --run          # measure every table's JSON (--save), then --write
     python -m bench.readme_numbers --run --out bench/results/loaded   # measure into another folder only
 
@@ -31,6 +31,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
+NOT_RENDERED = {"GTPO_SPEC.md"}  # the specification: no measured figures
 PLACEHOLDER = "Not measured yet: `python -m bench.readme_numbers --run` writes this table."
 BLOCK = re.compile(r"<!-- bench:(\w+) (\S+) -->\n(.*?)<!-- /bench:\1 -->", re.S)
 COMMANDS = {
@@ -186,8 +188,16 @@ def render_aot(doc, path):
                       str(spills), str(bars), est])
     head = ["arch (device)", "forward instr/elem, regs", "backward instr/elem, regs (no entropy / with)",
             "spilled bytes", "barriers / iteration", "estimate fwd / bwd ms (static model)"]
-    return f"From `{path}` (`python -m bench.aot --save`), bf16, V = 151936, N = 16384:\n\n" + \
-        _markdown(head, lines) + "\n"
+    out = f"From `{path}` (`python -m bench.aot --save`), bf16, V = 151936, N = 16384:\n\n" + _markdown(head, lines)
+    peers = [r for r in doc if r["arch"] == "sm_90" and r.get("device") == "H200" and r["dtype"] == "bfloat16"]
+    if any(r["provider"] != "gtpo_kernels" for r in peers):  # the installed peers' kernels, compiled the same way
+        rows = [[f"{r['provider']} {r['kernel'].strip('_')}" + (f" ({r['variant']})" if r["variant"] != "-" else ""),
+                 f"{r['instr_per_elem']:.2f}", str(r["regs"]), str(r["spill_bytes"]), f"{r['bar_per_iter']}",
+                 str(r["warps_per_sm"]), _estimate(r)] for r in peers]
+        out += "\n\nsm_90 against the peers' kernels (H200 estimate):\n\n" + _markdown(
+            ["kernel", "instr/elem", "registers", "spilled bytes", "barriers / iteration", "warps / SM",
+             "estimate ms (static model)"], rows)
+    return out + "\n"
 
 
 def render_head(doc, path):
@@ -202,12 +212,87 @@ def render_head(doc, path):
     return line + "\n\n" + markdown(doc, before) + "\n"
 
 
+def _short(doc):
+    """date, commit, machine and load in a few words (for the one-sentence summaries)."""
+    m, load = doc.get("machine", {}), load_of(doc)
+    commit = (doc.get("commit") or "?")[:7] + ("+dirty" if (doc.get("commit") or "").endswith("+dirty") else "")
+    ld = f", load average {load['before'][0]:.2f}" if load else ""
+    return f"{doc['date'][:10]}, commit {commit}, {m.get('cpu', '?')}, {m.get('cpu_count', '?')} cores{ld}"
+
+
+def render_logits_summary(doc, path):
+    """One line: the largest logits size of the grid, our torch path against the eager loss, memory and
+    saved bytes (what repeats from run to run), and the kernels' bytes over the ideal."""
+    ok = [r for r in doc["rows"] if r["status"] == "ok" and "peak_bytes" in r]
+    size = max(((r["tokens"], r["V"]) for r in ok), key=lambda x: x[0] * x[1])
+    row = {r["impl"]: r for r in ok if (r["tokens"], r["V"]) == size}
+    ours, eager = row["torch"], row["eager"]
+    out = (f"- loss on logits, {size[0]} tokens x V = {size[1]} {doc['dtype']} on the CPU: peak memory above "
+           f"the inputs {_mib(ours['peak_bytes'])} against {_mib(eager['peak_bytes'])} for the eager loss "
+           f"(`log_softmax` in autograd), {ours['saved_bytes_per_token']:,.0f} bytes per token saved for "
+           f"backward against {eager['saved_bytes_per_token']:,.0f}")
+    t = doc.get("traffic")
+    if t:
+        r = t["ratios"]
+        out += (f"; the Triton kernels move {r['fwd_read']:.4f} / {r['bwd_read']:.4f} / {r['bwd_write']:.4f} "
+                f"times the ideal bytes (forward read / backward read / backward write, {t['tokens']} x {t['V']})")
+    return out + f" (`{path}`: {_short(doc)});\n"
+
+
+def render_linear_summary(doc, path):
+    """One line: the fused head's peak memory against TRL's at the same tile budget."""
+    row = {r["impl"]: r for r in doc["rows"] if r["status"] == "ok" and "peak_bytes" in r}
+    fused, trl, mat = row.get("fused"), row.get("trl"), row.get("materialized")
+    if not (fused and trl):
+        return PLACEHOLDER + "\n"
+    out = (f"- from hidden states, N x D x V = {fused['N']} x {fused['D']} x {fused['V']} {doc['dtype']}, both heads "
+           f"with a {_mib(doc['tile_bytes'])} logits tile: `linear_gtpo_loss` peaks at {_mib(fused['peak_bytes'])} "
+           f"above the inputs and gradients, TRL 1.16's chunked head at {_mib(trl['peak_bytes'])} "
+           f"({fused['peak_vs_trl']:.2f}x)")
+    if mat:
+        out += f", the materialized logits at {_mib(mat['peak_bytes'])}"
+    v = fused.get("vs_trl", {}).get("full")
+    if isinstance(v, dict):  # a CPU time: quoted with its per-round range and its '!' when unreliable
+        out += f"; forward + backward CPU time {_ratio(v, load_of(doc))} TRL's (per round)"
+    return out + f" (`{path}`: {_short(doc)}).\n"
+
+
+def render_toy(doc, path):
+    """The toy RL run (examples/toy_rl.py): the last 10 steps of each arm, mean and range over seeds."""
+    a = doc["args"]
+    n = min(10, a["steps"])
+
+    def tail(xs):
+        return sum(xs[-n:]) / len(xs[-n:])
+
+    def arm(name):
+        d = doc["arms"][name]
+        per = [tail(c["answer_acc"]) for c in d["per_seed"]]
+        return (f"{name.upper()} reward {tail(d['reward']):.3f} (format {tail(d['format_acc']):.3f}, correct "
+                f"{tail(d['answer_acc']):.3f}; correct per seed {min(per):.2f}-{max(per):.2f})")
+    load = doc.get("load")
+    ld = f", load average {load['before']:.2f} before, {load['after']:.2f} after" if load else ""
+    m = doc.get("machine", {})
+    return (f"From `{path}`: {doc['date'][:10]}, commit {(doc.get('commit') or '?')[:7]}"
+            f"{'+dirty' if (doc.get('commit') or '').endswith('+dirty') else ''}, {m.get('cpu', '?')}, "
+            f"{m.get('cpu_count', '?')} cores{ld}; {len(a['seeds'])} seeds x {a['steps']} steps, "
+            f"{a['prompts']} prompts x {a['group_size']} completions, {doc['seconds']} s. Over the last {n} steps, "
+            f"mean over seeds: {arm('gtpo')}; {arm('grpo')}.\n")
+
+
 RENDER = {"logits": render_logits, "linear": render_linear, "parallel": render_parallel, "aot": render_aot,
-          "head": render_head}
+          "head": render_head, "logits_summary": render_logits_summary, "linear_summary": render_linear_summary,
+          "toy": render_toy}
+
+
+def documents():
+    """The files whose figures are rendered: README.md and docs/*.md (the specification aside)."""
+    docs = sorted(os.path.join(DOCS, f) for f in os.listdir(DOCS) if f.endswith(".md") and f not in NOT_RENDERED)
+    return [README] + docs
 
 
 def blocks(text):
-    """[(name, json path, body)] of the README's marked tables."""
+    """[(name, json path, body)] of a document's marked tables."""
     return [(m.group(1), m.group(2), m.group(3)) for m in BLOCK.finditer(text)]
 
 
@@ -220,14 +305,14 @@ def expected(name, path):
         return RENDER[name](json.load(f), path)
 
 
-def drift(text):
+def drift(text, where="README.md"):
     """Problems: a table that differs from its JSON's rendering, an unknown table name."""
     out = []
     for name, path, body in blocks(text):
         if name not in RENDER:
             out.append(f"bench:{name}: no renderer (expected one of {sorted(RENDER)})")
         elif body != expected(name, path):
-            out.append(f"bench:{name}: the README's table differs from {path} "
+            out.append(f"{where}, bench:{name}: the table differs from {path} "
                        f"(python -m bench.readme_numbers --write rewrites it)")
     return out
 
@@ -248,26 +333,32 @@ def run(out=None):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.readme_numbers", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--write", action="store_true", help="rewrite the README's tables from their JSON")
+    ap.add_argument("--write", action="store_true", help="rewrite the tables of README.md and docs/ from their JSON")
     ap.add_argument("--run", action="store_true",
                     help="measure every table's JSON into bench/results/ (--save), then rewrite the tables")
     ap.add_argument("--out", default=None,
-                    help="with --run: measure into this folder instead, and leave the README as it is")
+                    help="with --run: measure into this folder instead, and leave README.md and docs/ as they are")
     a = ap.parse_args(argv)
     if a.run:
         run(a.out)
         if a.out:
             return 0
-    with open(README) as f:
-        text = f.read()
+    problems, n = [], 0
+    for doc in documents():
+        with open(doc) as f:
+            text = f.read()
+        n += len(blocks(text))
+        if a.write or a.run:
+            new = write(text)  # rendered before the file is opened: an error leaves the file as it was
+            if new != text:
+                with open(doc, "w") as f:
+                    f.write(new)
+        else:
+            problems += drift(text, os.path.relpath(doc, ROOT))
     if a.write or a.run:
-        new = write(text)  # rendered before the file is opened: an error leaves the README as it was
-        with open(README, "w") as f:
-            f.write(new)
-        print(f"rewrote {len(blocks(text))} tables in README.md")
+        print(f"rewrote {n} tables in README.md and docs/")
         return 0
-    problems = drift(text)
-    print("\n".join(problems) or f"README.md: {len(blocks(text))} tables match their JSON")
+    print("\n".join(problems) or f"README.md and docs/: {n} tables match their JSON")
     return 1 if problems else 0
 
 

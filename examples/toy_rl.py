@@ -1,7 +1,8 @@
-"""Toy RL run: GTPO against GRPO on a task with a fixed answer format, on the CPU (the README gives
-the measured run time).
+"""Toy RL run: GTPO against GRPO on a task with a fixed answer format, on the CPU (its JSON records the
+run time, with the date, commit, machine and load).
 
-    python examples/toy_rl.py                  # writes toy_rl_out/
+    python examples/toy_rl.py                  # writes toy_rl_out/; one line per seed and arm
+    python examples/toy_rl.py --verbose        # also one line per step
     python examples/toy_rl.py --steps 10 --seeds 0 --out /tmp/demo     # a quick look
 
 The task (a miniature of the GTPO paper's math prompts): the prompt is `a ? b =` with digits a, b, where
@@ -18,10 +19,10 @@ completions with random digits (identical for both arms: one warm-started checkp
 the format, not the answer. Then both arms run the same number of on-policy steps from the same
 weights with the same seeds, the same optimizer and the same group advantages rule; they differ only
 in the loss preset: 'gtpo' (conflict weights, entropy filter and penalty) or 'grpo'. Outputs: one
-line per step, and in `--out` (default `toy_rl_out/` in the current directory, git-ignored here)
+line per seed and arm (`--verbose`: per step), and in `--out` (default `toy_rl_out/` in the current directory)
 `toy_rl.json` with every curve (per seed and mean over seeds) and `toy_rl.png` (reward, format
-accuracy, conflict-token fraction and mean entropy against step, both arms). The README's figure,
-docs/toy_rl.png, is a default run with `--out docs`.
+accuracy, conflict-token fraction and mean entropy against step, both arms). The figure in
+docs/trainers.md, bench/results/toy_rl/toy_rl.png, is a default run with `--out bench/results/toy_rl`.
 
 The conflict-token fraction is measured on each arm's own samples with `conflict_weights` (counted
 tokens whose lambda would differ from 1); GRPO's loss does not use it.
@@ -30,7 +31,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import subprocess
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -205,6 +210,24 @@ def plot(result, path):
     return True
 
 
+def provenance():
+    """Date, commit (+dirty), machine and load of this run, as the benchmark records them."""
+    here = Path(__file__).resolve().parent
+
+    def git(*a):
+        r = subprocess.run(["git", *a], cwd=here, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+    commit = git("rev-parse", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+                   cpu)
+    return dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), commit=commit,
+                machine=dict(cpu=cpu, cpu_count=os.cpu_count(), torch=torch.__version__))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python examples/toy_rl.py",
                                 description="GTPO vs GRPO on a toy task with a fixed answer format (CPU)",
@@ -219,14 +242,14 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--out", default="toy_rl_out",
                    help="folder for toy_rl.json and toy_rl.png, relative to the current directory")
-    p.add_argument("--quiet", action="store_true", help="no per-step lines, only the summary")
+    p.add_argument("--verbose", action="store_true", help="also print one line per step")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # tiny ops: one thread is fastest, and steady on a busy machine
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
+    log = (lambda s: print(s, flush=True)) if args.verbose else (lambda s: None)
 
-    t0 = time.time()
+    t0, load_before, prov = time.time(), os.getloadavg()[0], provenance()  # the tree as the run starts
     arms = {"gtpo": [], "grpo": []}
     for seed in args.seeds:
         torch.manual_seed(seed)
@@ -234,8 +257,12 @@ def main(argv=None):
         warm_up(policy, args.warmup_steps, 64, args.lr, torch.Generator().manual_seed(seed))
         init = {k: v.clone() for k, v in policy.state_dict().items()}
         for arm in arms:
-            arms[arm].append(run_arm(arm, init, args, seed, log))
+            c = run_arm(arm, init, args, seed, log)
+            arms[arm].append(c)
+            print(f"{arm:4s} seed {seed}: last {min(10, args.steps)} steps reward {_tail(c['reward']):.3f}, "
+                  f"format {_tail(c['format_acc']):.3f}, correct {_tail(c['answer_acc']):.3f}", flush=True)
     result = {"task": "a+b= -> '<a> max(a,b) </a> <eos>'; reward 0.5 format + 1.0 correct",
+              **prov, "load": dict(before=load_before, after=os.getloadavg()[0]),
               "args": vars(args), "seconds": None, "arms": {}}
     for arm, per_seed in arms.items():
         result["arms"][arm] = {**_mean(per_seed), "per_seed": per_seed}

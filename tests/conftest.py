@@ -1,7 +1,7 @@
 """Test set-up: Triton's interpreter (the kernels run on CPU), hypothesis profiles, error measures."""
 import os
 
-# before anything imports triton: the kernels run under the interpreter on this CPU machine
+# before anything imports triton: the kernels run under Triton's interpreter on the CPU
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402

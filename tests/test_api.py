@@ -133,20 +133,32 @@ def test_masked_rows_are_never_read_and_inputs_never_modified(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inplace_writes_the_gradient_into_the_logits(backend):
+    """inplace=True: the gradient lands in the logits' storage and equals the out-of-place one, zeros
+    included: the row before the window, masked tokens and a whole masked completion are overwritten
+    with 0 (their logits were not, and they are nonzero before)."""
     x, ids, adv = batch(B=4, T=6, V=9)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[1, 3:] = False                         # masked tail of a completion
+    mask[2] = False                             # a whole completion masked out
     cfg = GTPOConfig(entropy_threshold=None, entropy_coef=0.01)
     a = x.clone().requires_grad_()
-    gtpo_loss(a, ids[:, 1:], adv, group_size=2, logits_start=1, config=cfg, backend=backend).loss.backward()
+    gtpo_loss(a, ids[:, 1:], adv, mask, group_size=2, logits_start=1, config=cfg,
+              backend=backend).loss.backward()
     base = x.clone()
     b = base.clone().requires_grad_()
     storage = b.untyped_storage().data_ptr()
-    out = gtpo_loss(b, ids[:, 1:], adv, group_size=2, logits_start=1, config=cfg, backend=backend,
+    out = gtpo_loss(b, ids[:, 1:], adv, mask, group_size=2, logits_start=1, config=cfg, backend=backend,
                     inplace=True)
     assert torch.equal(b.detach(), base)  # the forward does not touch them
+    inactive = torch.zeros(4, 6, dtype=torch.bool)
+    inactive[:, 0] = True                       # the row before the window
+    inactive[:, 1:] = ~mask
+    assert (base[inactive] != 0).all()          # so a row left as it was cannot pass for a zeroed one
     out.loss.backward()
     assert b.grad.untyped_storage().data_ptr() == storage
+    assert (a.grad[~inactive].abs().sum(-1) > 0).all()
+    assert (b.grad[inactive] == 0).all(), "an inactive row of the in-place gradient is not zeroed"
     assert_grad_close("inplace grad", b.grad, a.grad, 1e-6)
-    assert (b.grad[:, 0] == 0).all()  # the row before the window is zeroed too
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -258,10 +270,12 @@ def test_entropy_bonus_with_banned_vocabulary_stays_finite(backend):
 
 def test_weights_given_without_n_conf_when_conflicts_are_off():
     x, ids, adv = batch()
-    cfg = GTPOConfig.preset("gtpo-official", use_conflict_mask=False)
+    # random logits sit above the preset's entropy bound: without the filter the loss is not 0
+    cfg = GTPOConfig.preset("gtpo-official", use_conflict_mask=False, entropy_threshold=None)
     lam = torch.rand(4, 5) + 0.5
     out = gtpo_loss(x, ids, adv, lam=lam, config=cfg)
     r = ref.gtpo_loss(x.double(), ids, adv, lam=lam, **dataclasses.asdict(cfg))
+    assert float(r["loss"]) != 0.0
     assert_value_close("loss", out.loss, r["loss"], 1e-5)
 
 

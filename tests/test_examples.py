@@ -25,16 +25,24 @@ def test_train_loop_example_runs(tmp_path):
 # ---------------------------------------------------------------- the demo (examples/toy_rl.py)
 
 def test_demo_runs_small(tmp_path):
+    """A short run: one summary line per seed and arm by default (the per-step lines only with --verbose),
+    each quoting its own curves in the JSON, which records the date, commit, machine and load."""
     out = tmp_path / "demo"
     demo = Path(__file__).resolve().parents[1] / "examples" / "toy_rl.py"
     r = subprocess.run([sys.executable, str(demo), "--steps", "4", "--warmup-steps", "20", "--seeds", "0",
                         "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert len(r.stdout.splitlines()) <= 8 and " step " not in r.stdout, r.stdout
     curves = json.loads((out / "toy_rl.json").read_text())
+    assert {"date", "commit", "machine", "load", "seconds"} <= set(curves), sorted(curves)
     for arm in ("gtpo", "grpo"):
         c = curves["arms"][arm]
         for key in ("reward", "format_acc", "answer_acc", "conflict_frac", "mean_entropy"):
             assert len(c[key]) == 4, (arm, key)
+        seed0 = c["per_seed"][0]
+        tail = [sum(seed0[k]) / 4 for k in ("reward", "format_acc", "answer_acc")]
+        assert (f"{arm} seed 0: last 4 steps reward {tail[0]:.3f}, format {tail[1]:.3f}, "
+                f"correct {tail[2]:.3f}") in r.stdout, r.stdout
     assert curves["arms"]["grpo"]["filtered_frac"] == [0.0] * 4  # the grpo preset has no entropy filter
     assert curves["arms"]["gtpo"]["conflict_frac"][0] > 0  # the tags are shared: conflict tokens exist
     if importlib.util.find_spec("matplotlib") is not None:

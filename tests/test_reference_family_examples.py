@@ -124,12 +124,13 @@ def test_bias_corrected_kl():
 
 def test_off_policy_mask():
     lp = torch.full((3, 2), -1.0, dtype=F64)
-    roll = lp + torch.tensor([[0.5, 0.5], [0.1, float("nan")], [0.5, 0.5]], dtype=F64)
+    roll = lp + torch.tensor([[0.5, 0.5], [0.15, float("nan")], [0.5, 0.5]], dtype=F64)
     kw = dict(old_logps=lp, beta=0.5, ref_logps=lp + 0.3, off_policy_mask_threshold=0.1, loss_agg="none")
     out, _ = run(lp, [-1.0, -1.0, 1.0], rollout_logps=roll, **kw)
     kl = 0.5 * (math.exp(0.3) - 1.3)
-    # row 0: A < 0 and mean KL 0.5 > 0.1: policy term dropped, KL kept; row 1: NaN counts as 0 ->
-    # mean 0.05 kept; row 2: A >= 0 kept
+    # row 0: A < 0 and mean KL 0.5 > 0.1: policy term dropped, KL kept; row 1: the NaN counts as 0 and
+    # stays in the denominator -> mean 0.075 <= 0.1, kept (dropped from the denominator it would be
+    # 0.15 > 0.1 and the row masked); row 2: A >= 0 kept
     close(out["per_token_loss"], [[kl, kl], [1 + kl, 1 + kl], [-1 + kl, -1 + kl]])
     # without rollout_logps the mask reads old_logps (here = logp: every completion kept)
     out, _ = run(lp, [-1.0, -1.0, 1.0], **kw)

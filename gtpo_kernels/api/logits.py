@@ -48,7 +48,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     exactly one row per token, anything else is refused with a hint (a model's
                     (B, P + T, V) logits need logits_start=P - 1).
     num_items_in_batch  the denominator of loss_agg='token-mean' instead of this call's counted tokens
-                    (gradient accumulation, data parallelism: see the README's "Normalizers"); refused
+                    (gradient accumulation, data parallelism: see docs/usage.md, "Normalizers"); refused
                     with any other aggregation.
     rollout_is_weights  rollout importance weights (training/inference mismatch, spec 9), finite and >= 0:
                     per token (completion_ids' shape: (B, T), packed (N,)) or per completion ((B, 1);

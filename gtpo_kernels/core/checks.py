@@ -54,7 +54,7 @@ def check_num_items(num_items, loss_agg, device, dtype, validate=True):
     if loss_agg != "token-mean":
         raise ValueError(f"num_items_in_batch is the denominator of loss_agg='token-mean' only; with "
                          f"loss_agg={loss_agg!r} the denominators are per completion or per batch (spec 4): "
-                         f"scale the loss instead (README, 'Normalizers')")
+                         f"scale the loss instead (docs/usage.md, 'Normalizers')")
     if isinstance(num_items, torch.Tensor):
         if num_items.numel() != 1 or num_items.dtype == torch.bool or num_items.dtype.is_complex:
             raise ValueError(f"num_items_in_batch must be a positive number or a one-element real tensor, "
