@@ -192,9 +192,11 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
     surrogate and the loss value with the backward attached (as the logits path), the output."""
     dt = float_dtype_for(hidden)
     key, fused = _key(b, cfg, head, backend, schedule, budget, vp)
-    temperature = ops.as_tensor_param(cfg.temperature)
-    max_len = b.max_len if isinstance(b.max_len, Tensor) else torch.tensor(float(b.max_len), dtype=dt)
-    num = num_items if num_items is None or isinstance(num_items, Tensor) else torch.tensor(float(num_items))
+    temperature = ops.temperature_param(cfg.temperature, hidden, backend)  # once per call
+    dev = hidden.device  # numbers become device tensors by a fill, never by a host-to-device copy
+    max_len = b.max_len if isinstance(b.max_len, Tensor) else torch.full((), float(b.max_len), dtype=dt, device=dev)
+    num = num_items if num_items is None or isinstance(num_items, Tensor) else \
+        torch.full((), float(num_items), dtype=torch.float32, device=dev)
     extras = [b.adv, b.old, b.ref, b.lam, b.n_conf, b.rollout_w, b.rollout_w_seq, b.rollout_logps, num, max_len]
     params = (hidden, head.weight, head.bias)
     need = [x is not None and x.requires_grad and torch.is_grad_enabled() for x in params]
@@ -202,7 +204,7 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
     res, value, c, e = loss.value_and_coefficients(b, cfg, logp, ent, num_items, dt, stats.dtype)
     value = head_attach(value, *params, b.ids if vp is None else vp.ids, stats, ent, c, e, dh, dw, db,
                         temperature, key)
-    res["metrics"]["grad_in_forward"] = torch.tensor(1.0 if fused else 0.0, dtype=dt, device=hidden.device)
+    res["metrics"]["grad_in_forward"] = torch.full((), 1.0 if fused else 0.0, dtype=dt, device=dev)
     return loss.make_output(b, cfg, value, res, dt, host)
 
 
@@ -210,7 +212,8 @@ def head_logprobs(b, head, hidden, temperature, budget, backend, host, vp):
     """linear_token_logprobs after its checks: (logps, entropy) of the tokens' shape, 0 where masked out."""
     key, _ = _key(b, None, head, backend, "recompute", budget, vp)
     with torch.no_grad():
-        logp, ent = _forward(b, head, hidden, key, ops.as_tensor_param(temperature), vp, [None] * len(EXTRAS),
+        logp, ent = _forward(b, head, hidden, key, ops.temperature_param(temperature, hidden, backend), vp,
+                             [None] * len(EXTRAS),
                              [False] * 3, host)[:2]
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     return (torch.where(b.counted, logp, zero).reshape(b.tok_shape),
