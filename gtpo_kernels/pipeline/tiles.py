@@ -229,11 +229,16 @@ def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
     return res["c"], res["e"]
 
 
+def plan_backward(c, e):
+    """The recompute backward's plan: the rows with c != 0 or e != 0 (1 sync)."""
+    live = c != 0 if e is None else (c != 0) | (e != 0)
+    return live.nonzero().squeeze(1)  # sync: the rows with a gradient
+
+
 def backward_tiles(opts, t, stats, ent, c, e, need):
     """The recompute schedule's backward: [dh, dw, db] from the coefficients (already scaled by the
     upstream gradient), projecting again only the rows where c or e is nonzero."""
-    live = c != 0 if e is None else (c != 0) | (e != 0)
-    rows = live.nonzero().squeeze(1)  # sync: the rows with a gradient
+    rows = plan_backward(c, e)
     n = rows.numel()
     grads = zero_grads(t, need)
     ws = Workspace(opts, t, min(n, opts.per_tile))
