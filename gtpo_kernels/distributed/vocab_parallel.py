@@ -92,7 +92,8 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     m_r, ls_r = stats_r[:, 0], stats_r[:, 1]
     S_r = torch.exp(ls_r)
     nonfinite = ((bad_r & BAD_NONFINITE) != 0) | torch.isnan(ls_r) | torch.isnan(m_r)
-    live = (S_r > 0) & ~torch.isnan(ent_r) & ~nonfinite  # a slice all at -inf (banned) adds nothing
+    # a slice all at -inf (banned) adds nothing, nor does an empty slice (whatever its pass returns for it)
+    live = (S_r > 0) & ~torch.isnan(ent_r) & ~nonfinite & (b.V > 0)
     m_eff = torch.where(live, m_r, ninf)
     M = m_eff.clone()
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
