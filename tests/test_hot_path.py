@@ -80,7 +80,8 @@ class HostConversions(TorchDispatchMode):
             self._mark(out)
         elif name in CONVERSIONS and self._crosses(name, args, kwargs, out):
             self.counts[name] += 1
-        elif name == "scalar_tensor" or (tensors and not _names_device(args, kwargs) and all(map(self._is_host, tensors))
+        elif name == "scalar_tensor" or (tensors and not _names_device(args, kwargs)
+                                         and all(map(self._is_host, tensors))
                                          and not (name in ("copy_", "copy") and not self._is_host(args[0]))):
             self._mark(out)
         return out
