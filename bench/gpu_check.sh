@@ -2,6 +2,7 @@
 # The GPU check, one script (about 8 minutes on an H200; each step has its own time limit):
 #   1. the correctness tests on CUDA (Triton compiled, not interpreted) and the runtime checks of
 #      tests/cuda_runtime_check.py (host syncs, JIT cache, CUDA graphs);
+#   1b. tests/cuda_sync_check.py: the logits path and the head's two schedules with every sync an error;
 #   2. our kernels against the float64 reference on sampled completions of a problem with
 #      N * V > 2**31 (16384 x 151936 bf16; the last completion sits past 2**31 elements);
 #   3. the benchmark: V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16,
@@ -46,6 +47,10 @@ rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "correctness tests: exit $rc (124 =
 # no host sync with validate=False, one JIT variant across lengths, CUDA-graph capture and replay
 timeout 60 python tests/cuda_runtime_check.py 2>&1 | tee "$OUT_DIR/cuda_runtime_check.txt"
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "runtime checks: exit $rc"; status=1; }
+# the logits path and both head schedules under torch.cuda.set_sync_debug_mode("error"), validate=False
+# (the head's tile planning is its one allowed host read)
+timeout 60 python tests/cuda_sync_check.py --cuda-only 2>&1 | tee "$OUT_DIR/cuda_sync_check.txt"
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "sync checks: exit $rc"; status=1; }
 
 step "2. sampled completions of N*V > 2**31 against the reference"
 timeout 60 python -m bench --device cuda --suite logits --check-only --tokens 16384 --vocab 151936 --impls triton \

@@ -114,7 +114,7 @@ def test_tile_work_does_not_grow_with_the_tiles(monkeypatch, preset):
         syncs = _Syncs(monkeypatch)
         hh = h.clone().requires_grad_()
         out = linear_gtpo_loss(hh, w, ids, adv, mask, group_size=2, config=cfg, validate=False, backend="torch",
-                               memory_budget=rows * row_bytes(w.shape[0], w.dtype, h.device))
+                               memory_budget=rows * row_bytes(w.shape[0], w.dtype, h.device), schedule="fused")
         out.loss.backward()
         assert float(out.metrics["grad_in_forward"]) == 1.0
         counts.append((sum(tokens), syncs.n))
@@ -135,7 +135,7 @@ def _both_schedules(monkeypatch, h, w, ids, adv, mask, cfg, backend, **kw):
     'kept': the fused call's kept completions}, groups of 2."""
     proj, grad_rows, got = [], [], {}
     _spy(monkeypatch, "project", lambda hh, ww, bb, out: proj.append(out.shape[0]))
-    _spy(monkeypatch, "grad_gemms", lambda gz, hh, idx, ww, g: grad_rows.append(gz.shape[0]))
+    _spy(monkeypatch, "grad_gemms", lambda gz, hh, idx, ww, g, at=None: grad_rows.append(gz.shape[0]))
     for schedule in ("fused", "recompute"):
         proj.clear(), grad_rows.clear()
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -229,10 +229,11 @@ def test_fused_backward_twice_and_autograd_grad(backend, bias_on):
         assert_grad_close(f"grad {name}: two backwards", b, 2 * r, 1e-5)
 
 
-@pytest.mark.parametrize("schedule", ["auto", "recompute"])
+@pytest.mark.parametrize("schedule", ["auto", "fused"])
 def test_compile_fullgraph_matches_eager(schedule):
     """torch.compile(fullgraph=True) of a step calling linear_gtpo_loss with its defaults (validate,
-    memory_budget, the default GTPOConfig) traces without a graph break, both schedules, same numbers."""
+    memory_budget, the default GTPOConfig) traces without a graph break, both schedules, same numbers
+    (auto runs recompute here: the default config's entropy filter makes it the cheaper one)."""
     torch._dynamo.reset()
     h, w, ids, mask, adv = _long_batch(T=6, peaked=(0, 1, 2))
 
@@ -245,7 +246,7 @@ def test_compile_fullgraph_matches_eager(schedule):
     hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
     lc, lpc, ec, fc = torch.compile(step, fullgraph=True)(hc, wc)
     lc.backward()
-    assert float(fe) == float(fc) == (1.0 if schedule == "auto" else 0.0)
+    assert float(fe) == float(fc) == (1.0 if schedule == "fused" else 0.0)
     assert_value_close("loss", lc.detach(), le.detach(), 1e-6)
     assert_value_close("logps", lpc, lpe, 1e-6)
     assert_value_close("entropy", ec, ee, 1e-6)

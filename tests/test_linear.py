@@ -136,8 +136,10 @@ def test_linear_matches_reference(backend, case, preset, schedule, dtype, scale,
 
 @pytest.mark.parametrize("preset", ["grpo", "dapo", "cispo", "gtpo", "gspo", "vespo"])
 def test_auto_schedule_and_forcing(preset):
-    """Coefficients local to a tile: fused (3 GEMMs); per-completion statistics are local when every tile
-    holds whole completions, and need the recompute schedule when a completion spans tiles."""
+    """Coefficients local to a tile: fused (3 GEMMs), unless the entropy filter makes recompute the
+    cheaper by the cost model (gtpo: auto runs recompute, 'fused' can be forced); per-completion
+    statistics are local when every tile holds whole completions, and need the recompute schedule when
+    a completion spans tiles."""
     g = torch.Generator().manual_seed(0)
     B, T, D, V = 4, 6, 8, 30
     h, w = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g)
@@ -145,6 +147,8 @@ def test_auto_schedule_and_forcing(preset):
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     kw = dict(group_size=2, config=GTPOConfig.preset(preset, entropy_threshold=3.0) if preset == "gtpo" else preset)
     out = linear_gtpo_loss(h, w, ids, adv, **kw)
+    assert float(out.metrics["grad_in_forward"]) == (0.0 if preset == "gtpo" else 1.0)
+    out = linear_gtpo_loss(h, w, ids, adv, schedule="fused", **kw)
     assert float(out.metrics["grad_in_forward"]) == 1.0
     small = 2 * V * 4 * 4  # 4 rows a tile: completions of 6 tokens span tiles
     out = linear_gtpo_loss(h, w, ids, adv, memory_budget=small, **kw)
@@ -236,7 +240,9 @@ def _args():
 
 @pytest.mark.parametrize("mutate,exc,match", [
     (lambda a: dict(a, weight=a["weight"].double()), TypeError, "weight must have hidden's dtype"),
-    (lambda a: dict(a, weight=a["weight"][:, :3]), ValueError, r"hidden must be \(B, T, D\) with D = 3"),
+    (lambda a: dict(a, weight=a["weight"][:, :3]), ValueError,
+     r"weight must be the LM head's \(V, D\) matrix with D = 4 \(hidden's last dimension\), got shape \(9, 3\)$"),
+    (lambda a: dict(a, hidden=a["hidden"][..., :1]), ValueError, r"weight must be .* with D = 1 "),
     (lambda a: dict(a, weight=a["weight"][0]), ValueError, r"weight must be the LM head's \(V, D\)"),
     (lambda a: dict(a, bias=torch.zeros(8)), ValueError, r"bias must be a \(V,\) = \(9,\)"),
     (lambda a: dict(a, bias=torch.zeros(9, dtype=torch.float64)), TypeError, "bias must have hidden's dtype"),

@@ -62,7 +62,7 @@ def _arg_for(name, dtype, V, T, has_e):
         return _Ptr({"logits_ptr": dtype, "grad_ptr": dtype, "ids_ptr": torch.int64, "mask_ptr": torch.bool,
                      "bad_ptr": torch.int8}.get(name, torch.float32))
     table = {"stride_lb": T_l * V, "stride_gb": T_l * V, "stride_lt": V, "stride_gt": V, "T": T, "T_l": T_l,
-             "V": V, "logits_start": 0, "scale": 0.5, "softcap": 30.0}  # floats: never specialized
+             "V": V, "logits_start": 0, "temp_stride": 0, "scale": 0.5, "softcap": 30.0}  # floats: never specialized
     if name in table:
         return table[name]
     raise KeyError(f"aot: no stand-in for kernel parameter {name!r}; teach bench/aot/compiler.py its value")

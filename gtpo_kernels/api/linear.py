@@ -23,7 +23,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                      group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
                      n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
                      rollout_is_weights=None, rollout_logps=None, validate=True, backend="auto",
-                     process_group=None):
+                     process_group=None, logits_start=None, inplace=False):
     """`gtpo_loss` from the final hidden states and the LM head, never holding the (tokens x V) logits.
 
     hidden    (B, T, D) (packed: (N, D), with cu_seqlens): row t predicts completion_ids[:, t]; pass
@@ -33,19 +33,24 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
               when logit_softcap is given (Gemma), then / temperature as in gtpo_loss.
     memory_budget  bytes for one tile of logits and its gradient (default 1 GiB); tiles of counted tokens.
     schedule  'auto' (the 3-GEMM fused schedule when each tile's gradient coefficients depend on that
-              tile alone, else 'recompute', 4 GEMMs), or force 'fused' / 'recompute';
-              out.metrics['grad_in_forward'] is 1 when the fused schedule ran.
+              tile alone and its modeled GEMM FLOPs are the lower, else 'recompute', 4 GEMMs on the rows
+              with a gradient: with the entropy filter on; see gtpo_kernels.pipeline.schedule), or force
+              'fused' / 'recompute'; out.metrics['grad_in_forward'] is 1 when the fused schedule ran.
     Gradients reach hidden, weight and bias (whichever require grad); weight and bias gradients
     accumulate in float32 across tiles and are cast once. Every other argument is gtpo_loss's
     (rollout_is_weights: (B, T) / packed (N,) per token, (B, 1) per completion, (B,) padded only).
     process_group  vocabulary-parallel head (spec 12): weight (and bias) hold this rank's contiguous
               slice of the vocabulary rows in rank order; ids are global; the loss and outputs are
               identical on every rank, the weight/bias gradients are this rank's slice.
+    logits_start, inplace  gtpo_loss's, refused here (only their defaults pass): slice the hidden states
+              instead of offsetting them (a view, read in place), and there are no logits to overwrite.
+    Under torch.autocast the head computes in its inputs' dtypes (autocast is off inside).
     Host reads: planning the tiles (the counted rows and their number per completion; the recompute
     backward: the rows with a gradient), and validating, the flags once after the tiles.
     """
-    with agree.guard(process_group) as g:  # with a group, an error is held until every rank knows (spec 12)
+    with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)
         cfg = as_config(config)
+        _refuse_logits_keywords(logits_start, inplace)
         checks.require_advantages(advantages)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -69,7 +74,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         span = head_ops.coefficient_span(cfg)
         _summary(g, b, hidden, weight, host, (backend, cfg.temperature, schedule, budget, span, cfg.loss_agg))
     vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)")
-    return head_ops.head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, vp)
+    with linear.autocast_off(hidden.device):
+        return head_ops.head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, vp)
 
 
 def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,
@@ -78,7 +84,7 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
     """Forward-only log-probs and entropies from hidden states (old-policy and reference passes):
     -> (logps, entropy) of completion_ids' shape, float32 (float64 for float64 inputs), 0 where masked
     out. No autograd; only a tile of logits at a time. process_group: as in linear_gtpo_loss."""
-    with agree.guard(process_group) as g:  # with a group, an error is held until every rank knows (spec 12)
+    with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)
         cfg = GTPOConfig(temperature=temperature)  # validates the temperature
         host = checks.host_checks(validate)
         b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
@@ -92,7 +98,24 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
                                       max_seqlen=max_seqlen, validate=validate, backend="reference")
         _summary(g, b, hidden, weight, host, (backend, temperature, "logprobs", budget))
     vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)")
-    return head_ops.head_logprobs(b, head, hidden, temperature, budget, backend, host, vp)
+    with linear.autocast_off(hidden.device):
+        return head_ops.head_logprobs(b, head, hidden, temperature, budget, backend, host, vp)
+
+
+def _device(hidden):
+    return hidden.device if isinstance(hidden, torch.Tensor) else "cpu"  # _prepare names a non-tensor
+
+
+def _refuse_logits_keywords(logits_start, inplace):
+    """gtpo_loss's logits_start and inplace have no meaning for the head: refused, saying what to do."""
+    if logits_start is not None:
+        raise ValueError(f"logits_start={logits_start!r}: linear_gtpo_loss takes the hidden states of the completion "
+                         "tokens only, hidden[:, P - 1:P - 1 + T] for a model's (B, P + T, D) hidden states (a view, "
+                         "read in place): slice them instead of passing logits_start")
+    if inplace is not False:
+        raise ValueError(f"inplace={inplace!r}: linear_gtpo_loss never holds the logits, so there is nothing to "
+                         "overwrite (each tile's gradient is already written over its own logits); leave inplace "
+                         "unset")
 
 
 def _materialize(head, hidden):
@@ -114,9 +137,13 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
     V, D = weight.shape
     packed = cu_seqlens is not None
     want = "(N, D) in the packed form (cu_seqlens given)" if packed else "(B, T, D)"
-    if hidden.dim() != (2 if packed else 3) or hidden.shape[-1] != D:
-        raise ValueError(f"hidden must be {want} with D = {D} (weight's second dimension), got "
-                         f"{tuple(hidden.shape)}")
+    if hidden.dim() != (2 if packed else 3):
+        raise ValueError(f"hidden must be {want}, got shape {tuple(hidden.shape)}")
+    if hidden.shape[-1] != D:
+        Dh = hidden.shape[-1]
+        hint = ", which looks transposed, (D, V): pass weight.t()" if V == Dh else ""
+        raise ValueError(f"weight must be the LM head's (V, D) matrix with D = {Dh} (hidden's last dimension), "
+                         f"got shape {tuple(weight.shape)}{hint}")
     if weight.dtype != hidden.dtype or weight.device != hidden.device:
         raise TypeError(f"weight must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
                         f"{weight.dtype} on {weight.device}")
@@ -139,8 +166,13 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
     b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
                               max_seqlen=max_seqlen, device=hidden.device, validate=host)
     if tuple(hidden.shape[:-1]) != tuple(b.tok_shape):
+        hint = ""
+        if not packed and hidden.shape[0] == b.tok_shape[0] and hidden.shape[1] > b.tok_shape[1]:
+            T_h, T = hidden.shape[1], b.tok_shape[1]
+            hint = (f"; with the prompt's rows, (B, P + T, D), pass the rows that predict the completion tokens: "
+                    f"hidden[:, {T_h - T - 1}:{T_h - 1}] (P - 1 = {T_h - T - 1}; a view, read in place)")
         raise ValueError(f"hidden must have shape {tuple(b.tok_shape) + (D,)} (completion_ids' shape + (D,)), "
-                         f"got {tuple(hidden.shape)}")
+                         f"got {tuple(hidden.shape)}{hint}")
     if host:
         checks.check_ids_in_range(b.ids, b.counted, V if group is None else float("inf"))
     return b, linear.Head(weight, bias, logit_scale, logit_softcap), memory_budget

@@ -85,14 +85,15 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics).
     scale, softcap: the tile's transforms (spec 11), applied by the kernel to this slice."""
     logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, b.counted,
-                                                  ops.as_tensor_param(temperature), b.logits_start, scale, softcap,
-                                                  backend)
+                                                  ops.temperature_param(temperature, b.logits3, backend),
+                                                  b.logits_start, scale, softcap, backend)
     inv_t = 1.0 / temperature  # a number or a 0-d tensor (no host read)
     ninf = torch.tensor(float("-inf"), dtype=stats_r.dtype, device=stats_r.device)
     m_r, ls_r = stats_r[:, 0], stats_r[:, 1]
     S_r = torch.exp(ls_r)
     nonfinite = ((bad_r & BAD_NONFINITE) != 0) | torch.isnan(ls_r) | torch.isnan(m_r)
-    live = (S_r > 0) & ~torch.isnan(ent_r) & ~nonfinite  # a slice all at -inf (banned) adds nothing
+    # a slice all at -inf (banned) adds nothing, nor does an empty slice (whatever its pass returns for it)
+    live = (S_r > 0) & ~torch.isnan(ent_r) & ~nonfinite & (b.V > 0)
     m_eff = torch.where(live, m_r, ninf)
     M = m_eff.clone()
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)

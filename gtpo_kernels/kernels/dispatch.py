@@ -80,8 +80,11 @@ def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale=1
 
 
 def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None):
-    """dL/dz of the raw logits into grad3 (stats from vocab_fwd with the same scale and softcap)."""
+    """dL/dz of the raw logits into grad3 (stats from vocab_fwd with the same scale and softcap). An
+    empty vocabulary (a rank's empty slice, spec 12) has no entry to write."""
     check_transforms(scale, softcap)
+    if logits3.shape[-1] == 0:
+        return grad3
     backend = _resolved(backend, logits3)
     return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e,
                                           _temperature(backend, temperature), logits_start, scale, softcap)

@@ -28,6 +28,23 @@ def as_tensor_param(x):
     return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
 
 
+def temperature_param(temperature, like, backend):
+    """tau as the passes take it, made once per call (never per tile or per launch): for the Triton
+    kernels a float32 tensor on `like`'s device, one element read by every row through a stride 0 (a
+    number becomes a fill there, never a host-to-device copy; a host tensor is copied once; a float32
+    tensor already there is passed as it is, so an in-place schedule stays live); for the torch path
+    as_tensor_param (a number stays on the host, float64 logits keep tau's float64 value)."""
+    if backend == "auto":
+        backend = dispatch.resolve_backend(backend, like.device, like.dtype)
+    if backend != "triton":
+        return as_tensor_param(temperature)
+    if isinstance(temperature, torch.Tensor):
+        if temperature.device == like.device and temperature.dtype == torch.float32:
+            return temperature
+        return temperature.detach().to(device=like.device, dtype=torch.float32)
+    return torch.full((1,), float(temperature), dtype=torch.float32, device=like.device)
+
+
 def acc_dtype(logits3, backend):
     """The dtype the passes accumulate in: the torch path float64 for float64 logits, else float32
     (the Triton backend refuses float64 logits: dispatch.resolve_backend)."""

@@ -38,7 +38,7 @@ def _bwd_grad(z, m, c2, ls2, a_co, b_co, HAS_E: tl.constexpr):
     return g
 
 
-@triton.jit(do_not_specialize=["T", "T_l", "logits_start"])
+@triton.jit(do_not_specialize=["T", "T_l", "logits_start", "temp_stride"])
 def _vocab_bwd_kernel(
     # pointers
     logits_ptr, grad_ptr,  # (B, T_l, V) strided rows; grad may alias logits (inplace)
@@ -48,7 +48,8 @@ def _vocab_bwd_kernel(
     # sizes
     T, T_l, V, logits_start,
     # scalars
-    temp_ptr,  # the temperature tau: a float32 tensor in device memory, read here, never on the host
+    temp_ptr, temp_stride,  # tau of token k at temp_ptr + k * temp_stride (0: one tau for every row), float32
+    # in device memory, read here, never on the host
     scale, softcap,  # the tile's transforms (vocab_jit): runtime floats, used only under HAS_*
     # meta
     HAS_E: tl.constexpr,  # entropy term present (entropy_coef != 0)
@@ -57,13 +58,13 @@ def _vocab_bwd_kernel(
     BLOCK_V: tl.constexpr,
 ):
     row_id = tl.program_id(0).to(tl.int64)  # one program per logits row, int64 offsets
-    inv_temp = 1.0 / tl.load(temp_ptr)
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
     i = row_id // T_l
     r = row_id - i * T_l
     t = r - logits_start
     in_window = (t >= 0) & (t < T)
     tok = i * T + t
+    inv_temp = 1.0 / tl.load(temp_ptr + tok * temp_stride, mask=in_window, other=1.0)
     c = tl.load(c_ptr + tok, mask=in_window, other=0.0)
     if HAS_E:
         e = tl.load(e_ptr + tok, mask=in_window, other=0.0)

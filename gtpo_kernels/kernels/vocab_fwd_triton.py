@@ -59,7 +59,7 @@ def _fwd_update(z, m_l, r_l, u_l, c2):
     return tl.maximum(m_l, z), r_new, u_l
 
 
-@triton.jit(do_not_specialize=["T", "logits_start"])
+@triton.jit(do_not_specialize=["T", "logits_start", "temp_stride"])
 def _vocab_fwd_kernel(
     # pointers
     logits_ptr, ids_ptr, mask_ptr,  # inputs: (B, T_l, V) strided rows; (B*T,) ids; (B*T,) counted flag
@@ -69,7 +69,8 @@ def _vocab_fwd_kernel(
     # sizes
     T, V, logits_start,
     # scalars
-    temp_ptr,  # the temperature tau: a float32 tensor in device memory, read here, never on the host
+    temp_ptr, temp_stride,  # tau of token k at temp_ptr + k * temp_stride (0: one tau for every row), float32
+    # in device memory, read here, never on the host
     scale, softcap,  # the tile's transforms (vocab_jit): runtime floats, used only under HAS_*
     # meta
     HAS_SCALE: tl.constexpr,  # scale != 1
@@ -77,7 +78,7 @@ def _vocab_fwd_kernel(
     BLOCK_V: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
-    inv_temp = 1.0 / tl.load(temp_ptr)
+    inv_temp = 1.0 / tl.load(temp_ptr + tok * temp_stride)
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
     counted = tl.load(mask_ptr + tok) != 0
     logp = 0.0

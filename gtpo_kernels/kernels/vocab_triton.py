@@ -17,7 +17,7 @@ import triton
 from .vocab_bwd_triton import _vocab_bwd_kernel
 from .vocab_fwd_triton import _vocab_fwd_kernel
 
-__all__ = ["MAX_BLOCK_V", "block_v_for", "num_warps_for", "interpreted", "temperature_tensor", "vocab_fwd",
+__all__ = ["MAX_BLOCK_V", "block_v_for", "num_warps_for", "interpreted", "temperature_arg", "vocab_fwd",
            "vocab_bwd", "_vocab_fwd_kernel", "_vocab_bwd_kernel"]
 
 # Largest block over the vocabulary, and the warps of a block: the choice of the static model of
@@ -49,15 +49,25 @@ def interpreted() -> bool:
     return type(_vocab_fwd_kernel).__name__ == "InterpretedFunction"
 
 
-def temperature_tensor(temperature, device):
-    """tau as the float32 tensor the kernels read: a float32 tensor already on `device` is passed as it
-    is (a trainer's schedule updated in place is seen by a replayed CUDA graph); a number or a tensor
-    elsewhere is copied there (a host-to-device copy, never a device-to-host read)."""
-    if isinstance(temperature, torch.Tensor):
-        if temperature.device == device and temperature.dtype == torch.float32 and temperature.numel() == 1:
-            return temperature
-        return temperature.detach().to(device=device, dtype=torch.float32).reshape(())
-    return torch.full((), float(temperature), dtype=torch.float32, device=device)
+def temperature_arg(temperature, device, n):
+    """(tau, stride): what the kernels read the temperature through, tau of token k at tau[k * stride].
+    A float32 tensor on `device` with one element (stride 0: one tau for every row) or one per token
+    (`n`, its own stride) is passed as it is: the pipeline makes it once per call
+    (ops.temperature_param), and a trainer's schedule updated in place is seen by a replayed CUDA graph.
+    Anything else (a number, a tensor elsewhere or of another dtype) is converted here, for direct
+    callers of the launchers: on a GPU a tensor from the host is then a host-to-device copy per launch,
+    which the hot path never makes. Never a device-to-host read."""
+    if isinstance(temperature, torch.Tensor) and temperature.device == device and temperature.dtype == torch.float32:
+        tau = temperature
+    elif isinstance(temperature, torch.Tensor):
+        tau = temperature.detach().to(device=device, dtype=torch.float32)
+    else:
+        tau = torch.full((1,), float(temperature), dtype=torch.float32, device=device)
+    if tau.numel() == 1:
+        return tau.reshape(1), 0
+    if tau.dim() != 1 or tau.numel() != n:
+        raise ValueError(f"temperature: one value, or one per token ({n}), got shape {tuple(tau.shape)}")
+    return tau, tau.stride(0)
 
 
 def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
@@ -76,10 +86,11 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
         return logp, ent, stats, bad
     bv = block_v_for(V)
     scale, cap, has = _transforms(scale, softcap)
+    tau, tau_stride = temperature_arg(temperature, dev, n)
     _vocab_fwd_kernel[(n,)](
         logits3, ids, counted, logp, ent, stats, bad,
         logits3.stride(0), logits3.stride(1),
-        T, V, logits_start, temperature_tensor(temperature, dev), scale, cap,
+        T, V, logits_start, tau, tau_stride, scale, cap,
         **has, BLOCK_V=bv, num_warps=num_warps_for(bv),
     )
     return logp, ent, stats, bad
@@ -96,10 +107,11 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, 
         return grad3
     bv = block_v_for(V)
     scale, cap, has = _transforms(scale, softcap)
+    tau, tau_stride = temperature_arg(temperature, logits3.device, n)
     _vocab_bwd_kernel[(B * T_l,)](
         logits3, grad3, ids, stats, ent, c, c if e is None else e,
         logits3.stride(0), logits3.stride(1), grad3.stride(0), grad3.stride(1),
-        T, T_l, V, logits_start, temperature_tensor(temperature, logits3.device), scale, cap,
+        T, T_l, V, logits_start, tau, tau_stride, scale, cap,
         HAS_E=e is not None, **has, BLOCK_V=bv, num_warps=num_warps_for(bv),
     )
     return grad3

@@ -10,6 +10,7 @@ only touched by the GEMMs, on one process and vocabulary-parallel alike.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from typing import NamedTuple, Optional
@@ -121,6 +122,15 @@ def accumulate(acc, a, b):
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
     return acc
+
+
+def autocast_off(device):
+    """The head computes in its inputs' dtypes (spec 6): torch.autocast off for `device` inside it (a
+    float32 model under autocast keeps float32 GEMMs and gradients)."""
+    kind = torch.device(device).type
+    if not torch.amp.is_autocast_available(kind):
+        return contextlib.nullcontext()
+    return torch.autocast(kind, enabled=False)
 
 
 def materialize(hidden, weight, bias, scale, softcap):

@@ -25,6 +25,7 @@ from ..kernels.autograd import _scale as scale_by_upstream
 from ..objective.surrogate import seg_sum
 from . import head as hd
 from . import loss, tiles
+from . import schedule as sched
 
 EXTRAS = ("adv", "old", "ref", "lam", "n_conf", "rollout_w", "rollout_w_seq", "rollout_logps", "num_items",
           "max_len")
@@ -56,7 +57,8 @@ def head_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor
              need: List[bool]) -> List[Tensor]:
     opts = hd.options(key)
     t = _tensors(hidden, weight, bias, ids, kernel_ids, counted, seg, extras, temperature)
-    logp, ent, stats, bad, grads = tiles.forward_tiles(opts, t, need)
+    with hd.autocast_off(hidden.device):
+        logp, ent, stats, bad, grads = tiles.forward_tiles(opts, t, need)
     return [logp, ent, stats, bad, *_grads_or_empty(grads, hidden)]
 
 
@@ -74,7 +76,8 @@ def head_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_ids:
              ent: Tensor, c: Tensor, e: Optional[Tensor], temperature: Tensor, key: str,
              need: List[bool]) -> List[Tensor]:
     t = _tensors(hidden, weight, bias, kernel_ids, kernel_ids, None, None, None, temperature)
-    dh, dw, db = tiles.backward_tiles(hd.options(key), t, stats, ent, c, e, need)
+    with hd.autocast_off(hidden.device):
+        dh, dw, db = tiles.backward_tiles(hd.options(key), t, stats, ent, c, e, need)
     dw = None if dw is None else dw.to(weight.dtype)  # cast once
     db = None if db is None else db.to(bias.dtype)
     return _grads_or_empty([dh, dw, db], hidden)
@@ -137,10 +140,12 @@ def coefficient_span(cfg):
     return None
 
 
-def _longest_fits(b, per_tile):
-    """Whether every completion's counted tokens fit in one tile: from the shapes when they tell
-    (T, or max_seqlen), else one host read (none under torch.compile: then assume not)."""
-    bound = b.tok_shape[1] if not b.packed else b.max_seqlen
+def _longest_fits(b, per_tile, host):
+    """Whether every completion's counted tokens fit in one tile: from the padded length T when it tells,
+    from max_seqlen only when validated (host: checked against the longest completion; unverified, it
+    never plans the tiles), else one host read of the counted tokens (none under torch.compile: then
+    assume not). The answer is the counted tokens' own, so ranks holding the same tokens agree."""
+    bound = b.tok_shape[1] if not b.packed else (b.max_seqlen if host else None)
     if bound is not None and bound <= per_tile:
         return True
     if torch.compiler.is_compiling():
@@ -148,30 +153,35 @@ def _longest_fits(b, per_tile):
     return int(seg_sum(b.counted.to(torch.int32), b.seg, b.B).max()) <= per_tile
 
 
-def choose_schedule(b, cfg, schedule, per_tile):
-    """fused (True) when each tile's coefficients can come from the tile alone, else recompute; a
-    forced 'fused' that cannot run is refused."""
+def choose_schedule(b, cfg, schedule, per_tile, host=False, V=1, D=1):
+    """Whether the fused schedule runs: forced, or with 'auto' when each tile's coefficients can come
+    from the tile alone and the cost model (schedule.schedule_cost) finds it cheaper for these options;
+    a forced 'fused' that cannot run is refused. The answer rests on the options and the counted tokens
+    only (never on an unverified max_seqlen nor on what requires grad)."""
+    if schedule == "recompute" or (schedule == "auto" and
+                                   sched.schedule_cost(cfg, V, D, b.counted.numel()).choice == "recompute"):
+        return False  # (no host read needed to know it)
     span = coefficient_span(cfg)
     why = None
     if cfg.loss_agg == "none":
         why = "loss_agg='none' takes a per-token upstream gradient"
     elif span == "batch":
         why = "top_entropy_quantile < 1 spans the whole batch"
-    elif span == "completion" and not _longest_fits(b, per_tile):
+    elif span == "completion" and not _longest_fits(b, per_tile, host):
         why = (f"a completion longer than a tile ({per_tile} rows within memory_budget) is split across tiles, "
                "and its statistics span them (raise memory_budget)")
     if schedule == "fused" and why is not None:
         raise ValueError("schedule='fused' needs each tile's gradient coefficients to depend on that tile "
                          f"alone; here they do not ({why}): use 'recompute' or 'auto'")
-    return why is None if schedule == "auto" else schedule == "fused"
+    return why is None
 
 
-def _key(b, cfg, head, backend, schedule, budget, vp):
+def _key(b, cfg, head, backend, schedule, budget, vp, host=False):
     """The per-call options' key: tile rows from the budget (sized by the largest vocabulary slice, so
     that every rank makes the same tiles), and the schedule."""
     V = head.weight.shape[0] if vp is None else vp.V_max
     per_tile = hd.rows_per_tile(V, head.weight.dtype, head.weight.device, budget)
-    fused = cfg is not None and choose_schedule(b, cfg, schedule, per_tile)
+    fused = cfg is not None and choose_schedule(b, cfg, schedule, per_tile, host, V, head.weight.shape[1])
     cap = None if head.cap is None else float(head.cap)
     return hd.options_key(cfg, backend, float(head.scale), cap, per_tile, fused, b.B,
                           None if vp is None else (vp.group, vp.V)), fused
@@ -191,10 +201,12 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
     """linear_gtpo_loss after its checks: the tiles (the fused schedule forms the gradient there), the
     surrogate and the loss value with the backward attached (as the logits path), the output."""
     dt = float_dtype_for(hidden)
-    key, fused = _key(b, cfg, head, backend, schedule, budget, vp)
-    temperature = ops.as_tensor_param(cfg.temperature)
-    max_len = b.max_len if isinstance(b.max_len, Tensor) else torch.tensor(float(b.max_len), dtype=dt)
-    num = num_items if num_items is None or isinstance(num_items, Tensor) else torch.tensor(float(num_items))
+    key, fused = _key(b, cfg, head, backend, schedule, budget, vp, host)
+    temperature = ops.temperature_param(cfg.temperature, hidden, backend)  # once per call
+    dev = hidden.device  # numbers become device tensors by a fill, never by a host-to-device copy
+    max_len = b.max_len if isinstance(b.max_len, Tensor) else torch.full((), float(b.max_len), dtype=dt, device=dev)
+    num = num_items if num_items is None or isinstance(num_items, Tensor) else \
+        torch.full((), float(num_items), dtype=torch.float32, device=dev)
     extras = [b.adv, b.old, b.ref, b.lam, b.n_conf, b.rollout_w, b.rollout_w_seq, b.rollout_logps, num, max_len]
     params = (hidden, head.weight, head.bias)
     need = [x is not None and x.requires_grad and torch.is_grad_enabled() for x in params]
@@ -202,7 +214,7 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
     res, value, c, e = loss.value_and_coefficients(b, cfg, logp, ent, num_items, dt, stats.dtype)
     value = head_attach(value, *params, b.ids if vp is None else vp.ids, stats, ent, c, e, dh, dw, db,
                         temperature, key)
-    res["metrics"]["grad_in_forward"] = torch.tensor(1.0 if fused else 0.0, dtype=dt, device=hidden.device)
+    res["metrics"]["grad_in_forward"] = torch.full((), 1.0 if fused else 0.0, dtype=dt, device=dev)
     return loss.make_output(b, cfg, value, res, dt, host)
 
 
@@ -210,7 +222,8 @@ def head_logprobs(b, head, hidden, temperature, budget, backend, host, vp):
     """linear_token_logprobs after its checks: (logps, entropy) of the tokens' shape, 0 where masked out."""
     key, _ = _key(b, None, head, backend, "recompute", budget, vp)
     with torch.no_grad():
-        logp, ent = _forward(b, head, hidden, key, ops.as_tensor_param(temperature), vp, [None] * len(EXTRAS),
+        logp, ent = _forward(b, head, hidden, key, ops.temperature_param(temperature, hidden, backend), vp,
+                             [None] * len(EXTRAS),
                              [False] * 3, host)[:2]
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     return (torch.where(b.counted, logp, zero).reshape(b.tok_shape),

@@ -96,6 +96,7 @@ def forward(b, temperature, backend, host, vp=None):
     """The forward pass: per token (logp, H, stats, flags), with flagged counted tokens' logp and H set
     to NaN (so that invalid input unchecked on the host gives NaN, never a finite wrong number).
     vp: the vocabulary-parallel layout (parallel.VocabParallel), or None."""
+    temperature = ops.temperature_param(temperature, b.logits3, backend)  # once per call
     if vp is None:
         logp, ent, stats, bad = ops.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
                                               b.logits_start, backend=backend)
@@ -112,7 +113,7 @@ def fused_loss(b, cfg, backend, inplace, host, num_items, vp=None):
     """Forward pass -> O(N) surrogate -> the loss value with the backward pass attached."""
     dt = float_dtype_for(b.logits3)
     with torch.no_grad():
-        temperature = ops.as_tensor_param(cfg.temperature)
+        temperature = ops.temperature_param(cfg.temperature, b.logits3, backend)  # once per call
         logp, ent, stats = forward(b, temperature, backend, host, vp)
     cdt = stats.dtype  # the kernel's coefficients in its accumulation dtype
     res, value, c, e = value_and_coefficients(b, cfg, logp, ent, num_items, dt, cdt)

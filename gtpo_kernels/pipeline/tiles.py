@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.config import is_zero
 from ..core.layout import Batch, float_dtype_for
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch
@@ -83,7 +82,8 @@ class Workspace:
 
     def project(self, h):
         """The tile's raw logits h @ W.T + bias, by one GEMM into the reused buffer."""
-        z = self.buf[:h.shape[0] * self.t.weight.shape[0]].view(h.shape[0], -1)
+        V = self.t.weight.shape[0]
+        z = self.buf[:h.shape[0] * V].view(h.shape[0], V)  # V = 0: a rank's empty vocabulary slice
         return project(h, self.t.weight, self.t.bias, z)
 
     def statistics(self, z, idx):
@@ -97,13 +97,13 @@ class Workspace:
         return parallel.vp_forward(tile, t.kernel_ids[idx], t.temperature, o.backend, o.vp[0], o.vp[1],
                                    scale=o.scale, softcap=o.softcap)
 
-    def gradient(self, z, h, idx, st, en, c, e, grads):
+    def gradient(self, z, h, idx, st, en, c, e, grads, at=None):
         """dL/dz_raw of the tile written over z (the kernel's chain rule), then dL/dh, dL/dW, dL/db."""
         o, t = self.o, self.t
         z3 = z.unsqueeze(0)
         dispatch.vocab_bwd(o.backend, z3, z3, t.kernel_ids[idx], st, en, c, e, t.temperature, 0,
                            scale=o.scale, softcap=o.softcap)
-        grad_gemms(z, h, idx, t.weight, grads)
+        grad_gemms(z, h, idx, t.weight, grads, at)
 
 
 def project(h, weight, bias, out):
@@ -113,11 +113,17 @@ def project(h, weight, bias, out):
     return torch.addmm(bias, h, weight.t(), out=out)
 
 
-def grad_gemms(gz, h, idx, weight, grads):
-    """The tile's two gradient GEMMs: dL/dh rows = gz @ W, dL/dW += gz.T @ h (float32); dL/db."""
+def grad_gemms(gz, h, idx, weight, grads, at=None):
+    """The tile's two gradient GEMMs: dL/dh rows = gz @ W, dL/dW += gz.T @ h (float32); dL/db. at: the
+    flat rows (start, end) the tile's tokens occupy when they are consecutive (known on the host from
+    the plan): dL/dh is then written there by the GEMM, no temporary and no copy."""
     dh, dw, db = grads
     if dh is not None:
-        dh.view(-1, dh.shape[-1]).index_copy_(0, idx, torch.mm(gz, weight))
+        dh2 = dh.view(-1, dh.shape[-1])
+        if at is not None:
+            torch.mm(gz, weight, out=dh2[at[0]:at[1]])
+        else:
+            dh2.index_copy_(0, idx, torch.mm(gz, weight))
     if dw is not None:
         hd.accumulate(dw, gz.t(), h)
     if db is not None:
@@ -137,7 +143,9 @@ def zero_grads(t, need):
 def forward_tiles(opts, t, need):
     """Per token (logp, H, stats, flags), flat (N,); with the fused schedule also [dh, dw, db] (None
     where not needed). Flagged counted tokens get NaN logp and H."""
-    rows, counts_dev, tiles, live = plan_rows(opts, t, opts.fused and any(need))
+    # the rows' order depends on the options and the tokens only (never on which inputs require grad):
+    # vocabulary-parallel ranks merge their tiles' statistics row by row
+    rows, counts_dev, tiles, live = plan_rows(opts, t, opts.fused)
     N, dev = t.counted.numel(), t.hidden.device
     acc = torch.float64 if t.hidden.dtype == torch.float64 and opts.backend == "torch" else torch.float32
     logp, ent = torch.zeros(N, dtype=acc, device=dev), torch.zeros(N, dtype=acc, device=dev)
@@ -147,6 +155,8 @@ def forward_tiles(opts, t, need):
     dt = float_dtype_for(t.hidden)
     totals = (counts_dev.to(dt), torch.full((), rows.numel(), dtype=dt, device=dev))
     nan = torch.full((), float("nan"), dtype=acc, device=dev)
+    # every token counted and none put last: tile k holds the flat tokens k.s .. k.e - 1
+    consecutive = rows.numel() == N and (live is None or all(n == k.e - k.s for n, k in zip(live, tiles)))
     for i, k in enumerate(tiles):
         idx = rows[k.s:k.e]
         h = rows_of(t.hidden, idx)
@@ -160,7 +170,7 @@ def forward_tiles(opts, t, need):
             n = k.e - k.s if live is None else live[i]  # the gradient on the rows that may have one
             if n:
                 ws.gradient(z[:n], h[:n], idx[:n], st[:n].to(acc), en[:n].to(acc), c[:n].to(acc),
-                            None if e is None else e[:n].to(acc), grads)
+                            None if e is None else e[:n].to(acc), grads, (k.s, k.s + n) if consecutive else None)
     invalid = bad != 0
     return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats, bad, grads
 
@@ -194,22 +204,37 @@ def plan_rows(opts, t, skip):
 
 def prior_live(opts, t, rows, seg):
     """The rows (of completions `seg`) whose c, e may be nonzero, as far as is known before any logit is
-    read (None: all). With no KL term and no entropy bonus, c is the policy term's, which every policy multiplies by
-    Ahat_i and by lambda_j: Ahat_i = 0 when A_i = 0 without shaping (gamma = 0); lambda_j = 0 on a
-    conflict token of a negative completion with w_neg = 0, at the token level (a sequence-level ratio
-    spreads over the completion's tokens). Rows whose gradient depends on the logits (the entropy
-    filter, clipping, masks) still go through the fused schedule's GEMMs: it cannot read them before
-    its tile's GEMMs without a sync per tile (the recompute schedule skips them)."""
+    read (None: all). c is the policy term's unless a KL term or an entropy bonus adds to it, and every
+    policy multiplies it by Ahat_i and by lambda_j: Ahat_i = 0 when A_i = 0 without shaping (gamma = 0);
+    lambda_j = 0 on a conflict token of a negative completion with w_neg = 0, at the token level (a
+    sequence-level ratio spreads over the completion's tokens). Options are taken by value (a 0-d tensor
+    0 is 0: the mask is then formed on the device, the same rows as with the number 0), so ranks with
+    equal options order their rows alike. Rows whose gradient depends on the logits (the entropy filter,
+    clipping, masks) still go through the fused schedule's GEMMs: it cannot read them before its tile's
+    GEMMs without a sync per tile (the recompute schedule skips them)."""
     cfg, x = opts.cfg, t.extras
-    if cfg is None or not is_zero(cfg.entropy_coef) or (x.ref is not None and not is_zero(cfg.beta)):
+    if cfg is None or _nonzero(cfg.entropy_coef) or (x.ref is not None and _nonzero(cfg.beta)):
         return None
     live = None
-    if is_zero(cfg.entropy_penalty):
-        live = x.adv[seg] != 0  # NaN counts as live
+    if not _nonzero(cfg.entropy_penalty):
+        live = _or(x.adv[seg] != 0, cfg.entropy_penalty)  # NaN counts as live
     if x.lam is not None and cfg.importance_sampling_level == "token":
         on = x.lam[rows] != 0
         live = on if live is None else live & on
-    return live
+    if live is None:
+        return None
+    live = _or(live, cfg.entropy_coef)
+    return live if x.ref is None else _or(live, cfg.beta)
+
+
+def _nonzero(v):
+    """A Python number that is not 0 (a tensor is read on the device, never here)."""
+    return not isinstance(v, torch.Tensor) and v != 0
+
+
+def _or(live, v):
+    """live, or every row where the 0-d tensor v is nonzero (a number here is 0: _nonzero decided)."""
+    return live | (v != 0) if isinstance(v, torch.Tensor) else live  # a 0-d host tensor: a scalar operand
 
 
 def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
@@ -225,15 +250,22 @@ def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
                 rollout_w=sl(x.rollout_w, idx), rollout_w_seq=sl(x.rollout_w_seq, g),
                 rollout_logps=sl(x.rollout_logps, idx), max_len=x.max_len)
     counts, M = totals
+    if sub.n_conf is None and opts.cfg.loss_agg == "gtpo-official":  # n_conf = 1 for the tile's completions
+        sub.n_conf = torch.ones_like(counts[g])
     res = loss.run_surrogate(sub, opts.cfg, logp, ent, x.num_items, counts.dtype, totals=(counts[g], M, opts.B))
     return res["c"], res["e"]
+
+
+def plan_backward(c, e):
+    """The recompute backward's plan: the rows with c != 0 or e != 0 (1 sync)."""
+    live = c != 0 if e is None else (c != 0) | (e != 0)
+    return live.nonzero().squeeze(1)  # sync: the rows with a gradient
 
 
 def backward_tiles(opts, t, stats, ent, c, e, need):
     """The recompute schedule's backward: [dh, dw, db] from the coefficients (already scaled by the
     upstream gradient), projecting again only the rows where c or e is nonzero."""
-    live = c != 0 if e is None else (c != 0) | (e != 0)
-    rows = live.nonzero().squeeze(1)  # sync: the rows with a gradient
+    rows = plan_backward(c, e)
     n = rows.numel()
     grads = zero_grads(t, need)
     ws = Workspace(opts, t, min(n, opts.per_tile))
@@ -241,5 +273,6 @@ def backward_tiles(opts, t, stats, ent, c, e, need):
         idx = rows[s:s + opts.per_tile]
         h = rows_of(t.hidden, idx)
         z = ws.project(h)
-        ws.gradient(z, h, idx, stats[idx], ent[idx], c[idx], None if e is None else e[idx], grads)
+        ws.gradient(z, h, idx, stats[idx], ent[idx], c[idx], None if e is None else e[idx], grads,
+                    (s, s + idx.numel()) if n == c.numel() else None)  # every token: consecutive
     return grads
