@@ -150,6 +150,16 @@ def _dp_scenarios(rank, world, bad):
         assert torch.equal(lam, one[0][s]) and torch.equal(n_conf, one[1][s])
         return list(lam.shape)
 
+    def empty_keyed():  # rank `bad` holds no rows; groups by key, the keys gathered as objects
+        counts = [2] * world
+        counts[bad], counts[(bad + 1) % world] = 0, 4
+        start = sum(counts[:rank])
+        s = slice(start, start + counts[rank])
+        keys = [f"g{i // 2}" for i in range(2 * world)]
+        lam, _ = conflict_weights(pad_ids[s], None, pad_adv[s], group_ids=keys[s], process_group=pg)
+        assert torch.equal(lam, conflict_weights(pad_ids, None, pad_adv, G)[0][s])
+        return list(lam.shape)
+
     def empty_packed():
         n = 0 if me else 2
         own = ids[:3 * n] if n else ids[:0]
@@ -165,6 +175,7 @@ def _dp_scenarios(rank, world, bad):
     return {
         "dp_zero_rows_padded": (empty_padded, "returns"),
         "dp_zero_rows_packed": (empty_packed, "returns"),
+        "dp_zero_rows_group_ids": (empty_keyed, "returns"),
         "dp_short_max_seqlen_unvalidated": (short_max_seqlen, "returns"),
         "dp_config_differs": (lambda: conflict_weights(pad_ids[mine], None, pad_adv[mine], G, config=cfg,
                                                        process_group=pg), "disagree on the options"),

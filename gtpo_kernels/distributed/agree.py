@@ -121,8 +121,8 @@ def disagree(where, values, what, fix):
 
 
 def _mix(x, pos):
-    """Spread int64 words x at positions pos over 64 bits (wrapping arithmetic: no overflow)."""
-    x = x * _K1 + pos * _K2
+    """Spread int64 words x at positions pos (a tensor, or an int) over 64 bits (wrapping arithmetic)."""
+    x = x * _K1 + (pos * _K2 if isinstance(pos, torch.Tensor) else _wrap(pos * _K2))
     x = (x ^ (x >> 31)) * _K4
     return x ^ (x >> 29)
 
@@ -164,27 +164,31 @@ def fingerprint(options):
     """The options as one stable int (the same on every process, unlike hash()), compared BY VALUE:
     every number (int, float, numpy scalar, a tensor of one element) counts as its float64 value, so 1,
     1.0 and tensor(1.0) are one option; a config (a dataclass) counts by its fields; anything else by
-    its repr (without an object's address). With a tensor among them: a 0-d int64 tensor on its device (no host read)."""
-    text, words, device = [], [], None
+    its repr (without an object's address). With a tensor among them: a 0-d int64 tensor on its device;
+    the numbers are hashed on the host, the tensors where they live (no host read, no copy to the device)."""
+    text, numbers_at, tensors_at = [], [], []
     for o in _flatten(options):
         if isinstance(o, torch.Tensor):
-            device = o.device if device is None else device
-            words.append(o)
+            tensors_at.append((len(text), o))
             text.append("#" if o.numel() == 1 else f"#{tuple(o.shape)}")
         elif isinstance(o, numbers.Real) and not isinstance(o, bool):
-            words.append(float(o))
+            numbers_at.append((len(text), float(o)))
             text.append("#")
         else:  # an object's address differs between processes (a torch.Generator, say): its type counts
             text.append(_ADDRESS.sub("", repr(o)))
-    crc = zlib.crc32(repr(text).encode())
-    if not words:
-        return crc
-    dev = torch.device("cpu") if device is None else device
-    col = torch.stack([_float_bits(torch.tensor(w, dtype=torch.float64, device=dev)) if isinstance(w, float) else
-                       (_float_bits(w.reshape(()).to(dev)) if w.numel() == 1 else values_digest(w.to(dev)))
-                       for w in words])
-    digest = values_digest(col) ^ crc
-    return int(digest) if device is None else digest
+    digest = zlib.crc32(repr(text).encode())
+    if numbers_at:  # the same words as a one-element tensor of that value would give
+        pos, vals = zip(*numbers_at)
+        digest = _wrap(digest + int(_mix(_float_bits(torch.tensor(vals, dtype=torch.float64)), torch.tensor(pos)).sum()))
+    for pos, t in tensors_at:  # one word each, mixed at its position (a Python int: no copy)
+        word = _float_bits(t.reshape(())) if t.numel() == 1 else values_digest(t)
+        digest = digest + _mix(word, pos)
+    return digest & _MASK61 if isinstance(digest, torch.Tensor) else _wrap(digest) & _MASK61
+
+
+def _wrap(x):
+    """A Python int as the int64 it wraps to."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def token_digest(b):
