@@ -53,45 +53,60 @@ def _log_softmax(s):
     return (s - mx.values) - torch.log1p(S)  # s - max first: exact 0 at the maximum
 
 
-class _TargetLogProb(torch.autograd.Function):
-    """logp = log_softmax(s)[y], with its gradient 1[v = y] - p_v formed at the target as
-    1 - p_y = sum_{v != y} p_v (a sum of positive terms): autograd of log_softmax subtracts p_y from 1
-    there, which loses every digit of a near-certain row (1 - p_y ~ 1e-16 in float64)."""
+def _entropy_terms(logp_all):
+    """p log p per entry, 0 where p = 0 (-inf logits, a banned vocabulary)."""
+    p = logp_all.exp()
+    return torch.where(p > 0, p * logp_all, torch.zeros_like(p))
+
+
+class _LogpEntropy(torch.autograd.Function):
+    """(logp, H) of s = logits / tau with the analytic gradients of spec 1, each formed without
+    cancellation on near-certain rows (where autograd loses every digit of the target's term):
+
+        d logp / d s_v = [v = y] - p_v,   with 1 - p_y = sum_{v != y} p_v at the target;
+        d H / d s_v    = -p_v (log p_v + H), with log p_k + H = (1 - p_k) log p_k - sum_{v != k} p_v log p_v
+                         at the row's maximum k (1 - p_k again the sum of the others)."""
 
     @staticmethod
     def forward(ctx, s, idx):
         logp_all = _log_softmax(s)
         logp = logp_all.gather(-1, idx).squeeze(-1)
-        ctx.save_for_backward(logp_all, idx)
-        return logp
+        H = -_entropy_terms(logp_all).sum(dim=-1)
+        ctx.save_for_backward(logp_all, idx, H)
+        return logp, H
 
     @staticmethod
-    def backward(ctx, g):
-        logp_all, idx = ctx.saved_tensors
+    def backward(ctx, g_logp, g_H):
+        logp_all, idx, H = ctx.saved_tensors
         p = logp_all.exp()
-        q = p.scatter(-1, idx, 0.0).sum(-1)                           # 1 - p_y, without cancellation
-        grad = -p * g.unsqueeze(-1)                                   # -p_v
-        grad.scatter_(-1, idx, (q * g).unsqueeze(-1))                 # (1 - p_y) at the target
+        grad = torch.zeros_like(p)
+        if g_logp is not None:
+            q = p.scatter(-1, idx, 0.0).sum(-1)                       # 1 - p_y, a sum of positive terms
+            grad = -p * g_logp.unsqueeze(-1)
+            grad.scatter_(-1, idx, (q * g_logp).unsqueeze(-1))
+        if g_H is not None:
+            plogp = _entropy_terms(logp_all)
+            t = torch.where(p > 0, logp_all + H.unsqueeze(-1), torch.zeros_like(p))  # log p_v + H
+            k = logp_all.argmax(dim=-1, keepdim=True)                # the one entry that can be near 1
+            q_k = p.scatter(-1, k, 0.0).sum(-1, keepdim=True)
+            others = plogp.scatter(-1, k, 0.0).sum(-1, keepdim=True)
+            t = t.scatter(-1, k, q_k * logp_all.gather(-1, k) - others)
+            grad = grad - p * t * g_H.unsqueeze(-1)
         return grad, None
 
 
 def _full_logp_entropy(logits, ids, temperature):
     """Per-position logp and entropy of the temperature-scaled softmax (spec 1), for every row,
-    masked or not. Returns (logp (B,T) float64, H (B,T) float64), both differentiable."""
+    masked or not. Returns (logp (B,T) float64, H (B,T) float64), both differentiable (analytic
+    gradients: _LogpEntropy)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     s = logits.double() / temperature                       # s = z / tau
-    logp_all = _log_softmax(s)                              # log p_v = s_v - lse
     V = s.shape[-1]
     # ids at masked-out positions may be anything (e.g. -100): clamp so the gather is legal.
     idx = ids.long().clamp(0, V - 1).unsqueeze(-1)
-    logp = _TargetLogProb.apply(s, idx)                     # logp = s_y - lse
-    # H = -sum_v p_v log p_v with p log p = 0 where p = 0 (-inf logits, banned vocabulary).
-    # torch.where (not a multiplication) keeps the gradient finite at p = 0.
-    p = logp_all.exp()
-    logp_safe = torch.where(p > 0, logp_all, torch.zeros_like(logp_all))
-    H = -(p * logp_safe).sum(dim=-1)
-    return logp, H
+    # H = -sum_v p_v log p_v with p log p = 0 where p = 0 (-inf logits, banned vocabulary)
+    return _LogpEntropy.apply(s, idx)
 
 
 def _zero_where_masked(x, m):

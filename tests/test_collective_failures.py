@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from agree_scenarios import check_agreement, run_agreement
 from gloo import progress, run_ranks, sync
 from gtpo_kernels import conflict_weights, gtpo_loss, linear_gtpo_loss, token_logprobs
 
 SPLITS = {2: [20, 17], 3: [10, 15, 12]}  # V = 37 in uneven slices
 B, T, V, D, G = 4, 5, 37, 6, 2
-WATCHDOG_S = 20
+WATCHDOG_S = 45  # no progress on any rank this long: a hang (a loaded machine is slow to start)
 
 
 def _data():
@@ -118,6 +119,7 @@ def _run(rank, world):
             out[key] = dict(_outcome(call), named=named, expect=text)
             progress(key)
             sync(key)  # a rank that raised waits here, alive, for the others
+    out["agreement"] = run_agreement(rank, world)  # what the ranks must agree on (tests/agree_scenarios.py)
     # still in step: a valid call returns the same loss on every rank
     x, ids, mask, adv, _, _ = _data()
     sl = slice(sum(SPLITS[world][:rank]), sum(SPLITS[world][:rank + 1]))
@@ -133,7 +135,7 @@ def test_every_rank_raises_the_same_error(world):
         assert "exception" not in res, f"rank {r}:\n{res.get('exception')}"
     print(f"\n{world} ranks:")
     for key, first in results[0].items():
-        if key == "after":
+        if key in ("after", "agreement"):
             continue
         outs = [res[key] for res in results]
         texts = {o.get("text", "returned") for o in outs}
@@ -148,6 +150,7 @@ def test_every_rank_raises_the_same_error(world):
             if "refused their arguments" in first["expect"]:  # the failing rank chains its own error
                 assert outs[first["named"]]["cause"] is not None, (key, outs)
     assert len({res["after"] for res in results}) == 1
+    check_agreement([res["agreement"] for res in results], world)
 
 
 def test_token_digest_tells_tokens_apart():

@@ -156,3 +156,38 @@ def test_near_certain_rows_exact():
                                     ("grad", x.grad[b, t, ids[b, t]], want_g)):
                 err = abs(mpmath.mpf(float(got)) - want) / max(abs(want), mpmath.mpf(1e-300))
                 assert err <= 1e-13, (name, b, t, float(got), float(want), float(err))
+
+
+@pytest.mark.parametrize("target_on_top", [True, False])
+def test_entropy_bonus_gradient_on_near_certain_rows(target_on_top):
+    """gtpo_loss with an entropy bonus on rows where 1 - p_max = 1e-12, 2e-16, 3e-20 (the top entry the
+    target, or another entry): every entry of d loss / d logits within 1e-12 of its own size against
+    the analytic gradient -A ([v = y] - p_v) + coef p_v (log p_v + H) evaluated in mpmath at 60 digits
+    (autograd of -sum p log p loses the top entry's term: its two parts cancel to 1e-20 of 1)."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 60
+    g = torch.Generator().manual_seed(5)
+    qs, V, coef = [1e-12, 2e-16, 3e-20], 5, 0.3
+    B = len(qs)
+    w = torch.rand(B, V - 1, generator=g, dtype=torch.float64) + 0.1
+    w = w / w.sum(-1, keepdim=True)
+    others = torch.log(w * torch.tensor(qs, dtype=torch.float64)[:, None])  # sum_v exp = q, the top at 0
+    z = torch.cat([torch.zeros(B, 1, dtype=torch.float64), others], -1)[:, None, :]
+    ids = torch.zeros(B, 1, dtype=torch.long) if target_on_top else torch.full((B, 1), 2)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    x = z.clone().requires_grad_()
+    out = ref.gtpo_loss(x, ids, adv, use_conflict_mask=False, entropy_threshold=None, entropy_penalty=0.0,
+                        entropy_coef=coef)
+    out["loss"].backward()
+    for b in range(B):
+        row = [mpmath.mpf(float(v)) for v in z[b, 0]]
+        lse = mpmath.log(mpmath.fsum(mpmath.exp(v) for v in row))
+        logp = [v - lse for v in row]
+        H = -mpmath.fsum(mpmath.exp(v) * v for v in logp)
+        A, y = mpmath.mpf(float(adv[b])), int(ids[b, 0])
+        for v in range(V):
+            p = mpmath.exp(logp[v])
+            want = (-A * ((1 if v == y else 0) - p) + coef * p * (logp[v] + H)) / B
+            got = mpmath.mpf(float(x.grad[b, 0, v]))
+            err = abs(got - want) / abs(want)
+            assert err <= 1e-12, (qs[b], v, float(got), float(want), float(err))

@@ -72,7 +72,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                                  **extras)
         loss.conflicts_for(b, cfg, group_size, dt, backend)
         span = head_ops.coefficient_span(cfg)
-        _summary(g, b, hidden, weight, host, (backend, cfg.temperature, schedule, budget, span, cfg.loss_agg))
+        _summary(g, b, hidden, weight, host, (backend, cfg, schedule, budget, span))
     vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)")
     with linear.autocast_off(hidden.device):
         return head_ops.head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, vp)

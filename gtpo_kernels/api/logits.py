@@ -69,8 +69,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     identical on every rank; the gradient is this rank's slice. A DTensor sharded on the
                     last dimension brings its own group.
     """
-    logits, process_group = parallel.unwrap_dtensor(logits, process_group)
-    with agree.guard(process_group) as g:  # with a group, an error is held until every rank knows (spec 12)
+    with agree.guard(_group(logits, process_group)) as g:  # an error is held until every rank knows (spec 12)
+        logits, process_group = parallel.unwrap_dtensor(logits, process_group)
         cfg = as_config(config)
         checks.require_advantages(advantages)
         host = checks.host_checks(validate)
@@ -88,7 +88,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             checks.refuse_reference_with_group(process_group)
             return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput)
         conflicts_for(b, cfg, group_size, dt, backend)
-        vocab_summary(g, b, logits, host, backend, cfg.temperature)
+        vocab_summary(g, b, logits, host, backend, cfg)  # the whole config, by value (spec 12)
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
@@ -102,8 +102,8 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     passes: -> (logps, entropy), each of completion_ids' shape, float32 (float64 for float64 logits),
     0 where masked out (NaN at an invalid counted token when the host checks are off). Nothing of size
     tokens x vocabulary is allocated. process_group: vocabulary-parallel logits, as in gtpo_loss."""
-    logits, process_group = parallel.unwrap_dtensor(logits, process_group)
-    with agree.guard(process_group) as g:  # with a group, an error is held until every rank knows (spec 12)
+    with agree.guard(_group(logits, process_group)) as g:  # an error is held until every rank knows (spec 12)
+        logits, process_group = parallel.unwrap_dtensor(logits, process_group)
         GTPOConfig(temperature=temperature)  # validates the temperature
         host = checks.host_checks(validate)
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
@@ -124,6 +124,20 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     logp = torch.where(b.counted, logp.to(dt), zero)
     ent = torch.where(b.counted, ent.to(dt), zero)
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
+
+
+def _group(logits, process_group):
+    """The group the agreement runs on: a Shard(-1) DTensor's own (every rank holding it knows it, so a
+    process_group passed as well on some ranks is refused inside the guard, on every rank alike), else
+    process_group. A DTensor laid out otherwise is refused here, before any collective: its placements
+    are the same on every rank, so every rank raises alike."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - old torch
+        return process_group
+    if not isinstance(logits, DTensor):
+        return process_group
+    return parallel.unwrap_dtensor(logits, None)[1]
 
 
 def _local_vocab(process_group):

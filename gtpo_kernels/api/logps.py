@@ -54,6 +54,11 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
     with torch.no_grad():
         res = run_surrogate(b, cfg, lp.detach(), ent.detach(), num_items, dt)
         value = loss_value(b, cfg, res)
+        if b.malformed is not None:  # unvalidated malformed cu_seqlens: every output and gradient NaN
+            nan = torch.full((), float("nan"), dtype=dt, device=lp.device)
+            for k in ("logp", "ent", "c", "loss_tok", "seq_entropy") + (("e",) if res["e"] is not None else ()):
+                res[k] = torch.where(b.malformed, nan, res[k])
+            value = torch.where(b.malformed, nan, value)
     # the value, with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1)
     attach = res["c"] * (lp - lp.detach())
     if res["e"] is not None:

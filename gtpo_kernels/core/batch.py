@@ -22,13 +22,13 @@ def _padded_tokens(completion_ids, device):
     return B * T, B, (B, T), T, torch.arange(B, device=device).repeat_interleave(T)
 
 
-def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate):
+def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate, allow_empty=False):
     """Packed form: (N, B, cu_seqlens, max_seqlen, max_len, seg, malformed). Unvalidated, a malformed
     cu_seqlens (not starting at 0, decreasing, not ending at N) becomes a 0-d bool flag on the device and
     a well-formed stand-in (clamped into [0, N], non-decreasing, from 0 to N), so that nothing reads out
     of bounds; the caller turns the flag into NaN outputs."""
     checks.check_int_tensor("cu_seqlens", cu_seqlens)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < (1 if allow_empty else 2):
         raise ValueError(f"cu_seqlens must have shape (B + 1,), got {tuple(cu_seqlens.shape)}")
     checks.check_device("cu_seqlens", cu_seqlens, device)
     if completion_ids.dim() != 1:
@@ -47,13 +47,14 @@ def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate):
         cu = torch.cat([cu.new_zeros(1), cu[1:-1], cu.new_full((1,), N)])
         cu_seqlens = cu.to(cu_seqlens.dtype)
     lengths = cu[1:] - cu[:-1]
+    longest = torch.cat([lengths, lengths.new_zeros(1)]).max()  # the longest completion (0 without any)
     if max_seqlen is not None:
         max_seqlen = checks.check_nonneg_int("max_seqlen", max_seqlen)
-        if validate and max_seqlen < int(lengths.max()):
+        if validate and max_seqlen < int(longest):
             raise ValueError(f"max_seqlen = {max_seqlen} is shorter than the longest completion in "
-                             f"cu_seqlens ({int(lengths.max())})")
+                             f"cu_seqlens ({int(longest)})")
     seg = torch.repeat_interleave(torch.arange(B, device=device), lengths, output_size=N)
-    max_len = lengths.max().clamp(min=1)  # the longest completion (a tensor: no host sync)
+    max_len = longest.clamp(min=1)  # a tensor: no host sync
     return N, B, cu_seqlens, max_seqlen, max_len, seg, malformed
 
 
@@ -91,9 +92,11 @@ def _advantages(advantages, B, device, validate):
 
 
 def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_seqlens=None,
-                   max_seqlen=None, device=None, validate=True) -> Batch:
+                   max_seqlen=None, device=None, validate=True, allow_empty=False) -> Batch:
     """The per-token part of a Batch (no logits): ids, counted, seg, shapes, advantages. Unvalidated
-    malformed cu_seqlens make every counted id -1 and every advantage NaN (NaN outputs, no sync)."""
+    malformed cu_seqlens make every counted id -1 and every advantage NaN (NaN outputs, no sync; the
+    0-d flag is kept as b.malformed). allow_empty: zero completions are valid (a data-parallel rank's
+    part of a batch)."""
     checks.check_int_tensor("completion_ids", completion_ids)
     device = completion_ids.device if device is None else device
     checks.check_device("completion_ids", completion_ids, device)
@@ -102,16 +105,16 @@ def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_
         N, B, tok_shape, max_len, seg = _padded_tokens(completion_ids, device)
     else:
         N, B, cu_seqlens, max_seqlen, max_len, seg, malformed = _packed_tokens(
-            completion_ids, cu_seqlens, max_seqlen, device, validate)
+            completion_ids, cu_seqlens, max_seqlen, device, validate, allow_empty)
         tok_shape = (N,)
-    if B == 0:
+    if B == 0 and not allow_empty:
         raise ValueError("the batch is empty: completion_ids needs at least one completion")
     counted = _counted(completion_mask, tok_shape, N, device, validate)
     ids = completion_ids.reshape(-1).contiguous()
     if malformed is not None:
         ids = torch.where(malformed, torch.full_like(ids, -1), ids)
     batch = Batch(logits3=None, ids=ids, counted=counted, seg=seg, B=B, logits_start=0, tok_shape=tok_shape,
-                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, max_len=max_len)
+                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, max_len=max_len, malformed=malformed)
     if advantages is not None:
         batch.adv = _advantages(advantages, B, device, validate)
         if malformed is not None:
@@ -203,8 +206,9 @@ def rollout_weights(b, w, device):
 def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=None, rollout_is_weights=None,
                rollout_logps=None, validate=True):
     """Per-token inputs of the loss, flattened onto the Batch: each of completion_ids' shape, except
-    n_conf (B,) and rollout_is_weights (see rollout_weights). Validating, non-finite log-probs and
-    weights at counted positions are refused (unvalidated they give NaN: objective/surrogate.py)."""
+    n_conf (B,) and rollout_is_weights (see rollout_weights). Validating, non-finite log-probs, lam and
+    weights at counted positions and an n_conf that is not finite and >= 1 are refused (unvalidated they
+    give NaN: objective/surrogate.py)."""
     for name, x, attr in (("old_logps", old_logps, "old"), ("ref_logps", ref_logps, "ref"),
                           ("lam", lam, "lam"), ("rollout_logps", rollout_logps, "rollout_logps")):
         if x is not None:
@@ -212,12 +216,19 @@ def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=No
             checks.check_shape(name, x, b.tok_shape, "completion_ids' shape")
             checks.check_device(name, x, device)
             setattr(b, attr, x.reshape(-1))
-            if validate and name in ("old_logps", "ref_logps"):  # rollout_logps: NaN counts as 0 (spec 9)
+            if validate and name in ("old_logps", "ref_logps", "lam"):  # rollout_logps: NaN counts as 0 (spec 9)
                 checks.check_finite(name, getattr(b, attr), b.counted)
     if n_conf is not None:
         checks.check_tensor("n_conf", n_conf)
+        if n_conf.dtype == torch.bool or n_conf.dtype.is_complex:
+            raise TypeError(f"n_conf must be a real tensor (conflict tokens per completion), got {n_conf.dtype}")
         checks.check_shape("n_conf", n_conf, (b.B,), "(B,)")
         checks.check_device("n_conf", n_conf, device)
+        bad = ~(torch.isfinite(n_conf) & (n_conf >= 1))
+        if validate and bool(bad.any()):
+            k = int(bad.nonzero()[0, 0])
+            raise ValueError(f"n_conf must be finite and >= 1 (conflict_weights' counts: at least 1 per completion); "
+                             f"completion {k} holds {float(n_conf[k])}")
         b.n_conf = n_conf
     if rollout_is_weights is not None:
         b.rollout_w, b.rollout_w_seq = rollout_weights(b, rollout_is_weights, device)

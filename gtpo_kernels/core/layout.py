@@ -33,6 +33,7 @@ class Batch:
     cu_seqlens: Optional[torch.Tensor] = None
     max_seqlen: Optional[int] = None
     max_len: object = None  # default denominator of seq-mean-token-sum-norm
+    malformed: Optional[torch.Tensor] = None  # 0-d bool: an unvalidated cu_seqlens was malformed (NaN outputs)
 
     @property
     def packed(self) -> bool:

@@ -13,6 +13,9 @@ A condition that is only known on the device (a malformed cu_seqlens unvalidated
 through `fail_if` without a host read of its own: the gathered row is the one read."""
 from __future__ import annotations
 
+import dataclasses
+import numbers
+import re
 import zlib
 from collections import Counter
 
@@ -117,11 +120,75 @@ def disagree(where, values, what, fix):
                          f"{' from the others' if len(odd) < len(values) else ''}; per rank {values}; {fix}")
 
 
+def _mix(x, pos):
+    """Spread int64 words x at positions pos (a tensor, or an int) over 64 bits (wrapping arithmetic)."""
+    x = x * _K1 + (pos * _K2 if isinstance(pos, torch.Tensor) else _wrap(pos * _K2))
+    x = (x ^ (x >> 31)) * _K4
+    return x ^ (x >> 29)
+
+
+def _float_bits(x):
+    """x as float64 bit patterns, one pattern per value: -0.0 as 0.0, every NaN as one NaN."""
+    x = x.detach().to(torch.float64) + 0.0
+    return torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x).view(torch.int64)
+
+
+def values_digest(x, where=None):
+    """A 0-d int64 checksum mod 2**61 of a tensor's values with their positions and its size, on its device
+    (no host read): floats by value (as float64), integers as they are; `where`: only those positions."""
+    flat = x.reshape(-1)
+    words = _float_bits(flat) if flat.dtype.is_floating_point else flat.long()
+    h = _mix(words, torch.arange(flat.numel(), device=flat.device))
+    if where is not None:
+        h = torch.where(where.reshape(-1), h, torch.zeros((), dtype=torch.int64, device=h.device))
+    return (h.sum() + (flat.numel() * _K3) % _MASK61) & _MASK61
+
+
+def _flatten(options):
+    for o in options:
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                yield f.name
+                yield getattr(o, f.name)
+        elif isinstance(o, (tuple, list)):
+            yield len(o)
+            yield from _flatten(o)
+        else:
+            yield o
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def fingerprint(options):
-    """A stable int for a tuple of plain options (the same on every process, unlike hash()); a tensor
-    counts by its type only (no host read)."""
-    return zlib.crc32(repr(tuple(type(o).__name__ if isinstance(o, torch.Tensor) else o
-                                 for o in options)).encode())
+    """The options as one stable int (the same on every process, unlike hash()), compared BY VALUE:
+    every number (int, float, numpy scalar, a tensor of one element) counts as its float64 value, so 1,
+    1.0 and tensor(1.0) are one option; a config (a dataclass) counts by its fields; anything else by
+    its repr (without an object's address). With a tensor among them: a 0-d int64 tensor on its device;
+    the numbers are hashed on the host, the tensors where they live (no host read, no copy to the device)."""
+    text, numbers_at, tensors_at = [], [], []
+    for o in _flatten(options):
+        if isinstance(o, torch.Tensor):
+            tensors_at.append((len(text), o))
+            text.append("#" if o.numel() == 1 else f"#{tuple(o.shape)}")
+        elif isinstance(o, numbers.Real) and not isinstance(o, bool):
+            numbers_at.append((len(text), float(o)))
+            text.append("#")
+        else:  # an object's address differs between processes (a torch.Generator, say): its type counts
+            text.append(_ADDRESS.sub("", repr(o)))
+    digest = zlib.crc32(repr(text).encode())
+    if numbers_at:  # the same words as a one-element tensor of that value would give
+        pos, vals = zip(*numbers_at)
+        digest = _wrap(digest + int(_mix(_float_bits(torch.tensor(vals, dtype=torch.float64)), torch.tensor(pos)).sum()))
+    for pos, t in tensors_at:  # one word each, mixed at its position (a Python int: no copy)
+        word = _float_bits(t.reshape(())) if t.numel() == 1 else values_digest(t)
+        digest = digest + _mix(word, pos)
+    return digest & _MASK61 if isinstance(digest, torch.Tensor) else _wrap(digest) & _MASK61
+
+
+def _wrap(x):
+    """A Python int as the int64 it wraps to."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def token_digest(b):
@@ -132,13 +199,37 @@ def token_digest(b):
         zero = torch.zeros((), dtype=torch.int64, device=ids.device)
         return zero, zero, zero - 1
     pos = torch.arange(ids.numel(), device=ids.device)
-    x = ids * _K1 + pos * _K2 + b.seg.long() * _K3  # wraps mod 2**64
-    x = (x ^ (x >> 31)) * _K4
-    x = x ^ (x >> 29)
+    x = _mix(ids + b.seg.long() * _K3, pos)  # wraps mod 2**64
     zero = torch.zeros((), dtype=torch.int64, device=ids.device)
     checksum = torch.where(counted, x, zero).sum() & _MASK61
     top = torch.where(counted, ids, zero - 1).max()
     return counted.sum(), checksum, top
+
+
+# What the ranks of a vocabulary-parallel group must pass alike besides the tokens (spec 12), each
+# compared by a checksum of its values (per-token inputs at counted tokens; None counts as absent).
+INPUTS = ("cu_seqlens and max_seqlen", "advantages", "old_logps", "ref_logps", "lam", "n_conf",
+          "rollout_is_weights", "rollout_logps")
+_ABSENT = 1
+
+
+def input_digests(b):
+    """The checksums of INPUTS for a Batch, in that order (0-d int64 tensors, or _ABSENT); no host read."""
+    cu = _ABSENT
+    if b.cu_seqlens is not None:
+        extra = b.cu_seqlens.new_full((1,), -1 if b.max_seqlen is None else b.max_seqlen, dtype=torch.int64)
+        cu = values_digest(torch.cat([b.cu_seqlens.long(), extra]))
+    whole = [b.adv, None, None, None, b.n_conf, None, None]
+    counted = [None, b.old, b.ref, b.lam, None, b.rollout_w, b.rollout_logps]
+    out = [cu]
+    for x, y in zip(whole, counted):
+        if x is not None:
+            out.append(values_digest(x))
+        elif y is not None:
+            out.append(values_digest(y, b.counted))
+        else:
+            out.append(_ABSENT)
+    return out
 
 
 def collective_device(group, x):

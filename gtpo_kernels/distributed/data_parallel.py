@@ -14,7 +14,6 @@ import torch
 
 from ..core import batch, checks
 from ..core.config import GTPOConfig, as_config
-from ..core.layout import packed_layout
 from ..kernels import dispatch
 from ..objective.conflict import conflict_flat
 from ..objective.grouping import group_codes, group_layout
@@ -44,17 +43,19 @@ def dp_conflict_weights(completion_ids, completion_mask, advantages, group_size,
     where = "conflict_weights(process_group=...)"
     with agree.guard(group) as g:  # 1. this rank's own arguments: an error is held until every rank knows
         g.local = _local(completion_ids, completion_mask, advantages, group_size, group_ids, config,
-                         cu_seqlens, max_seqlen, validate, backend)
+                         cu_seqlens, max_seqlen, validate, backend, dtype)
         if cu_seqlens is not None and not g.local.host:  # unvalidated: flagged on the device, read below
             N = completion_ids.shape[0]
             agree.fail_if(g, batch.cu_malformed(cu_seqlens, N), ValueError(
                 f"cu_seqlens must start at 0, never decrease and end at N = {N} (completion_ids' length)"))
         g.fields = g.local.fields
     rows = agree.agree(g, 6, agree.collective_device(group, completion_ids), where)  # 2. 56 bytes per rank
-    packed, Bs, Ts, Ls, gs, kinds = (list(c) for c in zip(*rows))
+    packed, Bs, Ts, options, gs, kinds = (list(c) for c in zip(*rows))
     _check_agreed(packed, Bs, gs, kinds, where)
+    agree.disagree(where, options, "the options (compared by value: the config, dtype, validate, backend)",
+                   "pass the same options on every rank")
     loc = g.local
-    whole, all_keys = _gather_batch(loc, group_ids, packed[0], Bs, Ts, Ls, kinds, group)  # 3.
+    whole, all_keys = _gather_batch(loc, group_ids, packed[0], Bs, Ts, kinds, group)  # 3.
     layout, group_size = None, gs[0]
     if kinds[0] != _KEYS_NONE:
         if all_keys is None:  # arbitrary keys (or a mix of kinds): gathered as Python objects
@@ -74,14 +75,15 @@ def dp_conflict_weights(completion_ids, completion_mask, advantages, group_size,
 
 
 def _local(completion_ids, completion_mask, advantages, group_size, group_ids, config, cu_seqlens, max_seqlen,
-           validate, backend):
+           validate, backend, dtype):
     """This rank's checks (the same as one process), inside the guard -> a namespace: cfg, host, b,
-    backend, T, keys (picklable, for the object gather), fields [packed, B, T, L, group_size, key kind]."""
+    backend, T, keys (picklable, for the object gather), fields [packed, B, T, options, group_size, key
+    kind]. max_seqlen is this rank's own: the whole batch's padded length is read from its lengths."""
     cfg = GTPOConfig() if config is None else as_config(config)
     checks.require_advantages(advantages)
     host = checks.host_checks(validate)
     b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
-                             max_seqlen=max_seqlen, validate=host)
+                             max_seqlen=max_seqlen, validate=host, allow_empty=True)  # any number of rows
     kind, keys = _key_kind(group_ids), None
     if group_ids is not None:
         if group_size is not None:
@@ -94,8 +96,8 @@ def _local(completion_ids, completion_mask, advantages, group_size, group_ids, c
         group_size = checks.check_group_size(group_size, 0)
     backend = dispatch.resolve_backend(backend, completion_ids.device)
     T = b.ids.numel() if b.packed else b.tok_shape[1]
-    L = packed_layout(b)[0] if b.packed else T
-    fields = [int(b.packed), b.B, T, L, 0 if group_size is None else group_size, kind]
+    options = agree.fingerprint((str(dtype), host, backend, cfg))
+    fields = [int(b.packed), b.B, T, options, 0 if group_size is None else group_size, kind]
     return types.SimpleNamespace(cfg=cfg, host=host, b=b, backend=backend, T=T, keys=keys, fields=fields)
 
 
@@ -109,6 +111,9 @@ def _check_agreed(packed, Bs, gs, kinds, where):
         raise ValueError(f"{where}: the ranks disagree on the grouping: group_size per rank "
                          f"{[g if k == _KEYS_NONE else 'group_ids' for g, k in zip(gs, kinds)]}; pass the same "
                          f"group_size (or group_ids) on every rank")
+    if sum(Bs) == 0:
+        raise ValueError(f"{where}: the batch is empty: no rank holds a completion (each rank may hold any "
+                         f"number, zero included, but not every rank none)")
     if kinds[0] == _KEYS_NONE and sum(Bs) % gs[0]:
         raise ValueError(f"{where}: a group split unevenly: the ranks hold {Bs} completions, {sum(Bs)} in all, "
                          f"not a multiple of group_size = {gs[0]} (groups are group_size consecutive completions "
@@ -130,7 +135,7 @@ def _payload(b, packed, T_max, B_max, key_col):
     return torch.nn.functional.pad(payload, (0, 0, 0, B_max - b.B)).reshape(-1)
 
 
-def _gather_batch(loc, group_ids, packed, Bs, Ts, Ls, kinds, group):
+def _gather_batch(loc, group_ids, packed, Bs, Ts, kinds, group):
     """One all-gather of every rank's payload -> (the whole batch in rank order, int64 keys or None)."""
     import torch.distributed as dist
     b = loc.b
@@ -149,7 +154,7 @@ def _gather_batch(loc, group_ids, packed, Bs, Ts, Ls, kinds, group):
         all_cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
         whole = batch.prepare_tokens(torch.cat([p[0] for p in part]), torch.cat([p[1] for p in part]).bool(),
                                      torch.cat([p[3] for p in part]).float(), cu_seqlens=all_cu,
-                                     max_seqlen=max(Ls), validate=False)
+                                     validate=False)
         return whole, torch.cat([p[4] for p in part]) if key_col else None
     width = 2 * T_max + 1 + len(key_col)
     rows = torch.cat([x.reshape(B_max, width)[:Bs[r]] for r, x in enumerate(gathered)])

@@ -41,7 +41,7 @@ def summary(g, b, V_local, key, host, options):
     if g.group is not None:
         g.batch, g.host = b, host
         g.fields = [V_local, *key, *(0,) * (KEY - len(key)), agree.fingerprint((host, *options)),
-                    *agree.token_digest(b)]
+                    *agree.input_digests(b), *agree.token_digest(b)]
 
 
 def vocab_layout(g, device, where):
@@ -49,14 +49,14 @@ def vocab_layout(g, device, where):
     shapes, options and tokens -> VocabParallel (this slice's first id, the whole vocabulary's size, the
     largest slice). A rank that failed its checks, ranks that disagree, or (validating) counted ids
     outside the whole vocabulary: every rank raises the same error (none is left waiting)."""
-    rows = agree.agree(g, 1 + KEY + 4, device, where)  # 14 int64 with the flag
+    rows = agree.agree(g, 1 + KEY + 4 + len(agree.INPUTS), device, where)  # 22 int64 with the flag
     sizes = [row[0] for row in rows]
     agree.disagree(where, [tuple(row[1:1 + KEY]) for row in rows], "the shapes of the per-token inputs "
                    "(tokens, logits rows, logits_start or D, packed)", "every rank must pass the same tokens, "
                    "with its own slice of the vocabulary")
-    agree.disagree(where, [row[1 + KEY] for row in rows], "the options that shape the collectives (dtype, "
-                   "backend, validate, temperature; the head's schedule and memory_budget)", "pass the same "
-                   "options on every rank")
+    agree.disagree(where, [row[1 + KEY] for row in rows], "the options (compared by value: dtype, backend, "
+                   "validate, the config; the head's schedule and memory_budget)", "pass the same options on "
+                   "every rank")
     V = sum(sizes)
     out = [r for r, row in enumerate(rows) if row[-1] >= V]
     if g.host and out:  # (validate is the same on every rank: in the options)
@@ -71,6 +71,9 @@ def vocab_layout(g, device, where):
     agree.disagree(where, [tuple(row[-3:-1]) for row in rows], "the counted tokens (their number, a checksum "
                    "of completion_ids, completion_mask and cu_seqlens)", "every rank must pass the same "
                    "tokens (its own slice of the vocabulary)")
+    for i, name in enumerate(agree.INPUTS):  # compared by value (spec 12)
+        agree.disagree(where, [row[2 + KEY + i] for row in rows], name, "every rank of a vocabulary-parallel "
+                       "group holds the same tokens and must pass the same per-token and per-completion inputs")
     rank = dist.get_rank(g.group)
     return VocabParallel(g.group, sum(sizes[:rank]), V, max(sizes))
 

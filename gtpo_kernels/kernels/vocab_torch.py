@@ -34,12 +34,19 @@ def _transform(z, scale, softcap):
     return z
 
 
-def _chain(z_t, scale, softcap):
-    """dz'/dz from the chunk of transformed logits z' (a new chunk), or the number scale."""
+def _transform_grad(z, scale, softcap):
+    """(z', dz'/dz) of a chunk of raw logits z (z' in place on z). dz'/dz = scale (1 - tanh^2(x)) with
+    x = z * scale / softcap is formed as scale * 4 e / (1 + e)^2, e = exp(-2 |x|), from the raw x: exact
+    where the cap saturates (1 - th * th from the rounded th = tanh(x) is 0 there, or a few ulps of 1)."""
     if softcap is None:
-        return scale
-    th = z_t / softcap
-    return th.mul_(th).neg_().add_(1.0).mul_(scale)
+        return _transform(z, scale, None), scale
+    if scale != 1.0:
+        z.mul_(scale)
+    x = z.div_(softcap)
+    e = torch.exp(x.abs().mul(-2.0))
+    dz = e.div(e.add(1.0)).div_(e.add_(1.0)).mul_(4.0 * scale)
+    del e
+    return x.tanh_().mul_(softcap), dz
 
 
 def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
@@ -128,8 +135,7 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, 
         cc = c[idx, None]
         st = stats[idx]
         # log p = (z - m) / tau - log S (clamped where p = 0), p = exp(log p): two chunks, in place
-        logq = _transform(logits3[bi, ti].to(stats.dtype), scale, softcap)
-        dz = _chain(logq, scale, softcap)
+        logq, dz = _transform_grad(logits3[bi, ti].to(stats.dtype), scale, softcap)
         logq.sub_(st[:, 0:1]).mul_(inv_t).sub_(st[:, 1:2]).clamp_(min=_LOG_ZERO)
         p = torch.exp(logq)
         q = st[:, 2:3]

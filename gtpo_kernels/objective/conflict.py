@@ -65,7 +65,7 @@ def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
     """lam (N,) flat and n_conf (B,) for a prepared batch (padded or packed). With a
     grouping.GroupLayout, rows are first moved to contiguous groups of layout.size slots. A completion
     with a counted id outside [0, 2**31) (unvalidated) gets lam = NaN and n_conf = NaN; its invalid tokens
-    take part in no one's conflicts."""
+    take part in no one's conflicts. An unvalidated malformed cu_seqlens (b.malformed) makes every one NaN."""
     bad_tok = invalid_ids(b.ids, b.counted)
     counted = b.counted & ~bad_tok
     if b.packed:
@@ -83,5 +83,7 @@ def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
                                     dtype)
     lam = lam[b.seg, pos] if b.packed else lam.reshape(-1)
     bad = torch.zeros(b.B, dtype=torch.int32, device=lam.device).index_add_(0, b.seg, bad_tok.to(torch.int32)) > 0
+    if b.malformed is not None:  # an unvalidated malformed cu_seqlens: every weight NaN (its stand-in is no layout)
+        bad = bad | b.malformed
     nan = torch.full((), float("nan"), dtype=dtype, device=lam.device)
     return torch.where(bad[b.seg], nan, lam), torch.where(bad, nan, n_conf)

@@ -35,7 +35,7 @@ def entropy_control(ent, seg, B, n_safe, adv, cfg):
         if cfg.initial_entropy is not None:  # the paper's gate (a tensor comparison when either is one)
             kept = kept | (cfg.initial_entropy > cfg.entropy_threshold)
     shaped = adv if is_zero(cfg.entropy_penalty) else adv - cfg.entropy_penalty * seq_ent
-    a_hat = torch.where(kept, shaped, torch.zeros_like(seq_ent))
+    a_hat = torch.where(kept, shaped, shaped * 0)  # a dropped completion: 0, NaN for a non-finite advantage
     return seq_ent, kept, a_hat
 
 
@@ -71,7 +71,7 @@ def top_entropy_mask(ent, m, M, rho):
     pos = (M.clamp(min=1) - 1) * (q if not isinstance(q, torch.Tensor) else q.to(ent.dtype))
     lo = pos.floor().long()
     hi = torch.minimum(lo + 1, (M.clamp(min=1) - 1).long())
-    v_lo, v_hi = srt[lo], srt[hi]
+    v_lo, v_hi = srt.gather(0, lo.reshape(1))[0], srt.gather(0, hi.reshape(1))[0]  # static shapes (compile)
     thr = v_lo + (v_hi - v_lo) * (pos - lo.to(pos.dtype))
     thr = torch.where(v_hi == v_lo, v_lo, thr)  # inf - inf
     return m & (ent >= thr) & (M > 0)
@@ -90,6 +90,7 @@ def aggregation_weights(mf, seg, B, n_safe, M_safe, cfg, n_conf, num_items, max_
         return mf / (B * (cfg.max_completion_length or max_len))
     if agg == "gtpo-official":
         nc = torch.ones(B, dtype=mf.dtype, device=mf.device) if n_conf is None else n_conf.to(mf.dtype)
+        nc = torch.where(torch.isfinite(nc) & (nc >= 1), nc, float("nan"))  # unvalidated n_conf < 1 or inf: NaN
         return mf / (n_safe * nc)[seg]
     return mf  # "none": per-token loss, the incoming gradient is per token
 
@@ -129,7 +130,7 @@ def multipliers(logp, ent, m, seg, B, n_safe, M, adv, cfg, lam, old, rollout_w, 
     """Spec 9's order: lambda, the off-policy mask, the top-entropy mask, the rollout weights (not for
     vespo, which folds them into phi). -> (mult (N,), emask (N,) or None)."""
     dt = logp.dtype
-    mult = torch.ones_like(logp) if lam is None else lam.to(dt)
+    mult = torch.ones_like(logp) if lam is None else finite_or_nan(lam.to(dt))
     if cfg.off_policy_mask_threshold is not None:
         sampling = rollout_logps if rollout_logps is not None else old
         mult = mult * off_policy_keep(logp, sampling, m, seg, B, n_safe, adv,
@@ -230,7 +231,7 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
 
     w = aggregation_weights(mf, seg, B if totals is None else totals[2], n_safe, M_safe, cfg, n_conf, num_items, max_len)
     c = coefficients(w, d_logp, d_logr, m, mf, seg, B, n_safe, cfg.importance_sampling_level)
-    if not is_zero(cfg.entropy_coef):
-        e = w * coef
+    if not is_zero(cfg.entropy_coef):  # NaN with the completion's advantage (unvalidated invalid input)
+        e = torch.where(m, w * coef + A * 0, zero)
     return dict(loss_tok=loss_tok, weight=w, c=c, e=e, kept=kept, seq_entropy=seq_ent, logp=logp, ent=ent,
                 metrics=batch_metrics(clipped, kept, lam, ent, m, B, M_safe))
