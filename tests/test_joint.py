@@ -1,7 +1,10 @@
 """The option space sampled jointly (issue 16, item 3): one generator (joint_strategies.joints) draws the
 entry point (logits, hidden states + head, log-probs, token advantages), the form (padded, packed, empty,
 one token), the preset with every option of spec 9, the rollout weights in every shape and mode, the
-conflict weights (computed or precomputed), num_items_in_batch, dtype and backend, together. A call that
+conflict weights (computed or precomputed), num_items_in_batch, dtype and backend, together with what a
+trainer adds: validate=False, a max_seqlen shorter than the longest completion (refused with validate=True;
+otherwise the reference's numbers or NaN, never a finite wrong one), a bfloat16 autocast region around a
+float32 call, and soft-caps saturated by every logit of a row. A call that
 raises must raise one of the refusals the API documents (REFUSALS); every other call is compared with the
 float64 reference on the same inputs (values, outputs, metrics, gradients; spec 7 tolerances), and the
 family part with TRL 1.16's own _compute_loss on the same log-probs (tests/test_joint_trl.py). The calls, the
