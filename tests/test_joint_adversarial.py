@@ -77,7 +77,7 @@ def head_joints(draw):
                                          budget_rows=draw(st.sampled_from([2, 3]))))
 
 
-@settings(max_examples=examples(20))
+@settings(max_examples=examples(30))
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @given(j=head_joints())
 def test_head_tiles_match_reference(j):
@@ -98,7 +98,7 @@ def poisoned(draw, target):
     that input."""
     j = draw(joints(triton_share=0.15, entries=("logps",) if target == "entropy" else ("logits", "linear", "logps"),
                     lie=False).filter(lambda j: j.B * j.T > 0 and (j.packed or target != "cu_seqlens")))
-    j = dataclasses.replace(j, validate=draw(st.booleans()))
+    j = dataclasses.replace(j, validate=draw(st.sampled_from([False, False, True])))
     return j, target, draw(st.sampled_from([float("nan"), float("inf"), float("-inf")])), draw(st.booleans())
 
 
@@ -124,7 +124,7 @@ def _reads(j, cfg, target):
 
 @pytest.mark.parametrize("target", POISON)
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@settings(max_examples=examples(5))
+@settings(max_examples=examples(8))
 @given(data=st.data())
 def test_nonfinite_input_refused_or_nan(target, data):
     j, target, value, drop = data.draw(poisoned(target), label="joint, target, value, drop")
