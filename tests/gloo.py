@@ -41,6 +41,21 @@ def progress(note):
         f.write(f"{note}\n")
 
 
+def record(key, value):
+    """Keep this rank's outcome of one case (JSON-able) where run_ranks(..., partial=True) finds it even
+    when a later case hangs and the watchdog ends the ranks."""
+    with open(os.path.join(os.environ["GLOO_TEST_DIR"], f"{dist.get_rank()}.records"), "a") as f:
+        f.write(json.dumps([key, value]) + "\n")
+
+
+def _records(d, r):
+    try:
+        with open(os.path.join(d, f"{r}.records")) as f:
+            return dict(json.loads(line) for line in f)
+    except FileNotFoundError:
+        return {}
+
+
 def sync(tag):
     """Wait until every rank has reached sync(tag) (files, not a collective: a rank stuck in a collective
     keeps the others waiting here, alive, until the watchdog ends them)."""
@@ -79,15 +94,21 @@ def _watch(ctx, d, world, watchdog):
             raise AssertionError(f"hang: no rank progressed for {watchdog} s; each rank's last step: {last_steps}")
 
 
-def run_ranks(fn, world, watchdog=None):
+def run_ranks(fn, world, watchdog=None, partial=False):
     """fn(rank, world) -> a JSON-able dict, run on every rank of a fresh gloo group (fn must be a module-level
     function); returns the ranks' dicts in rank order, {'exception': traceback} where one raised. With
-    `watchdog` (seconds), a rank that makes no progress that long fails the test as a hang."""
+    `watchdog` (seconds), a rank that makes no progress that long fails the test as a hang; with `partial`
+    too, a hang returns instead each rank's `record`ed cases and 'hang': the watchdog's message."""
     with tempfile.TemporaryDirectory() as d:
         args = (world, os.path.join(d, "init"), d, fn)
         if watchdog is None:
             mp.spawn(_rank, args=args, nprocs=world, join=True)
         else:
-            _watch(mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn"), d, world,
-                   watchdog)
+            try:
+                _watch(mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn"), d,
+                       world, watchdog)
+            except AssertionError as hang:
+                if not partial:
+                    raise
+                return [dict(_records(d, r), hang=str(hang)) for r in range(world)]
         return [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]

@@ -16,6 +16,16 @@ WEIGHT_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float64: 1e-7}
 GRAD_SEEN = {}  # entry -> examples whose reference gradient is not zero
 
 
+def _value_close(name, x, ref, tol):
+    assert_value_close(name, x, ref, tol)
+
+
+def _finite_close(name, x, ref, tol):
+    """x right where it is not NaN (NaN: the call flagged input it could not verify)."""
+    x = torch.as_tensor(x)
+    assert_value_close(name, x, ref, tol, where=~x.double().isnan())
+
+
 def completion_entropy(H, m):
     return (H * m).sum(1) / m.sum(1).clamp(min=1)
 
@@ -70,6 +80,8 @@ def rollout_weights(j, d, old, roll):
         return (d.pack(w) if j.packed else w), w
     if j.rollout in ("b1", "b"):
         w = torch.rand(B, 1, generator=gen) * 1.5 + 0.25
+        if j.rollout == "b" and j.packed and int(d.lengths.sum()) == B:  # (B,) = (N,): per-token weights
+            return w[:, 0], d.unpack(w[:, 0], fill=1.0)
         return (w if j.rollout == "b1" else w[:, 0]), w
     w = rollout_is_weights(old, roll, d.mask, j.rollout, clip_min=j.clip_min, clip_max=j.clip_max)
     # spec 9: sequence-mode weights are per completion, read once per completion by every consumer
@@ -88,25 +100,42 @@ def num_items(j, m):
 
 
 def api_side(j, d, old, refl, roll):
-    """The call's per-token tensors (packed when the form is) and the form's keywords."""
+    """The call's per-token tensors (packed when the form is) and the form's keywords: max_seqlen the
+    padded T, or a lie (shorter than the longest completion), and validate=False when drawn."""
     pk = d.pack if j.packed else (lambda x: x)
-    kw = {}
+    kw = {} if j.validate else {"validate": False}
     if j.packed:
         kw["cu_seqlens"] = d.cu_seqlens
-        if j.max_seqlen:
+        longest = int(d.lengths.max()) if j.B else 0
+        if j.lie and longest > 0:
+            kw["max_seqlen"] = int(torch.randint(0, longest, (1,), generator=d.gen))
+        elif j.max_seqlen:
             kw["max_seqlen"] = j.T
     return pk(d.ids), pk(d.mask), (pk(old) if j.with_old else None), (pk(refl) if j.with_ref else None), \
         (pk(roll) if j.with_roll_lp else None), kw
 
 
-def precomputed(j, d, cfg, ids, mask, form_kw, dt):
-    """conflict_weights (the public call) against the reference's; -> ((lam, n_conf) call, reference)."""
+def precomputed(j, d, cfg, ids, mask, form_kw, dt, nan_ok=False):
+    """conflict_weights (the public call) against the reference's; -> ((lam, n_conf) call, reference).
+    nan_ok: NaN entries accepted (input the call could not verify), finite ones must be right."""
     lam, n_conf = conflict_weights(ids, mask, d.adv, j.G, config=cfg, dtype=dt, backend=j.backend, **form_kw)
     lr, nr = ref.conflict_weights(d.ids, d.mask, d.adv.double(), j.G, cfg.conflict_pos_weight,
                                   cfg.conflict_neg_weight)
-    assert_value_close("conflict_weights lam", lam, d.pack(lr) if j.packed else lr, 0.0)
-    assert_value_close("conflict_weights n_conf", n_conf, nr, 0.0)
+    close = _finite_close if nan_ok else _value_close
+    close("conflict_weights lam", lam, d.pack(lr) if j.packed else lr, 0.0)
+    close("conflict_weights n_conf", n_conf, nr, 0.0)
     return (lam, n_conf), (lr, nr)
+
+
+def lying(j, d, kw):
+    """The call was given a max_seqlen shorter than the longest completion."""
+    return j.packed and kw.get("max_seqlen") is not None and kw["max_seqlen"] < int(d.lengths.max())
+
+
+def autocast(f):
+    """f() inside a bfloat16 autocast region (as a trainer's forward under mixed precision)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return f()
 
 
 def backward(loss, up):
@@ -114,7 +143,7 @@ def backward(loss, up):
     (loss if loss.dim() == 0 else (loss.double() * up).sum()).backward()
 
 
-def call_logits(j, d, Z, cfg, tensors, kw, up):
+def call_logits(j, d, Z, cfg, tensors, kw, up, around=lambda f: f()):
     """gtpo_loss on the logits (offset rows when logits_start is given) -> (out, {name: (grad, ref place)})."""
     ids, mask = tensors
     s = j.logits_start
@@ -125,7 +154,7 @@ def call_logits(j, d, Z, cfg, tensors, kw, up):
         rows = torch.cat([pad(s), rows, pad(1)], dim=0 if j.packed else 1)
     x = rows.to(j.dtype).clone().requires_grad_()
     start = {} if s is None else {"logits_start": s}
-    out = gtpo_loss(x, ids, d.adv, mask, backend=j.backend, **start, **kw)
+    out = around(lambda: gtpo_loss(x, ids, d.adv, mask, backend=j.backend, **start, **kw))
     backward(out.loss, up)
 
     def place(gref):  # the reference's (B, T, V) gradient where the call's rows are, 0 elsewhere
@@ -139,7 +168,7 @@ def call_logits(j, d, Z, cfg, tensors, kw, up):
     return out, {"grad logits": (x.grad, place)}
 
 
-def call_logps(j, d, Z, cfg, tensors, kw, up):
+def call_logps(j, d, Z, cfg, tensors, kw, up, around=lambda f: f()):
     """gtpo_loss_from_logps on the reference's log-probs and entropies of Z, chained back to Z."""
     ids, mask = tensors
     z = Z.detach().clone().requires_grad_()
@@ -147,12 +176,12 @@ def call_logps(j, d, Z, cfg, tensors, kw, up):
     lp, H = lp.to(j.dtype), H.to(j.dtype)
     if j.packed:
         lp, H = d.pack(lp), d.pack(H)
-    out = gtpo_loss_from_logps(lp, ids, d.adv, mask, entropy=H if j.with_entropy else None, **kw)
+    out = around(lambda: gtpo_loss_from_logps(lp, ids, d.adv, mask, entropy=H if j.with_entropy else None, **kw))
     backward(out.loss, up)
     return out, {"grad logits (through the log-probs)": (z.grad, lambda g: g)}
 
 
-def call_linear(j, d, head, cfg, tensors, kw, up):
+def call_linear(j, d, head, cfg, tensors, kw, up, around=lambda f: f()):
     hidden, weight, bias = head
     ids, mask = tensors
     h = (d.pack(hidden) if j.packed else hidden).clone().requires_grad_()
@@ -160,9 +189,9 @@ def call_linear(j, d, head, cfg, tensors, kw, up):
     b = None if bias is None else bias.clone().requires_grad_()
     # about budget_rows rows a tile: a row of logits and its gradient, plus a float32 copy of the gradient
     budget = j.head["budget_rows"] * (2 * hidden.element_size() + 4) * j.V
-    out = linear_gtpo_loss(h, w, ids, d.adv, mask, bias=b, logit_scale=j.head["scale"],
-                           logit_softcap=j.head["cap"], memory_budget=budget, schedule=j.head["schedule"],
-                           backend=j.backend, **kw)
+    out = around(lambda: linear_gtpo_loss(h, w, ids, d.adv, mask, bias=b, logit_scale=j.head["scale"],
+                                          logit_softcap=j.head["cap"], memory_budget=budget,
+                                          schedule=j.head["schedule"], backend=j.backend, **kw))
     backward(out.loss, up)
     grads = {"grad hidden": (h.grad, (lambda g: d.pack(g)) if j.packed else (lambda g: g)),
              "grad weight": (w.grad, lambda g: g)}
@@ -202,27 +231,40 @@ def reference(j, d, Z, head, kw_ref, up):
     return r, exact, slack
 
 
-def compare(j, d, out, r, grads, rgrads, slack):
+def compare(j, d, out, r, grads, rgrads, slack, nan_ok=False):
+    """Every output and gradient against the reference. nan_ok (input the call could not verify): NaN
+    entries are accepted, every finite one must still be right, and a gradient with NaN needs a NaN loss."""
     tol = TOL[j.dtype]
     pk = d.pack if j.packed else (lambda x: x)
     rl = r["loss"].detach()
-    assert_value_close("loss", out.loss.detach(), rl if rl.dim() == 0 else pk(rl), tol["loss"])
+    if nan_ok:
+        event("unverified input: " + ("NaN loss" if bool(out.loss.detach().isnan().any()) else "finite loss"))
+        close = _finite_close
+        if not bool(torch.isfinite(out.loss.detach()).all()):
+            assert bool(out.loss.detach().isnan().any()), f"loss {out.loss} is infinite, not NaN"
+    else:
+        close = _value_close
+    close("loss", out.loss.detach(), rl if rl.dim() == 0 else pk(rl), tol["loss"])
     no_entropy = j.entry == "logps" and not j.with_entropy  # then nothing reads or reports entropies
     for name in ("logps", "entropy", "per_token_loss", "lam"):
         if not (no_entropy and name == "entropy"):
-            assert_value_close(name, getattr(out, name), pk(r[name]), tol["value"])
+            close(name, getattr(out, name), pk(r[name]), tol["value"])
     for name in ("n_conf", "seq_entropy"):
         if not (no_entropy and name == "seq_entropy"):
-            assert_value_close(name, getattr(out, name), r[name], tol["value"])
-    assert torch.equal(out.kept, r["kept"]), f"kept {out.kept} != reference {r['kept']}"
+            close(name, getattr(out, name), r[name], tol["value"])
+    sure = ~out.seq_entropy.isnan() if nan_ok else torch.ones_like(out.kept)
+    assert torch.equal(out.kept[sure], r["kept"][sure]), f"kept {out.kept} != reference {r['kept']}"
     for k, v in r["metrics"].items():
         if no_entropy and k == "mean_entropy":
             continue
-        assert_value_close(f"metrics[{k!r}]", out.metrics[k], v, tol["value"])
+        close(f"metrics[{k!r}]", out.metrics[k], v, tol["value"])
     nonzero = False
     for name, (g, place) in grads.items():
         gref = place(rgrads[name])
         g = torch.zeros_like(gref) if g is None else g
+        if nan_ok and not bool(torch.isfinite(g).all()):
+            assert bool(out.loss.detach().isnan().any()), f"{name}: NaN gradient with a finite loss"
+            continue
         gtol = (WEIGHT_TOL[j.dtype] if name != "grad logits" and j.entry == "linear" else tol["grad"]) + \
             slack.get(name, 0.0)
         assert_grad_close(name, g, gref, gtol)

@@ -49,6 +49,10 @@ class Joint:
     adv_shape: str       # B | B1 | BT (token_adv only)
     uid: str             # int | str | shuffled (token_adv only)
     filter_between: bool  # move the entropy threshold between the completions' entropies
+    validate: bool = True  # False: the host checks skipped (valid input: the same results)
+    lie: bool = False      # packed: max_seqlen shorter than the longest completion (refused, or right or NaN)
+    autocast: bool = False  # float32 inputs, the call inside torch.autocast("cpu", torch.bfloat16)
+    saturate: bool = False  # head, float32: logit_softcap small, every logit of a row far beyond it
 
     @property
     def packed(self):
@@ -106,12 +110,15 @@ def overrides(draw):
 
 
 @st.composite
-def joints(draw, triton_share=0.25):
+def joints(draw, triton_share=0.25, entries=("logits", "logits", "linear", "linear", "logps", "logps", "token_adv"),
+           lie=None):
     """A whole configuration. Triton (under the interpreter) runs on about `triton_share` of the examples
-    whose entry takes a backend and whose dtype it supports."""
-    entry = draw(st.sampled_from(["logits", "logits", "linear", "linear", "logps", "logps", "token_adv"]))
-    form = draw(st.sampled_from(["padded"] * 5 + ["packed"] * 5 + ["empty-T0", "empty-masked", "empty-packed",
-                                                                       "one-padded", "one-packed"]))
+    whose entry takes a backend and whose dtype it supports; `entries` to draw from; lie=True: always the
+    packed form with a max_seqlen shorter than the longest completion (False: never; None: drawn)."""
+    entry = draw(st.sampled_from(entries))
+    form = "packed" if lie else \
+        draw(st.sampled_from(["padded"] * 5 + ["packed"] * 5 + ["empty-T0", "empty-masked", "empty-packed",
+                                                                "one-padded", "one-packed"]))
     if entry == "token_adv" and form in ("packed", "empty-packed", "one-packed"):
         form = {"packed": "padded", "empty-packed": "empty-masked", "one-packed": "one-padded"}[form]
     if entry == "logps" or entry == "token_adv":
@@ -147,7 +154,25 @@ def joints(draw, triton_share=0.25):
                  with_entropy=draw(st.sampled_from([True, True, True, False])), head=head,
                  max_seqlen=draw(st.booleans()), adv_shape=draw(st.sampled_from(["B", "B1", "BT"])),
                  uid=draw(st.sampled_from(["int", "str", "shuffled"])),
-                 filter_between=draw(st.sampled_from([True] * 4 + [False])))
+                 filter_between=draw(st.sampled_from([True] * 4 + [False])),
+                 **adversity(draw, entry, form, dtype, head, lie))
+
+
+def adversity(draw, entry, form, dtype, head, lie=None):
+    """What the first generator never drew: validate=False on valid input, a max_seqlen shorter than the
+    longest completion (with validate either way), autocast around a float32 call, soft-caps saturated by
+    every logit of a row (head, float32)."""
+    packed = form in ("packed", "empty-packed", "one-packed")
+    out = dict(validate=draw(st.sampled_from([True, True, False])),
+               lie=packed and entry != "token_adv" and (lie if lie is not None else
+                                                        draw(st.sampled_from([False, False, True]))),
+               autocast=dtype == torch.float32 and entry != "token_adv" and draw(st.sampled_from([False] * 3 + [True])),
+               saturate=entry == "linear" and dtype == torch.float32 and draw(st.sampled_from([False] * 3 + [True])))
+    if out["saturate"]:
+        # |z| / cap from sat to sat + 4 on every entry: from 4 (1 - tanh^2 ~ 1e-3) to 8 and beyond, where
+        # tanh rounds to 1 in float32 and a derivative formed from it loses every digit
+        head.update(cap=draw(st.sampled_from([0.5, 1.0, 2.0])), bias=True, sat=draw(st.sampled_from([4.0, 8.0])))
+    return out
 
 
 @dataclasses.dataclass
@@ -234,14 +259,22 @@ def head_values(j: Joint, d: Data):
     hidden = torch.randn(j.B, j.T, D, generator=gen).to(j.dtype)
     weight = (torch.randn(j.V, D, generator=gen) * 0.7).to(j.dtype)
     bias = (torch.randn(j.V, generator=gen) * 0.3).to(j.dtype) if j.head["bias"] else None
+    if j.saturate:  # |z| / cap from sat to sat + 4 on every entry (|hidden @ weight.T| < 8)
+        sign = torch.where(torch.rand(j.V, generator=gen) < 0.5, -1.0, 1.0)
+        u = j.head["sat"] + 4 * torch.rand(j.V, generator=gen)
+        bias = (sign * (u * j.head["cap"] / j.head["scale"] + 8)).to(j.dtype)
     return hidden, weight, bias
 
 
 def materialize(hidden, weight, bias, scale, cap):
-    """Spec 11's logits from the head (any dtype, differentiable)."""
+    """Spec 11's logits from the head (any dtype, differentiable). The soft-cap's derivative is formed as
+    1 / cosh(z / cap)^2, exact where tanh saturates (autograd's 1 - tanh^2 from the rounded tanh is not)."""
     z = hidden @ weight.t()
     z = (z if bias is None else z + bias) * scale
-    return z if cap is None else cap * torch.tanh(z / cap)
+    if cap is None:
+        return z
+    u = (z / cap).detach()
+    return cap * torch.tanh(u) + (z - z.detach()) / torch.cosh(u) ** 2
 
 
 def side_inputs(j: Joint, d: Data, logp64):

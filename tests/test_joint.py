@@ -1,7 +1,10 @@
 """The option space sampled jointly (issue 16, item 3): one generator (joint_strategies.joints) draws the
 entry point (logits, hidden states + head, log-probs, token advantages), the form (padded, packed, empty,
 one token), the preset with every option of spec 9, the rollout weights in every shape and mode, the
-conflict weights (computed or precomputed), num_items_in_batch, dtype and backend, together. A call that
+conflict weights (computed or precomputed), num_items_in_batch, dtype and backend, together with what a
+trainer adds: validate=False, a max_seqlen shorter than the longest completion (refused with validate=True;
+otherwise the reference's numbers or NaN, never a finite wrong one), a bfloat16 autocast region around a
+float32 call, and soft-caps saturated by every logit of a row. A call that
 raises must raise one of the refusals the API documents (REFUSALS); every other call is compared with the
 float64 reference on the same inputs (values, outputs, metrics, gradients; spec 7 tolerances), and the
 family part with TRL 1.16's own _compute_loss on the same log-probs (tests/test_joint_trl.py). The calls, the
@@ -19,8 +22,9 @@ from hypothesis import event, given, settings
 import gtpo_reference as ref
 from conftest import TOL, assert_value_close, examples
 from gtpo_kernels import GTPOConfig, gtpo_token_advantages
-from joint_calls import (api_side, away_from_thresholds, call_linear, call_logits, call_logps, compare,
-                         completion_entropy, num_items, precomputed, reference, rollout_weights, settle_filter)
+from joint_calls import (api_side, autocast, away_from_thresholds, call_linear, call_logits, call_logps, compare,
+                         completion_entropy, lying, num_items, precomputed, reference, rollout_weights,
+                         settle_filter)
 from joint_strategies import build_data, head_values, held_logits, joints, logits_values, materialize, side_inputs
 
 
@@ -35,12 +39,15 @@ REFUSALS = {
     "schedule='fused' when the coefficients are not tile-local (spec 11)": r"schedule='fused'",
     "entropy missing where the config reads it (spec 10)": r"entropy .*required",
     "per-completion rollout weights (B,) in the packed form (spec 9: ambiguous)": r"rollout_is_weights",
+    "max_seqlen shorter than the longest completion (spec 6)": r"max_seqlen",
 }
 
 
-def expected_refusals(j, cfg):
-    """[(reason, required)] for this configuration (cfg built; the config's own refusal is checked apart)."""
-    out = []
+def expected_refusals(j, cfg, lie=False, N=None):
+    """[(reason, required)] for this configuration (cfg built; the config's own refusal is checked apart);
+    lie: the call is given a max_seqlen shorter than its longest completion; N: the number of packed
+    tokens, when known ((B,) rollout weights are per-token ones when N == B)."""
+    out = [("max_seqlen shorter than the longest completion (spec 6)", True)] if lie and j.validate else []
     if j.entry == "token_adv":
         if not j.with_entropy and cfg.shapes_advantages:
             out.append(("entropy missing where the config reads it (spec 10)", True))
@@ -51,12 +58,13 @@ def expected_refusals(j, cfg):
     if j.num_items is not None and cfg.loss_agg != "token-mean":
         out.append(("num_items_in_batch with an aggregation other than token-mean (spec 4)", True))
     if j.num_items is not None and j.num_items[1] == 0:
-        out.append(("num_items_in_batch <= 0", True))
+        # a 0-d tensor is read on the host only when validating (unvalidated: NaN, spec 6)
+        out.append(("num_items_in_batch <= 0", j.validate or j.num_items[0] == "float"))
     if cfg.beta > 0 and not j.with_ref:
         out.append(("beta > 0 without ref_logps", True))
     if j.entry == "logps" and not j.with_entropy and cfg.needs_entropy:
         out.append(("entropy missing where the config reads it (spec 10)", True))
-    if j.packed and j.rollout == "b":
+    if j.packed and j.rollout == "b" and N != j.B:
         out.append(("per-completion rollout weights (B,) in the packed form (spec 9: ambiguous)", True))
     if j.entry == "linear" and j.head["schedule"] == "fused":
         span_batch = cfg.top_entropy_quantile < 1.0
@@ -135,8 +143,16 @@ def check_token_adv(j, d, cfg):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @given(j=joints())
 def test_joint_matches_reference(j):
+    check_joint(j)
+
+
+def check_joint(j, around=None):
+    """One drawn configuration called (inside `around(f) -> f()`'s wrapping, when given) and checked."""
     for e in (f"entry={j.entry}", f"form={j.form}", f"{j.backend} {str(j.dtype)[6:]}"):
         event(e)
+    for e in ("lie", "autocast", "saturate"):
+        if getattr(j, e):
+            event(f"{e} (validate={j.validate})" if e == "lie" else e)
     cfg = build_config(j)
     if cfg is None:
         return
@@ -156,19 +172,27 @@ def test_joint_matches_reference(j):
     sampling = roll if j.with_roll_lp else (old if j.with_old else None)
     away_from_thresholds(cfg, d.mask, rlp, rent, old if j.with_old else None, sampling)
     ids, mask, old_a, ref_a, roll_a, form_kw = api_side(j, d, old, refl, roll)
+    lie = lying(j, d, form_kw)
     w_api, w_ref = rollout_weights(j, d, old, roll)
     lam_kw, lam_ref = {}, {}
     if j.conflict == "precomputed":
         dt = torch.float64 if j.dtype == torch.float64 else torch.float32
-        (lam, n_conf), (lr, nr) = call_checked([], lambda: precomputed(j, d, cfg, ids, mask, form_kw, dt))
+        cw = call_checked(expected_refusals(j, cfg, lie)[:1] if lie else [],
+                          lambda: precomputed(j, d, cfg, ids, mask, form_kw, dt, nan_ok=lie))
+        if cw is None:
+            return
+        (lam, n_conf), (lr, nr) = cw
         lam_kw, lam_ref = dict(lam=lam, n_conf=n_conf), dict(lam=lr, n_conf=nr)
     items = num_items(j, d.mask)
     kw = dict(group_size=j.G, old_logps=old_a, ref_logps=ref_a, config=cfg, num_items_in_batch=items,
               rollout_is_weights=w_api, rollout_logps=roll_a, **lam_kw, **form_kw)
     up = torch.randn(j.B, j.T, generator=d.gen, dtype=torch.float64)
     caller = {"logits": call_logits, "logps": call_logps, "linear": call_linear}[j.entry]
-    res = call_checked(expected_refusals(j, cfg), lambda: caller(j, d, Z if head is None else head, cfg,
-                                                                  (ids, mask), kw, d.pack(up) if j.packed else up))
+    inner = autocast if j.autocast else (lambda f: f())
+    outer = around or (lambda f: f())
+    around = lambda f: outer(lambda: inner(f))  # noqa: E731
+    res = call_checked(expected_refusals(j, cfg, lie, int(d.lengths.sum())), lambda: caller(
+        j, d, Z if head is None else head, cfg, (ids, mask), kw, d.pack(up) if j.packed else up, around))
     if res is None:
         return
     kw_ref = dict(dataclasses.asdict(cfg), group_size=j.G, old_logps=old if j.with_old else None,
@@ -177,4 +201,8 @@ def test_joint_matches_reference(j):
     if j.packed and cfg.max_completion_length is None:  # the packed default: the longest completion
         kw_ref["max_completion_length"] = max(int(d.lengths.max()), 1) if j.B else 1
     r, rgrads, slack = reference(j, d, Z, head, kw_ref, up)
-    compare(j, d, res[0], r, res[1], rgrads, slack)
+    if not j.validate and j.num_items is not None and j.num_items[1] == 0:  # num_items_in_batch = tensor(0.)
+        loss = res[0].loss.detach()  # unread: NaN (an all-masked batch may keep its loss of 0)
+        assert bool(loss.isnan().all()) or (not d.mask.any() and bool((loss == 0).all())), f"loss {loss}"
+        return
+    compare(j, d, res[0], r, res[1], rgrads, slack, nan_ok=lie)
