@@ -186,3 +186,36 @@ def test_verl_sapo_against_the_sapo_preset(agg):
     if agg not in ("seq-mean-token-mean", "token-sum"):
         lo, _ = ours("sapo", agg, {}, logp, old, adv, mask, w)
         assert worst(lo, lv) > 1e-6
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "gpg", "dppo_tv", "dppo_kl", "cispo"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_plugin_mode_with_gtpo_equals_the_preset_with_gtpo_on_top(mode, agg):
+    """get_policy_loss_fn('gtpo_<mode>') on the gtpo trainer's token advantages (rows shuffled) =
+    gtpo_loss_from_logps with the mode's preset and GTPO's conflict weights and entropy filter on top
+    (the terms homogeneous in A, where lambda * Ahat folds in exactly): loss and gradient."""
+    import numpy as np
+
+    from gtpo_kernels import gtpo_token_advantages
+    from test_verl_plugin import _rollout
+    _, get_fn, ActorConfig, PolicyLossConfig = _verl()
+    r = _rollout(4)
+    B = r["ids"].shape[0]
+    r = {k: (v.double() if v.is_floating_point() else v) for k, v in r.items()}
+    cfg = GTPOConfig.preset(MODES[mode], use_conflict_mask=True, entropy_threshold=0.7, loss_agg=agg)
+    uid = np.array([f"uid{g}" for g in r["group"].tolist()], dtype=object)
+    tok_adv = gtpo_token_advantages(r["adv"][:, None] * r["mask"], r["ids"], r["mask"], r["H"], uid, config=cfg)
+    actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size=2, loss_agg_mode=agg, clip_ratio=0.2,
+                        policy_loss=PolicyLossConfig(loss_mode=f"gtpo_{mode}"), use_kl_loss=False)
+    x = r["logp"].clone().requires_grad_()
+    mask = r["mask"].bool()
+    lv, _ = get_fn(f"gtpo_{mode}")(old_log_prob=r["old"], log_prob=x, advantages=tok_adv, response_mask=mask,
+                                   loss_agg_mode=agg, config=actor)
+    lv.backward()
+    order = torch.argsort(r["group"], stable=True)
+    y = r["logp"].clone().requires_grad_()
+    out = gtpo_loss_from_logps(y[order], r["ids"][order], r["adv"][order], mask[order], entropy=r["H"][order],
+                               group_size=4, old_logps=r["old"][order], config=cfg)
+    out.loss.backward()
+    assert worst(out.loss.detach(), lv.detach()) <= TOL and worst(y.grad[mask], x.grad[mask]) <= TOL
+    assert float(out.metrics["conflict_frac"]) > 0 and 0 < float(out.metrics["filtered_frac"]) < 1
