@@ -20,9 +20,9 @@ MODES = ["vanilla", "gpg", "dppo_tv", "dppo_kl", "dro", "verl_cispo", "geo_mean"
 
 
 @st.composite
-def mode_configs(draw):
+def mode_configs(draw, modes=tuple(MODES)):
     """A verl preset with random options; GTPO's conflict weights and shaping on top half of the time."""
-    preset = draw(st.sampled_from(MODES))
+    preset = draw(st.sampled_from(modes))
     u = lambda lo, hi: draw(st.floats(lo, hi))  # noqa: E731
     over = dict(eps_low=u(0.05, 0.3), eps_high=u(0.05, 0.35), entropy_threshold=None)
     if preset in ("vanilla", "dppo_tv", "dppo_kl"):
@@ -70,7 +70,11 @@ def inputs(case, cfg, seed, rollout):
     B, T = case.ids.shape
     rlp, _ = ref.token_logprobs(case.logits[:, case.logits_start:case.logits_start + T].double(), case.ids,
                                 case.temperature, case.counted)
-    old = torch.where(case.counted, rlp + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64), rlp)
+    if seed % 3 < 2:  # a step in log space, small or large
+        old = rlp + [0.1, 0.7][seed % 3] * torch.randn(B, T, generator=g, dtype=torch.float64)
+    else:  # a step in probability (dppo's trust regions bind)
+        old = torch.log((rlp.exp() + torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5).clamp(1e-3, 0.999))
+    old = torch.where(case.counted, old.clamp(max=0), rlp)
     w = {None: None, "token": torch.rand(B, T, generator=g) * 1.5 + 0.25,
          "sequence": torch.rand(B, generator=g) * 1.5 + 0.25}[rollout]
     return rlp, old, w
@@ -95,12 +99,14 @@ def _check(case, cfg, seed, rollout, eps):
     return cfg, kw, r, grad
 
 
-@settings(max_examples=examples(25))
-@given(case=cases(), cfg=mode_configs(), rollout=st.sampled_from([None, "token", "sequence"]),
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=examples(5))
+@given(data=st.data(), case=cases(), rollout=st.sampled_from([None, "token", "sequence"]),
        entry=st.sampled_from(["logits", "logps"]), seed=st.integers(0, 1000))
-def test_modes_match_reference_float64(case, cfg, rollout, entry, seed):
+def test_modes_match_reference_float64(mode, data, case, rollout, entry, seed):
     """float64: gtpo_loss (torch backend) or gtpo_loss_from_logps (chained through log_softmax) = the
     reference, value, per-token loss and gradient."""
+    cfg = data.draw(mode_configs((mode,)))
     case = dataclasses.replace(case, logits=case.logits.double())
     cfg, kw, r, grad = _check(case, cfg, seed, rollout, 1e-9)
     fresh = dict(kw, config=cfg.replace(generator=None if cfg.generator is None else
@@ -152,3 +158,103 @@ def test_modes_match_reference_both_backends(backend, case, cfg, rollout, seed):
     assert_value_close("head loss", lin.loss.detach(), r["loss"].detach(), tol["loss"])
     want = grad[:, case.logits_start:case.logits_start + T] @ w.double()
     assert_grad_close("grad hidden", hh.grad, want, tol["grad"])
+
+
+def _clip_cov_batch():
+    g = torch.Generator().manual_seed(11)
+    B, T = 6, 8
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + 0.05 * torch.randn(B, T, generator=g, dtype=torch.float64)  # all inside the clip range
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    return logp, old, adv, torch.zeros(B, T, dtype=torch.long)
+
+
+def test_clip_cov_draw_reproducible_uniform_and_sized():
+    """clip_cov chooses max(1, floor(ratio * M)) of its candidates (here every counted token), the same
+    ones for the same generator state, and each candidate about equally often over many draws."""
+    logp, old, adv, ids = _clip_cov_batch()
+    M = logp.numel()
+    cfg = GTPOConfig.preset("clip_cov", clip_cov_ratio=0.25, clip_cov_lb=-100.0, clip_cov_ub=100.0)
+    k = int(0.25 * M)
+
+    def chosen(seed):
+        out = gtpo_loss_from_logps(logp, ids, adv, old_logps=old,
+                                   config=cfg.replace(generator=torch.Generator().manual_seed(seed)))
+        return out.per_token_loss == 0
+
+    assert torch.equal(chosen(1), chosen(1)) and not torch.equal(chosen(1), chosen(2))
+    counts = torch.zeros(logp.shape)
+    n = 300
+    gen = torch.Generator().manual_seed(5)  # one generator, advancing
+    for _ in range(n):
+        out = gtpo_loss_from_logps(logp, ids, adv, old_logps=old, config=cfg.replace(generator=gen))
+        sel = out.per_token_loss == 0
+        assert int(sel.sum()) == k
+        counts += sel
+    p = k / M  # each token's chance; binomial(300, 0.25): sd 7.5
+    assert (counts - n * p).abs().max() < 6 * (n * p * (1 - p)) ** 0.5
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: GTPOConfig.preset("dro"), "dro_beta must be > 0 with policy_loss='dro'"),
+    (lambda: GTPOConfig.preset("dro", dro_beta=0.0), "dro_beta must be None or > 0"),
+    (lambda: GTPOConfig.preset("vanilla", dual_clip_c=1.0), "dual_clip_c must be None or > 1"),
+    (lambda: GTPOConfig.preset("sapo", dual_clip_c=3.0), "dual_clip_c must be None with policy_loss='sapo'"),
+    (lambda: GTPOConfig.preset("dppo_tv", dual_clip_c=0.0), "dual_clip_c must be None or > 0"),
+    (lambda: GTPOConfig.preset("clip_cov", clip_cov_ratio=0.0), "clip_cov_ratio must be > 0"),
+    (lambda: GTPOConfig.preset("kl_cov", kl_cov_ratio=-1.0), "kl_cov_ratio must be > 0"),
+    (lambda: GTPOConfig.preset("kl_cov", ppo_kl_coef=-0.1), "ppo_kl_coef must be >= 0"),
+    (lambda: GTPOConfig.preset("clip_cov", clip_cov_lb=5.0), "clip_cov_lb must be < clip_cov_ub"),
+    (lambda: GTPOConfig.preset("clip_cov", clip_cov_ub=float("nan")), "clip_cov_ub must be a finite number"),
+    (lambda: GTPOConfig.preset("clip_cov", generator=3), "generator must be None or a torch.Generator"),
+    (lambda: GTPOConfig.preset("geo_mean", loss_agg="none"), "loss_agg must be aggregated"),
+    (lambda: GTPOConfig.preset("verl_cispo", eps_high=-0.1), "eps_high must be >= 0"),
+    (lambda: GTPOConfig.preset("geo_mean", importance_sampling_level="sequence"), "importance_sampling_level"),
+    (lambda: GTPOConfig(policy_loss="dppo"), "policy_loss must be one of"),
+])
+def test_verl_mode_refusals(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_fused_head_refused_where_the_term_spans_the_batch():
+    """clip_cov's and kl_cov's selections span the batch: the fused schedule is refused, auto recomputes."""
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(4, 3, 5, generator=g), torch.randn(7, 5, generator=g)
+    ids, adv = torch.randint(0, 7, (4, 3), generator=g), torch.randn(4, generator=g)
+    for preset in ("clip_cov", "kl_cov"):
+        with pytest.raises(ValueError, match="clip_cov's, kl_cov's selection"):
+            linear_gtpo_loss(h, w, ids, adv, config=preset, schedule="fused", backend="torch")
+        out = linear_gtpo_loss(h, w, ids, adv, config=preset, backend="torch")
+        assert float(out.metrics["grad_in_forward"]) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl"])
+def test_dppo_trust_region_edges(mode):
+    """DPPO's asymmetric trust region, by hand: steps in probability whose divergence lies below, between
+    and above eps_low < eps_high, for A > 0 (the step up within eps_high) and A < 0 (the step down within
+    eps_low)."""
+    lo, hi = (0.1, 0.2) if mode == "dppo_tv" else (0.05, 0.2)
+    d = torch.tensor([0.05, 0.15, 0.25, 0.35, -0.05, -0.15, -0.25, -0.35], dtype=torch.float64)
+    p_old = torch.full((8,), 0.5, dtype=torch.float64)
+    logp, old = torch.log(p_old + d).repeat(2, 1), torch.log(p_old).repeat(2, 1)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    if mode == "dppo_tv":
+        div = d
+    else:
+        p = p_old + d
+        div = p_old * (old[0] - logp[0]) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+    up = (div <= hi) if mode == "dppo_tv" else (div <= hi) | (d <= 0)
+    down = (div >= -lo) if mode == "dppo_tv" else (div <= lo) | (d >= 0)
+    valid = torch.stack([up, down])
+    between = (div.abs() > lo) & (div.abs() <= hi)  # where eps_low and eps_high decide differently
+    assert between[d > 0].any() and between[d < 0].any()
+    cfg = GTPOConfig.preset(mode, eps_low=lo, eps_high=hi)
+    out = gtpo_loss_from_logps(logp.clone().requires_grad_(), torch.zeros(2, 8, dtype=torch.long), adv,
+                               old_logps=old, config=cfg)
+    assert torch.equal(out.per_token_loss != 0, valid)
+    # the same through the reference (logits whose log-probs are logp: the target's logit logp, the other
+    # entry's log(1 - p))
+    z = torch.stack([logp, torch.log1p(-logp.exp())], -1)
+    r = ref.gtpo_loss(z, torch.zeros(2, 8, dtype=torch.long), adv, old_logps=old, **dataclasses.asdict(cfg))
+    assert_value_close("per_token_loss", out.per_token_loss, r["per_token_loss"], 1e-12)
