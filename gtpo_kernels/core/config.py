@@ -69,19 +69,15 @@ class GTPOConfig:
     top_entropy_quantile  rho in (0, 1]: only the counted tokens with the top rho fraction of entropies
                           keep their policy term and entropy bonus (1.0: all)
 
-    verl 0.9.1's loss modes (spec 9; policy_loss 'gpg', 'dppo_tv', 'dppo_kl', 'dro', 'verl_cispo' (verl's
-    two-sided cispo: r clipped to [1 - eps_low, 1 + eps_high]), 'geo_mean' (GMPO), 'clip_cov', 'kl_cov'):
-    dual_clip_c           verl's clip_ratio_c (> 1), or None: with 'ppo' and 'clip_cov' the dual clip (for
-                          A < 0 the term is at most -A c); with 'dppo_tv' / 'dppo_kl' (> 0) the cap of
-                          their truncated ratio sg(min(r, c)) (None: no cap)
-    dro_beta              DRO's quadratic penalty dro_beta / 2 (logp - old)^2 (> 0, required by 'dro')
-    clip_cov_ratio, clip_cov_lb, clip_cov_ub   clip_cov: max(1, floor(ratio * counted tokens)) tokens at
-                          random among the counted, unclipped ones whose covariance lies in (lb, ub) lose
-                          their term
-    kl_cov_ratio, ppo_kl_coef   kl_cov: the max(1, floor(ratio * counted tokens)) counted tokens of largest
-                          covariance add ppo_kl_coef * |logp - old|
-    generator             the torch.Generator of clip_cov's random choice, on the tokens' device (None:
-                          the device's default generator)
+    verl 0.9.1's modes (spec 9; policy_loss 'gpg', 'dppo_tv', 'dppo_kl', 'dro', 'verl_cispo' (r clipped to
+    [1 - eps_low, 1 + eps_high]), 'geo_mean' (GMPO), 'clip_cov', 'kl_cov'):
+    dual_clip_c           verl's clip_ratio_c or None: the dual clip of 'ppo' and 'clip_cov' (> 1; for A < 0
+                          the term is at most -A c); the cap c of dppo's sg(min(r, c)) (> 0; None: no cap)
+    dro_beta              DRO's penalty dro_beta / 2 (logp - old)^2 (> 0, required by 'dro')
+    clip_cov_ratio, clip_cov_lb, clip_cov_ub   max(1, floor(ratio * counted tokens)) tokens at random among
+                          the counted, unclipped ones of covariance in (lb, ub) lose their term
+    kl_cov_ratio, ppo_kl_coef   as many counted tokens of largest covariance add coef * |logp - old|
+    generator             clip_cov's torch.Generator, on the tokens' device (None: the device's default)
     """
 
     temperature: float = 1.0
@@ -228,12 +224,12 @@ class GTPOConfig:
 
     @property
     def sequence_term(self) -> bool:
-        """The policy term of a token depends on its whole completion (GSPO's ratio, GMPO's geometric mean)."""
+        """A token's policy term depends on its whole completion (GSPO's ratio, GMPO's mean)."""
         return self.importance_sampling_level == "sequence" or self.policy_loss == "geo-mean"
 
     @property
     def batch_term(self) -> bool:
-        """The policy term of a token depends on the whole batch (clip_cov's and kl_cov's covariances)."""
+        """A token's policy term depends on the whole batch (clip_cov's, kl_cov's covariances)."""
         return self.policy_loss in ("clip-cov", "kl-cov")
 
     @classmethod
