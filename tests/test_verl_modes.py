@@ -258,3 +258,28 @@ def test_dppo_trust_region_edges(mode):
     z = torch.stack([logp, torch.log1p(-logp.exp())], -1)
     r = ref.gtpo_loss(z, torch.zeros(2, 8, dtype=torch.long), adv, old_logps=old, **dataclasses.asdict(cfg))
     assert_value_close("per_token_loss", out.per_token_loss, r["per_token_loss"], 1e-12)
+
+
+def test_selections_trace_without_a_host_read():
+    """clip_cov's and kl_cov's selections trace whole under torch.compile(fullgraph=True): no shape read
+    from the data (nonzero, boolean indexing: a host sync); the traced result equals eager. (An explicit
+    generator is outside what dynamo traces: there clip_cov uses the device's default one.)"""
+    from gtpo_kernels.objective import verl_modes as vm
+    g = torch.Generator().manual_seed(4)
+    N = 40
+    A, logp, log_r = torch.randn(N, generator=g), -torch.rand(N, generator=g) * 3, 0.3 * torch.randn(N, generator=g)
+    m, on_clip = torch.rand(N, generator=g) > 0.2, torch.rand(N, generator=g) > 0.8
+    M = m.sum().float()
+    kl = GTPOConfig.preset("kl_cov", kl_cov_ratio=0.2)
+    cc = GTPOConfig.preset("clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-9.0, clip_cov_ub=9.0)
+    calls = [lambda A, lp, lr, m, M: vm.kl_cov(A, lp, lr, m, M, M.clamp(min=1), kl)[:2],
+             lambda A, lp, lr, m, M: vm.clip_cov(lr, lr, on_clip & False, on_clip, A, lp, m, M, M.clamp(min=1), cc)]
+    import torch._dynamo as dynamo
+    for fn in calls:
+        torch.manual_seed(1)
+        with dynamo.config.patch(capture_scalar_outputs=False, capture_dynamic_output_shape_ops=False):
+            got = torch.compile(fn, fullgraph=True, backend="eager")(A, logp, log_r, m, M)
+        torch.manual_seed(1)
+        want = fn(A, logp, log_r, m, M)
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert not torch.equal(want[0], log_r)  # clip_cov chose some tokens
