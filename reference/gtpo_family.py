@@ -13,9 +13,11 @@ import math
 
 import torch
 
+from .gtpo_verl import VERL_POLICIES
+
 __all__ = ["POLICY_LOSSES", "IS_LEVELS", "ROLLOUT_IS_MODES", "rollout_is_weights"]
 
-POLICY_LOSSES = ("ppo", "cispo", "sapo", "vespo")
+POLICY_LOSSES = ("ppo", "cispo", "sapo", "vespo") + VERL_POLICIES  # verl's modes: gtpo_verl.py
 IS_LEVELS = ("token", "sequence")
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 

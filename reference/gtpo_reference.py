@@ -11,6 +11,7 @@ import math
 import torch
 
 from . import gtpo_family as fam
+from . import gtpo_verl as gv
 from .gtpo_conflict import conflict_weights
 from .gtpo_family import POLICY_LOSSES, ROLLOUT_IS_MODES, rollout_is_weights
 
@@ -149,13 +150,14 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
               sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
               vespo_k_neg=3.0, vespo_lambda_neg=2.0, use_bias_correction_kl=False,
               off_policy_mask_threshold=None, top_entropy_quantile=1.0, rollout_is_weights=None,
-              rollout_logps=None):
+              rollout_logps=None, dual_clip_c=None, dro_beta=None, clip_cov_ratio=2e-4, clip_cov_lb=1.0,
+              clip_cov_ub=5.0, kl_cov_ratio=2e-4, ppo_kl_coef=0.1, generator=None):
     """GTPO loss, float64 reference of spec sections 1-4, 6 and 9 (padded form only).
 
     Spec 9 (the GRPO family, pieces in gtpo_family.py): policy_loss, importance_sampling_level, delta,
     the sapo/vespo parameters, use_bias_correction_kl, off_policy_mask_threshold (uses rollout_logps
     (B,T) when given, else old_logps), top_entropy_quantile and rollout_is_weights ((B,T) per token, or
-    (B,)/(B,1) per completion). The defaults give the GTPO loss of spec 4.
+    (B,)/(B,1) per completion); verl's modes and their options (gtpo_verl.py: dual_clip_c ... generator). The defaults give the GTPO loss of spec 4.
 
     Returns a dict with keys: loss (0-d, or (B,T) for loss_agg='none', differentiable w.r.t.
     logits), per_token_loss (B,T) detached (0 where masked), logps (B,T), entropy (B,T) (both
@@ -184,6 +186,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         raise ValueError("ref_logps is required when beta != 0")
     fam.check_family_args(policy_loss, importance_sampling_level, delta, top_entropy_quantile,
                           sapo_temperature_pos, sapo_temperature_neg)
+    gv.check_verl_args(policy_loss, agg, dual_clip_c, dro_beta, clip_cov_ratio, clip_cov_lb, clip_cov_ub,
+                       kl_cov_ratio, ppo_kl_coef)
     rollout_w = fam.rollout_weights_arg(rollout_is_weights, m)
     rollout_logps = fam.rollout_logps_arg(rollout_logps, m)
 
@@ -236,10 +240,20 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     if policy_loss == "vespo":
         phi = fam.vespo_phi(logp, old, m, A, rollout_w, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
                             vespo_lambda_neg)
-    pg, clip_removed = fam.policy_term(policy_loss, r, Ahat, logp, clip=clip, eps_low=eps_low,
-                                       eps_high=eps_high, delta=delta, phi=phi,
-                                       sapo_temperature_pos=sapo_temperature_pos,
-                                       sapo_temperature_neg=sapo_temperature_neg)
+    if policy_loss in gv.VERL_POLICIES:
+        pg, clip_removed = gv.policy_term(
+            policy_loss, logp, old, Ahat.expand(B, T), m, rollout_w, eps_low=eps_low, eps_high=eps_high, clip=clip,
+            delta=delta, dual_clip_c=dual_clip_c, dro_beta=dro_beta, clip_cov_ratio=clip_cov_ratio,
+            clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef,
+            generator=generator)
+    else:
+        pg, clip_removed = fam.policy_term(policy_loss, r, Ahat, logp, clip=clip, eps_low=eps_low,
+                                           eps_high=eps_high, delta=delta, phi=phi,
+                                           sapo_temperature_pos=sapo_temperature_pos,
+                                           sapo_temperature_neg=sapo_temperature_neg)
+        if policy_loss == "ppo":                             # verl's dual clip (spec 9)
+            pg, dual = gv.dual_clip(pg, Ahat, dual_clip_c)
+            clip_removed = clip_removed | dual
     clip_removed = clip_removed & m
 
     # ---- spec 9: order per token: policy term * lambda * masks * rollout weights + KL - entropy ----
@@ -250,7 +264,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     entropy_mask = fam.top_entropy_mask(H, m, top_entropy_quantile) if top_entropy_quantile < 1 else None
     if entropy_mask is not None:
         tok = tok * entropy_mask
-    if rollout_w is not None and policy_loss != "vespo":    # vespo folds them into phi (spec 9)
+    if rollout_w is not None and policy_loss not in ("vespo", "geo-mean"):  # they fold them in (spec 9)
         tok = tok * rollout_w
     if beta != 0:
         ref = _zero_where_masked(torch.as_tensor(ref_logps, device=device).double().reshape(B, T), m)

@@ -16,6 +16,11 @@ import torch
 
 from gtpo_kernels import GTPOConfig, gtpo_loss_from_logps, gtpo_token_advantages
 from test_verl import _expected
+# verl's loss modes against verl's own functions: collected here too, so that CI's verl environment
+# (which runs this file) runs them
+from test_verl_losses import (test_mode_equals_verl, test_modes_not_vacuous,  # noqa: F401
+                              test_plugin_mode_with_gtpo_equals_the_preset_with_gtpo_on_top,
+                              test_verl_gspo_against_the_gspo_preset, test_verl_sapo_against_the_sapo_preset)
 
 # --------------------------------------------------------------------------------------------------
 # through verl (skipped when verl is not installed; CI installs it in its second environment)

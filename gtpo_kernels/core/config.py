@@ -8,7 +8,9 @@ from typing import Optional
 
 import torch
 
-POLICY_LOSSES = ("ppo", "cispo", "sapo", "vespo")
+POLICY_LOSSES = ("ppo", "cispo", "sapo", "vespo",
+                 # verl 0.9.1's loss modes (spec 9)
+                 "gpg", "dppo-tv", "dppo-kl", "dro", "verl-cispo", "geo-mean", "clip-cov", "kl-cov")
 IS_LEVELS = ("token", "sequence")
 LOSS_AGGS = (
     "seq-mean-token-mean",
@@ -27,7 +29,8 @@ def _norm(name: str) -> str:
 # the fields that must be finite numbers (or 0-d floating tensors) in every config
 _NUMBER_FIELDS = ("temperature", "eps_low", "eps_high", "conflict_pos_weight", "conflict_neg_weight",
                   "entropy_penalty", "entropy_coef", "beta", "sapo_temperature_pos", "sapo_temperature_neg",
-                  "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile")
+                  "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile",
+                  "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,16 @@ class GTPOConfig:
                           (sampling logp - logp) exceeds it (DeepSeek-V3.2), or None
     top_entropy_quantile  rho in (0, 1]: only the counted tokens with the top rho fraction of entropies
                           keep their policy term and entropy bonus (1.0: all)
+
+    verl 0.9.1's modes (spec 9; policy_loss 'gpg', 'dppo_tv', 'dppo_kl', 'dro', 'verl_cispo' (r clipped to
+    [1 - eps_low, 1 + eps_high]), 'geo_mean' (GMPO), 'clip_cov', 'kl_cov'):
+    dual_clip_c           verl's clip_ratio_c or None: the dual clip of 'ppo' and 'clip_cov' (> 1; for A < 0
+                          the term is at most -A c); the cap c of dppo's sg(min(r, c)) (> 0; None: no cap)
+    dro_beta              DRO's penalty dro_beta / 2 (logp - old)^2 (> 0, required by 'dro')
+    clip_cov_ratio, clip_cov_lb, clip_cov_ub   max(1, floor(ratio * counted tokens)) tokens at random among
+                          the counted, unclipped ones of covariance in (lb, ub) lose their term
+    kl_cov_ratio, ppo_kl_coef   as many counted tokens of largest covariance add coef * |logp - old|
+    generator             clip_cov's torch.Generator, on the tokens' device (None: the device's default)
     """
 
     temperature: float = 1.0
@@ -93,6 +106,14 @@ class GTPOConfig:
     use_bias_correction_kl: bool = False
     off_policy_mask_threshold: Optional[float] = None
     top_entropy_quantile: float = 1.0
+    dual_clip_c: Optional[float] = None
+    dro_beta: Optional[float] = None
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    ppo_kl_coef: float = 0.1
+    generator: Optional[torch.Generator] = None
 
     def __post_init__(self):
         for f in _NUMBER_FIELDS:
@@ -102,6 +123,7 @@ class GTPOConfig:
         self._check_policy_term()
         self._check_masks_and_kl()
         self._check_switches_and_aggregation()
+        self._check_verl_modes()
 
     def _bad(self, field, expected):
         raise ValueError(f"GTPOConfig.{field} must be {expected}, got {getattr(self, field)!r}")
@@ -134,6 +156,9 @@ class GTPOConfig:
         if pl == "cispo":  # an absolute bound on the ratio (TRL's convention)
             if self._number("eps_high") <= 0:
                 self._bad("eps_high", "> 0 with policy_loss='cispo' (the ratio's upper bound, e.g. 5.0)")
+        elif pl == "verl-cispo":  # verl's two-sided clip: [1 - eps_low, 1 + eps_high], any width above
+            if self._number("eps_high") < 0:
+                self._bad("eps_high", ">= 0 with policy_loss='verl-cispo'")
         elif not 0.0 <= self._number("eps_high") < 1.0:
             self._bad("eps_high", "in [0, 1)")
         if self.delta is not None and self._number("delta") <= 1.0:
@@ -168,10 +193,50 @@ class GTPOConfig:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             self._bad("max_completion_length", "None or a positive int")
 
+    def _check_verl_modes(self):
+        """dual_clip_c, dro_beta, clip_cov's and kl_cov's numbers, the generator (spec 9, verl's modes)."""
+        pl = self.policy_loss
+        if self.dual_clip_c is not None:
+            if pl in ("dppo-tv", "dppo-kl"):
+                if self._number("dual_clip_c") <= 0:
+                    self._bad("dual_clip_c", "None or > 0 (the cap of the truncated ratio)")
+            elif pl not in ("ppo", "clip-cov"):
+                self._bad("dual_clip_c", f"None with policy_loss={pl!r} (an option of the PPO term, of clip_cov "
+                          "and of dppo_tv / dppo_kl)")
+            elif self._number("dual_clip_c") <= 1.0:
+                self._bad("dual_clip_c", "None or > 1")
+        if self.dro_beta is not None and self._number("dro_beta") <= 0:
+            self._bad("dro_beta", "None or > 0")
+        if pl == "dro" and self.dro_beta is None:
+            self._bad("dro_beta", "> 0 with policy_loss='dro' (its quadratic penalty; verl requires it too)")
+        for f in ("clip_cov_ratio", "kl_cov_ratio"):
+            if self._number(f) <= 0:
+                self._bad(f, "> 0")
+        if self._number("ppo_kl_coef") < 0:
+            self._bad("ppo_kl_coef", ">= 0")
+        if not self._number("clip_cov_lb") < self._number("clip_cov_ub"):
+            self._bad("clip_cov_lb", f"< clip_cov_ub = {self.clip_cov_ub!r}")
+        if self.generator is not None and not isinstance(self.generator, torch.Generator):
+            self._bad("generator", "None or a torch.Generator")
+        if pl == "geo-mean" and self.loss_agg == "none":
+            self._bad("loss_agg", "aggregated with policy_loss='geo-mean' (each token's term depends on its whole "
+                      "completion, so a per-token upstream gradient has no per-token meaning)")
+
+    @property
+    def sequence_term(self) -> bool:
+        """A token's policy term depends on its whole completion (GSPO's ratio, GMPO's mean)."""
+        return self.importance_sampling_level == "sequence" or self.policy_loss == "geo-mean"
+
+    @property
+    def batch_term(self) -> bool:
+        """A token's policy term depends on the whole batch (clip_cov's, kl_cov's covariances)."""
+        return self.policy_loss in ("clip-cov", "kl-cov")
+
     @classmethod
     def preset(cls, name: str, **overrides) -> "GTPOConfig":
         """A preset of spec sections 5 and 9 (see PRESETS: 'gtpo', 'gtpo-official', 'grpo', 'dapo',
-        'dr_grpo', 'bnpo', 'cispo', 'sapo', 'gspo', 'luspo', 'vespo'), with any field overridden by
+        'dr_grpo', 'bnpo', 'cispo', 'sapo', 'gspo', 'luspo', 'vespo' and verl's 'vanilla', 'gpg', 'dppo_tv',
+        'dppo_kl', 'dro' (needs dro_beta), 'verl_cispo', 'geo_mean', 'clip_cov', 'kl_cov'), with any field overridden by
         keyword (e.g. GTPO's conflict weights and entropy control on top of any TRL loss type:
         GTPOConfig.preset('cispo', use_conflict_mask=True, entropy_threshold=0.7))."""
         key = _norm(name) if isinstance(name, str) else None
@@ -212,6 +277,16 @@ PRESETS = {
     "gspo": dict(_NO_GTPO, importance_sampling_level="sequence"),
     "luspo": dict(_NO_GTPO, importance_sampling_level="sequence", loss_agg="seq-mean-token-sum"),
     "vespo": dict(_NO_GTPO, policy_loss="vespo", loss_agg="token-mean"),
+    # spec 9: verl 0.9.1's loss modes (verl's default token-mean unless the mode forces its own)
+    "vanilla": dict(_NO_GTPO, dual_clip_c=3.0, loss_agg="token-mean"),
+    "gpg": dict(_NO_GTPO, policy_loss="gpg", loss_agg="token-mean"),
+    "dppo-tv": dict(_NO_GTPO, policy_loss="dppo-tv", dual_clip_c=3.0, loss_agg="token-mean"),
+    "dppo-kl": dict(_NO_GTPO, policy_loss="dppo-kl", dual_clip_c=3.0, loss_agg="token-mean"),
+    "dro": dict(_NO_GTPO, policy_loss="dro", loss_agg="token-mean"),
+    "verl-cispo": dict(_NO_GTPO, policy_loss="verl-cispo", loss_agg="token-mean"),
+    "geo-mean": dict(_NO_GTPO, policy_loss="geo-mean", loss_agg="seq-mean-token-mean"),
+    "clip-cov": dict(_NO_GTPO, policy_loss="clip-cov", loss_agg="token-mean"),
+    "kl-cov": dict(_NO_GTPO, policy_loss="kl-cov", loss_agg="token-mean"),
 }
 
 

@@ -22,6 +22,11 @@ registers, through verl's own extension points (verl is not patched):
    (spec 2) are computed; for lambda >= 0 they fold into the advantage exactly:
    `-lambda min(r A, clip(r) A) = -min(r (lambda A), clip(r) (lambda A))`.
 
+3. verl's loss modes with GTPO on top, `gtpo_<mode>` for `vanilla`, `gpg`, `dppo_tv`, `dppo_kl`, `dro`,
+   `cispo`, `geo_mean`, `clip_cov`, `kl_cov` (verl_modes.py): the mode, computed by this package on the
+   token advantages the `gtpo` trainer wrote, with verl's settings (`clip_ratio_*`, `clip_ratio_c`,
+   `policy_loss.*`) and aggregation.
+
 The one approximation: the entropy filter and shaping use the entropies of the policy that computed
 `old_log_probs` (verl's old-policy pass), not the current policy's. That is exact on the first
 mini-batch of each batch (where the two policies are the same) and the authors' code detaches the
@@ -57,6 +62,7 @@ import torch
 
 from ..api.advantages import gtpo_token_advantages
 from ..core.config import GTPOConfig, as_config
+from .verl_modes import MODES, register_modes
 
 import verl.utils.torch_functional as verl_F  # noqa: E402  (verl is required by this module)
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss  # noqa: E402
@@ -147,6 +153,8 @@ def rewrite_advantages(batch, uid, cfg) -> dict:
     return metrics
 
 
+register_modes(register_policy_loss, agg_loss)
+
 tq = None  # transfer_queue, once the trainer is registered (a module global: tests replace it)
 
 
@@ -192,5 +200,5 @@ except ImportError as _e:  # verl's v1 trainer needs TransferQueue, fastapi, uvi
     GTPOTrainer = None
     logger.debug("gtpo: verl's v1 trainer is not importable (%s); the trainer mode 'gtpo' is not registered", _e)
 
-__all__ = ["compute_policy_loss_gtpo", "rewrite_advantages", "gtpo_config_from", "GTPOTrainer", "LOSS_MODE",
+__all__ = ["compute_policy_loss_gtpo", "MODES", "rewrite_advantages", "gtpo_config_from", "GTPOTrainer", "LOSS_MODE",
            "TRAINER_MODE"]

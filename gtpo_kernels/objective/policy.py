@@ -24,12 +24,19 @@ def full(x, like):
 
 
 def ppo(r, A, cfg):
-    """-min(r1 A, clip(r, 1 - eps_low, 1 + eps_high) A), r1 = r or min(r, delta); clip=False: -r1 A.
+    """-min(r1 A, clip(r, 1 - eps_low, 1 + eps_high) A), r1 = r or min(r, delta); clip=False: -r1 A;
+    with dual_clip_c (verl's dual clip) at most -A c where A < 0.
 
     d pg / d log r is that of the branch the minimum takes: -A d r1 (r1 = r: r; r1 = delta: 0) on the
     unclipped one, -A r inside [1 - eps_low, 1 + eps_high] (0 outside) on the clipped one. With
     delta < 1 + eps_high and A < 0 the clipped branch r A is the minimum for delta < r < 1 + eps_high and
-    keeps its gradient. `clipped`: the tokens whose gradient the clip or delta removed."""
+    keeps its gradient. `clipped`: the tokens whose gradient the clip, delta or the dual clip removed."""
+    return ppo_parts(r, A, cfg)[:4]
+
+
+def ppo_parts(r, A, cfg):
+    """ppo's (pg, d_logr, None, clipped) and `on_clip`, where the clipped branch is the minimum (verl's
+    clip_by_origin, which clip_cov reads)."""
     zero = torch.zeros((), dtype=r.dtype, device=r.device)
     if cfg.delta is None:
         r1, dr1, capped = r, r, torch.zeros_like(r, dtype=torch.bool)
@@ -40,14 +47,21 @@ def ppo(r, A, cfg):
         dr1 = torch.where(capped, zero, r)  # d r1 / d log r
     u1 = r1 * A
     if not cfg.clip:
-        return -u1, -dr1 * A, None, capped & (A != 0)
-    lo, hi = operand(1.0 - cfg.eps_low, r), operand(1.0 + cfg.eps_high, r)
-    u2 = torch.clamp(r, lo, hi) * A
-    on_clip = u1 > u2  # the minimum takes the clipped branch
-    outside = (r < lo) | (r > hi)  # clip(r) is a constant there
-    d_logr = torch.where(on_clip, torch.where(outside, zero, -r * A), -dr1 * A)
-    clipped = torch.where(on_clip, outside, capped) & (A != 0)
-    return -torch.minimum(u1, u2), d_logr, None, clipped
+        on_clip = torch.zeros_like(r, dtype=torch.bool)
+        pg, d_logr, clipped = -u1, -dr1 * A, capped & (A != 0)
+    else:
+        lo, hi = operand(1.0 - cfg.eps_low, r), operand(1.0 + cfg.eps_high, r)
+        u2 = torch.clamp(r, lo, hi) * A
+        on_clip = u1 > u2  # the minimum takes the clipped branch
+        outside = (r < lo) | (r > hi)  # clip(r) is a constant there
+        d_logr = torch.where(on_clip, torch.where(outside, zero, -r * A), -dr1 * A)
+        clipped = torch.where(on_clip, outside, capped) & (A != 0)
+        pg = -torch.minimum(u1, u2)
+    if cfg.dual_clip_c is not None:  # verl's dual clip: min(pg, -A c) where A < 0
+        cap = -A * operand(cfg.dual_clip_c, r)
+        dual = (A < 0) & (pg > cap)
+        pg, d_logr, clipped = torch.where(dual, cap, pg), torch.where(dual, zero, d_logr), clipped | dual
+    return pg, d_logr, None, clipped, on_clip
 
 
 def cispo(r, A, logp, cfg):

@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..core.config import is_zero
-from . import policy
+from . import policy, verl_modes
 
 
 def seg_sum(x, seg, B):
@@ -112,8 +112,46 @@ def rollout_log_w(rollout_w, rollout_w_seq, m, seg, B, dt):
     return seg_sum(torch.where(m, lw, torch.zeros_like(lw)), seg, B)
 
 
-def policy_term(logp, log_r, A, adv, m, seg, B, cfg, rollout_w, rollout_w_seq):
-    """Spec 4, 9: (pg, d pg / d log r, d pg / d logp, clipped) per token, before the multipliers."""
+def geo_mean_log_w(rollout_w, rollout_w_seq, m, seg, B, n_safe):
+    """GMPO's rollout weight per token: the log of its completion's geometric mean of (w + 1e-10) over the
+    counted tokens (as verl), or None."""
+    if rollout_w_seq is not None:
+        return torch.log(rollout_w_seq + 1e-10)[seg]
+    if rollout_w is None:
+        return None
+    lw = torch.where(m, torch.log(rollout_w + 1e-10), torch.zeros_like(rollout_w))
+    return (seg_sum(lw, seg, B) / n_safe)[seg]
+
+
+def policy_term(logp, log_r, A, adv, m, seg, B, cfg, rollout_w, rollout_w_seq, old, n_safe, M):
+    """Spec 4, 9: (pg, d pg / d log r, d pg / d logp, clipped, spread) per token, before the multipliers;
+    spread: geo_mean's tokens through which the completion's log R moves (None otherwise)."""
+    pl = cfg.policy_loss
+    if pl in ("ppo", "cispo", "sapo", "vespo"):
+        return (*trl_term(logp, log_r, A, adv, m, seg, B, cfg, rollout_w, rollout_w_seq), None)
+    M_safe = M.clamp(min=1)
+    if pl == "geo-mean":
+        log_w = geo_mean_log_w(rollout_w, rollout_w_seq, m, seg, B, n_safe)
+        pg, spread, clipped = verl_modes.geo_mean(A, log_r, m, lambda x: (seg_sum(x, seg, B) / n_safe)[seg],
+                                                  log_w, cfg)
+        return pg, pg, None, clipped, spread
+    if pl == "clip-cov":
+        pg, d_logr, _, clipped, on_clip = policy.ppo_parts(torch.exp(log_r), A, cfg)
+        pg, d_logr, clipped = verl_modes.clip_cov(pg, d_logr, clipped, on_clip, A, logp, m, M, M_safe, cfg)
+        return pg, d_logr, None, clipped, None
+    if pl == "kl-cov":
+        return (*verl_modes.kl_cov(A, logp, log_r, m, M, M_safe, cfg), None)
+    if pl in ("dppo-tv", "dppo-kl"):
+        return (*verl_modes.dppo(A, logp, old, log_r, cfg, pl[-2:]), None)
+    if pl == "gpg":
+        return (*verl_modes.gpg(A, logp), None)
+    if pl == "dro":
+        return (*verl_modes.dro(A, logp, log_r, cfg), None)
+    return (*verl_modes.verl_cispo(A, logp, log_r, cfg), None)
+
+
+def trl_term(logp, log_r, A, adv, m, seg, B, cfg, rollout_w, rollout_w_seq):
+    """TRL's policy terms: ppo, cispo, sapo, vespo."""
     r = torch.exp(log_r)
     if cfg.policy_loss == "ppo":
         return policy.ppo(r, A, cfg)
@@ -128,7 +166,7 @@ def policy_term(logp, log_r, A, adv, m, seg, B, cfg, rollout_w, rollout_w_seq):
 
 def multipliers(logp, ent, m, seg, B, n_safe, M, adv, cfg, lam, old, rollout_w, rollout_logps):
     """Spec 9's order: lambda, the off-policy mask, the top-entropy mask, the rollout weights (not for
-    vespo, which folds them into phi). -> (mult (N,), emask (N,) or None)."""
+    vespo and geo_mean, which fold them into their term). -> (mult (N,), emask (N,) or None)."""
     dt = logp.dtype
     mult = torch.ones_like(logp) if lam is None else finite_or_nan(lam.to(dt))
     if cfg.off_policy_mask_threshold is not None:
@@ -139,7 +177,7 @@ def multipliers(logp, ent, m, seg, B, n_safe, M, adv, cfg, lam, old, rollout_w, 
     if not is_zero(cfg.top_entropy_quantile - 1.0):
         emask = top_entropy_mask(ent, m, M, cfg.top_entropy_quantile).to(dt)
         mult = mult * emask
-    if rollout_w is not None and cfg.policy_loss != "vespo":
+    if rollout_w is not None and cfg.policy_loss not in ("vespo", "geo-mean"):  # they fold them in
         mult = mult * rollout_w.to(dt)
     return mult, emask
 
@@ -156,15 +194,16 @@ def kl_term(logp, ref, log_r, cfg):
     return cfg.beta * k3 * r, cfg.beta * dk3 * r, cfg.beta * k3 * r
 
 
-def coefficients(w, d_logp, d_logr, m, mf, seg, B, n_safe, level):
-    """c = d loss / d logp per token: direct, plus through log r (at the sequence level through the
-    completion's mean into each counted token)."""
+def coefficients(w, d_logp, d_logr, m, mf, seg, B, n_safe, spread):
+    """c = d loss / d logp per token: direct, plus through log r (for a sequence term, through the
+    completion's mean into each token of `spread`: the counted ones, or geo_mean's unclipped ones;
+    spread None: a token-level ratio)."""
     zero = torch.zeros((), dtype=w.dtype, device=w.device)
     c = torch.zeros_like(w) if d_logp is None else w * d_logp
     if d_logr is not None:
         g = w * d_logr  # d loss / d log r, per token
-        if level == "sequence":
-            g = (seg_sum(torch.where(m, g, zero), seg, B) / n_safe)[seg] * mf
+        if spread is not None:
+            g = (seg_sum(torch.where(m, g, zero), seg, B) / n_safe)[seg] * spread
         c = c + g
     return torch.where(m, c, zero)
 
@@ -186,13 +225,14 @@ def _add(x, y):
 
 def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n_conf=None,
               num_items=None, max_len=None, rollout_w=None, rollout_w_seq=None, rollout_logps=None,
-              totals=None):
+              totals=None, token_adv=None):
     """totals: (counted tokens per completion (B,), M, the batch's B) when the tokens are a slice of a
     batch's whole completions (the fused LM head's tile); the aggregation then uses the batch's counts.
     logp, ent (N,) float; m (N,) bool; seg (N,) int64; adv (B,) float; lam (N,) or None;
     n_conf (B,) or None; max_len: scalar (python or 0-d tensor) for 'seq-mean-token-sum-norm';
     rollout_w: (N,) rollout importance weights (per-completion ones, rollout_w_seq (B,), repeated on
-    their tokens). Non-finite advantages, old/ref log-probs or rollout weights at counted tokens give NaN.
+    their tokens). token_adv: (N,) per-token advantages that replace Ahat (verl's, with GTPO's conflict
+    weights and entropy control folded in at advantage time). Non-finite advantages, old/ref log-probs or rollout weights at counted tokens give NaN.
     Returns a dict: loss_tok (N,), weight (N,), c (N,), e (N,) or None, kept, seq_entropy, metrics.
     """
     dt = logp.dtype
@@ -212,16 +252,19 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
     M_safe = M.clamp(min=1)
     adv = finite_or_nan(adv.to(dt))
     seq_ent, kept, a_hat = entropy_control(ent, seg, B, n_safe, adv, cfg)
-    A = a_hat[seg]
+    A = a_hat[seg] if token_adv is None else torch.where(m, finite_or_nan(token_adv.to(dt)), zero)
 
     log_r = log_ratio(logp, old, m, seg, B, n_safe, cfg.importance_sampling_level)
-    pg, d_logr, d_logp, clipped = policy_term(logp, log_r, A, adv, m, seg, B, cfg, rollout_w, rollout_w_seq)
+    pg, d_logr, d_logp, clipped, spread = policy_term(logp, log_r, A, adv, m, seg, B, cfg, rollout_w, rollout_w_seq,
+                                                      logp if old is None else old, n_safe, M)
     mult, emask = multipliers(logp, ent, m, seg, B, n_safe, M, adv, cfg, lam, old, rollout_w, rollout_logps)
     loss_tok = mult * pg
     d_logr = None if d_logr is None else mult * d_logr
     d_logp = None if d_logp is None else mult * d_logp
     if ref is not None and not is_zero(cfg.beta):
         kl, kl_logp, kl_logr = kl_term(logp, ref, log_r, cfg)
+        if cfg.policy_loss == "geo-mean":  # d_logr is d / d log R there; the KL's ratio is the token's
+            kl_logp, kl_logr = _add(kl_logp, kl_logr), None
         loss_tok, d_logp, d_logr = loss_tok + kl, _add(d_logp, kl_logp), _add(d_logr, kl_logr)
     e = None
     if not is_zero(cfg.entropy_coef):  # the bonus, masked by the top-entropy mask too
@@ -230,7 +273,9 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
     loss_tok = torch.where(m, loss_tok, zero)
 
     w = aggregation_weights(mf, seg, B if totals is None else totals[2], n_safe, M_safe, cfg, n_conf, num_items, max_len)
-    c = coefficients(w, d_logp, d_logr, m, mf, seg, B, n_safe, cfg.importance_sampling_level)
+    if spread is None and cfg.importance_sampling_level == "sequence":
+        spread = mf
+    c = coefficients(w, d_logp, d_logr, m, mf, seg, B, n_safe, None if spread is None else spread.to(dt) * mf)
     if not is_zero(cfg.entropy_coef):  # NaN with the completion's advantage (unvalidated invalid input)
         e = torch.where(m, w * coef + A * 0, zero)
     return dict(loss_tok=loss_tok, weight=w, c=c, e=e, kept=kept, seq_entropy=seq_ent, logp=logp, ent=ent,

@@ -132,9 +132,9 @@ head_attach.register_autograd(_backward, setup_context=_setup_context)
 
 def coefficient_span(cfg):
     """What a token's gradient coefficients depend on beyond the token: None, 'completion' or 'batch'."""
-    if not is_zero(cfg.top_entropy_quantile - 1.0):
-        return "batch"  # the quantile spans every counted token
-    if cfg.shapes_advantages or cfg.importance_sampling_level == "sequence" or \
+    if not is_zero(cfg.top_entropy_quantile - 1.0) or cfg.batch_term:
+        return "batch"  # the quantile (clip_cov's, kl_cov's covariances) spans every counted token
+    if cfg.shapes_advantages or cfg.sequence_term or \
             cfg.off_policy_mask_threshold is not None or cfg.policy_loss == "vespo":
         return "completion"
     return None
@@ -166,7 +166,7 @@ def choose_schedule(b, cfg, schedule, per_tile, host=False, V=1, D=1):
     if cfg.loss_agg == "none":
         why = "loss_agg='none' takes a per-token upstream gradient"
     elif span == "batch":
-        why = "top_entropy_quantile < 1 spans the whole batch"
+        why = "top_entropy_quantile < 1 (or clip_cov's, kl_cov's selection) spans the whole batch"
     elif span == "completion" and not _longest_fits(b, per_tile, host):
         why = (f"a completion longer than a tile ({per_tile} rows within memory_budget) is split across tiles, "
                "and its statistics span them (raise memory_budget)")

@@ -18,6 +18,7 @@ def token_logprobs(b, logits, temperature):
 def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type):
     import gtpo_reference
     kw = {k: float(v) if hasattr(v, "dim") else v for k, v in dataclasses.asdict(cfg).items()}
+    kw["generator"] = cfg.generator  # the caller's (asdict copies it; clip_cov's draw advances it)
     lg, ids, m, unpad, pad = padded_window(b, logits)
     opt = (lambda x: None if x is None else pad(x))
     if b.packed and kw["max_completion_length"] is None:

@@ -1,0 +1,90 @@
+"""verl's loss modes with GTPO on top, registered as `gtpo_<mode>` by the verl plugin (verl.py).
+
+Each computes verl 0.9.1's mode of the same name with this package's objective (spec 9) on the token
+advantages verl hands the loss, which the `gtpo` trainer has made GTPO's lambda * Ahat (conflict
+weights and entropy control folded in at advantage time), with verl's settings and verl's `agg_loss`
+(geo_mean: the mean over the micro-batch's completions, as verl). With plain advantages each equals
+verl's own function. With GTPO's advantages the fold is exact where the term is positively homogeneous
+in A (vanilla, gpg, dppo_tv, dppo_kl, cispo): then it equals gtpo_loss with the matching preset and
+GTPO on top. For dro (its penalty is not scaled by lambda), geo_mean (the sign and the mean of
+lambda * A), clip_cov and kl_cov (the covariance of lambda * A) it is verl's mode on GTPO's advantages.
+clip_cov's choice draws from the device's default generator (torch.manual_seed reproduces it).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..core.config import GTPOConfig
+from ..objective.surrogate import surrogate
+
+# verl's mode -> this package's preset
+MODES = {"vanilla": "vanilla", "gpg": "gpg", "dppo_tv": "dppo-tv", "dppo_kl": "dppo-kl", "dro": "dro",
+         "cispo": "verl-cispo", "geo_mean": "geo-mean", "clip_cov": "clip-cov", "kl_cov": "kl-cov"}
+
+
+def _or(x, default):
+    return default if x is None else x
+
+
+def mode_config(mode: str, config) -> GTPOConfig:
+    """The GTPOConfig of verl's `mode` under verl's actor config (clip_ratio, clip_ratio_low/high,
+    clip_ratio_c, policy_loss.*), with the defaults verl's functions fall back to."""
+    if config is None:
+        raise ValueError(f"the gtpo_{mode} policy loss needs the actor config")
+    pl = getattr(config, "policy_loss", None)
+    get = (lambda k: None) if pl is None else (lambda k: getattr(pl, k, None))
+    over = dict(eps_low=_or(config.clip_ratio_low, config.clip_ratio),
+                eps_high=_or(config.clip_ratio_high, config.clip_ratio),
+                loss_agg="seq-mean-token-mean" if mode == "geo_mean" else "none")
+    if mode == "vanilla":
+        over["dual_clip_c"] = config.get("clip_ratio_c", 3.0)
+    elif mode in ("dppo_tv", "dppo_kl"):
+        over["dual_clip_c"] = config.get("clip_ratio_c", 20.0)
+    elif mode == "dro":
+        over["dro_beta"] = get("dro_beta")
+    elif mode == "clip_cov":
+        over.update(clip_cov_ratio=_or(get("clip_cov_ratio"), 2e-4), clip_cov_lb=_or(get("clip_cov_lb"), 1.0),
+                    clip_cov_ub=_or(get("clip_cov_ub"), 5.0))
+    elif mode == "kl_cov":
+        over.update(kl_cov_ratio=_or(get("kl_cov_ratio"), 2e-4), ppo_kl_coef=_or(get("ppo_kl_coef"), 1.0))
+    return GTPOConfig.preset(MODES[mode], **over)
+
+
+def mode_loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+              agg_loss):
+    """verl's policy-loss signature -> (loss, metrics); see the module docstring."""
+    cfg = mode_config(mode, config)
+    B, T = log_prob.shape
+    dt = log_prob.dtype
+    m = response_mask.bool().reshape(-1)
+    seg = torch.arange(B * T, device=log_prob.device) // max(T, 1)
+    lp = log_prob.reshape(-1)
+    w = None if rollout_is_weights is None else rollout_is_weights.reshape(-1).to(dt)
+    with torch.no_grad():
+        res = surrogate(lp.detach(), torch.zeros_like(lp.detach()), m, seg, B, torch.zeros(B, dtype=dt,
+                        device=lp.device), cfg, old=old_log_prob.reshape(-1), rollout_w=w,
+                        token_adv=advantages.reshape(-1))
+    attach = res["c"] * (lp - lp.detach())  # the value, with d / d log_prob = c
+    if cfg.loss_agg == "none":  # token-level terms: verl's aggregation of the per-token terms
+        tok = (res["loss_tok"] + attach).reshape(B, T)
+        info = dict(getattr(config, "global_batch_info", None) or {})
+        loss = agg_loss(loss_mat=tok, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **info)
+    else:  # geo_mean: the mean over the completions, whatever loss_agg_mode says (as verl)
+        loss = (res["weight"] * res["loss_tok"]).sum() + attach.sum()
+    return loss, {"actor/pg_clipfrac": float(res["metrics"]["clip_frac"])}
+
+
+def register_modes(register_policy_loss, agg_loss):
+    """Registers `gtpo_<mode>` for each of verl's modes in MODES; returns {name: function}."""
+    out = {}
+    for mode in MODES:
+        def fn(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+               response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Optional[Any] = None,
+               rollout_is_weights: Optional[torch.Tensor] = None, _mode=mode):
+            return mode_loss(_mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                             rollout_is_weights, agg_loss)
+        fn.__name__ = fn.__qualname__ = f"compute_policy_loss_gtpo_{mode}"
+        out[f"gtpo_{mode}"] = register_policy_loss(f"gtpo_{mode}")(fn)
+    return out
