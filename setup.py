@@ -23,6 +23,22 @@ setup(
         # and cachetools are what verl's v1 trainer imports (the `gtpo` trainer mode subclasses it).
         "verl": ["verl==0.9.1", "transformers>=5.5.3,<5.11,!=5.6.0", "tensordict>=0.8.0,<=0.10.0,!=0.9.0",
                  "TransferQueue>=0.1.10", "fastapi", "uvicorn", "cachetools"],
+        # SkyRL 0.3 (Python >= 3.12: its skyrl.tinker.types puts a typing.TypedDict in a pydantic model, refused on
+        # 3.11); of its skyrl-train extra, what the policy-loss registry and the trainer module import (the
+        # rest, flash-attn, vllm-router, nixl, needs CUDA)
+        "skyrl": ["skyrl==0.3.0", "skyrl-gym==0.4.0", "ray==2.56.0", "loguru", "jaxtyping", "omegaconf",
+                  "hydra-core==1.3.2", "torchdata", "aiohttp"],
+        "torchtitan": ["torchtitan==0.3.0"],
+        # OpenRLHF 0.11.2 itself goes in with --no-deps (flash-attn and vLLM need CUDA): what its loss, actor
+        # and experience-maker modules import, at its own pins
+        "openrlhf": ["transformers==5.15.0", "deepspeed==0.19.6", "ray==2.55.0", "peft", "pylatexenc", "torchdata",
+                     "datasets", "pillow"],
+        # AReaL 1.0.4 itself goes in with --no-deps (it pins torch<2.11 and GPU serving stacks): what
+        # areal.trainer.ppo.actor imports, at the versions tested
+        "areal": ["omegaconf==2.4.0.dev2", "hydra-core==1.4.0.dev1", "transformers==5.25.0", "ray==2.60.0",
+                  "aiohttp", "httpx", "colorlog", "tenacity", "flask", "torchdata", "lark", "uvloop", "pyyaml",
+                  "numba", "pillow", "orjson", "einops", "aiofiles", "openai", "datasets", "swanlab", "trackio",
+                  "wandb", "tensorboardX", "tabulate", "pybase64"],
     },
     # verl imports every `verl.plugins` entry point at `import verl`: registers the `gtpo` policy loss
     # and trainer mode (gtpo_kernels/integrations/verl.py)

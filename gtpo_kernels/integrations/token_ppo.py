@@ -1,0 +1,54 @@
+"""The PPO clip on per-token advantages, for trainers whose policy loss receives (B, T) log-probs,
+old log-probs and token advantages but neither token ids, entropies nor groups (SkyRL, OpenRLHF).
+
+GTPO reaches such a loss through its advantages: `gtpo_token_advantages` folds the conflict weights
+and the entropy filter and shaping into `lambda[i, t] * Ahat[i]` at advantage time (exact for
+lambda >= 0). The policy loss is then the package's PPO term on those token advantages, computed by
+`gtpo_loss_from_logps` in the packed form with every token a completion of its own (so an advantage
+may vary along a completion), GTPO's own options off, and no aggregation: the trainer aggregates.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..api.logps import gtpo_loss_from_logps
+from ..core.config import GTPOConfig
+
+_HAS_DUAL_CLIP = "dual_clip_c" in {f.name for f in dataclasses.fields(GTPOConfig)}
+
+
+def token_config(eps_low, eps_high, dual_clip_c=None) -> GTPOConfig:
+    """The per-token PPO clip with the trainer's clip range (and dual clip, where the package has it)."""
+    extra = {}
+    if dual_clip_c is not None:
+        if not _HAS_DUAL_CLIP:
+            raise NotImplementedError("dual clip (a trainer's clip_ratio_c / dual_clip) is not available in this "
+                                      "version of gtpo-kernels; turn it off in the trainer's config")
+        extra["dual_clip_c"] = float(dual_clip_c)
+    return GTPOConfig.preset("grpo", eps_low=float(eps_low), eps_high=float(eps_high), loss_agg="none", **extra)
+
+
+def token_ppo_losses(logps, old_logps, token_advantages, mask, config: GTPOConfig):
+    """Per-token `-min(r a, clip(r) a)` (B, T) with `r = exp(logps - old_logps)`, 0 where `mask` is 0.
+
+    logps (B, T) differentiable; old_logps, token_advantages (B, T); mask (B, T) of any dtype (nonzero =
+    the token counts); config from `token_config`. Float32 (float64 for float64 logps).
+    """
+    for name, x in (("logps", logps), ("old_logps", old_logps), ("token_advantages", token_advantages),
+                    ("mask", mask)):
+        if not isinstance(x, torch.Tensor) or x.shape != logps.shape or x.dim() != 2:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a (B, T) tensor like logps {tuple(logps.shape)}, got {got}")
+    B, T = logps.shape
+    N = B * T
+    dev = logps.device
+    counted = (mask != 0).reshape(-1)
+    cu = torch.arange(N + 1, device=dev, dtype=torch.int32)  # every token a completion of its own
+    ids = torch.zeros(N, dtype=torch.long, device=dev)        # not read: the conflict weights are off
+    adv = torch.where(counted, token_advantages.reshape(-1), torch.zeros((), dtype=token_advantages.dtype,
+                                                                         device=dev))
+    out = gtpo_loss_from_logps(logps.reshape(-1), ids, adv.detach(), counted, old_logps=old_logps.reshape(-1).detach(),
+                               config=config, cu_seqlens=cu, max_seqlen=1)
+    return out.loss.reshape(B, T)
