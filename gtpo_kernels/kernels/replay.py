@@ -1,0 +1,91 @@
+"""Replay over the kept sets (spec 13) as one differentiable call: which implementation runs
+(replay_triton | replay_torch) and the autograd rule tying the forward to the backward.
+
+    logp, H, flags = replay_logprobs(logits3, rows_b, rows_t, y, tau, token_ids, offsets)
+
+is, for counted token m predicted by row (rows_b[m], rows_t[m]) with kept set K_m = token_ids[offsets[m]:
+offsets[m+1]], in one line of torch:
+
+    s = z'[rows_b[m], rows_t[m], K_m] / tau[m];  logp = log_softmax(s)[K_m.index(y[m])];  H = -(p * log p).sum()
+
+with z' the logit after scale and soft-cap. The gradient w.r.t. the raw logits is exactly 0 outside the
+kept sets. Tokens whose set or row is invalid (the forward's flags, or `invalid` from
+core.sampling's unvalidated checks) get NaN in logp, H and their gradient, never a finite number.
+Saved for backward: the logits by reference and O(M) numbers per token plus the kept ids.
+"""
+from __future__ import annotations
+
+import torch
+
+from .dispatch import check_transforms, resolve_backend
+
+
+def _impl(backend):
+    if backend == "triton":
+        from . import replay_triton as impl
+    else:
+        from . import replay_torch as impl
+    return impl
+
+
+def counted_rows(counted, tok_shape, logits_start=0):
+    """(rows_b, rows_t) of the counted tokens in the packed order: padded tok_shape (B, T) -> row
+    (i, logits_start + t) of a (B, T_l, V) view; packed (N,) -> row (0, logits_start + k) of a (1, T_l, V)
+    view. One host read (the number of counted tokens)."""
+    k = counted.reshape(-1).nonzero().squeeze(1)
+    if len(tok_shape) == 2:
+        T = tok_shape[1]
+        return k // T, k % T + logits_start
+    return torch.zeros_like(k), k + logits_start
+
+
+def _nan_where(bad, x):
+    b = bad if x.dim() == 1 else bad[:, None]
+    return torch.where(b, torch.full_like(x, float("nan")), x)
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid, scale, softcap, backend):
+        impl = _impl(backend)
+        logp, ent, stats, flags = impl.replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids, offsets,
+                                                  scale, softcap)
+        bad = flags != 0
+        if invalid is not None:
+            bad = bad | invalid
+        logp, ent, stats = _nan_where(bad, logp), _nan_where(bad, ent), _nan_where(bad, stats)
+        ctx.save_for_backward(logits3, rows_b, rows_t, y, tau if isinstance(tau, torch.Tensor) else None,
+                              token_ids, offsets, stats, ent)
+        ctx.meta = (tau if not isinstance(tau, torch.Tensor) else None, scale, softcap, backend)
+        ctx.mark_non_differentiable(flags)
+        ctx.set_materialize_grads(False)
+        return logp, ent, flags
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent, _g_flags):
+        logits3, rows_b, rows_t, y, tau_t, token_ids, offsets, stats, ent = ctx.saved_tensors
+        tau_n, scale, softcap, backend = ctx.meta
+        if not ctx.needs_input_grad[0] or (g_logp is None and g_ent is None):
+            return (None,) * 11
+        c = torch.zeros_like(ent) if g_logp is None else g_logp.to(ent.dtype)
+        e = None if g_ent is None else g_ent.to(ent.dtype)
+        grad3 = torch.zeros_like(logits3)  # exactly 0 outside the kept sets
+        _impl(backend).replay_bwd(logits3, grad3, rows_b, rows_t, y, tau_n if tau_t is None else tau_t,
+                                  token_ids, offsets, stats, ent, c, e, scale, softcap)
+        return (grad3,) + (None,) * 10
+
+
+def replay_logprobs(logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid=None, scale=1.0,
+                    softcap=None, backend="auto"):
+    """logits3 (B, T_l, V) raw logits (vocabulary stride 1 for 'triton'); rows_b, rows_t, y (M,) int:
+    each counted token's logits row and sampled id; tau a number or (M,) tensor; token_ids (K,),
+    offsets (M + 1,) int64, the kept sets; invalid None or (M,) bool. Returns logp (M,), entropy (M,)
+    (float32, float64 for float64 logits; differentiable w.r.t. logits3) and the int8 flags (M,) of
+    core/flags (nonzero: that token's outputs are NaN)."""
+    check_transforms(scale, softcap)
+    backend = resolve_backend(backend, logits3.device, logits3.dtype)
+    if backend == "reference":
+        backend = "torch"
+    if backend == "triton" and logits3.stride(-1) != 1:
+        logits3 = logits3.contiguous()
+    return _Replay.apply(logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid, scale, softcap, backend)
