@@ -143,14 +143,14 @@ def test_kept_sets_follow_vllm_rules(seed):
     r_ids, r_off, r_rest = ref.kept_sets(z, tau, k, p, mp, y)
     bad = compare("reference float64", (r_ids, r_off), want, margin, 1e-12, report)
     assert not r_rest.any()
-    p_ids, p_off, _, _ = kept_sets(z[None], rows_b, rows_t, y, tau, k, p, mp, block_rows=13)
+    p_ids, p_off, _, _, _ = kept_sets(z[None], rows_b, rows_t, y, tau, k, p, mp, block_rows=13)
     bad += compare("package float64", (p_ids, p_off), want, margin, 1e-12, report)
     # float32 logits (exactly the float64 values rounded): s = z / tau in float32 moves decisions within
     # ~1e-6 of their thresholds, the float32 sums within ~1e-6 of the cumulative masses
     z32 = z.float()
     want32 = vllm_rules(z32.double() / tau[:, None], k, p, mp)
     margin32 = margins(z32.double() / tau[:, None], k, p, mp)
-    f_ids, f_off, _, _ = kept_sets(z32[None], rows_b, rows_t, y, tau.float(), k, p.float(), mp.float())
+    f_ids, f_off, _, _, _ = kept_sets(z32[None], rows_b, rows_t, y, tau.float(), k, p.float(), mp.float())
     bad += compare("package float32", (f_ids, f_off), want32, margin32, 1e-5, report)
     print(f"\nseed {seed}, {R} rows ({zb.shape[0]} built on a boundary), {int((margin < 1e-12).sum())} rows "
           f"within 1e-12 and {int((margin32 < 1e-5).sum())} within 1e-5 of a threshold; "
@@ -181,7 +181,61 @@ def test_sampled_token_restored():
     y = torch.tensor([3])
     ids, off, rest = ref.kept_sets(z.double(), 1.0, 2, None, None, y)
     assert ids.tolist() == [0, 1, 3] and rest.tolist() == [True]
-    p_ids, p_off, p_rest, nf = kept_sets(z[None], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+    p_ids, p_off, p_rest, nf, _ = kept_sets(z[None], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                                          y, 1.0, 2)
     assert p_ids.tolist() == [0, 1, 3] and p_off.tolist() == [0, 3] and p_rest.tolist() == [True]
     assert not nf.any()
+
+
+def test_metrics_match_reference():
+    """kept_mass, mean_kept_size, replay_restored_frac: the recompute's and the two-pass forms against the
+    reference's sums."""
+    from gtpo_kernels.kernels.replay import counted_rows, kept_mass_from_logps, replay_logprobs, replay_metrics
+    g = torch.Generator().manual_seed(3)
+    z, k, p, mp = random_rows(g, 24, 120)
+    z[:, :3] = torch.randn(24, 3, generator=g, dtype=torch.float64)  # finite target candidates
+    y = torch.randint(0, 3, (24,), generator=g)
+    tau = 0.9
+    ids, off, rest = ref.kept_sets(z, tau, k, p, mp, y)
+    want = ref.sampling_metrics(z, (ids, off), tau, rest)
+    assert want["kept_mass"] < 1 and want["replay_restored_frac"] > 0
+    rb, rt = torch.zeros(24, dtype=torch.long), torch.arange(24)
+    p_ids, p_off, p_rest, _, mass = kept_sets(z[None].float(), rb, rt, y, tau, k, p.float(), mp.float())
+    got = replay_metrics(p_off, p_rest, mass)
+    for name in ("kept_mass", "mean_kept_size", "replay_restored_frac"):
+        assert abs(float(got[name]) - float(want[name])) <= 1e-5 * max(1.0, abs(float(want[name]))), name
+    lp_k, _, _ = replay_logprobs(z[None].float(), rb, rt, y, tau, p_ids, p_off)
+    lp_v = torch.log_softmax(z.float() / tau, -1).gather(1, y[:, None]).squeeze(1)
+    assert abs(float(kept_mass_from_logps(lp_v, lp_k).mean()) - float(want["kept_mass"])) <= 1e-5
+
+
+def test_recompute_is_blockwise(monkeypatch):
+    """The recompute sorts blocks of at most rows_per_block(V) rows (here 4), never all M rows at once,
+    and the blocks do not change the result; a row holding NaN or +inf is flagged; bfloat16 logits are
+    upcast (the sets of the bf16 values)."""
+    import gtpo_kernels.kernels.kept_set as ks
+    g = torch.Generator().manual_seed(5)
+    M, V = 19, 64
+    z, k, p, mp = random_rows(g, M, V)
+    z = z.to(torch.bfloat16)
+    z[:, 0] = 1.0
+    z[7, 5] = float("nan")
+    z[11, 6] = float("inf")
+    y = torch.zeros(M, dtype=torch.long)
+    rb, rt = torch.zeros(M, dtype=torch.long), torch.arange(M)
+    whole = kept_sets(z[None], rb, rt, y, 1.0, k, p, mp, block_rows=M)
+    monkeypatch.setattr(ks, "CHUNK_ELEMENTS", 4 * V)
+    shapes = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda x, *a, **kw: shapes.append(tuple(x.shape)) or real_sort(x, *a, **kw))
+    blocked = kept_sets(z[None], rb, rt, y, 1.0, k, p, mp)
+    assert shapes and max(s[0] for s in shapes) == 4 and len(shapes) == 5
+    for a, b in zip(whole, blocked):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert blocked[3].nonzero().squeeze(1).tolist() == [7, 11]
+    fine = [r for r in range(M) if r not in (7, 11)]
+    want = vllm_rules(z.double()[fine], k[fine], p[fine], mp[fine])
+    ids, off = blocked[0], blocked[1]
+    for j, r in enumerate(fine):
+        have = ids[int(off[r]):int(off[r + 1])]
+        assert torch.equal(have, torch.sort(torch.unique(torch.cat([want[j].nonzero().squeeze(1), y[r:r + 1]]))).values)

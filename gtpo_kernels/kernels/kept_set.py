@@ -65,13 +65,14 @@ def kept_sets(logits3, rows_b, rows_t, y, tau, top_k=None, top_p=None, min_p=Non
     """The kept sets of the M counted tokens. tau, top_k, top_p, min_p: numbers or (M,) tensors (None:
     off); invalid values (unvalidated input, flagged by core.sampling) are treated as off here.
     Returns token_ids (K,) int64, offsets (M + 1,) int64, restored (M,) bool (the sampled token was added
-    back), nonfinite (M,) bool (the row holds NaN or +inf: its set means nothing, its outputs NaN)."""
+    back), nonfinite (M,) bool (the row holds NaN or +inf: its set means nothing, its outputs NaN) and
+    kept_mass (M,) (the full softmax's mass on the set, for metrics["kept_mass"])."""
     M = y.numel()
     V = logits3.shape[-1]
     dev = logits3.device
     acc = float_dtype_for(logits3)
     step = block_rows or rows_per_block(V)
-    ids, counts, restored, nonfinite = [], [], [], []
+    ids, counts, restored, nonfinite, mass = [], [], [], [], []
     for r0 in range(0, M, step):
         sl = slice(r0, min(M, r0 + step))
         z = _transform(logits3[rows_b[sl], rows_t[sl]].to(acc), scale, softcap)
@@ -87,6 +88,7 @@ def kept_sets(logits3, rows_b, rows_t, y, tau, top_k=None, top_p=None, min_p=Non
         yc = y[sl].long().clamp(0, V - 1)[:, None]
         rest = ~keep.gather(1, yc).squeeze(1)
         keep.scatter_(1, yc, True)
+        mass.append(torch.where(keep, torch.softmax(s, -1), torch.zeros_like(s)).sum(-1))
         nz = keep.nonzero()  # row-major: ids ascending within each row
         ids.append(nz[:, 1])
         counts.append(keep.sum(-1))
@@ -95,7 +97,7 @@ def kept_sets(logits3, rows_b, rows_t, y, tau, top_k=None, top_p=None, min_p=Non
         del z, s, keep
     if M == 0:
         e = torch.zeros(0, dtype=torch.long, device=dev)
-        return e, torch.zeros(1, dtype=torch.long, device=dev), e.bool(), e.bool()
+        return e, torch.zeros(1, dtype=torch.long, device=dev), e.bool(), e.bool(), e.to(acc)
     counts = torch.cat(counts)
     offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-    return torch.cat(ids), offsets, torch.cat(restored), torch.cat(nonfinite)
+    return torch.cat(ids), offsets, torch.cat(restored), torch.cat(nonfinite), torch.cat(mass)

@@ -89,3 +89,22 @@ def replay_logprobs(logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid
     if backend == "triton" and logits3.stride(-1) != 1:
         logits3 = logits3.contiguous()
     return _Replay.apply(logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid, scale, softcap, backend)
+
+
+def kept_mass_from_logps(logp_full, logp_kept):
+    """The full softmax's mass on each kept set, exp(LSE_K - LSE_V) = p^V_y / p^K_y: from the sampled token's
+    log-prob over the whole vocabulary (a full-vocabulary pass, when one runs) and over its kept set. O(M)."""
+    return torch.exp(logp_full.detach() - logp_kept.detach())
+
+
+def replay_metrics(offsets, restored=None, kept_mass=None):
+    """metrics of spec 13 over the M counted tokens (0-d float32 tensors, no host read): mean_kept_size,
+    replay_restored_frac (0 with a recorded mask) and kept_mass (when the per-token masses are given)."""
+    M = offsets.numel() - 1
+    n = max(M, 1)
+    out = {"mean_kept_size": (offsets[-1] - offsets[0]).float() / n,
+           "replay_restored_frac": (torch.zeros((), device=offsets.device) if restored is None
+                                    else restored.float().sum() / n)}
+    if kept_mass is not None:
+        out["kept_mass"] = kept_mass.float().sum() / n
+    return out
