@@ -43,8 +43,7 @@ def _replay_fwd_kernel(
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
     lanes = tl.arange(0, BLOCK_K)
     m_l = tl.full([BLOCK_K], float("-inf"), tl.float32)
-    nonfin = tl.zeros([BLOCK_K], tl.int32)
-    badid = tl.zeros([BLOCK_K], tl.int32)
+    flag_l = tl.zeros([BLOCK_K], tl.int32)  # BAD_NONFINITE | BAD_ID bits seen by the lane
     found = tl.zeros([BLOCK_K], tl.int32)
     zy_l = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(start, end, BLOCK_K):  # pass 1: maximum, flags, target
@@ -55,8 +54,7 @@ def _replay_fwd_kernel(
         z = _transform(tl.load(row + v, mask=ok, other=0.0).to(tl.float32), scale, softcap, inv_cap,
                        HAS_SCALE, HAS_SOFTCAP)
         nf = ok & ((z != z) | (z == float("inf")))
-        nonfin += nf.to(tl.int32)
-        badid += (live & ~ok).to(tl.int32)
+        flag_l = flag_l | tl.where(nf, BAD_NONFINITE, 0) | tl.where(live & ~ok, BAD_ID, 0)
         hit = ok & (v == y)
         found += hit.to(tl.int32)
         zy_l += tl.where(hit, z, 0.0)
@@ -87,9 +85,9 @@ def _replay_fwd_kernel(
     z_y = tl.sum(zy_l, axis=0)
     logp = (z_y - m) * inv_t - log_s
     q = tl.sum(o_l, axis=0) / s_tot
-    bad = tl.where(tl.sum(nonfin, axis=0) > 0, BAD_NONFINITE, 0)
+    bad = tl.reduce_or(flag_l, axis=0)
     bad = tl.where(z_y == float("-inf"), bad | BAD_TARGET_NEG_INF, bad)
-    bad = tl.where((tl.sum(found, axis=0) != 1) | (tl.sum(badid, axis=0) > 0), bad | BAD_ID, bad)
+    bad = tl.where(tl.sum(found, axis=0) != 1, bad | BAD_ID, bad)
     tl.store(logp_ptr + tok, logp)
     tl.store(ent_ptr + tok, ent)
     tl.store(stats_ptr + tok * 3, m)
