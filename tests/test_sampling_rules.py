@@ -145,6 +145,13 @@ def test_kept_sets_follow_vllm_rules(seed):
     assert not r_rest.any()
     p_ids, p_off, _, _, _ = kept_sets(z[None], rows_b, rows_t, y, tau, k, p, mp, block_rows=13)
     bad += compare("package float64", (p_ids, p_off), want, margin, 1e-12, report)
+    # every row with a top_k: the blocks take the path that sorts only the candidates
+    kk = torch.where(k > 0, k, 40)
+    want_k = vllm_rules(z / tau[:, None], kk, p, mp)
+    margin_k = margins(z / tau[:, None], kk, p, mp)
+    yk = torch.tensor([int(want_k[r].nonzero()[0, 0]) for r in range(R)])
+    k_ids, k_off, k_rest, _, _ = kept_sets(z[None], rows_b, rows_t, yk, tau, kk, p, mp, block_rows=13)
+    bad += compare("package float64, top-k path", (k_ids, k_off), want_k, margin_k, 1e-12, report)
     # float32 logits (exactly the float64 values rounded): s = z / tau in float32 moves decisions within
     # ~1e-6 of their thresholds, the float32 sums within ~1e-6 of the cumulative masses
     z32 = z.float()
@@ -159,6 +166,7 @@ def test_kept_sets_follow_vllm_rules(seed):
     assert not bad, f"kept sets differ from vLLM's rules at rows {bad}: {report}"
     # the built rows decide exactly at the threshold and are compared, not skipped
     assert report["reference float64"][2] == 0 and report["package float64"][2] == 0, report
+    assert report["package float64, top-k path"][2] == 0 and not k_rest.any(), report
     assert report["package float32"][2] <= 2, report
 
 
@@ -210,8 +218,8 @@ def test_metrics_match_reference():
 
 
 def test_recompute_is_blockwise(monkeypatch):
-    """The recompute sorts blocks of at most rows_per_block(V) rows (here 4), never all M rows at once,
-    and the blocks do not change the result; a row holding NaN or +inf is flagged; bfloat16 logits are
+    """The recompute sorts blocks of at most rows_per_block(V) rows (here 4), never all M rows at once
+    (with a top_k on every row, only each row's candidates), and the blocks do not change the result; a row holding NaN or +inf is flagged; bfloat16 logits are
     upcast (the sets of the bf16 values)."""
     import gtpo_kernels.kernels.kept_set as ks
     g = torch.Generator().manual_seed(5)
@@ -229,7 +237,10 @@ def test_recompute_is_blockwise(monkeypatch):
     real_sort = torch.sort
     monkeypatch.setattr(torch, "sort", lambda x, *a, **kw: shapes.append(tuple(x.shape)) or real_sort(x, *a, **kw))
     blocked = kept_sets(z[None], rb, rt, y, 1.0, k, p, mp)
-    assert shapes and max(s[0] for s in shapes) == 4 and len(shapes) == 5
+    assert len(shapes) >= 5 and max(s[0] for s in shapes) == 4  # 5 blocks of at most 4 rows
+    shapes.clear()
+    kept_sets(z[None], rb, rt, y, 1.0, torch.full((M,), 5), p, mp)
+    assert shapes and all(s[0] <= 4 and s[1] < V for s in shapes)  # with top_k: only the candidates
     for a, b in zip(whole, blocked):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     assert blocked[3].nonzero().squeeze(1).tolist() == [7, 11]

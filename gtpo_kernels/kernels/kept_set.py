@@ -10,8 +10,9 @@ accumulation dtype, in vLLM's order:
 
 then entries at s = -inf (probability 0) are dropped, and the sampled token is added back where float
 differences left it out (`restored`). One ascending stable sort per block serves both top-k (the k-th
-largest remaining value is at position V - k, the removed entries being -inf at the front) and top-p.
-Memory: a block of rows_per_block(V) rows of V values (and their sort indices), never (M, V); the output
+largest remaining value is at position V - k, the removed entries being -inf at the front) and top-p;
+when every row of the block has a top_k (<= TOPK_PATH), only the candidates at or above the k-th value
+are sorted (torch.topk, then a stable sort of a few hundred entries per row). Memory: a block of rows_per_block(V) rows of V values (and their sort indices), never (M, V); the output
 is the compressed layout (token_ids, offsets), ids ascending within a set. The output's size is only
 known on the host: one read per block (the number of kept entries).
 """
@@ -37,20 +38,39 @@ def _param(x, sl, off, dtype, device):
     return torch.full((sl.stop - sl.start,), x, dtype=dtype, device=device)
 
 
+# the top-k path sorts only the candidates when every row of a block has 0 < top_k <= TOPK_PATH
+TOPK_PATH = 4096
+
+
+def _ascending(sm, k):
+    """(values ascending, their ids) of each row of sm (R, V) that top-k leaves (ties by ascending id),
+    the removed entries as -inf at the front. With every k in (0, TOPK_PATH] only the candidates
+    s >= the k-th largest value are sorted (their count: one host read); else the whole row."""
+    R, V = sm.shape
+    ninf = float("-inf")
+    if bool(((k > 0) & (k <= min(TOPK_PATH, V - 1))).all()):
+        kth = torch.topk(sm, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        cand = torch.where(sm >= kth, sm, torch.full_like(sm, ninf))
+        vals, idx = torch.topk(cand, int((cand > ninf).sum(-1).max().clamp(min=1)), dim=-1)
+        idx, perm = torch.sort(idx, dim=-1)  # ids ascending, then a stable sort by value
+        srt, p2 = torch.sort(vals.gather(1, perm), dim=-1, stable=True)
+        return srt, idx.gather(1, p2)
+    srt, idx = torch.sort(sm, dim=-1, stable=True)
+    # top-k: the k-th largest remaining value sits at V - k of the ascending sort (k = 0 or >= V: off)
+    on_k = (k > 0) & (k < V)
+    kth = srt.gather(1, (V - k.clamp(1, V))[:, None])
+    kth = torch.where(on_k[:, None], kth, torch.full_like(kth, ninf))
+    return torch.where(srt >= kth, srt, torch.full_like(srt, ninf)), idx  # a prefix: still sorted
+
+
 def _block(s, k, top_p, min_p):
     """keep (R, V) bool of one block of s (R, V) (NaN already replaced by -inf)."""
-    R, V = s.shape
     ninf = float("-inf")
     keep = s > ninf
     mx = s.max(-1, keepdim=True).values
     mx = torch.where(mx == ninf, torch.zeros_like(mx), mx)
     keep &= torch.exp(s - mx) >= min_p[:, None]  # min_p = 0 keeps every entry
-    srt, idx = torch.sort(torch.where(keep, s, torch.full_like(s, ninf)), dim=-1, stable=True)
-    # top-k: the k-th largest remaining value sits at V - k of the ascending sort (k = 0 or >= V: off)
-    on_k = (k > 0) & (k < V)
-    kth = srt.gather(1, (V - k.clamp(1, V))[:, None])
-    kth = torch.where(on_k[:, None], kth, torch.full_like(kth, ninf))
-    srt = torch.where(srt >= kth, srt, torch.full_like(srt, ninf))  # a prefix: still sorted
+    srt, idx = _ascending(torch.where(keep, s, torch.full_like(s, ninf)), k)
     # top-p on what remains (top_p = 1: off, so that underflowed masses are not removed)
     prob = torch.softmax(srt, dim=-1)
     cum = torch.cumsum(prob, dim=-1)
