@@ -8,7 +8,7 @@ from conftest import TOL, assert_grad_close, assert_value_close
 
 import gtpo_reference as ref
 from gtpo_kernels.core.sampling import check_sampling_mask
-from gtpo_kernels.kernels.replay import counted_rows, replay_logprobs
+from gtpo_kernels.kernels.replay import counted_rows, replay_logprobs, tile_union
 
 
 def rollout(seed, B=3, T=6, V=300, dtype=torch.float32, top_k=50, top_p=0.95, start=1):
@@ -149,3 +149,28 @@ def test_malformed_offsets_unvalidated_all_nan(backend):
     rb, rt = counted_rows(mask, mask.shape)
     lp, h, _ = replay_logprobs(z, rb, rt, y, 1.0, ids, off, invalid=invalid, backend=backend)
     assert torch.isnan(lp).all() and torch.isnan(h).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tile_union_replay_equals_full_rows(backend):
+    """A head tile projects only the union of its tokens' kept sets: replay on those columns gives the
+    full rows' logp, H and (scattered back) gradient."""
+    z, mask, tau, y, (ids, off) = rollout(6, start=0, V=400)
+    rb, rt = counted_rows(mask, mask.shape)
+    M = y.numel()
+    x = z.clone().requires_grad_()
+    lp, h, _ = replay_logprobs(x, rb, rt, y, tau[mask], ids, off, backend=backend)
+    (lp.sum() + h.sum()).backward()
+    m0, m1 = 2, M - 1
+    union, local, loff, y_t = tile_union(ids, off, y, m0, m1)
+    assert union.numel() < z.shape[-1] and torch.equal(union[local], ids[int(off[m0]):int(off[m1])])
+    zt = z[rb[m0:m1], rt[m0:m1]][:, union][None].clone().requires_grad_()  # (1, tile, U)
+    at = torch.arange(m1 - m0)
+    assert torch.equal(union[y_t], y[m0:m1])
+    lpt, ht, _ = replay_logprobs(zt, torch.zeros_like(at), at, y_t, tau[mask][m0:m1], local, loff,
+                                 backend=backend)
+    (lpt.sum() + ht.sum()).backward()
+    assert torch.allclose(lpt, lp[m0:m1], atol=1e-6, rtol=0) and torch.allclose(ht, h[m0:m1], atol=1e-6, rtol=0)
+    full = torch.zeros(m1 - m0, z.shape[-1])
+    full[:, union] = zt.grad[0]
+    assert torch.allclose(full, x.grad[rb[m0:m1], rt[m0:m1]], atol=1e-6, rtol=0)

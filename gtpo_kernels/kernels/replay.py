@@ -108,3 +108,20 @@ def replay_metrics(offsets, restored=None, kept_mass=None):
     if kept_mass is not None:
         out["kept_mass"] = kept_mass.float().sum() / n
     return out
+
+
+def tile_union(token_ids, offsets, y, m0, m1, k0=None, k1=None):
+    """The union U of the kept sets of counted tokens m0..m1-1 (a tile of the fused head), sorted, and
+    those tokens' sets and sampled ids y rewritten as columns of U: (union (U,), local_ids (k1 - k0,),
+    local_offsets (m1 - m0 + 1,), local_y (m1 - m0,); a sampled id outside U becomes -1, which the replay
+    flags). The head projects only W[union] for the tile, z_tile = h_tile @ W[union].T, and replays on
+    z_tile viewed as (1, m1 - m0, U) with rows_t = arange and the local sets: the same logp, H and,
+    scattered back through union, the same gradient as on the full rows. k0, k1 = offsets[m0],
+    offsets[m1] as Python ints when the caller holds the offsets on the host (else read here)."""
+    k0 = int(offsets[m0]) if k0 is None else k0
+    k1 = int(offsets[m1]) if k1 is None else k1
+    union, local = torch.unique(token_ids[k0:k1], sorted=True, return_inverse=True)
+    yt = y[m0:m1].long()
+    col = torch.searchsorted(union, yt).clamp_(max=max(union.numel() - 1, 0))
+    hit = union[col] == yt if union.numel() else torch.zeros_like(yt, dtype=torch.bool)
+    return union, local, offsets[m0:m1 + 1] - k0, torch.where(hit, col, torch.full_like(col, -1))
