@@ -198,7 +198,7 @@ def test_sampled_token_restored():
 def test_metrics_match_reference():
     """kept_mass, mean_kept_size, replay_restored_frac: the recompute's and the two-pass forms against the
     reference's sums."""
-    from gtpo_kernels.kernels.replay import counted_rows, kept_mass_from_logps, replay_logprobs, replay_metrics
+    from gtpo_kernels.kernels.replay import kept_mass_from_logps, replay_logprobs, replay_metrics
     g = torch.Generator().manual_seed(3)
     z, k, p, mp = random_rows(g, 24, 120)
     z[:, :3] = torch.randn(24, 3, generator=g, dtype=torch.float64)  # finite target candidates

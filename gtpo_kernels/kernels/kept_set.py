@@ -12,9 +12,10 @@ then entries at s = -inf (probability 0) are dropped, and the sampled token is a
 differences left it out (`restored`). One ascending stable sort per block serves both top-k (the k-th
 largest remaining value is at position V - k, the removed entries being -inf at the front) and top-p;
 when every row of the block has a top_k (<= TOPK_PATH), only the candidates at or above the k-th value
-are sorted (torch.topk, then a stable sort of a few hundred entries per row). Memory: a block of rows_per_block(V) rows of V values (and their sort indices), never (M, V); the output
-is the compressed layout (token_ids, offsets), ids ascending within a set. The output's size is only
-known on the host: one read per block (the number of kept entries).
+are sorted (torch.topk, then a stable sort of a few hundred entries per row). Memory: a block of
+rows_per_block(V) rows of V values (and their sort indices), never (M, V); the output is the compressed
+layout (token_ids, offsets), ids ascending within a set. Its size is only known on the host: one read
+per block (the number of kept entries; the top-k path one more, the candidates' count).
 """
 from __future__ import annotations
 
