@@ -147,3 +147,25 @@ def test_packed_ambiguous_shape_refused():
     cu = torch.tensor([0, 1, 2])  # B == N == 2
     with pytest.raises(ValueError, match=r"ambiguous when B == N = 2"):
         per_token("top_p", torch.tensor([0.9, 0.8]), 2, None, 2, DEV, cu_seqlens=cu)
+
+
+def test_flat_layout_mask():
+    """The flat layout (one set per flat token, empty where uncounted): offsets spread without a host
+    read; problems flagged at the token's flat position; a wrong number of sets makes every token invalid."""
+    from gtpo_kernels.core.sampling import check_sampling_mask_flat, flat_offsets
+    ids, off, y = _mask()
+    counted = torch.tensor([False, True, True, False, True, False])
+    flat_ids = torch.tensor([9, 1, 4, 9, 2, 9])
+    flat, mismatch = flat_offsets(off, counted)
+    assert flat.tolist() == [0, 0, 2, 3, 3, 6, 6] and not bool(mismatch)
+    t, f, invalid = check_sampling_mask_flat((ids, off), flat_ids, counted, 6)
+    assert torch.equal(f, flat) and not invalid.any()
+    with pytest.raises(ValueError, match=r"counted token 1 \(flat position 2\) does not contain the sampled token 3"):
+        check_sampling_mask_flat((ids, off), torch.tensor([9, 1, 3, 9, 2, 9]), counted, 6)
+    _, _, invalid = check_sampling_mask_flat((ids, off), torch.tensor([9, 1, 3, 9, 2, 9]), counted, 6, validate=False)
+    assert invalid.tolist() == [False, False, True, False, False, False]
+    for wrong in (off[:-1], torch.cat([off, off[-1:]])):  # M - 1 or M + 1 sets
+        _, _, invalid = check_sampling_mask_flat((ids, wrong), flat_ids, counted, 6, validate=False)
+        assert invalid.all()
+        with pytest.raises(ValueError, match=r"offsets must have shape \(M \+ 1,\) = \(4,\)"):
+            check_sampling_mask_flat((ids, wrong), flat_ids, counted, 6)

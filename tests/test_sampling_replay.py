@@ -174,3 +174,29 @@ def test_tile_union_replay_equals_full_rows(backend):
     full = torch.zeros(m1 - m0, z.shape[-1])
     full[:, union] = zt.grad[0]
     assert torch.allclose(full, x.grad[rb[m0:m1], rt[m0:m1]], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_flat_layout_equals_counted_layout(backend):
+    """Running over every flat token (rows and set offsets built without a host read, uncounted tokens
+    with empty sets) gives the counted layout's values and gradient, and 0 at uncounted tokens."""
+    from gtpo_kernels.core.sampling import check_sampling_mask_flat
+    from gtpo_kernels.kernels.replay import flat_rows
+    start = 1
+    z, mask, tau, y, (ids, off) = rollout(7, start=start)
+    rb, rt = counted_rows(mask, mask.shape, start)
+    x = z.clone().requires_grad_()
+    lp, h, _ = replay_logprobs(x, rb, rt, y, tau[mask], ids, off, backend=backend)
+    (lp.sum() + h.sum()).backward()
+    flat_y = torch.zeros(mask.shape, dtype=torch.long).masked_scatter(mask, y).reshape(-1)
+    flat_y[~mask.reshape(-1)] = -100  # anything at uncounted positions
+    tok, f_off, invalid = check_sampling_mask_flat((ids, off), flat_y, mask, z.shape[-1], validate=False)
+    assert not invalid.any()
+    fb, ft = flat_rows(mask.shape, start, z.device)
+    xf = z.clone().requires_grad_()
+    lpf, hf, flags = replay_logprobs(xf, fb, ft, flat_y, tau.reshape(-1), tok, f_off, invalid=invalid,
+                                     backend=backend, counted=mask.reshape(-1))
+    (lpf.sum() + hf.sum()).backward()
+    assert (flags == 0).all() and (lpf[~mask.reshape(-1)] == 0).all() and (hf[~mask.reshape(-1)] == 0).all()
+    assert torch.equal(lpf[mask.reshape(-1)], lp) and torch.equal(hf[mask.reshape(-1)], h)
+    assert torch.equal(xf.grad, x.grad)

@@ -123,16 +123,17 @@ def check_exclusive(sampling_mask, top_k, top_p, min_p):
 
 def unpack_mask(sampling_mask, M, device):
     """(token_ids, offsets) as int64 tensors on `device`; types and shapes checked (no device read):
-    offsets (M + 1,) for the M counted tokens, token_ids 1-D."""
+    offsets (M + 1,) for the M counted tokens (M None: any length >= 1), token_ids 1-D."""
     if not (isinstance(sampling_mask, (tuple, list)) and len(sampling_mask) == 2):
         raise TypeError("sampling_mask must be a pair (token_ids, offsets) of integer tensors (the "
                         f"compressed layout of vLLM's SamplingMask), got {type(sampling_mask).__name__}")
     token_ids, offsets = sampling_mask
     check_int_tensor("sampling_mask.token_ids", token_ids)
     check_int_tensor("sampling_mask.offsets", offsets)
-    if offsets.dim() != 1 or offsets.numel() != M + 1:
-        raise ValueError(f"sampling_mask.offsets must have shape (M + 1,) = ({M + 1},), one set per counted "
-                         f"token (M = {M}), got {tuple(offsets.shape)}")
+    if offsets.dim() != 1 or (offsets.numel() != M + 1 if M is not None else offsets.numel() < 1):
+        want = "(M + 1,), one set per counted token" if M is None else \
+            f"(M + 1,) = ({M + 1},), one set per counted token (M = {M})"
+        raise ValueError(f"sampling_mask.offsets must have shape {want}, got {tuple(offsets.shape)}")
     if token_ids.dim() != 1:
         raise ValueError(f"sampling_mask.token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
     return token_ids.to(device=device, dtype=torch.long), offsets.to(device=device, dtype=torch.long)
@@ -194,3 +195,30 @@ def check_sampling_mask(sampling_mask, y, V, validate=True, positions=None):
             raise ValueError(f"sampling_mask: the kept set of {where} {what}; "
                              f"{int((code != 0).sum())} set(s) are invalid")
     return token_ids, offsets, (code != 0) | malformed
+
+
+def flat_offsets(offsets, counted):
+    """Offsets (n + 1,) over the n flat tokens of the batch from the (M + 1,) offsets over the counted
+    ones: an uncounted token gets an empty set, so kernels can run over the flat tokens (no host read for
+    M). Also returns a 0-d bool: offsets does not have M + 1 entries (then every token is invalid)."""
+    c = counted.reshape(-1).long()
+    excl = torch.cat([c.new_zeros(1), torch.cumsum(c, 0)])  # counted tokens before each flat token
+    last = offsets.numel() - 1
+    return offsets.long()[excl.clamp(max=last)], excl[-1] != last
+
+
+def check_sampling_mask_flat(sampling_mask, ids, counted, V, validate=True):
+    """check_sampling_mask in the flat layout the kernels read without a host read: ids, counted (n,) of
+    the batch; returns (token_ids int64, flat offsets (n + 1,), invalid (n,) bool, False at uncounted
+    tokens unless the mask is malformed). Validating, the errors are check_sampling_mask's (host reads;
+    the token named by its flat position); unvalidated, a wrong number of sets makes every token
+    invalid."""
+    counted = counted.reshape(-1).bool()
+    if validate:
+        pos = counted.nonzero().squeeze(1)
+        token_ids, offsets, _ = check_sampling_mask(sampling_mask, ids.reshape(-1)[pos], V, True, pos)
+    else:
+        token_ids, offsets = unpack_mask(sampling_mask, None, ids.device)
+    flat, mismatch = flat_offsets(offsets, counted)
+    malformed, code = mask_problems(token_ids, flat, ids.reshape(-1), V)
+    return token_ids, flat, ((code != 0) & counted) | malformed | mismatch

@@ -39,6 +39,18 @@ def counted_rows(counted, tok_shape, logits_start=0):
     return torch.zeros_like(k), k + logits_start
 
 
+def flat_rows(tok_shape, logits_start, device):
+    """(rows_b, rows_t) of every flat token (n,), counted or not, with no host read: padded (B, T) ->
+    row (j // T, logits_start + j % T); packed (N,) -> row (0, logits_start + j)."""
+    n = 1
+    for d in tok_shape:
+        n *= d
+    j = torch.arange(n, device=device)
+    if len(tok_shape) == 2:
+        return j // tok_shape[1], j % tok_shape[1] + logits_start
+    return torch.zeros_like(j), j + logits_start
+
+
 def _nan_where(bad, x):
     b = bad if x.dim() == 1 else bad[:, None]
     return torch.where(b, torch.full_like(x, float("nan")), x)
@@ -46,14 +58,20 @@ def _nan_where(bad, x):
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid, scale, softcap, backend):
+    def forward(ctx, logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid, counted, scale, softcap,
+                backend):
         impl = _impl(backend)
         logp, ent, stats, flags = impl.replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids, offsets,
                                                   scale, softcap)
+        if counted is not None:  # flat layout: uncounted tokens have empty sets, outputs 0, no flag
+            flags = torch.where(counted, flags, torch.zeros_like(flags))
         bad = flags != 0
         if invalid is not None:
             bad = bad | invalid
         logp, ent, stats = _nan_where(bad, logp), _nan_where(bad, ent), _nan_where(bad, stats)
+        if counted is not None:
+            logp = torch.where(counted, logp, torch.zeros_like(logp))
+            ent = torch.where(counted, ent, torch.zeros_like(ent))
         ctx.save_for_backward(logits3, rows_b, rows_t, y, tau if isinstance(tau, torch.Tensor) else None,
                               token_ids, offsets, stats, ent)
         ctx.meta = (tau if not isinstance(tau, torch.Tensor) else None, scale, softcap, backend)
@@ -66,29 +84,32 @@ class _Replay(torch.autograd.Function):
         logits3, rows_b, rows_t, y, tau_t, token_ids, offsets, stats, ent = ctx.saved_tensors
         tau_n, scale, softcap, backend = ctx.meta
         if not ctx.needs_input_grad[0] or (g_logp is None and g_ent is None):
-            return (None,) * 11
+            return (None,) * 12
         c = torch.zeros_like(ent) if g_logp is None else g_logp.to(ent.dtype)
         e = None if g_ent is None else g_ent.to(ent.dtype)
         grad3 = torch.zeros_like(logits3)  # exactly 0 outside the kept sets
         _impl(backend).replay_bwd(logits3, grad3, rows_b, rows_t, y, tau_n if tau_t is None else tau_t,
                                   token_ids, offsets, stats, ent, c, e, scale, softcap)
-        return (grad3,) + (None,) * 10
+        return (grad3,) + (None,) * 11
 
 
 def replay_logprobs(logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid=None, scale=1.0,
-                    softcap=None, backend="auto"):
+                    softcap=None, backend="auto", counted=None):
     """logits3 (B, T_l, V) raw logits (vocabulary stride 1 for 'triton'); rows_b, rows_t, y (M,) int:
-    each counted token's logits row and sampled id; tau a number or (M,) tensor; token_ids (K,),
-    offsets (M + 1,) int64, the kept sets; invalid None or (M,) bool. Returns logp (M,), entropy (M,)
-    (float32, float64 for float64 logits; differentiable w.r.t. logits3) and the int8 flags (M,) of
-    core/flags (nonzero: that token's outputs are NaN)."""
+    each token's logits row and sampled id; tau a number or (M,) tensor; token_ids (K,), offsets
+    (M + 1,) int64, the kept sets; invalid None or (M,) bool. Returns logp (M,), entropy (M,) (float32,
+    float64 for float64 logits; differentiable w.r.t. logits3) and the int8 flags (M,) of core/flags
+    (nonzero: that token's outputs are NaN). The tokens are the counted ones (counted_rows), or, with
+    `counted` (M,) bool, every flat token (flat_rows, core.sampling.flat_offsets: no host read), the
+    uncounted ones with empty sets and outputs 0."""
     check_transforms(scale, softcap)
     backend = resolve_backend(backend, logits3.device, logits3.dtype)
     if backend == "reference":
         backend = "torch"
     if backend == "triton" and logits3.stride(-1) != 1:
         logits3 = logits3.contiguous()
-    return _Replay.apply(logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid, scale, softcap, backend)
+    return _Replay.apply(logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid, counted, scale, softcap,
+                         backend)
 
 
 def kept_mass_from_logps(logp_full, logp_kept):
