@@ -169,3 +169,29 @@ def test_flat_layout_mask():
         assert invalid.all()
         with pytest.raises(ValueError, match=r"offsets must have shape \(M \+ 1,\) = \(4,\)"):
             check_sampling_mask_flat((ids, wrong), flat_ids, counted, 6)
+
+
+def test_unvalidated_rules_and_temperature_give_nan():
+    """Unvalidated, a token with top_p 0, top_k -1, min_p 1 or tau <= 0 gets NaN outputs after the
+    recompute and the replay; the other tokens stay finite (the invalid values act as 'off' meanwhile)."""
+    from gtpo_kernels.kernels.kept_set import kept_sets
+    from gtpo_kernels.kernels.replay import counted_rows, replay_logprobs
+    g = torch.Generator().manual_seed(0)
+    Bc, Tc, V = 2, 4, 50
+    z = torch.randn(Bc, Tc, V, generator=g) * 3
+    y = torch.randint(0, V, (Bc, Tc), generator=g)
+    counted = torch.ones(Bc, Tc, dtype=torch.bool)
+    n = Bc * Tc
+    args = (Bc, Tc, n, DEV)
+    tau, bad_t = check_temperature(torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]), *args, validate=False)
+    k, bad_k = check_rule("top_k", torch.tensor([[5, 5, -1, 5], [5, 5, 5, 5]]), *args, validate=False)
+    p, bad_p = check_rule("top_p", torch.tensor([[0.9, 0.9, 0.9, 0.0], [0.9, 0.9, 0.9, 0.9]]), *args, validate=False)
+    mp, bad_m = check_rule("min_p", torch.tensor([[0.0] * 4, [1.0, 0.0, 0.0, 0.0]]), *args, validate=False)
+    invalid = bad_t | bad_k | bad_p | bad_m
+    assert invalid.nonzero().squeeze(1).tolist() == [1, 2, 3, 4]
+    rb, rt = counted_rows(counted, (Bc, Tc))
+    tau_safe = torch.where(bad_t, torch.ones_like(tau), tau)  # a kernel never divides by an invalid tau
+    ids, off, _, nonfinite, _ = kept_sets(z, rb, rt, y.reshape(-1), tau_safe, k, p, mp)
+    lp, h, _ = replay_logprobs(z, rb, rt, y.reshape(-1), tau_safe, ids, off, invalid=invalid | nonfinite)
+    assert torch.isnan(lp[invalid]).all() and torch.isnan(h[invalid]).all()
+    assert torch.isfinite(lp[~invalid]).all() and torch.isfinite(h[~invalid]).all()
