@@ -61,23 +61,23 @@ def kept_set_row(s, top_k=0, top_p=1.0, min_p=0.0):
        whose cumulative mass is <= 1 - top_p, always keeping the last (largest) one.
     Entries at s = -inf (probability 0: the sampler never draws them) are never in K."""
     s = s.to(_F64)
-    V = s.numel()
-    keep = [float(s[v]) > float("-inf") for v in range(V)]
+    x = s.tolist()  # Python floats (float64), read once
+    V = len(x)
+    keep = [x[v] > float("-inf") for v in range(V)]
     if min_p > 0:
-        p = torch.softmax(s, 0)
-        bar = min_p * float(p.max())
-        keep = [keep[v] and bool(p[v] >= bar) for v in range(V)]
+        p = torch.softmax(s, 0).tolist()
+        bar = min_p * max(p)
+        keep = [keep[v] and p[v] >= bar for v in range(V)]
     if top_k and top_k > 0:
-        vals = sorted((float(s[v]) for v in range(V) if keep[v]), reverse=True)
+        vals = sorted((x[v] for v in range(V) if keep[v]), reverse=True)
         if top_k < len(vals):
             kth = vals[top_k - 1]
-            keep = [keep[v] and float(s[v]) >= kth for v in range(V)]
+            keep = [keep[v] and x[v] >= kth for v in range(V)]
     if top_p < 1:
-        order = sorted((v for v in range(V) if keep[v]), key=lambda v: (float(s[v]), v))
-        q = torch.softmax(s[torch.tensor(order, dtype=torch.long)], 0)
-        cum = torch.cumsum(q, 0)
+        order = sorted((v for v in range(V) if keep[v]), key=lambda v: (x[v], v))
+        cum = torch.cumsum(torch.softmax(s[torch.tensor(order, dtype=torch.long)], 0), 0).tolist()
         for j, v in enumerate(order[:-1]):  # the last (largest) is always kept
-            if float(cum[j]) <= 1 - top_p:
+            if cum[j] <= 1 - top_p:
                 keep[v] = False
     return torch.tensor([v for v in range(V) if keep[v]], dtype=torch.long)
 
