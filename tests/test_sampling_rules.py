@@ -142,7 +142,6 @@ def test_kept_sets_follow_vllm_rules(seed):
     y = torch.tensor([int(want[r].nonzero()[0, 0]) for r in range(R)])
     r_ids, r_off, r_rest = ref.kept_sets(z, tau, k, p, mp, y)
     bad = compare("reference float64", (r_ids, r_off), want, margin, 1e-12, report)
-    assert not r_rest.any()
     p_ids, p_off, _, _, _ = kept_sets(z[None], rows_b, rows_t, y, tau, k, p, mp, block_rows=13)
     bad += compare("package float64", (p_ids, p_off), want, margin, 1e-12, report)
     # every row with a top_k: the blocks take the path that sorts only the candidates
@@ -165,7 +164,7 @@ def test_kept_sets_follow_vllm_rules(seed):
                       for n, t in report.items()))
     assert not bad, f"kept sets differ from vLLM's rules at rows {bad}: {report}"
     # the built rows decide exactly at the threshold and are compared, not skipped
-    assert report["reference float64"][2] == 0 and report["package float64"][2] == 0, report
+    assert report["reference float64"][2] == 0 and report["package float64"][2] == 0 and not r_rest.any(), report
     assert report["package float64, top-k path"][2] == 0 and not k_rest.any(), report
     assert report["package float32"][2] <= 2, report
 
