@@ -56,22 +56,28 @@ def _nan_where(bad, x):
     return torch.where(b, torch.full_like(x, float("nan")), x)
 
 
+def finish(logp, ent, stats, flags, invalid=None, counted=None):
+    """The forward's outputs as the callers see them: NaN (logp, H, stats) where the kernel flagged the
+    token or `invalid` (M,) says so; with `counted` (flat layout), the uncounted tokens (empty sets) get
+    0 and no flag."""
+    if counted is not None:
+        flags = torch.where(counted, flags, torch.zeros_like(flags))
+    bad = flags != 0
+    if invalid is not None:
+        bad = bad | invalid
+    logp, ent, stats = _nan_where(bad, logp), _nan_where(bad, ent), _nan_where(bad, stats)
+    if counted is not None:
+        logp = torch.where(counted, logp, torch.zeros_like(logp))
+        ent = torch.where(counted, ent, torch.zeros_like(ent))
+    return logp, ent, stats, flags
+
+
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid, counted, scale, softcap,
                 backend):
-        impl = _impl(backend)
-        logp, ent, stats, flags = impl.replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids, offsets,
-                                                  scale, softcap)
-        if counted is not None:  # flat layout: uncounted tokens have empty sets, outputs 0, no flag
-            flags = torch.where(counted, flags, torch.zeros_like(flags))
-        bad = flags != 0
-        if invalid is not None:
-            bad = bad | invalid
-        logp, ent, stats = _nan_where(bad, logp), _nan_where(bad, ent), _nan_where(bad, stats)
-        if counted is not None:
-            logp = torch.where(counted, logp, torch.zeros_like(logp))
-            ent = torch.where(counted, ent, torch.zeros_like(ent))
+        logp, ent, stats, flags = finish(*_impl(backend).replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids,
+                                                                   offsets, scale, softcap), invalid, counted)
         ctx.save_for_backward(logits3, rows_b, rows_t, y, tau if isinstance(tau, torch.Tensor) else None,
                               token_ids, offsets, stats, ent)
         ctx.meta = (tau if not isinstance(tau, torch.Tensor) else None, scale, softcap, backend)
