@@ -1,0 +1,224 @@
+"""Arguments of the sampler's distribution (spec 13): temperature per token, the kept sets given as
+`sampling_mask = (token_ids, offsets)`, and the truncation rules `top_k`, `top_p`, `min_p`.
+
+Shapes and Python numbers are always checked (no device read). What only the tensors' values can show
+(a temperature <= 0, an id out of range, malformed offsets ...) is one device-side predicate per idea,
+read on the host once when validating (a clear error naming the argument and the token) and otherwise
+returned as a per-token `invalid` flag, with which the caller makes that token's outputs NaN.
+
+Tokens are numbered in the packed order of the counted tokens (padded form: row-major over counted
+positions), M of them; per-token tensors of the batch are flat, n = B * T (padded) or N (packed).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .checks import check_int_tensor, check_tensor
+
+
+def _is_number(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def per_token(name, x, B, T, n, device, cu_seqlens=None):
+    """x as a flat (n,) tensor on `device`, or the number itself: a number; per completion (B,) or
+    (B, 1); per token (B, T) (padded) or (n,) (packed, n = N, with cu_seqlens). A shape that could mean
+    both (packed with B == N) is refused."""
+    if _is_number(x):
+        return x
+    check_tensor(name, x)
+    x = x.detach().to(device)
+    shape = tuple(x.shape)
+    packed = cu_seqlens is not None
+    if packed and B == n and shape == (n,):
+        raise ValueError(f"{name} of shape {shape} is ambiguous when B == N = {n} (per completion or per "
+                         f"token): pass a number, or expand it per token and pass a ({n},) tensor with B != N")
+    if not packed and shape == (B, T):
+        return x.reshape(n)
+    if packed and shape == (n,):
+        return x
+    if shape in ((B,), (B, 1)):
+        x = x.reshape(B)
+        if not packed:
+            return x[:, None].expand(B, T).reshape(n)
+        seg = torch.searchsorted(cu_seqlens[1:].to(device=device, dtype=torch.long),
+                                 torch.arange(n, device=device), right=True).clamp_(max=max(B - 1, 0))
+        return x[seg]
+    want = f"({n},) (per token, packed)" if packed else f"({B}, {T}) (per token)"
+    raise ValueError(f"{name} must be a number, a tensor per completion ({B},) or ({B}, 1), or {want}; "
+                     f"got shape {shape}")
+
+
+def _first(bad):
+    return int(bad.nonzero()[0, 0])
+
+
+def _refuse(name, bad, values, want, counted=None):
+    """Host read (validating): raise naming the first counted token whose value is out of range."""
+    if counted is not None:
+        bad = bad & counted
+    if bool(bad.any()):
+        k = _first(bad)
+        raise ValueError(f"{name} must be {want}; flat token position {k} holds {values[k].item()!r}")
+
+
+def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=None, validate=True):
+    """tau (spec 13): a finite number > 0, or a tensor (per completion / per token) of them.
+    Returns (tau: a number or a float32 (n,) tensor, invalid: None or an (n,) bool tensor)."""
+    if _is_number(temperature):
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+        return float(temperature), None
+    if isinstance(temperature, torch.Tensor) and not temperature.dtype.is_floating_point:
+        raise TypeError(f"temperature must be a number or a floating-point tensor, got {temperature.dtype}")
+    tau = per_token("temperature", temperature, B, T, n, device, cu_seqlens).float()
+    bad = ~(torch.isfinite(tau) & (tau > 0))
+    if validate:
+        _refuse("temperature", bad, tau, "finite and > 0 at counted tokens", counted)
+    return tau, bad
+
+
+_RULES = {  # name: (test of a valid value, what is expected, integer?)
+    "top_k": (lambda x: x >= 0, "an integer >= 0 (0: off)", True),
+    "top_p": (lambda x: (x > 0) & (x <= 1), "in (0, 1] (1: off)", False),
+    "min_p": (lambda x: (x >= 0) & (x < 1), "in [0, 1) (0: off)", False),
+}
+
+
+def check_rule(name, x, B, T, n, device, cu_seqlens=None, counted=None, validate=True):
+    """One of top_k, top_p, min_p: None, a number, or a tensor per completion / per token.
+    Returns (None | number | (n,) tensor (int64 for top_k, float32 else), invalid None | (n,) bool)."""
+    ok, want, integer = _RULES[name]
+    if x is None:
+        return None, None
+    if _is_number(x):
+        if integer and not isinstance(x, numbers.Integral):
+            raise TypeError(f"{name} must be an int or an integer tensor, got {x!r}")
+        if not (math.isfinite(x) and ok(x)):
+            raise ValueError(f"{name} must be {want}, got {x!r}")
+        return (int(x) if integer else float(x)), None
+    check_tensor(name, x)
+    if integer:
+        check_int_tensor(name, x)
+    elif not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a number or a floating-point tensor, got {x.dtype}")
+    v = per_token(name, x, B, T, n, device, cu_seqlens)
+    v = v.long() if integer else v.float()
+    bad = ~ok(v) if integer else ~(torch.isfinite(v) & ok(v))
+    if validate:
+        _refuse(name, bad, v, want + " at counted tokens", counted)
+    return v, bad
+
+
+def check_exclusive(sampling_mask, top_k, top_p, min_p):
+    """A recorded mask and the rules that would rebuild it are not given together (spec 13)."""
+    given = [k for k, v in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)) if v is not None]
+    if sampling_mask is not None and given:
+        raise ValueError(f"sampling_mask is given together with {', '.join(given)}: pass the recorded kept "
+                         f"sets (sampling_mask) or the rules that rebuild them, not both")
+
+
+def unpack_mask(sampling_mask, M, device):
+    """(token_ids, offsets) as int64 tensors on `device`; types and shapes checked (no device read):
+    offsets (M + 1,) for the M counted tokens (M None: any length >= 1), token_ids 1-D."""
+    if not (isinstance(sampling_mask, (tuple, list)) and len(sampling_mask) == 2):
+        raise TypeError("sampling_mask must be a pair (token_ids, offsets) of integer tensors (the "
+                        f"compressed layout of vLLM's SamplingMask), got {type(sampling_mask).__name__}")
+    token_ids, offsets = sampling_mask
+    check_int_tensor("sampling_mask.token_ids", token_ids)
+    check_int_tensor("sampling_mask.offsets", offsets)
+    if offsets.dim() != 1 or (offsets.numel() != M + 1 if M is not None else offsets.numel() < 1):
+        want = "(M + 1,), one set per counted token" if M is None else \
+            f"(M + 1,) = ({M + 1},), one set per counted token (M = {M})"
+        raise ValueError(f"sampling_mask.offsets must have shape {want}, got {tuple(offsets.shape)}")
+    if token_ids.dim() != 1:
+        raise ValueError(f"sampling_mask.token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+    return token_ids.to(device=device, dtype=torch.long), offsets.to(device=device, dtype=torch.long)
+
+
+def segment_of(offsets, K):
+    """The token (0..M-1) each of the K kept entries belongs to, from offsets (M + 1,), without a host read
+    (well defined, if meaningless, for malformed offsets)."""
+    M = offsets.numel() - 1
+    e = torch.arange(K, device=offsets.device)
+    return torch.searchsorted(offsets[1:].contiguous(), e, right=True).clamp_(max=max(M - 1, 0))
+
+
+def mask_problems(token_ids, offsets, y, V):
+    """Device-side predicates of a sampling mask (no host read): (malformed: 0-d bool, offsets not
+    non-decreasing from 0 to len(token_ids); per token (M,) int8 codes, 0 = fine: 1 an id outside
+    [0, V), 2 an id repeated in the set, 4 the sampled token y (M,) not in its set)."""
+    M, K = offsets.numel() - 1, token_ids.numel()
+    malformed = (offsets[0] != 0) | (offsets[-1] != K) | (offsets[1:] < offsets[:-1]).any()
+    code = torch.zeros(M, dtype=torch.int8, device=token_ids.device)
+    if M == 0:
+        return malformed, code
+    seg = segment_of(offsets, K)
+    out = (token_ids < 0) | (token_ids >= V)
+    key = seg * max(V, 1) + token_ids.clamp(0, max(V - 1, 0))
+    srt = torch.sort(key).values
+    dup = torch.zeros(K, dtype=torch.bool, device=token_ids.device)
+    dup[1:] = srt[1:] == srt[:-1]
+    hit = (token_ids == y.long()[seg]).to(torch.int32)
+    hits = torch.zeros(M, dtype=torch.int32, device=token_ids.device).index_add_(0, seg, hit)
+    code |= torch.zeros(M, dtype=torch.int8, device=code.device).index_add_(0, seg, out.to(torch.int8)).clamp_(max=1)
+    dup_tok = torch.zeros(M, dtype=torch.int8, device=code.device).index_add_(0, srt // max(V, 1), dup.to(torch.int8))
+    code |= dup_tok.clamp_(max=1) * 2
+    code |= (hits == 0).to(torch.int8) * 4
+    return malformed, code
+
+
+_WHAT = {1: "holds an id outside [0, V) = [0, {V})", 2: "repeats an id",
+         4: "does not contain the sampled token {y}"}
+
+
+def check_sampling_mask(sampling_mask, y, V, validate=True, positions=None):
+    """The recorded kept sets (spec 13) for the M counted tokens whose sampled ids are y (M,).
+    Returns (token_ids int64, offsets int64, invalid (M,) bool): validating, any problem raises a
+    ValueError naming the token (its flat position when `positions` (M,) is given); unvalidated,
+    malformed offsets make every token invalid, the other problems the token concerned."""
+    token_ids, offsets = unpack_mask(sampling_mask, y.numel(), y.device)
+    malformed, code = mask_problems(token_ids, offsets, y, V)
+    if validate:
+        if bool(malformed):
+            raise ValueError(f"sampling_mask.offsets must be non-decreasing from 0 to len(token_ids) = "
+                             f"{token_ids.numel()}, got first {int(offsets[0])}, last {int(offsets[-1])}"
+                             f"{', decreasing somewhere' if bool((offsets[1:] < offsets[:-1]).any()) else ''}")
+        if bool((code != 0).any()):
+            m = _first(code != 0)
+            c = int(code[m])
+            what = _WHAT[1 if c & 1 else (2 if c & 2 else 4)].format(V=V, y=int(y[m]))
+            where = f"counted token {m}" + ("" if positions is None else f" (flat position {int(positions[m])})")
+            raise ValueError(f"sampling_mask: the kept set of {where} {what}; "
+                             f"{int((code != 0).sum())} set(s) are invalid")
+    return token_ids, offsets, (code != 0) | malformed
+
+
+def flat_offsets(offsets, counted):
+    """Offsets (n + 1,) over the n flat tokens of the batch from the (M + 1,) offsets over the counted
+    ones: an uncounted token gets an empty set, so kernels can run over the flat tokens (no host read for
+    M). Also returns a 0-d bool: offsets does not have M + 1 entries (then every token is invalid)."""
+    c = counted.reshape(-1).long()
+    excl = torch.cat([c.new_zeros(1), torch.cumsum(c, 0)])  # counted tokens before each flat token
+    last = offsets.numel() - 1
+    return offsets.long()[excl.clamp(max=last)], excl[-1] != last
+
+
+def check_sampling_mask_flat(sampling_mask, ids, counted, V, validate=True):
+    """check_sampling_mask in the flat layout the kernels read without a host read: ids, counted (n,) of
+    the batch; returns (token_ids int64, flat offsets (n + 1,), invalid (n,) bool, False at uncounted
+    tokens unless the mask is malformed). Validating, the errors are check_sampling_mask's (host reads;
+    the token named by its flat position); unvalidated, a wrong number of sets makes every token
+    invalid."""
+    counted = counted.reshape(-1).bool()
+    if validate:
+        pos = counted.nonzero().squeeze(1)
+        token_ids, offsets, _ = check_sampling_mask(sampling_mask, ids.reshape(-1)[pos], V, True, pos)
+    else:
+        token_ids, offsets = unpack_mask(sampling_mask, None, ids.device)
+    flat, mismatch = flat_offsets(offsets, counted)
+    malformed, code = mask_problems(token_ids, flat, ids.reshape(-1), V)
+    return token_ids, flat, ((code != 0) & counted) | malformed | mismatch

@@ -1,0 +1,188 @@
+"""Replay over the kept sets (Triton): the math and the layout of replay_torch's docstring, one program
+per counted token, reading only its kept logits.
+
+Forward, token m: two passes over its kept ids in blocks of BLOCK_K (the second pass re-reads the same
+few hundred entries, from cache): the maximum m_K of z' over the set, the flags and z'_y; then R, the
+exponential sums and q as in replay_torch (one instance of the maximum left out, log S = log1p(R)).
+Backward: the same blocks, dL/dz_v stored at the kept positions of a zero-initialized gradient (the ids
+of a set are distinct, so no two lanes of a program write one address; tokens own distinct rows).
+Row offsets are int64 element offsets computed by the launcher (any strides; B * T_l * V passes 2**31);
+offsets into the kept ids are int64; no batch size is a compile-time constant.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, _inv_cap, _log1p, _transform,
+                        _transform_grad)
+
+BLOCK_K = 128  # kept ids per block: sets are tens to hundreds of ids (top_k 50 .. 512)
+LOG_ZERO = tl.constexpr(-1.0e4)  # log p clamp where p underflows: keeps p * (log p + H) finite
+
+
+@triton.jit(do_not_specialize=["V"])
+def _replay_fwd_kernel(
+    # pointers
+    logits_ptr, row_ptr, y_ptr, tau_ptr, ids_ptr, off_ptr,  # raw z; (M,) int64 row offsets; (M,) ids, tau; CSR
+    logp_ptr, ent_ptr, stats_ptr, bad_ptr,  # outputs (M,), (M,), (M, 3) = (m_K, log S, q), (M,) int8
+    # sizes
+    V,
+    # scalars
+    scale, softcap,
+    # meta
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    row = logits_ptr + tl.load(row_ptr + tok)  # int64 element offset of the row
+    start = tl.load(off_ptr + tok).to(tl.int64)
+    end = tl.load(off_ptr + tok + 1).to(tl.int64)
+    y = tl.load(y_ptr + tok).to(tl.int64)
+    inv_t = 1.0 / tl.load(tau_ptr + tok).to(tl.float32)
+    inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
+    lanes = tl.arange(0, BLOCK_K)
+    m_l = tl.full([BLOCK_K], float("-inf"), tl.float32)
+    flag_l = tl.zeros([BLOCK_K], tl.int32)  # BAD_NONFINITE | BAD_ID bits seen by the lane
+    found = tl.zeros([BLOCK_K], tl.int32)
+    zy_l = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(start, end, BLOCK_K):  # pass 1: maximum, flags, target
+        k = k0 + lanes
+        live = k < end
+        v = tl.load(ids_ptr + k, mask=live, other=0).to(tl.int64)
+        ok = live & (v >= 0) & (v < V)
+        z = _transform(tl.load(row + v, mask=ok, other=0.0).to(tl.float32), scale, softcap, inv_cap,
+                       HAS_SCALE, HAS_SOFTCAP)
+        nf = ok & ((z != z) | (z == float("inf")))
+        flag_l = flag_l | tl.where(nf, BAD_NONFINITE, 0) | tl.where(live & ~ok, BAD_ID, 0)
+        hit = ok & (v == y)
+        found += hit.to(tl.int32)
+        zy_l += tl.where(hit, z, 0.0)
+        m_l = tl.maximum(m_l, tl.where(ok & ~nf, z, float("-inf")))
+    mx = tl.max(m_l, axis=0)
+    m = tl.where(mx == float("-inf"), 0.0, mx)
+    r_l = tl.zeros([BLOCK_K], tl.float32)
+    u_l = tl.zeros([BLOCK_K], tl.float32)
+    o_l = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(start, end, BLOCK_K):  # pass 2: the sums relative to the maximum
+        k = k0 + lanes
+        live = k < end
+        v = tl.load(ids_ptr + k, mask=live, other=0).to(tl.int64)
+        ok = live & (v >= 0) & (v < V)
+        z = _transform(tl.load(row + v, mask=ok, other=0.0).to(tl.float32), scale, softcap, inv_cap,
+                       HAS_SCALE, HAS_SOFTCAP)
+        use = ok & (z == z) & (z > float("-inf")) & (z < float("inf"))
+        d = tl.maximum((z - m) * inv_t, LOG_ZERO)
+        ex = tl.where(use, tl.exp(d), 0.0)
+        top = use & (z == mx)
+        r_l += tl.where(top, 1.0, 0.0) + tl.where(top, 0.0, ex)  # the maximum's instances as 1 exactly
+        u_l += ex * d
+        o_l += tl.where(ok & (v == y), 0.0, ex)
+    r = tl.sum(r_l, axis=0) - 1.0  # S - 1: one instance of the maximum left out
+    s_tot = 1.0 + r
+    log_s = _log1p(r)
+    ent = log_s - tl.sum(u_l, axis=0) / s_tot
+    z_y = tl.sum(zy_l, axis=0)
+    logp = (z_y - m) * inv_t - log_s
+    q = tl.sum(o_l, axis=0) / s_tot
+    bad = tl.reduce_or(flag_l, axis=0)
+    bad = tl.where(z_y == float("-inf"), bad | BAD_TARGET_NEG_INF, bad)
+    bad = tl.where(tl.sum(found, axis=0) != 1, bad | BAD_ID, bad)
+    tl.store(logp_ptr + tok, logp)
+    tl.store(ent_ptr + tok, ent)
+    tl.store(stats_ptr + tok * 3, m)
+    tl.store(stats_ptr + tok * 3 + 1, log_s)
+    tl.store(stats_ptr + tok * 3 + 2, q)
+    tl.store(bad_ptr + tok, bad.to(tl.int8))
+
+
+@triton.jit(do_not_specialize=["V"])
+def _replay_bwd_kernel(
+    # pointers
+    logits_ptr, grad_ptr, row_ptr, grow_ptr, y_ptr, tau_ptr, ids_ptr, off_ptr,  # as forward; grad rows
+    stats_ptr, ent_ptr, c_ptr, e_ptr,  # forward's (M, 3) stats and H; c = dL/dlogp, e = dL/dH (M,)
+    # sizes
+    V,
+    # scalars
+    scale, softcap,
+    # meta
+    HAS_E: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    c = tl.load(c_ptr + tok).to(tl.float32)
+    e = 0.0
+    if HAS_E:
+        e = tl.load(e_ptr + tok).to(tl.float32)
+    if (c != 0.0) | (e != 0.0):  # a token without gradient leaves its zeros
+        row = logits_ptr + tl.load(row_ptr + tok)
+        grow = grad_ptr + tl.load(grow_ptr + tok)
+        start = tl.load(off_ptr + tok).to(tl.int64)
+        end = tl.load(off_ptr + tok + 1).to(tl.int64)
+        y = tl.load(y_ptr + tok).to(tl.int64)
+        inv_t = 1.0 / tl.load(tau_ptr + tok).to(tl.float32)
+        inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
+        m = tl.load(stats_ptr + tok * 3)
+        log_s = tl.load(stats_ptr + tok * 3 + 1)
+        q = tl.load(stats_ptr + tok * 3 + 2)
+        h = tl.load(ent_ptr + tok)
+        lanes = tl.arange(0, BLOCK_K)
+        for k0 in range(start, end, BLOCK_K):
+            k = k0 + lanes
+            live = k < end
+            v = tl.load(ids_ptr + k, mask=live, other=0).to(tl.int64)
+            ok = live & (v >= 0) & (v < V)
+            z, dz = _transform_grad(tl.load(row + v, mask=ok, other=0.0).to(tl.float32), scale, softcap,
+                                    inv_cap, HAS_SCALE, HAS_SOFTCAP)
+            logq = tl.maximum((z - m) * inv_t - log_s, LOG_ZERO)
+            p = tl.exp(logq)
+            t_e = e * (logq + h)
+            g = tl.where(ok & (v == y), c * q - p * t_e, -p * (c + t_e)) * inv_t * dz
+            tl.store(grow + v, g.to(grad_ptr.dtype.element_ty), mask=ok)
+
+
+def _row_offsets(x3, rows_b, rows_t):
+    return (rows_b.long() * x3.stride(0) + rows_t.long() * x3.stride(1)).contiguous()
+
+
+def _transforms(scale, softcap):
+    scale = float(scale)
+    return scale, (1.0 if softcap is None else float(softcap)), dict(HAS_SCALE=scale != 1.0,
+                                                                   HAS_SOFTCAP=softcap is not None)
+
+
+def _tau(tau, M, device):
+    return torch.as_tensor(tau, dtype=torch.float32, device=device).expand(M).contiguous()
+
+
+def replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids, offsets, scale=1.0, softcap=None):
+    """Same contract as replay_torch.replay_fwd (float32 outputs); logits3 with vocabulary stride 1."""
+    M = y.numel()
+    dev = logits3.device
+    logp = torch.empty(M, device=dev, dtype=torch.float32)
+    ent = torch.empty_like(logp)
+    stats = torch.empty((M, 3), device=dev, dtype=torch.float32)
+    bad = torch.empty(M, device=dev, dtype=torch.int8)
+    if M == 0:
+        return logp, ent, stats, bad
+    scale, cap, has = _transforms(scale, softcap)
+    _replay_fwd_kernel[(M,)](
+        logits3, _row_offsets(logits3, rows_b, rows_t), y.contiguous(), _tau(tau, M, dev),
+        token_ids.contiguous(), offsets.long().contiguous(), logp, ent, stats, bad,
+        logits3.shape[-1], scale, cap, **has, BLOCK_K=BLOCK_K)
+    return logp, ent, stats, bad
+
+
+def replay_bwd(logits3, grad3, rows_b, rows_t, y, tau, token_ids, offsets, stats, ent, c, e,
+               scale=1.0, softcap=None):
+    """Same contract as replay_torch.replay_bwd: grad3 zero-initialized, written at the kept positions."""
+    M = y.numel()
+    if M == 0:
+        return grad3
+    scale, cap, has = _transforms(scale, softcap)
+    c = c.float().contiguous()
+    _replay_bwd_kernel[(M,)](
+        logits3, grad3, _row_offsets(logits3, rows_b, rows_t), _row_offsets(grad3, rows_b, rows_t),
+        y.contiguous(), _tau(tau, M, logits3.device), token_ids.contiguous(), offsets.long().contiguous(),
+        stats, ent, c, c if e is None else e.float().contiguous(),
+        logits3.shape[-1], scale, cap, HAS_E=e is not None, **has, BLOCK_K=BLOCK_K)
+    return grad3

@@ -1,0 +1,42 @@
+"""The replay passes as custom ops: a loss whose coefficients c = dL/dlogp, e = dL/dH are given in closed
+form gets, through attach_replay_grad, the gradient autograd gives through replay_logprobs; the whole
+step traces under torch.compile(fullgraph=True)."""
+import pytest
+import torch
+from test_sampling_replay import rollout
+
+from gtpo_kernels.core.sampling import check_sampling_mask_flat
+from gtpo_kernels.kernels.replay import flat_rows, replay_logprobs
+from gtpo_kernels.kernels.replay_ops import attach_replay_grad, replay_fwd
+
+
+def _step(x, rows_b, rows_t, y, tau, ids, off, invalid, counted, w1, w2, backend):
+    """L = sum w1 logp + w2 H over the tokens: c = w1, e = w2 in closed form."""
+    logp, ent, stats, flags = replay_fwd(x.detach(), rows_b, rows_t, y, tau, ids, off, invalid, counted, 1.0, None,
+                                         backend)
+    value = (w1 * logp + w2 * ent).sum()
+    return attach_replay_grad(x, value, rows_b, rows_t, y, tau, ids, off, stats, ent, w1, w2, 1.0, None, backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_attach_replay_grad_matches_autograd(backend, compiled):
+    z, mask, tau, y, (ids, off) = rollout(8, start=0)
+    flat_y = torch.zeros(mask.shape, dtype=torch.long).masked_scatter(mask, y).reshape(-1)
+    tok, f_off, invalid = check_sampling_mask_flat((ids, off), flat_y, mask, z.shape[-1], validate=False)
+    rb, rt = flat_rows(mask.shape, 0, z.device)
+    g = torch.Generator().manual_seed(1)
+    m = mask.reshape(-1).float()
+    w1, w2 = torch.randn(m.numel(), generator=g) * m, torch.randn(m.numel(), generator=g) * m
+    t = tau.reshape(-1)
+    x = z.clone().requires_grad_()
+    lp, h, _ = replay_logprobs(x, rb, rt, flat_y, t, tok, f_off, invalid=invalid, backend=backend,
+                               counted=mask.reshape(-1))
+    want = (w1 * lp + w2 * h).sum()
+    want.backward()
+    step = torch.compile(_step, fullgraph=True, backend="aot_eager") if compiled else _step
+    xo = z.clone().requires_grad_()
+    got = step(xo, rb, rt, flat_y, t, tok, f_off, invalid, mask.reshape(-1), w1, w2, backend)
+    got.backward()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(xo.grad, x.grad) and x.grad.abs().sum() > 0
