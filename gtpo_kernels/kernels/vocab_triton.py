@@ -21,7 +21,7 @@ __all__ = ["MAX_BLOCK_V", "block_v_for", "num_warps_for", "interpreted", "temper
            "vocab_bwd", "_vocab_fwd_kernel", "_vocab_bwd_kernel"]
 
 # Largest block over the vocabulary, and the warps of a block: the choice of the static model of
-# `python -m bench.tune` for all three kernels (bf16, sm_90, V = 151936: memory-bound by the roofline,
+# `python -m bench.aot.tune` for all three kernels (bf16, sm_90, V = 151936: memory-bound by the roofline,
 # 1.5x the bytes in flight Little's law asks at an H200's bandwidth, then the highest occupancy, then the
 # smallest block): 2048 x 4 warps, 16 elements a thread per iteration. Not yet a GPU measurement:
 # `bench/gpu_check.sh` times the candidate set on a GPU and records it.
