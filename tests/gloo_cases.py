@@ -47,6 +47,8 @@ def rel(a, b):
 def _gradrel(g, r):
     if g is None:
         return None
+    if g.numel() == 0:  # an empty vocabulary slice: nothing to compare
+        return 0.0
     n = float(r.double().norm())
     return float((g.double() - r.double()).norm()) / n if n > 0 else float(g.abs().max())
 

@@ -139,7 +139,7 @@ def test_python_m_bench_smoke(tmp_path):
     except ImportError:
         return  # plots are optional
     plots = [ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("plot: ")]
-    assert plots and all(os.path.dirname(os.path.join(ROOT, x)) == str(tmp_path) for x in plots), plots
+    assert plots and all(os.path.dirname(os.path.abspath(os.path.join(ROOT, x))) == str(tmp_path) for x in plots), plots
     # no empty line or panel: what has no data (Liger on the CPU, interpreted Triton) is left out and said so
     assert "no line for liger triton_grpo_loss (unavailable: not run: needs CUDA)" in p.stdout
 

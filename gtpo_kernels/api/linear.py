@@ -72,7 +72,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                                  **extras)
         loss.conflicts_for(b, cfg, group_size, dt, backend)
         span = head_ops.coefficient_span(cfg)
-        _summary(g, b, hidden, weight, host, (backend, cfg, schedule, budget, span))
+        _summary(g, b, hidden, weight, host, (backend, cfg, schedule, budget, span, group_size, num_items_in_batch,
+                                              logit_scale, logit_softcap))
     vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)")
     with linear.autocast_off(hidden.device):
         return head_ops.head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, vp)
@@ -96,7 +97,7 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
                 logits = _materialize(head, hidden)
             return api.token_logprobs(logits, completion_ids, temperature, completion_mask, cu_seqlens=cu_seqlens,
                                       max_seqlen=max_seqlen, validate=validate, backend="reference")
-        _summary(g, b, hidden, weight, host, (backend, temperature, "logprobs", budget))
+        _summary(g, b, hidden, weight, host, (backend, temperature, "logprobs", budget, logit_scale, logit_softcap))
     vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)")
     with linear.autocast_off(hidden.device):
         return head_ops.head_logprobs(b, head, hidden, temperature, budget, backend, host, vp)

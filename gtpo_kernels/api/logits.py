@@ -88,7 +88,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             checks.refuse_reference_with_group(process_group)
             return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput)
         conflicts_for(b, cfg, group_size, dt, backend)
-        vocab_summary(g, b, logits, host, backend, cfg)  # the whole config, by value (spec 12)
+        vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch))  # by value (spec 12)
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)

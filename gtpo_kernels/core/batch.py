@@ -152,9 +152,10 @@ def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, cu
     (old_logps, ref_logps, lam, n_conf, rollout_is_weights, rollout_logps: see add_extras). vocab_size:
     the whole vocabulary's size when the logits hold a slice of it (vocabulary-parallel)."""
     if cu_seqlens is None:
-        checks.check_logits(logits, 3, "(B, T_l, V) (pass cu_seqlens for the packed (N, V) form)")
+        checks.check_logits(logits, 3, "(B, T_l, V) (pass cu_seqlens for the packed (N, V) form)",
+                            sliced=vocab_size is not None)
     else:
-        checks.check_logits(logits, 2, "(N, V) in the packed form (cu_seqlens given)")
+        checks.check_logits(logits, 2, "(N, V) in the packed form (cu_seqlens given)", sliced=vocab_size is not None)
     checks.check_int_tensor("completion_ids", completion_ids)
     if cu_seqlens is None and (completion_ids.dim() != 2 or completion_ids.shape[0] != logits.shape[0]):
         raise ValueError(f"completion_ids must have shape (B, T) with B = {logits.shape[0]} (logits' "

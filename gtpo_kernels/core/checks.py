@@ -121,13 +121,14 @@ def check_device(name, x, device):
         raise ValueError(f"{name} is on {x.device} but logits are on {device}")
 
 
-def check_logits(logits, ndim, what):
+def check_logits(logits, ndim, what, sliced=False):
+    """sliced: a rank's slice of a vocabulary-parallel vocabulary, which may be empty (spec 12)."""
     check_tensor("logits", logits)
     if logits.dtype not in FLOAT_DTYPES:
         raise TypeError(f"logits must be float16, bfloat16, float32 or float64, got {logits.dtype}")
     if logits.dim() != ndim:
         raise ValueError(f"logits must be {what}, got shape {tuple(logits.shape)}")
-    if logits.shape[-1] < 1:
+    if logits.shape[-1] < 1 and not sliced:
         raise ValueError("logits must have a vocabulary dimension V >= 1")
 
 
