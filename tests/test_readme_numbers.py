@@ -127,9 +127,12 @@ def test_head_keywords_are_documented():
     ours = set(inspect.signature(gtpo_loss).parameters) - {"logits"}
     head = set(inspect.signature(linear_gtpo_loss).parameters) - {"hidden", "weight"}
     text = (ROOT / "docs" / "head.md").read_text()
-    m = re.search(r"Its keywords are `gtpo_loss`'s except (.*?) plus the head's own: (.*?) \(", text, re.S)
-    missing, extra = (set(re.findall(r"`(\w+)`", g)) for g in m.groups())
-    assert missing == ours - head and extra == head - ours, (ours - head, head - ours)
+    m = re.search(r"Its keywords are `gtpo_loss`'s; of them, (.*?) take only their defaults .*? plus the head's "
+                  r"own: (.*?) \(", text, re.S)
+    fixed, extra = (set(re.findall(r"`(\w+)`", g)) for g in m.groups())
+    assert not ours - head and extra == head - ours, (ours - head, head - ours)
+    params = inspect.signature(linear_gtpo_loss).parameters
+    assert fixed == {"logits_start", "inplace"} and all(params[k].default in (None, False) for k in fixed)
 
 
 def test_layers_are_the_checked_ones():

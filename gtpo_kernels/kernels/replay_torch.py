@@ -23,7 +23,7 @@ import torch
 from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
 from ..core.layout import float_dtype_for
 from ..core.sampling import segment_of
-from .vocab_torch import _LOG_ZERO, _chain, _transform
+from .vocab_torch import _LOG_ZERO, _transform, _transform_grad
 
 
 def _segsum(x, seg, M):
@@ -87,8 +87,7 @@ def replay_bwd(logits3, grad3, rows_b, rows_t, y, tau, token_ids, offsets, stats
     ok = (token_ids >= 0) & (token_ids < V)
     idc = token_ids.clamp(0, V - 1)
     b, t = rows_b[seg], rows_t[seg]
-    zt = _transform(logits3[b, t, idc].to(acc), scale, softcap)
-    dz = _chain(zt, scale, softcap)
+    zt, dz = _transform_grad(logits3[b, t, idc].to(acc), scale, softcap)  # exact where the cap saturates
     st = stats[seg]
     inv = (1.0 / tau)[seg]
     logq = ((zt - st[:, 0]) * inv - st[:, 1]).clamp_(min=_LOG_ZERO)
