@@ -177,7 +177,7 @@ def check_joint(j, around=None):
     lam_kw, lam_ref = {}, {}
     if j.conflict == "precomputed":
         dt = torch.float64 if j.dtype == torch.float64 else torch.float32
-        cw = call_checked(expected_refusals(j, cfg, lie)[:1] if lie else [],
+        cw = call_checked([r for r in expected_refusals(j, cfg, lie) if r[0].startswith("max_seqlen")],
                           lambda: precomputed(j, d, cfg, ids, mask, form_kw, dt, nan_ok=lie))
         if cw is None:
             return

@@ -43,6 +43,8 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
     if entropy is not None:
         checks.check_float_tensor("entropy", entropy)
         checks.check_same_shape("entropy", entropy, b.tok_shape)
+        if host:
+            checks.check_finite("entropy", entropy, b.counted)
     batch.add_extras(b, logps.device, old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps, validate=host)
     dt = float_dtype_for(logps)
@@ -54,11 +56,15 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
     with torch.no_grad():
         res = run_surrogate(b, cfg, lp.detach(), ent.detach(), num_items, dt)
         value = loss_value(b, cfg, res)
-        if b.malformed is not None:  # unvalidated malformed cu_seqlens: every output and gradient NaN
+        poisoned = b.malformed
+        if entropy is not None and not host:  # an unvalidated non-finite entropy reaches the filter, the
+            bad = (b.counted & ~torch.isfinite(ent)).any()  # quantile and the bonus: every output NaN (spec 6)
+            poisoned = bad if poisoned is None else poisoned | bad
+        if poisoned is not None:  # unvalidated malformed cu_seqlens or entropy: every output and gradient NaN
             nan = torch.full((), float("nan"), dtype=dt, device=lp.device)
             for k in ("logp", "ent", "c", "loss_tok", "seq_entropy") + (("e",) if res["e"] is not None else ()):
-                res[k] = torch.where(b.malformed, nan, res[k])
-            value = torch.where(b.malformed, nan, value)
+                res[k] = torch.where(poisoned, nan, res[k])
+            value = torch.where(poisoned, nan, value)
     # the value, with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1)
     attach = res["c"] * (lp - lp.detach())
     if res["e"] is not None:

@@ -70,7 +70,12 @@ def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
     counted = b.counted & ~bad_tok
     if b.packed:
         L, pos = packed_layout(b)
-        ids, m = pad(b, b.ids.long(), L, pos), pad(b, counted, L, pos)
+        # an unvalidated max_seqlen shorter than a completion: its tokens past L go to a spare column,
+        # masked out, and the completion's weights are NaN (spec 6: never a write out of bounds)
+        over = pos >= L
+        pos = torch.where(over, L, pos)
+        ids, m = pad(b, b.ids.long(), L + 1, pos), pad(b, counted & ~over, L + 1, pos)
+        bad_tok = bad_tok | over
     else:
         ids, m = b.ids.reshape(b.tok_shape), counted.reshape(b.tok_shape)
     if layout is None:

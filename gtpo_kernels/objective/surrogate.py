@@ -214,7 +214,8 @@ def batch_metrics(clipped, kept, lam, ent, m, B, M_safe):
     return {
         "clip_frac": (clipped & m).to(dt).sum() / M_safe,
         "filtered_frac": (~kept).to(dt).mean() if B else zero,
-        "conflict_frac": zero if lam is None else ((lam != 1) & m).to(dt).sum() / M_safe,
+        "conflict_frac": zero if lam is None else  # NaN with an unvalidated NaN lam (spec 6)
+        ((lam != 1) & m).to(dt).sum() / M_safe + torch.where(m, lam * 0, zero).sum(),
         "mean_entropy": ent.sum(dtype=torch.float64).to(dt) / M_safe,
     }
 

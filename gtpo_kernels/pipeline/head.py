@@ -102,6 +102,8 @@ def mixed_gemm(device) -> bool:
     """Whether torch.addmm accumulates a 16-bit product into a float32 output here (out_dtype)."""
     kind = torch.device(device).type
     if kind not in _MIXED:
+        if torch.compiler.is_compiling():  # a probe traced into a graph would fail when the graph runs
+            return False  # the upcast tile: exact, probed in the next eager call
         try:
             acc = torch.zeros(2, 2, device=device)
             a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
