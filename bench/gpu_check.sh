@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one script (about 8 minutes on an H200; each step has its own time limit):
+# The GPU check, one script (at most about 7 minutes on an H200; each step has its own time limit):
 #   1. the correctness tests on CUDA (Triton compiled, not interpreted) and the runtime checks of
 #      tests/cuda_runtime_check.py (host syncs, JIT cache, CUDA graphs);
 #   1b. tests/cuda_sync_check.py: the logits path and the head's two schedules with every sync an error;
@@ -8,7 +8,7 @@
 #   3. the benchmark: V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16,
 #      fwd / bwd / fwd+bwd with do_bench, % of the copy bandwidth measured in the same run, peak
 #      memory, against eager, torch.compile and Liger-Kernel's triton_grpo_loss;
-#   4. the linear suite (the loss from hidden states and the LM head) at N = 4096, D = 1024 and 2048,
+#   4. the linear suite (the loss from hidden states and the LM head) at N = 4096, D = 2048,
 #      V = 151936, bf16: materialized logits + gtpo_loss, linear_gtpo_loss fused / recompute, TRL's
 #      ChunkedLogProbFunction + the same loss, Liger-Kernel's LigerFusedLinearGRPOLoss; fwd+bwd time over
 #      TRL's and peak memory above inputs and gradients, at TRL's default tile (4096 x 32768 bf16 = 256 MiB);
@@ -17,63 +17,69 @@
 #   5. the launch configurations of bench/aot/tune.py's static model (BLOCK_V x warps) timed on this GPU
 #      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/kernels/vocab_triton.py.
 # Results (JSON, PNG) go to $OUT when set (the device runner brings that folder back), else bench/results.
-# Liger: installed from a wheel if missing: $LIGER_WHEEL, or .whl/liger_kernel-*.whl
-#   (pip download --no-deps liger-kernel -d .whl  on a machine with the registry, then carry .whl).
+# Peers: pip download --no-deps liger-kernel==0.8.5 trl==1.16.0 -d .whl on a machine with the registry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-bench/results}"
 mkdir -p "$OUT_DIR"
-export TRITON_INTERPRET=0 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}"
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}"
+# the package and its float64 reference from this checkout, installed or not
+mkdir -p /tmp/gtpo-src && ln -sfn "$PWD/reference" /tmp/gtpo-src/gtpo_reference
+export PYTHONPATH="$PWD:/tmp/gtpo-src${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 
-if ! python -c "import liger_kernel" 2>/dev/null; then
-  wheel="${LIGER_WHEEL:-$(ls .whl/liger_kernel-*.whl 2>/dev/null | tail -1)}"
-  if [ -n "$wheel" ] && [ -f "$wheel" ]; then
-    step "installing Liger-Kernel from $wheel"
-    pip install --no-deps --no-index -q "$wheel" || echo "Liger install failed: it will be reported as not installed"
+# Liger-Kernel and TRL (for their rows): installed from wheels in $WHEELS (default .whl/) when missing,
+# into a folder of their own put on PYTHONPATH (no registry needed)
+WHEELS="${WHEELS:-.whl}"
+for mod in liger_kernel trl; do
+  python -c "import $mod" 2>/dev/null && continue
+  wheel="$(ls "$WHEELS"/${mod}-*.whl 2>/dev/null | tail -1)"
+  if [ -n "$wheel" ]; then
+    step "installing $mod from $wheel"
+    python -m pip install -q --no-deps --no-index --no-compile --target /tmp/gtpo-peers "$wheel" \
+      && export PYTHONPATH="/tmp/gtpo-peers${PYTHONPATH:+:$PYTHONPATH}" || echo "$mod install failed: reported as not installed"
   else
-    echo "Liger-Kernel not installed and no wheel found: it will be reported as not installed"
+    echo "$mod not installed and no wheel in $WHEELS: reported as not installed"
   fi
-fi
+done
 
 step "1. correctness tests on CUDA (property tests against the float64 reference, then runtime checks)"
-GTPO_TEST_DEVICE=cuda timeout 100 python -m pytest -q -x tests/test_kernels.py -k "match_reference" \
+GTPO_TEST_DEVICE=cuda timeout 75 python -m pytest -q -x tests/test_kernels.py -k "match_reference" \
   -p no:cacheprovider 2>&1 | tail -25
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "correctness tests: exit $rc (124 = time limit)"; status=1; }
 # no host sync with validate=False, one JIT variant across lengths, CUDA-graph capture and replay
-timeout 60 python tests/cuda_runtime_check.py 2>&1 | tee "$OUT_DIR/cuda_runtime_check.txt"
+timeout 45 python tests/cuda_runtime_check.py 2>&1 | tee "$OUT_DIR/cuda_runtime_check.txt"
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "runtime checks: exit $rc"; status=1; }
 # the logits path and both head schedules under torch.cuda.set_sync_debug_mode("error"), validate=False
 # (the head's tile planning is its one allowed host read)
-timeout 60 python tests/cuda_sync_check.py --cuda-only 2>&1 | tee "$OUT_DIR/cuda_sync_check.txt"
+timeout 45 python tests/cuda_sync_check.py --cuda-only 2>&1 | tee "$OUT_DIR/cuda_sync_check.txt"
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "sync checks: exit $rc"; status=1; }
 
 step "2. sampled completions of N*V > 2**31 against the reference"
-timeout 60 python -m bench --device cuda --suite logits --check-only --tokens 16384 --vocab 151936 --impls triton \
+timeout 50 python -m bench --device cuda --suite logits --check-only --settle 0 --tokens 16384 --vocab 151936 --impls triton \
   --out "$OUT_DIR" 2>&1 | tail -8
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "large-problem check: exit $rc"; status=1; }
 
 step "3. benchmark"
-timeout 170 python -m bench --device cuda --suite logits --gpu-sizes --impls triton,torch,eager,compile,liger --no-aot \
-  --time-budget 120 --traffic-size 128x32000 --out "$OUT_DIR" 2>&1
+timeout 110 python -m bench --device cuda --settle 0 --suite logits --gpu-sizes --impls triton,torch,eager,compile,liger --no-aot --no-traffic \
+  --time-budget 70 --traffic-size 128x32000 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "benchmark: exit $rc"; status=1; }
 
 step "4. linear suite (from hidden states) at V = 151936"
-timeout 150 python -m bench --device cuda --suite linear --linear-size 4096,1024,151936 \
-  --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
+timeout 60 python -m bench --device cuda --settle 0 --suite linear --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "linear suite: exit $rc"; status=1; }
 
 step "4b. the LM head at V = 151936, D = 4096, TRL's tile budget: ours against TRL's and Liger's heads"
-timeout 120 python -m bench --device cuda --suite linear --linear-size 8192,4096,151936 \
+timeout 55 python -m bench --device cuda --settle 0 --suite linear --linear-size 8192,4096,151936 \
   --linear-impls fused,recompute,trl,liger --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "LM head at V = 151936: exit $rc"; status=1; }
 
 step "5. launch configurations: the static model's candidates (bench/aot/tune.py) timed on this GPU"
-timeout 90 python -m bench.aot.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12
+timeout 45 python -m bench.aot.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "tune: exit $rc"; status=1; }
 
 step "done: status $status"
