@@ -45,6 +45,8 @@ def _note(r):
         status = "ok*"
     if status == "wrong":
         status = f"WRONG: {r.get('check', '')}"
+    if status in ("ok", "ok*") and "time_ms" not in r and r.get("check"):
+        status = f"{status}, checked: {r['check']}"  # a row checked and not timed (--check-only) says so
     noisy = "unreliable: fwd alone above fwd+bwd's slowest round" if r.get("fwd_above_full") else ""
     return "; ".join(x for x in (status if status != "ok" else "", noisy, r.get("note", ""), r.get("peak_note", ""),
                                  f"compile {r['compile_s']:.1f} s" if r.get("compile_s") else "") if x)
