@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one script (at most about 7 minutes on an H200; each step has its own time limit):
+# The GPU check, one script (about 6 minutes on an H200; each step has its own time limit, 585 s in all):
 #   1. the correctness tests on CUDA (Triton compiled, not interpreted) and the runtime checks of
 #      tests/cuda_runtime_check.py (host syncs, JIT cache, CUDA graphs);
 #   1b. tests/cuda_sync_check.py: the logits path and the head's two schedules with every sync an error;
@@ -7,7 +7,8 @@
 #      N * V > 2**31 (16384 x 151936 bf16; the last completion sits past 2**31 elements);
 #   3. the benchmark: V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16,
 #      fwd / bwd / fwd+bwd with do_bench, % of the copy bandwidth measured in the same run, peak
-#      memory, against eager, torch.compile and Liger-Kernel's triton_grpo_loss;
+#      memory, against eager and Liger-Kernel's triton_grpo_loss; 3b. torch.compile of the eager loss at
+#      4096 x 32000 (its first compile alone takes over a minute);
 #   4. the linear suite (the loss from hidden states and the LM head) at N = 4096, D = 2048,
 #      V = 151936, bf16: materialized logits + gtpo_loss, linear_gtpo_loss fused / recompute, TRL's
 #      ChunkedLogProbFunction + the same loss, Liger-Kernel's LigerFusedLinearGRPOLoss; fwd+bwd time over
@@ -17,7 +18,8 @@
 #   5. the launch configurations of bench/aot/tune.py's static model (BLOCK_V x warps) timed on this GPU
 #      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/kernels/vocab_triton.py.
 # Results (JSON, PNG) go to $OUT when set (the device runner brings that folder back), else bench/results.
-# Peers: pip download --no-deps liger-kernel==0.8.5 trl==1.16.0 -d .whl on a machine with the registry.
+# Peers: pip download --no-deps liger-kernel==0.8.5 trl==1.16.0 datasets dill multiprocess -d .whl
+#   on a machine with the registry (TRL's head imports datasets).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-bench/results}"
@@ -35,7 +37,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 # Liger-Kernel and TRL (for their rows): installed from wheels in $WHEELS (default .whl/) when missing,
 # into a folder of their own put on PYTHONPATH (no registry needed)
 WHEELS="${WHEELS:-.whl}"
-for mod in liger_kernel trl; do
+for mod in liger_kernel trl datasets dill multiprocess; do  # the last three: what TRL's head imports
   python -c "import $mod" 2>/dev/null && continue
   wheel="$(ls "$WHEELS"/${mod}-*.whl 2>/dev/null | tail -1)"
   if [ -n "$wheel" ]; then
@@ -61,13 +63,18 @@ rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "sync checks: exit $rc"; status=1; 
 
 step "2. sampled completions of N*V > 2**31 against the reference"
 timeout 50 python -m bench --device cuda --suite logits --check-only --settle 0 --tokens 16384 --vocab 151936 --impls triton \
-  --out "$OUT_DIR" 2>&1 | tail -8
+  --no-traffic --no-plots --out "$OUT_DIR" 2>&1 | grep -A3 '^implementation'
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "large-problem check: exit $rc"; status=1; }
 
-step "3. benchmark"
-timeout 110 python -m bench --device cuda --settle 0 --suite logits --gpu-sizes --impls triton,torch,eager,compile,liger --no-aot --no-traffic \
-  --time-budget 70 --traffic-size 128x32000 --out "$OUT_DIR" 2>&1
+step "3. benchmark: the GPU grid against eager and Liger-Kernel"
+timeout 120 python -m bench --device cuda --settle 0 --suite logits --gpu-sizes --impls triton,eager,liger --no-aot --no-traffic \
+  --time-budget 90 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "benchmark: exit $rc"; status=1; }
+
+step "3b. torch.compile of the eager loss at one size (its first compile takes over a minute)"
+timeout 90 python -m bench --device cuda --settle 0 --suite logits --tokens 4096 --vocab 32000 --impls triton,eager,compile \
+  --no-aot --no-traffic --no-plots --out "$OUT_DIR/compile" 2>&1
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "torch.compile row: exit $rc"; status=1; }
 
 step "4. linear suite (from hidden states) at V = 151936"
 timeout 60 python -m bench --device cuda --settle 0 --suite linear --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
