@@ -205,14 +205,30 @@ def measure_one(case, provider, validate):
     return row
 
 
+def auto_choice(case, rows):
+    """The schedule schedule='auto' runs on `case`: the cost model's choice for its options
+    (pipeline.schedule, before any logit is read), recompute where the fused schedule is refused."""
+    from gtpo_kernels.pipeline.schedule import schedule_cost
+    V, D = case.weight.shape
+    fused_ok = not any(r["provider"] == "fused" and "unavailable" in r for r in rows)
+    return schedule_cost(case.cfg, V, D, case.N, fused_ok=fused_ok).choice
+
+
 def measure(cases=tuple(CASES), providers=PROVIDERS, validate=(True, False), D=64, V=4096, seed=0):
-    """-> {'meta': where and what was measured, 'rows': [measure_one rows]} (JSON-ready)."""
+    """-> {'meta': where and what was measured, 'rows': [measure_one rows]} (JSON-ready); our rows carry
+    `auto`, the schedule schedule='auto' runs on that case."""
     rows = []
     for name in cases:
         case = make_case(name, D, V, seed)
+        mine = []
         for p in providers:
             for v in (validate if p in ("fused", "recompute") else (False,)):
-                rows.append(measure_one(case, p, v))
+                mine.append(measure_one(case, p, v))
+        choice = auto_choice(case, mine)
+        for r in mine:
+            if r["provider"] in ("fused", "recompute"):
+                r["auto"] = choice
+        rows += mine
     return dict(meta=meta(cases), rows=rows)
 
 

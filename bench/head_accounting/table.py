@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 COLUMNS = (  # header, value of a row
+    ("auto runs it", lambda r: "-" if "auto" not in r else ("yes" if r["auto"] == r["provider"] else "no")),
     ("tiles", lambda r: str(r["tiles_planned"])),
     ("projections", lambda r: str(r["projections"])),
     ("tile passes / floor", lambda r: f"{r['tile_passes']} / {r['tile_pass_floor']}"),
@@ -32,7 +33,10 @@ def markdown(result, before=None):
     for r in result["rows"]:
         v = "-" if r.get("validate") is None else ("on" if r["validate"] else "off")
         cells = [r["case"], r["provider"], v, f"{r['N']} ({r['N_nz']})"]
-        for _, f in COLUMNS:
+        for c, f in COLUMNS:
+            if c == "auto runs it":  # today's choice: no earlier one to compare with
+                cells.append(f(r))
+                continue
             now = "n/a" if "unavailable" in r else f(r)
             b = old.get(_key(r))
             if b is not None:
