@@ -71,3 +71,28 @@ def test_auto_runs_the_cheaper_schedule(name):
     if flops["fused"] is not None:  # the model's fused cost assumes no row known zero: an upper bound
         assert modeled.fused >= flops["fused"]
     assert modeled.recompute == flops["recompute"]
+
+
+def test_vocab_split_schedule_needs_no_host_read():
+    """Ranks of a vocabulary split choose the head's schedule without a host read (issue: a compiled rank
+    cannot make one and assumed 'does not fit' while an eager rank read 'fits': different schedules,
+    different all-reduces, a hang). Packed completions that do fit a tile, max_seqlen not validated:
+    alone, the host read lets 'fused' run; as a rank of a split, 'fused' is refused the same way a compiled
+    rank refuses it, and 'auto' runs recompute; a validated max_seqlen lets both run 'fused'."""
+    from gtpo_kernels import GTPOConfig
+    from gtpo_kernels.core.batch import prepare_tokens
+    from gtpo_kernels.pipeline.head_ops import choose_schedule
+    g = torch.Generator().manual_seed(7)
+    lens = [5, 7, 3, 6]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    ids = torch.randint(0, 50, (int(cu[-1]),), generator=g)
+    cfg = GTPOConfig(importance_sampling_level="sequence", entropy_threshold=None)  # a ratio per completion
+    b = prepare_tokens(ids, advantages=torch.randn(len(lens), generator=g), cu_seqlens=cu, validate=False)
+    assert choose_schedule(b, cfg, "fused", per_tile=8, host=False) is True
+    with pytest.raises(ValueError, match="validated max_seqlen"):
+        choose_schedule(b, cfg, "fused", per_tile=8, host=False, collective=True)
+    assert choose_schedule(b, cfg, "auto", per_tile=8, host=False, collective=True) is False
+    bv = prepare_tokens(ids, advantages=torch.randn(len(lens), generator=g), cu_seqlens=cu, max_seqlen=7,
+                        validate=True)
+    assert choose_schedule(bv, cfg, "fused", per_tile=8, host=True, collective=True) is True
+    assert choose_schedule(bv, cfg, "fused", per_tile=8, host=True) is True

@@ -140,20 +140,22 @@ def coefficient_span(cfg):
     return None
 
 
-def _longest_fits(b, per_tile, host):
+def _longest_fits(b, per_tile, host, collective=False):
     """Whether every completion's counted tokens fit in one tile: from the padded length T when it tells,
     from max_seqlen only when validated (host: checked against the longest completion; unverified, it
     never plans the tiles), else one host read of the counted tokens (none under torch.compile: then
-    assume not). The answer is the counted tokens' own, so ranks holding the same tokens agree."""
+    assume not). The answer is the counted tokens' own, so ranks holding the same tokens agree; with
+    `collective` (ranks of a vocabulary split) the host read is never made, so that a compiled rank and
+    an eager one choose the same schedule (they would otherwise run different all-reduces and hang)."""
     bound = b.tok_shape[1] if not b.packed else (b.max_seqlen if host else None)
     if bound is not None and bound <= per_tile:
         return True
-    if torch.compiler.is_compiling():
+    if collective or torch.compiler.is_compiling():
         return False
     return int(seg_sum(b.counted.to(torch.int32), b.seg, b.B).max()) <= per_tile
 
 
-def choose_schedule(b, cfg, schedule, per_tile, host=False, V=1, D=1):
+def choose_schedule(b, cfg, schedule, per_tile, host=False, V=1, D=1, collective=False):
     """Whether the fused schedule runs: forced, or with 'auto' when each tile's coefficients can come
     from the tile alone and the cost model (schedule.schedule_cost) finds it cheaper for these options;
     a forced 'fused' that cannot run is refused. The answer rests on the options and the counted tokens
@@ -167,9 +169,11 @@ def choose_schedule(b, cfg, schedule, per_tile, host=False, V=1, D=1):
         why = "loss_agg='none' takes a per-token upstream gradient"
     elif span == "batch":
         why = "top_entropy_quantile < 1 (or clip_cov's, kl_cov's selection) spans the whole batch"
-    elif span == "completion" and not _longest_fits(b, per_tile, host):
+    elif span == "completion" and not _longest_fits(b, per_tile, host, collective):
         why = (f"a completion longer than a tile ({per_tile} rows within memory_budget) is split across tiles, "
-               "and its statistics span them (raise memory_budget)")
+               "and its statistics span them (raise memory_budget)") if not (collective and b.packed) else (
+              "with a vocabulary split over ranks and packed completions, each completion is known to fit a tile "
+              f"({per_tile} rows within memory_budget) only from a validated max_seqlen (validate=True)")
     if schedule == "fused" and why is not None:
         raise ValueError("schedule='fused' needs each tile's gradient coefficients to depend on that tile "
                          f"alone; here they do not ({why}): use 'recompute' or 'auto'")
@@ -181,7 +185,8 @@ def _key(b, cfg, head, backend, schedule, budget, vp, host=False):
     that every rank makes the same tiles), and the schedule."""
     V = head.weight.shape[0] if vp is None else vp.V_max
     per_tile = hd.rows_per_tile(V, head.weight.dtype, head.weight.device, budget)
-    fused = cfg is not None and choose_schedule(b, cfg, schedule, per_tile, host, V, head.weight.shape[1])
+    fused = cfg is not None and choose_schedule(b, cfg, schedule, per_tile, host, V, head.weight.shape[1],
+                                                collective=vp is not None)
     cap = None if head.cap is None else float(head.cap)
     return hd.options_key(cfg, backend, float(head.scale), cap, per_tile, fused, b.B,
                           None if vp is None else (vp.group, vp.V)), fused
