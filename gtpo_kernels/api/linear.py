@@ -124,6 +124,7 @@ def _materialize(head, hidden):
     return linear.materialize(hidden, *head)
 
 
+@checks.read_once
 def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens, max_seqlen,
              logit_scale, logit_softcap, memory_budget, host, group=None):
     """Checks of the head's arguments (names, shapes, dtypes, devices) -> (Batch, Head, budget). With a

@@ -77,12 +77,13 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
         extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
-        b = batch.prepare(logits, completion_ids, completion_mask, advantages=advantages, cu_seqlens=cu_seqlens,
-                           max_seqlen=max_seqlen, logits_start=logits_start, validate=host,
-                           vocab_size=_local_vocab(process_group), **extras)
-        checks.check_inplace(inplace, logits)
-        dt = float_dtype_for(logits)
-        num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
+        with checks.one_host_read():  # the checks' values read on the host once
+            b = batch.prepare(logits, completion_ids, completion_mask, advantages=advantages, cu_seqlens=cu_seqlens,
+                               max_seqlen=max_seqlen, logits_start=logits_start, validate=host,
+                               vocab_size=_local_vocab(process_group), **extras)
+            checks.check_inplace(inplace, logits)
+            dt = float_dtype_for(logits)
+            num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
@@ -119,7 +120,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
         vp.ids = parallel.local_ids(b.ids, vp.start)
     dt = float_dtype_for(logits)
     with torch.no_grad():
-        logp, ent, _ = forward(b, ops.as_tensor_param(temperature), backend, host, vp)
+        logp, ent, _, _ = forward(b, ops.as_tensor_param(temperature), backend, host, vp)
     zero = torch.zeros((), dtype=dt, device=logits.device)
     logp = torch.where(b.counted, logp.to(dt), zero)
     ent = torch.where(b.counted, ent.to(dt), zero)

@@ -31,24 +31,25 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
     checks.require_advantages(advantages)
     checks.check_float_tensor("logps", logps)
     host = checks.host_checks(validate)
-    b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
-                              max_seqlen=max_seqlen, device=logps.device, validate=host)
-    checks.check_same_shape("logps", logps, b.tok_shape)
-    if host:  # the conflict weights' ids (unvalidated: lam = NaN for a completion holding another id)
-        checks.check_ids_in_range(b.ids, b.counted, ID_LIMIT)
-    if entropy is None and cfg.needs_entropy:
-        raise ValueError("entropy (per-token entropies, shape of completion_ids) is required by this config: its "
-                         "entropy filter, shaping (entropy_penalty), entropy bonus or top_entropy_quantile use "
-                         "it; pass it, or turn those off (e.g. GTPOConfig.preset('grpo'))")
-    if entropy is not None:
-        checks.check_float_tensor("entropy", entropy)
-        checks.check_same_shape("entropy", entropy, b.tok_shape)
-        if host:
-            checks.check_finite("entropy", entropy, b.counted)
-    batch.add_extras(b, logps.device, old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
-                      rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps, validate=host)
-    dt = float_dtype_for(logps)
-    num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
+    with checks.one_host_read():  # the checks' values read on the host once
+        b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
+                                  max_seqlen=max_seqlen, device=logps.device, validate=host)
+        checks.check_same_shape("logps", logps, b.tok_shape)
+        if host:  # the conflict weights' ids (unvalidated: lam = NaN for a completion holding another id)
+            checks.check_ids_in_range(b.ids, b.counted, ID_LIMIT)
+        if entropy is None and cfg.needs_entropy:
+            raise ValueError("entropy (per-token entropies, shape of completion_ids) is required by this config: its "
+                             "entropy filter, shaping (entropy_penalty), entropy bonus or top_entropy_quantile use "
+                             "it; pass it, or turn those off (e.g. GTPOConfig.preset('grpo'))")
+        if entropy is not None:
+            checks.check_float_tensor("entropy", entropy)
+            checks.check_same_shape("entropy", entropy, b.tok_shape)
+            if host:
+                checks.check_finite("entropy", entropy, b.counted)
+        batch.add_extras(b, logps.device, old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
+                          rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps, validate=host)
+        dt = float_dtype_for(logps)
+        num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
     conflicts_for(b, cfg, group_size, dt, dispatch.resolve_backend("auto", logps.device))
     zero = torch.zeros((), dtype=dt, device=logps.device)
     lp = torch.where(b.counted, logps.reshape(-1).to(dt), zero)  # gradient only where counted

@@ -70,10 +70,11 @@ def _counted(completion_mask, tok_shape, N, device, validate):
     checks.check_tensor("completion_mask", completion_mask)
     checks.check_shape("completion_mask", completion_mask, tok_shape, "completion_ids' shape")
     checks.check_device("completion_mask", completion_mask, device)
-    if validate and completion_mask.dtype != torch.bool and \
-            bool(((completion_mask != 0) & (completion_mask != 1)).any()):
-        raise ValueError("completion_mask must hold only 0 and 1 (1 = the token counts); it is a mask, "
-                         "not a per-token weight (scale the loss, or pass rollout weights, instead)")
+    if validate and completion_mask.dtype != torch.bool:
+        def fail():
+            raise ValueError("completion_mask must hold only 0 and 1 (1 = the token counts); it is a mask, "
+                             "not a per-token weight (scale the loss, or pass rollout weights, instead)")
+        checks.check_on_device(((completion_mask != 0) & (completion_mask != 1)).any(), fail)
     return (completion_mask != 0).reshape(-1).contiguous()
 
 
@@ -91,6 +92,7 @@ def _advantages(advantages, B, device, validate):
     return advantages.reshape(B)
 
 
+@checks.read_once
 def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_seqlens=None,
                    max_seqlen=None, device=None, validate=True, allow_empty=False) -> Batch:
     """The per-token part of a Batch (no logits): ids, counted, seg, shapes, advantages. Unvalidated
@@ -146,6 +148,7 @@ def resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens=None):
     return 0
 
 
+@checks.read_once
 def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, cu_seqlens=None,
             max_seqlen=None, logits_start=None, validate=True, vocab_size=None, **extras) -> Batch:
     """A Batch for the vocabulary passes: prepare_tokens plus the logits and the per-token extras
@@ -204,6 +207,7 @@ def rollout_weights(b, w, device):
                      f"or {per_seq} (per completion), got {shape}")
 
 
+@checks.read_once
 def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=None, rollout_is_weights=None,
                rollout_logps=None, validate=True):
     """Per-token inputs of the loss, flattened onto the Batch: each of completion_ids' shape, except
@@ -226,13 +230,17 @@ def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=No
         checks.check_shape("n_conf", n_conf, (b.B,), "(B,)")
         checks.check_device("n_conf", n_conf, device)
         bad = ~(torch.isfinite(n_conf) & (n_conf >= 1))
-        if validate and bool(bad.any()):
-            k = int(bad.nonzero()[0, 0])
-            raise ValueError(f"n_conf must be finite and >= 1 (conflict_weights' counts: at least 1 per completion); "
-                             f"completion {k} holds {float(n_conf[k])}")
+        if validate:
+            def fail():
+                k = int(bad.nonzero()[0, 0])
+                raise ValueError(f"n_conf must be finite and >= 1 (conflict_weights' counts: at least 1 per "
+                                 f"completion); completion {k} holds {float(n_conf[k])}")
+            checks.check_on_device(bad.any(), fail)
         b.n_conf = n_conf
     if rollout_is_weights is not None:
         b.rollout_w, b.rollout_w_seq = rollout_weights(b, rollout_is_weights, device)
-        if validate and bool((b.counted & ~((b.rollout_w >= 0) & torch.isfinite(b.rollout_w))).any()):
-            raise ValueError("rollout_is_weights must be >= 0 and finite at counted positions "
-                             "(see rollout_is_weights() for TRL's modes)")
+        if validate:
+            def fail():
+                raise ValueError("rollout_is_weights must be >= 0 and finite at counted positions "
+                                 "(see rollout_is_weights() for TRL's modes)")
+            checks.check_on_device((b.counted & ~((b.rollout_w >= 0) & torch.isfinite(b.rollout_w))).any(), fail)

@@ -2,6 +2,9 @@
 Batch is built from the checked arguments in `batch`)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import math
 import numbers
 
@@ -11,6 +14,50 @@ from .flags import BAD_NONFINITE, BAD_TARGET_NEG_INF
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+# Checks of values on the device made inside one_host_read(): (0-d bool "failed", raise) in order made
+_PENDING = contextvars.ContextVar("gtpo_pending_checks", default=None)
+
+
+@contextlib.contextmanager
+def one_host_read():
+    """The device-side value checks made inside (a 0-d flag each) are read on the host together, once,
+    when the block ends normally; the first that failed, in the order made, then raises its error (which
+    may read more to name the position). Nested blocks read with the outermost. Nothing inside a block
+    may index with a value it checks. (Under torch.compile no check reads the host: nothing to gather.)"""
+    if torch.compiler.is_compiling() or _PENDING.get() is not None:
+        yield
+        return
+    items = []
+    token = _PENDING.set(items)
+    try:
+        yield
+    finally:
+        _PENDING.reset(token)
+    if items:
+        dev = items[0][0].device
+        failed = torch.stack([f.reshape(()).to(dev) for f, _ in items]).tolist()  # the one host read
+        for (_, fail), bad in zip(items, failed):
+            if bad:
+                fail()
+
+
+def read_once(fn):
+    """fn's device-side value checks read on the host once, at its end (one_host_read)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with one_host_read():
+            return fn(*args, **kwargs)
+    return run
+
+
+def check_on_device(failed, fail):
+    """failed: a 0-d bool tensor; fail(): raises the error. Read now, or with one_host_read's block."""
+    items = _PENDING.get()
+    if items is None:
+        if bool(failed):
+            fail()
+    else:
+        items.append((failed, fail))
 
 
 def host_checks(validate) -> bool:
@@ -61,8 +108,10 @@ def check_num_items(num_items, loss_agg, device, dtype, validate=True):
                              f"got a {num_items.dtype} tensor of shape {tuple(num_items.shape)}")
         x = num_items.reshape(()).to(device, dtype)
         ok = (x > 0) & torch.isfinite(x)
-        if validate and not bool(ok):
-            raise ValueError(f"num_items_in_batch must be finite and > 0, got {float(x)}")
+        if validate:
+            def fail():
+                raise ValueError(f"num_items_in_batch must be finite and > 0, got {float(x)}")
+            check_on_device(~ok, fail)
         return torch.where(ok, x, torch.full((), float("nan"), dtype=dtype, device=device))
     if isinstance(num_items, numbers.Real) and not isinstance(num_items, bool) and math.isfinite(num_items) \
             and num_items > 0:
@@ -77,10 +126,12 @@ def check_num_items(num_items, loss_agg, device, dtype, validate=True):
 def check_finite(name, x, counted=None):
     """Host check (validate=True only): x finite (at counted positions when `counted` is given)."""
     bad = ~torch.isfinite(x) if counted is None else counted & ~torch.isfinite(x.reshape(-1))
-    if bool(bad.any()):
+
+    def fail():
         k = int(bad.reshape(-1).nonzero()[0, 0])
         raise ValueError(f"{name} must be finite{' at counted positions' if counted is not None else ''}; "
                          f"flat position {k} holds {float(x.reshape(-1)[k])}")
+    check_on_device(bad.any(), fail)
 
 
 def check_nonneg_int(name, x):
@@ -134,11 +185,13 @@ def check_logits(logits, ndim, what, sliced=False):
 
 def check_ids_in_range(ids, counted, V):
     bad = counted & ((ids < 0) | (ids.long() >= V))  # int64: an int32 tensor would wrap V = 2**31
-    if bool(bad.any()):
+
+    def fail():
         k = int(bad.nonzero()[0, 0])
         raise ValueError(
             f"completion_ids must lie in [0, V) = [0, {V}) at counted positions; flat position {k} "
             f"holds {int(ids[k])} (mask it out, or fix the ids)")
+    check_on_device(bad.any(), fail)
 
 
 def check_group_size(group_size, B):

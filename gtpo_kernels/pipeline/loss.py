@@ -77,13 +77,28 @@ def loss_value(b, cfg, res):
         weighted.sum(dtype=torch.float64).to(weighted.dtype)
 
 
-def make_output(b, cfg, loss, res, dt, host):
-    if host and cfg.entropy_threshold is not None and not bool(res["kept"].any()) and bool(b.counted.any()):
+def _report(b, cfg, res):
+    """Validating, after the whole forward was queued: one host read of the kernel's flags (when
+    fused_loss left them in res['flags']) and of whether the entropy filter dropped every completion."""
+    bad, filtering = res.get("flags"), cfg.entropy_threshold is not None
+    if bad is None and not filtering:
+        return
+    no = torch.zeros((), dtype=torch.bool, device=b.counted.device)
+    flagged, all_dropped = torch.stack([(bad != 0).any() if bad is not None else no,
+                                        (~res["kept"].any() & b.counted.any()) if filtering else no]).tolist()
+    if flagged:
+        checks.raise_on_flags(bad, b.tok_shape)
+    if all_dropped:
         warnings.warn(
             f"gtpo_loss: the entropy filter dropped every completion (mean entropy above entropy_threshold="
             f"{float(cfg.entropy_threshold):.3g}), so the loss and its gradient are zero. A model more uncertain than "
             f"that from the start needs GTPOConfig(initial_entropy=<its mean entropy>) (the paper's gate) or "
-            f"entropy_threshold=None; out.metrics['filtered_frac'] tracks it.", stacklevel=3)
+            f"entropy_threshold=None; out.metrics['filtered_frac'] tracks it.", stacklevel=4)
+
+
+def make_output(b, cfg, loss, res, dt, host):
+    if host:
+        _report(b, cfg, res)
     dev = b.counted.device
     lam_out = torch.ones(b.tok_shape, dtype=dt, device=dev) if b.lam is None else b.lam.to(dt).reshape(b.tok_shape)
     n_conf_out = torch.ones(b.B, dtype=dt, device=dev) if b.n_conf is None else b.n_conf.to(dt)
@@ -94,8 +109,9 @@ def make_output(b, cfg, loss, res, dt, host):
 
 def forward(b, temperature, backend, host, vp=None):
     """The forward pass: per token (logp, H, stats, flags), with flagged counted tokens' logp and H set
-    to NaN (so that invalid input unchecked on the host gives NaN, never a finite wrong number).
-    vp: the vocabulary-parallel layout (parallel.VocabParallel), or None."""
+    to NaN (so that invalid input unchecked on the host gives NaN, never a finite wrong number); host:
+    the flags are read (and a flagged row raises) here. vp: the vocabulary-parallel layout
+    (parallel.VocabParallel), or None."""
     temperature = ops.temperature_param(temperature, b.logits3, backend)  # once per call
     if vp is None:
         logp, ent, stats, bad = ops.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
@@ -106,7 +122,7 @@ def forward(b, temperature, backend, host, vp=None):
         checks.raise_on_flags(bad, b.tok_shape)
     invalid = bad != 0
     nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
-    return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats
+    return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats, bad
 
 
 def fused_loss(b, cfg, backend, inplace, host, num_items, vp=None):
@@ -114,12 +130,15 @@ def fused_loss(b, cfg, backend, inplace, host, num_items, vp=None):
     dt = float_dtype_for(b.logits3)
     with torch.no_grad():
         temperature = ops.temperature_param(cfg.temperature, b.logits3, backend)  # once per call
-        logp, ent, stats = forward(b, temperature, backend, host, vp)
+        # one process validating: the flags are read with the rest in make_output, once the loss is queued
+        logp, ent, stats, bad = forward(b, temperature, backend, host and vp is not None, vp)
     cdt = stats.dtype  # the kernel's coefficients in its accumulation dtype
     res, value, c, e = value_and_coefficients(b, cfg, logp, ent, num_items, dt, cdt)
     ids = b.ids if vp is None else vp.ids  # vocabulary-parallel: this slice's ids
     loss = ops.attach_grad(b.logits3, value, ids, stats, ent.to(cdt), c, e, temperature, b.logits_start,
                            backend=backend, inplace=inplace)
+    if host and vp is None:
+        res["flags"] = bad
     return loss, res
 
 

@@ -1,0 +1,97 @@
+"""Validation reads the device on the host in few places, not once per check: a validating gtpo_loss
+forward reads twice (its input checks together, then the kernel's flags with the entropy filter's
+all-dropped test once the loss is queued), gtpo_loss_from_logps and token_logprobs likewise, and an
+unvalidated call never. The Triton path (in Triton's interpreter here), the one a GPU runs. Counted on the CPU by the tensor methods that read values on the host, called
+from the package's code; on a GPU each such read is a sync that stops the host queueing ahead."""
+import contextlib
+import os
+import traceback
+
+import pytest
+import torch
+
+from gtpo_kernels import GTPOConfig, gtpo_loss, gtpo_loss_from_logps, token_logprobs
+
+PACKAGE = os.sep + "gtpo_kernels" + os.sep
+READS = ("__bool__", "item", "__int__", "__float__", "tolist", "nonzero", "__index__")
+
+
+@contextlib.contextmanager
+def host_reads():
+    """{'file:line': count} of the package's host reads of tensor values inside the block."""
+    seen = {}
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def counting(name, fn):
+        def read(self, *a, **k):
+            caller = traceback.extract_stack()[-2]  # the package's own reads (not torch's, nor Triton's)
+            if PACKAGE in caller.filename:
+                key = f"{caller.filename.split(PACKAGE)[1]}:{caller.lineno}"
+                seen[key] = seen.get(key, 0) + 1
+            return fn(self, *a, **k)
+        return read
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, counting(name, fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def _inputs(seed, B=8, T=6, V=40):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g, dtype=torch.float32) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    mask[:, 0] = True
+    adv = torch.randn(B, generator=g)
+    old = torch.randn(B, T, generator=g) * 0.1 - 3.0
+    return logits, ids, mask, adv, old
+
+
+@pytest.mark.parametrize("validate,most", [(True, 2), (False, 0)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gtpo_loss_reads_the_host_at_most_twice(validate, most, seed):
+    logits, ids, mask, adv, old = _inputs(seed)
+    cfg = GTPOConfig(entropy_threshold=5.0, loss_agg="token-mean")  # the filter on: its all-dropped test reads too
+    with host_reads() as seen:
+        out = gtpo_loss(logits.requires_grad_(), ids, adv, mask, old_logps=old, group_size=4, config=cfg,
+                        num_items_in_batch=torch.tensor(float(mask.sum())), validate=validate, backend="triton")
+    assert sum(seen.values()) <= most, seen
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("validate,most", [(True, 2), (False, 0)])
+def test_from_logps_and_token_logprobs_read_little(validate, most):
+    logits, ids, mask, adv, old = _inputs(3)
+    with host_reads() as seen:
+        lp, ent = token_logprobs(logits, ids, 1.0, mask, validate=validate, backend="triton")
+    assert sum(seen.values()) <= 2 if validate else sum(seen.values()) == 0, seen
+    with host_reads() as seen:
+        gtpo_loss_from_logps(lp.requires_grad_(), ids, adv, mask, entropy=ent, old_logps=old, group_size=4,
+                             config=GTPOConfig(entropy_threshold=None), validate=validate)
+    assert sum(seen.values()) <= most, seen
+
+
+@pytest.mark.parametrize("what", ["ids", "old", "mask", "adv", "flags"])
+def test_each_check_still_raises_its_own_error(what):
+    """One read for all of them, and still the error of the check that failed (the first one made)."""
+    logits, ids, mask, adv, old = _inputs(5)
+    want = {"ids": "completion_ids must lie in", "old": "old_logps must be finite", "adv": "advantages must be finite",
+            "mask": "completion_mask must hold only 0 and 1", "flags": "contains NaN or \\+inf"}[what]
+    mask = mask.float()
+    if what == "ids":
+        ids[2, 1] = 40
+        mask[2, 1] = 1
+    elif what == "old":
+        old[1, 0] = float("nan")
+    elif what == "mask":
+        mask[0, 0] = 0.5
+    elif what == "adv":
+        adv[3] = float("inf")
+    else:
+        logits[4, 0, 7] = float("nan")
+        mask[4, 0] = 1
+    with pytest.raises(ValueError, match=want):
+        gtpo_loss(logits, ids, adv, mask, old_logps=old, group_size=4, backend="torch")
