@@ -1,6 +1,7 @@
 """The public calls from hidden states (spec 11): linear_gtpo_loss, linear_token_logprobs."""
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import torch
@@ -22,8 +23,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                      logit_scale=1.0, logit_softcap=None, memory_budget=None, schedule="auto",
                      group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
                      n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
-                     rollout_is_weights=None, rollout_logps=None, validate=True, backend="auto",
-                     process_group=None, logits_start=None, inplace=False):
+                     rollout_is_weights=None, rollout_logps=None, temperature=None, validate=True,
+                     backend="auto", process_group=None, logits_start=None, inplace=False):
     """`gtpo_loss` from the final hidden states and the LM head, never holding the (tokens x V) logits.
 
     hidden    (B, T, D) (packed: (N, D), with cu_seqlens): row t predicts completion_ids[:, t]; pass
@@ -42,6 +43,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     process_group  vocabulary-parallel head (spec 12): weight (and bias) hold this rank's contiguous
               slice of the vocabulary rows in rank order; ids are global; the loss and outputs are
               identical on every rank, the weight/bias gradients are this rank's slice.
+    temperature  in place of config.temperature: one value (a number or a 0-d tensor); a tensor per
+              completion or per token is gtpo_loss's on logits only, for now (refused here).
     logits_start, inplace  gtpo_loss's, refused here (only their defaults pass): slice the hidden states
               instead of offsetting them (a view, read in place), and there are no logits to overwrite.
     Under torch.autocast the head computes in its inputs' dtypes (autocast is off inside).
@@ -50,6 +53,9 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     """
     with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)
         cfg = as_config(config)
+        if temperature is not None:
+            _one_temperature(temperature)
+            cfg = dataclasses.replace(cfg, temperature=temperature)  # the config checks the value
         _refuse_logits_keywords(logits_start, inplace)
         checks.require_advantages(advantages)
         if schedule not in SCHEDULES:
@@ -86,6 +92,7 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
     -> (logps, entropy) of completion_ids' shape, float32 (float64 for float64 inputs), 0 where masked
     out. No autograd; only a tile of logits at a time. process_group: as in linear_gtpo_loss."""
     with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)
+        _one_temperature(temperature)
         cfg = GTPOConfig(temperature=temperature)  # validates the temperature
         host = checks.host_checks(validate)
         b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
@@ -101,6 +108,13 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
     vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)")
     with linear.autocast_off(hidden.device):
         return head_ops.head_logprobs(b, head, hidden, temperature, budget, backend, host, vp)
+
+
+def _one_temperature(temperature):
+    """The head takes one temperature (the config checks its value)."""
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        raise ValueError("temperature: the LM head takes one value (a number or a 0-d tensor); a tensor per "
+                         "completion or per token is taken by token_logprobs and gtpo_loss on logits")
 
 
 def _device(hidden):

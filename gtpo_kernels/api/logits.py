@@ -2,6 +2,9 @@
 states: linear.py; the conflict weights: weights.py)."""
 from __future__ import annotations
 
+import dataclasses
+import numbers
+
 import torch
 
 from ..core import batch, checks
@@ -12,13 +15,13 @@ from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch, ops
 from ..pipeline import reference
-from ..pipeline.loss import (check_loss_args, conflicts_for, forward, fused_loss, make_output, vocab_parallel,
-                             vocab_summary)
+from ..pipeline.loss import (call_temperature, check_loss_args, conflicts_for, forward, fused_loss, make_output,
+                             vocab_parallel, vocab_summary)
 
 def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group_size=None,
               old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None, n_conf=None,
               cu_seqlens=None, max_seqlen=None, logits_start=None, num_items_in_batch=None,
-              rollout_is_weights=None, rollout_logps=None, inplace=False, validate=True,
+              rollout_is_weights=None, rollout_logps=None, temperature=None, inplace=False, validate=True,
               backend="auto", process_group=None) -> GTPOOutput:
     """The GTPO policy-gradient loss (spec: docs/GTPO_SPEC.md), fused over the vocabulary.
 
@@ -56,6 +59,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     policy term (see `rollout_is_weights()` for TRL's four ways to make them).
     rollout_logps   the inference engine's log-probs (completion_ids' shape): the sampling policy of
                     config.off_policy_mask_threshold (default: old_logps).
+    temperature     the sampler's tau, in place of config.temperature (None): a number > 0, or a tensor
+                    per completion ((B,) or (B, 1)) or per token (completion_ids' shape) of them (spec 13:
+                    each token's logits divided by its own tau; a tensor is not taken with process_group).
     inplace         write the gradient into the logits' storage (saves one logits-sized buffer; the
                     logits are overwritten during backward). Off by default; refused on logits whose rows
                     overlap in memory and inside torch.compile.
@@ -71,7 +77,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     """
     with agree.guard(_group(logits, process_group)) as g:  # an error is held until every rank knows (spec 12)
         logits, process_group = parallel.unwrap_dtensor(logits, process_group)
-        cfg = as_config(config)
+        cfg = _with_temperature(as_config(config), temperature, process_group)
         checks.require_advantages(advantages)
         host = checks.host_checks(validate)
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
@@ -84,16 +90,18 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             checks.check_inplace(inplace, logits)
             dt = float_dtype_for(logits)
             num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
+            tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
+                                   torch.float64 if logits.dtype == torch.float64 else torch.float32, host)
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
-            return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput)
+            return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau)
         conflicts_for(b, cfg, group_size, dt, backend)
         vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch))  # by value (spec 12)
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
-    loss, res = fused_loss(b, cfg, backend, inplace, host, num_items, vp)
+    loss, res = fused_loss(b, cfg, backend, inplace, host, num_items, vp, tau)
     return make_output(b, cfg, loss, res, dt, host)
 
 
@@ -102,14 +110,22 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     """Forward-only log-probs and entropies (no autograd), e.g. for the old-policy and reference
     passes: -> (logps, entropy), each of completion_ids' shape, float32 (float64 for float64 logits),
     0 where masked out (NaN at an invalid counted token when the host checks are off). Nothing of size
-    tokens x vocabulary is allocated. process_group: vocabulary-parallel logits, as in gtpo_loss."""
+    tokens x vocabulary is allocated. temperature: a number, or a tensor per completion / per token as
+    gtpo_loss's. process_group: vocabulary-parallel logits, as in gtpo_loss."""
     with agree.guard(_group(logits, process_group)) as g:  # an error is held until every rank knows (spec 12)
         logits, process_group = parallel.unwrap_dtensor(logits, process_group)
-        GTPOConfig(temperature=temperature)  # validates the temperature
+        if _per_token_tau(temperature):
+            _with_temperature(None, temperature, process_group)  # not with process_group
+        else:  # one value, checked by the config
+            temperature = _with_temperature(GTPOConfig(), temperature, process_group).temperature
         host = checks.host_checks(validate)
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
-        b = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                           logits_start=logits_start, validate=host, vocab_size=_local_vocab(process_group))
+        with checks.one_host_read():  # the checks' values read on the host once
+            b = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                               logits_start=logits_start, validate=host, vocab_size=_local_vocab(process_group))
+            if _per_token_tau(temperature):
+                temperature = call_temperature(temperature, b, torch.float64 if logits.dtype == torch.float64
+                                               else torch.float32, host)
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
@@ -125,6 +141,29 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     logp = torch.where(b.counted, logp.to(dt), zero)
     ent = torch.where(b.counted, ent.to(dt), zero)
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
+
+
+def _per_token_tau(temperature):
+    """Whether a call's temperature is a tensor per completion or per token (a 0-d tensor is one value,
+    a schedule, as in the config)."""
+    return isinstance(temperature, torch.Tensor) and temperature.dim() > 0
+
+
+def _with_temperature(cfg, temperature, process_group):
+    """The config with a call's one-value `temperature` in it (a number or a 0-d tensor, checked by the
+    config), or as it is for None or a tensor per completion / per token (call_temperature checks that);
+    the latter is refused with process_group (each rank would have to agree on it by value)."""
+    if _per_token_tau(temperature):
+        if process_group is not None:
+            raise ValueError("temperature: a per-completion or per-token tensor is not taken with process_group "
+                             "yet; pass a number (or split the batch so that each call has one temperature)")
+        return cfg
+    if temperature is None:
+        return cfg
+    if isinstance(temperature, bool) or not isinstance(temperature, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"temperature must be a number > 0 or a floating-point tensor, got {temperature!r}")
+    return dataclasses.replace(cfg, temperature=temperature if isinstance(temperature, torch.Tensor)
+                               else float(temperature))
 
 
 def _group(logits, process_group):

@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from .checks import check_int_tensor, check_tensor
+from .checks import check_int_tensor, check_on_device, check_tensor
 
 
 def _is_number(x):
@@ -60,21 +60,24 @@ def _refuse(name, bad, values, want, counted=None):
     """Host read (validating): raise naming the first counted token whose value is out of range."""
     if counted is not None:
         bad = bad & counted
-    if bool(bad.any()):
+
+    def fail():
         k = _first(bad)
         raise ValueError(f"{name} must be {want}; flat token position {k} holds {values[k].item()!r}")
+    check_on_device(bad.any(), fail)  # read now, or with the call's other checks (checks.one_host_read)
 
 
-def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=None, validate=True):
+def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=None, validate=True,
+                      dtype=torch.float32):
     """tau (spec 13): a finite number > 0, or a tensor (per completion / per token) of them.
-    Returns (tau: a number or a float32 (n,) tensor, invalid: None or an (n,) bool tensor)."""
+    Returns (tau: a number or a `dtype` (n,) tensor, invalid: None or an (n,) bool tensor)."""
     if _is_number(temperature):
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
         return float(temperature), None
     if isinstance(temperature, torch.Tensor) and not temperature.dtype.is_floating_point:
         raise TypeError(f"temperature must be a number or a floating-point tensor, got {temperature.dtype}")
-    tau = per_token("temperature", temperature, B, T, n, device, cu_seqlens).float()
+    tau = per_token("temperature", temperature, B, T, n, device, cu_seqlens).to(dtype)
     bad = ~(torch.isfinite(tau) & (tau > 0))
     if validate:
         _refuse("temperature", bad, tau, "finite and > 0 at counted tokens", counted)

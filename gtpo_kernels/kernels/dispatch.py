@@ -55,9 +55,11 @@ def _vocab_impl(backend):
 
 def _temperature(backend, temperature):
     """The Triton kernels read tau from device memory (a tensor is passed through, never read here);
-    the torch path takes a number (a CPU tensor is read without a device sync) or a device tensor."""
-    if backend == "triton" or not isinstance(temperature, torch.Tensor) or temperature.device.type != "cpu":
-        return temperature
+    the torch path takes a number (a one-element CPU tensor is read without a device sync), a device
+    tensor, or a per-token (n,) tensor."""
+    if backend == "triton" or not isinstance(temperature, torch.Tensor) or temperature.device.type != "cpu" \
+            or temperature.numel() != 1:
+        return temperature  # per token (n,): read by row
     return float(temperature)
 
 

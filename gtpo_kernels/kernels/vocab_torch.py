@@ -49,6 +49,15 @@ def _transform_grad(z, scale, softcap):
     return x.tanh_().mul_(softcap), dz
 
 
+def _inv_tau(temperature, idx, dtype):
+    """1 / tau as a (rows, 1) column for the token rows `idx`: one value (a number or a one-element
+    tensor), or each row's own from a per-token (n,) tensor."""
+    if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
+        return (1.0 / temperature[idx].to(dtype))[:, None]
+    inv = 1.0 / temperature
+    return inv.reshape(1, 1).to(dtype) if isinstance(inv, torch.Tensor) else inv
+
+
 def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
     """Same contract as vocab_triton.vocab_fwd: logp, entropy, stats (m, log S, q), flags of the
     transformed logits z' (scale, softcap)."""
@@ -65,12 +74,12 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     if rows_idx.numel() == 0 or V == 0:
         return logp, ent, stats, bad
     bi, ti = rows_idx // T, rows_idx % T + logits_start
-    inv_t = 1.0 / temperature
     step = _rows_per_chunk(V)
     ninf = float("-inf")
     for k in range(0, rows_idx.numel(), step):
         sl = slice(k, k + step)
         idx = rows_idx[sl]
+        inv_t = _inv_tau(temperature, idx, acc)
         # one chunk of rows in the accumulation dtype, and one more for the exponentials; in place after
         z = _transform(logits3[bi[sl], ti[sl]].to(acc), scale, softcap)
         y = ids[idx].long()
@@ -96,7 +105,7 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
         # H = log S - U / S with U = sum e^d d <= 0 (no cancellation)
         c_ent = log_s - d.mul_(ex).sum(-1) / s_tot
         mx1 = mx.squeeze(1)
-        c_logp = (z_y - mx1) * inv_t - log_s
+        c_logp = (z_y - mx1) * (inv_t[:, 0] if isinstance(inv_t, torch.Tensor) else inv_t) - log_s
         # q = 1 - p_y is R / S when y holds the maximum (exact for a confident token), else 1 - p_y
         # with p_y < 1/2
         top_y = z_y == mx1
@@ -126,10 +135,10 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, 
         grad3[:, logits_start + T:].zero_()
         zero_rows = (~active).nonzero().squeeze(1)
     rows_idx = active.nonzero().squeeze(1)
-    inv_t = 1.0 / temperature
     step = _rows_per_chunk(V)
     for k in range(0, rows_idx.numel(), step):
         idx = rows_idx[k:k + step]
+        inv_t = _inv_tau(temperature, idx, stats.dtype)
         bi, ti = idx // T, idx % T + logits_start
         yc = ids[idx].long().clamp(0, V - 1)[:, None]  # an invalid id has c = NaN: a NaN row
         cc = c[idx, None]

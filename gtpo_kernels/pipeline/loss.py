@@ -125,11 +125,26 @@ def forward(b, temperature, backend, host, vp=None):
     return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats, bad
 
 
-def fused_loss(b, cfg, backend, inplace, host, num_items, vp=None):
-    """Forward pass -> O(N) surrogate -> the loss value with the backward pass attached."""
+def call_temperature(temperature, b, dtype, validate):
+    """A call's `temperature=` (spec 13) as the passes take it: None stays None (the config's number),
+    a number is checked and kept, a tensor per completion (B,) / (B, 1) or per token becomes (n,) in
+    `dtype`, its invalid tokens (not finite, or <= 0) refused when validating, NaN when not (their
+    outputs are then NaN)."""
+    if temperature is None:
+        return None
+    from ..core.sampling import check_temperature
+    T = None if b.packed else b.tok_shape[1]
+    tau, bad = check_temperature(temperature, b.B, T, b.counted.numel(), b.counted.device, b.cu_seqlens,
+                                 b.counted, validate, dtype)
+    return tau if bad is None else torch.where(bad, torch.full_like(tau, float("nan")), tau)
+
+
+def fused_loss(b, cfg, backend, inplace, host, num_items, vp=None, tau=None):
+    """Forward pass -> O(N) surrogate -> the loss value with the backward pass attached. tau: the call's
+    temperature (call_temperature), None for the config's."""
     dt = float_dtype_for(b.logits3)
     with torch.no_grad():
-        temperature = ops.temperature_param(cfg.temperature, b.logits3, backend)  # once per call
+        temperature = ops.temperature_param(cfg.temperature if tau is None else tau, b.logits3, backend)
         # one process validating: the flags are read with the rest in make_output, once the loss is queued
         logp, ent, stats, bad = forward(b, temperature, backend, host and vp is not None, vp)
     cdt = stats.dtype  # the kernel's coefficients in its accumulation dtype

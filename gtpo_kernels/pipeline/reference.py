@@ -7,19 +7,30 @@ import dataclasses
 from ..core.layout import float_dtype_for, padded_window
 
 
+def _scaled(b, lg, pad, tau):
+    """A per-token temperature (n,) as the oracle takes it: the window's logits divided row by row (in
+    autograd: the gradient reaches the logits through the division), then temperature 1."""
+    return lg.double() / pad(tau.reshape(b.tok_shape)).double()[..., None]
+
+
 def token_logprobs(b, logits, temperature):
     import gtpo_reference
-    lg, ids, m, unpad, _ = padded_window(b, logits)
+    lg, ids, m, unpad, pad = padded_window(b, logits)
+    if hasattr(temperature, "dim") and temperature.numel() > 1:
+        lg, temperature = _scaled(b, lg, pad, temperature), 1.0
     lp, ent = gtpo_reference.token_logprobs(lg, ids, float(temperature), m)
     dt = float_dtype_for(logits)
     return unpad(lp).to(dt), unpad(ent).to(dt)
 
 
-def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type):
+def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=None):
+    """tau: a per-token (n,) temperature in place of cfg's, or None."""
     import gtpo_reference
     kw = {k: float(v) if hasattr(v, "dim") else v for k, v in dataclasses.asdict(cfg).items()}
     kw["generator"] = cfg.generator  # the caller's (asdict copies it; clip_cov's draw advances it)
     lg, ids, m, unpad, pad = padded_window(b, logits)
+    if tau is not None:
+        lg, kw["temperature"] = _scaled(b, lg, pad, tau), 1.0
     opt = (lambda x: None if x is None else pad(x))
     if b.packed and kw["max_completion_length"] is None:
         kw["max_completion_length"] = int(b.max_len)  # the longest completion

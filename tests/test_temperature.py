@@ -1,0 +1,174 @@
+"""A per-token temperature (spec 13): gtpo_loss(temperature=...) and token_logprobs with a tensor
+per completion ((B,), (B, 1)) or per token ((B, T); packed (N,)), against the float64 reference on logits
+divided row by row by their own tau (the same math: s = z / tau_t), on every backend; refusals and
+NaN for invalid values. Tolerances: spec 7 (conftest.TOL)."""
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import gtpo_reference as ref
+from batches import cases_and_configs
+from conftest import TOL, assert_grad_close, assert_value_close, examples
+from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
+
+BACKENDS = ["triton", "torch", "reference"]
+
+
+def _tau(kind, B, T, gen):
+    per_token = torch.rand(B, T, generator=gen, dtype=torch.float64) * 1.6 + 0.3
+    return {"B": per_token[:, 0].contiguous(), "B1": per_token[:, :1].contiguous(), "BT": per_token}[kind]
+
+
+def _per_token(tau, B, T):
+    return tau.reshape(B, -1).expand(B, T) if tau.numel() != B * T else tau.reshape(B, T)
+
+
+def _scaled(case, tau64):
+    """The case's logits (float64, in autograd) with each predicting row divided by its token's tau."""
+    z = case.logits.detach().double().clone().requires_grad_()
+    s, T = case.logits_start, case.ids.shape[1]
+    zs = torch.cat([z[:, :s], z[:, s:s + T] / tau64[..., None], z[:, s + T:]], 1)
+    return z, zs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=examples(20))
+@given(data=st.data(), kind=st.sampled_from(["B", "B1", "BT"]), seed=st.integers(0, 2**20))
+def test_loss_with_per_token_temperature_matches_reference(backend, data, kind, seed):
+    dtypes = [torch.float32, torch.bfloat16] + ([torch.float64] if backend != "triton" else [])
+    case, cfg = data.draw(cases_and_configs(dtypes=dtypes, min_V=2, nonempty=True), label="case, config")
+    B, T = case.ids.shape
+    gen = torch.Generator().manual_seed(seed)
+    tau = _tau(kind, B, T, gen)
+    tau64 = _per_token(tau, B, T)
+    z, zs = _scaled(case, tau64)
+    kw = cfg.__dict__ | {"temperature": 1.0}
+    if cfg.entropy_threshold is not None:  # keep the filter's decisions away from its threshold
+        _, ent = ref.token_logprobs(zs[:, case.logits_start:case.logits_start + T].detach(), case.ids, 1.0,
+                                    case.counted)
+        hbar = ent.sum(1) / case.counted.sum(1).clamp(min=1)
+        assume(((hbar - cfg.entropy_threshold).abs() > 1e-4).all())
+    refl = None
+    if cfg.beta > 0:  # the KL term's reference log-probs: near the policy's
+        lp, _ = ref.token_logprobs(zs[:, case.logits_start:case.logits_start + T].detach(), case.ids, 1.0,
+                                   case.counted)
+        refl = torch.where(case.counted, lp + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64), 0.0)
+        if case.logits.dtype != torch.float64:  # ours takes them in float32: the reference the same values
+            refl = refl.float().double()
+    r = ref.gtpo_loss(zs, case.ids, case.adv, case.mask, group_size=case.G, logits_start=case.logits_start,
+                      ref_logps=refl, **kw)
+    r["loss"].sum().backward()
+    x = case.logits.detach().clone().requires_grad_()
+    out = gtpo_loss(x, case.ids, case.adv, case.mask, group_size=case.G, logits_start=case.logits_start,
+                    ref_logps=None if refl is None else refl.to(case.logits.dtype if case.logits.dtype == torch.float64
+                                                                    else torch.float32), config=cfg, temperature=tau,
+                    backend=backend)
+    out.loss.sum().backward()
+    tol = TOL[case.logits.dtype]
+    if cfg.loss_agg != "none":
+        assert_value_close("loss", out.loss.detach(), r["loss"].detach(), tol["loss"])
+    for name in ("logps", "entropy", "per_token_loss"):
+        assert_value_close(name, getattr(out, name).detach(), r[name], tol["value"])
+    assume((z.grad != 0).any())
+    if cfg.loss_agg != "none":
+        assert_grad_close("grad logits", x.grad, z.grad, tol["grad"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["B", "B1", "BT"])
+def test_token_logprobs_with_per_token_temperature(backend, kind):
+    gen = torch.Generator().manual_seed(11)
+    B, T, V = 4, 5, 37
+    z = torch.randn(B, T, V, generator=gen) * 3
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.rand(B, T, generator=gen) > 0.25
+    tau = _tau(kind, B, T, gen)
+    lp, ent = token_logprobs(z, ids, tau, mask, backend=backend)
+    rlp, rent = ref.token_logprobs(z.double() / _per_token(tau, B, T)[..., None], ids, 1.0, mask)
+    assert_value_close("logps", lp, rlp, 1e-5)
+    assert_value_close("entropy", ent, rent, 1e-5)
+    # a number tau equals the same tau as a tensor
+    lp1, _ = token_logprobs(z, ids, 0.7, mask, backend=backend)
+    lp2, _ = token_logprobs(z, ids, torch.full((B,), 0.7), mask, backend=backend)
+    assert_value_close("logps", lp2, lp1, 1e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_packed_per_token_temperature_equals_padded(backend):
+    gen = torch.Generator().manual_seed(3)
+    B, T, V = 4, 6, 29
+    z = torch.randn(B, T, V, generator=gen) * 2
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    adv = torch.randn(B, generator=gen)
+    tau = torch.rand(B, T, generator=gen) + 0.5
+    cfg = GTPOConfig(entropy_threshold=None)
+    pad = gtpo_loss(z, ids, adv, group_size=2, temperature=tau, config=cfg, backend=backend)
+    cu = torch.arange(0, B * T + 1, T, dtype=torch.int32)
+    pk = gtpo_loss(z.reshape(B * T, V), ids.reshape(-1), adv, group_size=2, cu_seqlens=cu, max_seqlen=T,
+                   temperature=tau.reshape(-1), config=cfg, backend=backend)
+    assert_value_close("loss", pk.loss, pad.loss, 1e-6)
+    assert_value_close("logps", pk.logps, pad.logps.reshape(-1), 1e-6)
+
+
+def test_bad_temperatures_are_refused_or_nan():
+    gen = torch.Generator().manual_seed(5)
+    B, T, V = 2, 3, 11
+    z = torch.randn(B, T, V, generator=gen)
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    adv = torch.randn(B, generator=gen)
+    for bad in (torch.tensor([1.0, 0.0]), torch.tensor([1.0, float("nan")]), torch.tensor([-1.0, 1.0])):
+        with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+            gtpo_loss(z, ids, adv, group_size=2, temperature=bad, backend="torch")
+        with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+            token_logprobs(z, ids, bad, backend="torch")
+        out = gtpo_loss(z, ids, adv, group_size=2, temperature=bad, config="grpo", backend="torch", validate=False)
+        assert torch.isnan(out.loss) and torch.isnan(out.logps[1 if bad[0] == 1.0 else 0]).all()
+        assert torch.isfinite(out.logps[0 if bad[0] == 1.0 else 1]).all()
+    with pytest.raises(ValueError, match="temperature must be a number, a tensor per completion"):
+        gtpo_loss(z, ids, adv, group_size=2, temperature=torch.ones(3), backend="torch")
+    with pytest.raises(ValueError, match="GTPOConfig.temperature must be > 0"):
+        gtpo_loss(z, ids, adv, group_size=2, temperature=0.0, backend="torch")
+    with pytest.raises(TypeError, match="temperature must be a number > 0 or a floating-point tensor"):
+        gtpo_loss(z, ids, adv, group_size=2, temperature="hot", backend="torch")
+    # a number overrides the config's
+    a = gtpo_loss(z, ids, adv, group_size=2, temperature=0.6, config="grpo", backend="torch")
+    b = gtpo_loss(z, ids, adv, group_size=2, config=GTPOConfig.preset("grpo", temperature=0.6), backend="torch")
+    assert torch.equal(a.logps, b.logps) and torch.equal(a.loss, b.loss)
+
+
+def test_a_zero_dim_temperature_is_one_value():
+    """A 0-d tensor is one temperature (a schedule updated in place, as in the config), not a per-token one."""
+    gen = torch.Generator().manual_seed(9)
+    B, T, V = 2, 4, 13
+    z = torch.randn(B, T, V, generator=gen)
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    adv = torch.randn(B, generator=gen)
+    tau = torch.tensor(0.8)
+    a = gtpo_loss(z, ids, adv, group_size=2, temperature=tau, config="grpo", backend="torch")
+    b = gtpo_loss(z, ids, adv, group_size=2, temperature=0.8, config="grpo", backend="torch")
+    assert torch.equal(a.logps, b.logps)
+    lp_t, _ = token_logprobs(z, ids, tau, backend="torch")
+    lp_n, _ = token_logprobs(z, ids, 0.8, backend="torch")
+    assert torch.equal(lp_t, lp_n)
+
+
+def test_the_head_refuses_a_per_token_temperature():
+    from gtpo_kernels import linear_token_logprobs
+    h, w = torch.randn(2, 3, 8), torch.randn(11, 8)
+    ids = torch.randint(0, 11, (2, 3))
+    with pytest.raises(ValueError, match="the LM head takes one value"):
+        linear_token_logprobs(h, w, ids, torch.ones(2))
+
+
+def test_the_head_takes_one_temperature_keyword():
+    from gtpo_kernels import linear_gtpo_loss
+    gen = torch.Generator().manual_seed(2)
+    h, w = torch.randn(2, 3, 8, generator=gen), torch.randn(11, 8, generator=gen)
+    ids, adv = torch.randint(0, 11, (2, 3), generator=gen), torch.randn(2, generator=gen)
+    a = linear_gtpo_loss(h, w, ids, adv, group_size=2, config="grpo", temperature=0.7, backend="torch")
+    b = linear_gtpo_loss(h, w, ids, adv, group_size=2, config=GTPOConfig.preset("grpo", temperature=0.7),
+                         backend="torch")
+    assert torch.equal(a.logps, b.logps)
+    with pytest.raises(ValueError, match="the LM head takes one value"):
+        linear_gtpo_loss(h, w, ids, adv, group_size=2, temperature=torch.ones(2), backend="torch")
