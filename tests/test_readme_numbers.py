@@ -132,7 +132,8 @@ def test_head_keywords_are_documented():
     fixed, extra = (set(re.findall(r"`(\w+)`", g)) for g in m.groups())
     assert not ours - head and extra == head - ours, (ours - head, head - ours)
     params = inspect.signature(linear_gtpo_loss).parameters
-    assert fixed == {"logits_start", "inplace"} and all(params[k].default in (None, False) for k in fixed)
+    assert fixed == {"logits_start", "inplace", "sampling_mask", "top_k", "top_p", "min_p"} and \
+        all(params[k].default in (None, False) for k in fixed)
 
 
 def test_layers_are_the_checked_ones():

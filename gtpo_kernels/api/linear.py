@@ -24,7 +24,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                      group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
                      n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
                      rollout_is_weights=None, rollout_logps=None, temperature=None, validate=True,
-                     backend="auto", process_group=None, logits_start=None, inplace=False):
+                     backend="auto", process_group=None, logits_start=None, inplace=False, sampling_mask=None,
+                     top_k=None, top_p=None, min_p=None):
     """`gtpo_loss` from the final hidden states and the LM head, never holding the (tokens x V) logits.
 
     hidden    (B, T, D) (packed: (N, D), with cu_seqlens): row t predicts completion_ids[:, t]; pass
@@ -45,6 +46,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
               identical on every rank, the weight/bias gradients are this rank's slice.
     temperature  in place of config.temperature: one value (a number or a 0-d tensor); a tensor per
               completion or per token is gtpo_loss's on logits only, for now (refused here).
+    sampling_mask, top_k, top_p, min_p  gtpo_loss's kept sets: not replayed by the head yet (refused).
     logits_start, inplace  gtpo_loss's, refused here (only their defaults pass): slice the hidden states
               instead of offsetting them (a view, read in place), and there are no logits to overwrite.
     Under torch.autocast the head computes in its inputs' dtypes (autocast is off inside).
@@ -57,6 +59,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
             _one_temperature(temperature)
             cfg = dataclasses.replace(cfg, temperature=temperature)  # the config checks the value
         _refuse_logits_keywords(logits_start, inplace)
+        _refuse_replay(sampling_mask, top_k, top_p, min_p)
         checks.require_advantages(advantages)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -108,6 +111,15 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
     vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)")
     with linear.autocast_off(hidden.device):
         return head_ops.head_logprobs(b, head, hidden, temperature, budget, backend, host, vp)
+
+
+def _refuse_replay(sampling_mask, top_k, top_p, min_p):
+    given = [k for k, v in (("sampling_mask", sampling_mask), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p))
+             if v is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: the LM head does not replay the sampler's kept sets yet; materialize "
+                         "the logits and call gtpo_loss with them, or pass log-probs replayed elsewhere to "
+                         "gtpo_loss_from_logps")
 
 
 def _one_temperature(temperature):

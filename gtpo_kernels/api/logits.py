@@ -14,15 +14,16 @@ from ..core.output import GTPOOutput
 from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch, ops
-from ..pipeline import reference
-from ..pipeline.loss import (call_temperature, check_loss_args, conflicts_for, forward, fused_loss, make_output,
-                             vocab_parallel, vocab_summary)
+from ..pipeline import reference, replay
+from ..pipeline.loss import (call_temperature, check_loss_args, conflicts_for, forward, fused_loss, logps_loss,
+                             make_output, vocab_parallel, vocab_summary)
 
 def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group_size=None,
               old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None, n_conf=None,
               cu_seqlens=None, max_seqlen=None, logits_start=None, num_items_in_batch=None,
-              rollout_is_weights=None, rollout_logps=None, temperature=None, inplace=False, validate=True,
-              backend="auto", process_group=None) -> GTPOOutput:
+              rollout_is_weights=None, rollout_logps=None, temperature=None, sampling_mask=None, top_k=None,
+              top_p=None, min_p=None, inplace=False, validate=True, backend="auto",
+              process_group=None) -> GTPOOutput:
     """The GTPO policy-gradient loss (spec: docs/GTPO_SPEC.md), fused over the vocabulary.
 
     In one line of torch, for the default config (padded form, every token counted)::
@@ -62,6 +63,12 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     temperature     the sampler's tau, in place of config.temperature (None): a number > 0, or a tensor
                     per completion ((B,) or (B, 1)) or per token (completion_ids' shape) of them (spec 13:
                     each token's logits divided by its own tau; a tensor is not taken with process_group).
+    sampling_mask   the kept sets the sampler drew from (spec 13): (token_ids, offsets), vLLM's compressed
+                    layout, one set per counted token in the packed order: log-probs, entropies and the
+                    gradient are then over each set (exactly 0 outside it). Or, when the engine recorded
+                    none, top_k / top_p / min_p (numbers, or per completion / per token tensors) rebuild
+                    the sets by vLLM's rules from these logits (the sampled token restored if left out).
+                    Single process only for now, not with inplace nor backend='reference'.
     inplace         write the gradient into the logits' storage (saves one logits-sized buffer; the
                     logits are overwritten during backward). Off by default; refused on logits whose rows
                     overlap in memory and inside torch.compile.
@@ -92,26 +99,35 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32, host)
+            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace)
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
+            _refuse_reference_replay(rules)
             return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau)
         conflicts_for(b, cfg, group_size, dt, backend)
         vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch))  # by value (spec 12)
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
+    if rules is not None:  # the sampler's kept sets
+        logp, ent, metrics = _replayed(b, cfg, tau, sampling_mask, rules, backend, host)
+        loss, res = logps_loss(b, cfg, logp, ent, num_items, dt, host)
+        res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
+        return make_output(b, cfg, loss, res, dt, host)
     loss, res = fused_loss(b, cfg, backend, inplace, host, num_items, vp, tau)
     return make_output(b, cfg, loss, res, dt, host)
 
 
 def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None, *, logits_start=None,
-                   cu_seqlens=None, max_seqlen=None, validate=True, backend="auto", process_group=None):
+                   cu_seqlens=None, max_seqlen=None, sampling_mask=None, top_k=None, top_p=None, min_p=None,
+                   validate=True, backend="auto", process_group=None):
     """Forward-only log-probs and entropies (no autograd), e.g. for the old-policy and reference
     passes: -> (logps, entropy), each of completion_ids' shape, float32 (float64 for float64 logits),
     0 where masked out (NaN at an invalid counted token when the host checks are off). Nothing of size
     tokens x vocabulary is allocated. temperature: a number, or a tensor per completion / per token as
-    gtpo_loss's. process_group: vocabulary-parallel logits, as in gtpo_loss."""
+    gtpo_loss's. sampling_mask, top_k, top_p, min_p: over the sampler's kept sets, as in gtpo_loss.
+    process_group: vocabulary-parallel logits, as in gtpo_loss."""
     with agree.guard(_group(logits, process_group)) as g:  # an error is held until every rank knows (spec 12)
         logits, process_group = parallel.unwrap_dtensor(logits, process_group)
         if _per_token_tau(temperature):
@@ -126,9 +142,11 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             if _per_token_tau(temperature):
                 temperature = call_temperature(temperature, b, torch.float64 if logits.dtype == torch.float64
                                                else torch.float32, host)
+            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, False)
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
+            _refuse_reference_replay(rules)
             return reference.token_logprobs(b, logits, temperature)
         vocab_summary(g, b, logits, host, backend, temperature)
     vp = vocab_parallel(g, logits, "token_logprobs(process_group=...)")
@@ -136,11 +154,48 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
         vp.ids = parallel.local_ids(b.ids, vp.start)
     dt = float_dtype_for(logits)
     with torch.no_grad():
-        logp, ent, _, _ = forward(b, ops.as_tensor_param(temperature), backend, host, vp)
+        if rules is not None:
+            logp, ent, _ = _replayed(b, None, temperature, sampling_mask, rules, backend, host)
+        else:
+            logp, ent, _, _ = forward(b, ops.as_tensor_param(temperature), backend, host, vp)
     zero = torch.zeros((), dtype=dt, device=logits.device)
     logp = torch.where(b.counted, logp.to(dt), zero)
     ent = torch.where(b.counted, ent.to(dt), zero)
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
+
+
+def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace):
+    """None when the call replays no kept set, else the checked rules (replay.check_rules); what replay
+    does not take yet is refused."""
+    if not replay.requested(sampling_mask, top_k, top_p, min_p):
+        return None
+    if process_group is not None:
+        raise ValueError("sampling_mask / top_k / top_p / min_p are not taken with process_group yet: replay "
+                         "the kept sets on one process (gtpo_loss_from_logps takes log-probs replayed elsewhere)")
+    if inplace:
+        raise ValueError("inplace=True is not taken with sampling_mask / top_k / top_p / min_p (the replay's "
+                         "gradient is written to a buffer of its own)")
+    return replay.check_rules(b, top_k, top_p, min_p, host)
+
+
+def _refuse_reference_replay(rules):
+    if rules is not None:
+        raise ValueError("backend='reference' does not replay kept sets (gtpo_reference.gtpo_sampling does, "
+                         "as a separate oracle): use backend='auto', 'triton' or 'torch'")
+
+
+def _replayed(b, cfg, tau, sampling_mask, rules, backend, host):
+    """(logp, entropy, metrics) over the kept sets, with the call's temperature (tau: a per-token tensor,
+    or None for cfg's; token_logprobs passes cfg=None and its own number or tensor); validating, a flagged
+    row raises."""
+    if cfg is not None and tau is None:
+        tau = cfg.temperature
+    if isinstance(tau, torch.Tensor) and tau.dim() == 0:
+        tau = float(tau)  # a schedule: one value (a CPU tensor: no device sync)
+    logp, ent, flags, metrics = replay.replayed(b, tau, sampling_mask, rules, backend, host)
+    if host:
+        checks.raise_on_flags(flags, b.tok_shape)
+    return logp, ent, metrics
 
 
 def _per_token_tau(temperature):

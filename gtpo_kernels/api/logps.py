@@ -9,7 +9,7 @@ from ..core.layout import float_dtype_for
 from ..core.output import GTPOOutput
 from ..kernels import dispatch
 from ..objective.conflict import ID_LIMIT
-from ..pipeline.loss import check_loss_args, conflicts_for, loss_value, make_output, run_surrogate
+from ..pipeline.loss import check_loss_args, conflicts_for, logps_loss, make_output
 
 
 def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None, *, entropy=None,
@@ -51,24 +51,5 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
         dt = float_dtype_for(logps)
         num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
     conflicts_for(b, cfg, group_size, dt, dispatch.resolve_backend("auto", logps.device))
-    zero = torch.zeros((), dtype=dt, device=logps.device)
-    lp = torch.where(b.counted, logps.reshape(-1).to(dt), zero)  # gradient only where counted
-    ent = zero.expand(lp.shape) if entropy is None else torch.where(b.counted, entropy.reshape(-1).to(dt), zero)
-    with torch.no_grad():
-        res = run_surrogate(b, cfg, lp.detach(), ent.detach(), num_items, dt)
-        value = loss_value(b, cfg, res)
-        poisoned = b.malformed
-        if entropy is not None and not host:  # an unvalidated non-finite entropy reaches the filter, the
-            bad = (b.counted & ~torch.isfinite(ent)).any()  # quantile and the bonus: every output NaN (spec 6)
-            poisoned = bad if poisoned is None else poisoned | bad
-        if poisoned is not None:  # unvalidated malformed cu_seqlens or entropy: every output and gradient NaN
-            nan = torch.full((), float("nan"), dtype=dt, device=lp.device)
-            for k in ("logp", "ent", "c", "loss_tok", "seq_entropy") + (("e",) if res["e"] is not None else ()):
-                res[k] = torch.where(poisoned, nan, res[k])
-            value = torch.where(poisoned, nan, value)
-    # the value, with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1)
-    attach = res["c"] * (lp - lp.detach())
-    if res["e"] is not None:
-        attach = attach + res["e"] * (ent - ent.detach())
-    loss = value + (attach.reshape(b.tok_shape) if cfg.loss_agg == "none" else attach.sum())
+    loss, res = logps_loss(b, cfg, logps, entropy, num_items, dt, host)
     return make_output(b, cfg, loss, res, dt, host)

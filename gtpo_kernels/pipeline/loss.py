@@ -64,6 +64,34 @@ def value_and_coefficients(b, cfg, logp, ent, num_items, dt, cdt):
     return res, value, c, e
 
 
+def logps_loss(b, cfg, logps, entropy, num_items, dt, host):
+    """The loss from per-token log-probs (and entropies) differentiable elsewhere: the O(N) surrogate,
+    then the value with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1).
+    Unvalidated malformed cu_seqlens, or a non-finite entropy at a counted token: every output NaN.
+    -> (loss, res)."""
+    zero = torch.zeros((), dtype=dt, device=logps.device)
+    lp = torch.where(b.counted, logps.reshape(-1).to(dt), zero)  # gradient only where counted
+    ent = zero.expand(lp.shape) if entropy is None else torch.where(b.counted, entropy.reshape(-1).to(dt), zero)
+    with torch.no_grad():
+        res = run_surrogate(b, cfg, lp.detach(), ent.detach(), num_items, dt)
+        value = loss_value(b, cfg, res)
+        poisoned = b.malformed
+        if entropy is not None and not host:  # an unvalidated non-finite entropy reaches the filter, the
+            bad = (b.counted & ~torch.isfinite(ent)).any()  # quantile and the bonus: every output NaN (spec 6)
+            poisoned = bad if poisoned is None else poisoned | bad
+        if poisoned is not None:  # unvalidated malformed cu_seqlens or entropy: every output and gradient NaN
+            nan = torch.full((), float("nan"), dtype=dt, device=lp.device)
+            for k in ("logp", "ent", "c", "loss_tok", "seq_entropy") + (("e",) if res["e"] is not None else ()):
+                res[k] = torch.where(poisoned, nan, res[k])
+            value = torch.where(poisoned, nan, value)
+    # the value, with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1)
+    attach = res["c"] * (lp - lp.detach())
+    if res["e"] is not None:
+        attach = attach + res["e"] * (ent - ent.detach())
+    loss = value + (attach.reshape(b.tok_shape) if cfg.loss_agg == "none" else attach.sum())
+    return loss, res
+
+
 def shape_key(b, *rows):
     """The vocabulary-parallel agreement's shapes (spec 12): the tokens' shape, what the per-token rows
     are read from (`rows`), and the packed flag."""
