@@ -29,6 +29,8 @@ import re
 import subprocess
 import sys
 
+from .readme_gpu import RENDER as GPU_RENDER
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 DOCS = os.path.join(ROOT, "docs")
@@ -282,7 +284,7 @@ def render_toy(doc, path):
 
 RENDER = {"logits": render_logits, "linear": render_linear, "parallel": render_parallel, "aot": render_aot,
           "head": render_head, "logits_summary": render_logits_summary, "linear_summary": render_linear_summary,
-          "toy": render_toy}
+          "toy": render_toy, **GPU_RENDER}
 
 
 def documents():

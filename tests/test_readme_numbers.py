@@ -18,7 +18,8 @@ ROOT = Path(rn.ROOT)
 # every rendered table and the page that holds it
 TABLES = {"logits_summary": "README.md", "linear_summary": "README.md", "logits": "docs/benchmarks.md",
           "linear": "docs/benchmarks.md", "aot": "docs/benchmarks.md", "head": "docs/head.md",
-          "parallel": "docs/parallelism.md", "toy": "docs/trainers.md"}
+          "parallel": "docs/parallelism.md", "toy": "docs/trainers.md", "gpu_profile": "docs/benchmarks.md",
+          "gpu_peers": "docs/benchmarks.md", "gpu_tune": "docs/benchmarks.md"}
 
 
 def rendered():
@@ -51,6 +52,17 @@ def test_a_table_holds_its_files_numbers():
             for r in doc:
                 if r["provider"] == "gtpo_kernels" and r["dtype"] == "bfloat16":
                     assert f"{r['instr_per_elem']:.2f}, {r['regs']}" in body, (r["arch"], r["kernel"])
+            continue
+        if name == "gpu_profile":  # the sentence quotes each profiled call's wall time
+            assert doc["date"][:10] in body
+            assert all(f"{r['wall_ms']:.2f}" in body for r in doc["rows"] if r["impl"].startswith("triton")
+                       and r["tokens"] * r["V"] == max(x["tokens"] * x["V"] for x in doc["rows"])), body
+            continue
+        if name == "gpu_tune":  # the fastest forward of the sweep
+            assert f"{min(r['fwd_ms'] for r in doc['cuda']):.2f} ms" in body, body
+            continue
+        if name == "gpu_peers":  # ratios of the grid's rows: the files are named
+            assert path in body
             continue
         assert doc["date"][:10] in body and (doc["commit"] or "?")[:7] in body, (page, name)
         if name == "toy":
