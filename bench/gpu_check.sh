@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one script (about 6 minutes on an H200; each step has its own time limit, 585 s in all):
+# The GPU check, one script (about 6 minutes on an H200; each step has its own time limit, 590 s in all):
 #   1. the correctness tests on CUDA (Triton compiled, not interpreted) and the runtime checks of
 #      tests/cuda_runtime_check.py (host syncs, JIT cache, CUDA graphs);
 #   1b. tests/cuda_sync_check.py: the logits path and the head's two schedules with every sync an error;
@@ -16,7 +16,10 @@
 #   4b. the LM head alone at V = 151936 and a 7-8B model's hidden size (N = 8192, D = 4096) with the budget
 #      TRL uses (its 256 MiB tile): linear_gtpo_loss fused / recompute against TRL's and Liger's heads;
 #   5. the launch configurations of bench/aot/tune.py's static model (BLOCK_V x warps) timed on this GPU
-#      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/kernels/vocab_triton.py.
+#      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/kernels/vocab_triton.py;
+#   6. bench.timing.profile at 4096 x 32000 and 16384 x 151936: wall against device time, kernels and host
+#      reads per call, for ours (validate on / off, and replaying top_k = 50 / top_p = 0.95 kept sets:
+#      the replay row of spec 13) and eager (profile-cuda.json).
 # Results (JSON, PNG) go to $OUT when set (the device runner brings that folder back), else bench/results.
 # Peers: pip download --no-deps liger-kernel==0.8.5 trl==1.16.0 datasets dill multiprocess -d .whl
 #   on a machine with the registry (TRL's head imports datasets).
@@ -50,44 +53,49 @@ for mod in liger_kernel trl datasets dill multiprocess; do  # the last three: wh
 done
 
 step "1. correctness tests on CUDA (property tests against the float64 reference, then runtime checks)"
-GTPO_TEST_DEVICE=cuda timeout 75 python -m pytest -q -x tests/test_kernels.py -k "match_reference" \
+GTPO_TEST_DEVICE=cuda timeout 60 python -m pytest -q -x tests/test_kernels.py -k "match_reference" \
   -p no:cacheprovider 2>&1 | tail -25
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "correctness tests: exit $rc (124 = time limit)"; status=1; }
 # no host sync with validate=False, one JIT variant across lengths, CUDA-graph capture and replay
-timeout 45 python tests/cuda_runtime_check.py 2>&1 | tee "$OUT_DIR/cuda_runtime_check.txt"
+timeout 40 python tests/cuda_runtime_check.py 2>&1 | tee "$OUT_DIR/cuda_runtime_check.txt"
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "runtime checks: exit $rc"; status=1; }
 # the logits path and both head schedules under torch.cuda.set_sync_debug_mode("error"), validate=False
 # (the head's tile planning is its one allowed host read)
-timeout 45 python tests/cuda_sync_check.py --cuda-only 2>&1 | tee "$OUT_DIR/cuda_sync_check.txt"
+timeout 40 python tests/cuda_sync_check.py --cuda-only 2>&1 | tee "$OUT_DIR/cuda_sync_check.txt"
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "sync checks: exit $rc"; status=1; }
 
 step "2. sampled completions of N*V > 2**31 against the reference"
-timeout 50 python -m bench --device cuda --suite logits --check-only --settle 0 --tokens 16384 --vocab 151936 --impls triton \
+timeout 45 python -m bench --device cuda --suite logits --check-only --settle 0 --tokens 16384 --vocab 151936 --impls triton \
   --no-traffic --no-plots --out "$OUT_DIR" 2>&1 | grep -A3 '^implementation'
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "large-problem check: exit $rc"; status=1; }
 
 step "3. benchmark: the GPU grid against eager and Liger-Kernel"
-timeout 120 python -m bench --device cuda --settle 0 --suite logits --gpu-sizes --impls triton,eager,liger --no-aot --no-traffic \
-  --time-budget 90 --out "$OUT_DIR" 2>&1
+timeout 110 python -m bench --device cuda --settle 0 --suite logits --gpu-sizes --impls triton,eager,liger --no-aot --no-traffic \
+  --time-budget 80 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "benchmark: exit $rc"; status=1; }
 
 step "3b. torch.compile of the eager loss at one size (its first compile takes over a minute)"
-timeout 90 python -m bench --device cuda --settle 0 --suite logits --tokens 4096 --vocab 32000 --impls triton,eager,compile \
+timeout 80 python -m bench --device cuda --settle 0 --suite logits --tokens 4096 --vocab 32000 --impls triton,eager,compile \
   --no-aot --no-traffic --no-plots --out "$OUT_DIR/compile" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "torch.compile row: exit $rc"; status=1; }
 
 step "4. linear suite (from hidden states) at V = 151936"
-timeout 60 python -m bench --device cuda --settle 0 --suite linear --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
+timeout 55 python -m bench --device cuda --settle 0 --suite linear --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "linear suite: exit $rc"; status=1; }
 
 step "4b. the LM head at V = 151936, D = 4096, TRL's tile budget: ours against TRL's and Liger's heads"
-timeout 55 python -m bench --device cuda --settle 0 --suite linear --linear-size 8192,4096,151936 \
+timeout 50 python -m bench --device cuda --settle 0 --suite linear --linear-size 8192,4096,151936 \
   --linear-impls fused,recompute,trl,liger --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "LM head at V = 151936: exit $rc"; status=1; }
 
 step "5. launch configurations: the static model's candidates (bench/aot/tune.py) timed on this GPU"
-timeout 45 python -m bench.aot.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12
+timeout 40 python -m bench.aot.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "tune: exit $rc"; status=1; }
+
+step "6. where one call spends its time: torch.profiler per implementation (validate on / off, kept-set replay, eager)"
+timeout 70 python -m bench.timing.profile --device cuda --size 4096x32000 --size 16384x151936 --out "$OUT_DIR" 2>&1 \
+  | grep -v "^USDT"
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "profile: exit $rc"; status=1; }
 
 step "done: status $status"
 exit $status

@@ -294,3 +294,15 @@ def test_settle_waits_for_the_load_to_fall_and_zero_does_not_wait(monkeypatch):
     assert runner.load_snapshot(settle=True, log=said.append)["load_average"][0] == 9.0
     assert slept == [] and said == []
     assert runner.load_snapshot(settle=False, log=said.append) and said == []
+
+
+def test_profile_writes_one_row_per_call(tmp_path):
+    """python -m bench.timing.profile: wall time, operators and host reads of one call per implementation."""
+    from bench.timing import profile
+    profile.main(["--device", "cpu", "--size", "64x300", "--impls", "triton-novalidate,eager,nothing",
+                  "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "profile-cpu.json").read_text())["rows"]
+    by = {r["impl"]: r for r in rows}
+    assert by["triton-novalidate"]["wall_ms"] > 0 and by["triton-novalidate"]["syncs"] == 0
+    assert by["eager"]["ops"] > 0 and by["eager"]["top"]
+    assert "error" in by["nothing"]  # an unknown implementation is a row that says so

@@ -2,8 +2,8 @@
 
     python -m bench.timing.profile --device cuda --size 4096x32000 --size 16384x151936
 
-For each size and implementation (ours with the Triton and torch backends, validate on and off; the eager
-baseline): the wall time of a synchronized forward + backward, the device time its kernels took, how many
+For each size and implementation (ours with the Triton and torch backends, validate on and off, and
+replaying top_k = 50 / top_p = 0.95 kept sets; the eager baseline): the wall time of a synchronized forward + backward, the device time its kernels took, how many
 operators and kernels it launched and how many host syncs it made, then the operators that took the most
 device time (CUDA) or host time (CPU). The gap between wall and device time is launch and Python overhead.
 Writes profile-<device>.json into --out (default bench/out/).
@@ -21,10 +21,19 @@ from ..common import record
 from . import providers, runner
 from .inputs import make_inputs
 
-IMPLS = ("triton", "triton-novalidate", "torch", "eager")
+IMPLS = ("triton", "triton-novalidate", "triton-replay", "torch", "eager")
+REPLAY = dict(top_k=50, top_p=0.95)  # the kept sets rebuilt as a rollout engine's sampler would keep them
 
 
 def _runner(impl, cfg, device):
+    if impl == "triton-replay":  # spec 13: log-probs, entropies and gradient over the kept sets
+        from gtpo_kernels import gtpo_loss
+
+        def run(inp):
+            out = gtpo_loss(inp.logits, inp.ids, inp.adv, inp.mask, logits_start=0, lam=inp.lam, n_conf=inp.n_conf,
+                            config=cfg, backend="triton", **REPLAY)
+            return out.loss, out.logps, out.entropy
+        return run
     if impl == "triton-novalidate":
         from gtpo_kernels import gtpo_loss
 
