@@ -65,6 +65,27 @@ def test_registered_loss_equals_skyrl_regular(with_rollout):
     assert m1["clip_ratio"] == pytest.approx(m2["clip_ratio"])
 
 
+@pytest.mark.parametrize("clip_ratio_c", [3.0, 1.5])
+def test_dual_clip_loss_equals_skyrl_dual_clip(clip_ratio_c):
+    """PolicyLossRegistry.get('gtpo_dual_clip') = SkyRL's `dual_clip` loss, with ratios where it binds."""
+    g = torch.Generator().manual_seed(int(clip_ratio_c * 10))
+    logp, old, adv, mask, _ = _inputs(g)
+    with torch.no_grad():  # some tokens with A < 0 and a ratio far above clip_ratio_c
+        logp[:, :3] = old[:, :3] + 2.0
+        adv[:, :3] = -adv[:, :3].abs()
+    ours, m1 = ppo_utils.PolicyLossRegistry.get("gtpo_dual_clip")(
+        logp, old, adv, config=_algorithm("gtpo_dual_clip", clip_ratio_c=clip_ratio_c), loss_mask=mask)
+    (g1,) = torch.autograd.grad(ours, logp)
+    stock, m2 = ppo_utils.PolicyLossRegistry.get("dual_clip")(
+        logp, old, adv, config=_algorithm("dual_clip", clip_ratio_c=clip_ratio_c), loss_mask=mask)
+    (g2,) = torch.autograd.grad(stock, logp)
+    plain, _ = ppo_utils.PolicyLossRegistry.get("regular")(logp, old, adv, config=_algorithm("regular"), loss_mask=mask)
+    assert abs(float(plain) - float(stock)) > 1e-3  # the dual clip binds on these tokens
+    assert abs(float(ours) - float(stock)) <= 1e-6 * max(1.0, abs(float(stock)))
+    torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-6)
+    assert m1["clip_ratio"] == pytest.approx(m2["clip_ratio"])
+
+
 def _batch(g, n_groups=2, group_size=4, vocab=5):
     """A SkyRL batch from its own preprocessing: prompts and responses of random lengths, outcome rewards."""
     prompts, responses, rewards, loss_masks, uids = [], [], [], [], []

@@ -8,7 +8,8 @@ Importing this module registers, through SkyRL's own extension points (SkyRL is 
    advantages (the package's PPO term, `integrations.token_ppo`), then SkyRL's off-policy correction
    (`algorithm.off_policy_correction`) and SkyRL's sum over `loss_mask` (SkyRL folds its loss
    reduction into the advantages beforehand, as for its own losses). With plain GRPO advantages it is
-   SkyRL's `regular` loss; SkyRL's `dual_clip` (`clip_ratio_c`) is not applied.
+   SkyRL's `regular` loss. The loss `gtpo_dual_clip` adds SkyRL's dual clip (`clip_ratio_c`: the loss
+   of a token with a negative advantage is at most `-A clip_ratio_c`): SkyRL's `dual_clip` loss.
 2. The advantage-time step, `GTPOTrainer`: SkyRL's `RayPPOTrainer` whose
    `compute_advantages_and_returns` runs SkyRL's own estimator (`algorithm.advantage_estimator`, e.g.
    grpo) and then rewrites `data["advantages"]` with `gtpo_token_advantages` from the batch SkyRL
@@ -45,15 +46,18 @@ from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import apply_o
 from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean  # noqa: E402
 
 LOSS_NAME = "gtpo"
+LOSS_NAME_DUAL_CLIP = "gtpo_dual_clip"
 # GTPO's conflict weights; the entropy filter and shaping need entropies SkyRL's batch does not carry
 DEFAULT_CONFIG = GTPOConfig.preset("gtpo", entropy_threshold=None, entropy_penalty=0.0)
 
 
 def gtpo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, config,
-                     loss_mask: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None):
-    """SkyRL policy loss `gtpo` (module docstring): -> (loss, metrics) as SkyRL's losses return."""
+                     loss_mask: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None,
+                     dual_clip: bool = False):
+    """SkyRL policy loss `gtpo` (module docstring): -> (loss, metrics) as SkyRL's losses return;
+    dual_clip: with SkyRL's dual clip at config.clip_ratio_c (the loss `gtpo_dual_clip`)."""
     mask = loss_mask if loss_mask is not None else torch.ones_like(log_probs)
-    cfg = token_config(config.eps_clip_low, config.eps_clip_high)
+    cfg = token_config(config.eps_clip_low, config.eps_clip_high, config.clip_ratio_c if dual_clip else None)
     loss = token_ppo_losses(log_probs, old_log_probs, advantages, mask, cfg).to(log_probs.dtype)
     with torch.no_grad():
         r = torch.exp((log_probs - old_log_probs).clamp(-20.0, 20.0))
@@ -100,9 +104,16 @@ def rewrite_advantages(data, config=DEFAULT_CONFIG) -> dict:
     return {"gtpo/changed_frac": changed}
 
 
+def gtpo_dual_clip_policy_loss(log_probs, old_log_probs, advantages, config, loss_mask=None, rollout_logprobs=None):
+    """SkyRL policy loss `gtpo_dual_clip`: `gtpo` with SkyRL's dual clip (config.clip_ratio_c)."""
+    return gtpo_policy_loss(log_probs, old_log_probs, advantages, config, loss_mask, rollout_logprobs, dual_clip=True)
+
+
 def _register():
     if LOSS_NAME not in ppo_utils.PolicyLossRegistry.list_available():
         ppo_utils.register_policy_loss(LOSS_NAME)(gtpo_policy_loss)
+    if LOSS_NAME_DUAL_CLIP not in ppo_utils.PolicyLossRegistry.list_available():
+        ppo_utils.register_policy_loss(LOSS_NAME_DUAL_CLIP)(gtpo_dual_clip_policy_loss)
 
 
 _register()
@@ -135,4 +146,5 @@ def _trainer_class():
 
 GTPOTrainer = _trainer_class()
 
-__all__ = ["gtpo_policy_loss", "rewrite_advantages", "GTPOTrainer", "DEFAULT_CONFIG", "LOSS_NAME"]
+__all__ = ["gtpo_policy_loss", "gtpo_dual_clip_policy_loss", "rewrite_advantages", "GTPOTrainer", "DEFAULT_CONFIG",
+           "LOSS_NAME", "LOSS_NAME_DUAL_CLIP"]
