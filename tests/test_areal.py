@@ -68,6 +68,30 @@ def test_loss_fn_equals_arealss_grpo_loss_fn():
     assert int(weight_fn(mb)) == int(mb["loss_mask"].count_nonzero())  # AReaL's own weight for token-mean
 
 
+@pytest.mark.parametrize("c_clip", [3.0, 1.5])
+def test_dual_clip_equals_areals(c_clip):
+    """make_loss_fn(c_clip=) = AReaL's grpo_loss_fn with the same c_clip, with ratios where it binds."""
+    g = torch.Generator().manual_seed(int(c_clip * 10))
+    data, P, C = _batch(g)
+    mb, logp, ent = _pack(data, P, C, g, torch.float32)
+    with torch.no_grad():  # negative advantages and ratios far above c_clip on the first tokens
+        mb["advantages"] = -mb["advantages"].abs() - 0.5  # per completion still: one value each
+        logp[:40] = mb["prox_logp"][:40] + 2.0
+    loss_fn, _ = ga.make_loss_fn(eps_clip=0.2, eps_clip_higher=0.28, config="grpo", c_clip=c_clip)
+    ours = loss_fn(logp, ent, mb)
+    (g1,) = torch.autograd.grad(ours, logp)
+    stock = functools.partial(grpo_loss_fn, eps_clip=0.2, eps_clip_higher=0.28, c_clip=c_clip)(
+        logp, ent, dict(mb, loss_mask=mb["loss_mask"].bool()))
+    (g2,) = torch.autograd.grad(stock, logp)
+    plain = functools.partial(grpo_loss_fn, eps_clip=0.2, eps_clip_higher=0.28, c_clip=None)(
+        logp, ent, dict(mb, loss_mask=mb["loss_mask"].bool()))
+    assert abs(float(plain) - float(stock)) > 1e-3  # the dual clip binds
+    assert abs(float(ours) - float(stock)) <= 1e-6 * max(1.0, abs(float(stock)))
+    torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="c_clip must be a number > 1"):
+        ga.make_loss_fn(c_clip=0.5)
+
+
 def test_conflict_weights_and_entropies_reach_the_loss():
     g = torch.Generator().manual_seed(9)
     data, P, C = _batch(g)

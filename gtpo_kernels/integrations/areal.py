@@ -21,7 +21,7 @@ batch at advantage time (groups: `group_size` consecutive rows, AReaL's grouping
 samples) and AReaL's own packing carries them to the loss like any per-token key. Aggregation:
 `token-mean` (AReaL's: the counted tokens of the whole batch) or `seq-mean-token-mean` (GTPO's:
 `loss_weight_fn` then counts completions). With GTPO's options off it is AReaL's `grpo_loss_fn`
-(no dual clip `c_clip`, no decoupled loss, no rejection sampling).
+(AReaL's dual clip `c_clip` is `make_loss_fn(c_clip=...)`; no decoupled loss, no rejection sampling).
 """
 from __future__ import annotations
 
@@ -79,14 +79,18 @@ def _per_completion(advantages, mask, cu_seqlens):
     return _per_row(pad_adv, pad_mask)
 
 
-def make_loss_fn(eps_clip: float = 0.2, eps_clip_higher=None, config="gtpo", loss_agg: str = "token-mean"):
+def make_loss_fn(eps_clip: float = 0.2, eps_clip_higher=None, config="gtpo", loss_agg: str = "token-mean",
+                 c_clip=None):
     """-> (loss_fn, loss_weight_fn) for AReaL's `engine.train_batch` (module docstring). `config`: a
     GTPOConfig or preset whose conflict weights and entropy control are used; the clip range is AReaL's
-    (`eps_clip`, `eps_clip_higher`)."""
+    (`eps_clip`, `eps_clip_higher`), and `c_clip` its dual clip (> 1; None: off)."""
     if loss_agg not in AGGS:
         raise ValueError(f"loss_agg must be one of {AGGS}, got {loss_agg!r}")
+    if c_clip is not None and not (isinstance(c_clip, (int, float)) and not isinstance(c_clip, bool) and c_clip > 1):
+        raise ValueError(f"c_clip must be a number > 1 (AReaL's dual clip) or None, got {c_clip!r}")
     cfg = as_config(config).replace(eps_low=float(eps_clip), loss_agg=loss_agg,
-                                    eps_high=float(eps_clip if eps_clip_higher is None else eps_clip_higher))
+                                    eps_high=float(eps_clip if eps_clip_higher is None else eps_clip_higher),
+                                    dual_clip_c=None if c_clip is None else float(c_clip))
 
     def loss_fn(logprobs, entropy, input_data, **unused):
         mask = input_data["loss_mask"].bool()
