@@ -65,16 +65,20 @@ def test_gtpo_official_without_n_conf(schedule):
 @pytest.mark.parametrize("schedule", ["fused", "recompute"])
 def test_autocast_leaves_float32_inputs_float32(schedule):
     """Inside torch.autocast (bf16), float32 hidden states and weight give the float32 results: the
-    inputs' dtypes decide, forward and backward."""
+    inputs' dtypes decide, forward and backward. One token is masked out, so that a tile's gradient rows
+    are not consecutive and go through the scattered write (with every row counted, the GEMM writes them
+    in place, which autocast leaves alone, and the test could not fail)."""
     h, w, ids, adv = _inputs(4, 3)
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    mask[1, 1] = False
     kw = dict(group_size=2, config="grpo", schedule=schedule, backend="torch")
-    plain = _head(h, w, ids, adv, **kw)
+    plain = _head(h, w, ids, adv, mask, **kw)
     with torch.autocast("cpu", torch.bfloat16):
-        got = _head(h, w, ids, adv, **kw)
+        got = _head(h, w, ids, adv, mask, **kw)
     assert got[1].dtype == got[2].dtype == torch.float32
     for a, b, name in zip(got[1:], plain[1:], ("hidden", "weight")):
         assert torch.equal(a, b), f"grad {name} under autocast differs from the float32 run"
-    _close(got, _reference(h, w, ids, adv, group_size=2, config="grpo"), f"autocast, {schedule}")
+    _close(got, _reference(h, w, ids, adv, mask, group_size=2, config="grpo"), f"autocast, {schedule}")
 
 
 @pytest.mark.parametrize("preset", ["gtpo", "gspo"])

@@ -53,28 +53,31 @@ def _scenarios(rank, world):
         res[f"rows skipped, {case}"] = {"loss": _rel(out.loss, one.loss), "logps": _rel(out.logps, one.logps),
                                         "entropy": _rel(out.entropy, one.entropy)}
 
-    # max_seqlen shorter than the longest completion on rank 0 only, validate=False, shaping on
+    # max_seqlen shorter than the longest completion on rank 0 only, validate=False: shaping on (the filter
+    # makes `auto` recompute), and the sequence ratio without a filter (`auto` would run fused, whose tiles
+    # a lying max_seqlen would plan)
     lengths = torch.tensor([6, 2, 5, 3])
     mask = torch.arange(T)[None] < lengths[:, None]
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    cfg = GTPOConfig.preset("gtpo", entropy_threshold=10.0, use_conflict_mask=False)
-    kw = dict(group_size=2, config=cfg, cu_seqlens=cu, memory_budget=3 * row_bytes(V, w.dtype, w.device),
-              validate=False, backend="torch")
-    hp = h[mask].clone().requires_grad_()
-    one_h = h[mask].clone().requires_grad_()
-    one = linear_gtpo_loss(one_h, w, ids[mask], torch.tensor([1.0, -1.0, 0.5, -0.5]), **kw)
-    one.loss.backward()
-    progress("max_seqlen")
-    try:
-        out = linear_gtpo_loss(hp, w[sl], ids[mask], torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                               max_seqlen=2 if rank == 0 else 6, process_group=group, **kw)
-        out.loss.backward()
-        dh = hp.grad.clone()
-        dist.all_reduce(dh)  # hidden's gradient: the slices' contributions summed
-        res["max_seqlen"] = {"loss": _rel(out.loss, one.loss), "logps": _rel(out.logps, one.logps),
-                             "grad hidden": _grad_rel(dh, one_h.grad)}
-    except ValueError as e:  # refused by the agreement: every rank must say so
-        res["max_seqlen"] = {"refused": str(e).split(";")[0]}
+    for name, cfg in (("max_seqlen", GTPOConfig.preset("gtpo", entropy_threshold=10.0, use_conflict_mask=False)),
+                      ("max_seqlen, gspo", GTPOConfig.preset("gspo"))):
+        kw = dict(group_size=2, config=cfg, cu_seqlens=cu, memory_budget=3 * row_bytes(V, w.dtype, w.device),
+                  validate=False, backend="torch")
+        hp = h[mask].clone().requires_grad_()
+        one_h = h[mask].clone().requires_grad_()
+        one = linear_gtpo_loss(one_h, w, ids[mask], torch.tensor([1.0, -1.0, 0.5, -0.5]), **kw)
+        one.loss.backward()
+        progress(name)
+        try:
+            out = linear_gtpo_loss(hp, w[sl], ids[mask], torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                                   max_seqlen=2 if rank == 0 else 6, process_group=group, **kw)
+            out.loss.backward()
+            dh = hp.grad.clone()
+            dist.all_reduce(dh)  # hidden's gradient: the slices' contributions summed
+            res[name] = {"loss": _rel(out.loss, one.loss), "logps": _rel(out.logps, one.logps),
+                         "grad hidden": _grad_rel(dh, one_h.grad)}
+        except ValueError as e:  # refused by the agreement: every rank must say so
+            res[name] = {"refused": str(e).split(";")[0]}
 
     # an empty slice on rank 1 (rank 0 holds the whole vocabulary)
     sl = slice(0, V) if rank == 0 else slice(V, V)
