@@ -62,7 +62,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     config.off_policy_mask_threshold (default: old_logps).
     temperature     the sampler's tau, in place of config.temperature (None): a number > 0, or a tensor
                     per completion ((B,) or (B, 1)) or per token (completion_ids' shape) of them (spec 13:
-                    each token's logits divided by its own tau; a tensor is not taken with process_group).
+                    each token's logits divided by its own tau; with process_group every rank passes the same).
     sampling_mask   the kept sets the sampler drew from (spec 13): (token_ids, offsets), vLLM's compressed
                     layout, one set per counted token in the packed order: log-probs, entropies and the
                     gradient are then over each set (exactly 0 outside it). Or, when the engine recorded
@@ -99,6 +99,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32, host)
+            b.tau = tau  # compared across the ranks of a vocabulary split (agree.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace)
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
         if backend == "reference":
@@ -130,9 +131,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     process_group: vocabulary-parallel logits, as in gtpo_loss."""
     with agree.guard(_group(logits, process_group)) as g:  # an error is held until every rank knows (spec 12)
         logits, process_group = parallel.unwrap_dtensor(logits, process_group)
-        if _per_token_tau(temperature):
-            _with_temperature(None, temperature, process_group)  # not with process_group
-        else:  # one value, checked by the config
+        if not _per_token_tau(temperature):  # one value, checked by the config
             temperature = _with_temperature(GTPOConfig(), temperature, process_group).temperature
         host = checks.host_checks(validate)
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
@@ -140,8 +139,8 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             b = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                logits_start=logits_start, validate=host, vocab_size=_local_vocab(process_group))
             if _per_token_tau(temperature):
-                temperature = call_temperature(temperature, b, torch.float64 if logits.dtype == torch.float64
-                                               else torch.float32, host)
+                temperature = b.tau = call_temperature(temperature, b, torch.float64 if logits.dtype == torch.float64
+                                                       else torch.float32, host)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, False)
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
         if backend == "reference":
@@ -206,12 +205,9 @@ def _per_token_tau(temperature):
 
 def _with_temperature(cfg, temperature, process_group):
     """The config with a call's one-value `temperature` in it (a number or a 0-d tensor, checked by the
-    config), or as it is for None or a tensor per completion / per token (call_temperature checks that);
-    the latter is refused with process_group (each rank would have to agree on it by value)."""
+    config), or as it is for None or a tensor per completion / per token (call_temperature checks that;
+    with process_group the ranks compare it by value in their agreement)."""
     if _per_token_tau(temperature):
-        if process_group is not None:
-            raise ValueError("temperature: a per-completion or per-token tensor is not taken with process_group "
-                             "yet; pass a number (or split the batch so that each call has one temperature)")
         return cfg
     if temperature is None:
         return cfg

@@ -34,6 +34,7 @@ class Batch:
     max_seqlen: Optional[int] = None
     max_len: object = None  # default denominator of seq-mean-token-sum-norm
     malformed: Optional[torch.Tensor] = None  # 0-d bool: an unvalidated cu_seqlens was malformed (NaN outputs)
+    tau: Optional[torch.Tensor] = None  # (N,) the call's temperature per token, when it gave one (spec 13)
 
     @property
     def packed(self) -> bool:

@@ -209,7 +209,7 @@ def token_digest(b):
 # What the ranks of a vocabulary-parallel group must pass alike besides the tokens (spec 12), each
 # compared by a checksum of its values (per-token inputs at counted tokens; None counts as absent).
 INPUTS = ("cu_seqlens and max_seqlen", "advantages", "old_logps", "ref_logps", "lam", "n_conf",
-          "rollout_is_weights", "rollout_logps")
+          "rollout_is_weights", "rollout_logps", "temperature (per token)")
 _ABSENT = 1
 
 
@@ -219,8 +219,8 @@ def input_digests(b):
     if b.cu_seqlens is not None:
         extra = b.cu_seqlens.new_full((1,), -1 if b.max_seqlen is None else b.max_seqlen, dtype=torch.int64)
         cu = values_digest(torch.cat([b.cu_seqlens.long(), extra]))
-    whole = [b.adv, None, None, None, b.n_conf, None, None]
-    counted = [None, b.old, b.ref, b.lam, None, b.rollout_w, b.rollout_logps]
+    whole = [b.adv, None, None, None, b.n_conf, None, None, None]
+    counted = [None, b.old, b.ref, b.lam, None, b.rollout_w, b.rollout_logps, b.tau]
     out = [cu]
     for x, y in zip(whole, counted):
         if x is not None:

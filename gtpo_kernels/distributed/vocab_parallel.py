@@ -49,7 +49,7 @@ def vocab_layout(g, device, where):
     shapes, options and tokens -> VocabParallel (this slice's first id, the whole vocabulary's size, the
     largest slice). A rank that failed its checks, ranks that disagree, or (validating) counted ids
     outside the whole vocabulary: every rank raises the same error (none is left waiting)."""
-    rows = agree.agree(g, 1 + KEY + 4 + len(agree.INPUTS), device, where)  # 22 int64 with the flag
+    rows = agree.agree(g, 1 + KEY + 4 + len(agree.INPUTS), device, where)  # 23 int64 with the flag
     sizes = [row[0] for row in rows]
     agree.disagree(where, [tuple(row[1:1 + KEY]) for row in rows], "the shapes of the per-token inputs "
                    "(tokens, logits rows, logits_start or D, packed)", "every rank must pass the same tokens, "

@@ -1,0 +1,76 @@
+"""A per-token temperature across a vocabulary split (spec 12 and 13), on 2 gloo ranks: gtpo_loss and
+token_logprobs with each rank's slice of the vocabulary equal the one-process call on the whole vocabulary
+(padded and packed, torch and Triton backends); ranks passing different temperatures all raise the same
+error naming it (the agreement compares it by value), none is left waiting."""
+import torch
+import torch.distributed as dist
+
+from gloo import progress, run_ranks
+from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
+
+SPLIT = (15, 22)  # V = 37
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().clamp(min=1).max())
+
+
+def _scenarios(rank, world):
+    g = torch.Generator().manual_seed(5)
+    B, T, V = 4, 5, 37
+    x = torch.randn(B, T, V, generator=g) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    old = -torch.rand(B, T, generator=g) * 3 - 1.0
+    tau = torch.rand(B, T, generator=g) + 0.5
+    sl = slice(0, SPLIT[0]) if rank == 0 else slice(SPLIT[0], V)
+    cfg = GTPOConfig(entropy_threshold=None, entropy_coef=0.01)
+    res = {}
+    for backend in ("torch", "triton"):
+        for packed in (False, True):
+            key = f"{backend}/{'packed' if packed else 'padded'}"
+            progress(key)
+            xs, i, t, o = x, ids, tau, old
+            kw = {}
+            if packed:
+                xs, i, t, o = x.reshape(B * T, V), ids.reshape(-1), tau.reshape(-1), old.reshape(-1)
+                kw = dict(cu_seqlens=torch.arange(0, B * T + 1, T), max_seqlen=T)
+            full = xs.clone().requires_grad_()
+            one = gtpo_loss(full, i, adv, group_size=2, old_logps=o, temperature=t, config=cfg, backend=backend, **kw)
+            one.loss.backward()
+            part = xs[..., sl].clone().requires_grad_()
+            out = gtpo_loss(part, i, adv, group_size=2, old_logps=o, temperature=t, config=cfg, backend=backend,
+                            process_group=dist.group.WORLD, **kw)
+            out.loss.backward()
+            grad_err = float((part.grad - full.grad[..., sl]).norm() / full.grad.norm())
+            res[key] = {"loss": _rel(out.loss.detach(), one.loss.detach()), "logps": _rel(out.logps, one.logps),
+                        "entropy": _rel(out.entropy, one.entropy), "grad": grad_err}
+        lp1, h1 = token_logprobs(x, ids, tau[:, 0], backend=backend)
+        lp, h = token_logprobs(x[..., sl], ids, tau[:, 0], backend=backend, process_group=dist.group.WORLD)
+        res[f"{backend}/token_logprobs"] = {"logps": _rel(lp, lp1), "entropy": _rel(h, h1)}
+    progress("disagree")
+    mine = tau.clone()
+    if rank == 1:
+        mine[2, 3] += 0.25  # one token's temperature differs on one rank
+    try:
+        gtpo_loss(x[..., sl], ids, adv, group_size=2, temperature=mine, config=cfg, backend="torch",
+                  process_group=dist.group.WORLD)
+        res["disagree"] = "accepted"
+    except ValueError as e:
+        res["disagree"] = str(e)
+    return res
+
+
+def test_per_token_temperature_across_a_vocabulary_split():
+    ranks = run_ranks(_scenarios, 2, watchdog=120)
+    for r, res in enumerate(ranks):
+        assert "exception" not in res, f"rank {r}: {res.get('exception')}"
+    for r, res in enumerate(ranks):
+        for key, errs in res.items():
+            if key == "disagree":
+                continue
+            for what, err in errs.items():
+                tol = 1e-4 if what == "grad" else 1e-5
+                assert err <= tol, f"rank {r}, {key}: {what} off by {err:.2e} (one-process result)"
+    said = [res["disagree"] for res in ranks]
+    assert said[0] == said[1] and "temperature (per token)" in said[0], said
