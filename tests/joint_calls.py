@@ -200,13 +200,14 @@ def call_linear(j, d, head, cfg, tensors, kw, up, around=lambda f: f()):
     return out, grads
 
 
-def reference(j, d, Z, head, kw_ref, up):
+def reference(j, d, Z, head, kw_ref, up, tau=None):
     """The float64 reference on the same values -> (result, {grad name: gradient}, {grad name: slack}).
     Hidden states: the values of the logits as the call's dtype holds them, gradients by float64 autograd
-    through the projection; 16-bit: plus the error of storing dL/dlogits in 16 bits (as tests/test_linear.py)."""
-    if head is None:
+    through the projection; 16-bit: plus the error of storing dL/dlogits in 16 bits (as tests/test_linear.py).
+    tau: the logits entry's per-token temperature (B, T), or None."""
+    if head is None:  # tau (B, T): each row divided by its own temperature, in autograd (kw_ref's is 1)
         z = Z.detach().clone().requires_grad_()
-        r = ref.gtpo_loss(z, d.ids, d.adv, d.mask, **kw_ref)
+        r = ref.gtpo_loss(z if tau is None else z / tau[..., None], d.ids, d.adv, d.mask, **kw_ref)
         backward(r["loss"], up)
         name = "grad logits" if j.entry == "logits" else "grad logits (through the log-probs)"
         return r, {name: z.grad}, {}

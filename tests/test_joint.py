@@ -4,7 +4,8 @@ one token), the preset with every option of spec 9, the rollout weights in every
 conflict weights (computed or precomputed), num_items_in_batch, dtype and backend, together with what a
 trainer adds: validate=False, a max_seqlen shorter than the longest completion (refused with validate=True;
 otherwise the reference's numbers or NaN, never a finite wrong one), a bfloat16 autocast region around a
-float32 call, and soft-caps saturated by every logit of a row. A call that
+float32 call, soft-caps saturated by every logit of a row, and the sampler's temperature per completion or
+per token on the logits entry (the reference divides each row by its own). A call that
 raises must raise one of the refusals the API documents (REFUSALS); every other call is compared with the
 float64 reference on the same inputs (values, outputs, metrics, gradients; spec 7 tolerances), and the
 family part with TRL 1.16's own _compute_loss on the same log-probs (tests/test_joint_trl.py). The calls, the
@@ -40,7 +41,25 @@ REFUSALS = {
     "entropy missing where the config reads it (spec 10)": r"entropy .*required",
     "per-completion rollout weights (B,) in the packed form (spec 9: ambiguous)": r"rollout_is_weights",
     "max_seqlen shorter than the longest completion (spec 6)": r"max_seqlen",
+    "a (B,) temperature in the packed form when B == N (spec 13: ambiguous)": r"temperature of shape .* is ambiguous",
 }
+
+
+def _tau(j):
+    """(B, T) float64 temperatures, exact in float32 (the call's dtype for them), one per completion (B, B1)
+    or per token (BT), or None."""
+    if j.tau is None:
+        return None
+    g = torch.Generator().manual_seed(j.seed + 11)
+    if j.tau in ("B", "B1"):
+        t = (torch.rand(j.B, 1, generator=g) * 1.2 + 0.5).float().double()
+        return t.expand(j.B, j.T).contiguous()
+    return (torch.rand(j.B, j.T, generator=g) * 1.2 + 0.5).float().double()
+
+
+def _tau_per_completion(j):
+    g = torch.Generator().manual_seed(j.seed + 11)
+    return (torch.rand(j.B, 1, generator=g) * 1.2 + 0.5).float().double()[:, 0]
 
 
 def expected_refusals(j, cfg, lie=False, N=None):
@@ -48,6 +67,8 @@ def expected_refusals(j, cfg, lie=False, N=None):
     lie: the call is given a max_seqlen shorter than its longest completion; N: the number of packed
     tokens, when known ((B,) rollout weights are per-token ones when N == B)."""
     out = [("max_seqlen shorter than the longest completion (spec 6)", True)] if lie and j.validate else []
+    if j.tau in ("B", "BT") and j.packed and N is not None and N == j.B:
+        out.append(("a (B,) temperature in the packed form when B == N (spec 13: ambiguous)", True))
     if j.entry == "token_adv":
         if not j.with_entropy and cfg.shapes_advantages:
             out.append(("entropy missing where the config reads it (spec 10)", True))
@@ -153,6 +174,8 @@ def check_joint(j, around=None):
     for e in ("lie", "autocast", "saturate"):
         if getattr(j, e):
             event(f"{e} (validate={j.validate})" if e == "lie" else e)
+    if j.tau is not None:
+        event(f"temperature per {'token' if j.tau == 'BT' else 'completion'}")
     cfg = build_config(j)
     if cfg is None:
         return
@@ -166,7 +189,9 @@ def check_joint(j, around=None):
         Z = held_logits(*head, j.head["scale"], j.head["cap"])
     else:
         Z = materialize(*[None if x is None else x.double() for x in head], j.head["scale"], j.head["cap"])
-    rlp, rent = ref.token_logprobs(Z, d.ids, cfg.temperature, d.mask)
+    tau = _tau(j)  # the sampler's temperature per completion / token (logits entry), or None
+    Zr = Z if tau is None else Z / tau[..., None]  # the reference's view: each row over its own tau
+    rlp, rent = ref.token_logprobs(Zr, d.ids, cfg.temperature if tau is None else 1.0, d.mask)
     cfg = settle_filter(j, cfg, completion_entropy(rent, d.mask), d.mask)
     old, refl, roll = side_inputs(j, d, rlp)
     sampling = roll if j.with_roll_lp else (old if j.with_old else None)
@@ -186,6 +211,9 @@ def check_joint(j, around=None):
     items = num_items(j, d.mask)
     kw = dict(group_size=j.G, old_logps=old_a, ref_logps=ref_a, config=cfg, num_items_in_batch=items,
               rollout_is_weights=w_api, rollout_logps=roll_a, **lam_kw, **form_kw)
+    if tau is not None:
+        per_c = _tau_per_completion(j)
+        kw["temperature"] = {"B": per_c, "B1": per_c[:, None]}.get(j.tau, d.pack(tau) if j.packed else tau).float()
     up = torch.randn(j.B, j.T, generator=d.gen, dtype=torch.float64)
     caller = {"logits": call_logits, "logps": call_logps, "linear": call_linear}[j.entry]
     inner = autocast if j.autocast else (lambda f: f())
@@ -200,7 +228,9 @@ def check_joint(j, around=None):
                   rollout_logps=roll if j.with_roll_lp else None, num_items_in_batch=items, **lam_ref)
     if j.packed and cfg.max_completion_length is None:  # the packed default: the longest completion
         kw_ref["max_completion_length"] = max(int(d.lengths.max()), 1) if j.B else 1
-    r, rgrads, slack = reference(j, d, Z, head, kw_ref, up)
+    if tau is not None:
+        kw_ref["temperature"] = 1.0  # the rows are divided by their own tau (reference(..., tau))
+    r, rgrads, slack = reference(j, d, Z, head, kw_ref, up, tau)
     if not j.validate and j.num_items is not None and j.num_items[1] == 0:  # num_items_in_batch = tensor(0.)
         loss = res[0].loss.detach()  # unread: NaN (an all-masked batch may keep its loss of 0)
         assert bool(loss.isnan().all()) or (not d.mask.any() and bool((loss == 0).all())), f"loss {loss}"
