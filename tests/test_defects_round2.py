@@ -176,3 +176,23 @@ def test_fingerprint_compares_options_by_value():
     assert one != fp("torch", GTPOConfig(temperature=0.9)) and one != fp("triton", GTPOConfig())
     assert one != fp("torch", GTPOConfig(eps_high=0.28)) and one != fp("torch", GTPOConfig(clip=False))
     assert fp(torch.Generator()) == fp(torch.Generator()) and fp(True) != fp(1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lying_max_seqlen_makes_the_group_of_a_cut_completion_nan(backend):
+    """Packed, validate=False, max_seqlen = 1 while two completions of the group hold 2 tokens: their
+    tokens past max_seqlen cannot take part in the runs, so the third completion's weights would miss the
+    suffix it shares with them (reference: lam 2 for its token; found by the joint generator as a finite
+    1). Every weight of that group is NaN; another group, uncut, keeps the reference's weights."""
+    import gtpo_reference as ref
+    from gtpo_kernels import conflict_weights
+    ids = torch.tensor([0, 2, 2, 1, 2, 5, 6, 6])  # group 0: [0, 2], [2], [1, 2]; group 1: [5], [6], [6]
+    cu = torch.tensor([0, 2, 3, 5, 6, 7, 8])
+    adv = torch.tensor([1.0, 1.0, -1.0, 1.0, -1.0, 1.0])
+    lam, n_conf = conflict_weights(ids, None, adv, 3, cu_seqlens=cu, max_seqlen=1, validate=False, backend=backend)
+    assert torch.isnan(lam[:5]).all() and torch.isnan(n_conf[:3]).all()
+    padded = torch.tensor([[0, 2], [2, -100], [1, 2], [5, -100], [6, -100], [6, -100]])
+    m = padded != -100
+    rl, rn = ref.conflict_weights(padded, m, adv, 3, 2.0, 0.0)
+    assert torch.equal(lam[5:], rl[3:][m[3:]].float()) and torch.equal(n_conf[3:], rn[3:].float())
+    assert float(rl[1, 0]) == 2.0  # the weight the cut layout missed

@@ -65,9 +65,12 @@ def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
     """lam (N,) flat and n_conf (B,) for a prepared batch (padded or packed). With a
     grouping.GroupLayout, rows are first moved to contiguous groups of layout.size slots. A completion
     with a counted id outside [0, 2**31) (unvalidated) gets lam = NaN and n_conf = NaN; its invalid tokens
-    take part in no one's conflicts. An unvalidated malformed cu_seqlens (b.malformed) makes every one NaN."""
+    take part in no one's conflicts. An unvalidated malformed cu_seqlens (b.malformed) makes every one NaN.
+    An unvalidated max_seqlen shorter than a completion makes its whole group NaN: the runs compared
+    within a group (a suffix aligned at each completion's end) would miss the tokens left out."""
     bad_tok = invalid_ids(b.ids, b.counted)
     counted = b.counted & ~bad_tok
+    over = None
     if b.packed:
         L, pos = packed_layout(b)
         # an unvalidated max_seqlen shorter than a completion: its tokens past L go to a spare column,
@@ -75,7 +78,6 @@ def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
         over = pos >= L
         pos = torch.where(over, L, pos)
         ids, m = pad(b, b.ids.long(), L + 1, pos), pad(b, counted & ~over, L + 1, pos)
-        bad_tok = bad_tok | over
     else:
         ids, m = b.ids.reshape(b.tok_shape), counted.reshape(b.tok_shape)
     if layout is None:
@@ -88,6 +90,12 @@ def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
                                     dtype)
     lam = lam[b.seg, pos] if b.packed else lam.reshape(-1)
     bad = torch.zeros(b.B, dtype=torch.int32, device=lam.device).index_add_(0, b.seg, bad_tok.to(torch.int32)) > 0
+    if over is not None:  # a truncated completion: NaN for its whole group
+        cut = torch.zeros(b.B, dtype=torch.int32, device=lam.device).index_add_(0, b.seg, over.to(torch.int32)) > 0
+        group = (torch.arange(b.B, device=lam.device) // group_size) if layout is None else layout.code
+        n_groups = (b.B + group_size - 1) // group_size if layout is None else layout.n_groups
+        hit = torch.zeros(n_groups, dtype=torch.int32, device=lam.device).index_add_(0, group, cut.to(torch.int32)) > 0
+        bad = bad | hit[group]
     if b.malformed is not None:  # an unvalidated malformed cu_seqlens: every weight NaN (its stand-in is no layout)
         bad = bad | b.malformed
     nan = torch.full((), float("nan"), dtype=dtype, device=lam.device)
