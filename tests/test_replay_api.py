@@ -1,6 +1,6 @@
 """The sampler's kept sets in the public calls on logits (spec 13): token_logprobs and gtpo_loss with a
 recorded `sampling_mask` or with `top_k` / `top_p` / `min_p`, on the Triton (interpreted) and torch
-backends, padded and packed, with a number or per-token temperature. Oracles, float64: the reference's
+and reference backends, padded and packed, with a number or per-token temperature. Oracles, float64: the reference's
 replay (gtpo_reference.gtpo_sampling) for the values, and the reference loss on logits whose entries
 outside each kept set are -inf (the same distribution) for the loss and its gradient. Tolerances: spec 7."""
 import pytest
@@ -13,7 +13,7 @@ from conftest import assert_grad_close, assert_value_close, examples
 from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
 from gtpo_reference import gtpo_sampling as rs
 
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "torch", "reference"]
 
 
 def _batch(seed, B=4, T=5, V=48):
@@ -106,8 +106,6 @@ def test_replay_refusals_and_nan():
         gtpo_loss(z, ids, adv, mask, group_size=2, sampling_mask=sm, top_k=5, backend="torch")
     with pytest.raises(ValueError, match="inplace=True is not taken with sampling_mask"):
         gtpo_loss(z.clone().requires_grad_(), ids, adv, mask, group_size=2, top_p=0.9, inplace=True, backend="torch")
-    with pytest.raises(ValueError, match="backend='reference' does not replay"):
-        gtpo_loss(z, ids, adv, mask, group_size=2, top_p=0.9, backend="reference")
     with pytest.raises(ValueError, match="top_p must be in \\(0, 1\\]"):
         token_logprobs(z, ids, 1.0, mask, top_p=1.5, backend="torch")
     token_ids, offsets = sm

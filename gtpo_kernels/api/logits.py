@@ -68,7 +68,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     gradient are then over each set (exactly 0 outside it). Or, when the engine recorded
                     none, top_k / top_p / min_p (numbers, or per completion / per token tensors) rebuild
                     the sets by vLLM's rules from these logits (the sampled token restored if left out).
-                    Single process only for now, not with inplace nor backend='reference'.
+                    Single process only for now, not with inplace.
     inplace         write the gradient into the logits' storage (saves one logits-sized buffer; the
                     logits are overwritten during backward). Off by default; refused on logits whose rows
                     overlap in memory and inside torch.compile.
@@ -104,8 +104,13 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
-            _refuse_reference_replay(rules)
-            return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau)
+            if rules is None:
+                return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau)
+            keep, metrics = reference.kept_window(b, logits, cfg.temperature if tau is None else tau,
+                                                  sampling_mask, rules, host)
+            out = reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau, keep)
+            out.metrics.update({k: v.to(out.loss.dtype) for k, v in metrics.items()})
+            return out
         conflicts_for(b, cfg, group_size, dt, backend)
         vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch))  # by value (spec 12)
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")
@@ -145,8 +150,9 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
-            _refuse_reference_replay(rules)
-            return reference.token_logprobs(b, logits, temperature)
+            keep = None if rules is None else reference.kept_window(b, logits, temperature, sampling_mask, rules,
+                                                                    host)[0]
+            return reference.token_logprobs(b, logits, temperature, keep)
         vocab_summary(g, b, logits, host, backend, temperature)
     vp = vocab_parallel(g, logits, "token_logprobs(process_group=...)")
     if vp is not None:
@@ -175,12 +181,6 @@ def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, in
         raise ValueError("inplace=True is not taken with sampling_mask / top_k / top_p / min_p (the replay's "
                          "gradient is written to a buffer of its own)")
     return replay.check_rules(b, top_k, top_p, min_p, host)
-
-
-def _refuse_reference_replay(rules):
-    if rules is not None:
-        raise ValueError("backend='reference' does not replay kept sets (gtpo_reference.gtpo_sampling does, "
-                         "as a separate oracle): use backend='auto', 'triton' or 'torch'")
 
 
 def _replayed(b, cfg, tau, sampling_mask, rules, backend, host):

@@ -7,15 +7,66 @@ import dataclasses
 from ..core.layout import float_dtype_for, padded_window
 
 
+def kept_window(b, logits, tau, sampling_mask, rules, validate):
+    """backend='reference' replay (spec 13): a (n, V) bool, each counted token's kept set (recorded, or
+    rebuilt by gtpo_reference.gtpo_sampling's statement of vLLM's rules from the same logits), True on
+    every entry of an uncounted token; with the metrics of the replay."""
+    import torch
+    from gtpo_reference import gtpo_sampling
+    from ..core.sampling import check_sampling_mask_flat, segment_of
+    V = logits.shape[-1]
+    flat = logits.reshape(-1, V) if b.packed else logits[:, b.logits_start:b.logits_start + b.tok_shape[1]].reshape(-1, V)
+    if b.packed:
+        flat = flat[b.logits_start:b.logits_start + b.counted.numel()]
+    pos = b.counted.reshape(-1).nonzero().squeeze(1)
+    if sampling_mask is not None:
+        token_ids, offsets, invalid = check_sampling_mask_flat(sampling_mask, b.ids, b.counted, V, validate)
+        offsets = offsets[torch.cat([pos, pos.new_full((1,), b.counted.numel())])]  # over the counted tokens
+        restored = None
+    else:
+        (top_k, top_p, min_p), _ = rules
+        at = (lambda x: x[pos] if isinstance(x, torch.Tensor) else x)  # noqa: E731
+        t = 1.0 if tau is None else tau
+        token_ids, offsets, restored = gtpo_sampling.kept_sets(flat[pos].detach(), at(t), at(top_k), at(top_p),
+                                                               at(min_p), b.ids.reshape(-1)[pos].long())
+    keep = torch.ones(flat.shape, dtype=torch.bool, device=flat.device)
+    keep[pos] = False
+    seg = segment_of(offsets, token_ids.numel())
+    keep[pos[seg], token_ids.clamp(0, V - 1)] = True
+    if sampling_mask is not None:  # an invalid set (unvalidated): an empty row, NaN outputs
+        keep[invalid.reshape(-1)] = False
+    M = max(pos.numel(), 1)
+    metrics = {"mean_kept_size": torch.tensor(float(offsets[-1] - offsets[0]) / M),
+               "replay_restored_frac": torch.tensor(0.0 if restored is None else float(restored.sum()) / M)}
+    return keep, metrics
+
+
+def _kept(b, lg, keep):
+    """The window's logits with every entry outside a kept set at -inf (the same distribution); the
+    packed form's padding rows keep everything."""
+    import torch
+    from ..core.layout import packed_layout, pad
+    if b.packed:
+        L, pos = packed_layout(b)
+        N = keep.shape[0]
+        ext = torch.cat([keep, keep.new_ones(1, keep.shape[1])])
+        k = ext[pad(b, torch.arange(N, device=keep.device), L, pos, fill=N)]
+    else:
+        k = keep.reshape(*b.tok_shape, -1)
+    return torch.where(k, lg.double(), float("-inf"))
+
+
 def _scaled(b, lg, pad, tau):
     """A per-token temperature (n,) as the oracle takes it: the window's logits divided row by row (in
     autograd: the gradient reaches the logits through the division), then temperature 1."""
     return lg.double() / pad(tau.reshape(b.tok_shape)).double()[..., None]
 
 
-def token_logprobs(b, logits, temperature):
+def token_logprobs(b, logits, temperature, keep=None):
     import gtpo_reference
     lg, ids, m, unpad, pad = padded_window(b, logits)
+    if keep is not None:
+        lg = _kept(b, lg, keep)
     if hasattr(temperature, "dim") and temperature.numel() > 1:
         lg, temperature = _scaled(b, lg, pad, temperature), 1.0
     lp, ent = gtpo_reference.token_logprobs(lg, ids, float(temperature), m)
@@ -23,12 +74,14 @@ def token_logprobs(b, logits, temperature):
     return unpad(lp).to(dt), unpad(ent).to(dt)
 
 
-def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=None):
-    """tau: a per-token (n,) temperature in place of cfg's, or None."""
+def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=None, keep=None):
+    """tau: a per-token (n,) temperature in place of cfg's, or None; keep: kept_window's sets, or None."""
     import gtpo_reference
     kw = {k: float(v) if hasattr(v, "dim") else v for k, v in dataclasses.asdict(cfg).items()}
     kw["generator"] = cfg.generator  # the caller's (asdict copies it; clip_cov's draw advances it)
     lg, ids, m, unpad, pad = padded_window(b, logits)
+    if keep is not None:
+        lg = _kept(b, lg, keep)
     if tau is not None:
         lg, kw["temperature"] = _scaled(b, lg, pad, tau), 1.0
     opt = (lambda x: None if x is None else pad(x))
