@@ -111,12 +111,15 @@ def test_packed_per_token_temperature_equals_padded(backend):
     assert_value_close("logps", pk.logps, pad.logps.reshape(-1), 1e-6)
 
 
+def _small(seed, B, T, V):
+    """Random logits (B, T, V), ids and advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, T, V, generator=gen), torch.randint(0, V, (B, T), generator=gen),
+            torch.randn(B, generator=gen))
+
+
 def test_bad_temperatures_are_refused_or_nan():
-    gen = torch.Generator().manual_seed(5)
-    B, T, V = 2, 3, 11
-    z = torch.randn(B, T, V, generator=gen)
-    ids = torch.randint(0, V, (B, T), generator=gen)
-    adv = torch.randn(B, generator=gen)
+    z, ids, adv = _small(5, 2, 3, 11)
     for bad in (torch.tensor([1.0, 0.0]), torch.tensor([1.0, float("nan")]), torch.tensor([-1.0, 1.0])):
         with pytest.raises(ValueError, match="temperature must be finite and > 0"):
             gtpo_loss(z, ids, adv, group_size=2, temperature=bad, backend="torch")
@@ -139,11 +142,7 @@ def test_bad_temperatures_are_refused_or_nan():
 
 def test_a_zero_dim_temperature_is_one_value():
     """A 0-d tensor is one temperature (a schedule updated in place, as in the config), not a per-token one."""
-    gen = torch.Generator().manual_seed(9)
-    B, T, V = 2, 4, 13
-    z = torch.randn(B, T, V, generator=gen)
-    ids = torch.randint(0, V, (B, T), generator=gen)
-    adv = torch.randn(B, generator=gen)
+    z, ids, adv = _small(9, 2, 4, 13)
     tau = torch.tensor(0.8)
     a = gtpo_loss(z, ids, adv, group_size=2, temperature=tau, config="grpo", backend="torch")
     b = gtpo_loss(z, ids, adv, group_size=2, temperature=0.8, config="grpo", backend="torch")

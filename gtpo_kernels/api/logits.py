@@ -84,7 +84,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     """
     with agree.guard(_group(logits, process_group)) as g:  # an error is held until every rank knows (spec 12)
         logits, process_group = parallel.unwrap_dtensor(logits, process_group)
-        cfg = _with_temperature(as_config(config), temperature, process_group)
+        cfg = _with_temperature(as_config(config), temperature)
         checks.require_advantages(advantages)
         host = checks.host_checks(validate)
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
@@ -137,7 +137,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     with agree.guard(_group(logits, process_group)) as g:  # an error is held until every rank knows (spec 12)
         logits, process_group = parallel.unwrap_dtensor(logits, process_group)
         if not _per_token_tau(temperature):  # one value, checked by the config
-            temperature = _with_temperature(GTPOConfig(), temperature, process_group).temperature
+            temperature = _with_temperature(GTPOConfig(), temperature).temperature
         host = checks.host_checks(validate)
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
         with checks.one_host_read():  # the checks' values read on the host once
@@ -203,13 +203,11 @@ def _per_token_tau(temperature):
     return isinstance(temperature, torch.Tensor) and temperature.dim() > 0
 
 
-def _with_temperature(cfg, temperature, process_group):
+def _with_temperature(cfg, temperature):
     """The config with a call's one-value `temperature` in it (a number or a 0-d tensor, checked by the
     config), or as it is for None or a tensor per completion / per token (call_temperature checks that;
     with process_group the ranks compare it by value in their agreement)."""
-    if _per_token_tau(temperature):
-        return cfg
-    if temperature is None:
+    if temperature is None or _per_token_tau(temperature):
         return cfg
     if isinstance(temperature, bool) or not isinstance(temperature, (numbers.Real, torch.Tensor)):
         raise TypeError(f"temperature must be a number > 0 or a floating-point tensor, got {temperature!r}")

@@ -124,11 +124,13 @@ def kept_mass_from_logps(logp_full, logp_kept):
     return torch.exp(logp_full.detach() - logp_kept.detach())
 
 
-def replay_metrics(offsets, restored=None, kept_mass=None):
+def replay_metrics(offsets, restored=None, kept_mass=None, M=None):
     """metrics of spec 13 over the M counted tokens (0-d float32 tensors, no host read): mean_kept_size,
-    replay_restored_frac (0 with a recorded mask) and kept_mass (when the per-token masses are given)."""
-    M = offsets.numel() - 1
-    n = max(M, 1)
+    replay_restored_frac (0 with a recorded mask) and kept_mass (when the per-token masses are given).
+    M: the number of counted tokens (a tensor too) when `offsets` also spans uncounted ones (flat
+    layout), else offsets' sets."""
+    n = (offsets.numel() - 1 if M is None else M)
+    n = n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1)
     out = {"mean_kept_size": (offsets[-1] - offsets[0]).float() / n,
            "replay_restored_frac": (torch.zeros((), device=offsets.device) if restored is None
                                     else restored.float().sum() / n)}

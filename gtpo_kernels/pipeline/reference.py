@@ -14,6 +14,8 @@ def kept_window(b, logits, tau, sampling_mask, rules, validate):
     import torch
     from gtpo_reference import gtpo_sampling
     from ..core.sampling import check_sampling_mask_flat, segment_of
+    from ..kernels.replay import replay_metrics
+    from .replay import at
     V = logits.shape[-1]
     flat = logits.reshape(-1, V) if b.packed else logits[:, b.logits_start:b.logits_start + b.tok_shape[1]].reshape(-1, V)
     if b.packed:
@@ -25,20 +27,17 @@ def kept_window(b, logits, tau, sampling_mask, rules, validate):
         restored = None
     else:
         (top_k, top_p, min_p), _ = rules
-        at = (lambda x: x[pos] if isinstance(x, torch.Tensor) else x)  # noqa: E731
         t = 1.0 if tau is None else tau
-        token_ids, offsets, restored = gtpo_sampling.kept_sets(flat[pos].detach(), at(t), at(top_k), at(top_p),
-                                                               at(min_p), b.ids.reshape(-1)[pos].long())
+        token_ids, offsets, restored = gtpo_sampling.kept_sets(flat[pos].detach(), at(t, pos), at(top_k, pos),
+                                                               at(top_p, pos), at(min_p, pos),
+                                                               b.ids.reshape(-1)[pos].long())
     keep = torch.ones(flat.shape, dtype=torch.bool, device=flat.device)
     keep[pos] = False
     seg = segment_of(offsets, token_ids.numel())
     keep[pos[seg], token_ids.clamp(0, V - 1)] = True
     if sampling_mask is not None:  # an invalid set (unvalidated): an empty row, NaN outputs
         keep[invalid.reshape(-1)] = False
-    M = max(pos.numel(), 1)
-    metrics = {"mean_kept_size": torch.tensor(float(offsets[-1] - offsets[0]) / M),
-               "replay_restored_frac": torch.tensor(0.0 if restored is None else float(restored.sum()) / M)}
-    return keep, metrics
+    return keep, replay_metrics(offsets, restored)
 
 
 def _kept(b, lg, keep):

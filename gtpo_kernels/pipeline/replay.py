@@ -36,7 +36,8 @@ def _any(*flags):
     return out
 
 
-def _at(x, pos):
+def at(x, pos):
+    """A number as it is, a per-token (n,) tensor at the positions `pos`."""
     return x[pos] if isinstance(x, torch.Tensor) else x
 
 
@@ -53,16 +54,14 @@ def replayed(b, tau, sampling_mask, rules, backend, validate):
         rows_b, rows_t = rp.flat_rows(b.tok_shape, b.logits_start, logits3.device)
         logp, ent, flags = rp.replay_logprobs(logits3, rows_b, rows_t, b.ids, tau, token_ids, offsets, invalid,
                                               backend=backend, counted=b.counted)
-        M = b.counted.sum().clamp(min=1)
-        metrics = {"mean_kept_size": (offsets[-1] - offsets[0]).float() / M,
-                   "replay_restored_frac": torch.zeros((), device=logits3.device)}
+        metrics = rp.replay_metrics(offsets, M=b.counted.sum())
         return logp, ent, torch.where(b.counted, flags, torch.zeros_like(flags)), metrics
     pos = b.counted.reshape(-1).nonzero().squeeze(1)  # one host read: the number of counted tokens
     rows_b, rows_t = rp.counted_rows(b.counted, b.tok_shape, b.logits_start)
     y = b.ids[pos]
-    tau_m = _at(tau, pos)
-    token_ids, offsets, restored, nonfinite, mass = kept_sets(logits3, rows_b, rows_t, y, tau_m, _at(top_k, pos),
-                                                              _at(top_p, pos), _at(min_p, pos))
+    tau_m = at(tau, pos)
+    token_ids, offsets, restored, nonfinite, mass = kept_sets(logits3, rows_b, rows_t, y, tau_m, at(top_k, pos),
+                                                              at(top_p, pos), at(min_p, pos))
     bad = _any(*(None if x is None else x[pos] for x in rule_bad))
     invalid = nonfinite if bad is None else nonfinite | bad
     lp_m, ent_m, fl_m = rp.replay_logprobs(logits3, rows_b, rows_t, y, tau_m, token_ids, offsets, invalid,
