@@ -204,7 +204,7 @@ def reference(j, d, Z, head, kw_ref, up, tau=None):
     """The float64 reference on the same values -> (result, {grad name: gradient}, {grad name: slack}).
     Hidden states: the values of the logits as the call's dtype holds them, gradients by float64 autograd
     through the projection; 16-bit: plus the error of storing dL/dlogits in 16 bits (as tests/test_linear.py).
-    tau: the logits entry's per-token temperature (B, T), or None."""
+    tau: the call's per-token temperature (B, T), or None: each row divided by its own (after the soft-cap)."""
     if head is None:  # tau (B, T): each row divided by its own temperature, in autograd (kw_ref's is 1)
         z = Z.detach().clone().requires_grad_()
         r = ref.gtpo_loss(z if tau is None else z / tau[..., None], d.ids, d.adv, d.mask, **kw_ref)
@@ -220,7 +220,7 @@ def reference(j, d, Z, head, kw_ref, up, tau=None):
             z = z + (Z - z).detach()
         if round_grad:
             z.register_hook(lambda g: g.to(j.dtype).double())
-        r = ref.gtpo_loss(z, d.ids, d.adv, d.mask, **kw_ref)
+        r = ref.gtpo_loss(z if tau is None else z / tau[..., None], d.ids, d.adv, d.mask, **kw_ref)
         backward(r["loss"], up)
         return r, {n: x.grad for n, x in zip(("grad hidden", "grad weight", "grad bias"), leaves) if x is not None}
     r, exact = run(False)

@@ -53,7 +53,7 @@ class Joint:
     lie: bool = False      # packed: max_seqlen shorter than the longest completion (refused, or right or NaN)
     autocast: bool = False  # float32 inputs, the call inside torch.autocast("cpu", torch.bfloat16)
     saturate: bool = False  # head, float32: logit_softcap small, every logit of a row far beyond it
-    tau: str | None = None  # logits entry: the sampler's temperature per completion (B | B1) or per token (BT)
+    tau: str | None = None  # logits and head entries: the sampler's temperature per completion (B | B1) or per token (BT)
 
     @property
     def packed(self):
@@ -162,14 +162,14 @@ def joints(draw, triton_share=0.25, entries=("logits", "logits", "linear", "line
 def adversity(draw, entry, form, dtype, head, lie=None):
     """What the first generator never drew: validate=False on valid input, a max_seqlen shorter than the
     longest completion (with validate either way), autocast around a float32 call, soft-caps saturated by
-    every logit of a row (head, float32), the sampler's temperature per completion or per token (logits)."""
+    every logit of a row (head, float32), the sampler's temperature per completion or per token (logits, head)."""
     packed = form in ("packed", "empty-packed", "one-packed")
     out = dict(validate=draw(st.sampled_from([True, True, False])),
                lie=packed and entry != "token_adv" and (lie if lie is not None else
                                                         draw(st.sampled_from([False, False, True]))),
                autocast=dtype == torch.float32 and entry != "token_adv" and draw(st.sampled_from([False] * 3 + [True])),
                saturate=entry == "linear" and dtype == torch.float32 and draw(st.sampled_from([False] * 3 + [True])),
-               tau=draw(st.sampled_from([None, None, "B", "B1", "BT"])) if entry == "logits" else None)
+               tau=draw(st.sampled_from([None, None, "B", "B1", "BT"])) if entry in ("logits", "linear") else None)
     if out["saturate"]:
         # |z| / cap from sat to sat + 4 on every entry: from 4 (1 - tanh^2 ~ 1e-3) to 8 and beyond, where
         # tanh rounds to 1 in float32 and a derivative formed from it loses every digit

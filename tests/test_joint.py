@@ -5,7 +5,7 @@ conflict weights (computed or precomputed), num_items_in_batch, dtype and backen
 trainer adds: validate=False, a max_seqlen shorter than the longest completion (refused with validate=True;
 otherwise the reference's numbers or NaN, never a finite wrong one), a bfloat16 autocast region around a
 float32 call, soft-caps saturated by every logit of a row, and the sampler's temperature per completion or
-per token on the logits entry (the reference divides each row by its own). A call that
+per token on the logits and head entries (the reference divides each row by its own). A call that
 raises must raise one of the refusals the API documents (REFUSALS); every other call is compared with the
 float64 reference on the same inputs (values, outputs, metrics, gradients; spec 7 tolerances), and the
 family part with TRL 1.16's own _compute_loss on the same log-probs (tests/test_joint_trl.py). The calls, the
@@ -189,7 +189,7 @@ def check_joint(j, around=None):
         Z = held_logits(*head, j.head["scale"], j.head["cap"])
     else:
         Z = materialize(*[None if x is None else x.double() for x in head], j.head["scale"], j.head["cap"])
-    tau = _tau(j)  # the sampler's temperature per completion / token (logits entry), or None
+    tau = _tau(j)  # the sampler's temperature per completion / token (logits, head), or None
     Zr = Z if tau is None else Z / tau[..., None]  # the reference's view: each row over its own tau
     rlp, rent = ref.token_logprobs(Zr, d.ids, cfg.temperature if tau is None else 1.0, d.mask)
     cfg = settle_filter(j, cfg, completion_entropy(rent, d.mask), d.mask)

@@ -152,12 +152,42 @@ def test_a_zero_dim_temperature_is_one_value():
     assert torch.equal(lp_t, lp_n)
 
 
-def test_the_head_refuses_a_per_token_temperature():
-    from gtpo_kernels import linear_token_logprobs
-    h, w = torch.randn(2, 3, 8), torch.randn(11, 8)
-    ids = torch.randint(0, 11, (2, 3))
-    with pytest.raises(ValueError, match="the LM head takes one value"):
-        linear_token_logprobs(h, w, ids, torch.ones(2))
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("schedule", ["fused", "recompute"])
+@pytest.mark.parametrize("kind", ["B", "B1", "BT"])
+def test_the_head_takes_a_per_token_temperature(backend, schedule, kind):
+    """linear_gtpo_loss / linear_token_logprobs with tau per completion or per token = the float64
+    reference on the materialized logits, each row divided by its own tau (gradients of hidden and weight
+    through float64 autograd); tiles of 6 rows, so a tile holds rows of several temperatures."""
+    from gtpo_kernels import linear_gtpo_loss, linear_token_logprobs
+    gen = torch.Generator().manual_seed(7)
+    B, T, D, V = 4, 5, 8, 37
+    h = torch.randn(B, T, D, generator=gen, dtype=torch.float64)
+    w = torch.randn(V, D, generator=gen, dtype=torch.float64) * 0.7
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.rand(B, T, generator=gen) > 0.2
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    tau = _tau(kind, B, T, gen).float()  # float32 values: the call's dtype for them
+    tau64 = _per_token(tau.double(), B, T)
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    cfg = GTPOConfig.preset("gtpo", entropy_threshold=None)  # (the filter would drop every row at this V)
+    r = ref.gtpo_loss((hr @ wr.t()) / tau64[..., None], ids, adv, mask, group_size=2, **cfg.__dict__)
+    r["loss"].backward()
+    assert hr.grad.abs().sum() > 0 and wr.grad.abs().sum() > 0
+    hc, wc = h.float().requires_grad_(), w.float().requires_grad_()
+    budget = 6 * 2 * V * 4  # 6 rows a tile: rows of two completions
+    out = linear_gtpo_loss(hc, wc, ids, adv.float(), mask, group_size=2, config=cfg, temperature=tau,
+                           memory_budget=budget, schedule=schedule, backend=backend)
+    out.loss.backward()
+    tol = TOL[torch.float32]
+    assert_value_close("loss", out.loss, r["loss"], tol["loss"])
+    assert_value_close("logps", out.logps, r["logps"], tol["value"], mask)
+    assert_value_close("entropy", out.entropy, r["entropy"], tol["value"], mask)
+    assert_grad_close("grad hidden", hc.grad, hr.grad, 1e-4)  # GEMMs over V (tests/test_linear.py)
+    assert_grad_close("grad weight", wc.grad, wr.grad, 1e-4)
+    lp, ent = linear_token_logprobs(hc.detach(), wc.detach(), ids, tau, mask, memory_budget=budget, backend=backend)
+    assert_value_close("linear_token_logprobs", lp, r["logps"], tol["value"], mask)
+    assert_value_close("linear_token_logprobs entropy", ent, r["entropy"], tol["value"], mask)
 
 
 def test_the_head_takes_one_temperature_keyword():
@@ -169,5 +199,3 @@ def test_the_head_takes_one_temperature_keyword():
     b = linear_gtpo_loss(h, w, ids, adv, group_size=2, config=GTPOConfig.preset("grpo", temperature=0.7),
                          backend="torch")
     assert torch.equal(a.logps, b.logps)
-    with pytest.raises(ValueError, match="the LM head takes one value"):
-        linear_gtpo_loss(h, w, ids, adv, group_size=2, temperature=torch.ones(2), backend="torch")

@@ -44,8 +44,9 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     process_group  vocabulary-parallel head (spec 12): weight (and bias) hold this rank's contiguous
               slice of the vocabulary rows in rank order; ids are global; the loss and outputs are
               identical on every rank, the weight/bias gradients are this rank's slice.
-    temperature  in place of config.temperature: one value (a number or a 0-d tensor); a tensor per
-              completion or per token is gtpo_loss's on logits only, for now (refused here).
+    temperature  in place of config.temperature (None): a number, or a tensor per completion ((B,), (B, 1))
+              or per token ((B, T); packed (N,)), as in gtpo_loss; every backend and schedule, and with
+              process_group.
     sampling_mask, top_k, top_p, min_p  gtpo_loss's kept sets: not replayed by the head yet (refused).
     logits_start, inplace  gtpo_loss's, refused here (only their defaults pass): slice the hidden states
               instead of offsetting them (a view, read in place), and there are no logits to overwrite.
@@ -55,8 +56,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     """
     with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)
         cfg = as_config(config)
-        if temperature is not None:
-            _one_temperature(temperature)
+        if temperature is not None and not api._per_token_tau(temperature):
             cfg = dataclasses.replace(cfg, temperature=temperature)  # the config checks the value
         _refuse_logits_keywords(logits_start, inplace)
         _refuse_replay(sampling_mask, top_k, top_p, min_p)
@@ -65,7 +65,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         host = checks.host_checks(validate)
         b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens,
-                                   max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group)
+                                   max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
+                                   temperature)
         extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
         batch.add_extras(b, hidden.device, validate=host, **extras)
@@ -77,6 +78,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
             logits = _materialize(head, hidden)
             return api.gtpo_loss(logits, completion_ids, advantages, completion_mask, group_size=group_size,
                                  config=cfg, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                 temperature=temperature if api._per_token_tau(temperature) else None,
                                  num_items_in_batch=num_items_in_batch, validate=validate, backend="reference",
                                  **extras)
         loss.conflicts_for(b, cfg, group_size, dt, backend)
@@ -91,15 +93,17 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
 def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,
                           logit_scale=1.0, logit_softcap=None, cu_seqlens=None, max_seqlen=None,
                           memory_budget=None, validate=True, backend="auto", process_group=None):
-    """Forward-only log-probs and entropies from hidden states (old-policy and reference passes):
+    """Forward-only log-probs and entropies from hidden states (old-policy and reference passes); temperature
+    a number or a tensor per completion / per token, as in token_logprobs:
     -> (logps, entropy) of completion_ids' shape, float32 (float64 for float64 inputs), 0 where masked
     out. No autograd; only a tile of logits at a time. process_group: as in linear_gtpo_loss."""
     with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)
-        _one_temperature(temperature)
-        cfg = GTPOConfig(temperature=temperature)  # validates the temperature
+        if not api._per_token_tau(temperature):
+            temperature = GTPOConfig(temperature=temperature).temperature  # validates the temperature
         host = checks.host_checks(validate)
         b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
-                                   max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group)
+                                   max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
+                                   temperature)
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
@@ -107,10 +111,12 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
                 logits = _materialize(head, hidden)
             return api.token_logprobs(logits, completion_ids, temperature, completion_mask, cu_seqlens=cu_seqlens,
                                       max_seqlen=max_seqlen, validate=validate, backend="reference")
-        _summary(g, b, hidden, weight, host, (backend, temperature, "logprobs", budget, logit_scale, logit_softcap))
+        one = None if b.tau is not None else temperature  # a per-token tau: compared by value (b.tau)
+        _summary(g, b, hidden, weight, host, (backend, one, "logprobs", budget, logit_scale, logit_softcap))
     vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)")
     with linear.autocast_off(hidden.device):
-        return head_ops.head_logprobs(b, head, hidden, temperature, budget, backend, host, vp)
+        return head_ops.head_logprobs(b, head, hidden, temperature if b.tau is None else b.tau, budget, backend,
+                                      host, vp)
 
 
 def _refuse_replay(sampling_mask, top_k, top_p, min_p):
@@ -120,13 +126,6 @@ def _refuse_replay(sampling_mask, top_k, top_p, min_p):
         raise ValueError(f"{', '.join(given)}: the LM head does not replay the sampler's kept sets yet; materialize "
                          "the logits and call gtpo_loss with them, or pass log-probs replayed elsewhere to "
                          "gtpo_loss_from_logps")
-
-
-def _one_temperature(temperature):
-    """The head takes one temperature (the config checks its value)."""
-    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
-        raise ValueError("temperature: the LM head takes one value (a number or a 0-d tensor); a tensor per "
-                         "completion or per token is taken by token_logprobs and gtpo_loss on logits")
 
 
 def _device(hidden):
@@ -152,9 +151,10 @@ def _materialize(head, hidden):
 
 @checks.read_once
 def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens, max_seqlen,
-             logit_scale, logit_softcap, memory_budget, host, group=None):
+             logit_scale, logit_softcap, memory_budget, host, group=None, temperature=None):
     """Checks of the head's arguments (names, shapes, dtypes, devices) -> (Batch, Head, budget). With a
-    process group, counted ids are checked against the whole vocabulary once the ranks agree."""
+    process group, counted ids are checked against the whole vocabulary once the ranks agree. A per-token
+    or per-completion temperature becomes b.tau, (N,) per flat token (loss.call_temperature)."""
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -203,6 +203,8 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
                          f"got {tuple(hidden.shape)}{hint}")
     if host:
         checks.check_ids_in_range(b.ids, b.counted, V if group is None else float("inf"))
+    if api._per_token_tau(temperature):
+        b.tau = loss.call_temperature(temperature, b, float_dtype_for(hidden), host)
     return b, linear.Head(weight, bias, logit_scale, logit_softcap), memory_budget
 
 

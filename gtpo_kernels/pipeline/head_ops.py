@@ -207,7 +207,8 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
     surrogate and the loss value with the backward attached (as the logits path), the output."""
     dt = float_dtype_for(hidden)
     key, fused = _key(b, cfg, head, backend, schedule, budget, vp, host)
-    temperature = ops.temperature_param(cfg.temperature, hidden, backend)  # once per call
+    # once per call: the config's number, or the call's per-token tau (spec 13), read by row in each tile
+    temperature = ops.temperature_param(cfg.temperature if b.tau is None else b.tau, hidden, backend)
     dev = hidden.device  # numbers become device tensors by a fill, never by a host-to-device copy
     max_len = b.max_len if isinstance(b.max_len, Tensor) else torch.full((), float(b.max_len), dtype=dt, device=dev)
     num = num_items if num_items is None or isinstance(num_items, Tensor) else \

@@ -89,21 +89,29 @@ class Workspace:
     def statistics(self, z, idx):
         """(logp, H, stats, flags) of the tile's rows; scale and softcap applied inside the kernels."""
         o, t, ones = self.o, self.t, self.ones[:z.shape[0]]
+        tau = tau_of(t.temperature, idx)
         if o.vp is None:
-            return dispatch.vocab_fwd(o.backend, z.unsqueeze(0), t.kernel_ids[idx], ones, t.temperature, 0,
+            return dispatch.vocab_fwd(o.backend, z.unsqueeze(0), t.kernel_ids[idx], ones, tau, 0,
                                       scale=o.scale, softcap=o.softcap)
         tile = types.SimpleNamespace(logits3=z.unsqueeze(0), counted=ones, logits_start=0, V=z.shape[-1],
                                      ids=t.ids[idx])  # the statistics merged over the vocabulary slices
-        return parallel.vp_forward(tile, t.kernel_ids[idx], t.temperature, o.backend, o.vp[0], o.vp[1],
+        return parallel.vp_forward(tile, t.kernel_ids[idx], tau, o.backend, o.vp[0], o.vp[1],
                                    scale=o.scale, softcap=o.softcap)
 
     def gradient(self, z, h, idx, st, en, c, e, grads, at=None):
         """dL/dz_raw of the tile written over z (the kernel's chain rule), then dL/dh, dL/dW, dL/db."""
         o, t = self.o, self.t
         z3 = z.unsqueeze(0)
-        dispatch.vocab_bwd(o.backend, z3, z3, t.kernel_ids[idx], st, en, c, e, t.temperature, 0,
+        dispatch.vocab_bwd(o.backend, z3, z3, t.kernel_ids[idx], st, en, c, e, tau_of(t.temperature, idx), 0,
                            scale=o.scale, softcap=o.softcap)
         grad_gemms(z, h, idx, t.weight, grads, at)
+
+
+def tau_of(temperature, idx):
+    """The temperature of a tile's rows: one value as it is, a per-token (N,) tensor at the flat tokens idx."""
+    if isinstance(temperature, torch.Tensor) and temperature.dim() == 1 and temperature.numel() > 1:
+        return temperature[idx]
+    return temperature
 
 
 def project(h, weight, bias, out):
