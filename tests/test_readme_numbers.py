@@ -144,7 +144,7 @@ def test_head_keywords_are_documented():
     fixed, extra = (set(re.findall(r"`(\w+)`", g)) for g in m.groups())
     assert not ours - head and extra == head - ours, (ours - head, head - ours)
     params = inspect.signature(linear_gtpo_loss).parameters
-    assert fixed == {"logits_start", "inplace", "sampling_mask", "top_k", "top_p", "min_p"} and \
+    assert fixed == {"logits_start", "inplace"} and \
         all(params[k].default in (None, False) for k in fixed)
 
 

@@ -120,11 +120,3 @@ def test_replay_refusals_and_nan():
         token_logprobs(z, ids, 1.0, mask, sampling_mask=wrong, backend="torch")
     lp, _ = token_logprobs(z, ids, 1.0, mask, sampling_mask=wrong, backend="torch", validate=False)
     assert torch.isnan(lp[mask]).all()  # a wrong number of sets: every counted token NaN
-
-
-def test_the_head_refuses_replay_by_name():
-    from gtpo_kernels import linear_gtpo_loss
-    h, w = torch.randn(2, 3, 8), torch.randn(11, 8)
-    ids, adv = torch.randint(0, 11, (2, 3)), torch.randn(2)
-    with pytest.raises(ValueError, match="top_p: the LM head does not replay"):
-        linear_gtpo_loss(h, w, ids, adv, group_size=2, top_p=0.9, backend="torch")

@@ -13,7 +13,7 @@ from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch
 from ..pipeline import head as linear
-from ..pipeline import head_ops, loss
+from ..pipeline import head_ops, head_replay, loss, replay
 from . import logits as api
 
 SCHEDULES = ("auto", "fused", "recompute")
@@ -47,7 +47,11 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     temperature  in place of config.temperature (None): a number, or a tensor per completion ((B,), (B, 1))
               or per token ((B, T); packed (N,)), as in gtpo_loss; every backend and schedule, and with
               process_group.
-    sampling_mask, top_k, top_p, min_p  gtpo_loss's kept sets: not replayed by the head yet (refused).
+    sampling_mask, top_k, top_p, min_p  gtpo_loss's kept sets (spec 13): with recorded sets only the union of
+              a tile's sets is projected (GEMM work and memory_budget counted on it, not V; 4 GEMMs: the
+              projection, again in the backward, and the two gradient GEMMs); the rules rebuild the sets
+              from tiles of the whole vocabulary in the forward and project the unions in the backward.
+              `schedule` does not apply; not yet with process_group.
     logits_start, inplace  gtpo_loss's, refused here (only their defaults pass): slice the hidden states
               instead of offsetting them (a view, read in place), and there are no logits to overwrite.
     Under torch.autocast the head computes in its inputs' dtypes (autocast is off inside).
@@ -59,7 +63,6 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         if temperature is not None and not api._per_token_tau(temperature):
             cfg = dataclasses.replace(cfg, temperature=temperature)  # the config checks the value
         _refuse_logits_keywords(logits_start, inplace)
-        _refuse_replay(sampling_mask, top_k, top_p, min_p)
         checks.require_advantages(advantages)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -72,6 +75,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         batch.add_extras(b, hidden.device, validate=host, **extras)
         dt = float_dtype_for(hidden)
         num_items = loss.check_loss_args(b, cfg, num_items_in_batch, dt, host)
+        rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group)
+        replay_kw = dict(sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p)
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
         if backend == "reference":  # the oracle on the materialized logits (autograd through the projection)
             checks.refuse_reference_with_group(process_group)
@@ -80,19 +85,26 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                                  config=cfg, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                  temperature=temperature if api._per_token_tau(temperature) else None,
                                  num_items_in_batch=num_items_in_batch, validate=validate, backend="reference",
-                                 **extras)
+                                 **extras, **replay_kw)
         loss.conflicts_for(b, cfg, group_size, dt, backend)
         span = head_ops.coefficient_span(cfg)
         _summary(g, b, hidden, weight, host, (backend, cfg, schedule, budget, span, group_size, num_items_in_batch,
                                               logit_scale, logit_softcap))
     vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)")
     with linear.autocast_off(hidden.device):
+        if rules is not None:  # the sampler's kept sets: only the union of a tile's sets is projected
+            logp, ent, metrics = head_replay.replayed(b, head, hidden, _one_tau(cfg, b), sampling_mask, rules,
+                                                      budget, backend, host)
+            value, res = loss.logps_loss(b, cfg, logp, ent, num_items, dt, host)
+            res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
+            return loss.make_output(b, cfg, value, res, dt, host)
         return head_ops.head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, vp)
 
 
 def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,
                           logit_scale=1.0, logit_softcap=None, cu_seqlens=None, max_seqlen=None,
-                          memory_budget=None, validate=True, backend="auto", process_group=None):
+                          memory_budget=None, sampling_mask=None, top_k=None, top_p=None, min_p=None,
+                          validate=True, backend="auto", process_group=None):
     """Forward-only log-probs and entropies from hidden states (old-policy and reference passes); temperature
     a number or a tensor per completion / per token, as in token_logprobs:
     -> (logps, entropy) of completion_ids' shape, float32 (float64 for float64 inputs), 0 where masked
@@ -104,28 +116,49 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
         b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
                                    max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
                                    temperature)
+        with checks.one_host_read():
+            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group)
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
             with torch.no_grad():
                 logits = _materialize(head, hidden)
             return api.token_logprobs(logits, completion_ids, temperature, completion_mask, cu_seqlens=cu_seqlens,
-                                      max_seqlen=max_seqlen, validate=validate, backend="reference")
+                                      max_seqlen=max_seqlen, validate=validate, backend="reference",
+                                      sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p)
         one = None if b.tau is not None else temperature  # a per-token tau: compared by value (b.tau)
         _summary(g, b, hidden, weight, host, (backend, one, "logprobs", budget, logit_scale, logit_softcap))
     vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)")
     with linear.autocast_off(hidden.device):
+        if rules is not None:
+            with torch.no_grad():
+                tau = b.tau if b.tau is not None else _one_tau(GTPOConfig(temperature=temperature), b)
+                logp, ent, _ = head_replay.replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host)
+            dt = float_dtype_for(hidden)
+            zero = torch.zeros((), dtype=dt, device=hidden.device)
+            return (torch.where(b.counted, logp.to(dt), zero).reshape(b.tok_shape),
+                    torch.where(b.counted, ent.to(dt), zero).reshape(b.tok_shape))
         return head_ops.head_logprobs(b, head, hidden, temperature if b.tau is None else b.tau, budget, backend,
                                       host, vp)
 
 
-def _refuse_replay(sampling_mask, top_k, top_p, min_p):
-    given = [k for k, v in (("sampling_mask", sampling_mask), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p))
-             if v is not None]
-    if given:
-        raise ValueError(f"{', '.join(given)}: the LM head does not replay the sampler's kept sets yet; materialize "
-                         "the logits and call gtpo_loss with them, or pass log-probs replayed elsewhere to "
-                         "gtpo_loss_from_logps")
+def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group):
+    """None when the call replays no kept set, else the checked rules (pipeline.replay.check_rules)."""
+    if not replay.requested(sampling_mask, top_k, top_p, min_p):
+        return None
+    if process_group is not None:
+        raise ValueError("sampling_mask / top_k / top_p / min_p are not taken with process_group yet: replay "
+                         "the kept sets on one process (gtpo_loss_from_logps takes log-probs replayed elsewhere)")
+    return replay.check_rules(b, top_k, top_p, min_p, host)
+
+
+def _one_tau(cfg, b):
+    """The replay's temperature: the call's per-token b.tau, or the config's one value as a number (a 0-d
+    tensor, e.g. a schedule, read on the host: it lives there)."""
+    if b.tau is not None:
+        return b.tau
+    t = cfg.temperature
+    return float(t) if isinstance(t, torch.Tensor) else t
 
 
 def _device(hidden):

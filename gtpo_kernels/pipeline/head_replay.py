@@ -1,0 +1,192 @@
+"""The LM head over the sampler's kept sets (spec 11 and 13): only the union of a tile's kept sets is
+projected.
+
+For a tile of counted tokens m0..m1-1 with kept sets K_m, U = the union of the K_m, sorted:
+
+    z_U = h_tile @ W[U].T (+ b[U])          (rows x |U|: one GEMM, 2 rows |U| D FLOPs)
+    logp, H over each K_m                    (the replay kernel, on z_U with the sets as columns of U)
+
+and in the backward the same projection again, the replay's gradient dL/dz_U (exactly 0 outside the
+sets, so outside U too), then dL/dh = dL/dz_U @ W[U] and dL/dW[U] += dL/dz_U.T @ h: 4 GEMMs over |U|
+columns where the full-vocabulary head runs 3 or 4 over V. Tiles are planned on the host from the
+sets' sizes (one read of the offsets): a tile's rows x min(sum of its set sizes, V) entries of logits
+and gradient within `memory_budget` (the union is at most that). With the rules (top_k / top_p /
+min_p) the sets are rebuilt from the current logits, which needs every logit once: the forward projects
+tiles of the whole vocabulary (the full head's budget), rebuilds the sets there and replays on them;
+only the backward projects the unions.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from ..core import checks
+from ..core.layout import float_dtype_for
+from ..core.sampling import check_sampling_mask_flat
+from ..kernels import replay as rp
+from ..kernels.kept_set import kept_sets
+from . import head as hd
+from .replay import _any, at
+from .tiles import rows_of
+
+
+def plan_union(sizes, V, per_entry, budget):
+    """Tiles (m0, m1) over the counted tokens (host ints `sizes`, each kept set's size): each tile's rows x
+    min(its sets' total size, V) entries of `per_entry` bytes within `budget` bytes."""
+    tiles, m0, K = [], 0, 0
+    for m, k in enumerate(sizes):
+        if per_entry * min(k, V) > budget:
+            raise ValueError(f"memory_budget = {budget} bytes holds no row of kept logits and their gradient: "
+                             f"counted token {m}'s kept set of {k} ids takes {per_entry * min(k, V)} bytes; "
+                             "raise memory_budget")
+        if m > m0 and per_entry * (m + 1 - m0) * min(K + k, V) > budget:
+            tiles.append((m0, m))
+            m0, K = m, 0
+        K += k
+    if m0 < len(sizes):
+        tiles.append((m0, len(sizes)))
+    return tiles
+
+
+def _project(h, head, cols):
+    """h @ W[cols].T (+ b[cols]): the tile's raw logits on the columns `cols` (None: every column)."""
+    w = head.weight if cols is None else head.weight.index_select(0, cols)
+    if head.bias is None:
+        return h @ w.t()
+    return torch.addmm(head.bias if cols is None else head.bias.index_select(0, cols), h, w.t())
+
+
+def _replay(z, ids, offsets, y, tau, invalid, p):
+    """logp, H, flags of a tile's rows over their sets (columns of z), differentiable w.r.t. z."""
+    n = z.shape[0]
+    rows_t = torch.arange(n, device=z.device)
+    return rp.replay_logprobs(z.unsqueeze(0), torch.zeros_like(rows_t), rows_t, y, tau, ids, offsets, invalid,
+                              p.head.scale, p.head.cap, p.backend)
+
+
+class _HeadReplay(torch.autograd.Function):
+    """(hidden, weight, bias) -> logp, H, flags (M,) of the counted tokens over their kept sets."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, p):
+        if p.rules is not None:
+            logp, ent, flags = _rebuild_forward(hidden, p)
+        else:
+            out = [_replay(_project(rows_of(hidden, p.pos[m0:m1]), p.head, u), ids, off, ly,
+                           at(p.tau, slice(m0, m1)), p.invalid[m0:m1], p)
+                   for (m0, m1), (u, ids, off, ly) in zip(p.tiles, _unions(p))]
+            logp, ent, flags = (_cat([o[i] for o in out], p, dt) for i, dt in ((0, None), (1, None), (2, torch.int8)))
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.p = p
+        ctx.mark_non_differentiable(flags)
+        ctx.set_materialize_grads(False)
+        return logp, ent, flags
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent, _g_flags):
+        hidden, weight, bias = ctx.saved_tensors
+        p = ctx.p
+        need = ctx.needs_input_grad[:3]
+        if not any(need) or (g_logp is None and g_ent is None):
+            return None, None, None, None
+        acc = float_dtype_for(weight)
+        dh = torch.zeros_like(hidden) if need[0] else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
+        db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need[2] and bias is not None else None
+        for (m0, m1), (u, ids, off, ly) in zip(p.tiles, _unions(p)):
+            idx = p.pos[m0:m1]
+            h = rows_of(hidden, idx)
+            with torch.enable_grad():
+                z = _project(h, p.head, u).detach().requires_grad_()
+                lp, en, _ = _replay(z, ids, off, ly, at(p.tau, slice(m0, m1)), p.invalid[m0:m1], p)
+                outs = [(x, g[m0:m1]) for x, g in ((lp, g_logp), (en, g_ent)) if g is not None]
+                gz, = torch.autograd.grad([x for x, _ in outs], [z], [g for _, g in outs])
+            if dh is not None:
+                dh.view(-1, dh.shape[-1]).index_copy_(0, idx, gz @ weight.index_select(0, u))
+            if dw is not None:
+                dw.index_add_(0, u, hd.accumulate(torch.zeros(u.numel(), h.shape[-1], dtype=acc, device=h.device),
+                                                  gz.t(), h))
+            if db is not None:
+                db.index_add_(0, u, gz.sum(0, dtype=acc))
+        return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype), None)
+
+
+def _cat(xs, p, dtype=None):
+    if xs:
+        return torch.cat(xs)
+    return torch.zeros(0, dtype=dtype or float_dtype_for(p.head.weight), device=p.head.weight.device)
+
+
+def _unions(p):
+    """Each tile's (union, local ids, local offsets, local sampled ids), one tile at a time."""
+    for m0, m1 in p.tiles:
+        yield rp.tile_union(p.token_ids, p.offsets, p.y, m0, m1, p.off_host[m0], p.off_host[m1])
+
+
+def _rebuild_forward(hidden, p):
+    """The rules' forward: tiles of every logit (the full head's budget), the sets rebuilt there and the
+    replay on them; the sets, their metrics and the backward's union tiles are kept in p."""
+    top_k, top_p, min_p = p.rules
+    M = p.pos.numel()
+    V = p.head.weight.shape[0]
+    step = max(1, hd.rows_per_tile(V, p.head.weight.dtype, p.head.weight.device, p.budget))
+    lps, ents, flags, ids, sizes, restored, mass = [], [], [], [], [], [], []
+    for m0 in range(0, M, step):
+        sl = slice(m0, min(M, m0 + step))
+        z = _project(rows_of(hidden, p.pos[sl]), p.head, None)
+        n = z.shape[0]
+        rows_t = torch.arange(n, device=z.device)
+        zero = torch.zeros_like(rows_t)
+        tau = at(p.tau, sl)
+        tid, off, rest, nonfinite, ms = kept_sets(z.unsqueeze(0), zero, rows_t, p.y[sl], tau, at(top_k, sl),
+                                                  at(top_p, sl), at(min_p, sl), p.head.scale, p.head.cap)
+        bad = nonfinite if p.invalid is None else nonfinite | p.invalid[sl]
+        lp, en, fl = rp.replay_logprobs(z.unsqueeze(0), zero, rows_t, p.y[sl], tau, tid, off, bad, p.head.scale,
+                                        p.head.cap, p.backend)
+        lps.append(lp), ents.append(en), flags.append(fl), ids.append(tid), sizes.append(off.diff())
+        restored.append(rest), mass.append(ms)
+        p.invalid_parts.append(bad)
+        del z
+    p.token_ids = _cat(ids, p, torch.long)
+    counts = _cat(sizes, p, torch.long)
+    p.offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    p.off_host = p.offsets.tolist()  # sync: the backward's union tiles
+    p.tiles = plan_union(counts.tolist(), V, p.per_entry, p.budget)
+    p.invalid = _cat(p.invalid_parts, p, torch.bool)
+    p.metrics = rp.replay_metrics(p.offsets, _cat(restored, p, torch.bool), _cat(mass, p))
+    return _cat(lps, p), _cat(ents, p), _cat(flags, p, torch.int8)
+
+
+def replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host):
+    """(logp, entropy, metrics): logp, entropy (n,) of the flat tokens over their kept sets (0 where not
+    counted, NaN where invalid; differentiable w.r.t. hidden, weight, bias), from the recorded sets or
+    the rules (pipeline.replay.check_rules' output); validating, a flagged token raises."""
+    V = head.weight.shape[0]
+    pos = b.counted.reshape(-1).nonzero().squeeze(1)  # sync: the counted rows
+    p = types.SimpleNamespace(head=head, pos=pos, y=b.ids.reshape(-1)[pos], tau=at(tau, pos), backend=backend,
+                              budget=budget, per_entry=hd.row_bytes(1, head.weight.dtype, head.weight.device),
+                              rules=None, invalid=None, invalid_parts=[], metrics=None)
+    if sampling_mask is not None:
+        with checks.one_host_read():
+            token_ids, flat, invalid = check_sampling_mask_flat(sampling_mask, b.ids, b.counted, V, host)
+        p.token_ids = token_ids
+        p.offsets = torch.cat([flat[pos], flat[-1:]])  # an uncounted token's set is empty: counted sets in order
+        p.invalid = invalid[pos]
+        p.off_host = p.offsets.tolist()  # sync: the tiles
+        p.tiles = plan_union([e - s for s, e in zip(p.off_host[:-1], p.off_host[1:])], V, p.per_entry, budget)
+        p.metrics = rp.replay_metrics(p.offsets)
+    else:
+        (top_k, top_p, min_p), rule_bad = rules
+        p.rules = tuple(at(x, pos) for x in (top_k, top_p, min_p))
+        bad = _any(*(None if x is None else x[pos] for x in rule_bad))
+        p.invalid = bad
+    bias = None if head.bias is None else head.bias
+    lp, ent, flags = _HeadReplay.apply(hidden, head.weight, bias, p)
+    if host:
+        n = b.counted.numel()
+        checks.raise_on_flags(torch.zeros(n, dtype=flags.dtype, device=flags.device).scatter(0, pos, flags),
+                              b.tok_shape)
+    n = b.counted.numel()
+    zero = torch.zeros(n, dtype=lp.dtype, device=lp.device)
+    return zero.scatter(0, pos, lp), zero.scatter(0, pos, ent), p.metrics
