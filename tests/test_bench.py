@@ -53,9 +53,22 @@ def test_aot_compile_registers_spills_wide_loads():
     budget = {("_vocab_fwd_kernel", ""): 14, ("_vocab_bwd_kernel", "no E"): 10,
               ("_vocab_bwd_kernel", "HAS_E"): 14}
     for r in results:
-        if r.arch == 90 and r.dtype == "bfloat16" and r.V == aot.V_REAL:
+        if r.arch == 90 and r.dtype == "bfloat16" and r.V == aot.V_REAL and r.family == "vocab":
             assert r.instr_per_elem <= budget[(r.kernel, r.variant)], "\n" + aot.format_table(results)
             assert r.bar_per_iter == 0, "\n" + aot.format_table(results)
+    # the kept-set replay kernels, as replay_triton launches them, on the NVIDIA targets: no spill, int64
+    # offsets into the logits and the gradient, their loops found (forward two passes, backward one), each
+    # whole unrolled iterations of kept ids; instructions per kept element as first measured (sm_90
+    # bf16: forward 69.25, backward 43.5 / 44.0) with room for a compiler's drift, no barrier in a loop
+    replay = [r for r in results if r.family == "replay"]
+    variants = (("_replay_fwd_kernel", ""), ("_replay_bwd_kernel", "no E"), ("_replay_bwd_kernel", "HAS_E"))
+    assert {(r.kernel, r.variant, r.dtype, r.arch) for r in replay} == {
+        (k, v, str(dt).replace("torch.", ""), a) for k, v in variants for dt in aot.DTYPES for a in aot.ARCHS
+        if not isinstance(a, str)}
+    for r in replay:
+        assert r.ok and r.spill_stores == r.spill_loads == 0 and r.int64_offsets, (r.kernel, r.dtype, r.arch)
+        assert all(x["unroll"] >= 1 for x in r.loops) and r.other_instr > 0 and r.bar_per_iter == 0, r.loops
+        assert r.instr_per_elem <= (80 if "fwd" in r.kernel else 50), "\n" + aot.format_table(replay)
     recs = aot.records(results)
     assert {(c["kernel"], c["variant"], c["device"]) for c in recs} == {
         (k, v, d) for k, v in (("_vocab_fwd_kernel", "-"), ("_vocab_bwd_kernel", "no E"),

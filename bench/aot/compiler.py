@@ -38,7 +38,7 @@ import tempfile
 import torch
 
 from ..common.record import ROOT
-from .sass import ARCHS, V_REAL, _ldg_widths, loop_stats, warps_per_sm
+from .sass import ARCHS, V_REAL, _ldg_widths, kept_loop_stats, loop_stats, sass_instructions, warps_per_sm
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 T_REAL = 1024
@@ -55,12 +55,16 @@ class _Ptr:
         return 1 << 20
 
 
+# int64 tensors of the replay kernels (replay_triton): row offsets, sampled ids, the kept sets' offsets
+_INT64_PTRS = ("ids_ptr", "row_ptr", "grow_ptr", "y_ptr", "off_ptr")
+
+
 def _arg_for(name, dtype, V, T, has_e):
     """The value a launch passes for parameter `name` (our launchers' naming)."""
     T_l = T + 1
     if name.endswith("_ptr"):
-        return _Ptr({"logits_ptr": dtype, "grad_ptr": dtype, "ids_ptr": torch.int64, "mask_ptr": torch.bool,
-                     "bad_ptr": torch.int8}.get(name, torch.float32))
+        return _Ptr({"logits_ptr": dtype, "grad_ptr": dtype, "mask_ptr": torch.bool, "bad_ptr": torch.int8,
+                     **dict.fromkeys(_INT64_PTRS, torch.int64)}.get(name, torch.float32))
     table = {"stride_lb": T_l * V, "stride_gb": T_l * V, "stride_lt": V, "stride_gt": V, "T": T, "T_l": T_l,
              "V": V, "logits_start": 0, "temp_stride": 0, "scale": 0.5, "softcap": 30.0}  # floats: never specialized
     if name in table:
@@ -105,6 +109,12 @@ class AotResult:
     loop_note: str = ""
     sass_text: str = ""  # filled in this process only (not through --json)
     provider: str = "gtpo_kernels"
+    # "vocab": a pass over the row's V logits (per element: per logit); "replay": a pass over the kept
+    # ids (replay_triton: per element: per kept id, every loop of the kernel summed, see sass.kept_loop_stats)
+    family: str = "vocab"
+    loops: list = dataclasses.field(default_factory=list)  # replay: [dict(instr, unroll, per_elem, ...)]
+    other_instr: int = -1  # replay: instructions outside the loops (executed at most once per token)
+    int64_offsets: bool = True  # replay: every offset added to the logits / gradient pointer is int64
 
     def problems(self):
         out = []
@@ -112,6 +122,11 @@ class AotResult:
             return [self.error]
         if self.spill_stores or self.spill_loads:
             out.append(f"spills {self.spill_stores}/{self.spill_loads} bytes")
+        if not self.int64_offsets:
+            out.append("an int32 offset into the logits or the gradient")
+        if self.family == "replay" and (self.loop_note or len(self.loops) != (2 if "fwd" in self.kernel else 1)):
+            out.append(f"kept-set loops not as expected ({len(self.loops)} found{'; ' if self.loop_note else ''}"
+                       f"{self.loop_note})")
         if self.expect_vector and (self.ldg128 == 0 or self.narrow_ldg > self.scalar_loads):
             out.append(f"narrow logits loads (LDG.E.128: {self.ldg128}, narrow: {self.narrow_ldg}, "
                        f"scalar loads: {self.scalar_loads})")
@@ -145,15 +160,21 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
     name = kernel.fn.__name__
     variant = _variant(has_e, transform) if peer is None else peer["variant"]
     amd = isinstance(arch, str)
+    replay = peer is None and any(p.name == "BLOCK_K" for p in kernel.params)
     res = AotResult(name, variant, str(dtype).replace("torch.", ""), arch, V, ok=False,
-                    expect_vector=expect_vector and not amd)
+                    expect_vector=expect_vector and not amd and not replay, family="replay" if replay else "vocab")
     try:
         target = _target(arch)
         backend = make_backend(target)
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-        if peer is None:
+        if replay:  # replay_triton's launch: BLOCK_K, and Triton's default warps and stages (it passes none)
+            from gtpo_kernels.kernels import replay_triton as rt
+            bv = block or rt.BLOCK_K
+            meta = {"BLOCK_K": bv, **({"num_warps": warps} if warps else {})}
+        elif peer is None:
             bv = block or vt.block_v_for(V)
             meta = {"BLOCK_V": bv, "num_warps": warps or vt.num_warps_for(bv)}
+        if peer is None:
             if has_e is not None:
                 meta["HAS_E"] = has_e
             if any(p.name == "HAS_SOFTCAP" for p in kernel.params):
@@ -169,7 +190,7 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
             bound, spec, opts = binder(**kw, num_warps=meta["num_warps"], num_stages=meta["num_stages"])
         options, sig, constexprs, attrs = kernel._pack_args(backend, meta, bound, spec, opts)
         ck = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target, options=options.__dict__)
-        res.block, res.num_warps, res.shared = bv, meta["num_warps"], int(getattr(ck.metadata, "shared", 0))
+        res.block, res.num_warps, res.shared = bv, ck.metadata.num_warps, int(getattr(ck.metadata, "shared", 0))
         if amd:
             from . import amd
             amd.count(res, ck.asm["amdgcn"], bv, res.num_warps, dtype.itemsize)
@@ -178,12 +199,28 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
             _count_nvidia(res, ck, arch, dtype)
         elem = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype]
         tensor_loads = [ln for ln in ck.asm["ttir"].splitlines() if "tt.load" in ln and "tensor<" in ln]
-        if peer is None and any(f"!tt.ptr<{elem}>" not in ln for ln in tensor_loads):
+        ptrs = (f"!tt.ptr<{elem}>", "!tt.ptr<i64>") if replay else (f"!tt.ptr<{elem}>",)  # replay: + the kept ids
+        if peer is None and any(not any(p in ln for p in ptrs) for ln in tensor_loads):
             res.error = "a tensor-shaped load that is not of the logits: the check's premise no longer holds"
+        if replay:
+            res.int64_offsets = int64_offsets(ck.asm["ttir"])
     except Exception as e:  # a compile error is a result
         res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
     res.ok = not res.problems()
     return res
+
+
+def int64_offsets(ttir):
+    """Whether every offset added in the TTIR to the logits or the gradient pointer, or to a pointer made
+    from them (splat, broadcast, addptr), is int64: the row's element offset and the kept ids."""
+    derived, rows = {"%logits_ptr", "%grad_ptr"}, []
+    for ln in ttir.splitlines():  # SSA in program order: a pointer is defined before it is used
+        m = re.match(r"\s*(%\S+) = tt\.(splat|broadcast|addptr) (%[^ ,:]+)", ln)
+        if m and m.group(3) in derived:
+            derived.add(m.group(1))
+            if m.group(2) == "addptr":
+                rows.append(ln)
+    return bool(rows) and all(re.search(r", (?:tensor<[\dx]+xi64>|i64)(?: loc|$)", ln.rstrip()) for ln in rows)
 
 
 def _count_nvidia(res, ck, arch, dtype):
@@ -209,26 +246,44 @@ def _count_nvidia(res, ck, arch, dtype):
     res.narrow_ldg = sum(w < 128 for w in widths)
     loads = [ln for ln in ttir.splitlines() if "tt.load" in ln]
     res.scalar_loads = sum("tensor<" not in ln for ln in loads)
-    (res.loop_instr, res.elems_per_thread, res.instr_per_elem, res.bar_per_iter, res.mufu_per_elem,
-     res.ldg128_in_loop, res.loop_note) = loop_stats(sass, res.block, res.num_warps, dtype.itemsize)
+    if res.family == "replay":
+        res.loops, res.instr_per_elem, res.mufu_per_elem, res.bar_per_iter, res.loop_note = kept_loop_stats(
+            sass, res.block, res.num_warps, dtype.itemsize)
+        res.elems_per_thread = max(1, res.block // (32 * res.num_warps))
+        res.loop_instr = sum(x["instr"] for x in res.loops)
+        res.other_instr = len([1 for _, t in sass_instructions(sass) if not t.startswith("NOP")]) - res.loop_instr
+    else:
+        (res.loop_instr, res.elems_per_thread, res.instr_per_elem, res.bar_per_iter, res.mufu_per_elem,
+         res.ldg128_in_loop, res.loop_note) = loop_stats(sass, res.block, res.num_warps, dtype.itemsize)
     res.warps_per_sm = warps_per_sm(res.registers, res.num_warps, res.shared, arch)
     res.sass_text = sass
 
 
-def report(archs=ARCHS, dtypes=DTYPES, odd_v=True, transforms=False):
+KERNELS = ("vocab", "replay")  # the families `report` compiles (AotResult.family)
+
+
+def report(archs=ARCHS, dtypes=DTYPES, odd_v=True, transforms=False, kernels=KERNELS):
     """Every kernel variant x dtype x arch at V_REAL, plus (informational, `expect_vector=False`) the
     forward in bfloat16 at V = 50257, whose odd row stride allows no 16-byte load; with `transforms`,
-    each kernel variant with scale != 1 and with the soft-cap, bf16, every arch (variant '+scale', '+cap')."""
+    each kernel variant with scale != 1 and with the soft-cap, bf16, every arch (variant '+scale', '+cap').
+    kernels: "vocab" (the vocabulary passes) and / or "replay" (the kept-set passes of replay_triton, on the
+    NVIDIA targets only: their loops are counted on the SASS)."""
+    from gtpo_kernels.kernels import replay_triton as rt
     from gtpo_kernels.kernels import vocab_triton as vt
     out = []
     for arch in archs:
         for dt in dtypes:
-            out.append(compile_kernel(vt._vocab_fwd_kernel, dt, arch))
-            for has_e in (False, True):
-                out.append(compile_kernel(vt._vocab_bwd_kernel, dt, arch, has_e=has_e))
-    if odd_v:
+            if "vocab" in kernels:
+                out.append(compile_kernel(vt._vocab_fwd_kernel, dt, arch))
+                for has_e in (False, True):
+                    out.append(compile_kernel(vt._vocab_bwd_kernel, dt, arch, has_e=has_e))
+            if "replay" in kernels and not isinstance(arch, str):
+                out.append(compile_kernel(rt._replay_fwd_kernel, dt, arch))
+                for has_e in (False, True):
+                    out.append(compile_kernel(rt._replay_bwd_kernel, dt, arch, has_e=has_e))
+    if odd_v and "vocab" in kernels:
         out.append(compile_kernel(vt._vocab_fwd_kernel, torch.bfloat16, archs[0], V=50257, expect_vector=False))
-    for arch in archs if transforms else ():
+    for arch in archs if transforms and "vocab" in kernels else ():
         for tr in ((True, False), (False, True)):
             out.append(compile_kernel(vt._vocab_fwd_kernel, torch.bfloat16, arch, transform=tr))
             for has_e in (False, True):
@@ -236,13 +291,13 @@ def report(archs=ARCHS, dtypes=DTYPES, odd_v=True, transforms=False):
     return out
 
 
-def report_in_subprocess(timeout=600):
+def report_in_subprocess(timeout=600, kernels=KERNELS):
     """The report from a child process without TRITON_INTERPRET (this process's kernels may be the
     interpreter's, which cannot be compiled). Returns AotResult objects."""
     import json
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "bench.aot", "--json"], env=env, capture_output=True, text=True,
-                       timeout=timeout, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-m", "bench.aot", "--json", "--kernels", ",".join(kernels)], env=env,
+                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     try:
         return [AotResult(**d) for d in json.loads(p.stdout.strip().splitlines()[-1])]
     except Exception:

@@ -13,6 +13,9 @@ over 32 * num_warps threads, so
 (BLOCK_V = 4096, 8 warps: 16 elements per thread per iteration). The elements per thread are checked
 against the bytes the body's LDGs load (a loop that ptxas unrolled or split would show as a mismatch,
 reported in `loop_note`). Work outside the loop (once per row of 151936 elements) is not counted.
+
+The kept-set replay kernels (`find_loops`, `kept_loop_stats`) have one or two loops over the kept ids,
+which ptxas unrolls: each is counted per kept element, its unroll read off the bytes its body loads.
 """
 from __future__ import annotations
 
@@ -98,6 +101,71 @@ def find_main_loop(sass):
     return best
 
 
+_BRA = re.compile(r"\bBRA(?:\.U)?\s+(?:!?U?P\w+\s*,\s*)?(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
+
+
+def _backward_branches(ins):
+    """[(address, target)] of the branches to a lower address (the final self-branch excluded)."""
+    out = []
+    for addr, text in ins:
+        m = _BRA.search(text)
+        if m and _opcode(text).startswith("BRA") and int(m.group(1), 16) < addr:
+            out.append((addr, int(m.group(1), 16)))
+    return out
+
+
+def find_loops(sass):
+    """Every loop holding a global load, by address: [body] as find_main_loop's, nested or overlapping
+    bodies dropped in favour of the longer one."""
+    ins = sass_instructions(sass)
+    spans = []
+    for addr, target in _backward_branches(ins):
+        body = [(a, t) for a, t in ins if target <= a <= addr and _opcode(t) != "NOP"]
+        if any(_opcode(t).startswith("LDG") for _, t in body):
+            spans.append(body)
+    kept = []
+    for body in sorted(spans, key=len, reverse=True):
+        lo, hi = body[0][0], body[-1][0]
+        if all(hi < k[0][0] or lo > k[-1][0] for k in kept):
+            kept.append(body)
+    return sorted(kept, key=lambda b: b[0][0])
+
+
+def kept_loop_stats(sass, block, num_warps, elem_bytes, id_bytes=8):
+    """Counts over the loops of a kept-set kernel (replay_triton: each iteration reads BLOCK_K kept ids
+    and gathers their logits; the forward has two such passes, the backward one). ptxas unrolls these
+    loops (by 4 on sm_80 / sm_90 / sm_100), so the elements a body handles are counted from its loads:
+    every kept element is one id (id_bytes) and one logit (elem_bytes) a thread, so
+
+        unroll = body bytes loaded / (elements per thread x (id_bytes + elem_bytes))
+
+    must be a whole number (else `note` says so). Returns (loops: [dict(instr, unroll, per_elem, mufu, bar,
+    stg)], instructions per kept element over all passes, MUFU per kept element, BAR per iteration, note)."""
+    ept = max(1, block // (32 * num_warps))
+    loops, note = [], ""
+    bodies = find_loops(sass)
+    for body in bodies:
+        ops = [_opcode(t) for _, t in body]
+        loaded = sum(_ldg_widths("\n".join(t for _, t in body if _opcode(t).startswith("LDG")))) // 8
+        unroll, rest = divmod(loaded, ept * (id_bytes + elem_bytes))
+        if rest or not unroll:
+            note += (f"{'; ' if note else ''}a loop loads {loaded} bytes a thread, not a whole number of "
+                     f"{ept} x ({id_bytes} + {elem_bytes})")
+            unroll = max(unroll, 1)
+        n = ept * unroll
+        loops.append(dict(instr=len(ops), unroll=unroll, per_elem=len(ops) / n,
+                          mufu=sum(o.startswith("MUFU") for o in ops) / n, bar=sum(o.startswith("BAR") for o in ops),
+                          stg=sum(o.startswith("STG") for o in ops) / n))
+    if not loops:
+        return [], -1.0, -1.0, -1, "no loop with a global load found"
+    inside = {a for body in bodies for a, _ in body}
+    for addr, _ in _backward_branches(sass_instructions(sass)):  # would run code more than once per token
+        if addr not in inside:
+            note += f"{'; ' if note else ''}a loop without a global load at {addr:#x}"
+    return (loops, sum(x["per_elem"] for x in loops), sum(x["mufu"] for x in loops), max(x["bar"] for x in loops),
+            note)
+
+
 def loop_stats(sass, block, num_warps, elem_bytes):
     """Counts over the main loop: (body instructions, elements per thread, instr/elem, BAR per iteration,
     MUFU per element, LDG.E.128 in the body, note)."""
@@ -142,6 +210,16 @@ def roofline(r, device, n=ROOF_N, v=ROOF_V):
     parts = {"mem_ms": mem * 1e3, "issue_ms": issue * 1e3, "mufu_ms": mufu * 1e3}
     bound = max(parts, key=parts.get)
     return dict(parts, est_ms=parts[bound], bound=bound.replace("_ms", ""))
+
+
+def clean_sass(sass):
+    """The listing without the encoding comments and blank lines (half the size, same instructions)."""
+    out = []
+    for ln in sass.splitlines():
+        ln = re.sub(r"\s*/\* 0x[0-9a-f]{16} \*/\s*$", "", ln)
+        if ln.strip():
+            out.append(ln.rstrip())
+    return "\n".join(out) + "\n"
 
 
 def arch_name(arch):

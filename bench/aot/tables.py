@@ -3,10 +3,9 @@ per device, the per-architecture rows the README renders, and the files written 
 from __future__ import annotations
 
 import os
-import re
 
 from ..common.record import RESULTS, ROOT, require_clean
-from .sass import ARCHS, DEVICES, ROOF_N, ROOF_V, V_REAL, arch_name, roofline
+from .sass import ARCHS, DEVICES, ROOF_N, ROOF_V, V_REAL, arch_name, clean_sass, roofline
 
 
 def format_table(results):
@@ -16,13 +15,16 @@ def format_table(results):
              f"{'LDG.128':>7} {'narrow':>6} {'instr/el':>8} {'BAR/it':>6} {'MUFU/el':>7} {'warps/SM':>8}  verdict"]
     for r in results:
         verdict = "ok" if r.ok else "FAIL: " + "; ".join(r.problems())
-        if not r.expect_vector and not r.error:
+        if not r.expect_vector and not r.error and r.family == "vocab":
             verdict = ("info: odd V, no 16-byte alignment possible" if r.ldg128 == 0 else "info") + \
                 ("" if r.ok else f" ({verdict})")
         if r.loop_note:
             verdict += f" [loop: {r.loop_note}]"
         if isinstance(r.arch, str) and not r.error:
             verdict = ("ok" if r.ok else verdict) + " (AMD: load widths informational)"
+        if r.family == "replay" and not r.error:  # instr/el and MUFU/el: per kept id, every loop summed
+            verdict += (" (per kept element: " + " + ".join(f"{x['instr']}/{x['unroll']}" for x in r.loops)
+                        + f"; {r.other_instr} outside the loops)")
         lines.append(f"{r.kernel:<22} {r.variant:<10} {r.dtype:<9} {arch_name(r.arch):<6} {r.V:>7} {r.registers:>5} "
                      f"{r.spill_stores:>3}/{r.spill_loads:<3} {r.ldg128:>7} {r.narrow_ldg:>6} "
                      f"{r.instr_per_elem:>8.2f} {r.bar_per_iter:>6} {r.mufu_per_elem:>7.3f} {r.warps_per_sm:>8}"
@@ -49,7 +51,7 @@ def _headline(results, archs=(90,)):
     """The rows of the roofline: bf16, V = V_REAL, each kernel variant of the default path (no transform),
     on the given architectures."""
     return [r for r in results if r.arch in archs and r.dtype == "bfloat16" and r.V == V_REAL and not r.error
-            and "+" not in r.variant]
+            and "+" not in r.variant and r.family == "vocab"]
 
 
 def _kind(kernel):
@@ -113,26 +115,23 @@ def _sass_name(r):
     return f"{who}{r.kernel.strip('_')}{v}-{r.dtype}-{arch_name(r.arch).replace('_', '')}.{ext}"
 
 
-def _clean_sass(sass):
-    """The listing without the encoding comments and blank lines (half the size, same instructions)."""
-    out = []
-    for ln in sass.splitlines():
-        ln = re.sub(r"\s*/\* 0x[0-9a-f]{16} \*/\s*$", "", ln)
-        if ln.strip():
-            out.append(ln.rstrip())
-    return "\n".join(out) + "\n"
-
-
-def write_results(results, root=RESULTS):
+def write_results(results, root=RESULTS, command="python -m bench.aot --save"):
     """aot-sm90.json (the sm_90 records, ours and the peers'), aot-archs.json (every architecture's) and
-    the headline kernels' SASS (AMDGCN for gfx942) under bench/results/aot/."""
+    the headline kernels' SASS (AMDGCN for gfx942) under bench/results/aot/, when `results` holds the
+    vocabulary kernels; aot-replay.json and its SASS (replay.write) when it holds the replay kernels.
+    Returns the vocabulary records."""
     import json
+
+    from . import replay
     require_clean(root)
+    replay.write(results, root, command)
+    if not any(r.family == "vocab" for r in results):
+        return []
     os.makedirs(os.path.join(root, "aot"), exist_ok=True)
     for r in _headline(results, ARCHS):
         if r.sass_text:
             with open(os.path.join(root, "aot", _sass_name(r)), "w") as f:
-                f.write(_clean_sass(r.sass_text))
+                f.write(clean_sass(r.sass_text))
     recs = records(results)
     for rec in recs:  # the SASS path as written, from the repository's root (bench/results/aot/... with --save)
         rec["sass"] = os.path.relpath(os.path.join(root, rec["sass"]), ROOT)
