@@ -13,6 +13,7 @@ from ..core.layout import float_dtype_for
 from ..core.output import GTPOOutput
 from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
+from ..distributed import vocab_replay
 from ..kernels import dispatch, ops
 from ..pipeline import reference, replay
 from ..pipeline.loss import (call_temperature, check_loss_args, conflicts_for, forward, fused_loss, logps_loss,
@@ -112,12 +113,13 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             out.metrics.update({k: v.to(out.loss.dtype) for k, v in metrics.items()})
             return out
         conflicts_for(b, cfg, group_size, dt, backend)
-        vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch))  # by value (spec 12)
+        vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch,  # by value (spec 12)
+                                                    sampling_mask, top_k, top_p, min_p))
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
     if rules is not None:  # the sampler's kept sets
-        logp, ent, metrics = _replayed(b, cfg, tau, sampling_mask, rules, backend, host)
+        logp, ent, metrics = _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp)
         loss, res = logps_loss(b, cfg, logp, ent, num_items, dt, host)
         res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
         return make_output(b, cfg, loss, res, dt, host)
@@ -153,14 +155,14 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             keep = None if rules is None else reference.kept_window(b, logits, temperature, sampling_mask, rules,
                                                                     host)[0]
             return reference.token_logprobs(b, logits, temperature, keep)
-        vocab_summary(g, b, logits, host, backend, temperature)
+        vocab_summary(g, b, logits, host, backend, (temperature, sampling_mask, top_k, top_p, min_p))
     vp = vocab_parallel(g, logits, "token_logprobs(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
     dt = float_dtype_for(logits)
     with torch.no_grad():
         if rules is not None:
-            logp, ent, _ = _replayed(b, None, temperature, sampling_mask, rules, backend, host)
+            logp, ent, _ = _replayed(b, None, temperature, sampling_mask, rules, backend, host, vp)
         else:
             logp, ent, _, _ = forward(b, ops.as_tensor_param(temperature), backend, host, vp)
     zero = torch.zeros((), dtype=dt, device=logits.device)
@@ -174,16 +176,16 @@ def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, in
     does not take yet is refused."""
     if not replay.requested(sampling_mask, top_k, top_p, min_p):
         return None
-    if process_group is not None:
-        raise ValueError("sampling_mask / top_k / top_p / min_p are not taken with process_group yet: replay "
-                         "the kept sets on one process (gtpo_loss_from_logps takes log-probs replayed elsewhere)")
+    if process_group is not None and sampling_mask is None and top_k is None:
+        raise ValueError("top_p / min_p with process_group need top_k as well (each rank's top_k candidates are "
+                         "gathered to rebuild the sets), or pass the sets the engine recorded as sampling_mask")
     if inplace:
         raise ValueError("inplace=True is not taken with sampling_mask / top_k / top_p / min_p (the replay's "
                          "gradient is written to a buffer of its own)")
     return replay.check_rules(b, top_k, top_p, min_p, host)
 
 
-def _replayed(b, cfg, tau, sampling_mask, rules, backend, host):
+def _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp=None):
     """(logp, entropy, metrics) over the kept sets, with the call's temperature (tau: a per-token tensor,
     or None for cfg's; token_logprobs passes cfg=None and its own number or tensor); validating, a flagged
     row raises."""
@@ -191,6 +193,8 @@ def _replayed(b, cfg, tau, sampling_mask, rules, backend, host):
         tau = cfg.temperature
     if isinstance(tau, torch.Tensor) and tau.dim() == 0:
         tau = float(tau)  # a schedule: one value (a CPU tensor: no device sync)
+    if vp is not None:  # each rank reads the kept logits of its slice; O(M) merge (spec 12, 13)
+        return vocab_replay.replayed(b, tau, sampling_mask, rules, vp, host)
     logp, ent, flags, metrics = replay.replayed(b, tau, sampling_mask, rules, backend, host)
     if host:
         checks.raise_on_flags(flags, b.tok_shape)
