@@ -19,7 +19,12 @@
 #      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/kernels/vocab_triton.py;
 #   6. bench.timing.profile at 4096 x 32000 and 16384 x 151936: wall against device time, kernels and host
 #      reads per call, for ours (validate on / off, and replaying top_k = 50 / top_p = 0.95 kept sets:
-#      the replay row of spec 13) and eager (profile-cuda.json).
+#      the replay row of spec 13) and eager (profile-cuda.json);
+#   7. replaying recorded kept sets (spec 13's sampling_mask) at 16384 x 151936 bf16: gtpo_loss (fwd+bwd)
+#      and token_logprobs with sampling_mask= against the same calls on the full vocabulary, with the
+#      bytes each moves; sets drawn as top_k = 512 / top_p = 0.95 keep them from peaked rows (tens to
+#      hundreds of ids per token), checked against float64 first (bench.timing.replay,
+#      latest-replay-cuda.json). Run after step 6, whose replay row has compiled the replay kernels.
 # Results (JSON, PNG) go to $OUT when set (the device runner brings that folder back), else bench/results.
 # Peers: pip download --no-deps liger-kernel==0.8.5 trl==1.16.0 datasets dill multiprocess -d .whl
 #   on a machine with the registry (TRL's head imports datasets).
@@ -65,7 +70,7 @@ timeout 40 python tests/cuda_sync_check.py --cuda-only 2>&1 | tee "$OUT_DIR/cuda
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "sync checks: exit $rc"; status=1; }
 
 step "2. sampled completions of N*V > 2**31 against the reference"
-timeout 45 python -m bench --device cuda --suite logits --check-only --settle 0 --tokens 16384 --vocab 151936 --impls triton \
+timeout 30 python -m bench --device cuda --suite logits --check-only --settle 0 --tokens 16384 --vocab 151936 --impls triton \
   --no-traffic --no-plots --out "$OUT_DIR" 2>&1 | grep -A3 '^implementation'
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "large-problem check: exit $rc"; status=1; }
 
@@ -80,11 +85,11 @@ timeout 80 python -m bench --device cuda --settle 0 --suite logits --tokens 4096
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "torch.compile row: exit $rc"; status=1; }
 
 step "4. linear suite (from hidden states) at V = 151936"
-timeout 55 python -m bench --device cuda --settle 0 --suite linear --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
+timeout 45 python -m bench --device cuda --settle 0 --suite linear --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "linear suite: exit $rc"; status=1; }
 
 step "4b. the LM head at V = 151936, D = 4096, TRL's tile budget: ours against TRL's and Liger's heads"
-timeout 50 python -m bench --device cuda --settle 0 --suite linear --linear-size 8192,4096,151936 \
+timeout 45 python -m bench --device cuda --settle 0 --suite linear --linear-size 8192,4096,151936 \
   --linear-impls fused,recompute,trl,liger --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "LM head at V = 151936: exit $rc"; status=1; }
 
@@ -96,6 +101,10 @@ step "6. where one call spends its time: torch.profiler per implementation (vali
 timeout 70 python -m bench.timing.profile --device cuda --size 4096x32000 --size 16384x151936 --out "$OUT_DIR" 2>&1 \
   | grep -v "^USDT"
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "profile: exit $rc"; status=1; }
+
+step "7. replaying recorded kept sets at 16384 x 151936: gtpo_loss and token_logprobs against the full vocabulary"
+timeout 30 python -m bench.timing.replay --device cuda --tokens 16384 --vocab 151936 --out "$OUT_DIR" 2>&1
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "replay timing: exit $rc (124 = time limit)"; status=1; }
 
 step "done: status $status"
 exit $status
