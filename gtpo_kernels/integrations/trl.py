@@ -38,8 +38,19 @@ vLLM, logging, checkpoints, is TRL's own):
    as TRL does it for the same loss type (see "Normalizers").
    Old-policy and reference passes (`_get_per_token_logps_and_entropies` under no_grad, text only):
    the same backbone-only forward and `linear_token_logprobs`, in TRL's row chunks; with a gradient,
-   the MoE aux loss, multimodal inputs or `gtpo_head="logits"` they are TRL's own (its chunked head).
-3. Metrics, through the trainer's logger (averaged per logging step like TRL's): `entropy`
+   the MoE aux loss, multimodal inputs or `gtpo_head="logits"` they are TRL's own (its chunked head),
+   except that with kept sets on `gtpo_head="logits"` runs the model's logits and `token_logprobs`, and
+   the others are refused (TRL's would be over the whole vocabulary).
+3. The sampler's distribution (spec 13): GRPOConfig's `top_k`, `top_p`, `min_p` and `temperature` (an
+   entry of `generation_kwargs` overriding each, as in TRL's generation) go to every log-prob pass, the
+   loss's and the old-policy / reference passes alike, as the kept-set keywords (`sampler_settings`; off:
+   top_k None / 0 / -1, top_p 1.0, min_p None / 0.0: the whole vocabulary, as TRL). The sets are rebuilt
+   from each pass's own logits by vLLM's rules (transformers' generate applies the same ones for these
+   settings, except min_p with top_p < 1: refused without vLLM). A rollout_func may return the sets the
+   engine recorded, `sampling_mask`: one (token_ids, offsets) per completion, one set per completion
+   token (vLLM's compressed layout per completion); they replace the rules in every pass, and travel in
+   the batch under the same key (a list, which TRL's shuffle and split carry with its rows).
+4. Metrics, through the trainer's logger (averaged per logging step like TRL's): `entropy`
    (token mean, TRL's key), `gtpo/clip_frac`, `gtpo/filtered_frac`, `gtpo/conflict_frac`,
    `gtpo/mean_entropy`, and `kl` when `beta > 0`.
 
@@ -116,11 +127,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from .. import conflict_weights
 from .trl_config import (TRL_LOSS_TYPES, _loss_kwargs, _loss_mask, _normalizer, _refusals, _refuse_multimodal,
-                         gtpo_config_from_args)
-from .trl_head import (_add_gtpo_head, _base_model, _fused_logps_and_entropies, _fused_loss, _logits_loss,
-                       _head_scaling)  # noqa: F401  (_head_scaling: re-exported, the tests read it here)
+                         gtpo_config_from_args, sampler_settings)
+from .trl_head import (_add_gtpo_head, _base_model, _fused_logps_and_entropies, _fused_loss,
+                       _logits_logps_and_entropies, _logits_loss, _head_scaling)  # noqa: F401  (_head_scaling: re-exported, the tests read it here)
 
-__all__ = ["GTPOTrainer", "GTPOTrainerConfig", "gtpo_config_from_args", "TRL_LOSS_TYPES"]
+__all__ = ["GTPOTrainer", "GTPOTrainerConfig", "gtpo_config_from_args", "sampler_settings", "TRL_LOSS_TYPES"]
 
 # TRL 1.16's _get_per_token_logps_and_entropies: (logps, entropies, aux_loss) with a compute_aux_loss flag;
 # the old-policy / reference passes go through linear_token_logprobs only with that API
@@ -198,11 +209,29 @@ class GTPOTrainer(GRPOTrainer):
             raise ValueError(f"gtpo_head must be 'fused' or 'logits', got {head!r}")
         self.gtpo_head = head
         self.gtpo_memory_budget = getattr(self.args, "gtpo_memory_budget", None)
+        # the sampler's kept sets, rebuilt in every log-prob pass: the rules of top_k / top_p / min_p that are on
+        sampler = sampler_settings(self.args)
+        self.gtpo_replay = {k: v for k, v in sampler.items() if k != "temperature" and v is not None}
 
     # ------------------------------------------------------------------ advantage time
 
+    def _generate(self, prompts):
+        """TRL's generation; a `sampling_mask` returned by the rollout_func (one (token_ids, offsets) per
+        completion) is taken out of the reward functions' extra fields and kept for the log-prob passes."""
+        out = super()._generate(prompts)
+        extra = out[5] if isinstance(out, tuple) and len(out) == 8 else None
+        if isinstance(extra, dict) and "sampling_mask" in extra:
+            self._gtpo_sampling_rows = list(extra.pop("sampling_mask"))
+        return out
+
     def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
+        self._gtpo_sampling_rows = None  # set by _generate when the rollout_func records the kept sets
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            rows, self._gtpo_sampling_rows = getattr(self, "_gtpo_sampling_rows", None), None
+        if rows is not None:
+            out["sampling_mask"] = rows  # a list: TRL's shuffle and split carry it with its rows
         if self.gtpo_config.use_conflict_mask:
             mode = "train" if self.model.training else "eval"
             group = self.num_generations if mode == "train" else self.num_generations_eval
@@ -259,15 +288,36 @@ class GTPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
                                            **kwargs):
         """TRL's old-policy and reference log-probs (no gradient, text only) through the fused head
-        (trl_head._fused_logps_and_entropies). Anything else (a gradient, the MoE aux loss, multimodal
-        inputs, gtpo_head='logits', a TRL whose method differs from 1.16's) is TRL's own."""
+        (trl_head._fused_logps_and_entropies), or with gtpo_head='logits' and the sampler's kept sets on,
+        the model's logits and token_logprobs (trl_head._logits_logps_and_entropies). With kept sets, both
+        over the same sets as the loss (the sampler's top_k / top_p / min_p, or the rollout's recorded
+        sampling_mask). Anything else (a gradient, the MoE aux loss, multimodal inputs, gtpo_head='logits'
+        without kept sets, a TRL whose method differs from 1.16's) is TRL's own: refused with kept sets,
+        where TRL's would be over the whole vocabulary."""
         others = {k: v for k, v in kwargs.items() if k not in ("batch_size", "compute_entropy", "compute_aux_loss")}
-        if self.gtpo_head != "fused" or torch.is_grad_enabled() or args or kwargs.get("compute_aux_loss") or \
+        rows = getattr(self, "_gtpo_sampling_rows", None)
+        replay = bool(self.gtpo_replay) or rows is not None
+        if torch.is_grad_enabled() or args or kwargs.get("compute_aux_loss") or \
                 any(v is not None for v in others.values()) or not _TRL_LOGPS_API:
+            if replay:
+                raise NotImplementedError(
+                    "GTPOTrainer computes log-probs over the sampler's kept sets (top_k / top_p / min_p or a "
+                    "sampling_mask) in the no-gradient, text-only passes of TRL 1.16 only; this call (a gradient, "
+                    "the MoE aux loss, multimodal inputs or another TRL's arguments) would be over the whole "
+                    "vocabulary")
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               *args, **kwargs)
-        return _fused_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                          kwargs.get("batch_size"), kwargs.get("compute_entropy", False))
+        if rows is not None and len(rows) != input_ids.size(0):
+            raise ValueError(f"the rollout's sampling_mask has {len(rows)} entries for {input_ids.size(0)} "
+                             f"completions: one (token_ids, offsets) per completion")
+        if self.gtpo_head == "fused":
+            return _fused_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                              kwargs.get("batch_size"), kwargs.get("compute_entropy", False), rows)
+        if replay:
+            return _logits_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                               kwargs.get("batch_size"), kwargs.get("compute_entropy", False), rows)
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                          *args, **kwargs)
 
     def _gtpo_log(self, mode, out, mask, inputs):
         """Token- and completion-weighted means over all processes, appended to TRL's metric lists."""

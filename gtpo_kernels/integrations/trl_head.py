@@ -10,7 +10,12 @@
   a view) in the head's compute dtype (`_head_dtypes`), a tile of `_memory_budget` bytes at a time;
 - `_logits_loss`: gtpo_head='logits', for debugging: the model's logits (logits_to_keep = T + 1), gtpo_loss;
 - `_fused_logps_and_entropies`: TRL's old-policy / reference pass through `linear_token_logprobs`, in
-  TRL's row chunks (`GTPOTrainer._get_per_token_logps_and_entropies` chooses it or TRL's own).
+  TRL's row chunks (`GTPOTrainer._get_per_token_logps_and_entropies` chooses it or TRL's own);
+  `_logits_logps_and_entropies`: the same pass with gtpo_head='logits' and kept sets on (the model's
+  logits and `token_logprobs`).
+Every pass takes the same kept-set keywords (trl_config._replay_kwargs: the sampler's top_k / top_p /
+min_p, or the rollout's recorded sampling_mask), so old, reference and current log-probs are over the
+sampler's sets (spec 13).
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ except ImportError:  # pragma: no cover - older TRL
     def maybe_gather_lm_head_ctx(*params):
         return nullcontext()
 
-from .. import gtpo_loss, linear_gtpo_loss, linear_token_logprobs
+from .. import gtpo_loss, linear_gtpo_loss, linear_token_logprobs, token_logprobs
+from .trl_config import _replay_kwargs
 
 
 class _HeadOutput:
@@ -182,12 +188,12 @@ def _fused_loss(trainer, model, model_kwargs, inputs, mask, T, loss_kw):
         h, w, b, no_autocast = _head_dtypes(h, weight, bias, fp32)
         dev = w.device
         budget = _memory_budget(trainer.gtpo_memory_budget, h, w)
-        kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in loss_kw.items()}
+        kw = {k: _to(v, dev) for k, v in loss_kw.items()}
         # ZeRO-3 re-partitions the weight after the forward: only the schedule that forms the
         # gradient in the forward can run there
         schedule = "fused" if _zero3() else "auto"
         try:
-            with no_autocast:
+            with no_autocast, _head_replays(kw):
                 return linear_gtpo_loss(h, w, completion_ids.to(dev), inputs["advantages"].to(dev),
                                         mask.to(dev), bias=b, logit_scale=logit_scale,
                                         logit_softcap=logit_softcap, memory_budget=budget,
@@ -202,6 +208,37 @@ def _fused_loss(trainer, model, model_kwargs, inputs, mask, T, loss_kw):
     with trainer.accelerator.autocast():
         outputs = model(**model_kwargs, gtpo_head=head)
     return outputs.value, outputs
+
+
+def _to(v, dev):
+    """A tensor, or a sampling_mask pair of them, on `dev`."""
+    if isinstance(v, torch.Tensor):
+        return v.to(dev)
+    if isinstance(v, tuple):
+        return tuple(_to(x, dev) for x in v)
+    return v
+
+
+class _head_replays:
+    """Around a fused-head call with kept-set keywords: a head that does not replay the sampler's kept
+    sets yet (a "does not replay" ValueError, or no such keyword) is reported with the adapter's way out."""
+
+    def __init__(self, kw):
+        self.given = [k for k in ("sampling_mask", "top_k", "top_p", "min_p") if kw.get(k) is not None]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, e, tb):
+        if not self.given or e is None:
+            return False
+        msg = str(e)
+        if (typ is ValueError and "does not replay" in msg) or (typ is TypeError and "unexpected keyword" in msg):
+            raise NotImplementedError(
+                f"the fused LM head does not take the sampler's kept sets ({', '.join(self.given)}) in this "
+                f"version of gtpo_kernels ({msg}); set gtpo_head='logits' (the model's logits and gtpo_loss, "
+                "which replay them), or turn the sampler's top_k / top_p / min_p off") from e
+        return False
 
 
 def _logits_loss(trainer, model, model_kwargs, inputs, mask, T, loss_kw):
@@ -221,29 +258,63 @@ def _logits_loss(trainer, model, model_kwargs, inputs, mask, T, loss_kw):
 
 
 def _fused_logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
-                               compute_entropy):
+                               compute_entropy, rows=None):
     """TRL's old-policy and reference log-probs (no gradient, text only) through the fused head:
-    linear_token_logprobs on the backbone's hidden states, chunked over rows as TRL does ->
+    linear_token_logprobs on the backbone's hidden states, chunked over rows as TRL does, over the
+    sampler's kept sets when they are on (rows: the rollout's recorded sets, one per completion) ->
     (logps, entropies or None, None) as TRL 1.16's _get_per_token_logps_and_entropies."""
     fp32 = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
     K = logits_to_keep
+    tau = trainer.gtpo_config.temperature  # the sampler's (generation_kwargs may override GRPOConfig's)
     batch_size = batch_size or input_ids.size(0)
     all_logps, all_ent = [], []
     for start in range(0, input_ids.size(0), batch_size):
         ids = input_ids[start:start + batch_size]
         am = attention_mask[start:start + batch_size]
+        replay = _replay_kwargs(trainer, None if rows is None else rows[start:start + batch_size], am[:, -K:],
+                                am[:, -K:])
 
-        def head(hidden, weight, bias, logit_scale, logit_softcap, ids=ids, am=am):
+        def head(hidden, weight, bias, logit_scale, logit_softcap, ids=ids, am=am, replay=replay):
             h, w, b, no_autocast = _head_dtypes(_completion_rows(hidden, K), weight, bias, fp32)
             dev = w.device
-            with no_autocast:
-                return linear_token_logprobs(h, w, ids[:, -K:].to(dev), trainer.temperature, am[:, -K:].to(dev),
+            kw = {k: _to(v, dev) for k, v in replay.items()}
+            with no_autocast, _head_replays(kw):
+                return linear_token_logprobs(h, w, ids[:, -K:].to(dev), tau, am[:, -K:].to(dev),
                                              bias=b, logit_scale=logit_scale, logit_softcap=logit_softcap,
                                              memory_budget=_memory_budget(trainer.gtpo_memory_budget, h, w),
-                                             validate=trainer.gtpo_validate, backend=trainer.gtpo_backend)
+                                             validate=trainer.gtpo_validate, backend=trainer.gtpo_backend, **kw)
 
         with trainer.accelerator.autocast():
             lp, ent = model(input_ids=ids, attention_mask=am, gtpo_head=head).value
+        trainer._gtpo_logprob_calls += 1
+        all_logps.append(lp)
+        all_ent.append(ent)
+    return torch.cat(all_logps, 0), (torch.cat(all_ent, 0) if compute_entropy else None), None
+
+
+def _logits_logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                compute_entropy, rows=None):
+    """The old-policy and reference pass of gtpo_head='logits' with the sampler's kept sets on: the
+    model's logits of the last K + 1 positions (as _logits_loss) and token_logprobs over the kept sets,
+    chunked over rows as TRL does -> (logps, entropies or None, None)."""
+    K = logits_to_keep
+    tau = trainer.gtpo_config.temperature
+    batch_size = batch_size or input_ids.size(0)
+    all_logps, all_ent = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids = input_ids[start:start + batch_size]
+        am = attention_mask[start:start + batch_size]
+        replay = _replay_kwargs(trainer, None if rows is None else rows[start:start + batch_size], am[:, -K:],
+                                am[:, -K:])
+        with trainer.accelerator.autocast():
+            logits = model(input_ids=ids, attention_mask=am, logits_to_keep=K + 1, use_cache=False).logits
+        logits_start = logits.size(1) - K - 1
+        if logits_start < 0:
+            raise RuntimeError(f"the model returned {logits.size(1)} logit rows for {K} completion tokens")
+        dev = logits.device
+        lp, ent = token_logprobs(logits, ids[:, -K:].to(dev), tau, am[:, -K:].to(dev), logits_start=logits_start,
+                                 validate=trainer.gtpo_validate, backend=trainer.gtpo_backend,
+                                 **{k: _to(v, dev) for k, v in replay.items()})
         trainer._gtpo_logprob_calls += 1
         all_logps.append(lp)
         all_ent.append(ent)
