@@ -1,6 +1,7 @@
-"""The kept-set replay in bench/: the check that the offsets into the logits are int64 (bench.aot), a
-smoke run of the GPU timing module (bench.timing.replay) at a tiny size, its Triton kernels in the
-interpreter (conftest sets TRITON_INTERPRET=1), and its step in bench/gpu_check.sh. No compile here:
+"""The kept-set replay in bench/: its static figures as docs/benchmarks.md shows them (bench.aot.replay,
+rendered from bench/results/aot-replay.json and recounted from the SASS committed beside it), the check
+that the offsets into the logits are int64, and a smoke run of the GPU timing module (bench.timing.replay)
+at a tiny size, its Triton kernels in the interpreter (conftest sets TRITON_INTERPRET=1). No compile here:
 tests/test_bench.py's AOT test compiles the replay kernels."""
 import json
 import os
@@ -9,9 +10,45 @@ import pytest
 
 pytest.importorskip("triton")
 
-from bench.aot import compiler  # noqa: E402
+from bench.aot import compiler, replay, sass  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _table():
+    text = open(replay.DOC).read()
+    (path, body), = replay.BLOCK.findall(text)
+    return text, path, body
+
+
+def test_docs_replay_table_is_its_file():
+    text, path, body = _table()
+    assert path == "bench/results/" + replay.FILE
+    assert replay.drift(text) == []
+    doc = json.load(open(os.path.join(ROOT, path)))
+    assert doc["commit"] and not doc["commit"].endswith("+dirty") and doc["commit"][:7] in body
+    for r in doc["rows"]:
+        assert r["ok"] and r["spill_bytes"] == 0 and r["int64_offsets"], r
+        if r["dtype"] == "bfloat16":
+            assert f"{r['instr_per_kept_elem']:.2f}" in body and f", {r['regs']}" in body, (r["arch"], r["kernel"])
+    digit = next(i for i, ch in enumerate(body) if ch.isdigit() and i > body.index("| sm_"))
+    edited = body[:digit] + str((int(body[digit]) + 1) % 10) + body[digit + 1:]
+    assert replay.drift(text.replace(body, edited)) != []
+
+
+def test_replay_records_recount_from_their_sass():
+    """Each bf16 record's loops, instructions per kept element and instructions outside the loops are
+    what sass.kept_loop_stats counts in the SASS file the record names."""
+    _, path, _ = _table()
+    rows = [r for r in json.load(open(os.path.join(ROOT, path)))["rows"] if r["sass"]]
+    assert {r["arch"] for r in rows} == {"sm_90", "sm_80", "sm_100"} and len(rows) == 9
+    for r in rows:
+        text = open(os.path.join(ROOT, r["sass"])).read()
+        loops, per_elem, mufu, bar, note = sass.kept_loop_stats(text, r["block_k"], r["num_warps"], 2)
+        assert note == "" and [x["instr"] for x in loops] == [x["instr"] for x in r["loops"]], r["sass"]
+        assert round(per_elem, 3) == r["instr_per_kept_elem"] and round(mufu, 3) == r["mufu_per_kept_elem"]
+        body = sum(x["instr"] for x in loops)
+        assert len([1 for _, t in sass.sass_instructions(text) if not t.startswith("NOP")]) - body == r["other_instr"]
 
 
 def test_int64_offsets_check():
