@@ -135,12 +135,81 @@ def test_verl_dispatch_equals_gtpo_loss_from_logps(mode, seed):
     out = gtpo_loss_from_logps(lp_g[order], r["ids"][order], r["adv"][order], r["mask"][order],
                                entropy=r["H"][order], group_size=4, old_logps=r["old"][order],
                                config=GTPOConfig.preset("gtpo", loss_agg=mode, entropy_threshold=0.7,
-                                                        max_completion_length=T_max),
+                                                        max_completion_length=T_max, dual_clip_c=3.0),
                                num_items_in_batch=ntok if mode == "token-mean" else None)
     out.loss.backward()
     torch.testing.assert_close(loss_v.detach(), out.loss.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lp_v.grad * r["mask"], lp_g.grad * r["mask"], rtol=1e-5, atol=1e-7)
     assert float(out.metrics["conflict_frac"]) > 0 and 0 < float(out.metrics["filtered_frac"]) < 1  # not vacuous
+
+
+def _dual_clip_batch(seed, B=6, T=7):
+    """float64 log-probs, old log-probs far enough from them that ratios pass 3 (and fall below the clip),
+    advantages of both signs per token (GTPO's parts off: plain advantages), ragged mask, rollout weights."""
+    g = torch.Generator().manual_seed(seed)
+    F = torch.float64
+    lens = torch.randint(1, T + 1, (B,), generator=g)
+    lens[0] = T
+    mask = torch.arange(T)[None] < lens[:, None]
+    logp = -torch.rand(B, T, generator=g, dtype=F) * 3 - 0.01
+    old = logp - 1.2 * torch.randn(B, T, generator=g, dtype=F)
+    adv = torch.randn(B, generator=g, dtype=F)[:, None].expand(B, T).clone()
+    w = torch.rand(B, T, generator=g, dtype=F) * 1.5 + 0.25
+    return logp, old, adv, mask, w
+
+
+def _policy_loss(name, agg, actor, logp, old, adv, mask, w):
+    """verl's registered policy loss `name` through get_policy_loss_fn: (loss, d loss / d log_prob, metrics)."""
+    _, _, _, ActorConfig, PolicyLossConfig, _ = _verl()
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size=2, loss_agg_mode=agg,
+                      policy_loss=PolicyLossConfig(loss_mode=name), use_kl_loss=False, **actor)
+    cfg.global_batch_info.update(global_batch_size=logp.shape[0])
+    x = logp.clone().requires_grad_()
+    loss, metrics = get_policy_loss_fn(name)(old_log_prob=old, log_prob=x, advantages=adv, response_mask=mask,
+                                             loss_agg_mode=agg, config=cfg, rollout_is_weights=w)
+    loss.backward()
+    return loss.detach(), x.grad, metrics
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                                 "seq-mean-token-mean"])
+@pytest.mark.parametrize("c", [None, 1.7])
+def test_gtpo_mode_dual_clip_equals_verl_vanilla(agg, c):
+    """policy_loss.loss_mode=gtpo honours the actor's clip_ratio_c as verl's vanilla does (its default 3.0
+    when not set): with GTPO's parts off (plain advantages) the two registered functions agree in value,
+    gradient and clip metrics on float64 inputs where the dual clip binds (without it the loss differs)."""
+    _verl()
+    worst = 0.0
+    for seed in range(3):
+        logp, old, adv, mask, w = _dual_clip_batch(seed)
+        actor = dict(clip_ratio=0.2, clip_ratio_low=0.15, clip_ratio_high=0.28)
+        if c is not None:
+            actor["clip_ratio_c"] = c
+        bound = 3.0 if c is None else c
+        ratio = torch.exp(logp - old)
+        assert ((ratio > bound) & (adv < 0) & mask).any(), "the dual clip does not bind: the case tests nothing"
+        for weights in (None, w):
+            lv, gv, mv = _policy_loss("vanilla", agg, actor, logp, old, adv, mask, weights)
+            lg, gg, mg = _policy_loss("gtpo", agg, actor, logp, old, adv, mask, weights)
+            d = max(float((lg - lv).abs() / lv.abs().clamp(min=1)), float((gg - gv)[mask].abs().max()))
+            worst = max(worst, d)
+            assert d <= 1e-6, (seed, d)
+            for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
+                assert abs(mg[k] - mv[k]) <= 1e-6, k
+            assert mg["actor/pg_clipfrac_lower"] > 0
+            # without the dual clip (a bound no ratio reaches) the loss is another: the test can fail
+            lo, _, _ = _policy_loss("gtpo", agg, {**actor, "clip_ratio_c": 1e9}, logp, old, adv, mask, weights)
+            assert float((lo - lv).abs()) > 1e-3
+    assert worst <= 1e-6
+    print(f"gtpo vs vanilla, {agg}, clip_ratio_c={c}: worst difference {worst:.1e}")
+
+
+def test_gtpo_mode_refuses_a_dual_clip_at_most_one():
+    _verl()
+    logp, old, adv, mask, w = _dual_clip_batch(0)
+    with pytest.raises(ValueError, match="clip_ratio_c must be a number > 1"):
+        _policy_loss("gtpo", "token-mean", dict(clip_ratio=0.2, clip_ratio_c=1.0), logp, old, adv, mask, None)
 
 
 class _FakeTQ:

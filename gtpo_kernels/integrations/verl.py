@@ -9,9 +9,11 @@ registers, through verl's own extension points (verl is not patched):
    1 + eps_high) A)` on the token advantages, eps from the actor's `clip_ratio_low` / `clip_ratio_high`
    (`clip_ratio` by default), times verl's rollout-correction weights, aggregated with verl's
    `agg_loss` and the global batch info verl sets on the actor config (`dp_size`, `batch_num_tokens`,
-   `global_batch_size`, `loss_scale_factor`), for any `loss_agg_mode`. GTPO's policy term is the plain
-   clip (spec 4): verl's dual clip (`clip_ratio_c`) is not applied. verl's KL loss and entropy bonus
-   are added by verl's `ppo_loss` around it, as for any loss mode.
+   `global_batch_size`, `loss_scale_factor`), for any `loss_agg_mode`, with verl's dual clip as verl's
+   `vanilla` mode applies it: where A < 0 the term is at most `-A clip_ratio_c` (the actor's
+   `clip_ratio_c`, verl's default 3.0; it must be > 1; GTPOConfig's `dual_clip_c`). With GTPO's parts off
+   it is verl's `vanilla`. verl's KL loss and entropy bonus are added by verl's `ppo_loss` around it, as
+   for any loss mode.
 2. The advantage-time step, the trainer mode `gtpo` (`register_trainer`): verl's synchronous v1
    trainer (`PPOTrainerSync`) whose `_compute_advantage` runs verl's own advantage estimator (GRPO,
    RLOO, ...: `algorithm.adv_estimator`) and then rewrites the advantages with
@@ -20,7 +22,8 @@ registers, through verl's own extension points (verl is not patched):
    the batch with all-masked rows: both handled). verl's policy-loss registry never sees token ids
    nor entropies, so this is where the conflict weights (spec 3) and the entropy filter and shaping
    (spec 2) are computed; for lambda >= 0 they fold into the advantage exactly:
-   `-lambda min(r A, clip(r) A) = -min(r (lambda A), clip(r) (lambda A))`.
+   `-lambda min(r A, clip(r) A) = -min(r (lambda A), clip(r) (lambda A))`, and the dual clip's
+   `-lambda A c` bound (where A < 0) as well.
 
 3. verl's loss modes with GTPO on top, `gtpo_<mode>` for `vanilla`, `gpg`, `dppo_tv`, `dppo_kl`, `dro`,
    `cispo`, `geo_mean`, `clip_cov`, `kl_cov` (verl_modes.py): the mode, computed by this package on the
@@ -55,6 +58,7 @@ sessions shares it, so this is meant for single-turn rollouts.
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Any, Optional
 
 import numpy as np
@@ -83,31 +87,46 @@ def compute_policy_loss_gtpo(
     config: Optional[Any] = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl policy loss `gtpo`: PPO clip on GTPO token advantages (see the module docstring).
+    """verl policy loss `gtpo`: PPO clip with verl's dual clip on GTPO token advantages (see the module
+    docstring).
 
     advantages (bs, response_length) are `gtpo_token_advantages` (written by the `gtpo` trainer);
-    with plain GRPO advantages this is the PPO clip without verl's dual clip.
+    with plain GRPO advantages this is verl's `vanilla` mode.
     """
     if config is None:
         raise ValueError("the gtpo policy loss needs the actor config (clip_ratio, global_batch_info)")
     clip_ratio = config.clip_ratio
     eps_low = config.clip_ratio_low if config.clip_ratio_low is not None else clip_ratio
     eps_high = config.clip_ratio_high if config.clip_ratio_high is not None else clip_ratio
+    clip_c = _dual_clip(config)
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # as verl's vanilla loss
     ratio = torch.exp(log_ratio)
     loss1 = -advantages * ratio
     loss2 = -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    pg_losses = torch.maximum(loss1, loss2)  # -min(r A, clip(r) A)
+    clipped = torch.maximum(loss1, loss2)  # -min(r A, clip(r) A)
+    loss3 = -advantages * clip_c  # the dual clip: where A < 0, at most -c A (verl's vanilla)
+    pg_losses = torch.where(advantages < 0, torch.minimum(loss3, clipped), clipped)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     info = dict(getattr(config, "global_batch_info", None) or {})
     pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **info)
     with torch.no_grad():
+        lower = torch.gt(clipped, loss3) * (advantages < 0)
         metrics = {
             "actor/pg_clipfrac": verl_F.masked_mean(torch.gt(loss2, loss1).float(), response_mask).item(),
             "actor/ppo_kl": verl_F.masked_mean(-log_ratio, response_mask).item(),
+            "actor/pg_clipfrac_lower": verl_F.masked_mean(lower.float(), response_mask).item(),
         }
     return pg_loss, metrics
+
+
+def _dual_clip(config) -> float:
+    """The actor's clip_ratio_c as verl's vanilla mode reads it (default 3.0), checked: > 1."""
+    c = config.get("clip_ratio_c", 3.0) if hasattr(config, "get") else getattr(config, "clip_ratio_c", 3.0)
+    if isinstance(c, bool) or not isinstance(c, numbers.Real) or not c > 1.0:
+        raise ValueError(f"actor clip_ratio_c must be a number > 1 (the dual clip's bound, as in verl's vanilla "
+                         f"loss; a large value turns it off), got {c!r}")
+    return float(c)
 
 
 def gtpo_config_from(section) -> GTPOConfig:
