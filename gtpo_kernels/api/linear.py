@@ -51,7 +51,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
               a tile's sets is projected (GEMM work and memory_budget counted on it, not V; 4 GEMMs: the
               projection, again in the backward, and the two gradient GEMMs); the rules rebuild the sets
               from tiles of the whole vocabulary in the forward and project the unions in the backward.
-              `schedule` does not apply; not yet with process_group.
+              `schedule` does not apply. With process_group each rank projects the union's ids in its
+              slice and the statistics merge in O(M) bytes; the rules then need top_k.
     logits_start, inplace  gtpo_loss's, refused here (only their defaults pass): slice the hidden states
               instead of offsetting them (a view, read in place), and there are no logits to overwrite.
     Under torch.autocast the head computes in its inputs' dtypes (autocast is off inside).
@@ -75,7 +76,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         batch.add_extras(b, hidden.device, validate=host, **extras)
         dt = float_dtype_for(hidden)
         num_items = loss.check_loss_args(b, cfg, num_items_in_batch, dt, host)
-        rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group)
+        with checks.one_host_read():
+            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group)
         replay_kw = dict(sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p)
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
         if backend == "reference":  # the oracle on the materialized logits (autograd through the projection)
@@ -89,12 +91,12 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         loss.conflicts_for(b, cfg, group_size, dt, backend)
         span = head_ops.coefficient_span(cfg)
         _summary(g, b, hidden, weight, host, (backend, cfg, schedule, budget, span, group_size, num_items_in_batch,
-                                              logit_scale, logit_softcap))
+                                              logit_scale, logit_softcap, sampling_mask, top_k, top_p, min_p))
     vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)")
     with linear.autocast_off(hidden.device):
         if rules is not None:  # the sampler's kept sets: only the union of a tile's sets is projected
             logp, ent, metrics = head_replay.replayed(b, head, hidden, _one_tau(cfg, b), sampling_mask, rules,
-                                                      budget, backend, host)
+                                                      budget, backend, host, vp)
             value, res = loss.logps_loss(b, cfg, logp, ent, num_items, dt, host)
             res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
             return loss.make_output(b, cfg, value, res, dt, host)
@@ -127,13 +129,15 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
                                       max_seqlen=max_seqlen, validate=validate, backend="reference",
                                       sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p)
         one = None if b.tau is not None else temperature  # a per-token tau: compared by value (b.tau)
-        _summary(g, b, hidden, weight, host, (backend, one, "logprobs", budget, logit_scale, logit_softcap))
+        _summary(g, b, hidden, weight, host, (backend, one, "logprobs", budget, logit_scale, logit_softcap,
+                                              sampling_mask, top_k, top_p, min_p))
     vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)")
     with linear.autocast_off(hidden.device):
         if rules is not None:
             with torch.no_grad():
                 tau = b.tau if b.tau is not None else _one_tau(GTPOConfig(temperature=temperature), b)
-                logp, ent, _ = head_replay.replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host)
+                logp, ent, _ = head_replay.replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host,
+                                                    vp)
             dt = float_dtype_for(hidden)
             zero = torch.zeros((), dtype=dt, device=hidden.device)
             return (torch.where(b.counted, logp.to(dt), zero).reshape(b.tok_shape),
@@ -146,9 +150,9 @@ def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group):
     """None when the call replays no kept set, else the checked rules (pipeline.replay.check_rules)."""
     if not replay.requested(sampling_mask, top_k, top_p, min_p):
         return None
-    if process_group is not None:
-        raise ValueError("sampling_mask / top_k / top_p / min_p are not taken with process_group yet: replay "
-                         "the kept sets on one process (gtpo_loss_from_logps takes log-probs replayed elsewhere)")
+    if process_group is not None and sampling_mask is None and top_k is None:
+        raise ValueError("top_p / min_p with process_group need top_k as well (each rank's top_k candidates are "
+                         "gathered to rebuild the sets), or pass the sets the engine recorded as sampling_mask")
     return replay.check_rules(b, top_k, top_p, min_p, host)
 
 

@@ -161,6 +161,24 @@ def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale
     return cat(ids, torch.long), offsets, cat(restored, torch.bool), cat(invalid, torch.bool), cat(mass, acc)
 
 
+def missing_k(top_k, y, host):
+    """(M,) bool: the counted tokens without a top_k > 0 (refused when validating: identical on every rank)."""
+    no_k = _param(top_k, slice(0, y.numel()), 0, torch.long, y.device) <= 0
+    if host and bool(no_k.any()):
+        raise ValueError("top_k with process_group must be > 0 at every counted token (each rank's top_k "
+                         "candidates are gathered to rebuild the sets); pass the sets the engine recorded as "
+                         "sampling_mask to replay without top_k")
+    return no_k
+
+
+def refuse_unbuilt(invalid, host):
+    """Validating, the rebuilt sets' invalid tokens raise (the same on every rank: merged flags)."""
+    if host and bool(invalid.any()):
+        raise ValueError("top_k with process_group: exact ties at a token's top_k-th value are split across "
+                         "ranks (or its logits hold NaN / +inf), so its kept set cannot be rebuilt from the "
+                         "ranks' candidates; pass the sets the engine recorded as sampling_mask")
+
+
 def replayed(b, tau, sampling_mask, rules, vp, host, scale=1.0, softcap=None):
     """gtpo_loss / token_logprobs on this rank's logits slice over the kept sets -> (logp, H, metrics),
     (n,) flat (0 where not counted, NaN where invalid), differentiable w.r.t. the slice."""
@@ -178,21 +196,14 @@ def replayed(b, tau, sampling_mask, rules, vp, host, scale=1.0, softcap=None):
     else:
         (top_k, top_p, min_p), rule_bad = rules
         at = lambda x: x[pos] if isinstance(x, torch.Tensor) else x  # noqa: E731
-        no_k = _param(at(top_k), slice(0, y.numel()), 0, torch.long, y.device) <= 0
-        if host and bool(no_k.any()):
-            raise ValueError("top_k with process_group must be > 0 at every counted token (each rank's top_k "
-                             "candidates are gathered to rebuild the sets); pass the sets the engine recorded as "
-                             "sampling_mask to replay without top_k")
+        no_k = missing_k(at(top_k), y, host)
         token_ids, offsets, restored, invalid, lse_full = rebuilt_sets(
             logits3, rows_b, rows_t, y, tau_m, at(top_k), at(top_p), at(min_p), vp, scale, softcap)
         invalid = invalid | no_k
         for x in rule_bad:
             if x is not None:
                 invalid = invalid | x[pos]
-        if host and bool(invalid.any()):
-            raise ValueError("top_k with process_group: exact ties at a token's top_k-th value are split across "
-                             "ranks (or its logits hold NaN / +inf), so its kept set cannot be rebuilt from the "
-                             "ranks' candidates; pass the sets the engine recorded as sampling_mask")
+        refuse_unbuilt(invalid, host)
     logp, ent, flags, lse_kept = merge(logits3, rows_b, rows_t, y, tau_m, token_ids, offsets, vp, scale, softcap)
     nan = torch.full_like(logp, float("nan"))
     bad = (flags != 0) | invalid

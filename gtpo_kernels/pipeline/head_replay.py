@@ -24,6 +24,7 @@ import torch
 from ..core import checks
 from ..core.layout import float_dtype_for
 from ..core.sampling import check_sampling_mask_flat
+from ..distributed import vocab_replay
 from ..kernels import replay as rp
 from ..kernels.kept_set import kept_sets
 from . import head as hd
@@ -57,12 +58,21 @@ def _project(h, head, cols):
     return torch.addmm(head.bias if cols is None else head.bias.index_select(0, cols), h, w.t())
 
 
-def _replay(z, ids, offsets, y, tau, invalid, p):
-    """logp, H, flags of a tile's rows over their sets (columns of z), differentiable w.r.t. z."""
+def _replay(z, ids, offsets, y, tau, invalid, p, vp=None):
+    """logp, H, flags of a tile's rows over their sets (columns of z), differentiable w.r.t. z. With a
+    vocabulary split, z holds this rank's columns (vp.start: the first one's id, or 0 where ids and y
+    are already columns, -1 elsewhere) and the statistics are merged over the group."""
     n = z.shape[0]
     rows_t = torch.arange(n, device=z.device)
-    return rp.replay_logprobs(z.unsqueeze(0), torch.zeros_like(rows_t), rows_t, y, tau, ids, offsets, invalid,
-                              p.head.scale, p.head.cap, p.backend)
+    if p.vp is None:
+        return rp.replay_logprobs(z.unsqueeze(0), torch.zeros_like(rows_t), rows_t, y, tau, ids, offsets, invalid,
+                                  p.head.scale, p.head.cap, p.backend)
+    lp, en, fl, lse = vocab_replay.merge(z.unsqueeze(0), torch.zeros_like(rows_t), rows_t, y, tau, ids, offsets,
+                                         vp or p.columns, p.head.scale, p.head.cap)
+    bad = fl != 0 if invalid is None else (fl != 0) | invalid
+    nan = torch.full_like(lp, float("nan"))
+    p.lse_kept.append(lse)
+    return torch.where(bad, nan, lp), torch.where(bad, nan, en), fl
 
 
 class _HeadReplay(torch.autograd.Function):
@@ -109,6 +119,7 @@ class _HeadReplay(torch.autograd.Function):
                                                   gz.t(), h))
             if db is not None:
                 db.index_add_(0, u, gz.sum(0, dtype=acc))
+        p.lse_kept.clear()
         return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype), None)
 
 
@@ -119,9 +130,25 @@ def _cat(xs, p, dtype=None):
 
 
 def _unions(p):
-    """Each tile's (union, local ids, local offsets, local sampled ids), one tile at a time."""
+    """Each tile's (union, local ids, local offsets, local sampled ids), one tile at a time; with a
+    vocabulary split the union of the ids in this rank's slice (rows of its weight), the others -1."""
     for m0, m1 in p.tiles:
-        yield rp.tile_union(p.token_ids, p.offsets, p.y, m0, m1, p.off_host[m0], p.off_host[m1])
+        k0, k1 = p.off_host[m0], p.off_host[m1]
+        if p.vp is None:
+            yield rp.tile_union(p.token_ids, p.offsets, p.y, m0, m1, k0, k1)
+            continue
+        V_r = p.head.weight.shape[0]
+        ids = p.token_ids[k0:k1] - p.vp.start
+        u = torch.unique(ids[(ids >= 0) & (ids < V_r)], sorted=True)  # (sync: this slice's union)
+        yield u, _columns(u, ids), p.offsets[m0:m1 + 1] - k0, _columns(u, p.y[m0:m1].long() - p.vp.start)
+
+
+def _columns(u, ids):
+    """ids as columns of the sorted union u, -1 where not in it."""
+    if u.numel() == 0:
+        return torch.full_like(ids, -1)
+    col = torch.searchsorted(u, ids).clamp_(max=u.numel() - 1)
+    return torch.where(u[col] == ids, col, torch.full_like(col, -1))
 
 
 def _rebuild_forward(hidden, p):
@@ -130,7 +157,8 @@ def _rebuild_forward(hidden, p):
     top_k, top_p, min_p = p.rules
     M = p.pos.numel()
     V = p.head.weight.shape[0]
-    step = max(1, hd.rows_per_tile(V, p.head.weight.dtype, p.head.weight.device, p.budget))
+    step = max(1, hd.rows_per_tile(V if p.vp is None else p.vp.V_max, p.head.weight.dtype, p.head.weight.device,
+                                   p.budget))  # a vocabulary split: the same tiles on every rank
     lps, ents, flags, ids, sizes, restored, mass = [], [], [], [], [], [], []
     for m0 in range(0, M, step):
         sl = slice(m0, min(M, m0 + step))
@@ -139,11 +167,17 @@ def _rebuild_forward(hidden, p):
         rows_t = torch.arange(n, device=z.device)
         zero = torch.zeros_like(rows_t)
         tau = at(p.tau, sl)
-        tid, off, rest, nonfinite, ms = kept_sets(z.unsqueeze(0), zero, rows_t, p.y[sl], tau, at(top_k, sl),
-                                                  at(top_p, sl), at(min_p, sl), p.head.scale, p.head.cap)
+        if p.vp is None:
+            tid, off, rest, nonfinite, ms = kept_sets(z.unsqueeze(0), zero, rows_t, p.y[sl], tau, at(top_k, sl),
+                                                      at(top_p, sl), at(min_p, sl), p.head.scale, p.head.cap)
+        else:  # each rank's top_k candidates gathered; the full normalizer's log for kept_mass
+            tid, off, rest, nonfinite, lse_full = vocab_replay.rebuilt_sets(
+                z.unsqueeze(0), zero, rows_t, p.y[sl], tau, at(top_k, sl), at(top_p, sl), at(min_p, sl), p.vp,
+                p.head.scale, p.head.cap)
         bad = nonfinite if p.invalid is None else nonfinite | p.invalid[sl]
-        lp, en, fl = rp.replay_logprobs(z.unsqueeze(0), zero, rows_t, p.y[sl], tau, tid, off, bad, p.head.scale,
-                                        p.head.cap, p.backend)
+        lp, en, fl = _replay(z, tid, off, p.y[sl], tau, bad, p, p.vp)
+        if p.vp is not None:
+            ms = torch.exp(p.lse_kept.pop() - lse_full)
         lps.append(lp), ents.append(en), flags.append(fl), ids.append(tid), sizes.append(off.diff())
         restored.append(rest), mass.append(ms)
         p.invalid_parts.append(bad)
@@ -152,37 +186,45 @@ def _rebuild_forward(hidden, p):
     counts = _cat(sizes, p, torch.long)
     p.offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
     p.off_host = p.offsets.tolist()  # sync: the backward's union tiles
-    p.tiles = plan_union(counts.tolist(), V, p.per_entry, p.budget)
+    p.tiles = plan_union(counts.tolist(), V if p.vp is None else p.vp.V_max, p.per_entry, p.budget)
     p.invalid = _cat(p.invalid_parts, p, torch.bool)
     p.metrics = rp.replay_metrics(p.offsets, _cat(restored, p, torch.bool), _cat(mass, p))
     return _cat(lps, p), _cat(ents, p), _cat(flags, p, torch.int8)
 
 
-def replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host):
+def replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host, vp=None):
     """(logp, entropy, metrics): logp, entropy (n,) of the flat tokens over their kept sets (0 where not
     counted, NaN where invalid; differentiable w.r.t. hidden, weight, bias), from the recorded sets or
-    the rules (pipeline.replay.check_rules' output); validating, a flagged token raises."""
-    V = head.weight.shape[0]
+    the rules (pipeline.replay.check_rules' output); validating, a flagged token raises. vp: the
+    vocabulary-parallel layout (this rank's weight rows are a slice; the ranks' tiles are alike)."""
+    V = head.weight.shape[0] if vp is None else vp.V
     pos = b.counted.reshape(-1).nonzero().squeeze(1)  # sync: the counted rows
     p = types.SimpleNamespace(head=head, pos=pos, y=b.ids.reshape(-1)[pos], tau=at(tau, pos), backend=backend,
                               budget=budget, per_entry=hd.row_bytes(1, head.weight.dtype, head.weight.device),
-                              rules=None, invalid=None, invalid_parts=[], metrics=None)
+                              rules=None, invalid=None, invalid_parts=[], metrics=None, vp=vp, lse_kept=[],
+                              columns=None if vp is None else types.SimpleNamespace(group=vp.group, start=0))
     if sampling_mask is not None:
-        with checks.one_host_read():
+        with checks.one_host_read():  # with a group every rank holds the same sets (agreed): the same error
             token_ids, flat, invalid = check_sampling_mask_flat(sampling_mask, b.ids, b.counted, V, host)
         p.token_ids = token_ids
         p.offsets = torch.cat([flat[pos], flat[-1:]])  # an uncounted token's set is empty: counted sets in order
         p.invalid = invalid[pos]
         p.off_host = p.offsets.tolist()  # sync: the tiles
-        p.tiles = plan_union([e - s for s, e in zip(p.off_host[:-1], p.off_host[1:])], V, p.per_entry, budget)
+        p.tiles = plan_union([e - s for s, e in zip(p.off_host[:-1], p.off_host[1:])],
+                             V if vp is None else vp.V_max, p.per_entry, budget)
         p.metrics = rp.replay_metrics(p.offsets)
     else:
         (top_k, top_p, min_p), rule_bad = rules
         p.rules = tuple(at(x, pos) for x in (top_k, top_p, min_p))
         bad = _any(*(None if x is None else x[pos] for x in rule_bad))
+        if vp is not None:
+            bad = _any(bad, vocab_replay.missing_k(p.rules[0], p.y, host))
         p.invalid = bad
     bias = None if head.bias is None else head.bias
     lp, ent, flags = _HeadReplay.apply(hidden, head.weight, bias, p)
+    p.lse_kept.clear()
+    if vp is not None and rules is not None:
+        vocab_replay.refuse_unbuilt(p.invalid, host)
     if host:
         n = b.counted.numel()
         checks.raise_on_flags(torch.zeros(n, dtype=flags.dtype, device=flags.device).scatter(0, pos, flags),
