@@ -23,6 +23,10 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
              differentiable; values at masked-out positions are ignored (and get zero gradient).
     entropy  the per-token entropies (same shape), needed by the entropy filter and shaping, the
              top-entropy quantile and the entropy bonus (differentiable for the bonus).
+    The sampler's distribution (spec 13): this call takes no temperature, kept sets nor rules. When the
+    rollout engine sampled with a temperature or truncated (top-k, top-p, min-p), logps, entropy and
+    old_logps must already be over that distribution (replayed: e.g. token_logprobs(..., sampling_mask=)
+    or the engine's processed log-probs), or every ratio is biased by the kept mass.
     completion_ids serve the conflict weights only (counted ids in [0, 2**31)). Every other argument is
     gtpo_loss's (rollout_is_weights: (B, T) / packed (N,) per token, (B, 1) per completion, (B,) padded
     only). It equals gtpo_loss on the logits that gave these log-probs and entropies, outputs included.
