@@ -319,3 +319,51 @@ def test_profile_writes_one_row_per_call(tmp_path):
     assert by["triton-novalidate"]["wall_ms"] > 0 and by["triton-novalidate"]["syncs"] == 0
     assert by["eager"]["ops"] > 0 and by["eager"]["top"]
     assert "error" in by["nothing"]  # an unknown implementation is a row that says so
+
+
+# ---- the head over the sampler's kept sets in the linear suite ------------------------------------
+
+def test_kept_sets_are_drawn_as_the_sampler_keeps_them():
+    """linear.make_inputs(kept=True): each counted token's set is what top_k = 512 / top_p = 0.95 keep
+    from the head's own logits (rebuilt here in float64 by the reference's statement of vLLM's rules on a
+    sample of tokens), its sampled id is in it, the sizes range from one id to hundreds with most tokens
+    confident, and consecutive tokens share ids (a tile's sets hold more ids than their union)."""
+    from bench.timing import linear
+    from gtpo_reference.gtpo_sampling import kept_set_row
+    inp = linear.make_inputs(256, 64, 2000, kept=True)
+    token_ids, offsets = inp.sampling_mask
+    sizes = offsets.diff()
+    assert sizes.numel() == inp.counted and int(offsets[-1]) == token_ids.numel()
+    y = inp.ids[inp.mask]
+    z = (inp.hidden.detach()[inp.mask] @ inp.weight.detach().t()).double()
+    for m in range(0, inp.counted, 7):
+        got = token_ids[offsets[m]:offsets[m + 1]]
+        assert bool((got == y[m]).any()), m
+        assert got.tolist() == kept_set_row(z[m], linear.TOP_K, linear.TOP_P).tolist(), m
+    tiles = [(m0, min(inp.counted, m0 + 32)) for m0 in range(0, inp.counted, 32)]
+    st = linear.set_stats(token_ids, offsets, 2000, tiles)
+    assert st["median_kept"] <= 16 and 64 <= st["max_kept"] <= linear.TOP_K, st
+    assert st["sum_kept_over_union"] > 1.2 and st["union_over_V"] < 0.5, st
+
+
+def test_linear_suite_times_the_replay_head_against_the_full_head(monkeypatch):
+    """The suite with 'replay' and 'rebuild': every implementation runs on the kept-set inputs, the two are
+    checked against a float64 evaluation over the sets (the full heads over the vocabulary), each gets its
+    per-round time over the fused head's, and the result and table carry the sets' and unions' sizes."""
+    from bench.timing import linear_suite, runner
+    monkeypatch.setattr(runner, "SETTLE_S", 0)
+    suite = linear_suite.LinearSuite("cpu", ["fused", "recompute", "replay", "rebuild"], [(256, 64, 1000)],
+                                     tile_bytes=1 << 18, repeats=1, warmup=0, memory=False, progress=lambda m: None)
+    res = suite.run()
+    by = {r["impl"]: r for r in res["rows"]}
+    assert all(r["status"] == "ok" for r in by.values()), {i: (r["status"], r.get("note")) for i, r in by.items()}
+    for impl in ("replay", "rebuild"):
+        r = by[impl]
+        assert r["errors"]["loss"] <= 1e-5 and max(r["errors"]["grad_hidden"], r["errors"]["grad_weight"]) <= 1e-4
+        assert r["vs_full"]["against"] == "fused" and r["vs_full"]["full"]["median"] > 0
+        assert "|U|" in r["tile"], r["tile"]
+    assert "vs_full" not in by["fused"]
+    st = res["sets"]["256x64x1000"]
+    assert st["tiles"] >= 2 and 0 < st["union_over_V"] <= 1 and st["mean_kept"] < st["mean_union"]
+    text = linear_suite.table(res)
+    assert "vs full head" in text and "kept sets at 256x64x1000" in text

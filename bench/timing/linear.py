@@ -15,11 +15,21 @@ Tile budget: `tile_bytes` is the size of the logits tile projected at once. Ours
 chunk that makes its `[min(N, 4096), chunk_size]` tile the same size (its gradient is formed in place in
 that tile). The materialized path has no tile; Liger-Kernel's chunked loss has fixed tiles of its own
 (one completion per chunk, 2048 tokens x 4096 vocabulary entries, float32).
+
+The sampler's kept sets (spec 13; `REPLAY_PROVIDERS`, opt-in: `--linear-impls ...,replay,rebuild`):
+`make_inputs(..., kept=True)` builds a head whose own logits are peaked the way a trained policy's are
+(`peaked_head`) and draws each counted token's kept set as vLLM's sampler keeps it from those logits
+(top_k = 512, then top_p = 0.95: gtpo_kernels.kernels.kept_set.kept_sets, a block of rows at a time),
+then the sampled id from the set's renormalized softmax. 'replay' passes the sets as recorded
+(`sampling_mask`), 'rebuild' passes the rules (`top_k`, `top_p`) and lets the head rebuild them. Both
+compute the loss over the kept sets (old log-probs: the replayed ones plus the same noise), so they are
+checked against a float64 evaluation over the sets, the full heads against the full vocabulary.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import torch
 
@@ -47,6 +57,11 @@ PRESET = "grpo"
 TRL_TOKEN_CHUNK = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 OLD_LOGP_NOISE = 0.1
 LOGIT_STD = 2.0  # logits ~ N(0, 2^2) per entry
+REPLAY_PROVIDERS = ("replay", "rebuild")
+LABELS.update({"replay": "linear_gtpo_loss replay (recorded sets)",
+               "rebuild": "linear_gtpo_loss rebuild (top_k/top_p)"})
+NOTES.update({"replay": "sampling_mask: each tile projects the union U of its kept sets, 4 GEMMs over |U|",
+              "rebuild": "top_k/top_p: forward projects full-V tiles to rebuild the sets, backward 3 GEMMs over |U|"})
 
 
 @dataclasses.dataclass
@@ -60,6 +75,9 @@ class LinearInputs:
     N: int
     D: int
     V: int
+    sampling_mask: Optional[tuple] = None  # (token_ids, offsets) of the counted tokens' kept sets (kept=True)
+    old_kept: Optional[torch.Tensor] = None  # (B, T): log-probs over the kept sets + the same noise as `old`
+    sets: Optional[dict] = None  # set_stats of the kept sets
 
     @property
     def counted(self) -> int:
@@ -70,15 +88,20 @@ class LinearInputs:
         return self.hidden.numel() * self.hidden.element_size() + self.weight.numel() * self.weight.element_size()
 
     def input_bytes(self) -> int:
+        extra = () if self.sampling_mask is None else (*self.sampling_mask, self.old_kept)
         return sum(t.numel() * t.element_size() for t in (self.hidden, self.weight, self.ids, self.mask, self.adv,
-                                                          self.old))
+                                                          self.old, *extra))
 
 
 def default_dtype(device) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
-def make_inputs(N, D, V, dtype=torch.float32, device="cpu", seed=0) -> LinearInputs:
+def make_inputs(N, D, V, dtype=torch.float32, device="cpu", seed=0, kept=False) -> LinearInputs:
+    """The problem of the module's docstring; kept=True: the peaked head, its kept sets and ids drawn
+    from them (`kept_inputs`)."""
+    if kept:
+        return kept_inputs(N, D, V, dtype, device, seed)
     B, T = shape_for(N)
     gen = torch.Generator(device=device).manual_seed(seed)
     dev = torch.device(device)
@@ -96,6 +119,120 @@ def make_inputs(N, D, V, dtype=torch.float32, device="cpu", seed=0) -> LinearInp
         logp, _ = linear_token_logprobs(hidden, weight, ids, completion_mask=mask)
     old = torch.where(mask, logp.float() + OLD_LOGP_NOISE * torch.randn(B, T, generator=gen, device=dev), 0.0)
     return LinearInputs(hidden.requires_grad_(), weight.requires_grad_(), ids, mask, adv.float(), old, N, D, V)
+
+
+# ---- kept sets drawn as a sampler draws them -----------------------------------------------------
+
+TOP_K, TOP_P = 512, 0.95  # the sampler's rules (vLLM's order: top-k, then top-p)
+CLUSTER_MAX = 1024  # ids sharing a direction of the head: sizes log-uniform in [1, CLUSTER_MAX]
+POOL = 6  # clusters a completion draws its tokens from (its topic)
+ZIPF = 1.2  # popularity of the clusters across completions: weight 1 / rank^ZIPF
+FORKING = 0.2  # share of high-entropy tokens (the '80/20' of RL rollouts); the rest are confident
+SPREAD = {"forking": (0.0, 2.0), "confident": (5.0, 9.0)}  # sigma_t ranges (the logits' spread in the cluster)
+MARGIN = (1.0, 5.0)  # a_t - ln V: how far the token's cluster stands above the rest of the vocabulary
+
+
+def peaked_head(B, T, D, V, gen, device="cpu"):
+    """(hidden (B, T, D), weight (V, D), cluster of each token (B, T)) float32 whose logits z = h W^T are
+    peaked as a trained policy's: the vocabulary is cut into clusters (a random permutation cut into runs
+    of log-uniform length in [1, CLUSTER_MAX]); weight row v = [c_g(v) | r_v], the cluster's direction
+    c_g ~ N(0, I/D1) in the first D1 = D // 2 dimensions and the id's own r_v ~ N(0, I/D2) in the rest.
+    Token t of completion b picks a cluster g_t from its completion's POOL clusters (drawn once per
+    completion with Zipf weights over the clusters: popular clusters recur across completions, a
+    completion's tokens share theirs) and h_t = [a_t c_g / |c_g|^2 | sigma_t x_t], x_t ~ N(0, I): the
+    cluster's ids get logit a_t + sigma_t N(0, 1), every other id a_t N(0, 1/D1) + sigma_t N(0, 1), with
+    a_t = ln V + U(MARGIN) and sigma_t from SPREAD (FORKING of the tokens spread little: the sampler keeps
+    tens to hundreds of ids; the others spread much: one to a few ids)."""
+    dev = torch.device(device)
+    D1, D2 = D // 2, D - D // 2
+    size = torch.exp(math.log(CLUSTER_MAX) * torch.rand(V, generator=gen, device=dev)).long().clamp(1, CLUSTER_MAX)
+    ends = torch.cumsum(size, 0)
+    C = int((ends < V).sum()) + 1
+    cluster = torch.empty(V, dtype=torch.long, device=dev)
+    cluster[torch.randperm(V, generator=gen, device=dev)] = torch.searchsorted(ends[:C], torch.arange(V, device=dev),
+                                                                               right=True)
+    cent = torch.randn(C, D1, generator=gen, device=dev) / math.sqrt(D1)
+    weight = torch.cat([cent[cluster], torch.randn(V, D2, generator=gen, device=dev) / math.sqrt(D2)], 1)
+    pop = (1.0 / torch.arange(1, C + 1, device=dev, dtype=torch.float64) ** ZIPF)[torch.randperm(C, generator=gen,
+                                                                                                  device=dev)]
+    pools = torch.multinomial(pop.expand(B, C), min(POOL, C), replacement=False, generator=gen)
+    g = pools.gather(1, torch.randint(0, pools.shape[1], (B, T), generator=gen, device=dev))
+    a = math.log(V) + MARGIN[0] + (MARGIN[1] - MARGIN[0]) * torch.rand(B, T, generator=gen, device=dev)
+    fork = torch.rand(B, T, generator=gen, device=dev) < FORKING
+    u = torch.rand(B, T, generator=gen, device=dev)
+    (f0, f1), (c0, c1) = SPREAD["forking"], SPREAD["confident"]
+    sigma = torch.where(fork, f0 + (f1 - f0) * u, c0 + (c1 - c0) * u)
+    c = cent[g]
+    hidden = torch.cat([a[..., None] * c / (c * c).sum(-1, keepdim=True),
+                        sigma[..., None] * torch.randn(B, T, D2, generator=gen, device=dev)], -1)
+    return hidden, weight, g
+
+
+def draw_kept_sets(hidden, weight, mask, gen, top_k=TOP_K, top_p=TOP_P, rows=256):
+    """The sampler on the head's own logits, `rows` counted tokens at a time (never (N, V)): each counted
+    token's kept set (kept_sets: top_k, then top_p, vLLM's order) and its sampled id drawn from the set's
+    renormalized softmax. Returns (ids (B, T), token_ids, offsets, logp over the full vocabulary (B, T),
+    logp over the kept set (B, T)); 0 where not counted."""
+    from gtpo_kernels.kernels.kept_set import kept_sets
+    B, T, D = hidden.shape
+    pos = mask.reshape(-1).nonzero().squeeze(1)
+    h2 = hidden.detach().reshape(-1, D)
+    ids = torch.zeros(B * T, dtype=torch.long, device=hidden.device)
+    lp_full, lp_kept = (torch.zeros(B * T, device=hidden.device) for _ in range(2))
+    tids, sizes = [], []
+    for m0 in range(0, pos.numel(), rows):
+        p = pos[m0:m0 + rows]
+        z = (h2[p] @ weight.detach().t()).float()
+        r = torch.arange(p.numel(), device=z.device)
+        tid, off, *_ = kept_sets(z.unsqueeze(0), torch.zeros_like(r), r, z.argmax(-1), 1.0, top_k, top_p)
+        keep = torch.zeros_like(z, dtype=torch.bool)
+        keep[torch.repeat_interleave(r, off.diff()), tid] = True
+        zk = torch.where(keep, z, torch.full_like(z, float("-inf")))
+        y = torch.multinomial(torch.softmax(zk, -1), 1, generator=gen).squeeze(1)
+        ids[p] = y
+        lp_full[p] = torch.log_softmax(z, -1).gather(1, y[:, None]).squeeze(1)
+        lp_kept[p] = torch.log_softmax(zk, -1).gather(1, y[:, None]).squeeze(1)
+        tids.append(tid)
+        sizes.append(off.diff())
+    sizes = torch.cat(sizes) if sizes else torch.zeros(0, dtype=torch.long)
+    offsets = torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)])
+    token_ids = torch.cat(tids) if tids else torch.zeros(0, dtype=torch.long)
+    return ids.reshape(B, T), token_ids, offsets, lp_full.reshape(B, T), lp_kept.reshape(B, T)
+
+
+def set_stats(token_ids, offsets, V, tiles=()):
+    """Sizes of the kept sets and of the unions of consecutive tokens' sets: {mean_kept, median_kept,
+    p90_kept, max_kept, and per tile plan ((m0, m1), ...) given: tiles, mean_rows, mean_union, max_union,
+    union_over_V, sum_kept_over_union (how much the tile's sets share)}."""
+    k = offsets.diff().double()
+    out = dict(tokens=int(k.numel()), mean_kept=float(k.mean()) if k.numel() else 0.0,
+               median_kept=float(k.median()) if k.numel() else 0.0,
+               p90_kept=float(k.quantile(0.9)) if k.numel() else 0.0, max_kept=int(k.max()) if k.numel() else 0)
+    if tiles:
+        off = offsets.tolist()
+        u = [torch.unique(token_ids[off[m0]:off[m1]]).numel() for m0, m1 in tiles]
+        out.update(tiles=len(tiles), mean_rows=sum(m1 - m0 for m0, m1 in tiles) / len(tiles),
+                   unions=u, mean_union=sum(u) / len(u), max_union=max(u), union_over_V=sum(u) / len(u) / V,
+                   sum_kept_over_union=float(k.sum()) / max(1, sum(u)))
+    return out
+
+
+def kept_inputs(N, D, V, dtype=torch.float32, device="cpu", seed=0) -> LinearInputs:
+    """make_inputs' shapes, mask and advantages on the peaked head (`peaked_head`), ids drawn by the sampler
+    (`draw_kept_sets`); `old` over the full vocabulary and `old_kept` over the sets, both with the same
+    N(0, OLD_LOGP_NOISE^2) noise; `sets`: set_stats (no tiles)."""
+    B, T = shape_for(N)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dev = torch.device(device)
+    hidden, weight, _ = peaked_head(B, T, D, V, gen, dev)
+    lengths = T - (0.2 * T * torch.rand(B, generator=gen, device=dev)).long()
+    mask = torch.arange(T, device=dev)[None, :] < lengths[:, None]
+    adv = torch.randn(B, generator=gen, device=dev)
+    ids, token_ids, offsets, lp_full, lp_kept = draw_kept_sets(hidden, weight, mask, gen)
+    noise = OLD_LOGP_NOISE * torch.randn(B, T, generator=gen, device=dev)
+    old, old_kept = (torch.where(mask, lp + noise, 0.0) for lp in (lp_full, lp_kept))
+    return LinearInputs(hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_(), ids, mask, adv.float(),
+                        old, N, D, V, (token_ids, offsets), old_kept, set_stats(token_ids, offsets, V))
 
 
 def config() -> GTPOConfig:
@@ -149,6 +286,25 @@ make_fused = _linear("fused")
 make_recompute = _linear("recompute")
 
 
+def _kept(how):
+    """The head over the sampler's kept sets: 'replay' (the recorded sets) or 'rebuild' (the rules)."""
+    def make(cfg, device, tile_bytes):
+        backend = _backend(device)
+
+        def run(inp):
+            if inp.sampling_mask is None:
+                raise Unavailable("needs the kept sets: make_inputs(..., kept=True)")
+            kw = dict(sampling_mask=inp.sampling_mask) if how == "replay" else dict(top_k=TOP_K, top_p=TOP_P)
+            return linear_gtpo_loss(inp.hidden, inp.weight, inp.ids, inp.adv, inp.mask, old_logps=inp.old_kept,
+                                    config=cfg, memory_budget=our_budget(tile_bytes), backend=backend, **kw).loss
+        return run
+    return make
+
+
+make_replay = _kept("replay")
+make_rebuild = _kept("rebuild")
+
+
 # ---- TRL ----------------------------------------------------------------------------------------
 
 def make_trl(cfg, device, tile_bytes):
@@ -191,13 +347,30 @@ def make_liger(cfg, device, tile_bytes):
 
 
 def make(name, cfg, device, tile_bytes):
-    return make_from(globals(), PROVIDERS, name, cfg, device, tile_bytes)
+    return make_from(globals(), PROVIDERS + REPLAY_PROVIDERS, name, cfg, device, tile_bytes)
+
+
+def union_tiles(inp: LinearInputs, tile_bytes: int):
+    """The replay head's tiles on `inp`'s kept sets ((m0, m1) over the counted tokens, as
+    pipeline.head_replay.plan_union plans them under our_budget(tile_bytes))."""
+    from gtpo_kernels.pipeline.head import row_bytes
+    from gtpo_kernels.pipeline.head_replay import plan_union
+    w = inp.weight
+    return plan_union(inp.sampling_mask[1].diff().tolist(), inp.V, row_bytes(1, w.dtype, w.device),
+                      our_budget(tile_bytes))
 
 
 def tile_note(name, inp: LinearInputs, tile_bytes: int) -> str:
     if name in ("fused", "recompute"):
         rows = max(1, our_budget(tile_bytes) // (2 * inp.V * inp.hidden.element_size()))
         return f"tiles of {min(rows, inp.counted)} tokens x {inp.V}"
+    if name in REPLAY_PROVIDERS and inp.sampling_mask is not None:
+        st = set_stats(*inp.sampling_mask, inp.V, union_tiles(inp, tile_bytes))
+        rows = max(1, our_budget(tile_bytes) // (2 * inp.V * inp.hidden.element_size()))
+        fwd = f"forward {math.ceil(inp.counted / rows)} tiles of {min(rows, inp.counted)} x {inp.V}; backward " \
+            if name == "rebuild" else ""
+        return f"{fwd}{st['tiles']} tiles of ~{st['mean_rows']:.0f} tokens x |U| ~{st['mean_union']:.0f} " \
+               f"({st['union_over_V']:.2f} V)"
     if name == "trl":
         return f"tiles of {min(inp.counted, TRL_TOKEN_CHUNK)} tokens x {trl_chunk_size(inp, tile_bytes)}"
     if name == "liger":

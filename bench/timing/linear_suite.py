@@ -11,6 +11,14 @@ ratios' median and range, flagged by bench.runner's rule). Peak memory is one fo
 resident size of a fresh child process per implementation (`python -m bench.timing.linear_suite --memory`,
 bench.memory's method: a warm-up, then VmHWM reset through /proc/self/clear_refs, glibc told to give
 large blocks back at once with MALLOC_MMAP_THRESHOLD_).
+
+The head over the sampler's kept sets (linear.REPLAY_PROVIDERS: 'replay', 'rebuild'; opt-in,
+`--linear-impls materialized,fused,recompute,trl,replay,rebuild`): with either in the run, every
+implementation of a size runs on linear.make_inputs(kept=True) (a peaked head, ids and kept sets drawn by
+top_k = 512 / top_p = 0.95 from its own logits; the full heads' work does not depend on the values), the
+two are checked against a float64 evaluation over the same sets, and each row gets `vs_full`: its time over
+the fused head's (the recompute one's when the fused did not run) round by round. The sets' sizes and
+the unions the replay head projects are in the result (`sets`, per size).
 """
 from __future__ import annotations
 
@@ -54,6 +62,19 @@ def reference(inp: linear.LinearInputs, cfg):
     return float(loss.detach()), gh, gw
 
 
+def reference_kept(inp: linear.LinearInputs, cfg, how):
+    """reference() over the kept sets: the recorded ones ('replay') or rebuilt by the rules ('rebuild')
+    from the float64 logits, old log-probs over the sets."""
+    from gtpo_kernels import gtpo_loss
+    h = inp.hidden.detach().double().requires_grad_()
+    w = inp.weight.detach().double().requires_grad_()
+    kw = dict(sampling_mask=inp.sampling_mask) if how == "replay" else dict(top_k=linear.TOP_K, top_p=linear.TOP_P)
+    loss = gtpo_loss(h @ w.t(), inp.ids, inp.adv, inp.mask, old_logps=inp.old_kept.double(), config=cfg,
+                     backend="torch", **kw).loss
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    return float(loss.detach()), gh, gw
+
+
 def _rel(g, ref):
     return float((g.double() - ref).norm() / ref.norm().clamp(min=1e-300))
 
@@ -73,8 +94,9 @@ def cuda_peak_bytes(run, inp) -> int:
 def memory_child(impl, sizes, dtype, tile_bytes, seed):
     """In the child: {size: bytes above the inputs and the parameter gradients, or 'oom' / 'error: ...'}."""
     cfg = linear.config()
+    kept = impl in linear.REPLAY_PROVIDERS
     return memory.measure_peaks(lambda: linear.make(impl, cfg, "cpu", tile_bytes), sizes,
-                                lambda s: linear.make_inputs(*s, dtype=dtype, device="cpu", seed=seed),
+                                lambda s: linear.make_inputs(*s, dtype=dtype, device="cpu", seed=seed, kept=kept),
                                 linear.forward_backward, lambda s: size_key(*s), excess=lambda inp: inp.grad_bytes())
 
 
@@ -91,13 +113,16 @@ class LinearSuite:
     def __init__(self, device, impls, sizes, dtype=None, tile_bytes=64 << 20, repeats=5, warmup=1, seed=0,
                  memory=True, threads=None, progress=None):
         for i in impls:
-            if i not in linear.PROVIDERS:
-                raise ValueError(f"unknown linear implementation {i!r}; expected some of {linear.PROVIDERS}")
+            if i not in linear.PROVIDERS + linear.REPLAY_PROVIDERS:
+                raise ValueError(f"unknown linear implementation {i!r}; expected some of "
+                                 f"{linear.PROVIDERS + linear.REPLAY_PROVIDERS}")
         self.device, self.impls, self.sizes = device, list(impls), [tuple(s) for s in sizes]
         self.dtype = dtype or linear.default_dtype(device)
         self.tile_bytes, self.repeats, self.warmup, self.seed = int(tile_bytes), repeats, warmup, seed
         self.memory, self.threads = memory, threads
         self.cfg = linear.config()
+        self.kept = any(i in linear.REPLAY_PROVIDERS for i in self.impls)
+        self.sets = {}  # size key -> linear.set_stats of the kept sets, with the replay head's tiles
         self.t0 = time.perf_counter()
         self._progress = progress
 
@@ -137,7 +162,8 @@ class LinearSuite:
         load = runner.load_record(load_before, load_after)
         self._ratios(rows, load)
         tol_loss, tol_grad = TOLERANCE[self.dtype]
-        return dict(suite="linear", rows=rows, device=self.device, dtype=str(self.dtype).replace("torch.", ""),
+        kept = dict(sets=self.sets, top_k=linear.TOP_K, top_p=linear.TOP_P) if self.kept else {}
+        return dict(suite="linear", rows=rows, **kept, device=self.device, dtype=str(self.dtype).replace("torch.", ""),
                     preset=linear.PRESET, tile_bytes=self.tile_bytes, repeats=self.repeats, warmup=self.warmup,
                     timing="interleaved rounds", rule=runner.RULE, load=load,
                     sizes=[list(s) for s in self.sizes], threads=torch.get_num_threads(),
@@ -166,16 +192,26 @@ class LinearSuite:
 
     def _size(self, makers, N, D, V):
         """The rows of one size: every implementation checked, then the checked ones timed together."""
-        self.progress(f"{size_key(N, D, V)}: inputs and the float64 reference")
-        inp = linear.make_inputs(N, D, V, dtype=self.dtype, device=self.device, seed=self.seed)
-        ref = reference(inp, self.cfg)
+        self.progress(f"{size_key(N, D, V)}: inputs and the float64 reference"
+                      + (" (kept sets drawn: top_k 512, top_p 0.95)" if self.kept else ""))
+        inp = linear.make_inputs(N, D, V, dtype=self.dtype, device=self.device, seed=self.seed, kept=self.kept)
+        refs = {}
+
+        def ref_for(impl):  # the float64 evaluation each implementation is held to, computed once
+            how = impl if impl in linear.REPLAY_PROVIDERS else "full"
+            if how not in refs:
+                refs[how] = reference(inp, self.cfg) if how == "full" else reference_kept(inp, self.cfg, how)
+            return refs[how]
+        if self.kept:
+            tiles = linear.union_tiles(inp, self.tile_bytes)
+            self.sets[size_key(N, D, V)] = linear.set_stats(*inp.sampling_mask, V, tiles)
         runs, by = {}, {}
         for impl, run in makers.items():
             if isinstance(run, Exception):
                 by[impl] = self._row(impl, N, D, V, "unavailable", note=str(run))
                 continue
             self.progress(f"{size_key(N, D, V)}: check {impl}")
-            status, f = self._check(run, inp, ref)
+            status, f = self._check(run, inp, ref_for(impl))
             by[impl] = self._row(impl, N, D, V, status, tile=linear.tile_note(impl, inp, self.tile_bytes),
                                  counted_tokens=inp.counted, **f)
             if status == "ok":
@@ -201,7 +237,14 @@ class LinearSuite:
     @staticmethod
     def _ratios(rows, load):
         trl = {(r["N"], r["D"], r["V"]): r for r in rows if r["impl"] == "trl" and r["status"] == "ok"}
+        full = {}
+        for name in ("recompute", "fused"):  # the fused head's rounds where it ran, else the recompute one's
+            full.update({(r["N"], r["D"], r["V"]): r for r in rows if r["impl"] == name and r.get("times_ms")})
         for r in rows:
+            f = full.get((r["N"], r["D"], r["V"]))
+            if f and r.get("times_ms") and r["impl"] in linear.REPLAY_PROVIDERS:
+                v = runner.per_round_ratio(r["times_ms"], f["times_ms"])
+                r["vs_full"] = {"full": dict(v, unreliable=runner.unreliable(v, load)), "against": f["impl"]}
             t = trl.get((r["N"], r["D"], r["V"]))
             if not t:
                 continue
@@ -222,6 +265,9 @@ def table(res):
     from .report import format_rows, load_line, ratio_cell
     head = ["implementation", "N x D x V", "fwd+bwd ms (min-max)", "vs TRL (per round)",
             "peak above inputs+grads", "peak vs TRL", "tiles", "max err loss/dh/dw", "status / note"]
+    kept = any("vs_full" in r for r in res["rows"])
+    if kept:
+        head.insert(4, "vs full head (per round)")
     lines = []
     for r in res["rows"]:
         ts = r.get("times_ms")
@@ -233,6 +279,9 @@ def table(res):
         lines.append([r["label"], f"{r['N']} x {r['D']} x {r['V']}", t, ratio_cell(r.get("vs_trl", {}).get("full")),
                       _mb(r["peak_bytes"]) if "peak_bytes" in r else "-",
                       f"{r['peak_vs_trl']:.2f}x" if "peak_vs_trl" in r else "-", r.get("tile", "-"), err, note])
+        if kept:
+            v = r.get("vs_full")
+            lines[-1].insert(4, f"{ratio_cell(v['full'])} of {v['against']}" if v else "-")
     out = [format_rows(head, lines)]
     out += ["", f"linear suite: device {res['device']}, {res['dtype']}, preset {res['preset']} (old_logps given), "
             f"hidden and weight require grad; tile {_mb(res['tile_bytes'])} of logits for ours and TRL; "
@@ -245,10 +294,23 @@ def table(res):
             + (" (max_memory_allocated)." if res["device"] == "cuda"
                else " (peak resident size, a fresh process per implementation)."),
             f"errors against a float64 materialized evaluation: loss absolute, gradients relative norm "
-            f"(bounds {res['tolerance']['loss']:.0e} / {res['tolerance']['grad']:.0e})."]
+            f"(bounds {res['tolerance']['loss']:.0e} / {res['tolerance']['grad']:.0e})"
+            + ("; the kept-set rows over their sets (recorded, or rebuilt by the rules in float64)." if kept
+               else ".")]
+    for key, st in (res.get("sets") or {}).items():
+        out.append(kept_line(key, st, res))
     if not any(r["impl"] == "trl" and r["status"] == "ok" for r in res["rows"]):
         out.append("vs TRL: not compared (TRL is not installed: pip install -e \".[bench]\").")
     return "\n".join(out)
+
+
+def kept_line(key, st, res):
+    """One line on a size's kept sets and the unions the replay head projects."""
+    return (f"kept sets at {key} (top_k {res.get('top_k')}, top_p {res.get('top_p')} on the peaked head; the "
+            f"replay and rebuild rows are checked over them, the others over the full vocabulary): |K_t| mean "
+            f"{st['mean_kept']:.1f}, median {st['median_kept']:.0f}, p90 {st['p90_kept']:.0f}, max {st['max_kept']}; "
+            f"{st['tiles']} replay tile(s) of ~{st['mean_rows']:.0f} tokens, |U| mean {st['mean_union']:.0f} "
+            f"(max {st['max_union']}) = {st['union_over_V']:.3f} V, sum |K_t| / |U| = {st['sum_kept_over_union']:.2f}.")
 
 
 def main(argv=None):
