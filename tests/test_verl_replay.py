@@ -220,6 +220,10 @@ def test_gtpo_trainer_puts_the_rules_in_each_log_prob_pass(monkeypatch):
     _, tr = _trainer(rollout, {"replay_sampler": "yes"})
     with pytest.raises(ValueError, match="replay_sampler must be true or false"):
         tr._compute_old_log_prob(Batch(), {})
+    _, tr = _trainer(rollout)
+    tr.config.actor_rollout_ref.actor = {"strategy": "megatron"}  # an engine the plugin does not patch
+    with pytest.raises(RuntimeError, match=r"strategy \['fsdp', 'megatron'\]"):
+        tr._compute_ref_log_prob(Batch(), {})
     monkeypatch.setattr(plugin, "ENGINE_REPLAY", False)
     _, tr = _trainer(rollout)
     with pytest.raises(RuntimeError, match="replay_sampler=false"):

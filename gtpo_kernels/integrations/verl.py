@@ -350,12 +350,15 @@ def _register_trainer():
                 if replay_sampler_from(self.config.trainer.v1.get("gtpo", None)):
                     s = sampler_settings(self.config.actor_rollout_ref.rollout)
                     rules = {REPLAY_KEYS[k]: s[k] for k in REPLAY_KEYS if s[k] is not None}
-                    if rules and not ENGINE_REPLAY:
+                    arr = self.config.actor_rollout_ref
+                    strategies = {arr.get(role, {}).get("strategy", "fsdp") for role in ("actor", "ref")}
+                    if rules and (not ENGINE_REPLAY or not strategies <= {"fsdp", "fsdp2"}):
                         raise RuntimeError(
                             "gtpo: the rollout truncates its sampling (" + ", ".join(
-                                f"{k}={s[k]}" for k in REPLAY_KEYS if s[k] is not None) + ") but this verl's "
-                            "engine cannot replay kept sets (the patch needs verl 0.9.1's FSDP engine); set "
-                            "+trainer.v1.gtpo.replay_sampler=false to train on the whole vocabulary")
+                                f"{k}={s[k]}" for k in REPLAY_KEYS if s[k] is not None) + ") but the engine "
+                            f"(strategy {sorted(strategies)}) cannot replay kept sets: the plugin patches verl "
+                            "0.9.1's FSDP engine only; set +trainer.v1.gtpo.replay_sampler=false to train on the "
+                            "whole vocabulary")
                 info = self._gtpo_replay = rules
             return info
 
