@@ -193,6 +193,7 @@ def test_gtpo_trainer_puts_the_rules_in_each_log_prob_pass(monkeypatch):
     """The gtpo trainer's old-policy, reference and update passes carry the rollout's rules in the batch's
     extra_info (which verl hands every micro-batch); not when the rollout does not truncate or with
     replay_sampler=false; refused when this verl's engine cannot replay them."""
+    _verl()
     from verl.trainer.ppo.v1 import PPOTrainerSync
     seen = {}
     for name in ("_compute_old_log_prob", "_compute_ref_log_prob", "_update_actor"):
