@@ -29,7 +29,7 @@ def _trainer(tmp_path, head, **sampler):
     tr = _trl_setup(tmp_path, GTPOTrainer, GTPOTrainerConfig, gtpo_head=head, gtpo_loss=None, temperature=TAU,
                     steps_per_generation=2, bf16=False, **sampler)
     tr.ref_model = tiny_model(len(tiny_tokenizer()), seed=7)
-    from gtpo_kernels.integrations.trl_head import _add_gtpo_head
+    from gtpo_kernels.integrations.trl_forward import _add_gtpo_head
     _add_gtpo_head(tr.ref_model)
     tr.args.beta = tr.beta = 0.1
     tr._gtpo_setup()
@@ -244,7 +244,7 @@ def test_sampler_settings_refusals(tmp_path):
     which the replay follows) is refused naming both; with use_vllm the same settings pass. A pass TRL would
     make over the whole vocabulary (with a gradient) is refused while kept sets are on."""
     from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig
-    from gtpo_kernels.integrations.trl_config import _sampler_refusals
+    from gtpo_kernels.integrations.trl_sampler import _sampler_refusals
     with pytest.raises(ValueError, match="min_p together with top_p"):
         _trl_setup(tmp_path, GTPOTrainer, GTPOTrainerConfig, top_p=0.9, min_p=0.1)
     assert _sampler_refusals(types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.9, min_p=0.1, use_vllm=True)) == []
@@ -360,7 +360,7 @@ def test_trl_recorded_sampling_mask_through_shuffle_and_split(tmp_path, head):
 @needs_trl
 def test_trl_sampling_mask_refusals(tmp_path):
     """A batch's sampling_mask with the wrong number of completions or of sets is refused naming it."""
-    from gtpo_kernels.integrations.trl_config import _flat_sampling_mask
+    from gtpo_kernels.integrations.trl_sampler import _flat_sampling_mask
     cm = torch.tensor([[1, 1, 0], [1, 0, 0]])
     good = [(torch.tensor([4, 5, 6]), torch.tensor([0, 2, 3])), (torch.tensor([7]), torch.tensor([0, 1]))]
     t, o = _flat_sampling_mask(good, cm, cm * torch.tensor([[0, 1, 1], [1, 1, 1]]))

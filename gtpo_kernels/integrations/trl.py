@@ -41,62 +41,16 @@ vLLM, logging, checkpoints, is TRL's own):
    the MoE aux loss, multimodal inputs or `gtpo_head="logits"` they are TRL's own (its chunked head),
    except that with kept sets on `gtpo_head="logits"` runs the model's logits and `token_logprobs`, and
    the others are refused (TRL's would be over the whole vocabulary).
-3. The sampler's distribution (spec 13): GRPOConfig's `top_k`, `top_p`, `min_p` and `temperature` (an
-   entry of `generation_kwargs` overriding each, as in TRL's generation) go to every log-prob pass, the
-   loss's and the old-policy / reference passes alike, as the kept-set keywords (`sampler_settings`; off:
-   top_k None / 0 / -1, top_p 1.0, min_p None / 0.0: the whole vocabulary, as TRL). The sets are rebuilt
-   from each pass's own logits by vLLM's rules (transformers' generate applies the same ones for these
-   settings, except min_p with top_p < 1: refused without vLLM). A rollout_func may return the sets the
-   engine recorded, `sampling_mask`: one (token_ids, offsets) per completion, one set per completion
-   token (vLLM's compressed layout per completion); they replace the rules in every pass, and travel in
-   the batch under the same key (a list, which TRL's shuffle and split carry with its rows).
+3. The sampler's distribution (spec 13; trl_sampler): GRPOConfig's `top_k`, `top_p`, `min_p` and
+   `temperature` (`generation_kwargs` overriding each) go to every log-prob pass as the kept-set keywords
+   (`sampler_settings`), or the sets a rollout_func recorded (`sampling_mask`) replace those rules.
 4. Metrics, through the trainer's logger (averaged per logging step like TRL's): `entropy`
    (token mean, TRL's key), `gtpo/clip_frac`, `gtpo/filtered_frac`, `gtpo/conflict_frac`,
    `gtpo/mean_entropy`, and `kl` when `beta > 0`.
 
-The loss: TRL's `loss_type` x `gtpo_loss`. TRL's `loss_type` chooses the policy term, the ratio and
-the normalizer, as in the stock trainer; `gtpo_loss` chooses what GTPO adds on top:
-
-    gtpo_loss     the GTPOConfig
-    None          GTPOConfig.preset(loss_type): TRL's loss exactly (GTPO parts off), through our kernel
-    "gtpo"        the same, plus GTPO's conflict weights (w_pos 2.0, w_neg 0.0) and entropy control
-                  (filter h_max = ln 2, shaping gamma = 0.1), e.g. loss_type="cispo" + gtpo_loss="gtpo"
-                  is CISPO's policy term with conflict weights and entropy control (the default:
-                  GTPOTrainerConfig's loss_type defaults to "grpo", so the default is the paper's GTPO)
-    "gtpo-official"  the authors' own loss (unclipped surrogate, their sum-over-completions
-                  aggregation, h_max 0.7); it replaces the loss type, so it needs loss_type="grpo"
-    a TRL name    ("grpo", "dapo", ...) the same as None; it must equal loss_type (TRL's field names it)
-
-    loss_type   policy_loss   normalizer (train; in eval the accumulation factors are 1)
-    grpo        ppo           per-completion token means, mean over completions, / grad-accum steps
-    bnpo        ppo           this micro-batch's token count, / grad-accum steps
-    dr_grpo     ppo           B * max_completion_length, / grad-accum steps
-    dapo        ppo           num_items_in_batch / num_processes * grad-accum steps / steps_per_generation
-    cispo       cispo         as dapo
-    sapo        sapo          as grpo
-    luspo       ppo           per-completion token sums, mean over completions, / grad-accum steps
-    vespo       vespo         as dapo
-    (GSPO is loss_type="grpo" with importance_sampling_level="sequence".)
-
-`gtpo_kwargs` then overrides any other GTPOConfig field (conflict weights, entropy_threshold,
-initial_entropy, entropy_coef, clip, max_completion_length). The fields the trainer must agree on always
-come from TRL's own fields and are refused in gtpo_kwargs: `temperature`, `epsilon` / `epsilon_high`
-(eps_low / eps_high; with cispo epsilon_high is the ratio's absolute bound, 5.0 recommended), `beta`,
-`loss_type` (policy_loss, loss_agg), `importance_sampling_level`, `delta`, `sapo_temperature_pos/neg`,
-`vespo_k_pos`, `vespo_lambda_pos`, `vespo_k_neg`, `vespo_lambda_neg`, `use_bias_correction_kl`,
-`off_policy_mask_threshold` and `top_entropy_quantile`. With vLLM importance-sampling correction
-(`use_vllm=True`, `vllm_importance_sampling_correction=True`, any `vllm_importance_sampling_mode`) the
-batch's `importance_sampling_ratio` is passed as `rollout_is_weights` (VESPO folds it into its weight,
-as TRL does) and `sampling_per_token_logps` as `rollout_logps` (the sampling policy of the off-policy
-mask, as TRL's).
-
-Refused, with an error naming them: TRL's own entropy bonus (`entropy_coef`, `use_adaptive_entropy`:
-TRL adds it as a micro-batch token mean outside the loss type's normalizer, which the fused kernel
-does not compute; use gtpo_kwargs={"entropy_coef": c}, aggregated like the loss),
-importance_sampling_level="sequence" with cispo, sapo or vespo (gtpo_loss implements sequence-level
-ratios for the PPO term only; TRL 1.16 accepts them, warning for cispo and vespo),
-`top_entropy_quantile < 1` with more than one process (gtpo_loss takes the quantile over this process's
-tokens, TRL over all processes), and multimodal inputs.
+The loss: TRL's `loss_type` (the policy term, the ratio and the normalizer, as in the stock trainer) x
+`gtpo_loss` (what GTPO adds on top: "gtpo", None, "gtpo-official"), `gtpo_kwargs` overriding any other
+GTPOConfig field; the table, the fields TRL owns and the refusals are in trl_config's docstring.
 
 Memory: with the fused head neither the stock trainer (TRL 1.16's chunked LM head) nor this adapter
 holds the (B, T, V) logits; ours holds one tile of counted tokens at a time (at most TRL's tile) and
@@ -108,9 +62,10 @@ intermediate.
 Tested with trl 1.16.0 / transformers 5.24.0 (see tests/test_trl_losses.py: every loss type and the
 options above against the stock trainer's loss and gradients).
 
-Layout: this module (the trainer and its config; re-exports `gtpo_config_from_args`, `TRL_LOSS_TYPES`),
-`trl_config` (TRL's config onto GTPOConfig, the refusals, the normalizers) and `trl_head` (the LM head:
-the backbone-only forward, the head's weight and scaling, the loss and the old-policy / reference passes).
+Layout: this module (the trainer and its config; re-exports `gtpo_config_from_args`, `TRL_LOSS_TYPES`,
+`sampler_settings`), `trl_config` (TRL's config onto GTPOConfig, the refusals, the normalizers),
+`trl_sampler` (the sampler's kept sets in every log-prob pass), `trl_forward` (the backbone-only forward:
+the head's weight and scaling) and `trl_head` (the loss and the old-policy / reference passes).
 """
 from __future__ import annotations
 
@@ -127,9 +82,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from .. import conflict_weights
 from .trl_config import (TRL_LOSS_TYPES, _loss_kwargs, _loss_mask, _normalizer, _refusals, _refuse_multimodal,
-                         gtpo_config_from_args, sampler_settings)
-from .trl_head import (_add_gtpo_head, _base_model, _fused_logps_and_entropies, _fused_loss,
-                       _logits_logps_and_entropies, _logits_loss, _head_scaling)  # noqa: F401  (_head_scaling: re-exported, the tests read it here)
+                         gtpo_config_from_args)
+from .trl_forward import _add_gtpo_head, _base_model, _head_scaling  # noqa: F401  (_head_scaling: read here)
+from .trl_head import _fused_logps_and_entropies, _fused_loss, _logits_logps_and_entropies, _logits_loss
+from .trl_sampler import _pass_replays, _recorded_sets, _sampler_rules, sampler_settings
 
 __all__ = ["GTPOTrainer", "GTPOTrainerConfig", "gtpo_config_from_args", "sampler_settings", "TRL_LOSS_TYPES"]
 
@@ -141,7 +97,7 @@ _TRL_LOGPS_API = "compute_aux_loss" in inspect.signature(
 
 @dataclasses.dataclass
 class GTPOTrainerConfig(GRPOConfig):
-    """TRL's `GRPOConfig` plus the GTPO options (see the module docstring for how they combine).
+    """TRL's `GRPOConfig` plus the GTPO options (see trl_config's docstring for how they combine).
 
     loss_type      TRL's loss type, as in GRPOConfig, but defaulting to "grpo" (the GTPO paper's
                    aggregation) instead of TRL's "dapo"
@@ -209,9 +165,7 @@ class GTPOTrainer(GRPOTrainer):
             raise ValueError(f"gtpo_head must be 'fused' or 'logits', got {head!r}")
         self.gtpo_head = head
         self.gtpo_memory_budget = getattr(self.args, "gtpo_memory_budget", None)
-        # the sampler's kept sets, rebuilt in every log-prob pass: the rules of top_k / top_p / min_p that are on
-        sampler = sampler_settings(self.args)
-        self.gtpo_replay = {k: v for k, v in sampler.items() if k != "temperature" and v is not None}
+        self.gtpo_replay = _sampler_rules(self.args)  # the sampler's kept sets, rebuilt in every log-prob pass
 
     # ------------------------------------------------------------------ advantage time
 
@@ -219,9 +173,9 @@ class GTPOTrainer(GRPOTrainer):
         """TRL's generation; a `sampling_mask` returned by the rollout_func (one (token_ids, offsets) per
         completion) is taken out of the reward functions' extra fields and kept for the log-prob passes."""
         out = super()._generate(prompts)
-        extra = out[5] if isinstance(out, tuple) and len(out) == 8 else None
-        if isinstance(extra, dict) and "sampling_mask" in extra:
-            self._gtpo_sampling_rows = list(extra.pop("sampling_mask"))
+        rows = _recorded_sets(out)
+        if rows is not None:
+            self._gtpo_sampling_rows = rows
         return out
 
     def _generate_and_score_completions(self, inputs):
@@ -296,26 +250,13 @@ class GTPOTrainer(GRPOTrainer):
         where TRL's would be over the whole vocabulary."""
         others = {k: v for k, v in kwargs.items() if k not in ("batch_size", "compute_entropy", "compute_aux_loss")}
         rows = getattr(self, "_gtpo_sampling_rows", None)
-        replay = bool(self.gtpo_replay) or rows is not None
-        if torch.is_grad_enabled() or args or kwargs.get("compute_aux_loss") or \
-                any(v is not None for v in others.values()) or not _TRL_LOGPS_API:
-            if replay:
-                raise NotImplementedError(
-                    "GTPOTrainer computes log-probs over the sampler's kept sets (top_k / top_p / min_p or a "
-                    "sampling_mask) in the no-gradient, text-only passes of TRL 1.16 only; this call (a gradient, "
-                    "the MoE aux loss, multimodal inputs or another TRL's arguments) would be over the whole "
-                    "vocabulary")
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                              *args, **kwargs)
-        if rows is not None and len(rows) != input_ids.size(0):
-            raise ValueError(f"the rollout's sampling_mask has {len(rows)} entries for {input_ids.size(0)} "
-                             f"completions: one (token_ids, offsets) per completion")
-        if self.gtpo_head == "fused":
-            return _fused_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                              kwargs.get("batch_size"), kwargs.get("compute_entropy", False), rows)
-        if replay:
-            return _logits_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                               kwargs.get("batch_size"), kwargs.get("compute_entropy", False), rows)
+        trl_own = bool(torch.is_grad_enabled() or args or kwargs.get("compute_aux_loss") or
+                       any(v is not None for v in others.values()) or not _TRL_LOGPS_API)
+        replay = _pass_replays(self, rows, input_ids.size(0), trl_own)  # refuses kept sets TRL's pass would drop
+        if not trl_own and (self.gtpo_head == "fused" or replay):
+            fn = _fused_logps_and_entropies if self.gtpo_head == "fused" else _logits_logps_and_entropies
+            return fn(self, model, input_ids, attention_mask, logits_to_keep, kwargs.get("batch_size"),
+                      kwargs.get("compute_entropy", False), rows)
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                           *args, **kwargs)
 

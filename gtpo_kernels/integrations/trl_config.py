@@ -4,24 +4,64 @@
   mapped onto the `GTPOConfig` the trainer uses (the fields TRL owns refused in gtpo_kwargs);
 - `_refusals`, `_refuse_multimodal`: the TRL settings and inputs `GTPOTrainer` cannot honour;
 - `_normalizer`: TRL's normalizer and gradient-accumulation scaling of each loss type;
-- `_loss_kwargs`: the batch's old / reference log-probs, conflict weights and vLLM importance-sampling
-  correction as `gtpo_loss` arguments; `_loss_mask`: the completion mask times TRL's tool mask;
-- `sampler_settings`, `_replay_kwargs`, `_flat_sampling_mask`: the sampler's distribution (spec 13):
-  GRPOConfig's temperature, top_k, top_p, min_p (generation_kwargs overriding them, as in TRL's
-  generation) and a recorded sampling mask as the replay keywords of every log-prob pass.
+- `_loss_kwargs`: the batch's old / reference log-probs, conflict weights, vLLM importance-sampling
+  correction and kept sets (trl_sampler) as `gtpo_loss` arguments; `_loss_mask`: the completion mask
+  times TRL's tool mask.
 
-No TRL import: these read the config's and the trainer's fields. The rules are in the docstring of
-`gtpo_kernels.integrations.trl`.
+No TRL import: these read the config's and the trainer's fields. The rules:
+
+The loss: TRL's `loss_type` x `gtpo_loss`. TRL's `loss_type` chooses the policy term, the ratio and
+the normalizer, as in the stock trainer; `gtpo_loss` chooses what GTPO adds on top:
+
+    gtpo_loss     the GTPOConfig
+    None          GTPOConfig.preset(loss_type): TRL's loss exactly (GTPO parts off), through our kernel
+    "gtpo"        the same, plus GTPO's conflict weights (w_pos 2.0, w_neg 0.0) and entropy control
+                  (filter h_max = ln 2, shaping gamma = 0.1), e.g. loss_type="cispo" + gtpo_loss="gtpo"
+                  is CISPO's policy term with conflict weights and entropy control (the default:
+                  GTPOTrainerConfig's loss_type defaults to "grpo", so the default is the paper's GTPO)
+    "gtpo-official"  the authors' own loss (unclipped surrogate, their sum-over-completions
+                  aggregation, h_max 0.7); it replaces the loss type, so it needs loss_type="grpo"
+    a TRL name    ("grpo", "dapo", ...) the same as None; it must equal loss_type (TRL's field names it)
+
+    loss_type   policy_loss   normalizer (train; in eval the accumulation factors are 1)
+    grpo        ppo           per-completion token means, mean over completions, / grad-accum steps
+    bnpo        ppo           this micro-batch's token count, / grad-accum steps
+    dr_grpo     ppo           B * max_completion_length, / grad-accum steps
+    dapo        ppo           num_items_in_batch / num_processes * grad-accum steps / steps_per_generation
+    cispo       cispo         as dapo
+    sapo        sapo          as grpo
+    luspo       ppo           per-completion token sums, mean over completions, / grad-accum steps
+    vespo       vespo         as dapo
+    (GSPO is loss_type="grpo" with importance_sampling_level="sequence".)
+
+`gtpo_kwargs` then overrides any other GTPOConfig field (conflict weights, entropy_threshold,
+initial_entropy, entropy_coef, clip, max_completion_length). The fields the trainer must agree on always
+come from TRL's own fields and are refused in gtpo_kwargs: `temperature`, `epsilon` / `epsilon_high`
+(eps_low / eps_high; with cispo epsilon_high is the ratio's absolute bound, 5.0 recommended), `beta`,
+`loss_type` (policy_loss, loss_agg), `importance_sampling_level`, `delta`, `sapo_temperature_pos/neg`,
+`vespo_k_pos`, `vespo_lambda_pos`, `vespo_k_neg`, `vespo_lambda_neg`, `use_bias_correction_kl`,
+`off_policy_mask_threshold` and `top_entropy_quantile`. With vLLM importance-sampling correction
+(`use_vllm=True`, `vllm_importance_sampling_correction=True`, any `vllm_importance_sampling_mode`) the
+batch's `importance_sampling_ratio` is passed as `rollout_is_weights` (VESPO folds it into its weight,
+as TRL does) and `sampling_per_token_logps` as `rollout_logps` (the sampling policy of the off-policy
+mask, as TRL's).
+
+Refused, with an error naming them: TRL's own entropy bonus (`entropy_coef`, `use_adaptive_entropy`:
+TRL adds it as a micro-batch token mean outside the loss type's normalizer, which the fused kernel
+does not compute; use gtpo_kwargs={"entropy_coef": c}, aggregated like the loss),
+importance_sampling_level="sequence" with cispo, sapo or vespo (gtpo_loss implements sequence-level
+ratios for the PPO term only; TRL 1.16 accepts them, warning for cispo and vespo),
+`top_entropy_quantile < 1` with more than one process (gtpo_loss takes the quantile over this process's
+tokens, TRL over all processes), and multimodal inputs.
 """
 from __future__ import annotations
 
 import json
-import math
-import numbers
 
 import torch
 
 from .. import GTPOConfig
+from .trl_sampler import _replay_kwargs, _sampler_refusals, sampler_settings
 
 __all__ = ["TRL_LOSS_TYPES", "gtpo_config_from_args"]
 
@@ -127,59 +167,6 @@ def _trl_fields(args, kwargs) -> dict:
     return base
 
 
-# the sampler settings TRL hands both generators (vLLM's SamplingParams, transformers' GenerationConfig);
-# generation_kwargs overrides them there (TRL: "they will override them"), and so here
-_SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "min_p")
-
-
-def _generation_kwargs(args) -> dict:
-    gen = getattr(args, "generation_kwargs", None) or {}
-    if isinstance(gen, str):  # GRPOConfig parses a JSON string itself; a config built otherwise may not
-        gen = json.loads(gen)
-    return dict(gen)
-
-
-def sampler_settings(args) -> dict:
-    """The distribution TRL's generation samples from, as the replay keywords (spec 13): {temperature,
-    top_k, top_p, min_p} from GRPOConfig's fields of those names, generation_kwargs' entries overriding
-    them (as TRL passes them to vLLM and to transformers' generate). A rule that is off is None: top_k
-    None / 0 / -1 (TRL's and vLLM's "off"), top_p None / 1.0, min_p None / 0.0. Bad values are refused
-    naming the field."""
-    gen = _generation_kwargs(args)
-    raw = {f: gen[f] if f in gen else getattr(args, f, None) for f in _SAMPLER_FIELDS}
-
-    def where(f):
-        return f"generation_kwargs[{f!r}]" if f in gen else f"GRPOConfig.{f}"
-
-    t = raw["temperature"]
-    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (math.isfinite(t) and t > 0):
-        raise ValueError(f"{where('temperature')} must be a number > 0 (the sampler's temperature), got {t!r}")
-    k = raw["top_k"]
-    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Real) or k != int(k)):
-        raise ValueError(f"{where('top_k')} must be an integer (0 or -1: off), got {k!r}")
-    if k is not None and int(k) < -1:
-        raise ValueError(f"{where('top_k')} must be >= 1, or 0 / -1 / None for off, got {k!r}")
-    p, mp = raw["top_p"], raw["min_p"]
-    if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1):
-        raise ValueError(f"{where('top_p')} must be in (0, 1] (1: off), got {p!r}")
-    if mp is not None and (isinstance(mp, bool) or not isinstance(mp, numbers.Real) or not 0 <= mp < 1):
-        raise ValueError(f"{where('min_p')} must be in [0, 1) (0 or None: off), got {mp!r}")
-    return dict(temperature=float(t),
-                top_k=None if k is None or int(k) in (0, -1) else int(k),
-                top_p=None if p is None or p == 1 else float(p),
-                min_p=None if mp is None or mp == 0 else float(mp))
-
-
-def _sampler_refusals(args) -> list:
-    """The sampler settings whose kept sets cannot be rebuilt as the generator built them."""
-    s = sampler_settings(args)
-    if not getattr(args, "use_vllm", False) and s["min_p"] is not None and s["top_p"] is not None:
-        return ["min_p together with top_p < 1 under transformers' generate (use_vllm=False): it applies "
-                "min-p after top-p, where vLLM (whose order the replay follows: min-p, top-k, top-p) applies "
-                "it first, and the kept sets differ; set one of the two, or generate with vLLM"]
-    return []
-
-
 def _refusals(args, accelerator):
     """Raises for the TRL settings GTPOTrainer cannot honour, naming them all."""
     a = args
@@ -234,56 +221,6 @@ def _loss_kwargs(trainer, cfg, inputs, num_items):
         config=cfg, num_items_in_batch=num_items, rollout_is_weights=is_w, rollout_logps=rollout_logps,
         validate=trainer.gtpo_validate, backend=trainer.gtpo_backend,
         **_replay_kwargs(trainer, inputs.get("sampling_mask"), inputs["completion_mask"], _loss_mask(inputs)))
-
-
-def _replay_kwargs(trainer, rows, completion_mask, counted) -> dict:
-    """The kept-set keywords of one log-prob pass (spec 13): the recorded sets when the batch carries
-    them (`rows`: one (token_ids, offsets) per completion, see _flat_sampling_mask; they replace the
-    rules that made them), else the sampler's top_k / top_p / min_p that are on, else none."""
-    if rows is not None:
-        return dict(sampling_mask=_flat_sampling_mask(rows, completion_mask, counted))
-    return dict(trainer.gtpo_replay)
-
-
-def _flat_sampling_mask(rows, completion_mask, counted, name="sampling_mask"):
-    """Per-completion kept sets -> gtpo_loss's sampling_mask for the tokens `counted` selects.
-
-    rows: a list with one (token_ids, offsets) per completion (row): the kept sets of that completion's
-    tokens where completion_mask is nonzero, in order (tool / environment tokens included: any set
-    holding the token, they are not in the loss), vLLM's compressed layout per completion: offsets
-    (n_i + 1,) non-decreasing, set j = token_ids[offsets[j]:offsets[j + 1]]. A list travels with its rows
-    through TRL's shuffle and split. counted: the pass's counted tokens (a subset of completion_mask).
-    Returns (token_ids, offsets) over the counted tokens, row-major (gtpo_loss's packed order)."""
-    B = completion_mask.size(0)
-    if not isinstance(rows, (list, tuple)) or len(rows) != B:
-        got = f"{len(rows)} entries" if isinstance(rows, (list, tuple)) else type(rows).__name__
-        raise ValueError(f"{name} must be a list with one (token_ids, offsets) per completion ({B}), got {got}")
-    cm, cnt = completion_mask != 0, counted != 0
-    n = cm.sum(1).tolist()
-    dev = completion_mask.device
-    sizes, ids = [], []
-    for i, r in enumerate(rows):
-        if not (isinstance(r, (tuple, list)) and len(r) == 2 and all(
-                isinstance(x, torch.Tensor) and x.dim() == 1 and not x.dtype.is_floating_point
-                and x.dtype != torch.bool for x in r)):
-            raise ValueError(f"{name}[{i}] must be a pair (token_ids, offsets) of 1-D integer tensors")
-        tok, off = r[0].to(dev, torch.long), r[1].to(dev, torch.long)
-        if off.numel() != n[i] + 1:
-            raise ValueError(f"{name}[{i}]: offsets has {off.numel()} entries for the completion's {n[i]} "
-                             f"tokens (completion_mask): want {n[i] + 1}, one set per token")
-        lo, hi = int(off[0]), int(off[-1])
-        if lo < 0 or hi > tok.numel():
-            raise ValueError(f"{name}[{i}]: offsets span [{lo}, {hi}) outside token_ids' {tok.numel()} entries")
-        sizes.append(off[1:] - off[:-1])
-        ids.append(tok[lo:hi])
-    sizes = torch.cat(sizes) if sizes else torch.zeros(0, dtype=torch.long, device=dev)
-    ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long, device=dev)
-    if bool((sizes < 0).any()):
-        raise ValueError(f"{name}: offsets must be non-decreasing within each completion")
-    keep = cnt[cm]  # the counted tokens among each completion's tokens, row-major
-    token_ids = ids[keep.repeat_interleave(sizes)]
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), sizes[keep].cumsum(0)])
-    return token_ids, offsets
 
 
 def _loss_mask(batch) -> torch.Tensor:

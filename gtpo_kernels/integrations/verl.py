@@ -30,16 +30,11 @@ registers, through verl's own extension points (verl is not patched):
    token advantages the `gtpo` trainer wrote, with verl's settings (`clip_ratio_*`, `clip_ratio_c`,
    `policy_loss.*`) and aggregation.
 
-4. The sampler's distribution (spec 13): when the rollout truncates its sampling
+4. The sampler's distribution (spec 13), verl_replay.py: when the rollout truncates its sampling
    (`actor_rollout_ref.rollout.top_k` / `top_p`; `sampler_settings`), the `gtpo` trainer puts those rules
-   in the batch of its three log-prob passes (old policy, reference, actor update), and verl's FSDP
-   engine computes each token's log-prob and entropy over the kept set rebuilt from its own
-   temperature-scaled logits by vLLM's rules (`kept_set_logprobs`, `kept_set_entropy`). verl 0.9.1 has no
-   hook for how the actor turns logits into log-probs, so this is a guarded patch: installed at import
-   only on verl 0.9.1's `FSDPEngineWithLMHead` (`ENGINE_REPLAY` says whether), acting only on
-   micro-batches that carry the rules (any other batch runs verl's code untouched), refused with the
-   fused kernels, without remove-padding and with top-k distillation. `+trainer.v1.gtpo.replay_sampler=false`
-   turns it off (the whole vocabulary, verl's behaviour).
+   in the batch of its three log-prob passes, and a guarded patch of verl 0.9.1's FSDP engine, installed
+   at import (`ENGINE_REPLAY` says whether), computes their log-probs and entropies over the kept sets
+   (`kept_set_logprobs`, `kept_set_entropy`). `+trainer.v1.gtpo.replay_sampler=false` turns it off.
 
 The one approximation: the entropy filter and shaping use the entropies of the policy that computed
 `old_log_probs` (verl's old-policy pass), not the current policy's. That is exact on the first
@@ -68,8 +63,6 @@ sessions shares it, so this is meant for single-turn rollouts.
 """
 from __future__ import annotations
 
-import contextvars
-import functools
 import logging
 import numbers
 from typing import Any, Optional
@@ -79,9 +72,10 @@ import torch
 
 from ..api.advantages import gtpo_token_advantages
 from ..core.config import GTPOConfig, as_config
-from ..kernels.kept_set import kept_sets as _kept_sets
-from ..kernels.replay import replay_logprobs as _replay_logprobs
 from .verl_modes import MODES, register_modes
+# the kept-set replay (re-exported: the plugin's public names), its engine patch installed by this import
+from .verl_replay import (ENGINE_REPLAY, REPLAY_KEYS, kept_set_entropy, kept_set_logprobs,  # noqa: F401
+                          replay_rules_of, replay_sampler_from, sampler_settings)
 
 import verl.utils.torch_functional as verl_F  # noqa: E402  (verl is required by this module)
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss  # noqa: E402
@@ -161,17 +155,6 @@ def gtpo_config_from(section) -> GTPOConfig:
     return GTPOConfig.preset(fields.pop("preset", "gtpo"), **fields)
 
 
-def replay_sampler_from(section) -> bool:
-    """`trainer.v1.gtpo.replay_sampler` (default True): whether the `gtpo` trainer's log-prob passes are over
-    the rollout's kept sets when its sampling truncates (top_k / top_p)."""
-    if section is None or isinstance(section, (str, GTPOConfig)):
-        return True
-    value = section.get("replay_sampler", True)
-    if not isinstance(value, bool):
-        raise ValueError(f"trainer.v1.gtpo.replay_sampler must be true or false, got {value!r}")
-    return value
-
-
 def rewrite_advantages(batch, uid, cfg) -> dict:
     """The advantage-time step on a padded batch (a TensorDict or dict of (bs, response_length)
     tensors: `advantages`, `responses`, `response_mask`, and `entropy` when the config's entropy
@@ -201,124 +184,7 @@ def rewrite_advantages(batch, uid, cfg) -> dict:
 
 register_modes(register_policy_loss, agg_loss)
 
-# ------------------------------------------------------------------ the sampler's distribution (spec 13)
-
-# the rules travel to the workers in the batch's extra_info (non-tensor data of every micro-batch)
-REPLAY_KEYS = {"top_k": "gtpo_top_k", "top_p": "gtpo_top_p", "min_p": "gtpo_min_p"}
-
-
-def sampler_settings(rollout) -> dict:
-    """The distribution verl's rollout samples from, as the replay keywords: {temperature, top_k, top_p,
-    min_p} from `actor_rollout_ref.rollout` (a RolloutConfig or its DictConfig section). A rule that is off
-    is None: top_k -1 / 0 / None (vLLM's and HF's "off"), top_p 1.0, min_p None / 0.0 (verl 0.9.1 has no
-    min_p field: read when a later verl has one). Bad values are refused naming the field."""
-    def get(name, default=None):
-        return rollout.get(name, default) if hasattr(rollout, "get") else getattr(rollout, name, default)
-
-    t, k, p, mp = get("temperature", 1.0), get("top_k", -1), get("top_p", 1.0), get("min_p", None)
-    where = "actor_rollout_ref.rollout."
-    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not t > 0:
-        raise ValueError(f"{where}temperature must be a number > 0 to replay the sampler, got {t!r}")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Real) or k != int(k) or k < -1):
-        raise ValueError(f"{where}top_k must be an integer >= 1, or -1 / 0 for off, got {k!r}")
-    if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1):
-        raise ValueError(f"{where}top_p must be in (0, 1] (1: off), got {p!r}")
-    if mp is not None and (isinstance(mp, bool) or not isinstance(mp, numbers.Real) or not 0 <= mp < 1):
-        raise ValueError(f"{where}min_p must be in [0, 1) (0: off), got {mp!r}")
-    return dict(temperature=float(t), top_k=None if k is None or int(k) in (-1, 0) else int(k),
-                top_p=None if p is None or p == 1 else float(p), min_p=None if not mp else float(mp))
-
-
-def kept_set_logprobs(logits, labels, *, top_k=None, top_p=None, min_p=None, backend="auto"):
-    """verl's `logprobs_from_logits` over the sampler's kept sets: logits (..., V) already divided by the
-    temperature (as verl's engine hands them), labels (...) the tokens -> (logp, entropy) of labels' shape,
-    each row's set rebuilt from its logits by vLLM's rules (spec 13; the label added back where float
-    differences left it out). Differentiable w.r.t. logits (exactly 0 outside the sets)."""
-    V = logits.shape[-1]
-    flat = logits.reshape(1, -1, V)
-    y = labels.reshape(-1).long()
-    rows_b = torch.zeros_like(y)
-    rows_t = torch.arange(y.numel(), device=y.device)
-    token_ids, offsets, _, nonfinite, _ = _kept_sets(flat, rows_b, rows_t, y, 1.0, top_k, top_p, min_p)
-    logp, ent, _ = _replay_logprobs(flat, rows_b, rows_t, y, 1.0, token_ids, offsets, nonfinite, backend=backend)
-    return logp.reshape(labels.shape), ent.reshape(labels.shape)
-
-
-def kept_set_entropy(logits, *, top_k=None, top_p=None, min_p=None, backend="auto", **_verl_kwargs):
-    """verl's `entropy_from_logits` over each row's kept set (the rules' set: the row's largest logit, always
-    kept, stands in for the label); extra keywords of verl's chunked variant (chunk_size) are ignored."""
-    return kept_set_logprobs(logits, logits.detach().argmax(-1), top_k=top_k, top_p=top_p, min_p=min_p,
-                             backend=backend)[1]
-
-
-def replay_rules_of(data) -> Optional[dict]:
-    """The kept-set rules a micro-batch carries (the `gtpo` trainer puts them in extra_info), or None."""
-    from verl.utils import tensordict_utils as tu
-    rules = {k: tu.get_non_tensor_data(data=data, key=key, default=None) for k, key in REPLAY_KEYS.items()}
-    return {k: v for k, v in rules.items() if v is not None} or None
-
-
-_ACTIVE = contextvars.ContextVar("gtpo_replay_rules", default=None)  # the rules of the micro-batch in flight
-
-
-def _install_engine_replay() -> bool:
-    """A guarded patch of verl 0.9.1's FSDP LM-head engine (verl has no hook for how the actor computes its
-    log-probs): `FSDPEngineWithLMHead.prepare_model_outputs`, for a micro-batch carrying kept-set rules
-    (replay_rules_of), computes the log-probs (the module's `logprobs_from_logits`) and entropies (the
-    engine's `compute_entropy_from_logits`) over the kept sets; any other micro-batch runs verl's code
-    untouched. Installed only when verl is 0.9.1 and those names are verl's own; returns whether it is."""
-    try:
-        import verl
-        from verl.workers.engine.fsdp import transformer_impl as ti
-    except Exception as e:  # pragma: no cover - an engine that does not import here (no FSDP)
-        logger.debug("gtpo: verl's FSDP engine is not importable (%s); kept sets are not replayed", e)
-        return False
-    engine = getattr(ti, "FSDPEngineWithLMHead", None)
-    if getattr(verl, "__version__", None) != "0.9.1" or engine is None or \
-            getattr(ti, "logprobs_from_logits", None) is not verl_F.logprobs_from_logits or \
-            not hasattr(engine, "prepare_model_outputs"):
-        logger.debug("gtpo: not verl 0.9.1's FSDP engine; kept sets are not replayed")
-        return False
-    verl_logprobs = ti.logprobs_from_logits
-    verl_outputs = engine.prepare_model_outputs
-
-    def logprobs_from_logits(logits, labels, inplace_backward=True):
-        rules = _ACTIVE.get()
-        if rules is None:
-            return verl_logprobs(logits=logits, labels=labels, inplace_backward=inplace_backward)
-        return kept_set_logprobs(logits, labels, **rules)[0]
-
-    @functools.wraps(verl_outputs)
-    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
-        rules = replay_rules_of(micro_batch)
-        if rules is None:
-            return verl_outputs(self, output, output_args, micro_batch, logits_processor_func)
-        from verl.utils import tensordict_utils as tu
-        for key, default, why in (("use_fused_kernels", False, "the fused kernels compute log-probs without logits"),
-                                  ("use_remove_padding", True, "the padded path computes entropies elsewhere"),
-                                  ("distillation_use_topk", False, "distillation reads the logits")):
-            if bool(tu.get_non_tensor_data(data=micro_batch, key=key, default=default)) != default:
-                raise NotImplementedError(f"gtpo: the sampler's kept sets ({rules}) are replayed on verl's FSDP "
-                                          f"engine with {key}={default} only ({why}); set it, or "
-                                          f"+trainer.v1.gtpo.replay_sampler=false")
-        token = _ACTIVE.set(rules)
-        saved = self.__dict__.get("compute_entropy_from_logits")
-        self.compute_entropy_from_logits = functools.partial(kept_set_entropy, **rules)
-        try:
-            return verl_outputs(self, output, output_args, micro_batch, logits_processor_func)
-        finally:
-            _ACTIVE.reset(token)
-            if saved is None:
-                del self.compute_entropy_from_logits
-            else:
-                self.compute_entropy_from_logits = saved
-
-    ti.logprobs_from_logits = logprobs_from_logits
-    engine.prepare_model_outputs = prepare_model_outputs
-    return True
-
-
-ENGINE_REPLAY = _install_engine_replay()  # whether verl's engine replays kept sets (in this process)
+# ------------------------------------------------------------------ the trainer mode
 
 tq = None  # transfer_queue, once the trainer is registered (a module global: tests replace it)
 

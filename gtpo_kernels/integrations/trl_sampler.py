@@ -1,0 +1,163 @@
+"""The TRL adapter's replay of the sampler's distribution (spec 13): the kept sets of every log-prob pass.
+
+GRPOConfig's `top_k`, `top_p`, `min_p` and `temperature` (an entry of `generation_kwargs` overriding each,
+as in TRL's generation) go to every log-prob pass, the loss's and the old-policy / reference passes alike,
+as the kept-set keywords (`sampler_settings`; off: top_k None / 0 / -1, top_p 1.0, min_p None / 0.0: the
+whole vocabulary, as TRL). The sets are rebuilt from each pass's own logits by vLLM's rules (transformers'
+generate applies the same ones for these settings, except min_p with top_p < 1: refused without vLLM,
+`_sampler_refusals`). A rollout_func may return the sets the engine recorded, `sampling_mask`: one
+(token_ids, offsets) per completion, one set per completion token (vLLM's compressed layout per
+completion); they replace the rules in every pass (`_replay_kwargs`, `_flat_sampling_mask`), and travel in
+the batch under the same key (a list, which TRL's shuffle and split carry with its rows).
+
+- `sampler_settings`, `_sampler_rules`, `_sampler_refusals`: the settings, the rules that are on, the
+  settings whose sets cannot be rebuilt;
+- `_recorded_sets`: a rollout_func's `sampling_mask`, taken out of TRL's generation output;
+- `_pass_replays`: whether an old-policy / reference pass is over kept sets, refusing those that cannot be;
+- `_replay_kwargs`, `_flat_sampling_mask`: the kept-set keywords of one pass.
+
+No TRL import (`gtpo_kernels.integrations.trl` re-exports `sampler_settings`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+
+import torch
+
+# the sampler settings TRL hands both generators (vLLM's SamplingParams, transformers' GenerationConfig);
+# generation_kwargs overrides them there (TRL: "they will override them"), and so here
+_SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def _generation_kwargs(args) -> dict:
+    gen = getattr(args, "generation_kwargs", None) or {}
+    if isinstance(gen, str):  # GRPOConfig parses a JSON string itself; a config built otherwise may not
+        gen = json.loads(gen)
+    return dict(gen)
+
+
+def sampler_settings(args) -> dict:
+    """The distribution TRL's generation samples from, as the replay keywords (spec 13): {temperature,
+    top_k, top_p, min_p} from GRPOConfig's fields of those names, generation_kwargs' entries overriding
+    them (as TRL passes them to vLLM and to transformers' generate). A rule that is off is None: top_k
+    None / 0 / -1 (TRL's and vLLM's "off"), top_p None / 1.0, min_p None / 0.0. Bad values are refused
+    naming the field."""
+    gen = _generation_kwargs(args)
+    raw = {f: gen[f] if f in gen else getattr(args, f, None) for f in _SAMPLER_FIELDS}
+
+    def where(f):
+        return f"generation_kwargs[{f!r}]" if f in gen else f"GRPOConfig.{f}"
+
+    t = raw["temperature"]
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (math.isfinite(t) and t > 0):
+        raise ValueError(f"{where('temperature')} must be a number > 0 (the sampler's temperature), got {t!r}")
+    k = raw["top_k"]
+    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Real) or k != int(k)):
+        raise ValueError(f"{where('top_k')} must be an integer (0 or -1: off), got {k!r}")
+    if k is not None and int(k) < -1:
+        raise ValueError(f"{where('top_k')} must be >= 1, or 0 / -1 / None for off, got {k!r}")
+    p, mp = raw["top_p"], raw["min_p"]
+    if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1):
+        raise ValueError(f"{where('top_p')} must be in (0, 1] (1: off), got {p!r}")
+    if mp is not None and (isinstance(mp, bool) or not isinstance(mp, numbers.Real) or not 0 <= mp < 1):
+        raise ValueError(f"{where('min_p')} must be in [0, 1) (0 or None: off), got {mp!r}")
+    return dict(temperature=float(t),
+                top_k=None if k is None or int(k) in (0, -1) else int(k),
+                top_p=None if p is None or p == 1 else float(p),
+                min_p=None if mp is None or mp == 0 else float(mp))
+
+
+def _sampler_refusals(args) -> list:
+    """The sampler settings whose kept sets cannot be rebuilt as the generator built them."""
+    s = sampler_settings(args)
+    if not getattr(args, "use_vllm", False) and s["min_p"] is not None and s["top_p"] is not None:
+        return ["min_p together with top_p < 1 under transformers' generate (use_vllm=False): it applies "
+                "min-p after top-p, where vLLM (whose order the replay follows: min-p, top-k, top-p) applies "
+                "it first, and the kept sets differ; set one of the two, or generate with vLLM"]
+    return []
+
+
+def _sampler_rules(args) -> dict:
+    """The kept-set keywords of the sampler's rules that are on (top_k / top_p / min_p), rebuilt in every
+    log-prob pass (the temperature is the GTPOConfig's)."""
+    return {k: v for k, v in sampler_settings(args).items() if k != "temperature" and v is not None}
+
+
+def _recorded_sets(out):
+    """The `sampling_mask` a rollout_func returned (one (token_ids, offsets) per completion), taken out of the
+    reward functions' extra fields of TRL's `_generate` output `out`, as a list; None when there is none."""
+    extra = out[5] if isinstance(out, tuple) and len(out) == 8 else None
+    if isinstance(extra, dict) and "sampling_mask" in extra:
+        return list(extra.pop("sampling_mask"))
+    return None
+
+
+def _pass_replays(trainer, rows, n, trl_own) -> bool:
+    """Whether an old-policy / reference pass over `n` completions is over kept sets (the sampler's rules, or
+    `rows`, the rollout's recorded sets). trl_own: the pass is TRL's own (over the whole vocabulary), refused
+    then with kept sets; recorded sets must hold one entry per completion."""
+    replay = bool(trainer.gtpo_replay) or rows is not None
+    if trl_own:
+        if replay:
+            raise NotImplementedError(
+                "GTPOTrainer computes log-probs over the sampler's kept sets (top_k / top_p / min_p or a "
+                "sampling_mask) in the no-gradient, text-only passes of TRL 1.16 only; this call (a gradient, "
+                "the MoE aux loss, multimodal inputs or another TRL's arguments) would be over the whole "
+                "vocabulary")
+        return False
+    if rows is not None and len(rows) != n:
+        raise ValueError(f"the rollout's sampling_mask has {len(rows)} entries for {n} "
+                         f"completions: one (token_ids, offsets) per completion")
+    return replay
+
+
+def _replay_kwargs(trainer, rows, completion_mask, counted) -> dict:
+    """The kept-set keywords of one log-prob pass (spec 13): the recorded sets when the batch carries
+    them (`rows`: one (token_ids, offsets) per completion, see _flat_sampling_mask; they replace the
+    rules that made them), else the sampler's top_k / top_p / min_p that are on, else none."""
+    if rows is not None:
+        return dict(sampling_mask=_flat_sampling_mask(rows, completion_mask, counted))
+    return dict(trainer.gtpo_replay)
+
+
+def _flat_sampling_mask(rows, completion_mask, counted, name="sampling_mask"):
+    """Per-completion kept sets -> gtpo_loss's sampling_mask for the tokens `counted` selects.
+
+    rows: a list with one (token_ids, offsets) per completion (row): the kept sets of that completion's
+    tokens where completion_mask is nonzero, in order (tool / environment tokens included: any set
+    holding the token, they are not in the loss), vLLM's compressed layout per completion: offsets
+    (n_i + 1,) non-decreasing, set j = token_ids[offsets[j]:offsets[j + 1]]. A list travels with its rows
+    through TRL's shuffle and split. counted: the pass's counted tokens (a subset of completion_mask).
+    Returns (token_ids, offsets) over the counted tokens, row-major (gtpo_loss's packed order)."""
+    B = completion_mask.size(0)
+    if not isinstance(rows, (list, tuple)) or len(rows) != B:
+        got = f"{len(rows)} entries" if isinstance(rows, (list, tuple)) else type(rows).__name__
+        raise ValueError(f"{name} must be a list with one (token_ids, offsets) per completion ({B}), got {got}")
+    cm, cnt = completion_mask != 0, counted != 0
+    n = cm.sum(1).tolist()
+    dev = completion_mask.device
+    sizes, ids = [], []
+    for i, r in enumerate(rows):
+        if not (isinstance(r, (tuple, list)) and len(r) == 2 and all(
+                isinstance(x, torch.Tensor) and x.dim() == 1 and not x.dtype.is_floating_point
+                and x.dtype != torch.bool for x in r)):
+            raise ValueError(f"{name}[{i}] must be a pair (token_ids, offsets) of 1-D integer tensors")
+        tok, off = r[0].to(dev, torch.long), r[1].to(dev, torch.long)
+        if off.numel() != n[i] + 1:
+            raise ValueError(f"{name}[{i}]: offsets has {off.numel()} entries for the completion's {n[i]} "
+                             f"tokens (completion_mask): want {n[i] + 1}, one set per token")
+        lo, hi = int(off[0]), int(off[-1])
+        if lo < 0 or hi > tok.numel():
+            raise ValueError(f"{name}[{i}]: offsets span [{lo}, {hi}) outside token_ids' {tok.numel()} entries")
+        sizes.append(off[1:] - off[:-1])
+        ids.append(tok[lo:hi])
+    sizes = torch.cat(sizes) if sizes else torch.zeros(0, dtype=torch.long, device=dev)
+    ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long, device=dev)
+    if bool((sizes < 0).any()):
+        raise ValueError(f"{name}: offsets must be non-decreasing within each completion")
+    keep = cnt[cm]  # the counted tokens among each completion's tokens, row-major
+    token_ids = ids[keep.repeat_interleave(sizes)]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), sizes[keep].cumsum(0)])
+    return token_ids, offsets
