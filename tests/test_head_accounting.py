@@ -125,3 +125,76 @@ def test_linear_head_gemm_flops_are_the_floor(schedule, gemms):
                                     memory_budget=2 * rows * V * 4, schedule=schedule, backend="torch").loss
     c0 = ha.count_call(run0, (hidden, weight), _geometry(rows, hidden, weight), ha.our_kernels())
     assert c0["gemm_flops"] == 2 * N * V * D + (gemms - 1) * 2 * T * V * D, (c0["gemm_flops"], N, T)
+
+
+# ---- the head over the sampler's kept sets (spec 13): GEMMs over each tile's union -----------------
+
+def _kept_case(k, seed=3):
+    """The B x T batch above (completion 1 two tokens shorter), each counted token's kept set k distinct
+    ids holding its sampled id, in the compressed layout (token_ids, offsets)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, D, generator=gen, requires_grad=True)
+    weight = (torch.randn(V, D, generator=gen) * 0.5).requires_grad_()
+    mask = torch.arange(T)[None, :] < torch.tensor([[T], [T - 2]])
+    sets = [torch.randperm(V, generator=gen)[:k] for _ in range(int(mask.sum()))]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    ids[mask] = torch.stack([s[torch.randint(0, k, (), generator=gen)] for s in sets])
+    offsets = torch.tensor([0] + [k] * len(sets)).cumsum(0)
+    return hidden, weight, ids, mask, (torch.cat(sets), offsets), sets
+
+
+def _replay_counts(hidden, weight, ids, mask, sampling_mask, budget):
+    run = lambda: linear_gtpo_loss(hidden, weight, ids, torch.tensor([1.0, -0.5]), mask,  # noqa: E731
+                                   config=GTPOConfig.preset("grpo"), memory_budget=budget, sampling_mask=sampling_mask,
+                                   backend="torch").loss
+    from bench.head_accounting.replay import replay_kernels
+    return ha.count_call(run, (hidden, weight), _geometry(4, hidden, weight), replay_kernels())
+
+
+def test_replay_head_gemm_flops_are_8_rows_union_d_per_tile():
+    """Sets of 4 ids and a budget of 512 B (8 B an entry: logit and gradient) plan tiles of 4 tokens (4 x 16
+    entries fit, 5 x 20 do not): the counter's GEMM FLOPs are 2 rows |U| D forward and 6 rows |U| D backward
+    per tile, U the union of the tile's sets taken here by hand; the forward gathers |U| weight rows and the
+    tile's hidden rows."""
+    hidden, weight, ids, mask, sm, sets = _kept_case(k=4)
+    N = len(sets)
+    tiles = [(m0, min(N, m0 + 4)) for m0 in range(0, N, 4)]
+    unions = [torch.unique(torch.cat(sets[m0:m1])).numel() for m0, m1 in tiles]
+    assert max(unions) > 4 and min(unions) < V  # the unions are neither one set nor the vocabulary
+    c = _replay_counts(hidden, weight, ids, mask, sm, budget=512)
+    rows_u = sum((m1 - m0) * u for (m0, m1), u in zip(tiles, unions))
+    assert c["gemm_flops_forward"] == 2 * rows_u * D, (c["gemm_flops_forward"], rows_u)
+    assert c["gemm_flops_backward"] == 6 * rows_u * D, (c["gemm_flops_backward"], rows_u)
+    assert c["gemm_flops"] == 8 * rows_u * D
+    assert c["rows_gathered"]["forward"] == sum(unions) + N  # W[U] and hidden's rows, once per tile
+    assert c["kernel_calls"] > 0  # the replay ran suspended (replay_torch.replay_fwd / replay_bwd)
+
+
+def test_replay_head_on_whole_vocabulary_sets_costs_no_less_than_the_full_recompute_head():
+    """Every kept set the whole vocabulary: the replay head's union is V in every tile, and its counted GEMM
+    FLOPs (4 GEMMs of 2 rows V D) are no less than the full head's recompute schedule on the same batch
+    (its backward skips nothing here: every row has a gradient)."""
+    hidden, weight, ids, mask, sm, sets = _kept_case(k=V)
+    N = len(sets)
+    rows = 4
+    c = _replay_counts(hidden, weight, ids, mask, sm, budget=2 * rows * V * 4)
+    run = lambda: linear_gtpo_loss(hidden, weight, ids, torch.tensor([1.0, -0.5]), mask,  # noqa: E731
+                                   config=GTPOConfig.preset("grpo"), memory_budget=2 * rows * V * 4,
+                                   schedule="recompute", backend="torch").loss
+    full = ha.count_call(run, (hidden, weight), _geometry(rows, hidden, weight), ha.our_kernels())
+    assert c["gemm_flops"] == 8 * N * V * D
+    assert c["gemm_flops"] >= full["gemm_flops"], (c["gemm_flops"], full["gemm_flops"])
+
+
+def test_peak_bytes_is_the_allocators_high_water_mark():
+    """Two 400 kB temporaries alive at once, then freed: the peak is at least their sum, the end holds the
+    returned gradient only."""
+    x = torch.randn(1, 100, requires_grad=True)
+
+    def run():
+        a = torch.ones(1000, 100)
+        return (x * a).sum()
+    peak, end, grads = ha.peak_bytes(run, (x,))
+    assert grads == 400
+    assert 800_000 <= peak < 4_000_000, peak
+    assert end < 100_000, end

@@ -5,4 +5,5 @@ measure.py  the cases, each head set up on them, the measurement and the command
             defines every count)
 counter.py  the TorchDispatchMode that counts (tile passes, host syncs, allocations, GEMM FLOPs)
 table.py    the table, each cell 'before -> now' against an earlier result
+replay.py   the head over the sampler's kept sets counted next to the full head (--replay)
 """

@@ -1,7 +1,9 @@
 """The counter behind bench.head_accounting: a TorchDispatchMode that sees every torch op of a call and
-tallies tile passes, host syncs, allocations over the budget, V x D allocations, GEMM FLOPs and the tile
-loop's own per-tile work (the definitions are in measure.py's docstring), with the vocabulary
-kernels' own work suspended (`counting(counter, kernels)`)."""
+tallies tile passes, host syncs, allocations over the budget, V x D allocations, GEMM FLOPs, the rows of
+D-wide tensors (weight, hidden, their gradients) gathered and scattered by index, and the tile loop's own
+per-tile work (the definitions are in measure.py's docstring), with the vocabulary kernels' own work
+suspended (`counting(counter, kernels)`). `peak_bytes` measures the allocator's high-water mark of a call
+(the profiler's allocation events)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +19,9 @@ SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "a
 INDEX_OPS = {"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"}
 NO_PASS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
            "aten.lift_fresh", "aten.detach", "aten.alias"}  # besides views: ops that touch no element
+GATHER = {"aten.index_select", "aten.index", "aten.gather"}  # rows read by index: counted when the output is D wide
+SCATTER = {"aten.index_add", "aten.index_add_", "aten.index_copy", "aten.index_copy_", "aten.index_put",
+           "aten.index_put_", "aten._index_put_impl_"}  # rows written by index into a D-wide tensor
 SPARSE = {"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_", "aten.gather", "aten.scatter",
           "aten.scatter_", "aten.index_select", "aten.select"}  # touch only the indexed elements of their 1st argument
 PROVIDERS = ("fused", "recompute", "trl", "liger")
@@ -36,11 +41,14 @@ class Geometry:
     tok_shape: tuple  # (B, T)
     n_counted: int
     pinned: tuple = ()  # storage pointers of hidden and weight (views of them are never tiles)
+    shapes: tuple = ()  # (rows, columns) of tiles whose width varies (the replay head's unions)
 
     def is_tile(self, t):
         s = tuple(t.shape)
         if not s or s[-1] == self.D or _ptr(t) in self.pinned:
             return False
+        if len(s) >= 2 and (s[-2:] in self.shapes or s[-2:][::-1] in self.shapes):
+            return True
         return t.numel() >= self.tile_elems or (len(s) >= 2 and any(w in s[-2:] for w in self.widths))
 
     def is_n(self, t):
@@ -104,6 +112,7 @@ class HeadCounter(TorchDispatchMode):
         self.over_budget, self.over_share, self.vd_allocs, self.largest = [], 0, 0, 0
         self.kernel_calls = self.kernel_ops = 0
         self.custom_ops = Tally()
+        self.rows_gathered, self.rows_scattered = Tally(), Tally()  # phase -> rows of D-wide tensors
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -124,6 +133,7 @@ class HeadCounter(TorchDispatchMode):
         self._allocs(name, ins, outs)
         if is_sync(name, args, kwargs):
             self.sync(name)
+        self._rows(name, args, outs)
         flops = gemm_flops(name, args)
         if flops:
             self.flops_fwd += flops if self.phase == "forward" else 0
@@ -137,6 +147,16 @@ class HeadCounter(TorchDispatchMode):
     def sync(self, name):
         self.syncs[name] += 1
         self.events.append((self.phase, "sync"))
+
+    def _rows(self, name, args, outs):
+        """Rows of D-wide tensors moved by index: W[U] and hidden's rows read, dW[U] and dh's rows written."""
+        D = self.geo.D
+        if name in GATHER:
+            self.rows_gathered[self.phase] += sum(t.numel() // D for t in outs if t.dim() >= 2 and t.shape[-1] == D)
+        elif name in SCATTER and args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2 \
+                and args[0].shape[-1] == D:
+            src = args[-1] if isinstance(args[-1], torch.Tensor) else None
+            self.rows_scattered[self.phase] += 0 if src is None else src.numel() // D
 
     def _tiles(self, name, args, ins, outs):
         if name in SPARSE and args and isinstance(args[0], torch.Tensor):  # its first argument is not swept
@@ -187,7 +207,9 @@ class HeadCounter(TorchDispatchMode):
             gemm_flops_backward=self.flops_bwd,
             n_allocs_per_tile={p: self.per_tile(p, "n_alloc") for p in ("forward", "backward")},
             n_ops_per_tile={p: self.per_tile(p, "n_op") for p in ("forward", "backward")},
-            kernel_calls=self.kernel_calls, kernel_ops_excluded=self.kernel_ops, custom_ops=dict(self.custom_ops))
+            kernel_calls=self.kernel_calls, kernel_ops_excluded=self.kernel_ops, custom_ops=dict(self.custom_ops),
+            rows_gathered={p: self.rows_gathered[p] for p in ("forward", "backward")},
+            rows_scattered={p: self.rows_scattered[p] for p in ("forward", "backward")})
 
 
 @contextlib.contextmanager
@@ -235,6 +257,29 @@ def count_call(run, wrt, geo, kernels=()):
         counter.phase = "backward"
         torch.autograd.grad(loss, wrt)
     return counter.summary()
+
+
+def peak_bytes(run, wrt):
+    """The CPU allocator's high-water mark over `loss = run()` then torch.autograd.grad(loss, wrt), above
+    what was allocated before (the gradients it returns included): the running total of the profiler's
+    allocation events. -> (peak, bytes still allocated at the end, the returned gradients' bytes)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    def walk(nodes):
+        for n in nodes:
+            yield n
+            yield from walk(n.children)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        grads = torch.autograd.grad(run(), wrt)
+    sizes = sorted((n.start_time_ns, n.extra_fields.alloc_size)
+                   for n in walk(prof.profiler.kineto_results.experimental_event_tree())
+                   if n.tag == _EventType.Allocation and str(n.extra_fields.device) == "cpu")
+    now = peak = 0
+    for _, b in sizes:
+        now += b
+        peak = max(peak, now)
+    return peak, now, sum(g.numel() * g.element_size() for g in grads)
 
 
 def our_kernels():

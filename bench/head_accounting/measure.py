@@ -26,6 +26,8 @@ is missed); partial tiles are recognized by their vocabulary width.
 
     python -m bench.head_accounting            # table on stdout, JSON in bench/out/ (--out DIR: elsewhere)
     python -m bench.head_accounting --save     # JSON in bench/results/head-accounting-after.json (clean tree)
+    python -m bench.head_accounting --replay   # the head over the sampler's kept sets next to the full head
+                                               # (replay.py, its own options and table)
 Call from code: `measure(cases, providers, validate)` -> JSON-ready dict; `markdown(result)` -> table (table.py).
 """
 from __future__ import annotations
