@@ -119,8 +119,8 @@ def measure_one(inp, case, provider, validate=True):
         row = dict(case=case.name, provider=provider, validate=validate, N=case.N, N_nz=case.N_nz, V=V, D=D,
                    memory_budget=case.budget, tiles_planned=len(tiles), tiles_forward=fwd,
                    tile_shape=(f"forward {min(full_rows, case.N)} x {V}; backward " if provider == "rebuild" else "")
-                   + f"~{sum(m1 - m0 for m0, m1, _ in tiles) / len(tiles):.0f} x |U| ~"
-                   + f"{sum(u for *_, u in tiles) / len(tiles):.0f}")
+                   + f"~{sum(m1 - m0 for m0, m1, _ in tiles) / len(tiles):.0f} x ~"
+                   + f"{sum(u for *_, u in tiles) / len(tiles):.0f} (union)")
         row.update(count_call(run_of(inp, case, provider, validate), (inp.hidden, inp.weight), geo, replay_kernels()))
     row["model_flops"] = model_flops(provider, case.N, case.N_nz, V, D, tiles)
     largest = max((m1 - m0) * u for m0, m1, u in tiles) if provider == "replay" else case.rows * V
