@@ -13,7 +13,7 @@ import torch
 import gtpo_reference as ref
 from conftest import assert_grad_close, assert_value_close
 from gtpo_kernels import GTPOConfig, linear_gtpo_loss, linear_token_logprobs
-from gtpo_kernels.pipeline.head_replay import plan_union
+from gtpo_kernels.pipeline.head_replay import TILE_ROWS, plan_union
 from gtpo_reference import gtpo_sampling as rs
 
 BACKENDS = ["triton", "torch", "reference"]
@@ -109,7 +109,8 @@ def test_head_token_logprobs_over_kept_sets_packed(backend):
 
 
 def test_union_tiles_keep_the_budget():
-    """Tiles of rows x min(total set size, V) entries within the budget; one set over it is refused."""
+    """Tiles of rows x min(total set size, V) entries within the budget and at most TILE_ROWS rows (the
+    union, so each token's GEMM work, grows with the tile); one set over the budget is refused."""
     sizes = [3, 5, 0, 7, 2, 9, 4]
     tiles = plan_union(sizes, V=20, per_entry=8, budget=8 * 40)
     assert tiles[0][0] == 0 and tiles[-1][1] == len(sizes)
@@ -117,6 +118,8 @@ def test_union_tiles_keep_the_budget():
     for m0, m1 in tiles:
         assert (m1 - m0) * min(sum(sizes[m0:m1]), 20) * 8 <= 8 * 40 or m1 - m0 == 1
     assert len(tiles) > 1
+    roomy = plan_union([2] * 600, V=10**6, per_entry=8, budget=1 << 40)  # a budget holding all: TILE_ROWS bound
+    assert [m1 - m0 for m0, m1 in roomy] == [TILE_ROWS, TILE_ROWS, 600 - 2 * TILE_ROWS]
     with pytest.raises(ValueError, match="memory_budget = 64 bytes holds no row of kept logits"):
         plan_union([3, 9], V=20, per_entry=8, budget=64)
 

@@ -97,7 +97,8 @@ def merge(logits3, rows_b, rows_t, y, tau, token_ids, offsets, vp, scale=1.0, so
     return logp, ent, flags.to(torch.int8), (mx + log_s).detach()
 
 
-def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale=1.0, softcap=None):
+def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale=1.0, softcap=None,
+                 block_rows=None):
     """The kept sets of the counted tokens rebuilt by vLLM's rules from each rank's top_k candidates:
     (token_ids, offsets, restored, nonfinite or hidden ties (M,), log of the full softmax's normalizer (M,)). top_k: > 0 on every
     token (checked by the caller). Blocks sized by the largest slice: every rank makes the same
@@ -105,7 +106,7 @@ def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale
     M, V_r, dev = y.numel(), logits3.shape[-1], logits3.device
     acc = torch.float64 if logits3.dtype == torch.float64 else torch.float32
     world = dist.get_world_size(vp.group)
-    step = rows_per_block(vp.V_max)
+    step = block_rows or rows_per_block(vp.V_max)
     k_all = _param(top_k, slice(0, M), 0, torch.long, dev)
     kmax = int(k_all.max()) if M else 1  # sync: the candidates' width
     ids, counts, restored, invalid, mass = [], [], [], [], []

@@ -10,7 +10,8 @@ and in the backward the same projection again, the replay's gradient dL/dz_U (ex
 sets, so outside U too), then dL/dh = dL/dz_U @ W[U] and dL/dW[U] += dL/dz_U.T @ h: 4 GEMMs over |U|
 columns where the full-vocabulary head runs 3 or 4 over V. Tiles are planned on the host from the
 sets' sizes (one read of the offsets): a tile's rows x min(sum of its set sizes, V) entries of logits
-and gradient within `memory_budget` (the union is at most that). With the rules (top_k / top_p /
+and gradient within `memory_budget` (the union is at most that), and at most TILE_ROWS tokens (a token's
+GEMM work is its tile's union, which grows with the tile). With the rules (top_k / top_p /
 min_p) the sets are rebuilt from the current logits, which needs every logit once: the forward projects
 tiles of the whole vocabulary (the full head's budget), rebuilds the sets there and replays on them;
 only the backward projects the unions.
@@ -32,16 +33,21 @@ from .replay import _any, at
 from .tiles import rows_of
 
 
-def plan_union(sizes, V, per_entry, budget):
+TILE_ROWS = 256  # counted tokens a tile at most: the union, so the GEMM work per token, grows with the tile
+SET_BYTES = 32  # bytes per logit the kept-set rebuild's block holds (values, their sort and indices, masks)
+
+
+def plan_union(sizes, V, per_entry, budget, max_rows=TILE_ROWS):
     """Tiles (m0, m1) over the counted tokens (host ints `sizes`, each kept set's size): each tile's rows x
-    min(its sets' total size, V) entries of `per_entry` bytes within `budget` bytes."""
+    min(its sets' total size, V) entries of `per_entry` bytes within `budget` bytes, and at most
+    `max_rows` rows (each token's GEMM work is the tile's union: smaller tiles, smaller unions)."""
     tiles, m0, K = [], 0, 0
     for m, k in enumerate(sizes):
         if per_entry * min(k, V) > budget:
             raise ValueError(f"memory_budget = {budget} bytes holds no row of kept logits and their gradient: "
                              f"counted token {m}'s kept set of {k} ids takes {per_entry * min(k, V)} bytes; "
                              "raise memory_budget")
-        if m > m0 and per_entry * (m + 1 - m0) * min(K + k, V) > budget:
+        if m > m0 and (m - m0 >= max_rows or per_entry * (m + 1 - m0) * min(K + k, V) > budget):
             tiles.append((m0, m))
             m0, K = m, 0
         K += k
@@ -157,8 +163,9 @@ def _rebuild_forward(hidden, p):
     top_k, top_p, min_p = p.rules
     M = p.pos.numel()
     V = p.head.weight.shape[0]
-    step = max(1, hd.rows_per_tile(V if p.vp is None else p.vp.V_max, p.head.weight.dtype, p.head.weight.device,
-                                   p.budget))  # a vocabulary split: the same tiles on every rank
+    V_tiles = V if p.vp is None else p.vp.V_max  # a vocabulary split: the same tiles on every rank
+    step = max(1, hd.rows_per_tile(V_tiles, p.head.weight.dtype, p.head.weight.device, p.budget))
+    block = max(1, p.budget // (2 * SET_BYTES * max(V_tiles, 1)))  # the rebuild's blocks: within the budget too
     lps, ents, flags, ids, sizes, restored, mass = [], [], [], [], [], [], []
     for m0 in range(0, M, step):
         sl = slice(m0, min(M, m0 + step))
@@ -169,11 +176,12 @@ def _rebuild_forward(hidden, p):
         tau = at(p.tau, sl)
         if p.vp is None:
             tid, off, rest, nonfinite, ms = kept_sets(z.unsqueeze(0), zero, rows_t, p.y[sl], tau, at(top_k, sl),
-                                                      at(top_p, sl), at(min_p, sl), p.head.scale, p.head.cap)
+                                                      at(top_p, sl), at(min_p, sl), p.head.scale, p.head.cap,
+                                                      block_rows=block)
         else:  # each rank's top_k candidates gathered; the full normalizer's log for kept_mass
             tid, off, rest, nonfinite, lse_full = vocab_replay.rebuilt_sets(
                 z.unsqueeze(0), zero, rows_t, p.y[sl], tau, at(top_k, sl), at(top_p, sl), at(min_p, sl), p.vp,
-                p.head.scale, p.head.cap)
+                p.head.scale, p.head.cap, block_rows=block)
         bad = nonfinite if p.invalid is None else nonfinite | p.invalid[sl]
         lp, en, fl = _replay(z, tid, off, p.y[sl], tau, bad, p, p.vp)
         if p.vp is not None:
