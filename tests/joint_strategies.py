@@ -54,6 +54,10 @@ class Joint:
     autocast: bool = False  # float32 inputs, the call inside torch.autocast("cpu", torch.bfloat16)
     saturate: bool = False  # head, float32: logit_softcap small, every logit of a row far beyond it
     tau: str | None = None  # logits and head entries: the sampler's temperature per completion (B | B1) or per token (BT)
+    replay: str | None = None  # logits and head entries: the sampler's kept sets, "mask" (recorded) or "rules" (rebuilt)
+    rules: dict = dataclasses.field(default_factory=dict)  # {top_k | top_p | min_p: (value, num | B | B1 | BT)}
+    sets: str = "rules"     # replay="mask": the reference's kept sets under `rules`, or random sets holding the sampled id
+    inplace: bool = False   # logits entry with a kept set: inplace=True (refused, spec 13)
 
     @property
     def packed(self):
@@ -162,7 +166,8 @@ def joints(draw, triton_share=0.25, entries=("logits", "logits", "linear", "line
 def adversity(draw, entry, form, dtype, head, lie=None):
     """What the first generator never drew: validate=False on valid input, a max_seqlen shorter than the
     longest completion (with validate either way), autocast around a float32 call, soft-caps saturated by
-    every logit of a row (head, float32), the sampler's temperature per completion or per token (logits, head)."""
+    every logit of a row (head, float32), the sampler's temperature per completion or per token and its
+    kept sets (replay, rules, sets, inplace: `replays`) on the logits and head entries."""
     packed = form in ("packed", "empty-packed", "one-packed")
     out = dict(validate=draw(st.sampled_from([True, True, False])),
                lie=packed and entry != "token_adv" and (lie if lie is not None else
@@ -174,7 +179,48 @@ def adversity(draw, entry, form, dtype, head, lie=None):
         # |z| / cap from sat to sat + 4 on every entry: from 4 (1 - tanh^2 ~ 1e-3) to 8 and beyond, where
         # tanh rounds to 1 in float32 and a derivative formed from it loses every digit
         head.update(cap=draw(st.sampled_from([0.5, 1.0, 2.0])), bias=True, sat=draw(st.sampled_from([4.0, 8.0])))
+    if entry in ("logits", "linear"):
+        out.update(replays(draw, entry, dtype, out["saturate"]))
     return out
+
+
+# the rules' values: off among them (top_k 0 or at least V, top_p 1, min_p 0)
+RULE_VALUES = {"top_k": (0, 1, 2, 3, 5, 20), "top_p": (0.5, 0.8, 0.9, 0.95, 1.0), "min_p": (0.0, 0.05, 0.1, 0.3)}
+
+
+def replays(draw, entry, dtype, saturate):
+    """The sampler's kept sets (spec 13), on about two examples in five of the logits and head entries:
+    replay="mask" (the recorded sets passed as sampling_mask) or "rules" (top_k / top_p / min_p, each a
+    number or a tensor per completion (B, B1) or per token (BT), off values included), and for a mask its
+    sets: the reference's rebuild under the drawn rules, or random sets holding the sampled id (some
+    holding ids at -inf, ids in any order, int32 or int64). The logits entry takes inplace=True one time
+    in eight with a kept set (refused).
+
+    Not drawn, on purpose:
+    - the rules on the head in bfloat16 or with a saturated soft-cap: they are drawn as a mask rebuilt by
+      the same rules instead. The head rebuilds the sets on its own GEMM output (16 bits, rounded once
+      after an accumulation whose order the reference does not reproduce: one bf16 ulp apart, 4e-3) and
+      on a soft-cap whose values agree to a few float32 ulps (tanh near 1): the reference and the call
+      would not rebuild the same sets, which is the rounding, not a defect. The logits entry in bfloat16
+      takes the rules: its inputs are the values both sides read.
+    - near the cuts: the test assumes each rule's decision is 1e-4 (relative) away from its cut on the
+      reference's float64 values (joint_replay.clear_of_cuts: min-p's ratio to the largest probability,
+      the k-th largest value, top-p's cumulative mass and the values either side of its cut), since the
+      call rebuilds in float32.
+    - process_group (refused with a kept set): the joint test runs one process (tests/test_replay_api.py
+      and tests/test_head_replay.py check the refusal)."""
+    replay = draw(st.sampled_from([None, None, None, "mask", "rules"]))
+    if replay is None:
+        return {}
+    names = draw(st.sampled_from([("top_k",), ("top_p",), ("min_p",), ("top_k", "top_p"), ("top_k", "top_p", "min_p"),
+                                  ("min_p", "top_p")]))
+    rules = {n: (draw(st.sampled_from(RULE_VALUES[n])), draw(st.sampled_from(["num", "num", "B", "B1", "BT"])))
+             for n in names}
+    if replay == "rules" and entry == "linear" and (dtype == torch.bfloat16 or saturate):
+        replay = "mask"
+    sets = draw(st.sampled_from(["rules", "rules", "random", "random-shuffled"])) if replay == "mask" else "rules"
+    inplace = entry == "logits" and draw(st.sampled_from([False] * 7 + [True]))
+    return dict(replay=replay, rules=rules, sets=sets, inplace=inplace)
 
 
 @dataclasses.dataclass

@@ -4,8 +4,10 @@ one token), the preset with every option of spec 9, the rollout weights in every
 conflict weights (computed or precomputed), num_items_in_batch, dtype and backend, together with what a
 trainer adds: validate=False, a max_seqlen shorter than the longest completion (refused with validate=True;
 otherwise the reference's numbers or NaN, never a finite wrong one), a bfloat16 autocast region around a
-float32 call, soft-caps saturated by every logit of a row, and the sampler's temperature per completion or
-per token on the logits and head entries (the reference divides each row by its own). A call that
+float32 call, soft-caps saturated by every logit of a row, the sampler's temperature per completion or
+per token on the logits and head entries (the reference divides each row by its own), and its kept sets on
+the same entries, recorded (sampling_mask) or rebuilt by top_k / top_p / min_p (the reference's logits at
+-inf outside each set: tests/joint_replay.py; what is not drawn and why: joint_strategies.replays). A call that
 raises must raise one of the refusals the API documents (REFUSALS); every other call is compared with the
 float64 reference on the same inputs (values, outputs, metrics, gradients; spec 7 tolerances), and the
 family part with TRL 1.16's own _compute_loss on the same log-probs (tests/test_joint_trl.py). The calls, the
@@ -26,6 +28,7 @@ from gtpo_kernels import GTPOConfig, gtpo_token_advantages
 from joint_calls import (api_side, autocast, away_from_thresholds, call_linear, call_logits, call_logps, compare,
                          completion_entropy, lying, num_items, precomputed, reference, rollout_weights,
                          settle_filter)
+from joint_replay import Replay
 from joint_strategies import build_data, head_values, held_logits, joints, logits_values, materialize, side_inputs
 
 
@@ -42,6 +45,9 @@ REFUSALS = {
     "per-completion rollout weights (B,) in the packed form (spec 9: ambiguous)": r"rollout_is_weights",
     "max_seqlen shorter than the longest completion (spec 6)": r"max_seqlen",
     "a (B,) temperature in the packed form when B == N (spec 13: ambiguous)": r"temperature of shape .* is ambiguous",
+    "a (B,) top_k / top_p / min_p in the packed form when B == N (spec 13: ambiguous)":
+        r"(top_k|top_p|min_p) of shape .* is ambiguous",
+    "inplace=True with the sampler's kept sets (spec 13)": r"inplace=True is not taken with sampling_mask",
 }
 
 
@@ -69,6 +75,11 @@ def expected_refusals(j, cfg, lie=False, N=None):
     out = [("max_seqlen shorter than the longest completion (spec 6)", True)] if lie and j.validate else []
     if j.tau in ("B", "BT") and j.packed and N is not None and N == j.B:
         out.append(("a (B,) temperature in the packed form when B == N (spec 13: ambiguous)", True))
+    if j.replay == "rules" and j.packed and N is not None and N == j.B and \
+            any(shape in ("B", "BT") for _, shape in j.rules.values()):
+        out.append(("a (B,) top_k / top_p / min_p in the packed form when B == N (spec 13: ambiguous)", True))
+    if j.replay is not None and j.inplace:
+        out.append(("inplace=True with the sampler's kept sets (spec 13)", True))
     if j.entry == "token_adv":
         if not j.with_entropy and cfg.shapes_advantages:
             out.append(("entropy missing where the config reads it (spec 10)", True))
@@ -87,7 +98,7 @@ def expected_refusals(j, cfg, lie=False, N=None):
         out.append(("entropy missing where the config reads it (spec 10)", True))
     if j.packed and j.rollout == "b" and N != j.B:
         out.append(("per-completion rollout weights (B,) in the packed form (spec 9: ambiguous)", True))
-    if j.entry == "linear" and j.head["schedule"] == "fused":
+    if j.entry == "linear" and j.head["schedule"] == "fused" and j.replay is None:  # kept sets: no schedule
         span_batch = cfg.top_entropy_quantile < 1.0
         span_completion = cfg.shapes_advantages or seq or cfg.off_policy_mask_threshold is not None or \
             cfg.policy_loss == "vespo"
@@ -176,6 +187,8 @@ def check_joint(j, around=None):
             event(f"{e} (validate={j.validate})" if e == "lie" else e)
     if j.tau is not None:
         event(f"temperature per {'token' if j.tau == 'BT' else 'completion'}")
+    if j.replay is not None:
+        replay_events(j)
     cfg = build_config(j)
     if cfg is None:
         return
@@ -191,7 +204,9 @@ def check_joint(j, around=None):
         Z = materialize(*[None if x is None else x.double() for x in head], j.head["scale"], j.head["cap"])
     tau = _tau(j)  # the sampler's temperature per completion / token (logits, head), or None
     Zr = Z if tau is None else Z / tau[..., None]  # the reference's view: each row over its own tau
-    rlp, rent = ref.token_logprobs(Zr, d.ids, cfg.temperature if tau is None else 1.0, d.mask)
+    one_tau = cfg.temperature if tau is None else 1.0
+    sampler = Replay(j, d, Zr / one_tau)  # the sampler's kept sets (none: sampler.keep is None)
+    rlp, rent = ref.token_logprobs(sampler.masked(Zr), d.ids, one_tau, d.mask)
     cfg = settle_filter(j, cfg, completion_entropy(rent, d.mask), d.mask)
     old, refl, roll = side_inputs(j, d, rlp)
     sampling = roll if j.with_roll_lp else (old if j.with_old else None)
@@ -214,6 +229,7 @@ def check_joint(j, around=None):
     if tau is not None:
         per_c = _tau_per_completion(j)
         kw["temperature"] = {"B": per_c, "B1": per_c[:, None]}.get(j.tau, d.pack(tau) if j.packed else tau).float()
+    kw.update(sampler.api, **({"inplace": True} if j.inplace else {}))
     up = torch.randn(j.B, j.T, generator=d.gen, dtype=torch.float64)
     caller = {"logits": call_logits, "logps": call_logps, "linear": call_linear}[j.entry]
     inner = autocast if j.autocast else (lambda f: f())
@@ -230,9 +246,23 @@ def check_joint(j, around=None):
         kw_ref["max_completion_length"] = max(int(d.lengths.max()), 1) if j.B else 1
     if tau is not None:
         kw_ref["temperature"] = 1.0  # the rows are divided by their own tau (reference(..., tau))
-    r, rgrads, slack = reference(j, d, Z, head, kw_ref, up, tau)
+    r, rgrads, slack = reference(j, d, Z, head, kw_ref, up, tau, sampler)
     if not j.validate and j.num_items is not None and j.num_items[1] == 0:  # num_items_in_batch = tensor(0.)
         loss = res[0].loss.detach()  # unread: NaN (an all-masked batch may keep its loss of 0)
         assert bool(loss.isnan().all()) or (not d.mask.any() and bool((loss == 0).all())), f"loss {loss}"
         return
-    compare(j, d, res[0], r, res[1], rgrads, slack, nan_ok=lie)
+    compare(j, d, res[0], r, res[1], rgrads, slack, nan_ok=lie, sampler=sampler)
+
+
+def replay_events(j):
+    """Hypothesis events of the kept-set draws: the kind, the rules' shapes or the mask's sets, inplace."""
+    if j.replay == "mask":
+        sets = {"rules": "rebuilt by the rules", "random": "random"}.get(j.sets, "random, shuffled")
+        event(f"replay=mask, sets {sets}")
+    else:
+        shapes = {shape for _, shape in j.rules.values()}
+        widest = "per token" if "BT" in shapes else ("per completion" if shapes & {"B", "B1"} else "numbers")
+        event(f"replay=rules, {widest}")
+        event("replay=rules: " + "+".join(sorted(j.rules)))
+    if j.inplace:
+        event("replay with inplace=True")
