@@ -54,9 +54,9 @@ class Joint:
     autocast: bool = False  # float32 inputs, the call inside torch.autocast("cpu", torch.bfloat16)
     saturate: bool = False  # head, float32: logit_softcap small, every logit of a row far beyond it
     tau: str | None = None  # logits and head entries: the sampler's temperature per completion (B | B1) or per token (BT)
-    replay: str | None = None  # logits and head entries: the sampler's kept sets, "mask" (recorded) or "rules" (rebuilt)
+    replay: str | None = None  # logits and head entries: the sampler's kept sets, "mask" (recorded) or "rules"
     rules: dict = dataclasses.field(default_factory=dict)  # {top_k | top_p | min_p: (value, num | B | B1 | BT)}
-    sets: str = "rules"     # replay="mask": the reference's kept sets under `rules`, or random sets holding the sampled id
+    sets: str = "rules"     # replay="mask": the reference's sets under `rules`, or random ones holding the sampled id
     inplace: bool = False   # logits entry with a kept set: inplace=True (refused, spec 13)
 
     @property
