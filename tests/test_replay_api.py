@@ -120,3 +120,16 @@ def test_replay_refusals_and_nan():
         token_logprobs(z, ids, 1.0, mask, sampling_mask=wrong, backend="torch")
     lp, _ = token_logprobs(z, ids, 1.0, mask, sampling_mask=wrong, backend="torch", validate=False)
     assert torch.isnan(lp[mask]).all()  # a wrong number of sets: every counted token NaN
+
+
+def test_float64_metrics_are_float64_exact():
+    """A float64 call's kept-set metrics meet the float64 reference to 1e-12 (they were once formed in
+    float32: 2.5e-8 off)."""
+    z, ids, mask, adv, tau = _batch(12)
+    z = z.double()
+    out = gtpo_loss(z, ids, adv, mask, group_size=2, config="grpo", temperature=tau, top_k=9, top_p=0.9,
+                    backend="torch")
+    _, _, rmet, _ = rs.replay_token_logprobs(z, ids, mask, temperature=tau, top_k=9, top_p=0.9)
+    for k in ("kept_mass", "mean_kept_size"):
+        assert out.metrics[k].dtype == torch.float64
+        assert abs(float(out.metrics[k]) - float(rmet[k])) <= 1e-12 * max(1.0, abs(float(rmet[k]))), k

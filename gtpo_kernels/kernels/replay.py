@@ -125,17 +125,19 @@ def kept_mass_from_logps(logp_full, logp_kept):
 
 
 def replay_metrics(offsets, restored=None, kept_mass=None, M=None):
-    """metrics of spec 13 over the M counted tokens (0-d float32 tensors, no host read): mean_kept_size,
+    """metrics of spec 13 over the M counted tokens (0-d float64 tensors, no host read; the callers cast
+    them to the call's dtype, so a float64 call's are float64-exact): mean_kept_size,
     replay_restored_frac (0 with a recorded mask) and kept_mass (when the per-token masses are given).
     M: the number of counted tokens (a tensor too) when `offsets` also spans uncounted ones (flat
     layout), else offsets' sets."""
     n = (offsets.numel() - 1 if M is None else M)
     n = n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1)
-    out = {"mean_kept_size": (offsets[-1] - offsets[0]).float() / n,
-           "replay_restored_frac": (torch.zeros((), device=offsets.device) if restored is None
-                                    else restored.float().sum() / n)}
+    f64 = torch.float64
+    out = {"mean_kept_size": (offsets[-1] - offsets[0]).to(f64) / n,
+           "replay_restored_frac": (torch.zeros((), dtype=f64, device=offsets.device) if restored is None
+                                    else restored.to(f64).sum() / n)}
     if kept_mass is not None:
-        out["kept_mass"] = kept_mass.float().sum() / n
+        out["kept_mass"] = kept_mass.to(f64).sum() / n
     return out
 
 
