@@ -4,6 +4,7 @@ import os
 # before anything imports triton: the kernels run under Triton's interpreter on the CPU
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -30,6 +31,33 @@ EXAMPLE_SCALE = {"ci": 1.0, "dev": 0.3, "nightly": 10.0}
 
 def examples(n_ci):
     return max(1, int(n_ci * EXAMPLE_SCALE.get(os.environ.get("HYPOTHESIS_PROFILE", "ci"), 1.0)))
+
+
+# Cases of the multi-process sweeps over the number of ranks (each spawns a gloo group) that run only under
+# the nightly profile, for CI time: every test keeps its other case in ci. The numerical sweeps keep 2 ranks,
+# where they run every case (3 ranks run a subset); the tests of errors and disagreements across ranks
+# keep 3 ranks, so that a middle rank stays covered.
+NIGHTLY_ONLY = {
+    "tests/test_parallel.py::test_vocabulary_parallel_equals_one_process[3]",
+    "tests/test_parallel_replay.py::test_replay_across_a_vocabulary_split[3]",
+    "tests/test_parallel_dp.py::test_data_parallel[3]",
+    "tests/test_collective_failures.py::test_every_rank_raises_the_same_error[2]",
+    "tests/test_gloo_scenarios.py::test_per_rank_differences[2]",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "nightly: runs only with HYPOTHESIS_PROFILE=nightly (conftest.NIGHTLY_ONLY)")
+
+
+def pytest_collection_modifyitems(config, items):
+    nightly = os.environ.get("HYPOTHESIS_PROFILE", "ci") == "nightly"
+    for item in items:
+        if item.nodeid in NIGHTLY_ONLY:
+            item.add_marker(pytest.mark.nightly)
+            if not nightly:
+                item.add_marker(pytest.mark.skip(reason="nightly only (HYPOTHESIS_PROFILE=nightly); the test's "
+                                                        "other case runs"))
 
 # spec section 7: tolerances by logits dtype
 TOL = {
