@@ -3,9 +3,11 @@ modules import, in an environment of its own: AReaL pins torch<2.11). On a packe
 layout (log-probs of input_ids rolled by one, rolled loss_mask, cu_seqlens), `make_loss_fn`'s loss equals
 AReaL's stock `grpo_loss_fn` (float32: AReaL's stats tracker refuses float64; value and gradient) with GTPO's options off; with them on, the
 conflict weights computed at advantage time travel in the data (`gtpo_lam`) and the entropies AReaL
-passes reach the filter: equal to gtpo_loss_from_logps on the same completions. (The loss functions are
-called as AReaL's engine calls them, `loss_fn(logprobs, entropy, mb_input)`; the engine itself needs a
-GPU model and is not driven here.)"""
+passes reach the filter: equal to gtpo_loss_from_logps on the same completions. The loss functions are
+called as AReaL's engine calls them, `loss_fn(logprobs, entropy, mb_input)`, and through AReaL's own
+dispatch: its FSDPEngine.train_batch on a tiny Qwen2 on CPU (AReaL's CPU platform, gloo, world size 1),
+the gradients of the model's parameters equal to those of its stock grpo_loss_fn (those tests need peft
+and accelerate, which areal.engine.fsdp_engine imports, and skip without them)."""
 from __future__ import annotations
 
 import functools
@@ -129,3 +131,137 @@ def test_conflict_weights_and_entropies_reach_the_loss():
     assert g2.abs().sum() > 0
     assert abs(float(ours) - float(want.loss)) <= 1e-6 * max(1.0, abs(float(want.loss)))
     torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-6)
+
+
+# ---- through AReaL's own dispatch: FSDPEngine.train_batch on a tiny Qwen2, CPU, gloo, world size 1 ----
+# AReaL's CPU platform (areal/infra/platforms/cpu.py: device "cpu", backend "gloo") runs its FSDP2 engine
+# unchanged; the settings: attn_impl="sdpa" (no flash-attn), dtype float32, lr 0 and no clipping (the
+# gradients are compared after its optimizer step). Micro-batching, packing, the loss-weight normalization,
+# the log-prob/entropy gather and the loss_fn call are AReaL's (FSDPEngine.train_batch ->
+# _compute_logprobs_and_loss). With sdpa a packed micro-batch's rows attend across their boundaries
+# (AReaL hands HF an attention_mask of None, cu_seqlens being flash-attn's): the same forward for both
+# losses, and n_mbs=6 puts one row in each micro-batch.
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    pytest.importorskip("peft")  # areal.engine.fsdp_engine imports peft (and peft accelerate) at the top
+    pytest.importorskip("accelerate")
+    import os
+    import socket
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from areal.api.cli_args import OptimizerConfig, TrainEngineConfig
+    from areal.api.io_struct import FinetuneSpec
+    from areal.engine.fsdp_engine import FSDPEngine
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU platform is AReaL's choice only where no CUDA device is seen")
+    d = str(tmp_path_factory.mktemp("tiny_qwen2"))
+    V = 16
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=False)).save_pretrained(d)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0").save_pretrained(d)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(port)).items():
+            mp.setenv(k, v)
+        eng = FSDPEngine(TrainEngineConfig(
+            experiment_name="gtpo", trial_name="test", path=d, attn_impl="sdpa", dtype="float32",
+            optimizer=OptimizerConfig(lr=0.0, weight_decay=0.0, gradient_clipping=1e30), backend="fsdp:d1"))
+        eng.create_process_group()
+        eng.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=6, train_batch_size=6))
+        yield eng, V
+        eng.destroy()
+
+
+def _engine_batch(eng, V, g, B=6, shared_start=False):
+    """AReaL's padded batch after its advantage step: input_ids, attention_mask, the rolled loss_mask and
+    advantages, and old = proximal log-probs near the engine's own (so that some ratios clip)."""
+    P = [int(torch.randint(2, 4, (1,), generator=g)) for _ in range(B)]
+    C = [int(torch.randint(2, 6, (1,), generator=g)) for _ in range(B)]
+    T = max(p + c for p, c in zip(P, C))
+    ids = torch.zeros(B, T, dtype=torch.long)
+    am = torch.zeros(B, T, dtype=torch.bool)
+    lm = torch.zeros(B, T, dtype=torch.int32)
+    for i in range(B):
+        ids[i, :P[i] + C[i]] = torch.randint(2, V, (P[i] + C[i],), generator=g)
+        am[i, :P[i] + C[i]] = True
+        lm[i, P[i]:P[i] + C[i]] = 1
+        if shared_start:  # every completion opens with the same token: conflicts where a group's signs differ
+            ids[i, P[i]] = 2
+    lm = torch.roll(lm, -1, dims=-1)
+    adv = (torch.randn(B, generator=g)[:, None] * lm).float()
+    data = dict(input_ids=ids, attention_mask=am, loss_mask=lm, advantages=adv)
+    cur = eng.forward_batch(data)  # AReaL's own log-probs, (B, T), rolled
+    old = ((cur + 0.3 * torch.randn(cur.shape, generator=g)) * am).float()
+    data.update(logprobs=old, prox_logp=old.clone())
+    return data
+
+
+def _train(eng, data, loss_fn, weight_fn):
+    seen = []
+
+    def recorded(logprobs, entropy, mb_input, **kw):  # records what AReaL passes and what the loss returns
+        out = loss_fn(logprobs, entropy, mb_input, **kw)
+        seen.append((float(out.detach()), set(mb_input)))
+        return out
+
+    eng.export_stats()  # AReaL's stats tracker, emptied (its trainer exports once a step)
+    stats = eng.train_batch({k: v.clone() for k, v in data.items()}, loss_fn=recorded, loss_weight_fn=weight_fn)
+    stats["tracked"] = eng.export_stats()
+    grads = {n: p.grad.full_tensor().clone() for n, p in eng.model.named_parameters()}
+    return stats, seen, grads
+
+
+@pytest.mark.parametrize("n_mbs", [2, 6])
+def test_train_batch_equals_areals_grpo(engine, n_mbs):
+    """engine.train_batch(loss_fn=make_loss_fn(...)) = engine.train_batch(loss_fn=grpo_loss_fn, AReaL's
+    actor's loss_weight_fn): the gradient of every parameter, the losses of the micro-batches, the stats."""
+    from areal.api.cli_args import MicroBatchSpec
+
+    eng, V = engine
+    eng.config.mb_spec = MicroBatchSpec(n_mbs=n_mbs)
+    data = _engine_batch(eng, V, torch.Generator().manual_seed(n_mbs))
+    lf, wf = ga.make_loss_fn(eps_clip=0.2, eps_clip_higher=0.28, config="grpo")
+    s1, seen1, g1 = _train(eng, data, lf, wf)
+    stock = functools.partial(grpo_loss_fn, eps_clip=0.2, eps_clip_higher=0.28, c_clip=None)
+    s2, seen2, g2 = _train(eng, data, stock, lambda x: x["loss_mask"].count_nonzero())  # AReaL's actor's
+    assert s1["num_micro_batches"] == s2["num_micro_batches"] == len(seen1) == len(seen2) > 1
+    assert all("cu_seqlens" in keys for _, keys in seen1)  # AReaL's packed micro-batches
+    for (a, _), (b, _) in zip(seen1, seen2):
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(b))
+    assert s2["grad_norm"] > 0
+    # AReaL's stats tracker: grpo_loss_fn logs actor_loss, clip_ratio, importance_weight, ...; make_loss_fn
+    # logs nothing there (not compared); what train_batch returns is compared
+    assert "actor_loss/avg" in s2.pop("tracked") and s1.pop("tracked") == {}
+    for k in s2:
+        assert abs(s1[k] - s2[k]) <= 1e-6 * max(1.0, abs(s2[k])), k
+    for n in g2:
+        assert g2[n].norm() > 0, n
+        assert float((g1[n] - g2[n]).norm() / g2[n].norm()) <= 1e-6, n
+
+
+def test_train_batch_carries_gtpo_lam(engine):
+    """With GTPO on, AReaL's packing carries data['gtpo_lam'] to the loss, and the gradient differs from GRPO's."""
+    from areal.api.cli_args import MicroBatchSpec
+
+    eng, V = engine
+    eng.config.mb_spec = MicroBatchSpec(n_mbs=2)
+    data = _engine_batch(eng, V, torch.Generator().manual_seed(11), shared_start=True)
+    ga.add_conflict_weights(data, group_size=3, config="gtpo")
+    assert ((data["gtpo_lam"] != 1) & data["loss_mask"].bool()).any()
+    lf, wf = ga.make_loss_fn(eps_clip=0.2, eps_clip_higher=0.28, config="gtpo")
+    _, seen, g1 = _train(eng, data, lf, wf)
+    assert all("gtpo_lam" in keys for _, keys in seen)
+    lf0, wf0 = ga.make_loss_fn(eps_clip=0.2, eps_clip_higher=0.28, config="grpo")
+    _, _, g0 = _train(eng, data, lf0, wf0)
+    assert all(torch.isfinite(g).all() for g in g1.values())
+    assert max(float((g1[n] - g0[n]).norm() / g0[n].norm()) for n in g0) > 1e-3
