@@ -38,7 +38,7 @@ setup(
         "areal": ["omegaconf==2.4.0.dev2", "hydra-core==1.4.0.dev1", "transformers==5.25.0", "ray==2.60.0",
                   "aiohttp", "httpx", "colorlog", "tenacity", "flask", "torchdata", "lark", "uvloop", "pyyaml",
                   "numba", "pillow", "orjson", "einops", "aiofiles", "openai", "datasets", "swanlab", "trackio",
-                  "wandb", "tensorboardX", "tabulate", "pybase64"],
+                  "wandb", "tensorboardX", "tabulate", "pybase64", "peft==0.21.2", "accelerate==1.16.0"],
     },
     # verl imports every `verl.plugins` entry point at `import verl`: registers the `gtpo` policy loss
     # and trainer mode (gtpo_kernels/integrations/verl.py)
