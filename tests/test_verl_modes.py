@@ -283,3 +283,27 @@ def test_selections_trace_without_a_host_read():
         want = fn(A, logp, log_r, m, M)
         assert all(torch.equal(x, y) for x, y in zip(got, want))
     assert not torch.equal(want[0], log_r)  # clip_cov chose some tokens
+
+
+@pytest.mark.parametrize("mode", ["dro"])
+def test_fused_head_keeps_rows_of_zero_advantage_where_the_term_needs_them(mode):
+    """dro's quadratic term has a gradient where A = 0: the fused schedule must not skip those rows (it
+    did: the head's hidden gradient was 0.99 off for a completion with A = 0). (kl_cov's penalty too, but
+    its batch-wide selection never runs fused.)"""
+    g = torch.Generator().manual_seed(0)
+    B, T, V, D = 4, 3, 7, 5
+    h, w = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.tensor([0.0, 1.0, 0.0, -1.0])
+    old = -torch.rand(B, T, generator=g) - 1.5
+    over = dict(dro_beta=1.0) if mode == "dro" else dict(kl_cov_ratio=0.5)
+    cfg = GTPOConfig.preset(mode, **over)
+    x = (h @ w.t()).requires_grad_()
+    gtpo_loss(x, ids, adv, old_logps=old, config=cfg, backend="torch").loss.backward()
+    want = x.grad @ w
+    assert (want[0] != 0).any()  # the A = 0 completion's rows have a gradient
+    hh = h.clone().requires_grad_()
+    out = linear_gtpo_loss(hh, w, ids, adv, old_logps=old, config=cfg, schedule="fused", backend="torch")
+    out.loss.backward()
+    assert float(out.metrics["grad_in_forward"]) == 1.0
+    assert float((hh.grad - want).norm() / want.norm()) <= 1e-5

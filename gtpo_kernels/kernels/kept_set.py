@@ -81,7 +81,6 @@ def _block(s, k, top_p, min_p):
     return torch.zeros_like(keep).scatter_(1, idx, kept_sorted)
 
 
-@torch.compiler.disable  # host reads size its output: torch.compile runs it eagerly (a graph break)
 def kept_sets(logits3, rows_b, rows_t, y, tau, top_k=None, top_p=None, min_p=None, scale=1.0, softcap=None,
               block_rows=None):
     """The kept sets of the M counted tokens. tau, top_k, top_p, min_p: numbers or (M,) tensors (None:

@@ -200,7 +200,6 @@ def _rebuild_forward(hidden, p):
     return _cat(lps, p), _cat(ents, p), _cat(flags, p, torch.int8)
 
 
-@torch.compiler.disable  # host reads size its output: torch.compile runs it eagerly (a graph break)
 def replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host, vp=None):
     """(logp, entropy, metrics): logp, entropy (n,) of the flat tokens over their kept sets (0 where not
     counted, NaN where invalid; differentiable w.r.t. hidden, weight, bias), from the recorded sets or

@@ -210,10 +210,16 @@ def plan_rows(opts, t, skip):
     return rows[order], counts_dev, tiles, per_tile
 
 
+# policy terms with a gradient where A = 0: dro's -(dro_beta / 2) (logp - old)^2, kl_cov's penalty on its
+# chosen tokens (both still multiplied by lambda)
+NOT_PROPORTIONAL_TO_A = ("dro", "kl-cov")
+
+
 def prior_live(opts, t, rows, seg):
     """The rows (of completions `seg`) whose c, e may be nonzero, as far as is known before any logit is
     read (None: all). c is the policy term's unless a KL term or an entropy bonus adds to it, and every
-    policy multiplies it by Ahat_i and by lambda_j: Ahat_i = 0 when A_i = 0 without shaping (gamma = 0);
+    policy multiplies it by lambda_j and, but dro and kl_cov (NOT_PROPORTIONAL_TO_A), by Ahat_i: Ahat_i = 0
+    when A_i = 0 without shaping (gamma = 0);
     lambda_j = 0 on a conflict token of a negative completion with w_neg = 0, at the token level (a
     sequence-level ratio spreads over the completion's tokens). Options are taken by value (a 0-d tensor
     0 is 0: the mask is then formed on the device, the same rows as with the number 0), so ranks with
@@ -224,7 +230,7 @@ def prior_live(opts, t, rows, seg):
     if cfg is None or _nonzero(cfg.entropy_coef) or (x.ref is not None and _nonzero(cfg.beta)):
         return None
     live = None
-    if not _nonzero(cfg.entropy_penalty):
+    if not _nonzero(cfg.entropy_penalty) and cfg.policy_loss not in NOT_PROPORTIONAL_TO_A:
         live = _or(x.adv[seg] != 0, cfg.entropy_penalty)  # NaN counts as live
     if x.lam is not None and cfg.importance_sampling_level == "token":
         on = x.lam[rows] != 0
