@@ -101,14 +101,20 @@ def run_ranks(fn, world, watchdog=None, partial=False):
     too, a hang returns instead each rank's `record`ed cases and 'hang': the watchdog's message."""
     with tempfile.TemporaryDirectory() as d:
         args = (world, os.path.join(d, "init"), d, fn)
-        if watchdog is None:
-            mp.spawn(_rank, args=args, nprocs=world, join=True)
-        else:
-            try:
+        try:
+            if watchdog is None:
+                mp.spawn(_rank, args=args, nprocs=world, join=True)
+            else:
                 _watch(mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn"), d,
                        world, watchdog)
-            except AssertionError as hang:
-                if not partial:
-                    raise
-                return [dict(_records(d, r), hang=str(hang)) for r in range(world)]
+        except AssertionError as hang:
+            if not partial:
+                raise
+            return [dict(_records(d, r), hang=str(hang)) for r in range(world)]
+        except mp.ProcessExitedException:
+            # a rank killed by a signal after every rank wrote its result: gloo's own teardown at exit
+            # ("terminate called without an active exception", seen on a loaded machine), not the test's
+            # subject; a rank that died before its result still fails the test
+            if not all(os.path.exists(os.path.join(d, f"{r}.json")) for r in range(world)):
+                raise
         return [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]
