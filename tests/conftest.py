@@ -44,6 +44,13 @@ NIGHTLY_ONLY = {
     "tests/test_collective_failures.py::test_every_rank_raises_the_same_error[2]",
     "tests/test_gloo_scenarios.py::test_per_rank_differences[2]",
 }
+# test_contract's out-of-range id sweep on Triton's interpreter (24 cases, about 1 s each): ci runs the half
+# where (preset is gtpo) xor on_policy xor packed is true, which still has every pair of values of those three
+# with every bad id (the torch backend's 24 cases, 0.01 s each, all run)
+NIGHTLY_ONLY |= {
+    f"tests/test_contract.py::test_out_of_range_id_without_validation_gives_nan[{preset}-{bad}-{on}-{packed}-triton]"
+    for preset in ("grpo", "gtpo") for bad in (-5, 24, 10**9) for on in (False, True) for packed in (False, True)
+    if not ((preset == "gtpo") ^ on ^ packed)}
 
 
 def pytest_configure(config):
