@@ -111,8 +111,9 @@ class _Launch:
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
-            tau = args[self.at]
-            self.taus.append((tau.data_ptr(), tau.device.type, tau.dtype))
+            tau = args[self.at]  # a tensor, or a Python float passed by value (TEMP_BY_VALUE: nothing in memory)
+            self.taus.append((tau.data_ptr(), tau.device.type, tau.dtype) if isinstance(tau, torch.Tensor)
+                             else ("value", float(tau)))
             self.mode.suspended += 1
             try:
                 return launch(*args, **kwargs)

@@ -14,12 +14,15 @@ import gtpo_reference as ref
 from batches import cases
 from conftest import assert_grad_close, assert_value_close
 from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
-from gtpo_kernels.kernels import conflict_triton, dispatch, vocab_triton
+from gtpo_kernels.kernels import conflict_triton, dispatch, epilogue_triton, vocab_triton
 
 KERNELS = [vocab_triton._vocab_fwd_kernel, vocab_triton._vocab_bwd_kernel,
-           conflict_triton._raw_conflicts_kernel]
-ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", "BLOCK_T"}  # block sizes, switches
-PER_BATCH_SIZES = {"T", "T_l", "logits_start", "n_t_blocks"}  # vary every step
+           conflict_triton._raw_conflicts_kernel, epilogue_triton._epilogue_kernel]
+ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", "BLOCK_T", "BLOCK",  # block sizes,
+                     "HAS_MASK", "TEMP_BY_VALUE", "NAN_FLAGGED", "HAS_G",  # switches
+                     "PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
+                     "HAS_DUAL", "FILTER", "PENALTY", "SEQ", "AGG"}
+PER_BATCH_SIZES = {"T", "T_l", "logits_start", "n_t_blocks", "B", "N"}  # vary every step
 
 
 def _params(kernel):

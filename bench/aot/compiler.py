@@ -66,7 +66,8 @@ def _arg_for(name, dtype, V, T, has_e):
         return _Ptr({"logits_ptr": dtype, "grad_ptr": dtype, "mask_ptr": torch.bool, "bad_ptr": torch.int8,
                      **dict.fromkeys(_INT64_PTRS, torch.int64)}.get(name, torch.float32))
     table = {"stride_lb": T_l * V, "stride_gb": T_l * V, "stride_lt": V, "stride_gt": V, "T": T, "T_l": T_l,
-             "V": V, "logits_start": 0, "temp_stride": 0, "scale": 0.5, "softcap": 30.0}  # floats: never specialized
+             "V": V, "logits_start": 0, "temp_stride": 0, "g_stride": 0, "scale": 0.5,
+             "softcap": 30.0}  # floats: never specialized
     if name in table:
         return table[name]
     raise KeyError(f"aot: no stand-in for kernel parameter {name!r}; teach bench/aot/compiler.py its value")
@@ -179,8 +180,13 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
                 meta["HAS_E"] = has_e
             if any(p.name == "HAS_SOFTCAP" for p in kernel.params):
                 meta["HAS_SCALE"], meta["HAS_SOFTCAP"] = transform
-            args = [_arg_for(p.name, dtype, V, T, has_e) for p in kernel.params if not p.is_constexpr]
-            bound, spec, opts = binder(*args, **meta)
+            args = {p.name: _arg_for(p.name, dtype, V, T, has_e) for p in kernel.params if not p.is_constexpr}
+            names = {p.name for p in kernel.params}
+            if "TEMP_BY_VALUE" in names:  # the call's variant: tau by value, the upstream gradient read by pointer
+                meta["TEMP_BY_VALUE"], args["temp_ptr"] = True, 0.7
+            if "HAS_G" in names:
+                meta["HAS_G"] = True
+            bound, spec, opts = binder(**args, **meta)
         else:
             res.provider = peer["provider"]
             bv = peer["block"]

@@ -5,7 +5,10 @@
   again before it writes, so no committed result is stamped '+dirty'. Changes under bench/results/
   itself do not count (re-measuring one table after another leaves the earlier ones modified).
 - bench/out/ (SCRATCH, git-ignored): every other run, unless --out names another folder.
-- the stamp: the date, the commit (`commit`), the machine (`machine`) and the versions (`versions`).
+- the stamp: the date, the commit (`commit`), the tree that ran (`tree_hash`: a hash of the files'
+  contents, computed without git, so that a machine with a copy of the tree and no repository names it
+  too), the machine (`machine`) and the versions (`versions`). `python -m bench.common.record RECORD...`
+  checks, on a clean checkout, that each record's tree is this commit's.
 """
 from __future__ import annotations
 
@@ -34,6 +37,31 @@ def tracked_changes(root=ROOT) -> list:
     excluded; [] when clean or not a git checkout."""
     out = _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results")
     return [ln for ln in (out or "").splitlines() if ln.strip()]
+
+
+TREE_PARTS = ("gtpo_kernels", "reference", "bench", "tests", "examples", "setup.py")
+
+
+def tree_hash(root=ROOT) -> str:
+    """sha256 over the paths and contents of the tree's source files (.py, .sh, setup.py), bench/results/
+    and bench/out/ left out: the same on any copy of the same tree, with or without git."""
+    import hashlib
+    h = hashlib.sha256()
+    files = []
+    for part in TREE_PARTS:
+        full = os.path.join(root, part)
+        if os.path.isfile(full):
+            files.append(part)
+            continue
+        for d, dirs, names in os.walk(full):
+            rel = os.path.relpath(d, root)
+            dirs[:] = sorted(x for x in dirs if x not in ("__pycache__", ".hypothesis")
+                             and os.path.join(rel, x) not in ("bench/results", "bench/out"))
+            files += [os.path.join(rel, n) for n in names if n.endswith((".py", ".sh"))]
+    for rel in sorted(files):
+        with open(os.path.join(root, rel), "rb") as f:
+            h.update(rel.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def commit(root=ROOT):
@@ -106,7 +134,7 @@ def write_json(res, out_dir, prefix=""):
     require_clean(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
-    doc = dict(date=now.isoformat(timespec="seconds"), commit=commit(), machine=machine(res["device"]),
+    doc = dict(date=now.isoformat(timespec="seconds"), commit=commit(), tree=tree_hash(), machine=machine(res["device"]),
                versions=versions(), **res)
     path = os.path.join(out_dir, f"{prefix}{res['device']}-{now.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
@@ -114,3 +142,27 @@ def write_json(res, out_dir, prefix=""):
     with open(os.path.join(out_dir, f"latest-{prefix}{res['device']}.json"), "w") as f:
         json.dump(doc, f, indent=1, default=str)
     return path
+
+
+def check_records(paths) -> int:
+    """Each record's `tree` against this checkout's (which must be clean): 0 when all match."""
+    bad = 0
+    if tracked_changes():
+        print("the checkout has uncommitted changes: commit first")
+        return 1
+    here = tree_hash()
+    for p in paths:
+        with open(p) as f:
+            rec = json.load(f)
+        ok = rec.get("tree") == here
+        bad += not ok
+        print(f"{'ok ' if ok else 'BAD'} {p}: tree {rec.get('tree')} (this commit's: {here})")
+    return int(bad > 0)
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) == 2 and sys.argv[1] == "--tree":
+        print(tree_hash())
+    else:
+        sys.exit(check_records(sys.argv[1:]))

@@ -15,7 +15,7 @@ from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..distributed import vocab_replay
 from ..kernels import dispatch, ops
-from ..pipeline import reference, replay
+from ..pipeline import epilogue, reference, replay
 from ..pipeline.loss import (call_temperature, check_loss_args, conflicts_for, forward, fused_loss, logps_loss,
                              make_output, vocab_parallel, vocab_summary)
 
@@ -97,12 +97,17 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                                vocab_size=_local_vocab(process_group), **extras)
             checks.check_inplace(inplace, logits)
             dt = float_dtype_for(logits)
-            num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
+            backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
+            fast = epilogue.eligible(b, cfg, backend, inplace, replay.requested(sampling_mask, top_k, top_p, min_p),
+                                     process_group)
+            num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host, raw=fast)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32, host)
             b.tau = tau  # compared across the ranks of a vocabulary split (agree.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace)
-        backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
+            if fast:  # three launches (spec 8)
+                conflicts_for(b, cfg, group_size, dt, backend, mask_lam=False)
+                return epilogue.loss(b, cfg, num_items, tau, host)  # validating: read once, with the checks
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
             if rules is None:
@@ -149,7 +154,9 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
                 temperature = b.tau = call_temperature(temperature, b, torch.float64 if logits.dtype == torch.float64
                                                        else torch.float32, host)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, False)
-        backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
+            backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
+            if backend == "triton" and process_group is None and rules is None:  # one launch (spec 8)
+                return epilogue.token_logps(b, temperature, host)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
             keep = None if rules is None else reference.kept_window(b, logits, temperature, sampling_mask, rules,

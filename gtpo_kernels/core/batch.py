@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import checks
-from .layout import Batch
+from .layout import Batch, Lazy
 
 
 def vocab_contiguous(logits):
@@ -19,7 +19,7 @@ def _padded_tokens(completion_ids, device):
         raise ValueError(f"completion_ids must have shape (B, T), got {tuple(completion_ids.shape)}"
                          " (pass cu_seqlens for the packed (N,) form)")
     B, T = completion_ids.shape
-    return B * T, B, (B, T), T, torch.arange(B, device=device).repeat_interleave(T)
+    return B * T, B, (B, T), T, Lazy(lambda: torch.arange(B, device=device).repeat_interleave(T))
 
 
 def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate, allow_empty=False):
@@ -35,27 +35,46 @@ def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate, all
         raise ValueError(f"completion_ids must have shape (N,) in the packed form, "
                          f"got {tuple(completion_ids.shape)}")
     N, B = completion_ids.shape[0], cu_seqlens.numel() - 1
-    cu = cu_seqlens.long()
-    malformed = cu_malformed(cu, N)
-    if validate:
-        if bool(malformed):
+    given = cu_seqlens
+    malformed = _once(lambda: cu_malformed(given, N))
+    if validate:  # read with the call's other checks (one host read); until then the stand-in below is used
+        def fail():
             raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N = {N} "
-                             f"(completion_ids' length), got {cu_seqlens.tolist()}")
-        malformed = None
-    else:
-        cu = cu.clamp(0, N).cummax(0).values
-        cu = torch.cat([cu.new_zeros(1), cu[1:-1], cu.new_full((1,), N)])
-        cu_seqlens = cu.to(cu_seqlens.dtype)
-    lengths = cu[1:] - cu[:-1]
-    longest = torch.cat([lengths, lengths.new_zeros(1)]).max()  # the longest completion (0 without any)
+                             f"(completion_ids' length), got {given.tolist()}")
+        checks.check_on_device(malformed(), fail)
+
+    @_once
+    def cu():  # the stand-in, made on first use (the epilogue kernel forms its own from `given`)
+        c = given.long().clamp(0, N).cummax(0).values
+        return torch.cat([c.new_zeros(1), c[1:-1], c.new_full((1,), N)])
+
+    def longest():  # the longest completion (0 without any)
+        d = cu()[1:] - cu()[:-1]
+        return torch.cat([d, d.new_zeros(1)]).max()
     if max_seqlen is not None:
         max_seqlen = checks.check_nonneg_int("max_seqlen", max_seqlen)
-        if validate and max_seqlen < int(longest):
-            raise ValueError(f"max_seqlen = {max_seqlen} is shorter than the longest completion in "
-                             f"cu_seqlens ({int(longest)})")
-    seg = torch.repeat_interleave(torch.arange(B, device=device), lengths, output_size=N)
-    max_len = longest.clamp(min=1)  # a tensor: no host sync
-    return N, B, cu_seqlens, max_seqlen, max_len, seg, malformed
+        if validate:
+            top, ms = longest(), max_seqlen
+
+            def short():
+                raise ValueError(f"max_seqlen = {ms} is shorter than the longest completion in "
+                                 f"cu_seqlens ({int(top)})")
+            checks.check_on_device(top > ms, short)
+    seg = Lazy(lambda: torch.repeat_interleave(torch.arange(B, device=device), cu()[1:] - cu()[:-1], output_size=N))
+    max_len = Lazy(lambda: longest().clamp(min=1))  # a tensor: no host sync
+    return (N, B, Lazy(lambda: cu().to(given.dtype)), max_seqlen, max_len, seg,
+            None if validate else malformed)
+
+
+def _once(make):
+    """make(), computed on the first call and kept."""
+    box = []
+
+    def get():
+        if not box:
+            box.append(make())
+        return box[0]
+    return get
 
 
 def cu_malformed(cu_seqlens, N):
@@ -66,7 +85,7 @@ def cu_malformed(cu_seqlens, N):
 
 def _counted(completion_mask, tok_shape, N, device, validate):
     if completion_mask is None:
-        return torch.ones(N, dtype=torch.bool, device=device)
+        return Lazy(lambda: torch.ones(N, dtype=torch.bool, device=device))
     checks.check_tensor("completion_mask", completion_mask)
     checks.check_shape("completion_mask", completion_mask, tok_shape, "completion_ids' shape")
     checks.check_device("completion_mask", completion_mask, device)
@@ -75,7 +94,7 @@ def _counted(completion_mask, tok_shape, N, device, validate):
             raise ValueError("completion_mask must hold only 0 and 1 (1 = the token counts); it is a mask, "
                              "not a per-token weight (scale the loss, or pass rollout weights, instead)")
         checks.check_on_device(((completion_mask != 0) & (completion_mask != 1)).any(), fail)
-    return (completion_mask != 0).reshape(-1).contiguous()
+    return Lazy(lambda: (completion_mask != 0).reshape(-1).contiguous())
 
 
 def _advantages(advantages, B, device, validate):
@@ -106,6 +125,7 @@ def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_
     if cu_seqlens is None:
         N, B, tok_shape, max_len, seg = _padded_tokens(completion_ids, device)
     else:
+        cu_given = cu_seqlens
         N, B, cu_seqlens, max_seqlen, max_len, seg, malformed = _packed_tokens(
             completion_ids, cu_seqlens, max_seqlen, device, validate, allow_empty)
         tok_shape = (N,)
@@ -113,14 +133,17 @@ def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_
         raise ValueError("the batch is empty: completion_ids needs at least one completion")
     counted = _counted(completion_mask, tok_shape, N, device, validate)
     ids = completion_ids.reshape(-1).contiguous()
-    if malformed is not None:
-        ids = torch.where(malformed, torch.full_like(ids, -1), ids)
-    batch = Batch(logits3=None, ids=ids, counted=counted, seg=seg, B=B, logits_start=0, tok_shape=tok_shape,
-                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, max_len=max_len, malformed=malformed)
+    batch = Batch(logits3=None, ids_=ids, counted_=counted, seg_=seg, B=B, logits_start=0, tok_shape=tok_shape,
+                  cu_seqlens_=cu_seqlens, max_seqlen=max_seqlen, max_len_=max_len,
+                  malformed_=None if malformed is None else Lazy(malformed),
+                  mask=None if completion_mask is None else completion_mask.reshape(-1),
+                  given=dict(ids=ids, cu_seqlens=None if cu_seqlens is None else cu_given))
+    if malformed is not None:  # made on first use: the epilogue kernel reads `given` and flags it itself
+        batch.ids_ = Lazy(lambda: torch.where(malformed(), torch.full_like(ids, -1), ids))
     if advantages is not None:
-        batch.adv = _advantages(advantages, B, device, validate)
-        if malformed is not None:
-            batch.adv = torch.where(malformed, float("nan"), batch.adv)
+        adv = _advantages(advantages, B, device, validate)
+        batch.given["adv"] = adv
+        batch.adv_ = adv if malformed is None else Lazy(lambda: torch.where(malformed(), float("nan"), adv))
     return batch
 
 
@@ -229,8 +252,9 @@ def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=No
             raise TypeError(f"n_conf must be a real tensor (conflict tokens per completion), got {n_conf.dtype}")
         checks.check_shape("n_conf", n_conf, (b.B,), "(B,)")
         checks.check_device("n_conf", n_conf, device)
-        bad = ~(torch.isfinite(n_conf) & (n_conf >= 1))
         if validate:
+            bad = ~(torch.isfinite(n_conf) & (n_conf >= 1))
+
             def fail():
                 k = int(bad.nonzero()[0, 0])
                 raise ValueError(f"n_conf must be finite and >= 1 (conflict_weights' counts: at least 1 per "

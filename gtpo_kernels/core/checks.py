@@ -92,10 +92,12 @@ def check_inplace(inplace, logits):
         span = st * n
 
 
-def check_num_items(num_items, loss_agg, device, dtype, validate=True):
+def check_num_items(num_items, loss_agg, device, dtype, validate=True, raw=False):
     """num_items_in_batch: the denominator of 'token-mean', or None. One rule for numbers and tensors: it
     must be finite and > 0, never clamped (a global token count over the world size may be fractional).
-    A tensor is read on the host only when validating; unvalidated, an invalid one gives a NaN loss."""
+    A tensor is read on the host only when validating; unvalidated, an invalid one gives a NaN loss.
+    raw: an unvalidated tensor already on `device` is returned as it is (a 0-d view; the epilogue kernel
+    makes it NaN unless finite and > 0)."""
     if num_items is None:
         return None
     if loss_agg != "token-mean":
@@ -106,6 +108,8 @@ def check_num_items(num_items, loss_agg, device, dtype, validate=True):
         if num_items.numel() != 1 or num_items.dtype == torch.bool or num_items.dtype.is_complex:
             raise ValueError(f"num_items_in_batch must be a positive number or a one-element real tensor, "
                              f"got a {num_items.dtype} tensor of shape {tuple(num_items.shape)}")
+        if raw and not validate and num_items.device == device:
+            return num_items.reshape(())
         x = num_items.reshape(()).to(device, dtype)
         ok = (x > 0) & torch.isfinite(x)
         if validate:

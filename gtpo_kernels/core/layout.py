@@ -13,16 +13,38 @@ from typing import Optional
 import torch
 
 
+class Lazy:
+    """A Batch field made on first use (a fused call whose kernels read the mask and the segments
+    themselves never makes it: no launch)."""
+    __slots__ = ("make",)
+
+    def __init__(self, make):
+        self.make = make
+
+
+def _lazy(name):
+    def get(self):
+        v = getattr(self, name)
+        if isinstance(v, Lazy):
+            v = v.make()
+            setattr(self, name, v)
+        return v
+
+    def put(self, v):
+        setattr(self, name, v)
+    return property(get, put)
+
+
 @dataclasses.dataclass
 class Batch:
     logits3: Optional[torch.Tensor]  # (B', T_l, V), stride(2) == 1; None for token-only batches
-    ids: torch.Tensor  # (N,) contiguous, integer
-    counted: torch.Tensor  # (N,) bool
-    seg: torch.Tensor  # (N,) int64: completion of each token
+    ids_: object  # (N,) contiguous, integer (a Lazy of it where a malformed cu_seqlens poisons it): `ids`
+    counted_: object  # (N,) bool, or a Lazy of it: read it as `counted`
+    seg_: object  # (N,) int64: completion of each token, or a Lazy of it: read it as `seg`
     B: int  # completions
     logits_start: int
     tok_shape: tuple  # (B, T) padded or (N,) packed
-    adv: Optional[torch.Tensor] = None  # (B,)
+    adv_: object = None  # (B,)
     old: Optional[torch.Tensor] = None  # (N,)
     ref: Optional[torch.Tensor] = None  # (N,)
     lam: Optional[torch.Tensor] = None  # (N,)
@@ -30,15 +52,26 @@ class Batch:
     rollout_w: Optional[torch.Tensor] = None  # (N,) rollout importance weights
     rollout_w_seq: Optional[torch.Tensor] = None  # (B,) when they were given per completion
     rollout_logps: Optional[torch.Tensor] = None  # (N,) the inference engine's log-probs
-    cu_seqlens: Optional[torch.Tensor] = None
+    cu_seqlens_: object = None
     max_seqlen: Optional[int] = None
-    max_len: object = None  # default denominator of seq-mean-token-sum-norm
-    malformed: Optional[torch.Tensor] = None  # 0-d bool: an unvalidated cu_seqlens was malformed (NaN outputs)
+    max_len_: object = None  # default denominator of seq-mean-token-sum-norm (or a Lazy of it): `max_len`
+    malformed_: object = None  # 0-d bool: an unvalidated cu_seqlens was malformed (NaN outputs)
     tau: Optional[torch.Tensor] = None  # (N,) the call's temperature per token, when it gave one (spec 13)
+    mask: Optional[torch.Tensor] = None  # (N,) the caller's completion_mask as given (any dtype), None: all counted
+
+    given: Optional[dict] = None  # ids, adv, cu_seqlens as the caller gave them (the epilogue kernel reads these)
+
+    counted = _lazy("counted_")
+    ids = _lazy("ids_")
+    adv = _lazy("adv_")
+    cu_seqlens = _lazy("cu_seqlens_")
+    malformed = _lazy("malformed_")
+    seg = _lazy("seg_")
+    max_len = _lazy("max_len_")
 
     @property
     def packed(self) -> bool:
-        return self.cu_seqlens is not None
+        return self.cu_seqlens_ is not None
 
     @property
     def V(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import dispatch, ops
 
 
 def _setup_context(ctx, inputs, output):
@@ -23,22 +23,18 @@ def _setup_context(ctx, inputs, output):
     ctx.meta = (logits_start, scale, softcap, backend, inplace)
 
 
-def _scale(coef, g):
-    """coef * g, and exactly 0 where coef is 0 (an uncounted token: an inf or NaN upstream gradient
-    there is ignored, never 0 * inf = NaN)."""
-    return None if coef is None else torch.where(coef == 0, torch.zeros_like(coef), coef * g)
-
-
 def _backward(ctx, grad):
     logits3, ids, stats, ent, c, e, temperature = ctx.saved_tensors
     logits_start, scale, softcap, backend, inplace = ctx.meta
-    g = grad.reshape(-1).to(c.dtype)  # scalar loss: (1,); loss_agg='none': one per token
-    c, e = _scale(c, g), _scale(e, g)
+    g = grad.reshape(-1)  # scalar loss: (1,); loss_agg='none': one per token
     if inplace:
+        g = g.to(c.dtype)
+        c, e = dispatch.scale_by(c, g), dispatch.scale_by(e, g)
         ops.vocab_bwd_inplace(logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend)
         grad3 = logits3.view(logits3.shape)  # a fresh view: autograd can take it as .grad without a copy
-    else:
-        grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend)
+    else:  # the pass multiplies c and e by g itself
+        grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend,
+                              g=g.to(c.dtype))
     return (grad3,) + (None,) * 12
 
 

@@ -81,13 +81,27 @@ def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale=1
                                           logits_start, scale, softcap)
 
 
-def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None):
+def scale_by(coef, g):
+    """coef * g, and exactly 0 where coef is 0 (an uncounted token: an inf or NaN upstream gradient
+    there is ignored, never 0 * inf = NaN); None stays None."""
+    return None if coef is None else torch.where(coef == 0, torch.zeros_like(coef), coef * g)
+
+
+def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None,
+              g=None):
     """dL/dz of the raw logits into grad3 (stats from vocab_fwd with the same scale and softcap). An
-    empty vocabulary (a rank's empty slice, spec 12) has no entry to write."""
+    empty vocabulary (a rank's empty slice, spec 12) has no entry to write. g: the upstream gradient
+    (one element, or one per token) that c and e are multiplied by (the Triton kernel reads it itself)."""
     check_transforms(scale, softcap)
     if logits3.shape[-1] == 0:
         return grad3
     backend = _resolved(backend, logits3)
+    if g is not None and backend != "triton":
+        g = g.to(c.dtype)
+        c, e, g = scale_by(c, g), scale_by(e, g), None
+    if g is not None:
+        return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e,
+                                              _temperature(backend, temperature), logits_start, scale, softcap, g=g)
     return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e,
                                           _temperature(backend, temperature), logits_start, scale, softcap)
 

@@ -17,7 +17,7 @@ from typing import List, Optional
 
 import torch
 
-from .autograd import _scale
+from .dispatch import scale_by as _scale
 from .ops import acc_dtype
 from .replay import _impl, finish
 

@@ -56,6 +56,9 @@ def _vocab_bwd_kernel(
     HAS_SCALE: tl.constexpr,  # scale != 1
     HAS_SOFTCAP: tl.constexpr,  # a soft-cap is given
     BLOCK_V: tl.constexpr,
+    TEMP_BY_VALUE: tl.constexpr = False,  # True: temp_ptr is tau itself, a float argument (no memory read)
+    HAS_G: tl.constexpr = False,  # True: c and e are multiplied here by the upstream gradient g
+    g_ptr=None, g_stride=0,  # g of token k at g_ptr + k * g_stride (0: the loss is a scalar), float32
 ):
     row_id = tl.program_id(0).to(tl.int64)  # one program per logits row, int64 offsets
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
@@ -64,12 +67,20 @@ def _vocab_bwd_kernel(
     t = r - logits_start
     in_window = (t >= 0) & (t < T)
     tok = i * T + t
-    inv_temp = 1.0 / tl.load(temp_ptr + tok * temp_stride, mask=in_window, other=1.0)
+    if TEMP_BY_VALUE:
+        inv_temp = 1.0 / temp_ptr
+    else:
+        inv_temp = 1.0 / tl.load(temp_ptr + tok * temp_stride, mask=in_window, other=1.0)
     c = tl.load(c_ptr + tok, mask=in_window, other=0.0)
     if HAS_E:
         e = tl.load(e_ptr + tok, mask=in_window, other=0.0)
     else:
         e = 0.0
+    if HAS_G:  # c g and e g, exactly 0 where the coefficient is 0 (an inf or NaN g there is ignored)
+        g_up = tl.load(g_ptr + tok * g_stride, mask=in_window, other=0.0)
+        c = tl.where(c == 0.0, 0.0, c * g_up)
+        if HAS_E:
+            e = tl.where(e == 0.0, 0.0, e * g_up)
     lanes = tl.arange(0, BLOCK_V)
     grad_row = grad_ptr + i * stride_gb + r * stride_gt
     if (c != 0.0) | (e != 0.0):

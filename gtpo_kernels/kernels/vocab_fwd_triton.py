@@ -76,11 +76,20 @@ def _vocab_fwd_kernel(
     HAS_SCALE: tl.constexpr,  # scale != 1
     HAS_SOFTCAP: tl.constexpr,  # a soft-cap is given
     BLOCK_V: tl.constexpr,
+    HAS_MASK: tl.constexpr = True,  # False: every token counts (mask_ptr is not read)
+    TEMP_BY_VALUE: tl.constexpr = False,  # True: temp_ptr is tau itself, a float argument (no memory read)
+    NAN_FLAGGED: tl.constexpr = False,  # True: a flagged token's logp and H are stored as NaN (token_logprobs)
 ):
     tok = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
-    inv_temp = 1.0 / tl.load(temp_ptr + tok * temp_stride)
+    if TEMP_BY_VALUE:
+        inv_temp = 1.0 / temp_ptr
+    else:
+        inv_temp = 1.0 / tl.load(temp_ptr + tok * temp_stride)
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
-    counted = tl.load(mask_ptr + tok) != 0
+    if HAS_MASK:  # the caller's mask as given, any dtype: nonzero counts
+        counted = tl.load(mask_ptr + tok) != 0
+    else:
+        counted = True
     logp = 0.0
     ent = 0.0
     m = float("-inf")
@@ -149,6 +158,9 @@ def _vocab_fwd_kernel(
         bad = tl.where(z_y == float("-inf"), bad | BAD_TARGET_NEG_INF, bad)
         bad = tl.where(y_ok, bad, bad | BAD_ID)
         m = m_safe
+    if NAN_FLAGGED:
+        logp = tl.where(bad != 0, float("nan"), logp)
+        ent = tl.where(bad != 0, float("nan"), ent)
     tl.store(logp_ptr + tok, logp)
     tl.store(ent_ptr + tok, ent)
     tl.store(stats_ptr + tok * 3, m)

@@ -57,6 +57,8 @@ def temperature_arg(temperature, device, n):
     Anything else (a number, a tensor elsewhere or of another dtype) is converted here, for direct
     callers of the launchers: on a GPU a tensor from the host is then a host-to-device copy per launch,
     which the hot path never makes. Never a device-to-host read."""
+    if isinstance(temperature, float):  # by value: a launch argument, nothing in memory
+        return temperature, 0
     if isinstance(temperature, torch.Tensor) and temperature.device == device and temperature.dtype == torch.float32:
         tau = temperature
     elif isinstance(temperature, torch.Tensor):
@@ -70,36 +72,43 @@ def temperature_arg(temperature, device, n):
     return tau, tau.stride(0)
 
 
-def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
+def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, outs=None,
+              nan_flagged=False):
     """logits3 (B, T_l, V) with stride(2) == 1, the raw z; ids (B*T,) int; counted (B*T,) bool.
     Returns float32 logp, entropy (B*T,), stats (B*T, 3) = (row max m, log S, q = 1 - p_y) for the
-    backward, and int8 flags (0 = fine), all of the transformed z' (scale, softcap: see vocab_jit)."""
+    backward, and int8 flags (0 = fine), all of the transformed z' (scale, softcap: see vocab_jit).
+    counted may be None (every token counts) or the caller's mask of any dtype (nonzero counts);
+    temperature a Python float (passed by value) or a tensor (temperature_arg); outs: the four outputs,
+    allocated by the caller; nan_flagged: a flagged token's logp and H are NaN."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
     dev = logits3.device
-    logp = torch.empty(n, device=dev, dtype=torch.float32)
-    ent = torch.empty_like(logp)
-    stats = torch.empty((n, 3), device=dev, dtype=torch.float32)
-    bad = torch.empty(n, device=dev, dtype=torch.int8)
+    if outs is None:
+        outs = (torch.empty(n, device=dev, dtype=torch.float32), torch.empty(n, device=dev, dtype=torch.float32),
+                torch.empty((n, 3), device=dev, dtype=torch.float32), torch.empty(n, device=dev, dtype=torch.int8))
+    logp, ent, stats, bad = outs
     if n == 0:
         return logp, ent, stats, bad
     bv = block_v_for(V)
     scale, cap, has = _transforms(scale, softcap)
     tau, tau_stride = temperature_arg(temperature, dev, n)
     _vocab_fwd_kernel[(n,)](
-        logits3, ids, counted, logp, ent, stats, bad,
+        logits3, ids, ids if counted is None else counted, logp, ent, stats, bad,
         logits3.stride(0), logits3.stride(1),
         T, V, logits_start, tau, tau_stride, scale, cap,
-        **has, BLOCK_V=bv, num_warps=num_warps_for(bv),
+        **has, BLOCK_V=bv, num_warps=num_warps_for(bv), HAS_MASK=counted is not None,
+        TEMP_BY_VALUE=isinstance(tau, float), NAN_FLAGGED=nan_flagged,
     )
     return logp, ent, stats, bad
 
 
-def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None):
+def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, g=None):
     """Writes dL/dz of the raw logits into grad3 (B, T_l, V), every row (zeros where no gradient);
     grad3 may be logits3 itself. c, e: float32 (B*T,) coefficients; e may be None (no entropy term);
-    stats from vocab_fwd with the same scale and softcap."""
+    stats from vocab_fwd with the same scale and softcap. g: the loss's upstream gradient (float32, one
+    element, or one per token), read by the kernel, which multiplies c and e by it; None: c and e are
+    already multiplied."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -112,7 +121,8 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, 
         logits3, grad3, ids, stats, ent, c, c if e is None else e,
         logits3.stride(0), logits3.stride(1), grad3.stride(0), grad3.stride(1),
         T, T_l, V, logits_start, tau, tau_stride, scale, cap,
-        HAS_E=e is not None, **has, BLOCK_V=bv, num_warps=num_warps_for(bv),
+        HAS_E=e is not None, **has, BLOCK_V=bv, num_warps=num_warps_for(bv), TEMP_BY_VALUE=isinstance(tau, float),
+        HAS_G=g is not None, g_ptr=c if g is None else g, g_stride=0 if g is None or g.numel() == 1 else g.stride(0),
     )
     return grad3
 

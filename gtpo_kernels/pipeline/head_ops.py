@@ -21,7 +21,7 @@ from ..core import checks
 from ..core.config import is_zero
 from ..core.layout import float_dtype_for
 from ..kernels import ops
-from ..kernels.autograd import _scale as scale_by_upstream
+from ..kernels.dispatch import scale_by as scale_by_upstream
 from ..objective.surrogate import seg_sum
 from . import head as hd
 from . import loss, tiles

@@ -20,8 +20,9 @@ from ..objective.conflict import conflict_flat
 from ..objective.surrogate import surrogate
 
 
-def check_loss_args(b, cfg, num_items_in_batch, dt, validate=True):
-    """Checks that depend on the config; returns num_items_in_batch as the surrogate takes it."""
+def check_loss_args(b, cfg, num_items_in_batch, dt, validate=True, raw=False):
+    """Checks that depend on the config; returns num_items_in_batch as the surrogate takes it (raw: as the
+    epilogue kernel takes it, see checks.check_num_items)."""
     if b.ref is None and not is_zero(cfg.beta):
         raise ValueError("config.beta > 0 (or a tensor beta) needs ref_logps (the reference model's "
                          "log-probs, shape of completion_ids); or set beta=0")
@@ -29,18 +30,19 @@ def check_loss_args(b, cfg, num_items_in_batch, dt, validate=True):
         raise ValueError("loss_agg='none' with importance_sampling_level='sequence' is refused: each token's "
                          "loss then depends on every token of its completion, so a per-token upstream "
                          "gradient has no per-token meaning; aggregate the loss instead")
-    return checks.check_num_items(num_items_in_batch, cfg.loss_agg, b.counted.device, dt, validate)
+    return checks.check_num_items(num_items_in_batch, cfg.loss_agg, b.given["ids"].device, dt, validate, raw)
 
 
-def conflicts_for(b, cfg, group_size, dt, backend):
-    """The conflict weights the loss uses: given (b.lam / b.n_conf) or computed here; 1 off the mask."""
+def conflicts_for(b, cfg, group_size, dt, backend, mask_lam=True):
+    """The conflict weights the loss uses: given (b.lam / b.n_conf) or computed here; 1 off the mask
+    (mask_lam=False: left to the epilogue kernel, which reads them only where counted)."""
     if cfg.use_conflict_mask and (b.lam is None or
                                   (b.n_conf is None and cfg.loss_agg == "gtpo-official")):
         group_size = checks.check_group_size(group_size, b.B)
         lam_c, n_conf_c = conflict_flat(b, group_size, cfg, dt, backend)
         b.lam = b.lam if b.lam is not None else lam_c
         b.n_conf = b.n_conf if b.n_conf is not None else n_conf_c
-    if b.lam is not None:  # ignored where masked out, as everything else
+    if b.lam is not None and mask_lam:  # ignored where masked out, as everything else
         b.lam = torch.where(b.counted, b.lam, torch.ones_like(b.lam))
 
 
@@ -117,11 +119,16 @@ def _report(b, cfg, res):
     if flagged:
         checks.raise_on_flags(bad, b.tok_shape)
     if all_dropped:
-        warnings.warn(
-            f"gtpo_loss: the entropy filter dropped every completion (mean entropy above entropy_threshold="
-            f"{float(cfg.entropy_threshold):.3g}), so the loss and its gradient are zero. A model more uncertain than "
-            f"that from the start needs GTPOConfig(initial_entropy=<its mean entropy>) (the paper's gate) or "
-            f"entropy_threshold=None; out.metrics['filtered_frac'] tracks it.", stacklevel=4)
+        warn_all_dropped(cfg.entropy_threshold, stacklevel=5)
+
+
+def warn_all_dropped(threshold, stacklevel):
+    """The entropy filter dropped every completion of a call (validating)."""
+    warnings.warn(
+        f"gtpo_loss: the entropy filter dropped every completion (mean entropy above entropy_threshold="
+        f"{float(threshold):.3g}), so the loss and its gradient are zero. A model more uncertain than "
+        f"that from the start needs GTPOConfig(initial_entropy=<its mean entropy>) (the paper's gate) or "
+        f"entropy_threshold=None; out.metrics['filtered_frac'] tracks it.", stacklevel=stacklevel)
 
 
 def make_output(b, cfg, loss, res, dt, host):

@@ -1,0 +1,319 @@
+"""The epilogue (Triton): every O(B) / O(N) step of the loss between the two vocabulary passes in one launch.
+
+From the forward kernel's per-token (logp, H, flags) it computes what objective/surrogate.py computes with
+~100 small torch ops (spec 2, 4, 9 for the PPO-clip policy term at the token or the sequence level):
+the entropy control (Hbar, the filter delta, Ahat), the ratio, the clip, delta and the dual clip, the
+conflict weights' multiplier, the KL term (with its bias correction), the entropy bonus, the aggregation
+weights, the per-token coefficients c = dL/dlogp and e = dL/dH the backward kernel reads, the loss value
+(its sum, or per token with loss_agg='none'), the outputs (lam and n_conf included) and the metrics, and a
+status word that validation reads once (bit 0: a counted row was flagged; bit 1: the entropy filter
+dropped every completion). The eager code stays the torch backend's path and this kernel's twin in tests.
+
+One program walks the completions in order (padded: completion i owns tokens [i T, (i + 1) T); packed:
+[cu[i], cu[i + 1])), in blocks of BLOCK tokens, twice: pass 1 forms the per-completion sums (counted
+tokens, entropy, and the sequence-level log-ratio) and the batch's, pass 2 the per-token terms, behind a
+barrier. At the sequence level pass 2 reads each completion twice (d loss / d log r summed over it first).
+A per-completion sum is the block sums added in order: nothing depends on the device or the grid. In
+the packed form cu_seqlens is read as the caller gave it: a malformed one (not from 0 to N, or
+decreasing) is replaced by the stand-in the eager code uses and makes every counted token's outputs NaN.
+Unvalidated invalid input gives NaN where it reaches, as the eager code: a flagged token's logp and H,
+non-finite advantages, old / ref log-probs and lam at counted tokens, an n_conf that is not finite and
+>= 1, a num_items_in_batch tensor that is not finite and > 0.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NAN = tl.constexpr(float("nan"))
+# loss_agg as the kernel's AGG
+AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "gtpo-official",
+        "none")
+
+
+@triton.jit
+def _finite_or_nan(x):
+    return tl.where(tl.abs(x) < float("inf"), x, NAN)
+
+
+@triton.jit
+def _span(cu_ptr, i, T, PACKED: tl.constexpr):
+    """Tokens [start, end) of completion i."""
+    if PACKED:
+        start = tl.load(cu_ptr + i).to(tl.int64)
+        end = tl.load(cu_ptr + i + 1).to(tl.int64)
+    else:
+        start = (tl.zeros((), tl.int64) + i) * T
+        end = start + T
+    return start, end
+
+
+@triton.jit
+def _counted(mask_ptr, o, inb, HAS_MASK: tl.constexpr):
+    if HAS_MASK:
+        return (tl.load(mask_ptr + o, mask=inb, other=0) != 0) & inb
+    return inb
+
+
+@triton.jit
+def _ppo(r, A, lo, hi, delta, dual_c, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
+    """(pg, d pg / d log r, clipped) of policy.ppo_parts."""
+    if HAS_DELTA:
+        r1 = tl.minimum(r, delta, propagate_nan=tl.PropagateNan.ALL)
+        capped = (r > delta).to(tl.int32)
+        dr1 = tl.where(r > delta, 0.0, r)
+    else:
+        r1 = r
+        dr1 = r
+        capped = (r != r).to(tl.int32) * 0
+    u1 = r1 * A
+    if CLIP:
+        u2 = tl.minimum(tl.maximum(r, lo, propagate_nan=tl.PropagateNan.ALL), hi,
+                        propagate_nan=tl.PropagateNan.ALL) * A
+        on_clip = u1 > u2
+        outside = (r < lo) | (r > hi)
+        d_logr = tl.where(on_clip, tl.where(outside, 0.0, -r * A), -dr1 * A)
+        clipped = tl.where(on_clip, outside.to(tl.int32), capped) * (A != 0.0).to(tl.int32)
+        pg = -tl.minimum(u1, u2, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        pg = -u1
+        d_logr = -dr1 * A
+        clipped = capped * (A != 0.0).to(tl.int32)
+    if HAS_DUAL:
+        cap = -A * dual_c
+        dual = ((pg > cap).to(tl.int32) * (A < 0.0).to(tl.int32)) != 0
+        pg = tl.where(dual, cap, pg)
+        d_logr = tl.where(dual, 0.0, d_logr)
+        clipped = tl.maximum(clipped, dual.to(tl.int32))
+    return pg, d_logr, clipped  # clipped: int32 0 / 1
+
+
+@triton.jit
+def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr,
+           lo, hi, delta, dual_c, beta, ent_coef, BLOCK: tl.constexpr,
+           HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr,
+           HAS_E: tl.constexpr, SEQ: tl.constexpr, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr,
+           HAS_DUAL: tl.constexpr):
+    """Per token of a block: (loss_tok, d_logp, d_logr, clipped, lam) before the aggregation weights."""
+    lp = tl.load(logp_out + o, mask=inb, other=0.0)
+    en = tl.load(ent_out + o, mask=inb, other=0.0)
+    if SEQ:
+        log_r = lp * 0.0 + lr_seq
+    elif HAS_OLD:
+        old = _finite_or_nan(tl.where(m, tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
+        log_r = lp - old
+    else:
+        log_r = lp - lp  # on-policy: 0, NaN at a NaN logp
+    r = tl.exp(log_r)
+    pg, d_logr, clipped = _ppo(r, a_hat, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
+    if HAS_LAM:
+        lam = tl.where(m, tl.load(lam_ptr + o, mask=inb, other=1.0).to(tl.float32), 1.0)
+        mult = _finite_or_nan(lam)
+    else:
+        lam = tl.full([BLOCK], 1.0, tl.float32)
+        mult = 1.0
+    loss_tok = mult * pg
+    d_logr = mult * d_logr
+    d_logp = tl.zeros([BLOCK], tl.float32)
+    if HAS_KL:
+        ref = _finite_or_nan(tl.where(m, tl.load(ref_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
+        d = ref - lp
+        ed = tl.exp(d)
+        k3 = ed - d - 1.0
+        dk3 = 1.0 - ed
+        if BIAS_KL:
+            loss_tok = loss_tok + beta * k3 * r
+            d_logp = beta * dk3 * r
+            d_logr = d_logr + beta * k3 * r
+        else:
+            loss_tok = loss_tok + beta * k3
+            d_logp = beta * dk3
+    if HAS_E:
+        loss_tok = loss_tok + (-ent_coef) * en
+    loss_tok = tl.where(m, loss_tok, 0.0)
+    return loss_tok, d_logp, d_logr, clipped, lam
+
+
+@triton.jit(do_not_specialize=["B", "T", "N"])
+def _epilogue_kernel(
+    logp_ptr, ent_ptr, bad_ptr, mask_ptr, cu_ptr,  # the forward kernel's outputs; the caller's mask; cu_seqlens
+    adv_ptr, old_ptr, ref_ptr, lam_ptr, nconf_ptr, nitems_ptr,  # inputs (unused ones: any tensor)
+    value_ptr, logp_out, ent_out, ltok_out, c_out, e_out, lam_out, nconf_out, kept_out, hbar_out,  # outputs
+    scratch_ptr, cu_fix, met_ptr, status_ptr,  # (3B,) float32, (B + 1,) int64 scratch; (4,) metrics; (1,) int32
+    B, T, N,  # completions; tokens per completion (padded form); tokens
+    lo, hi, delta, dual_c, beta, ent_coef, penalty, thr, max_len_cfg, nitems_val,  # hyper-parameters (floats)
+    PACKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
+    BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr, HAS_NCONF: tl.constexpr, NITEMS: tl.constexpr,
+    CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_E: tl.constexpr,
+    FILTER: tl.constexpr, PENALTY: tl.constexpr, SEQ: tl.constexpr, AGG: tl.constexpr, BLOCK: tl.constexpr,
+):
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    M = tl.zeros((), tl.int32)
+    n_kept = tl.zeros((), tl.int32)
+    longest = tl.zeros((), tl.int64)
+    h_tot = tl.zeros((), tl.float32)
+    flagged = tl.zeros((), tl.int32)
+    malformed = tl.zeros((), tl.int32)
+    if PACKED:  # cu_seqlens as given: the stand-in (clamped into [0, N], non-decreasing, from 0 to N) and a flag
+        prev_raw = tl.load(cu_ptr).to(tl.int64)
+        malformed = ((prev_raw != 0) | (tl.load(cu_ptr + B).to(tl.int64) != N)).to(tl.int32)
+        run = tl.minimum(tl.maximum(prev_raw, 0), N)
+        start = tl.zeros((), tl.int64)
+        for i in range(B):
+            raw = tl.load(cu_ptr + i + 1).to(tl.int64)
+            malformed = malformed | (raw < prev_raw).to(tl.int32)
+            prev_raw = raw
+            run = tl.maximum(run, tl.minimum(tl.maximum(raw, 0), N))
+            tl.store(cu_fix + i, start)
+            start = tl.where(i + 1 == B, N * 1, run)
+        tl.store(cu_fix + B, start * 0 + N)
+        tl.debug_barrier()
+    # pass 1: per completion, its counted tokens, Hbar, delta, Ahat and (sequence level) mean log r
+    for i in range(B):
+        start, end = _span(cu_fix, i, T, PACKED)
+        n_i = tl.zeros((), tl.int32)
+        h_i = tl.zeros((), tl.float32)
+        lr_i = tl.zeros((), tl.float32)
+        for t0 in range(start, end, BLOCK):
+            o = t0 + lanes
+            inb = o < end
+            m = _counted(mask_ptr, o, inb, HAS_MASK)
+            bad = (tl.load(bad_ptr + o, mask=inb, other=0) != 0) | (malformed != 0)  # malformed: every token
+            flagged = flagged | tl.max(bad.to(tl.int32), axis=0)
+            lp = tl.where(m, tl.where(bad, NAN, tl.load(logp_ptr + o, mask=inb, other=0.0)), 0.0)
+            en = tl.where(m, tl.where(bad, NAN, tl.load(ent_ptr + o, mask=inb, other=0.0)), 0.0)
+            tl.store(logp_out + o, lp, mask=inb)
+            tl.store(ent_out + o, en, mask=inb)
+            if HAS_LAM:
+                lam = tl.where(m, tl.load(lam_ptr + o, mask=inb, other=1.0).to(tl.float32), 1.0)
+            else:
+                lam = tl.full([BLOCK], 1.0, tl.float32)
+            tl.store(lam_out + o, lam, mask=inb)
+            n_i += tl.sum(m.to(tl.int32), axis=0)
+            h_i += tl.sum(en, axis=0)
+            if SEQ:
+                if HAS_OLD:
+                    old = _finite_or_nan(tl.where(m, tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
+                    lr = lp - old
+                else:
+                    lr = lp - lp
+                lr_i += tl.sum(tl.where(m, lr, 0.0), axis=0)
+        n_safe = tl.maximum(n_i, 1).to(tl.float32)
+        hbar = h_i / n_safe
+        adv = _finite_or_nan(tl.load(adv_ptr + i).to(tl.float32))
+        adv = tl.where(malformed != 0, NAN, adv)
+        if FILTER:
+            kept = hbar <= thr
+        else:
+            kept = n_i >= 0
+        if PENALTY:
+            shaped = adv - penalty * hbar
+        else:
+            shaped = adv
+        tl.store(hbar_out + i, hbar)
+        tl.store(kept_out + i, kept.to(tl.uint8))
+        tl.store(scratch_ptr + i, tl.where(kept, shaped, shaped * 0.0))
+        tl.store(scratch_ptr + B + i, lr_i / n_safe)
+        tl.store(scratch_ptr + 2 * B + i, n_safe)
+        if HAS_NCONF:
+            tl.store(nconf_out + i, tl.load(nconf_ptr + i).to(tl.float32))
+        else:
+            tl.store(nconf_out + i, 1.0)
+        M += n_i
+        n_kept += kept.to(tl.int32)
+        longest = tl.maximum(longest, end - start)
+        h_tot += h_i
+    tl.debug_barrier()
+    M_safe = tl.maximum(M, 1).to(tl.float32)
+    Bf = B * 1.0
+    if NITEMS == 2:  # a tensor: NaN unless finite and > 0
+        ni = tl.load(nitems_ptr).to(tl.float32)
+        ni = tl.where((ni > 0.0) & (tl.abs(ni) < float("inf")), ni, NAN)
+    else:
+        ni = nitems_val
+    if PACKED:
+        max_len = tl.where(max_len_cfg > 0.0, max_len_cfg, tl.maximum(longest, 1).to(tl.float32))
+    else:
+        max_len = tl.where(max_len_cfg > 0.0, max_len_cfg, T * 1.0)
+    loss_acc = tl.zeros([BLOCK], tl.float32)
+    clip_n = tl.zeros((), tl.int32)
+    conf_n = tl.zeros((), tl.int32)
+    lam_nan = tl.zeros((), tl.float32)
+    # pass 2: per token, the terms, the weights, c and e, the loss
+    for i in range(B):
+        start, end = _span(cu_fix, i, T, PACKED)
+        a_hat = tl.load(scratch_ptr + i)
+        lr_seq = tl.load(scratch_ptr + B + i)
+        n_safe = tl.load(scratch_ptr + 2 * B + i)
+        if AGG == 0:
+            denom = Bf * n_safe
+        elif AGG == 1:
+            if NITEMS == 0:
+                denom = M_safe
+            else:
+                denom = ni * 1.0
+        elif AGG == 2:
+            denom = Bf
+        elif AGG == 3:
+            denom = Bf * max_len
+        elif AGG == 4:
+            if HAS_NCONF:
+                nc = tl.load(nconf_ptr + i).to(tl.float32)
+                nc = tl.where((tl.abs(nc) < float("inf")) & (nc >= 1.0), nc, NAN)
+            else:
+                nc = 1.0
+            denom = n_safe * nc
+        else:
+            denom = 1.0
+        g_seq = 0.0
+        if SEQ:  # d loss / d log r summed over the completion, spread back on its counted tokens
+            g_acc = tl.zeros([BLOCK], tl.float32)
+            for t0 in range(start, end, BLOCK):
+                o = t0 + lanes
+                inb = o < end
+                m = _counted(mask_ptr, o, inb, HAS_MASK)
+                _, _, d_logr, _, _ = _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr,
+                                            lo, hi, delta, dual_c, beta, ent_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL,
+                                            HAS_LAM, HAS_E, SEQ, CLIP, HAS_DELTA, HAS_DUAL)
+                w = tl.where(m, 1.0, 0.0) / denom
+                g_acc += tl.where(m, w * d_logr, 0.0)
+            g_seq = tl.sum(g_acc, axis=0) / n_safe
+        for t0 in range(start, end, BLOCK):
+            o = t0 + lanes
+            inb = o < end
+            m = _counted(mask_ptr, o, inb, HAS_MASK)
+            loss_tok, d_logp, d_logr, clipped, lam = _terms(
+                o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, lo, hi, delta, dual_c,
+                beta, ent_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ, CLIP, HAS_DELTA, HAS_DUAL)
+            if AGG == 5:
+                w = tl.where(m, 1.0, 0.0)
+            else:
+                w = tl.where(m, 1.0, 0.0) / denom
+            if SEQ:
+                c = tl.where(m, w * d_logp + g_seq, 0.0)
+            else:
+                c = tl.where(m, w * d_logp + w * d_logr, 0.0)
+            tl.store(ltok_out + o, loss_tok, mask=inb)
+            tl.store(c_out + o, c, mask=inb)
+            if HAS_E:
+                tl.store(e_out + o, tl.where(m, w * (-ent_coef) + a_hat * 0.0, 0.0), mask=inb)
+            if AGG == 5:
+                tl.store(value_ptr + o, w * loss_tok, mask=inb)
+            else:
+                loss_acc += tl.where(inb, w * loss_tok, 0.0)
+            clip_n += tl.sum(tl.where(m, clipped, 0), axis=0)
+            if HAS_LAM:
+                conf_n += tl.sum(((lam != 1.0) & m).to(tl.int32), axis=0)
+                lam_nan += tl.sum(tl.where(m, lam * 0.0, 0.0), axis=0)
+    if AGG != 5:
+        tl.store(value_ptr, tl.sum(loss_acc, axis=0))
+    tl.store(met_ptr, clip_n.to(tl.float32) / M_safe)
+    tl.store(met_ptr + 1, tl.where(B > 0, (B - n_kept).to(tl.float32) / tl.maximum(Bf, 1.0), 0.0))
+    if HAS_LAM:
+        tl.store(met_ptr + 2, conf_n.to(tl.float32) / M_safe + lam_nan)
+    else:
+        tl.store(met_ptr + 2, 0.0)
+    tl.store(met_ptr + 3, h_tot / M_safe)
+    if FILTER:
+        flagged = flagged | (((n_kept == 0) & (M > 0)).to(tl.int32) * 2)
+    tl.store(status_ptr, flagged)

@@ -1,0 +1,113 @@
+"""The loss on logits in one custom op (and token_logprobs' forward in another): the forward vocabulary kernel, then the epilogue kernel
+(epilogue_triton), two launches; its autograd rule is the backward vocabulary kernel, reading the upstream
+gradient by pointer (one launch). Opaque to torch.compile, with a fake implementation.
+
+    fused_loss(logits3, ...) -> [value, logp, H, loss_tok, c, e, lam, n_conf, kept (uint8), Hbar,
+                                 metrics (4,), status (1,), stats (n, 3), flags (n,)]
+
+`floats` and `flags` carry the hyper-parameters and the kernel's switches (LossArgs in
+pipeline/epilogue.py names them); nothing here reads the device on the host.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from . import ops, vocab_triton
+from .epilogue_triton import _epilogue_kernel
+
+FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "thr", "max_len", "nitems")
+FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
+         "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE")
+EPILOGUE_BLOCK = 1024  # tokens per step of the epilogue's one program
+N_OUT = 14
+
+
+def _outputs(logits3, n, B, none_agg):
+    f32 = dict(device=logits3.device, dtype=torch.float32)
+    value = torch.empty(n if none_agg else (), **f32)
+    per_tok = [torch.empty(n, **f32) for _ in range(6)]  # logp, H, loss_tok, c, e, lam
+    return [value, *per_tok, torch.empty(B, **f32), torch.empty(B, device=logits3.device, dtype=torch.uint8),
+            torch.empty(B, **f32), torch.empty(4, **f32), torch.empty(1, device=logits3.device, dtype=torch.int32),
+            torch.empty((n, 3), **f32), torch.empty(n, device=logits3.device, dtype=torch.int8)]
+
+
+@torch.library.custom_op("gtpo_kernels::fused_loss", mutates_args=())
+def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Tensor], cu: Optional[torch.Tensor],
+               adv: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+               lam: Optional[torch.Tensor], n_conf: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
+               temperature: Optional[torch.Tensor], floats: List[float], flags: List[int], logits_start: int,
+               B: int) -> List[torch.Tensor]:
+    fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
+    n = ids.numel()
+    outs = _outputs(logits3, n, B, fg["AGG"] == 5)
+    value, logp, ent, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status, stats, bad = outs
+    tau = fl["tau"] if fg["TEMP_BY_VALUE"] else temperature
+    if n:
+        vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad))
+    scratch = torch.empty(3 * B, device=logits3.device, dtype=torch.float32)
+    cu_fix = torch.empty(B + 1, device=logits3.device, dtype=torch.int64)
+    any_ = ids  # a tensor for the pointers that are not read
+    sw = {k: bool(v) if k not in ("NITEMS", "AGG") else int(v) for k, v in fg.items() if k != "TEMP_BY_VALUE"}
+    _epilogue_kernel[(1,)](
+        logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
+        adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items)),
+        value, logp, ent, ltok, c, e, lam_out, nconf_out, kept, hbar, scratch, cu_fix, met, status,
+        B, n // B if (B and not fg["PACKED"]) else 0, n,
+        fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
+        fl["max_len"], fl["nitems"], HAS_MASK=mask is not None, BLOCK=EPILOGUE_BLOCK, num_warps=4, **sw)
+    return outs
+
+
+@fused_loss.register_fake
+def _(logits3, ids, mask, cu, adv, old, ref, lam, n_conf, num_items, temperature, floats, flags, logits_start, B):
+    return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5)
+
+
+def _setup_context(ctx, inputs, output):
+    logits3, ids, *_rest = inputs
+    temperature, floats, flags, logits_start = inputs[10:14]
+    fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
+    _value, _logp, ent, _ltok, c, e, *_more = output
+    stats = output[12]
+    ctx.save_for_backward(logits3, ids, stats, ent, c, e if fg["HAS_E"] else None, temperature)
+    ctx.meta = (logits_start, fl["tau"] if fg["TEMP_BY_VALUE"] else 1.0)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero gradients made for the outputs without one
+
+
+def _backward(ctx, grads):
+    grad = grads[0]  # the loss value's; the other outputs are not differentiable
+    if grad is None:
+        return (None,) * 15
+    logits3, ids, stats, ent, c, e, temperature = ctx.saved_tensors
+    logits_start, tau_value = ctx.meta
+    g = grad.reshape(-1)
+    grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, backend="triton", g=g,
+                          tau_value=tau_value)
+    return (grad3,) + (None,) * 14
+
+
+fused_loss.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("gtpo_kernels::token_logps", mutates_args=())
+def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Tensor],
+                temperature: Optional[torch.Tensor], tau_value: float, logits_start: int) -> List[torch.Tensor]:
+    """token_logprobs in one launch: [logp, H, flags], 0 where not counted, NaN at a flagged token."""
+    n = ids.numel()
+    f32 = dict(device=logits3.device, dtype=torch.float32)
+    outs = (torch.empty(n, **f32), torch.empty(n, **f32), torch.empty((n, 3), **f32),
+            torch.empty(n, device=logits3.device, dtype=torch.int8))
+    if n:
+        vocab_triton.vocab_fwd(logits3, ids, mask, tau_value if temperature is None else temperature, logits_start,
+                               outs=outs, nan_flagged=True)
+    return [outs[0], outs[1], outs[3]]
+
+
+@token_logps.register_fake
+def _(logits3, ids, mask, temperature, tau_value, logits_start):
+    n = ids.numel()
+    return [logits3.new_empty(n, dtype=torch.float32), logits3.new_empty(n, dtype=torch.float32),
+            logits3.new_empty(n, dtype=torch.int8)]

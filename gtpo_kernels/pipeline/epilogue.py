@@ -1,0 +1,106 @@
+"""The loss on logits in three launches (spec 8, "One pass in the call, too"): the forward vocabulary
+kernel, the epilogue kernel (every O(B) / O(N) step, the outputs and the metrics), and in backward the
+gradient kernel reading the upstream gradient by pointer (kernels/loss_ops.py). Autograd's seed of a
+scalar loss (`ones_like`) is the fourth launch of a forward + backward.
+
+It takes the Triton backend on one process, for the PPO-clip policy term at the token or the sequence
+level (GTPO and the TRL-family presets grpo, dapo, dr_grpo, bnpo, gspo, luspo, gtpo-official, and verl's
+vanilla), with any aggregation, conflict weights given or computed, old / ref log-probs, the KL (and its
+bias correction), the entropy filter, gate, penalty and bonus, num_items_in_batch (number or tensor), a
+temperature (number, schedule tensor, per completion or per token). Whatever else (another policy term,
+the off-policy and top-entropy masks, rollout weights, kept sets, vocabulary-parallel, inplace,
+hyper-parameters given as tensors) takes the eager path of loss.fused_loss, which is also this kernel's
+twin in tests. Validating, the status word is read with the call's input checks: one host read.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ..core import checks
+from ..core.output import GTPOOutput
+from ..kernels import loss_ops
+from ..kernels.epilogue_triton import AGGS
+from .loss import warn_all_dropped
+
+_NUMBERS = ("eps_low", "eps_high", "delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty",
+            "entropy_threshold", "initial_entropy", "max_completion_length", "top_entropy_quantile")
+
+
+def _number(x):
+    return x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool))
+
+
+def eligible(b, cfg, backend, inplace, kept_sets, process_group):
+    """Whether the call takes the three-launch path (see the module docstring)."""
+    return (backend == "triton" and process_group is None and not kept_sets and not inplace
+            and cfg.policy_loss == "ppo" and cfg.off_policy_mask_threshold is None
+            and all(_number(getattr(cfg, k)) for k in _NUMBERS) and cfg.top_entropy_quantile == 1.0
+            and b.rollout_w is None and b.rollout_w_seq is None and b.logits3.dtype != torch.float64)
+
+
+def _temperature(cfg, tau, like):
+    """(tensor or None, the number by value): a Python number goes by value, a tensor as the kernels read it."""
+    t = cfg.temperature if tau is None else tau
+    return _tau(t, like)
+
+
+def _tau(t, like):
+    if isinstance(t, torch.Tensor):
+        if not (t.device == like.device and t.dtype == torch.float32):
+            t = t.detach().to(device=like.device, dtype=torch.float32)
+        return t.reshape(-1), 1.0
+    return None, float(t)
+
+
+def loss(b, cfg, num_items, tau, host):
+    """GTPOOutput of the call; validating, the status word joins the call's pending checks (one read)."""
+    thr, init = cfg.entropy_threshold, cfg.initial_entropy
+    gate = thr is not None and init is not None and init > thr  # the paper's gate: the filter off
+    temperature, tau_value = _temperature(cfg, tau, b.logits3)
+    agg = AGGS.index(cfg.loss_agg)
+    n_items = num_items if isinstance(num_items, torch.Tensor) else None
+    has_kl = b.ref is not None and cfg.beta != 0
+    floats = [tau_value, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, 0.0 if cfg.delta is None else float(cfg.delta),
+              0.0 if cfg.dual_clip_c is None else float(cfg.dual_clip_c), float(cfg.beta), float(cfg.entropy_coef),
+              float(cfg.entropy_penalty), 0.0 if thr is None else float(thr),
+              float(cfg.max_completion_length or 0), float(num_items) if isinstance(num_items, float) else 1.0]
+    flags = [b.packed, b.old is not None, has_kl, has_kl and cfg.use_bias_correction_kl, b.lam is not None,
+             b.n_conf is not None, 0 if num_items is None else (2 if n_items is not None else 1), cfg.clip,
+             cfg.delta is not None, cfg.dual_clip_c is not None, cfg.entropy_coef != 0, thr is not None and not gate,
+             cfg.entropy_penalty != 0, cfg.importance_sampling_level == "sequence", agg, temperature is None]
+    given = b.given  # a malformed cu_seqlens is the kernel's to flag (ids and advantages as given)
+    flat = [None if x is None else x.contiguous()
+            for x in (b.mask, given["adv"], b.old, b.ref, b.lam, b.n_conf, given["cu_seqlens"])]
+    mask, adv, old, ref, lam, n_conf, cu = flat  # the kernels read them with stride 1 (a copy only if they are not)
+    outs = loss_ops.fused_loss(b.logits3, given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
+                               temperature, floats, [int(f) for f in flags], b.logits_start, b.B)
+    value, logp, ent, ltok, _c, _e, lam, n_conf, kept, hbar, met, status, _stats, bad = outs
+    if host:
+        checks.check_on_device(status[0], lambda: _report(status, bad, b, thr))
+    shape = b.tok_shape
+    metrics = dict(clip_frac=met[0], filtered_frac=met[1], conflict_frac=met[2], mean_entropy=met[3])
+    return GTPOOutput(loss=value.reshape(shape) if agg == AGGS.index("none") else value, logps=logp.reshape(shape),
+                      entropy=ent.reshape(shape), per_token_loss=ltok.reshape(shape), lam=lam.reshape(shape),
+                      n_conf=n_conf, kept=kept.view(torch.bool), seq_entropy=hbar, metrics=metrics)
+
+
+def _report(status, bad, b, thr):
+    """A nonzero status word: a flagged counted row raises (checks.raise_on_flags names it); the entropy
+    filter having dropped every completion warns."""
+    word = int(status[0])
+    if word & 1:
+        checks.raise_on_flags(bad, b.tok_shape)
+    if word & 2:
+        warn_all_dropped(thr, stacklevel=7)
+
+
+def token_logps(b, temperature, host):
+    """token_logprobs on the Triton backend in one launch: (logps, entropy) of the tokens' shape."""
+    tau, tau_value = _tau(temperature, b.logits3)
+    mask = None if b.mask is None else b.mask.contiguous()
+    logp, ent, bad = loss_ops.token_logps(b.logits3, b.ids, mask, tau, tau_value, b.logits_start)
+    if host:
+        checks.check_on_device((bad != 0).any(), lambda: checks.raise_on_flags(bad, b.tok_shape))
+    return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)

@@ -1,0 +1,220 @@
+"""The epilogue kernel (kernels/epilogue_triton.py: every O(B) / O(N) step of the loss in one launch) against
+the float64 reference and against its eager twin (the torch backend's objective/surrogate.py), options
+drawn together: every preset of the three-launch path, padded and packed, the mask absent / bool / float,
+old and ref log-probs, the KL and its bias correction, delta and verl's dual clip, the entropy filter (its
+threshold drawn among the completions' entropies), gate, penalty and bonus, every aggregation ('none'
+with a per-token upstream gradient that is inf where a token is not counted), num_items_in_batch as a
+number or a tensor, max_completion_length, a temperature per completion, conflict weights given or
+computed. Tolerances: spec 7 (float32: 1e-5)."""
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from bench.launches import counting
+from conftest import assert_grad_close, assert_value_close, examples
+from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
+
+FAST = ["gtpo", "gtpo-official", "grpo", "dapo", "dr-grpo", "bnpo", "gspo", "luspo", "vanilla"]
+AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "gtpo-official",
+        "none"]
+TOL = 1e-5
+
+
+@st.composite
+def calls(draw):
+    G = 2
+    B = G * draw(st.integers(1, 3))
+    T = draw(st.integers(1, 6))
+    V = draw(st.integers(4, 40))
+    seed = draw(st.integers(0, 2**31 - 1))
+    preset = draw(st.sampled_from(FAST))
+    over = {}
+    cfg = GTPOConfig.preset(preset)
+    if draw(st.booleans()):
+        over["loss_agg"] = draw(st.sampled_from([a for a in AGGS if not (a == "none" and cfg.sequence_term)]))
+    if draw(st.booleans()):
+        over.update(beta=0.04, use_bias_correction_kl=draw(st.booleans()))
+    if draw(st.booleans()):
+        over["entropy_coef"] = 0.01
+    if draw(st.booleans()):
+        over["delta"] = draw(st.sampled_from([1.1, 1.5]))
+    if draw(st.booleans()):
+        over["dual_clip_c"] = 3.0
+    if draw(st.booleans()):
+        over["clip"] = False
+    if draw(st.booleans()):
+        over["entropy_penalty"] = 0.1
+    if draw(st.booleans()):
+        over["max_completion_length"] = T + draw(st.integers(0, 3))
+    filt = draw(st.sampled_from(["keep", "off", "drawn", "gate"]))
+    return dict(B=B, T=T, V=V, G=G, seed=seed, cfg=cfg.replace(**over), filt=filt,
+                packed=draw(st.booleans()), mask=draw(st.sampled_from(["none", "bool", "float"])),
+                old=draw(st.booleans()), lam=draw(st.sampled_from(["given", "computed", "off"])),
+                items=draw(st.sampled_from([None, "number", "tensor"])), tau=draw(st.sampled_from([None, "seq"])))
+
+
+def _inputs(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    B, T, V = c["B"], c["T"], c["V"]
+    logits = torch.randn(B, T, V, generator=g) * 4
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[0, 0] = True
+    adv = torch.randn(B, generator=g)
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[..., None])[..., 0]
+    old = (lp + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    ref = (lp + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    tau = torch.rand(B, generator=g) * 0.8 + 0.6
+    return logits, ids, mask, adv, old, ref, tau
+
+
+def _call(c, logits, ids, mask, adv, old, ref, tau, backend, upstream):
+    cfg = c["cfg"]
+    B, T = ids.shape
+    kw = dict(config=cfg, backend=backend, validate=False, group_size=c["G"])
+    if c["old"]:
+        kw["old_logps"] = old
+    if cfg.beta:
+        kw["ref_logps"] = ref
+    if c["lam"] == "given":
+        kw["lam"], kw["n_conf"] = conflict_weights(ids, mask, adv, c["G"]) if "weights" not in c else c["weights"]
+    elif c["lam"] == "off":
+        kw["config"] = cfg = cfg.replace(use_conflict_mask=False)
+    if cfg.loss_agg == "token-mean" and c["items"]:
+        n = float(mask.sum()) + 3.0
+        kw["num_items_in_batch"] = n if c["items"] == "number" else torch.tensor(n)
+    if c["tau"] == "seq":
+        kw["temperature"] = tau[:, None]  # (B, 1): per completion in both forms
+    m = None if c["mask"] == "none" else (mask if c["mask"] == "bool" else mask.float())
+    x = logits.clone().requires_grad_()
+    args = (x, ids, adv, m)
+    if c["packed"]:  # the whole rows of every completion, packed
+        kw = {k: v.reshape(-1) if isinstance(v, torch.Tensor) and v.shape == (B, T) and k != "temperature" else v
+              for k, v in kw.items()}
+        kw.update(cu_seqlens=torch.arange(0, B * T + 1, T), max_seqlen=T)
+        args = (x.view(B * T, -1), ids.reshape(-1), adv, None if m is None else m.reshape(-1))
+    with counting() as k:  # the call alone: forward and backward
+        out = gtpo_loss(*args, **kw)
+        (out.loss if out.loss.dim() == 0 else (out.loss.reshape(B, T) * upstream).sum()).backward()
+    return out, x.grad, k
+
+
+def _compare(name, out, grad, ref_out, ref_grad, counted):
+    assert_value_close(f"{name} loss", out.loss, ref_out.loss, TOL)
+    for f in ("logps", "entropy", "per_token_loss", "lam"):
+        assert_value_close(f"{name} {f}", getattr(out, f).reshape(counted.shape), getattr(ref_out, f).reshape(
+            counted.shape), TOL, where=counted)
+    assert_value_close(f"{name} n_conf", out.n_conf, ref_out.n_conf, TOL)
+    assert torch.equal(out.kept, ref_out.kept), name
+    assert_value_close(f"{name} seq_entropy", out.seq_entropy, ref_out.seq_entropy, TOL)
+    for k in ("clip_frac", "filtered_frac", "conflict_frac", "mean_entropy"):
+        assert_value_close(f"{name} {k}", out.metrics[k], ref_out.metrics[k], TOL)
+    assert_grad_close(f"{name} grad", grad.reshape(ref_grad.shape), ref_grad, TOL)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(c=calls())
+def test_epilogue_matches_reference_and_its_twin(c):
+    logits, ids, mask, adv, old, ref, tau = _inputs(c)
+    counted = mask if c["mask"] != "none" else torch.ones_like(mask)
+    # entropy filter: off, keeping all, or a threshold between two completions' mean entropies
+    H = torch.special.entr(torch.softmax(logits.double() / (tau[:, None, None].double() if c["tau"] else 1.0),
+                                         -1)).sum(-1)
+    hbar = (H * counted).sum(1) / counted.sum(1).clamp(min=1)
+    cfg = c["cfg"]
+    if c["filt"] == "off":
+        cfg = cfg.replace(entropy_threshold=None)
+    elif c["filt"] == "keep":
+        cfg = cfg.replace(entropy_threshold=float(hbar.max()) + 1.0)
+    elif c["filt"] == "drawn":
+        srt = hbar.sort().values
+        cfg = cfg.replace(entropy_threshold=float(srt[len(srt) // 2]) + 1e-3)
+        assume((hbar - cfg.entropy_threshold).abs().min() > 1e-4)
+    else:
+        cfg = cfg.replace(entropy_threshold=0.5, initial_entropy=5.0)
+    c = dict(c, cfg=cfg)
+    lp = torch.log_softmax(logits.double() / (tau[:, None, None].double() if c["tau"] else 1.0), -1)
+    r = torch.exp(lp.gather(-1, ids[..., None])[..., 0] - old.double())[counted]
+    for edge in (1 - cfg.eps_low, 1 + cfg.eps_high) + ((cfg.delta,) if cfg.delta else ()):  # no decision on a cut
+        assume(not c["old"] or r.numel() == 0 or (r - edge).abs().min() > 1e-4)
+    c["weights"] = tuple(w.to(logits.dtype) for w in conflict_weights(ids, mask, adv, c["G"]))  # outside the count
+    upstream = torch.where(counted, torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) + 0.5,
+                           torch.full(ids.shape, float("inf")))
+    out, grad, k = _call(c, logits, ids, mask, adv, old, ref, tau, "triton", upstream)
+    assert k.triton_names.get("_epilogue_kernel") == 1, dict(k.triton_names)  # the three-launch path ran
+    if c["lam"] != "computed" and c["tau"] is None:  # the three-launch path's bound (spec 8), the seed included
+        assert k.launches <= 4, (k.launches, k.ops)
+    ref_out, ref_grad, _ = _call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(),
+                                 "reference", torch.where(counted, upstream, 0.0).double())  # no inf gradient
+    assume(torch.isfinite(ref_out.loss).all())
+    _compare("triton vs reference", out, grad, ref_out, ref_grad, counted)
+    twin, twin_grad, _ = _call(c, logits, ids, mask, adv, old, ref, tau, "torch", upstream)
+    _compare("triton vs torch", out, grad, twin, twin_grad.double(), counted)
+
+
+def test_reference_gradient_is_not_zero_on_a_fixed_case():
+    """The property test's inputs give a live gradient (its comparisons are not of zeros)."""
+    c = dict(B=4, T=5, V=16, G=2, seed=3, cfg=GTPOConfig.preset("gtpo", entropy_threshold=None), filt="off",
+             packed=False, mask="bool", old=True, lam="given", items=None, tau=None)
+    logits, ids, mask, adv, old, ref, tau = _inputs(c)
+    out, grad, _ = _call(c, logits, ids, mask, adv, old, ref, tau, "triton", torch.ones(4, 5))
+    ref_out, ref_grad, _ = _call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(),
+                              "reference", torch.ones(4, 5))
+    assert ref_grad.abs().sum() > 0
+    _compare("fixed", out, grad, ref_out, ref_grad, mask)
+
+
+@pytest.mark.parametrize("bad", ["adv", "old", "lam", "n_conf", "num_items"])
+def test_unvalidated_invalid_input_gives_nan_not_a_number(bad):
+    """validate=False: a non-finite advantage, old log-prob or lam at a counted token, an n_conf below 1,
+    a num_items_in_batch tensor of 0: the loss is NaN (never a finite wrong number), as on the eager path."""
+    c = dict(B=4, T=5, V=16, G=2, seed=4, cfg=None, filt="off", packed=False, mask="bool", old=True, lam="given",
+             items=None, tau=None)
+    logits, ids, mask, adv, old, ref, tau = _inputs(c)
+    lam, n_conf = conflict_weights(ids, mask, adv, 2)
+    cfg = GTPOConfig.preset("gtpo-official" if bad == "n_conf" else ("dapo" if bad == "num_items" else "gtpo"),
+                            entropy_threshold=None)
+    kw = dict(old_logps=old, lam=lam, n_conf=n_conf)
+    if bad == "adv":
+        adv = adv.clone()
+        adv[1] = float("inf")
+    elif bad == "old":
+        kw["old_logps"] = old.clone()
+        kw["old_logps"][0, 0] = float("-inf")
+    elif bad == "lam":
+        kw["lam"] = lam.clone()
+        kw["lam"][0, 0] = float("nan")
+    elif bad == "n_conf":
+        kw["n_conf"] = n_conf.clone()
+        kw["n_conf"][0] = 0.5
+    else:
+        kw["num_items_in_batch"] = torch.tensor(-5.0)  # a finite wrong number if taken as it is
+    for backend in ("triton", "torch"):
+        out = gtpo_loss(logits, ids, adv, mask, config=cfg, backend=backend, validate=False, **kw)
+        assert torch.isnan(out.loss), (backend, out.loss)
+
+
+@pytest.mark.parametrize("cu", [[0, 2, 3], [1, 2, 5], [0, 4, 2, 5], [0, 3, 7]], ids=str)
+def test_unvalidated_malformed_cu_seqlens_matches_the_eager_path(cu):
+    """Packed, validate=False: the epilogue reads cu_seqlens as given; a malformed one (short of N, not from
+    0, decreasing, past N) gives what the eager path gives, NaN at every counted token (none left unwritten)."""
+    g = torch.Generator().manual_seed(5)
+    N, V = 5, 12
+    logits = torch.randn(N, V, generator=g)
+    ids = torch.randint(0, V, (N,), generator=g)
+    B = len(cu) - 1
+    adv = torch.randn(B, generator=g)
+    outs = {}
+    for backend in ("triton", "torch"):
+        x = logits.clone().requires_grad_()
+        out = gtpo_loss(x, ids, adv, cu_seqlens=torch.tensor(cu), group_size=1, config="grpo", backend=backend,
+                        validate=False)
+        out.loss.backward()
+        outs[backend] = (out, x.grad)
+    (o, gr), (t, tg) = outs["triton"], outs["torch"]
+    assert torch.isnan(o.logps).all() and torch.isnan(o.entropy).all() and torch.isnan(o.loss)
+    for f in ("logps", "entropy", "per_token_loss", "lam", "seq_entropy", "n_conf"):
+        torch.testing.assert_close(getattr(o, f), getattr(t, f), equal_nan=True, msg=f)
+    assert torch.equal(o.kept, t.kept)
+    torch.testing.assert_close(gr, tg, equal_nan=True)
