@@ -205,6 +205,21 @@ def _rows(device="cpu"):
             logits, ids, _, mask, _ = batch(8, 6, 0, False, device=device)
             return lambda: token_logprobs(logits, ids, 0.7, mask, validate=validate, backend="triton")
         return prepare
+    def head(schedule, tiles):
+        def prepare():
+            from gtpo_kernels import linear_gtpo_loss
+            from gtpo_kernels.pipeline.head import row_bytes
+            g = torch.Generator().manual_seed(0)
+            B, T, D, V = 16, 8, 16, 64
+            h = torch.randn(B, T, D, generator=g).to(device).requires_grad_()
+            w = torch.randn(V, D, generator=g).to(device).requires_grad_()
+            ids = torch.randint(0, V, (B, T), generator=g).to(device)
+            adv = torch.randn(B, generator=g).to(device)
+            budget = (B * T // tiles) * row_bytes(V, torch.float32, h.device)
+            return lambda: linear_gtpo_loss(h, w, ids, adv, group_size=4, config="grpo", validate=False,
+                                            backend="triton", memory_budget=budget,
+                                            schedule=schedule).loss.backward()
+        return prepare
     no_ref = ("ref_logps",)
     return [("gtpo_loss, gtpo, lam given, validate=False", loss(validate=False, drop=no_ref)),
             ("the same, validate=True", loss(validate=True, drop=no_ref)),
@@ -221,7 +236,11 @@ def _rows(device="cpu"):
             ("cispo (eager path)", loss(validate=False, config="cispo", drop=no_ref)),
             ("top_k replay, validate=True", loss(validate=True, top_k=5, drop=no_ref)),
             ("token_logprobs, validate=False", logps(False)),
-            ("token_logprobs, validate=True", logps(True))]
+            ("token_logprobs, validate=True", logps(True)),
+            ("linear_gtpo_loss, fused schedule, 4 tiles", head("fused", 4)),
+            ("the same, 16 tiles", head("fused", 16)),
+            ("linear_gtpo_loss, recompute schedule, 4 tiles", head("recompute", 4)),
+            ("the same, 16 tiles", head("recompute", 16))]
 
 
 def main(argv=None):
