@@ -20,6 +20,11 @@
 #   6. bench.timing.profile at 4096 x 32000 and 16384 x 151936: wall against device time, kernels and host
 #      reads per call, for ours (validate on / off, and replaying top_k = 50 / top_p = 0.95 kept sets:
 #      the replay row of spec 13) and eager (profile-cuda.json);
+#   0. the tree that runs: `python -m bench.common.record --tree` (a hash of the files, the same on any copy of
+#      the tree, with or without git; every JSON written carries it as `tree`): commit first, then run, then
+#      `python -m bench.common.record FILE...` on the clean checkout checks that the files name it;
+#   6b. python -m bench.launches --device cuda: kernel launches, host reads and host-data tensors of each
+#      call, counted with the kernels compiled (launches.txt; the CPU count is in docs/benchmarks.md);
 #   7. replaying recorded kept sets (spec 13's sampling_mask) at 16384 x 151936 bf16: gtpo_loss (fwd+bwd)
 #      and token_logprobs with sampling_mask= against the same calls on the full vocabulary, with the
 #      bytes each moves; sets drawn as top_k = 512 / top_p = 0.95 keep them from peaked rows (tens to
@@ -39,6 +44,8 @@ export PYTHONPATH="$PWD:/tmp/gtpo-src${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 
+step "0. the tree that runs"
+echo "tree $(python -m bench.common.record --tree)" | tee "$OUT_DIR/tree.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 
@@ -75,7 +82,7 @@ timeout 30 python -m bench --device cuda --suite logits --check-only --settle 0 
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "large-problem check: exit $rc"; status=1; }
 
 step "3. benchmark: the GPU grid against eager and Liger-Kernel"
-timeout 110 python -m bench --device cuda --settle 0 --suite logits --gpu-sizes --impls triton,eager,liger --no-aot --no-traffic \
+timeout 100 python -m bench --device cuda --settle 0 --suite logits --gpu-sizes --impls triton,eager,liger --no-aot --no-traffic \
   --time-budget 80 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "benchmark: exit $rc"; status=1; }
 
@@ -85,22 +92,26 @@ timeout 80 python -m bench --device cuda --settle 0 --suite logits --tokens 4096
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "torch.compile row: exit $rc"; status=1; }
 
 step "4. linear suite (from hidden states) at V = 151936"
-timeout 45 python -m bench --device cuda --settle 0 --suite linear --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
+timeout 40 python -m bench --device cuda --settle 0 --suite linear --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "linear suite: exit $rc"; status=1; }
 
 step "4b. the LM head at V = 151936, D = 4096, TRL's tile budget: ours against TRL's and Liger's heads"
-timeout 45 python -m bench --device cuda --settle 0 --suite linear --linear-size 8192,4096,151936 \
+timeout 40 python -m bench --device cuda --settle 0 --suite linear --linear-size 8192,4096,151936 \
   --linear-impls fused,recompute,trl,liger --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "LM head at V = 151936: exit $rc"; status=1; }
 
 step "5. launch configurations: the static model's candidates (bench/aot/tune.py) timed on this GPU"
-timeout 40 python -m bench.aot.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12
+timeout 30 python -m bench.aot.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "tune: exit $rc"; status=1; }
 
 step "6. where one call spends its time: torch.profiler per implementation (validate on / off, kept-set replay, eager)"
 timeout 70 python -m bench.timing.profile --device cuda --size 4096x32000 --size 16384x151936 --out "$OUT_DIR" 2>&1 \
   | grep -v "^USDT"
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "profile: exit $rc"; status=1; }
+
+step "6b. launches and host reads of each call, the kernels compiled"
+timeout 30 python -m bench.launches --device cuda 2>&1 | tee "$OUT_DIR/launches.txt"
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "launch count: exit $rc"; status=1; }
 
 step "7. replaying recorded kept sets at 16384 x 151936: gtpo_loss and token_logprobs against the full vocabulary"
 timeout 30 python -m bench.timing.replay --device cuda --tokens 16384 --vocab 151936 --out "$OUT_DIR" 2>&1

@@ -20,13 +20,23 @@ def render_gpu_profile(doc, path):
     rows = {(r["impl"], r["tokens"], r["V"]): r for r in doc["rows"] if "error" not in r}
     big = max({(t, v) for _, t, v in rows}, key=lambda s: s[0] * s[1])
     small = min({(t, v) for _, t, v in rows}, key=lambda s: s[0] * s[1])
-    nb = big[0] * big[1] * BYTES[doc.get("dtype", "bfloat16")]
+    elem = BYTES[doc.get("dtype", "bfloat16")]
     on, off = rows[("triton",) + big], rows[("triton-novalidate",) + big]
     f_us, b_us = _kernel_us(off, "_vocab_fwd_kernel"), _kernel_us(off, "_vocab_bwd_kernel")
     s_on, s_off = rows[("triton",) + small], rows[("triton-novalidate",) + small]
+    # bytes actually moved: the forward reads the counted rows only; the backward writes every row and reads
+    # the rows with a gradient (at most the counted ones). A record without `counted` (before it was kept)
+    # gives the rate per row of the whole batch, an upper bound, and says so.
+    counted = off.get("counted")
+    rows_read = counted if counted is not None else big[0]
+    fwd_tb = rows_read * big[1] * elem / f_us / 1e6
+    bwd_tb = (rows_read + big[0]) * big[1] * elem / b_us / 1e6
+    basis = ("" if counted is not None else
+             "; per row of the whole batch: the record does not say how many rows were counted, about 90% "
+             "in bench.timing.inputs, so the rates moved are about 0.9x and 0.95x these")
     return (f"Profiled at {big[0]} x {big[1]} (`python -m bench.timing.profile`, `{path}`, {doc['date'][:10]}): "
-            f"the forward kernel takes {f_us / 1e3:.2f} ms ({nb / f_us / 1e6:.2f} TB/s of logits read) and the "
-            f"backward kernel {b_us / 1e3:.2f} ms ({2 * nb / b_us / 1e6:.2f} TB/s read and written), "
+            f"the forward kernel takes {f_us / 1e3:.2f} ms ({fwd_tb:.2f} TB/s of logits read) and the "
+            f"backward kernel {b_us / 1e3:.2f} ms ({bwd_tb:.2f} TB/s read and written{basis}), "
             f"{off['device_ms']:.2f} ms of device time in all. But a `gtpo_loss` forward + backward launches "
             f"{off['kernels']} kernels with `validate=False` ({on['kernels']} validating, with {on['syncs']} "
             f"host reads in the profiler's count against {off['syncs']}): its wall time is {off['wall_ms']:.2f} ms "

@@ -93,6 +93,7 @@ def main(argv=None):
     for size in a.size or ["4096x32000"]:
         tokens, V = (int(x) for x in size.lower().split("x"))
         inp = make_inputs(tokens, V, dtype=dtype, device=a.device, seed=0, config=cfg)
+        counted = int(inp.mask.sum())  # the rows the forward kernel reads (bandwidth counts these, not all)
         for impl in a.impls.split(","):
             try:
                 r = profile_one(_runner(impl, cfg, a.device), inp, a.device)
@@ -100,7 +101,7 @@ def main(argv=None):
                 rows.append(dict(impl=impl, tokens=tokens, V=V, error=f"{type(e).__name__}: {str(e)[:200]}"))
                 print(f"{impl} {tokens}x{V}: {type(e).__name__}: {e}", flush=True)
                 continue
-            rows.append(dict(impl=impl, tokens=tokens, V=V, **r))
+            rows.append(dict(impl=impl, tokens=tokens, V=V, counted=counted, **r))
             dev = f"{r['device_ms']:.3f}" if r["device_ms"] is not None else "-"
             print(f"\n{impl} {tokens}x{V}: wall {r['wall_ms']:.3f} ms, device {dev} ms, {r['ops']} aten ops, "
                   f"{r['kernels']} kernels, {r['syncs']} syncs", flush=True)
