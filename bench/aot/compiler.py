@@ -308,3 +308,30 @@ def report_in_subprocess(timeout=600, kernels=KERNELS):
         return [AotResult(**d) for d in json.loads(p.stdout.strip().splitlines()[-1])]
     except Exception:
         raise RuntimeError(f"AOT child failed: {p.stderr[-2000:]}")
+
+
+def compile_epilogue(arch, **switches):
+    """kernels/epilogue_triton.py compiled for `arch` (an NVIDIA capability, or an AMD target) with the
+    given switches (the rest on: every term of the kernel compiled); returns Triton's compiled kernel.
+    What the interpreter cannot see (a loop-carried type that changes, a global that differs between
+    inner functions) fails here."""
+    import triton
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from gtpo_kernels.kernels.epilogue_triton import _epilogue_kernel as k
+    ptr = {p.name: _Ptr({"bad_ptr": torch.int8, "mask_ptr": torch.bool, "cu_ptr": torch.int64,
+                         "kept_out": torch.uint8, "cu_fix": torch.int64, "status_ptr": torch.int32}.get(p.name,
+                                                                                                 torch.float32))
+           for p in k.params if not p.is_constexpr and p.name.endswith(("_ptr", "_out", "cu_fix"))}
+    scal = dict(B=64, T=512, N=32768, lo=0.8, hi=1.2, delta=1.5, dual_c=3.0, beta=0.04, ent_coef=0.01, penalty=0.1,
+                thr=0.69, max_len_cfg=0.0, nitems_val=1.0)
+    meta = dict(PACKED=False, HAS_MASK=True, HAS_OLD=True, HAS_KL=True, BIAS_KL=True, HAS_LAM=True, HAS_NCONF=True,
+                NITEMS=0, CLIP=True, HAS_DELTA=True, HAS_DUAL=True, HAS_E=True, FILTER=True, PENALTY=True, SEQ=False,
+                AGG=0, BLOCK=1024, num_warps=4)
+    meta.update(switches)
+    target = _target(arch)
+    backend = make_backend(target)
+    bound, spec, opts = create_function_from_signature(k.signature, k.params, backend)(**ptr, **scal, **meta)
+    options, sig, constexprs, attrs = k._pack_args(backend, meta, bound, spec, opts)
+    return triton.compile(ASTSource(k, sig, constexprs, attrs), target=target, options=options.__dict__)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NAN = tl.constexpr(float("nan"))
 # loss_agg as the kernel's AGG
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "gtpo-official",
         "none")
@@ -33,7 +32,7 @@ AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-tok
 
 @triton.jit
 def _finite_or_nan(x):
-    return tl.where(tl.abs(x) < float("inf"), x, NAN)
+    return tl.where(tl.abs(x) < float("inf"), x, float("nan"))
 
 
 @triton.jit
@@ -180,8 +179,8 @@ def _epilogue_kernel(
             m = _counted(mask_ptr, o, inb, HAS_MASK)
             bad = (tl.load(bad_ptr + o, mask=inb, other=0) != 0) | (malformed != 0)  # malformed: every token
             flagged = flagged | tl.max(bad.to(tl.int32), axis=0)
-            lp = tl.where(m, tl.where(bad, NAN, tl.load(logp_ptr + o, mask=inb, other=0.0)), 0.0)
-            en = tl.where(m, tl.where(bad, NAN, tl.load(ent_ptr + o, mask=inb, other=0.0)), 0.0)
+            lp = tl.where(m, tl.where(bad, float("nan"), tl.load(logp_ptr + o, mask=inb, other=0.0)), 0.0)
+            en = tl.where(m, tl.where(bad, float("nan"), tl.load(ent_ptr + o, mask=inb, other=0.0)), 0.0)
             tl.store(logp_out + o, lp, mask=inb)
             tl.store(ent_out + o, en, mask=inb)
             if HAS_LAM:
@@ -201,7 +200,7 @@ def _epilogue_kernel(
         n_safe = tl.maximum(n_i, 1).to(tl.float32)
         hbar = h_i / n_safe
         adv = _finite_or_nan(tl.load(adv_ptr + i).to(tl.float32))
-        adv = tl.where(malformed != 0, NAN, adv)
+        adv = tl.where(malformed != 0, float("nan"), adv)
         if FILTER:
             kept = hbar <= thr
         else:
@@ -228,7 +227,7 @@ def _epilogue_kernel(
     Bf = B * 1.0
     if NITEMS == 2:  # a tensor: NaN unless finite and > 0
         ni = tl.load(nitems_ptr).to(tl.float32)
-        ni = tl.where((ni > 0.0) & (tl.abs(ni) < float("inf")), ni, NAN)
+        ni = tl.where((ni > 0.0) & (tl.abs(ni) < float("inf")), ni, float("nan"))
     else:
         ni = nitems_val
     if PACKED:
@@ -259,7 +258,7 @@ def _epilogue_kernel(
         elif AGG == 4:
             if HAS_NCONF:
                 nc = tl.load(nconf_ptr + i).to(tl.float32)
-                nc = tl.where((tl.abs(nc) < float("inf")) & (nc >= 1.0), nc, NAN)
+                nc = tl.where((tl.abs(nc) < float("inf")) & (nc >= 1.0), nc, float("nan"))
             else:
                 nc = 1.0
             denom = n_safe * nc
