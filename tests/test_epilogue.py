@@ -237,3 +237,56 @@ def test_epilogue_compiles_for_the_gpus():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("bad", ["adv", "old", "ref", "lam", "n_conf", "num_items", "mask", "ids", "cu_seqlens",
+                                 "max_seqlen", "logits"])
+def test_validating_raises_the_same_error_as_the_eager_path(bad):
+    """validate=True on the 4-launch path: the kernel makes the input checks (bit 2 of its status word, one
+    host read with the rest); when one fails the host checks run again and raise the error that names the
+    argument, the same error (type and message) as the eager path's (the torch backend)."""
+    g = torch.Generator().manual_seed(6)
+    B, T, V = 4, 5, 16
+    logits = torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    adv = torch.randn(B, generator=g)
+    old = torch.randn(B, T, generator=g) - 2
+    lam, n_conf = conflict_weights(ids, mask.bool(), adv, 2)
+    kw = dict(old_logps=old, ref_logps=old.clone(), lam=lam, n_conf=n_conf,
+              config=GTPOConfig.preset("dapo" if bad == "num_items" else "gtpo", beta=0.04))
+    packed = bad in ("cu_seqlens", "max_seqlen")
+    if bad == "adv":
+        adv[2] = float("nan")
+    elif bad in ("old", "ref", "lam"):
+        kw[{"old": "old_logps", "ref": "ref_logps", "lam": "lam"}[bad]][1, 3] = float("inf")
+    elif bad == "n_conf":
+        kw["n_conf"] = n_conf.clone()
+        kw["n_conf"][3] = 0.0
+    elif bad == "num_items":
+        kw["num_items_in_batch"] = torch.tensor(float("nan"))
+    elif bad == "mask":
+        mask[1, 1] = 0.5
+    elif bad == "ids":
+        ids[2, 2] = V + 3
+    elif bad == "logits":
+        logits[0, 1, 4] = float("nan")
+    args = (logits, ids, adv, mask)
+    if packed:
+        kw = {k: v.reshape(-1) if isinstance(v, torch.Tensor) and v.shape == (B, T) else v for k, v in kw.items()}
+        cu = torch.arange(0, B * T + 1, T)
+        if bad == "cu_seqlens":
+            cu[2] = cu[3] + 1
+            kw["cu_seqlens"] = cu
+        else:
+            kw.update(cu_seqlens=cu, max_seqlen=T - 1)
+        args = (logits.reshape(B * T, V), ids.reshape(-1), adv, mask.reshape(-1))
+    errors = {}
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError) as e:
+            gtpo_loss(*args, group_size=2, backend=backend, validate=True, **kw)
+        errors[backend] = str(e.value)
+    assert errors["triton"] == errors["torch"], errors
+    name = {"adv": "advantages", "old": "old_logps", "ref": "ref_logps", "num_items": "num_items_in_batch",
+            "mask": "completion_mask", "ids": "completion_ids"}.get(bad, bad)
+    assert name in errors["triton"], errors

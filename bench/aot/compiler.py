@@ -324,11 +324,11 @@ def compile_epilogue(arch, **switches):
                          "kept_out": torch.uint8, "cu_fix": torch.int64, "status_ptr": torch.int32}.get(p.name,
                                                                                                  torch.float32))
            for p in k.params if not p.is_constexpr and p.name.endswith(("_ptr", "_out", "cu_fix"))}
-    scal = dict(B=64, T=512, N=32768, lo=0.8, hi=1.2, delta=1.5, dual_c=3.0, beta=0.04, ent_coef=0.01, penalty=0.1,
+    scal = dict(B=64, T=512, N=32768, max_seqlen=-1, lo=0.8, hi=1.2, delta=1.5, dual_c=3.0, beta=0.04, ent_coef=0.01, penalty=0.1,
                 thr=0.69, max_len_cfg=0.0, nitems_val=1.0)
     meta = dict(PACKED=False, HAS_MASK=True, HAS_OLD=True, HAS_KL=True, BIAS_KL=True, HAS_LAM=True, HAS_NCONF=True,
                 NITEMS=0, CLIP=True, HAS_DELTA=True, HAS_DUAL=True, HAS_E=True, FILTER=True, PENALTY=True, SEQ=False,
-                AGG=0, BLOCK=1024, num_warps=4)
+                AGG=0, BLOCK=1024, VALIDATE=True, MASK_VALUES=True, HAS_REF=True, num_warps=4)
     meta.update(switches)
     target = _target(arch)
     backend = make_backend(target)

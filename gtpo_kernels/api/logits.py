@@ -91,23 +91,28 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
         extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
+        fast = epilogue.eligible(logits, cfg, backend, inplace, replay.requested(sampling_mask, top_k, top_p, min_p),
+                                 process_group, rollout_is_weights)  # the 4-launch path checks in its kernel
+        prep = dict(advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, logits_start=logits_start,
+                    vocab_size=_local_vocab(process_group), **extras)
         with checks.one_host_read():  # the checks' values read on the host once
-            b = batch.prepare(logits, completion_ids, completion_mask, advantages=advantages, cu_seqlens=cu_seqlens,
-                               max_seqlen=max_seqlen, logits_start=logits_start, validate=host,
-                               vocab_size=_local_vocab(process_group), **extras)
+            b = batch.prepare(logits, completion_ids, completion_mask, validate=host and not fast, **prep)
             checks.check_inplace(inplace, logits)
             dt = float_dtype_for(logits)
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
-            fast = epilogue.eligible(b, cfg, backend, inplace, replay.requested(sampling_mask, top_k, top_p, min_p),
-                                     process_group)
-            num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host, raw=fast)
+            num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not fast, raw=fast)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32, host)
             b.tau = tau  # compared across the ranks of a vocabulary split (agree.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace)
             if fast:  # three launches (spec 8)
                 conflicts_for(b, cfg, group_size, dt, backend, mask_lam=False)
-                return epilogue.loss(b, cfg, num_items, tau, host)  # validating: read once, with the checks
+
+                def revalidate():  # an input check failed in the kernel: the host checks name it
+                    with checks.one_host_read():
+                        check_loss_args(batch.prepare(logits, completion_ids, completion_mask, validate=True, **prep),
+                                        cfg, num_items_in_batch, dt, True)
+                return epilogue.loss(b, cfg, num_items, tau, host, revalidate)  # validating: one read
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
             if rules is None:

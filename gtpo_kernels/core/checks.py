@@ -35,7 +35,10 @@ def one_host_read():
         _PENDING.reset(token)
     if items:
         dev = items[0][0].device
-        failed = torch.stack([f.reshape(()).to(dev) for f, _ in items]).tolist()  # the one host read
+        if len(items) == 1:  # the one host read (no stack to launch for one value)
+            failed = [items[0][0].reshape(()).tolist()]
+        else:
+            failed = torch.stack([f.reshape(()).to(dev) for f, _ in items]).tolist()
         for (_, fail), bad in zip(items, failed):
             if bad:
                 fail()

@@ -7,7 +7,8 @@ conflict weights' multiplier, the KL term (with its bias correction), the entrop
 weights, the per-token coefficients c = dL/dlogp and e = dL/dH the backward kernel reads, the loss value
 (its sum, or per token with loss_agg='none'), the outputs (lam and n_conf included) and the metrics, and a
 status word that validation reads once (bit 0: a counted row was flagged; bit 1: the entropy filter
-dropped every completion). The eager code stays the torch backend's path and this kernel's twin in tests.
+dropped every completion; bit 2, validating: an input check failed, the caller then runs the checks
+again on the host to raise the error that names the argument). The eager code stays the torch backend's path and this kernel's twin in tests.
 
 One program walks the completions in order (padded: completion i owns tokens [i T, (i + 1) T); packed:
 [cu[i], cu[i + 1])), in blocks of BLOCK tokens, twice: pass 1 forms the per-completion sums (counted
@@ -25,126 +26,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .epilogue_terms import _counted, _finite_or_nan, _invalid_inputs, _span, _terms
+
 # loss_agg as the kernel's AGG
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "gtpo-official",
         "none")
 
 
-@triton.jit
-def _finite_or_nan(x):
-    return tl.where(tl.abs(x) < float("inf"), x, float("nan"))
-
-
-@triton.jit
-def _span(cu_ptr, i, T, PACKED: tl.constexpr):
-    """Tokens [start, end) of completion i."""
-    if PACKED:
-        start = tl.load(cu_ptr + i).to(tl.int64)
-        end = tl.load(cu_ptr + i + 1).to(tl.int64)
-    else:
-        start = (tl.zeros((), tl.int64) + i) * T
-        end = start + T
-    return start, end
-
-
-@triton.jit
-def _counted(mask_ptr, o, inb, HAS_MASK: tl.constexpr):
-    if HAS_MASK:
-        return (tl.load(mask_ptr + o, mask=inb, other=0) != 0) & inb
-    return inb
-
-
-@triton.jit
-def _ppo(r, A, lo, hi, delta, dual_c, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
-    """(pg, d pg / d log r, clipped) of policy.ppo_parts."""
-    if HAS_DELTA:
-        r1 = tl.minimum(r, delta, propagate_nan=tl.PropagateNan.ALL)
-        capped = (r > delta).to(tl.int32)
-        dr1 = tl.where(r > delta, 0.0, r)
-    else:
-        r1 = r
-        dr1 = r
-        capped = (r != r).to(tl.int32) * 0
-    u1 = r1 * A
-    if CLIP:
-        u2 = tl.minimum(tl.maximum(r, lo, propagate_nan=tl.PropagateNan.ALL), hi,
-                        propagate_nan=tl.PropagateNan.ALL) * A
-        on_clip = u1 > u2
-        outside = (r < lo) | (r > hi)
-        d_logr = tl.where(on_clip, tl.where(outside, 0.0, -r * A), -dr1 * A)
-        clipped = tl.where(on_clip, outside.to(tl.int32), capped) * (A != 0.0).to(tl.int32)
-        pg = -tl.minimum(u1, u2, propagate_nan=tl.PropagateNan.ALL)
-    else:
-        pg = -u1
-        d_logr = -dr1 * A
-        clipped = capped * (A != 0.0).to(tl.int32)
-    if HAS_DUAL:
-        cap = -A * dual_c
-        dual = ((pg > cap).to(tl.int32) * (A < 0.0).to(tl.int32)) != 0
-        pg = tl.where(dual, cap, pg)
-        d_logr = tl.where(dual, 0.0, d_logr)
-        clipped = tl.maximum(clipped, dual.to(tl.int32))
-    return pg, d_logr, clipped  # clipped: int32 0 / 1
-
-
-@triton.jit
-def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr,
-           lo, hi, delta, dual_c, beta, ent_coef, BLOCK: tl.constexpr,
-           HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr,
-           HAS_E: tl.constexpr, SEQ: tl.constexpr, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr,
-           HAS_DUAL: tl.constexpr):
-    """Per token of a block: (loss_tok, d_logp, d_logr, clipped, lam) before the aggregation weights."""
-    lp = tl.load(logp_out + o, mask=inb, other=0.0)
-    en = tl.load(ent_out + o, mask=inb, other=0.0)
-    if SEQ:
-        log_r = lp * 0.0 + lr_seq
-    elif HAS_OLD:
-        old = _finite_or_nan(tl.where(m, tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
-        log_r = lp - old
-    else:
-        log_r = lp - lp  # on-policy: 0, NaN at a NaN logp
-    r = tl.exp(log_r)
-    pg, d_logr, clipped = _ppo(r, a_hat, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
-    if HAS_LAM:
-        lam = tl.where(m, tl.load(lam_ptr + o, mask=inb, other=1.0).to(tl.float32), 1.0)
-        mult = _finite_or_nan(lam)
-    else:
-        lam = tl.full([BLOCK], 1.0, tl.float32)
-        mult = 1.0
-    loss_tok = mult * pg
-    d_logr = mult * d_logr
-    d_logp = tl.zeros([BLOCK], tl.float32)
-    if HAS_KL:
-        ref = _finite_or_nan(tl.where(m, tl.load(ref_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
-        d = ref - lp
-        ed = tl.exp(d)
-        k3 = ed - d - 1.0
-        dk3 = 1.0 - ed
-        if BIAS_KL:
-            loss_tok = loss_tok + beta * k3 * r
-            d_logp = beta * dk3 * r
-            d_logr = d_logr + beta * k3 * r
-        else:
-            loss_tok = loss_tok + beta * k3
-            d_logp = beta * dk3
-    if HAS_E:
-        loss_tok = loss_tok + (-ent_coef) * en
-    loss_tok = tl.where(m, loss_tok, 0.0)
-    return loss_tok, d_logp, d_logr, clipped, lam
-
-
-@triton.jit(do_not_specialize=["B", "T", "N"])
+@triton.jit(do_not_specialize=["B", "T", "N", "max_seqlen"])
 def _epilogue_kernel(
     logp_ptr, ent_ptr, bad_ptr, mask_ptr, cu_ptr,  # the forward kernel's outputs; the caller's mask; cu_seqlens
     adv_ptr, old_ptr, ref_ptr, lam_ptr, nconf_ptr, nitems_ptr,  # inputs (unused ones: any tensor)
     value_ptr, logp_out, ent_out, ltok_out, c_out, e_out, lam_out, nconf_out, kept_out, hbar_out,  # outputs
     scratch_ptr, cu_fix, met_ptr, status_ptr,  # (3B,) float32, (B + 1,) int64 scratch; (4,) metrics; (1,) int32
-    B, T, N,  # completions; tokens per completion (padded form); tokens
+    B, T, N, max_seqlen,  # completions; tokens per completion (padded form); tokens; the packed max_seqlen or -1
     lo, hi, delta, dual_c, beta, ent_coef, penalty, thr, max_len_cfg, nitems_val,  # hyper-parameters (floats)
     PACKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
     BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr, HAS_NCONF: tl.constexpr, NITEMS: tl.constexpr,
     CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_E: tl.constexpr,
     FILTER: tl.constexpr, PENALTY: tl.constexpr, SEQ: tl.constexpr, AGG: tl.constexpr, BLOCK: tl.constexpr,
+    VALIDATE: tl.constexpr = False,  # the input checks into the status word (bit 2)
+    MASK_VALUES: tl.constexpr = False,  # the mask is not bool: its values must be 0 or 1
+    HAS_REF: tl.constexpr = False,  # ref_logps given (checked when validating, used with HAS_KL)
 ):
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     M = tl.zeros((), tl.int32)
@@ -152,6 +55,7 @@ def _epilogue_kernel(
     longest = tl.zeros((), tl.int64)
     h_tot = tl.zeros((), tl.float32)
     flagged = tl.zeros((), tl.int32)
+    invalid = tl.zeros((), tl.int32)  # validating: any input check failed (bit 2 of the status)
     malformed = tl.zeros((), tl.int32)
     if PACKED:  # cu_seqlens as given: the stand-in (clamped into [0, N], non-decreasing, from 0 to N) and a flag
         prev_raw = tl.load(cu_ptr).to(tl.int64)
@@ -188,6 +92,9 @@ def _epilogue_kernel(
             else:
                 lam = tl.full([BLOCK], 1.0, tl.float32)
             tl.store(lam_out + o, lam, mask=inb)
+            if VALIDATE:
+                invalid = invalid | _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, MASK_VALUES, HAS_OLD,
+                                                    HAS_REF, HAS_LAM)
             n_i += tl.sum(m.to(tl.int32), axis=0)
             h_i += tl.sum(en, axis=0)
             if SEQ:
@@ -200,6 +107,11 @@ def _epilogue_kernel(
         n_safe = tl.maximum(n_i, 1).to(tl.float32)
         hbar = h_i / n_safe
         adv = _finite_or_nan(tl.load(adv_ptr + i).to(tl.float32))
+        if VALIDATE:
+            invalid = invalid | (adv != adv).to(tl.int32)
+            if HAS_NCONF:
+                nc_i = tl.load(nconf_ptr + i).to(tl.float32)
+                invalid = invalid | (((tl.abs(nc_i) < float("inf")) & (nc_i >= 1.0)) == 0).to(tl.int32)
         adv = tl.where(malformed != 0, float("nan"), adv)
         if FILTER:
             kept = hbar <= thr
@@ -315,4 +227,11 @@ def _epilogue_kernel(
     tl.store(met_ptr + 3, h_tot / M_safe)
     if FILTER:
         flagged = flagged | (((n_kept == 0) & (M > 0)).to(tl.int32) * 2)
+    if VALIDATE:
+        invalid = invalid | malformed
+        if PACKED:
+            invalid = invalid | ((max_seqlen >= 0) & (longest > max_seqlen)).to(tl.int32)
+        if NITEMS == 2:
+            invalid = invalid | (ni != ni).to(tl.int32)
+        flagged = flagged | (invalid * 4)
     tl.store(status_ptr, flagged)

@@ -19,7 +19,8 @@ from .epilogue_triton import _epilogue_kernel
 
 FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "thr", "max_len", "nitems")
 FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
-         "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE")
+         "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE", "VALIDATE", "MASK_VALUES", "HAS_REF",
+         "MAX_SEQLEN")
 EPILOGUE_BLOCK = 1024  # tokens per step of the epilogue's one program
 N_OUT = 14
 
@@ -49,12 +50,13 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
     scratch = torch.empty(3 * B, device=logits3.device, dtype=torch.float32)
     cu_fix = torch.empty(B + 1, device=logits3.device, dtype=torch.int64)
     any_ = ids  # a tensor for the pointers that are not read
-    sw = {k: bool(v) if k not in ("NITEMS", "AGG") else int(v) for k, v in fg.items() if k != "TEMP_BY_VALUE"}
+    sw = {k: bool(v) if k not in ("NITEMS", "AGG") else int(v) for k, v in fg.items()
+          if k not in ("TEMP_BY_VALUE", "MAX_SEQLEN")}
     _epilogue_kernel[(1,)](
         logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
         adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items)),
         value, logp, ent, ltok, c, e, lam_out, nconf_out, kept, hbar, scratch, cu_fix, met, status,
-        B, n // B if (B and not fg["PACKED"]) else 0, n,
+        B, n // B if (B and not fg["PACKED"]) else 0, n, fg["MAX_SEQLEN"],
         fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
         fl["max_len"], fl["nitems"], HAS_MASK=mask is not None, BLOCK=EPILOGUE_BLOCK, num_warps=4, **sw)
     return outs

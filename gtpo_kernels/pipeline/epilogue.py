@@ -32,12 +32,19 @@ def _number(x):
     return x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
-def eligible(b, cfg, backend, inplace, kept_sets, process_group):
-    """Whether the call takes the three-launch path (see the module docstring)."""
+def eligible(logits, cfg, backend, inplace, kept_sets, process_group, rollout_is_weights):
+    """Whether the call takes the three-launch path (see the module docstring), from its arguments (before
+    the batch is prepared: the path prepares it without the device-side checks, which the kernel makes)."""
+    if not isinstance(logits, torch.Tensor) or logits.dtype == torch.float64:
+        return False
+    try:
+        from ..kernels import dispatch
+        backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
+    except (ValueError, TypeError, RuntimeError):  # raised where the call resolves it
+        return False
     return (backend == "triton" and process_group is None and not kept_sets and not inplace
-            and cfg.policy_loss == "ppo" and cfg.off_policy_mask_threshold is None
-            and all(_number(getattr(cfg, k)) for k in _NUMBERS) and cfg.top_entropy_quantile == 1.0
-            and b.rollout_w is None and b.rollout_w_seq is None and b.logits3.dtype != torch.float64)
+            and rollout_is_weights is None and cfg.policy_loss == "ppo" and cfg.off_policy_mask_threshold is None
+            and all(_number(getattr(cfg, k)) for k in _NUMBERS) and cfg.top_entropy_quantile == 1.0)
 
 
 def _temperature(cfg, tau, like):
@@ -54,8 +61,10 @@ def _tau(t, like):
     return None, float(t)
 
 
-def loss(b, cfg, num_items, tau, host):
-    """GTPOOutput of the call; validating, the status word joins the call's pending checks (one read)."""
+def loss(b, cfg, num_items, tau, host, revalidate=None):
+    """GTPOOutput of the call; validating, the status word joins the call's pending checks (one host read):
+    the kernel makes the input checks too (the batch was prepared without them), and when one fails
+    `revalidate()` runs them on the host to raise the error that names the argument."""
     thr, init = cfg.entropy_threshold, cfg.initial_entropy
     gate = thr is not None and init is not None and init > thr  # the paper's gate: the filter off
     temperature, tau_value = _temperature(cfg, tau, b.logits3)
@@ -69,7 +78,9 @@ def loss(b, cfg, num_items, tau, host):
     flags = [b.packed, b.old is not None, has_kl, has_kl and cfg.use_bias_correction_kl, b.lam is not None,
              b.n_conf is not None, 0 if num_items is None else (2 if n_items is not None else 1), cfg.clip,
              cfg.delta is not None, cfg.dual_clip_c is not None, cfg.entropy_coef != 0, thr is not None and not gate,
-             cfg.entropy_penalty != 0, cfg.importance_sampling_level == "sequence", agg, temperature is None]
+             cfg.entropy_penalty != 0, cfg.importance_sampling_level == "sequence", agg, temperature is None,
+             host, host and b.mask is not None and b.mask.dtype != torch.bool, b.ref is not None,
+             -1 if b.max_seqlen is None else b.max_seqlen]
     given = b.given  # a malformed cu_seqlens is the kernel's to flag (ids and advantages as given)
     flat = [None if x is None else x.contiguous()
             for x in (b.mask, given["adv"], b.old, b.ref, b.lam, b.n_conf, given["cu_seqlens"])]
@@ -78,7 +89,7 @@ def loss(b, cfg, num_items, tau, host):
                                temperature, floats, [int(f) for f in flags], b.logits_start, b.B)
     value, logp, ent, ltok, _c, _e, lam, n_conf, kept, hbar, met, status, _stats, bad = outs
     if host:
-        checks.check_on_device(status[0], lambda: _report(status, bad, b, thr))
+        checks.check_on_device(status[0], lambda: _report(status, bad, b, thr, revalidate))
     shape = b.tok_shape
     metrics = dict(clip_frac=met[0], filtered_frac=met[1], conflict_frac=met[2], mean_entropy=met[3])
     return GTPOOutput(loss=value.reshape(shape) if agg == AGGS.index("none") else value, logps=logp.reshape(shape),
@@ -86,10 +97,13 @@ def loss(b, cfg, num_items, tau, host):
                       n_conf=n_conf, kept=kept.view(torch.bool), seq_entropy=hbar, metrics=metrics)
 
 
-def _report(status, bad, b, thr):
-    """A nonzero status word: a flagged counted row raises (checks.raise_on_flags names it); the entropy
-    filter having dropped every completion warns."""
+def _report(status, bad, b, thr, revalidate):
+    """A nonzero status word: the input checks run again on the host and raise the first that fails (an
+    id out of range included), then a flagged counted row raises (checks.raise_on_flags names it); the
+    entropy filter having dropped every completion warns."""
     word = int(status[0])
+    if word & 5 and revalidate is not None:
+        revalidate()
     if word & 1:
         checks.raise_on_flags(bad, b.tok_shape)
     if word & 2:

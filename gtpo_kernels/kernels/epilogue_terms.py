@@ -1,0 +1,130 @@
+"""The per-token and per-block terms of the epilogue kernel (epilogue_triton.py), as Triton functions:
+the span of a completion, the counted mask, the PPO-clip term (policy.ppo_parts), a block's loss terms
+before the aggregation weights (surrogate.py), and validation's input checks."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _finite_or_nan(x):
+    return tl.where(tl.abs(x) < float("inf"), x, float("nan"))
+
+
+@triton.jit
+def _span(cu_ptr, i, T, PACKED: tl.constexpr):
+    """Tokens [start, end) of completion i."""
+    if PACKED:
+        start = tl.load(cu_ptr + i).to(tl.int64)
+        end = tl.load(cu_ptr + i + 1).to(tl.int64)
+    else:
+        start = (tl.zeros((), tl.int64) + i) * T
+        end = start + T
+    return start, end
+
+
+@triton.jit
+def _counted(mask_ptr, o, inb, HAS_MASK: tl.constexpr):
+    if HAS_MASK:
+        return (tl.load(mask_ptr + o, mask=inb, other=0) != 0) & inb
+    return inb
+
+
+@triton.jit
+def _ppo(r, A, lo, hi, delta, dual_c, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
+    """(pg, d pg / d log r, clipped) of policy.ppo_parts."""
+    if HAS_DELTA:
+        r1 = tl.minimum(r, delta, propagate_nan=tl.PropagateNan.ALL)
+        capped = (r > delta).to(tl.int32)
+        dr1 = tl.where(r > delta, 0.0, r)
+    else:
+        r1 = r
+        dr1 = r
+        capped = (r != r).to(tl.int32) * 0
+    u1 = r1 * A
+    if CLIP:
+        u2 = tl.minimum(tl.maximum(r, lo, propagate_nan=tl.PropagateNan.ALL), hi,
+                        propagate_nan=tl.PropagateNan.ALL) * A
+        on_clip = u1 > u2
+        outside = (r < lo) | (r > hi)
+        d_logr = tl.where(on_clip, tl.where(outside, 0.0, -r * A), -dr1 * A)
+        clipped = tl.where(on_clip, outside.to(tl.int32), capped) * (A != 0.0).to(tl.int32)
+        pg = -tl.minimum(u1, u2, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        pg = -u1
+        d_logr = -dr1 * A
+        clipped = capped * (A != 0.0).to(tl.int32)
+    if HAS_DUAL:
+        cap = -A * dual_c
+        dual = ((pg > cap).to(tl.int32) * (A < 0.0).to(tl.int32)) != 0
+        pg = tl.where(dual, cap, pg)
+        d_logr = tl.where(dual, 0.0, d_logr)
+        clipped = tl.maximum(clipped, dual.to(tl.int32))
+    return pg, d_logr, clipped  # clipped: int32 0 / 1
+
+
+@triton.jit
+def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr,
+           lo, hi, delta, dual_c, beta, ent_coef, BLOCK: tl.constexpr,
+           HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr,
+           HAS_E: tl.constexpr, SEQ: tl.constexpr, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr,
+           HAS_DUAL: tl.constexpr):
+    """Per token of a block: (loss_tok, d_logp, d_logr, clipped, lam) before the aggregation weights."""
+    lp = tl.load(logp_out + o, mask=inb, other=0.0)
+    en = tl.load(ent_out + o, mask=inb, other=0.0)
+    if SEQ:
+        log_r = lp * 0.0 + lr_seq
+    elif HAS_OLD:
+        old = _finite_or_nan(tl.where(m, tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
+        log_r = lp - old
+    else:
+        log_r = lp - lp  # on-policy: 0, NaN at a NaN logp
+    r = tl.exp(log_r)
+    pg, d_logr, clipped = _ppo(r, a_hat, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
+    if HAS_LAM:
+        lam = tl.where(m, tl.load(lam_ptr + o, mask=inb, other=1.0).to(tl.float32), 1.0)
+        mult = _finite_or_nan(lam)
+    else:
+        lam = tl.full([BLOCK], 1.0, tl.float32)
+        mult = 1.0
+    loss_tok = mult * pg
+    d_logr = mult * d_logr
+    d_logp = tl.zeros([BLOCK], tl.float32)
+    if HAS_KL:
+        ref = _finite_or_nan(tl.where(m, tl.load(ref_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
+        d = ref - lp
+        ed = tl.exp(d)
+        k3 = ed - d - 1.0
+        dk3 = 1.0 - ed
+        if BIAS_KL:
+            loss_tok = loss_tok + beta * k3 * r
+            d_logp = beta * dk3 * r
+            d_logr = d_logr + beta * k3 * r
+        else:
+            loss_tok = loss_tok + beta * k3
+            d_logp = beta * dk3
+    if HAS_E:
+        loss_tok = loss_tok + (-ent_coef) * en
+    loss_tok = tl.where(m, loss_tok, 0.0)
+    return loss_tok, d_logp, d_logr, clipped, lam
+
+
+@triton.jit
+def _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, MASK_VALUES: tl.constexpr, HAS_OLD: tl.constexpr,
+                    HAS_REF: tl.constexpr, HAS_LAM: tl.constexpr):
+    """1 when a token of the block fails an input check of validation: a mask value other than 0 and 1,
+    or a non-finite old / ref log-prob or lam at a counted token."""
+    bad = (o < 0).to(tl.int32)  # zeros, of the block's shape
+    if MASK_VALUES:
+        v = tl.load(mask_ptr + o, mask=inb, other=0).to(tl.float32)
+        bad = bad | (inb & (v != 0.0) & (v != 1.0)).to(tl.int32)
+    if HAS_OLD:
+        x = tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32)
+        bad = bad | (m & ((tl.abs(x) < float("inf")) == 0)).to(tl.int32)
+    if HAS_REF:
+        x = tl.load(ref_ptr + o, mask=inb, other=0.0).to(tl.float32)
+        bad = bad | (m & ((tl.abs(x) < float("inf")) == 0)).to(tl.int32)
+    if HAS_LAM:
+        bad = bad | (m & ((tl.abs(lam) < float("inf")) == 0)).to(tl.int32)
+    return tl.max(bad, axis=0)
