@@ -77,7 +77,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         dt = float_dtype_for(hidden)
         num_items = loss.check_loss_args(b, cfg, num_items_in_batch, dt, host)
         with checks.one_host_read():
-            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group)
+            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, float_dtype_for(hidden))
         replay_kw = dict(sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p)
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
         if backend == "reference":  # the oracle on the materialized logits (autograd through the projection)
@@ -119,7 +119,7 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
                                    max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
                                    temperature)
         with checks.one_host_read():
-            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group)
+            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, float_dtype_for(hidden))
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
@@ -146,14 +146,14 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
                                       host, vp)
 
 
-def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group):
+def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, dtype):
     """None when the call replays no kept set, else the checked rules (pipeline.replay.check_rules)."""
     if not replay.requested(sampling_mask, top_k, top_p, min_p):
         return None
     if process_group is not None and sampling_mask is None and top_k is None:
         raise ValueError("top_p / min_p with process_group need top_k as well (each rank's top_k candidates are "
                          "gathered to rebuild the sets), or pass the sets the engine recorded as sampling_mask")
-    return replay.check_rules(b, top_k, top_p, min_p, host)
+    return replay.check_rules(b, top_k, top_p, min_p, host, dtype)
 
 
 def _one_tau(cfg, b):

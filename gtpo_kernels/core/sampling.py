@@ -91,9 +91,9 @@ _RULES = {  # name: (test of a valid value, what is expected, integer?)
 }
 
 
-def check_rule(name, x, B, T, n, device, cu_seqlens=None, counted=None, validate=True):
+def check_rule(name, x, B, T, n, device, cu_seqlens=None, counted=None, validate=True, dtype=torch.float32):
     """One of top_k, top_p, min_p: None, a number, or a tensor per completion / per token.
-    Returns (None | number | (n,) tensor (int64 for top_k, float32 else), invalid None | (n,) bool)."""
+    Returns (None | number | (n,) tensor (int64 for top_k, `dtype` else), invalid None | (n,) bool)."""
     ok, want, integer = _RULES[name]
     if x is None:
         return None, None
@@ -109,7 +109,7 @@ def check_rule(name, x, B, T, n, device, cu_seqlens=None, counted=None, validate
     elif not x.dtype.is_floating_point:
         raise TypeError(f"{name} must be a number or a floating-point tensor, got {x.dtype}")
     v = per_token(name, x, B, T, n, device, cu_seqlens)
-    v = v.long() if integer else v.float()
+    v = v.long() if integer else v.to(dtype)  # the logits' dtype: a float64 cut is never rounded to float32
     bad = ~ok(v) if integer else ~(torch.isfinite(v) & ok(v))
     if validate:
         _refuse(name, bad, v, want + " at counted tokens", counted)

@@ -96,7 +96,7 @@ def kept_sets(logits3, rows_b, rows_t, y, tau, top_k=None, top_p=None, min_p=Non
     ids, counts, restored, nonfinite, mass = [], [], [], [], []
     for r0 in range(0, M, step):
         sl = slice(r0, min(M, r0 + step))
-        z = _transform(logits3[rows_b[sl], rows_t[sl]].to(acc), scale, softcap)
+        z = _transform(logits3[rows_b[sl], rows_t[sl]].detach().to(acc), scale, softcap)  # sets, masses: no gradient
         s = z * (1.0 / _param(tau, sl, 1.0, acc, dev))[:, None]
         nf = (torch.isnan(s) | (s == float("inf"))).any(-1)
         s = torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), s)

@@ -18,12 +18,15 @@ def requested(sampling_mask, top_k, top_p, min_p):
     return sampling_mask is not None or any(x is not None for x in (top_k, top_p, min_p))
 
 
-def check_rules(b, top_k, top_p, min_p, validate):
+def check_rules(b, top_k, top_p, min_p, validate, dtype=None):
     """top_k, top_p, min_p as the rebuild takes them: None, a number or a per-token (n,) tensor, each
-    with its invalid tokens (n,) or None (refused when validating: call inside checks.one_host_read)."""
+    with its invalid tokens (n,) or None (refused when validating: call inside checks.one_host_read).
+    Tensor thresholds in `dtype`, the logits' float dtype (default: b.logits3's), never rounded below it."""
+    if dtype is None:
+        dtype = torch.float64 if b.logits3 is not None and b.logits3.dtype == torch.float64 else torch.float32
     T = None if b.packed else b.tok_shape[1]
     n = b.counted.numel()
-    out = [check_rule(name, x, b.B, T, n, b.counted.device, b.cu_seqlens, b.counted, validate)
+    out = [check_rule(name, x, b.B, T, n, b.counted.device, b.cu_seqlens, b.counted, validate, dtype)
            for name, x in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p))]
     return [v for v, _ in out], [bad for _, bad in out]
 
