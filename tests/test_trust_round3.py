@@ -33,3 +33,51 @@ def test_kept_mass_has_no_gradient():
                     backend="torch")
     assert not out.metrics["kept_mass"].requires_grad
     assert 0 < float(out.metrics["kept_mass"]) <= 1
+
+
+def _head_case(seed=1, B=3, T=4, D=8, V=20):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, B, D, generator=g).transpose(0, 1)  # dense, permuted strides
+    weight = torch.randn(V, D, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    sets, offsets = [], [0]
+    for y in ids.reshape(-1).tolist():  # every token counted: the sampled id and 4 others
+        s = sorted(set([y] + torch.randint(0, V, (4,), generator=g).tolist()))
+        sets += s
+        offsets.append(len(sets))
+    mask = (torch.tensor(sets), torch.tensor(offsets))
+    return hidden, weight, ids, torch.randn(B, generator=g), mask
+
+
+def test_head_replay_takes_permuted_hidden():
+    """linear_gtpo_loss with sampling_mask and a dense but permuted hidden: backward ran into 'view size is
+    not compatible' (the gradient buffer kept hidden's strides); now its gradients equal the reference's."""
+    from conftest import assert_grad_close
+    from gtpo_kernels import linear_gtpo_loss
+    hidden, weight, ids, adv, mask = _head_case()
+    grads = {}
+    for backend in ("torch", "reference"):
+        h = hidden.double().clone().requires_grad_() if backend == "reference" else hidden.clone().requires_grad_()
+        w = weight.double().clone().requires_grad_() if backend == "reference" else weight.clone().requires_grad_()
+        out = linear_gtpo_loss(h, w, ids, adv, group_size=3, config="grpo", sampling_mask=mask, backend=backend)
+        out.loss.backward()
+        grads[backend] = (h.grad, w.grad)
+    assert grads["reference"][0].abs().sum() > 0
+    assert_grad_close("dh", grads["torch"][0], grads["reference"][0], 1e-5)
+    assert_grad_close("dw", grads["torch"][1], grads["reference"][1], 1e-5)
+
+
+def test_head_replay_kept_id_out_of_range_gives_nan():
+    """validate=False, a kept id outside [0, V): that token's log-prob is NaN (spec 13), the others are
+    finite; it raised 'IndexError: index out of range in self' (the weight's rows gathered by the union)."""
+    from gtpo_kernels import linear_gtpo_loss, linear_token_logprobs
+    hidden, weight, ids, adv, (token_ids, offsets) = _head_case()
+    token_ids = token_ids.clone()
+    token_ids[int(offsets[2])] = weight.shape[0] + 5  # token 2's set
+    lp, _ = linear_token_logprobs(hidden, weight, ids, sampling_mask=(token_ids, offsets), validate=False,
+                                  backend="torch")
+    flat = lp.reshape(-1)
+    assert torch.isnan(flat[2]) and torch.isfinite(flat[torch.arange(flat.numel()) != 2]).all(), flat
+    out = linear_gtpo_loss(hidden, weight, ids, adv, group_size=3, config="grpo", sampling_mask=(token_ids, offsets),
+                           validate=False, backend="torch")
+    assert torch.isnan(out.loss) and torch.isnan(out.logps.reshape(-1)[2])

@@ -107,7 +107,7 @@ class _HeadReplay(torch.autograd.Function):
         if not any(need) or (g_logp is None and g_ent is None):
             return None, None, None, None
         acc = float_dtype_for(weight)
-        dh = torch.zeros_like(hidden) if need[0] else None
+        dh = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need[0] else None  # any strides
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
         db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need[2] and bias is not None else None
         for (m0, m1), (u, ids, off, ly) in zip(p.tiles, _unions(p)):
@@ -214,7 +214,10 @@ def replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host, 
     if sampling_mask is not None:
         with checks.one_host_read():  # with a group every rank holds the same sets (agreed): the same error
             token_ids, flat, invalid = check_sampling_mask_flat(sampling_mask, b.ids, b.counted, V, host)
-        p.token_ids = token_ids
+        # a kept id outside [0, V) (unvalidated) makes its token invalid (NaN, spec 13); one process reads only
+        # its weight's rows: such an id stands as 0 in the union (with a split, each rank keeps its own slice)
+        p.token_ids = token_ids if vp is not None else \
+            torch.where((token_ids >= 0) & (token_ids < V), token_ids, torch.zeros_like(token_ids))
         p.offsets = torch.cat([flat[pos], flat[-1:]])  # an uncounted token's set is empty: counted sets in order
         p.invalid = invalid[pos]
         p.off_host = p.offsets.tolist()  # sync: the tiles
