@@ -81,3 +81,19 @@ def test_head_replay_kept_id_out_of_range_gives_nan():
     out = linear_gtpo_loss(hidden, weight, ids, adv, group_size=3, config="grpo", sampling_mask=(token_ids, offsets),
                            validate=False, backend="torch")
     assert torch.isnan(out.loss) and torch.isnan(out.logps.reshape(-1)[2])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compiled_step_takes_a_preset_name(backend):
+    """torch.compile(fullgraph=True) of a step passing config='grpo' (a preset name) traces (it failed in
+    dynamo on GTPOConfig.preset's dataclass fields) and equals the eager call."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 10, generator=g, requires_grad=True)
+    ids = torch.randint(0, 10, (4, 3), generator=g)
+    adv = torch.randn(4, generator=g)
+
+    def step(x, ids, adv):
+        return gtpo_loss(x, ids, adv, group_size=2, config="grpo", backend=backend, validate=False).loss
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)(x, ids, adv)
+    torch.testing.assert_close(compiled, step(x, ids, adv))

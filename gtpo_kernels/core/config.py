@@ -298,6 +298,10 @@ def is_zero(x) -> bool:
 def as_config(config) -> GTPOConfig:
     if isinstance(config, GTPOConfig):
         return config
-    if isinstance(config, str):
-        return GTPOConfig.preset(config)
+    if isinstance(config, str):  # the presets are built once (torch.compile then reads a constant)
+        named = _NAMED.get(_norm(config))
+        return named if named is not None else GTPOConfig.preset(config)
     raise TypeError(f"config must be a GTPOConfig or a preset name, got {type(config).__name__}")
+
+
+_NAMED = {name: GTPOConfig.preset(name) for name in PRESETS if name != "dro"}  # dro needs its dro_beta
