@@ -89,6 +89,11 @@ def _vocab_scenarios(rank, world, bad):
         "clip_differs": (lambda: loss(GTPOConfig.preset("grpo", clip=not me)), "disagree on the options"),
         "head_eps_high_differs": (lambda: head(GTPOConfig.preset("grpo", eps_high=odd(0.28, 0.2))),
                                   "disagree on the options"),
+        # the sampler's rules (spec 13): the error names the argument that differs
+        "top_k_differs": (lambda: loss(top_k=odd(3, 4)), "disagree on top_k"),
+        "top_p_differs": (lambda: loss(top_k=5, top_p=odd(0.8, 0.9)), "disagree on top_p"),
+        "min_p_differs": (lambda: loss(top_k=5, min_p=odd(0.2, 0.1)), "disagree on min_p"),
+        "head_top_k_differs": (lambda: head(top_k=odd(3, 4)), "disagree on top_k"),
         "logprobs_max_seqlen_differs": (lambda: token_logprobs(xs, ids, 1.0, mask, cu_seqlens=cu,
                                                                max_seqlen=odd(5, 4), process_group=pg),
                                         "disagree on cu_seqlens and max_seqlen"),

@@ -145,6 +145,6 @@ def test_replay_across_a_vocabulary_split(world):
                 tol = 0.0 if what == "outside" else (1e-6 if what in ("mean_kept_size", "kept_mass") else
                                                      1e-4 if what.startswith("grad ") else 1e-5)
                 assert err <= tol, f"rank {r}, {key}: {what} off by {err:.2e}"
-    for name, want in (("no top_k", "need top_k as well"), ("disagree", "the options")):
+    for name, want in (("no top_k", "need top_k as well"), ("disagree", "disagree on sampling_mask")):
         said = [res[name] for res in ranks]
         assert all(s == said[0] for s in said) and want in said[0], (name, said)

@@ -91,7 +91,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         loss.conflicts_for(b, cfg, group_size, dt, backend)
         span = head_ops.coefficient_span(cfg)
         _summary(g, b, hidden, weight, host, (backend, cfg, schedule, budget, span, group_size, num_items_in_batch,
-                                              logit_scale, logit_softcap, sampling_mask, top_k, top_p, min_p))
+                                              logit_scale, logit_softcap), (sampling_mask, top_k, top_p, min_p))
     vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)")
     with linear.autocast_off(hidden.device):
         if rules is not None:  # the sampler's kept sets: only the union of a tile's sets is projected
@@ -129,8 +129,8 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
                                       max_seqlen=max_seqlen, validate=validate, backend="reference",
                                       sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p)
         one = None if b.tau is not None else temperature  # a per-token tau: compared by value (b.tau)
-        _summary(g, b, hidden, weight, host, (backend, one, "logprobs", budget, logit_scale, logit_softcap,
-                                              sampling_mask, top_k, top_p, min_p))
+        _summary(g, b, hidden, weight, host, (backend, one, "logprobs", budget, logit_scale, logit_softcap),
+                 (sampling_mask, top_k, top_p, min_p))
     vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)")
     with linear.autocast_off(hidden.device):
         if rules is not None:
@@ -245,10 +245,11 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
     return b, linear.Head(weight, bias, logit_scale, logit_softcap), memory_budget
 
 
-def _summary(g, b, hidden, weight, host, options):
+def _summary(g, b, hidden, weight, host, options, replay):
     """Inside the guard, last: this rank's part of the agreement (the tiles are planned after it from
     agreed inputs: the counted tokens, the largest slice, dtype, memory_budget, schedule and span)."""
-    parallel.summary(g, b, weight.shape[0], loss.shape_key(b, hidden.shape[-1]), host, (str(hidden.dtype), *options))
+    parallel.summary(g, b, weight.shape[0], loss.shape_key(b, hidden.shape[-1]), host, (str(hidden.dtype), *options),
+                     replay)
 
 
 def _vocab_parallel(g, hidden, where):

@@ -123,8 +123,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             out.metrics.update({k: v.to(out.loss.dtype) for k, v in metrics.items()})
             return out
         conflicts_for(b, cfg, group_size, dt, backend)
-        vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch,  # by value (spec 12)
-                                                    sampling_mask, top_k, top_p, min_p))
+        vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch),  # by value (spec 12)
+                      (sampling_mask, top_k, top_p, min_p))
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
@@ -167,7 +167,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             keep = None if rules is None else reference.kept_window(b, logits, temperature, sampling_mask, rules,
                                                                     host)[0]
             return reference.token_logprobs(b, logits, temperature, keep)
-        vocab_summary(g, b, logits, host, backend, (temperature, sampling_mask, top_k, top_p, min_p))
+        vocab_summary(g, b, logits, host, backend, (temperature,), (sampling_mask, top_k, top_p, min_p))
     vp = vocab_parallel(g, logits, "token_logprobs(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)

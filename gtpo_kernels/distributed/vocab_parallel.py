@@ -34,14 +34,17 @@ BYTES_PER_TOKEN = 4 + 7 * 4  # the two all-reduces of vp_forward (float32 statis
 KEY = 8  # the shapes a rank brings to the agreement, padded to this many int64
 
 
-def summary(g, b, V_local, key, host, options):
+REPLAY = ("sampling_mask", "top_k", "top_p", "min_p")  # compared one by one: a difference is named
+
+
+def summary(g, b, V_local, key, host, options, replay=(None,) * 4):
     """Inside the guard, last: what this rank brings to the one small collective (its slice size, the
     shapes `key`, a fingerprint of `host` (validate) and the `options` that shape the collectives, the
-    tokens' digest). Nothing without a group."""
+    tokens' digest; the sampler's `replay` arguments, REPLAY, each on its own). Nothing without a group."""
     if g.group is not None:
         g.batch, g.host = b, host
         g.fields = [V_local, *key, *(0,) * (KEY - len(key)), agree.fingerprint((host, *options)),
-                    *agree.input_digests(b), *agree.token_digest(b)]
+                    *agree.input_digests(b), *(agree.fingerprint((x,)) for x in replay), *agree.token_digest(b)]
 
 
 def vocab_layout(g, device, where):
@@ -49,7 +52,7 @@ def vocab_layout(g, device, where):
     shapes, options and tokens -> VocabParallel (this slice's first id, the whole vocabulary's size, the
     largest slice). A rank that failed its checks, ranks that disagree, or (validating) counted ids
     outside the whole vocabulary: every rank raises the same error (none is left waiting)."""
-    rows = agree.agree(g, 1 + KEY + 4 + len(agree.INPUTS), device, where)  # 23 int64 with the flag
+    rows = agree.agree(g, 1 + KEY + 4 + len(agree.INPUTS) + len(REPLAY), device, where)  # 27 int64 with the flag
     sizes = [row[0] for row in rows]
     agree.disagree(where, [tuple(row[1:1 + KEY]) for row in rows], "the shapes of the per-token inputs "
                    "(tokens, logits rows, logits_start or D, packed)", "every rank must pass the same tokens, "
@@ -74,6 +77,9 @@ def vocab_layout(g, device, where):
     for i, name in enumerate(agree.INPUTS):  # compared by value (spec 12)
         agree.disagree(where, [row[2 + KEY + i] for row in rows], name, "every rank of a vocabulary-parallel "
                        "group holds the same tokens and must pass the same per-token and per-completion inputs")
+    for i, name in enumerate(REPLAY):  # the sampler's kept sets and rules (spec 13), by value
+        agree.disagree(where, [row[2 + KEY + len(agree.INPUTS) + i] for row in rows], name,
+                       "every rank replays the same kept sets: pass the same sampling_mask / top_k / top_p / min_p")
     rank = dist.get_rank(g.group)
     return VocabParallel(g.group, sum(sizes[:rank]), V, max(sizes))
 

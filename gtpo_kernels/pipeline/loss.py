@@ -192,10 +192,10 @@ def fused_loss(b, cfg, backend, inplace, host, num_items, vp=None, tau=None):
     return loss, res
 
 
-def vocab_summary(g, b, logits, host, backend, temperature):
+def vocab_summary(g, b, logits, host, backend, temperature, replay=(None,) * 4):
     """Inside the guard, last: this rank's part of the agreement (vocabulary-parallel only, spec 12)."""
     key = shape_key(b, *b.logits3.shape[:2], b.logits_start)
-    parallel.summary(g, b, logits.shape[-1], key, host, (str(logits.dtype), backend, temperature))
+    parallel.summary(g, b, logits.shape[-1], key, host, (str(logits.dtype), backend, temperature), replay)
 
 
 def vocab_parallel(g, logits, where):
