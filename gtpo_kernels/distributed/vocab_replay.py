@@ -153,7 +153,10 @@ def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale
         ids.append(ci[nz[:, 0], nz[:, 1]])
         counts.append(keep.sum(1))
         restored.append(~hit)
-        invalid.append((stats[:, 1] > 0) | (extra > 0))
+        # a hidden tie matters only if the k-th value survives min-p (vLLM applies min-p after top-k: a tie
+        # that min-p removes is no tie): min-p keeps s >= max s + log(min_p)
+        survives = kth.squeeze(1) >= gmx + torch.log(mp)  # min_p = 0: log 0 = -inf, every value survives
+        invalid.append((stats[:, 1] > 0) | ((extra > 0) & survives))
         lse_full = gsafe + torch.log(stats[:, 0])
         mass.append(lse_full)  # the full normalizer's log (kept_mass = exp(LSE_K - this))
     cat = lambda xs, dt: torch.cat(xs) if xs else torch.zeros(0, dtype=dt, device=dev)  # noqa: E731
