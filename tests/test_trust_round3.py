@@ -97,3 +97,98 @@ def test_compiled_step_takes_a_preset_name(backend):
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)(x, ids, adv)
     torch.testing.assert_close(compiled, step(x, ids, adv))
+
+
+def _replay_case(seed=3, B=4, T=3, V=12):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return logits, ids, torch.randn(B, generator=g)
+
+
+def test_invalid_per_token_rule_unvalidated_gives_nan():
+    """top_k as a per-token tensor with -1 at one token, validate=False: that token's log-prob is NaN (spec 13:
+    never a finite wrong number), the others equal the reference's."""
+    logits, ids, _ = _replay_case()
+    k = torch.full(ids.shape, 4)
+    k[1, 2] = -1
+    lp, _ = token_logprobs(logits, ids, 1.0, top_k=k, validate=False, backend="torch")
+    assert torch.isnan(lp[1, 2]), lp
+    ok = torch.ones_like(ids, dtype=torch.bool)
+    ok[1, 2] = False
+    ref, _ = token_logprobs(logits.double(), ids, 1.0, top_k=torch.where(ok, k, 4), backend="reference")
+    torch.testing.assert_close(lp[ok].double(), ref[ok], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_replay_metrics_equal_the_reference(backend):
+    """The logits path's replay metrics against the reference's, with tokens whose sampled id the rules leave
+    out (top_k = 1 on random ids: restored): replay_restored_frac, mean_kept_size, kept_mass."""
+    from gtpo_reference import gtpo_sampling
+    logits, ids, adv = _replay_case()
+    out = gtpo_loss(logits, ids, adv, backend=backend, group_size=2, config="grpo", top_k=1, top_p=0.9)
+    rows = logits.reshape(-1, logits.shape[-1]).double()
+    token_ids, offsets, restored = gtpo_sampling.kept_sets(rows, 1.0, top_k=1, top_p=0.9, targets=ids.reshape(-1))
+    ref = gtpo_sampling.sampling_metrics(rows, (token_ids, offsets), 1.0, restored)
+    assert float(ref["replay_restored_frac"]) > 0
+    for k in ("replay_restored_frac", "mean_kept_size", "kept_mass"):
+        torch.testing.assert_close(out.metrics[k].double(), ref[k], atol=1e-6, rtol=0, msg=k)
+
+
+def test_all_masked_batch_with_kept_sets_has_zero_metrics():
+    """No counted token, kept sets on: the replay metrics are 0, not NaN (the token count is at least 1)."""
+    logits, ids, adv = _replay_case()
+    out = gtpo_loss(logits, ids, adv, torch.zeros(ids.shape, dtype=torch.bool), group_size=2, config="grpo",
+                    top_k=3, backend="torch")
+    for k in ("replay_restored_frac", "mean_kept_size", "kept_mass"):
+        assert float(out.metrics[k]) == 0.0, (k, out.metrics[k])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_replay_gradient_from_the_entropy_alone(backend):
+    """A loss whose only gradient is the entropy bonus (advantages 0, no shaping): the replay's backward runs
+    for tokens with c = 0 and e != 0; the gradient equals the reference's."""
+    from conftest import assert_grad_close
+    from gtpo_kernels import GTPOConfig
+    logits, ids, _ = _replay_case()
+    cfg = GTPOConfig.preset("grpo", entropy_coef=0.05)
+    grads = {}
+    for b, x in ((backend, logits.clone()), ("reference", logits.double())):
+        x.requires_grad_()
+        gtpo_loss(x, ids, torch.zeros(ids.shape[0], dtype=x.dtype), group_size=2, config=cfg, top_k=4,
+                  backend=b).loss.backward()
+        grads[b] = x.grad
+    assert grads["reference"].abs().sum() > 0
+    assert_grad_close("grad", grads[backend], grads["reference"], 1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_dppo_tv_step_exactly_at_eps_high_is_valid(backend):
+    """verl's DPPO-TV keeps a step up of exactly eps_high (p - p_old <= eps_high): p = 0.5 from two equal
+    logits, p_old = 0.25, eps_high = 0.25 (all exact in float64); the token keeps its gradient, clip_frac 0."""
+    from gtpo_kernels import GTPOConfig
+    logits = torch.zeros(2, 1, 2, dtype=torch.float64, requires_grad=True)
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    old = torch.full((2, 1), math.log(0.25), dtype=torch.float64)
+    cfg = GTPOConfig.preset("dppo-tv", eps_high=0.25)
+    out = gtpo_loss(logits, ids, torch.tensor([1.0, 1.0], dtype=torch.float64), group_size=1, config=cfg,
+                    old_logps=old, backend=backend)
+    out.loss.backward()
+    assert float(out.metrics["clip_frac"]) == 0.0
+    assert logits.grad.abs().sum() > 0
+
+
+def test_dppo_clip_frac_leaves_out_zero_advantages():
+    """DPPO's clip_frac counts the invalid tokens of completions with A != 0 only, as the reference does:
+    completions with A = 0 whose tokens step far down are not 'clipped'."""
+    from gtpo_kernels import GTPOConfig
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 5, 8, generator=g, dtype=torch.float64) * 2
+    ids = torch.randint(0, 8, (4, 5), generator=g)
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    old = torch.log(torch.clamp(torch.exp(lp) + 0.6, max=0.999))  # every step down beyond eps_low
+    adv = torch.tensor([1.0, 0.0, -1.0, 0.0], dtype=torch.float64)
+    outs = [gtpo_loss(logits, ids, adv, group_size=1, config=GTPOConfig.preset("dppo-tv"), old_logps=old,
+                      backend=b).metrics["clip_frac"] for b in ("torch", "reference")]
+    assert 0 < float(outs[1]) < 1
+    torch.testing.assert_close(outs[0], outs[1])
