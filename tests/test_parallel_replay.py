@@ -113,7 +113,10 @@ def _scenarios(rank, world):
             res[key] = {"loss": _rel(out.loss.detach(), rh["loss"].detach()), "logps": _rel(out.logps, rh["logps"]),
                         "entropy": _rel(out.entropy, rh["entropy"]),
                         "grad hidden": float((dh - hr.grad).norm() / hr.grad.norm()),
-                        "grad weight": float((wp.grad - wr.grad[sl]).norm() / wr.grad.norm())}
+                        "grad weight": float((wp.grad - wr.grad[sl]).norm() / wr.grad.norm()),
+                        "mean_kept_size": abs(float(out.metrics["mean_kept_size"]) - float(hmet["mean_kept_size"]))}
+            if how == "rules":  # the full normalizer merged over the split
+                res[key]["kept_mass"] = abs(float(out.metrics["kept_mass"]) - float(hmet["kept_mass"]))
             lp, ent = linear_token_logprobs(h.float(), w[sl].float(), ids, tau, mask, memory_budget=2 * 2 * V * 4,
                                             backend=backend, process_group=dist.group.WORLD, **kw)
             res[f"{key}/linear_token_logprobs"] = {"logps": _rel(lp, hlp), "entropy": _rel(ent, hent)}
