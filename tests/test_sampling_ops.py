@@ -3,7 +3,10 @@ form gets, through attach_replay_grad, the gradient autograd gives through repla
 step traces under torch.compile(fullgraph=True)."""
 import pytest
 import torch
+from conftest import TOL, assert_grad_close, assert_value_close
 from test_sampling_replay import rollout
+
+import gtpo_reference as ref
 
 from gtpo_kernels.core.sampling import check_sampling_mask_flat
 from gtpo_kernels.kernels.replay import flat_rows, replay_logprobs
@@ -28,6 +31,7 @@ def test_attach_replay_grad_matches_autograd(backend, compiled):
     g = torch.Generator().manual_seed(1)
     m = mask.reshape(-1).float()
     w1, w2 = torch.randn(m.numel(), generator=g) * m, torch.randn(m.numel(), generator=g) * m
+    w1[::3] = 0.0  # tokens whose only gradient is through the entropy (c = 0, e != 0)
     t = tau.reshape(-1)
     x = z.clone().requires_grad_()
     lp, h, _ = replay_logprobs(x, rb, rt, flat_y, t, tok, f_off, invalid=invalid, backend=backend,
@@ -38,5 +42,15 @@ def test_attach_replay_grad_matches_autograd(backend, compiled):
     xo = z.clone().requires_grad_()
     got = step(xo, rb, rt, flat_y, t, tok, f_off, invalid, mask.reshape(-1), w1, w2, backend)
     got.backward()
+    # against the float64 reference: the same loss on the counted rows over their sets
+    rows = z[mask].double().requires_grad_()
+    rlp, rh = ref.gtpo_sampling.replay_logprobs(rows, y, (ids, off), tau[mask].double())
+    loss = (w1.reshape(mask.shape)[mask].double() * rlp + w2.reshape(mask.shape)[mask].double() * rh).sum()
+    loss.backward()
+    assert_value_close("loss", got, loss, TOL[torch.float32]["loss"])
+    assert rows.grad.abs().sum() > 0
+    assert_grad_close("grad", xo.grad[mask], rows.grad, TOL[torch.float32]["grad"])
+    assert (xo.grad[~mask] == 0).all()
+    # and the same as autograd through replay_logprobs
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(xo.grad, x.grad) and x.grad.abs().sum() > 0

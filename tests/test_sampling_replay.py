@@ -170,9 +170,19 @@ def test_tile_union_replay_equals_full_rows(backend):
     lpt, ht, _ = replay_logprobs(zt, torch.zeros_like(at), at, y_t, tau[mask][m0:m1], local, loff,
                                  backend=backend)
     (lpt.sum() + ht.sum()).backward()
-    assert torch.allclose(lpt, lp[m0:m1], atol=1e-6, rtol=0) and torch.allclose(ht, h[m0:m1], atol=1e-6, rtol=0)
+    # against the float64 reference over the tile's sets on the full rows
+    rows = z[rb[m0:m1], rt[m0:m1]].double().requires_grad_()
+    sets = (ids[int(off[m0]):int(off[m1])], off[m0:m1 + 1] - off[m0])
+    rlp, rh = ref.gtpo_sampling.replay_logprobs(rows, y[m0:m1], sets, tau[mask][m0:m1].double())
+    (rlp.sum() + rh.sum()).backward()
+    assert_value_close("tile logp", lpt, rlp, TOL[torch.float32]["value"])
+    assert_value_close("tile entropy", ht, rh, TOL[torch.float32]["value"])
     full = torch.zeros(m1 - m0, z.shape[-1])
     full[:, union] = zt.grad[0]
+    assert rows.grad.abs().sum() > 0
+    assert_grad_close("tile grad", full, rows.grad, TOL[torch.float32]["grad"])
+    # and equal to the full rows' own replay
+    assert torch.allclose(lpt, lp[m0:m1], atol=1e-6, rtol=0) and torch.allclose(ht, h[m0:m1], atol=1e-6, rtol=0)
     assert torch.allclose(full, x.grad[rb[m0:m1], rt[m0:m1]], atol=1e-6, rtol=0)
 
 
@@ -197,6 +207,15 @@ def test_flat_layout_equals_counted_layout(backend):
     lpf, hf, flags = replay_logprobs(xf, fb, ft, flat_y, tau.reshape(-1), tok, f_off, invalid=invalid,
                                      backend=backend, counted=mask.reshape(-1))
     (lpf.sum() + hf.sum()).backward()
+    # against the float64 reference on the counted rows
+    rows = z[:, start:][mask].double().requires_grad_()
+    rlp, rh = ref.gtpo_sampling.replay_logprobs(rows, y, (ids, off), tau[mask].double())
+    (rlp.sum() + rh.sum()).backward()
+    m = mask.reshape(-1)
+    assert_value_close("flat logp", lpf[m], rlp, TOL[torch.float32]["value"])
+    assert_value_close("flat entropy", hf[m], rh, TOL[torch.float32]["value"])
+    assert rows.grad.abs().sum() > 0
+    assert_grad_close("flat grad", xf.grad[:, start:][mask], rows.grad, TOL[torch.float32]["grad"])
     assert (flags == 0).all() and (lpf[~mask.reshape(-1)] == 0).all() and (hf[~mask.reshape(-1)] == 0).all()
     assert torch.equal(lpf[mask.reshape(-1)], lp) and torch.equal(hf[mask.reshape(-1)], h)
     assert torch.equal(xf.grad, x.grad)
