@@ -155,13 +155,8 @@ def _fused_logps_and_entropies(trainer, model, input_ids, attention_mask, logits
     fp32 = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
     K = logits_to_keep
     tau = trainer.gtpo_config.temperature  # the sampler's (generation_kwargs may override GRPOConfig's)
-    batch_size = batch_size or input_ids.size(0)
     all_logps, all_ent = [], []
-    for start in range(0, input_ids.size(0), batch_size):
-        ids = input_ids[start:start + batch_size]
-        am = attention_mask[start:start + batch_size]
-        replay = _replay_kwargs(trainer, None if rows is None else rows[start:start + batch_size], am[:, -K:],
-                                am[:, -K:])
+    for ids, am, replay in _row_chunks(trainer, input_ids, attention_mask, K, batch_size, rows):
 
         def head(hidden, weight, bias, logit_scale, logit_softcap, ids=ids, am=am, replay=replay):
             h, w, b, no_autocast = _head_dtypes(_completion_rows(hidden, K), weight, bias, fp32)
@@ -188,13 +183,8 @@ def _logits_logps_and_entropies(trainer, model, input_ids, attention_mask, logit
     chunked over rows as TRL does -> (logps, entropies or None, None)."""
     K = logits_to_keep
     tau = trainer.gtpo_config.temperature
-    batch_size = batch_size or input_ids.size(0)
     all_logps, all_ent = [], []
-    for start in range(0, input_ids.size(0), batch_size):
-        ids = input_ids[start:start + batch_size]
-        am = attention_mask[start:start + batch_size]
-        replay = _replay_kwargs(trainer, None if rows is None else rows[start:start + batch_size], am[:, -K:],
-                                am[:, -K:])
+    for ids, am, replay in _row_chunks(trainer, input_ids, attention_mask, K, batch_size, rows):
         with trainer.accelerator.autocast():
             logits = model(input_ids=ids, attention_mask=am, logits_to_keep=K + 1, use_cache=False).logits
         logits_start = logits.size(1) - K - 1
@@ -208,3 +198,14 @@ def _logits_logps_and_entropies(trainer, model, input_ids, attention_mask, logit
         all_logps.append(lp)
         all_ent.append(ent)
     return torch.cat(all_logps, 0), (torch.cat(all_ent, 0) if compute_entropy else None), None
+
+
+def _row_chunks(trainer, input_ids, attention_mask, K, batch_size, rows):
+    """(ids, attention mask, the kept sets' keyword arguments) of each chunk of rows, as TRL chunks its
+    log-prob passes (batch_size rows; None: all)."""
+    batch_size = batch_size or input_ids.size(0)
+    for start in range(0, input_ids.size(0), batch_size):
+        am = attention_mask[start:start + batch_size]
+        yield (input_ids[start:start + batch_size], am,
+               _replay_kwargs(trainer, None if rows is None else rows[start:start + batch_size], am[:, -K:],
+                              am[:, -K:]))
