@@ -58,12 +58,17 @@ def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, t
     return list(dispatch.vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale, softcap))
 
 
-@vocab_fwd.register_fake
-def _(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, backend="auto"):
-    n = ids.numel()
+def fwd_outputs_like(logits3, n, backend):
+    """The forward passes' outputs for n tokens, uninitialized (the fake implementations' shapes and
+    dtypes): logp, H, stats (n, 3) in the accumulation dtype, flags int8."""
     acc = acc_dtype(logits3, backend)
     return [logits3.new_empty(n, dtype=acc), logits3.new_empty(n, dtype=acc),
             logits3.new_empty((n, 3), dtype=acc), logits3.new_empty(n, dtype=torch.int8)]
+
+
+@vocab_fwd.register_fake
+def _(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, backend="auto"):
+    return fwd_outputs_like(logits3, ids.numel(), backend)
 
 
 @torch.library.custom_op("gtpo_kernels::vocab_bwd", mutates_args=())

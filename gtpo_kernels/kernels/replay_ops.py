@@ -18,7 +18,7 @@ from typing import List, Optional
 import torch
 
 from .dispatch import scale_by as _scale
-from .ops import acc_dtype
+from .ops import fwd_outputs_like
 from .replay import _impl, finish
 
 
@@ -34,10 +34,7 @@ def replay_fwd(logits3: torch.Tensor, rows_b: torch.Tensor, rows_t: torch.Tensor
 @replay_fwd.register_fake
 def _(logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid, counted, scale=1.0, softcap=None,
       backend="torch"):
-    n = y.numel()
-    acc = acc_dtype(logits3, backend)
-    return [logits3.new_empty(n, dtype=acc), logits3.new_empty(n, dtype=acc),
-            logits3.new_empty((n, 3), dtype=acc), logits3.new_empty(n, dtype=torch.int8)]
+    return fwd_outputs_like(logits3, y.numel(), backend)
 
 
 @torch.library.custom_op("gtpo_kernels::replay_bwd", mutates_args=())

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, _inv_cap, _log1p, _transform,
+from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, _inv_cap, _log1p, _store_token, _transform,
                         _transform_grad)
 
 BLOCK_K = 128  # kept ids per block: sets are tens to hundreds of ids (top_k 50 .. 512)
@@ -88,12 +88,7 @@ def _replay_fwd_kernel(
     bad = tl.reduce_or(flag_l, axis=0)
     bad = tl.where(z_y == float("-inf"), bad | BAD_TARGET_NEG_INF, bad)
     bad = tl.where(tl.sum(found, axis=0) != 1, bad | BAD_ID, bad)
-    tl.store(logp_ptr + tok, logp)
-    tl.store(ent_ptr + tok, ent)
-    tl.store(stats_ptr + tok * 3, m)
-    tl.store(stats_ptr + tok * 3 + 1, log_s)
-    tl.store(stats_ptr + tok * 3 + 2, q)
-    tl.store(bad_ptr + tok, bad.to(tl.int8))
+    _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad)
 
 
 @triton.jit(do_not_specialize=["V"])

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E, NEG_SENTINEL, _inv_cap,
-                        _log1p, _transform)
+                        _log1p, _store_token, _transform)
 
 
 @triton.jit
@@ -161,10 +161,5 @@ def _vocab_fwd_kernel(
     if NAN_FLAGGED:
         logp = tl.where(bad != 0, float("nan"), logp)
         ent = tl.where(bad != 0, float("nan"), ent)
-    tl.store(logp_ptr + tok, logp)
-    tl.store(ent_ptr + tok, ent)
-    tl.store(stats_ptr + tok * 3, m)
-    tl.store(stats_ptr + tok * 3 + 1, log_s)
-    tl.store(stats_ptr + tok * 3 + 2, q)
-    tl.store(bad_ptr + tok, bad.to(tl.int8))
+    _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad)
 

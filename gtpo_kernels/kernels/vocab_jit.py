@@ -91,3 +91,14 @@ def _inv_cap(softcap, HAS_SOFTCAP: tl.constexpr):
     else:
         inv = 0.0
     return inv
+
+
+@triton.jit
+def _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad):
+    """A forward pass's outputs for token `tok`: logp, H, the statistics (m, log S, q) and the int8 flags."""
+    tl.store(logp_ptr + tok, logp)
+    tl.store(ent_ptr + tok, ent)
+    tl.store(stats_ptr + tok * 3, m)
+    tl.store(stats_ptr + tok * 3 + 1, log_s)
+    tl.store(stats_ptr + tok * 3 + 2, q)
+    tl.store(bad_ptr + tok, bad.to(tl.int8))
