@@ -22,6 +22,17 @@ BLOCK_K = 128  # kept ids per block: sets are tens to hundreds of ids (top_k 50 
 LOG_ZERO = tl.constexpr(-1.0e4)  # log p clamp where p underflows: keeps p * (log p + H) finite
 
 
+@triton.jit
+def _kept_block(ids_ptr, row, k, end, V, scale, softcap, inv_cap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """A block of a token's kept set: (live lanes, the ids, the ids inside [0, V), their transformed logits)."""
+    live = k < end
+    v = tl.load(ids_ptr + k, mask=live, other=0).to(tl.int64)
+    ok = live & (v >= 0) & (v < V)
+    z = _transform(tl.load(row + v, mask=ok, other=0.0).to(tl.float32), scale, softcap, inv_cap, HAS_SCALE,
+                   HAS_SOFTCAP)
+    return live, v, ok, z
+
+
 @triton.jit(do_not_specialize=["V"])
 def _replay_fwd_kernel(
     # pointers
@@ -47,12 +58,7 @@ def _replay_fwd_kernel(
     found = tl.zeros([BLOCK_K], tl.int32)
     zy_l = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(start, end, BLOCK_K):  # pass 1: maximum, flags, target
-        k = k0 + lanes
-        live = k < end
-        v = tl.load(ids_ptr + k, mask=live, other=0).to(tl.int64)
-        ok = live & (v >= 0) & (v < V)
-        z = _transform(tl.load(row + v, mask=ok, other=0.0).to(tl.float32), scale, softcap, inv_cap,
-                       HAS_SCALE, HAS_SOFTCAP)
+        live, v, ok, z = _kept_block(ids_ptr, row, k0 + lanes, end, V, scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP)
         nf = ok & ((z != z) | (z == float("inf")))
         flag_l = flag_l | tl.where(nf, BAD_NONFINITE, 0) | tl.where(live & ~ok, BAD_ID, 0)
         hit = ok & (v == y)
@@ -65,12 +71,7 @@ def _replay_fwd_kernel(
     u_l = tl.zeros([BLOCK_K], tl.float32)
     o_l = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(start, end, BLOCK_K):  # pass 2: the sums relative to the maximum
-        k = k0 + lanes
-        live = k < end
-        v = tl.load(ids_ptr + k, mask=live, other=0).to(tl.int64)
-        ok = live & (v >= 0) & (v < V)
-        z = _transform(tl.load(row + v, mask=ok, other=0.0).to(tl.float32), scale, softcap, inv_cap,
-                       HAS_SCALE, HAS_SOFTCAP)
+        live, v, ok, z = _kept_block(ids_ptr, row, k0 + lanes, end, V, scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP)
         use = ok & (z == z) & (z > float("-inf")) & (z < float("inf"))
         d = tl.maximum((z - m) * inv_t, LOG_ZERO)
         ex = tl.where(use, tl.exp(d), 0.0)
