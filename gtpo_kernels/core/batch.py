@@ -48,9 +48,10 @@ def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate, all
         c = given.long().clamp(0, N).cummax(0).values
         return torch.cat([c.new_zeros(1), c[1:-1], c.new_full((1,), N)])
 
+    lengths = _once(lambda: cu()[1:] - cu()[:-1])
+
     def longest():  # the longest completion (0 without any)
-        d = cu()[1:] - cu()[:-1]
-        return torch.cat([d, d.new_zeros(1)]).max()
+        return torch.cat([lengths(), lengths().new_zeros(1)]).max()
     if max_seqlen is not None:
         max_seqlen = checks.check_nonneg_int("max_seqlen", max_seqlen)
         if validate:
@@ -60,7 +61,7 @@ def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate, all
                 raise ValueError(f"max_seqlen = {ms} is shorter than the longest completion in "
                                  f"cu_seqlens ({int(top)})")
             checks.check_on_device(top > ms, short)
-    seg = Lazy(lambda: torch.repeat_interleave(torch.arange(B, device=device), cu()[1:] - cu()[:-1], output_size=N))
+    seg = Lazy(lambda: torch.repeat_interleave(torch.arange(B, device=device), lengths(), output_size=N))
     max_len = Lazy(lambda: longest().clamp(min=1))  # a tensor: no host sync
     return (N, B, Lazy(lambda: cu().to(given.dtype)), max_seqlen, max_len, seg,
             None if validate else malformed)

@@ -96,14 +96,11 @@ def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logit
     if logits3.shape[-1] == 0:
         return grad3
     backend = _resolved(backend, logits3)
-    if g is not None and backend != "triton":
+    if g is not None and backend != "triton":  # the torch path takes c and e already multiplied
         g = g.to(c.dtype)
         c, e, g = scale_by(c, g), scale_by(e, g), None
-    if g is not None:
-        return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e,
-                                              _temperature(backend, temperature), logits_start, scale, softcap, g=g)
-    return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e,
-                                          _temperature(backend, temperature), logits_start, scale, softcap)
+    return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e, _temperature(backend, temperature),
+                                          logits_start, scale, softcap, **({} if g is None else dict(g=g)))
 
 
 def raw_conflicts(backend, ids, m, pos, neg, group_size):

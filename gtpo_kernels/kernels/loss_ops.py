@@ -5,8 +5,8 @@ gradient by pointer (one launch). Opaque to torch.compile, with a fake implement
     fused_loss(logits3, ...) -> [value, logp, H, loss_tok, c, e, lam, n_conf, kept (uint8), Hbar,
                                  metrics (4,), status (1,), stats (n, 3), flags (n,)]
 
-`floats` and `flags` carry the hyper-parameters and the kernel's switches (LossArgs in
-pipeline/epilogue.py names them); nothing here reads the device on the host.
+`floats` and `flags` carry the hyper-parameters and the kernel's switches, in the order FLOATS and
+FLAGS name them (pipeline/epilogue.py builds them); nothing here reads the device on the host.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITE
          "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE", "VALIDATE", "MASK_VALUES", "HAS_REF",
          "MAX_SEQLEN")
 EPILOGUE_BLOCK = 1024  # tokens per step of the epilogue's one program
-N_OUT = 14
 
 
 def _outputs(logits3, n, B, none_agg):

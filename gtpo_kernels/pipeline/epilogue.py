@@ -20,7 +20,7 @@ import torch
 
 from ..core import checks
 from ..core.output import GTPOOutput
-from ..kernels import loss_ops
+from ..kernels import loss_ops, ops
 from ..kernels.epilogue_triton import AGGS
 from .loss import warn_all_dropped
 
@@ -47,17 +47,11 @@ def eligible(logits, cfg, backend, inplace, kept_sets, process_group, rollout_is
             and all(_number(getattr(cfg, k)) for k in _NUMBERS) and cfg.top_entropy_quantile == 1.0)
 
 
-def _temperature(cfg, tau, like):
-    """(tensor or None, the number by value): a Python number goes by value, a tensor as the kernels read it."""
-    t = cfg.temperature if tau is None else tau
-    return _tau(t, like)
-
-
 def _tau(t, like):
+    """(tensor or None, the number by value): a Python number goes by value, a tensor as the Triton kernels
+    read it (ops.temperature_param: float32 on like's device)."""
     if isinstance(t, torch.Tensor):
-        if not (t.device == like.device and t.dtype == torch.float32):
-            t = t.detach().to(device=like.device, dtype=torch.float32)
-        return t.reshape(-1), 1.0
+        return ops.temperature_param(t, like, "triton").reshape(-1), 1.0
     return None, float(t)
 
 
@@ -67,7 +61,7 @@ def loss(b, cfg, num_items, tau, host, revalidate=None):
     `revalidate()` runs them on the host to raise the error that names the argument."""
     thr, init = cfg.entropy_threshold, cfg.initial_entropy
     gate = thr is not None and init is not None and init > thr  # the paper's gate: the filter off
-    temperature, tau_value = _temperature(cfg, tau, b.logits3)
+    temperature, tau_value = _tau(cfg.temperature if tau is None else tau, b.logits3)
     agg = AGGS.index(cfg.loss_agg)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     has_kl = b.ref is not None and cfg.beta != 0

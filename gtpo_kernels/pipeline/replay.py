@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..core import checks
+from ..core.layout import float_dtype_for
 from ..core.sampling import check_exclusive, check_rule, check_sampling_mask_flat
 from ..kernels import replay as rp
 from ..kernels.kept_set import kept_sets
@@ -23,7 +24,7 @@ def check_rules(b, top_k, top_p, min_p, validate, dtype=None):
     with its invalid tokens (n,) or None (refused when validating: call inside checks.one_host_read).
     Tensor thresholds in `dtype`, the logits' float dtype (default: b.logits3's), never rounded below it."""
     if dtype is None:
-        dtype = torch.float64 if b.logits3 is not None and b.logits3.dtype == torch.float64 else torch.float32
+        dtype = torch.float32 if b.logits3 is None else float_dtype_for(b.logits3)
     T = None if b.packed else b.tok_shape[1]
     n = b.counted.numel()
     out = [check_rule(name, x, b.B, T, n, b.counted.device, b.cu_seqlens, b.counted, validate, dtype)
