@@ -26,7 +26,7 @@ def test_valid_mask_passes():
 
 @pytest.mark.parametrize("change, match", [
     (lambda i, o, y: (i, torch.tensor([1, 2, 3, 6]), y), r"offsets must be non-decreasing from 0"),
-    (lambda i, o, y: (i, torch.tensor([0, 3, 2, 6]), y), r"offsets must be non-decreasing.*decreasing somewhere"),
+    (lambda i, o, y: (i, torch.tensor([0, 3, 2, 6]), y), r"offsets must be non-decreasing.*, decreasing at index 2: offsets\[1\] = 3, offsets\[2\] = 2$"),
     (lambda i, o, y: (i, torch.tensor([0, 2, 3, 5]), y), r"offsets must be non-decreasing from 0 to len\(token_ids\) = 6"),
     (lambda i, o, y: (torch.tensor([0, 1, 4, 2, 3, 6]), o, y), r"counted token 2 holds an id outside \[0, V\) = \[0, 6\)"),
     (lambda i, o, y: (torch.tensor([0, -1, 4, 2, 3, 5]), o, torch.tensor([0, 4, 2])), r"counted token 0 holds an id outside"),

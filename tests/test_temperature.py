@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import gtpo_reference as ref
 from batches import cases_and_configs
 from conftest import TOL, assert_grad_close, assert_value_close, examples
-from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
+from gtpo_kernels import GTPOConfig, gtpo_loss, linear_gtpo_loss, token_logprobs
 
 BACKENDS = ["triton", "torch", "reference"]
 
@@ -130,8 +130,14 @@ def test_bad_temperatures_are_refused_or_nan():
         assert torch.isfinite(out.logps[0 if bad[0] == 1.0 else 1]).all()
     with pytest.raises(ValueError, match="temperature must be a number, a tensor per completion"):
         gtpo_loss(z, ids, adv, group_size=2, temperature=torch.ones(3), backend="torch")
+    # a bad number from the call's `temperature=` is named as that argument, not as the config's field
+    for call in (lambda: gtpo_loss(z, ids, adv, group_size=2, temperature=0.0, backend="torch"),
+                 lambda: token_logprobs(z, ids, 0, backend="torch"),
+                 lambda: linear_gtpo_loss(z, torch.eye(11), ids, adv, group_size=2, temperature=-1.0)):
+        with pytest.raises(ValueError, match=r"^temperature \(the call's argument\) must be > 0, got (0|-1)\.0$"):
+            call()
     with pytest.raises(ValueError, match="GTPOConfig.temperature must be > 0"):
-        gtpo_loss(z, ids, adv, group_size=2, temperature=0.0, backend="torch")
+        GTPOConfig(temperature=0.0)
     with pytest.raises(TypeError, match="temperature must be a number > 0 or a floating-point tensor"):
         gtpo_loss(z, ids, adv, group_size=2, temperature="hot", backend="torch")
     # a number overrides the config's

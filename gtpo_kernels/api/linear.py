@@ -1,7 +1,6 @@
 """The public calls from hidden states (spec 11): linear_gtpo_loss, linear_token_logprobs."""
 from __future__ import annotations
 
-import dataclasses
 import numbers
 
 import torch
@@ -61,8 +60,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     """
     with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)
         cfg = as_config(config)
-        if temperature is not None and not api._per_token_tau(temperature):
-            cfg = dataclasses.replace(cfg, temperature=temperature)  # the config checks the value
+        cfg = api._with_temperature(cfg, temperature)  # a value checked by the config, named as the argument
         _refuse_logits_keywords(logits_start, inplace)
         checks.require_advantages(advantages)
         if schedule not in SCHEDULES:
@@ -113,7 +111,7 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
     out. No autograd; only a tile of logits at a time. process_group: as in linear_gtpo_loss."""
     with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)
         if not api._per_token_tau(temperature):
-            temperature = GTPOConfig(temperature=temperature).temperature  # validates the temperature
+            temperature = api._with_temperature(GTPOConfig(), temperature).temperature  # validates it
         host = checks.host_checks(validate)
         b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
                                    max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,

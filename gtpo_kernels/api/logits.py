@@ -227,8 +227,11 @@ def _with_temperature(cfg, temperature):
         return cfg
     if isinstance(temperature, bool) or not isinstance(temperature, (numbers.Real, torch.Tensor)):
         raise TypeError(f"temperature must be a number > 0 or a floating-point tensor, got {temperature!r}")
-    return dataclasses.replace(cfg, temperature=temperature if isinstance(temperature, torch.Tensor)
-                               else float(temperature))
+    try:
+        return dataclasses.replace(cfg, temperature=temperature if isinstance(temperature, torch.Tensor)
+                                   else float(temperature))
+    except ValueError as e:  # the config names its field; the value is this call's `temperature=`
+        raise ValueError(str(e).replace("GTPOConfig.temperature", "temperature (the call's argument)", 1)) from None
 
 
 def _group(logits, process_group):

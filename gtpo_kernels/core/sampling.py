@@ -187,9 +187,12 @@ def check_sampling_mask(sampling_mask, y, V, validate=True, positions=None):
     malformed, code = mask_problems(token_ids, offsets, y, V)
     if validate:
         if bool(malformed):
+            down = offsets[1:] < offsets[:-1]
+            i = _first(down) + 1 if bool(down.any()) else None  # the first index where it decreases
             raise ValueError(f"sampling_mask.offsets must be non-decreasing from 0 to len(token_ids) = "
                              f"{token_ids.numel()}, got first {int(offsets[0])}, last {int(offsets[-1])}"
-                             f"{', decreasing somewhere' if bool((offsets[1:] < offsets[:-1]).any()) else ''}")
+                             + ("" if i is None else f", decreasing at index {i}: offsets[{i - 1}] = "
+                                f"{int(offsets[i - 1])}, offsets[{i}] = {int(offsets[i])}"))
         if bool((code != 0).any()):
             m = _first(code != 0)
             c = int(code[m])
