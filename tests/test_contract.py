@@ -230,3 +230,21 @@ def test_completion_mask_values_other_than_0_and_1_are_refused(bad):
     a = gtpo_loss(x, ids, adv, mask, group_size=2, validate=False, config="grpo")
     b = gtpo_loss(x, ids, adv, mask != 0, group_size=2, config="grpo")
     assert torch.equal(a.loss, b.loss)
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dapo"])
+def test_unused_group_size_that_does_not_divide_the_batch_is_named_in_a_warning(preset):
+    """The TRL-family presets compute no conflict weights, so group_size is unused there: one that does
+    not divide B (a micro-batch across groups) is accepted, with a warning naming it and the preset; one
+    that is not a positive int is refused; with GTPO's conflict weights it must divide B."""
+    x, ids, adv, _ = batch()
+    x, ids, adv = x[:3], ids[:3], adv[:3]
+    with pytest.warns(UserWarning, match=rf"^group_size = 2 does not divide the number of completions B = 3, "
+                                         rf"and is unused: config='{preset}' computes no conflict weights"):
+        out = gtpo_loss(x, ids, adv, group_size=2, config=preset, backend="torch")
+    assert torch.equal(out.loss, gtpo_loss(x, ids, adv, config=preset, backend="torch").loss)
+    with pytest.raises(ValueError, match="group_size must be a positive int, got 0"):
+        gtpo_loss(x, ids, adv, group_size=0, config=preset, backend="torch")
+    with pytest.raises(ValueError, match="group_size = 2 must divide the number of completions B = 3"):
+        gtpo_loss(x, ids, adv, group_size=2, config=GTPOConfig.preset("gtpo", entropy_threshold=None),
+                  backend="torch")

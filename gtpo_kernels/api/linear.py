@@ -86,6 +86,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                                  temperature=temperature if api._per_token_tau(temperature) else None,
                                  num_items_in_batch=num_items_in_batch, validate=validate, backend="reference",
                                  **extras, **replay_kw)
+        checks.check_unused_group_size(group_size, b.B, cfg, config)
         loss.conflicts_for(b, cfg, group_size, dt, backend)
         span = head_ops.coefficient_span(cfg)
         _summary(g, b, hidden, weight, host, (backend, cfg, schedule, budget, span, group_size, num_items_in_batch,

@@ -97,6 +97,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     vocab_size=_local_vocab(process_group), **extras)
         with checks.one_host_read():  # the checks' values read on the host once
             b = batch.prepare(logits, completion_ids, completion_mask, validate=host and not fast, **prep)
+            checks.check_unused_group_size(group_size, b.B, cfg, config)
             checks.check_inplace(inplace, logits)
             dt = float_dtype_for(logits)
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)

@@ -39,6 +39,7 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
         b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
                                   max_seqlen=max_seqlen, device=logps.device, validate=host)
         checks.check_same_shape("logps", logps, b.tok_shape)
+        checks.check_unused_group_size(group_size, b.B, cfg, config)
         if host:  # the conflict weights' ids (unvalidated: lam = NaN for a completion holding another id)
             checks.check_ids_in_range(b.ids, b.counted, ID_LIMIT)
         if entropy is None and cfg.needs_entropy:

@@ -7,6 +7,7 @@ import contextvars
 import functools
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -210,6 +211,22 @@ def check_group_size(group_size, B):
     if B % group_size:
         raise ValueError(f"group_size = {group_size} must divide the number of completions B = {B}")
     return int(group_size)
+
+
+def check_unused_group_size(group_size, B, cfg, config):
+    """A group_size given to a config that computes no conflict weights (use_conflict_mask=False: the
+    TRL-family presets): the loss does not depend on it, so one that does not divide B (a micro-batch
+    split across groups is legitimate there) is accepted with a warning that names it and the config;
+    one that is not a positive int is refused as when it is used."""
+    if group_size is None or cfg.use_conflict_mask:
+        return
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if B % group_size:
+        name = f"config={config!r}" if isinstance(config, str) else "this config"
+        warnings.warn(f"group_size = {group_size} does not divide the number of completions B = {B}, and is "
+                      f"unused: {name} computes no conflict weights (use_conflict_mask=False), so the loss "
+                      "does not depend on group_size", UserWarning, stacklevel=3)
 
 
 def raise_on_flags(bad, tok_shape):
