@@ -53,8 +53,9 @@ def parse_args(argv):
     ap.add_argument("--vocab", default=None,
                     help="comma-separated vocabulary sizes (default: CPU 8192,32000; CUDA 32000,128256,151936,262144)")
     ap.add_argument("--gpu-sizes", action="store_true", help=f"tokens {GPU_TOKENS} x V {GPU_VOCAB}")
-    ap.add_argument("--impls", default="triton,torch,eager,compile,liger",
-                    help="comma-separated: triton, torch, eager, compile, liger")
+    ap.add_argument("--impls", default=None,
+                    help="comma-separated: triton, torch, eager, compile, liger (default: triton,torch,eager,compile "
+                         "and, on CUDA, liger: Liger-Kernel's GRPO loss on logits is a GPU kernel)")
     ap.add_argument("--preset", default="gtpo", choices=("gtpo", "grpo"), help="loss preset (Liger: always grpo)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="logits dtype")
     ap.add_argument("--repeats", type=int, default=None,
@@ -211,7 +212,11 @@ def _linear_suite(a, device, torch, report):
 def _logits_suite(a, device, torch, report):
     """The loss from the logits: the grid of tokens x V. Returns the exit status."""
     from .timing.logits_suite import Suite
-    impls = [x for x in a.impls.split(",") if x]
+    impls = [x for x in (a.impls or "triton,torch,eager,compile,liger").split(",") if x]
+    if a.impls is None and device == "cpu":  # said once, not a row per size
+        impls.remove("liger")
+        print("not compared in this run: Liger-Kernel's GRPO loss on logits (triton_grpo_loss) needs CUDA; on the "
+              "CPU, Liger-Kernel is compared in the linear suite (its fused linear GRPO loss)", flush=True)
     if a.gpu_sizes:
         tokens, vocab = list(GPU_TOKENS), list(GPU_VOCAB)
     else:

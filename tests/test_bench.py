@@ -111,6 +111,8 @@ def test_python_m_bench_smoke(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert _tree_state() == before, "a bench run with --out changed the repository's tree"
     assert "eager baseline" in p.stdout and "not run: needs CUDA" in p.stdout
+    assert [ln for ln in p.stderr.splitlines() if "needs CUDA" in ln] == [  # once, not a line per size
+        next(ln for ln in p.stderr.splitlines() if ln.endswith("liger: not run at any size (not run: needs CUDA)"))]
     # progress on stderr: each configuration numbered, no wait with --settle 0
     assert "[1/1] tokens=64 V=1000: check torch, eager, then time them in 1 warm-up + 2" in p.stderr, p.stderr
     assert "waiting up to" not in p.stderr
@@ -222,6 +224,19 @@ def test_interleaved_rounds_order_warmup_and_errors():
     assert calls == ["A", "B", "C", "A", "B", "C", "A", "C", "A", "C"]
     assert set(ts) == {"A", "C"} and all(len(t) == 3 and min(t) >= 0 for t in ts.values())
     assert failed == [("B", "boom")]
+
+
+def test_long_rounds_say_where_the_timing_is(monkeypatch):
+    """A round longer than LONG_ROUND_S (a large problem on a CPU) is followed by a line naming the next
+    one, so a run of long rounds is never silent for more than a round; short rounds say nothing."""
+    from bench.timing import runner
+    said = []
+    runner.interleaved({"A": lambda: None}, rounds=2, warmup=1, progress=said.append)
+    assert said == []
+    monkeypatch.setattr(runner, "LONG_ROUND_S", -1.0)
+    runner.interleaved({"A": lambda: None}, rounds=2, warmup=1, progress=said.append)
+    assert [s.split(" took ")[0] for s in said] == ["round 1/3", "round 2/3", "round 3/3"], said
+    assert said[0].endswith("now round 2/3 (timed)") and said[-1].endswith("timing done"), said
 
 
 def test_per_round_ratios_and_the_unreliable_rule():

@@ -219,7 +219,7 @@ class LinearSuite:
         self.progress(f"{size_key(N, D, V)}: timing {', '.join(runs)} in interleaved rounds "
                       f"({self.warmup} warm-up + {self.repeats} rounds)")
         times = runner.interleaved({i: (lambda run=run: linear.forward_backward(run, inp)) for i, run in runs.items()},
-                                   self.repeats, self.warmup, self.device,
+                                   self.repeats, self.warmup, self.device, progress=self.progress,
                                    on_error=lambda i, e: by[i].update(status="error", note=f"while timed: {e}"))
         for impl, ts in times.items():
             by[impl].update(times_ms=ts, time_ms={"full": statistics.median(ts)},

@@ -113,10 +113,13 @@ class Suite:
         for impl in native:
             run = runs[impl]
             if isinstance(run, Exception):
-                self.progress(f"{impl} {tokens}x{V}: unavailable ({run})")
+                if (tokens, V) == tuple(self.sizes[0]):  # said once, at the first size
+                    self.progress(f"{impl}: not run at any size ({run})")
                 by[impl] = self._row(impl, tokens, V, "unavailable", note=str(run))
                 continue
-            self.progress(f"{impl} {tokens}x{V}: check")
+            first = impl == "compile" and (tokens, V) == tuple(self.sizes[0])
+            self.progress(f"{impl} {tokens}x{V}: check" + (" (its first call compiles the loss: torch.compile takes "
+                                                           "seconds to a minute on a CPU)" if first else ""))
             by[impl] = self._row(impl, tokens, V, **self._measure(impl, run, inp))
             if by[impl]["status"] == "ok" and not self.check_only:
                 ok[impl] = run
@@ -128,7 +131,8 @@ class Suite:
             def failed(key, e):
                 by[key[0]].update(status="oom" if runner.is_oom(e) else "error",
                                   note=f"while timed: {type(e).__name__}: {str(e)[:200]}")
-            ts = runner.interleaved(steps, self.repeats, self.warmup, self.device, on_error=failed)
+            ts = runner.interleaved(steps, self.repeats, self.warmup, self.device, on_error=failed,
+                                    progress=self.progress)
             for impl in ok:
                 rounds = runner.mode_times({m: t for (i, m), t in ts.items() if i == impl}, self.modes)
                 if rounds and by[impl]["status"] == "ok":

@@ -107,8 +107,14 @@ def cpu_memory(rows, peaks_of, size_of, key_of, select=lambda r: True, workers=1
             by_impl.setdefault(r["impl"], []).append(size_of(r))
     if progress is not None and by_impl:
         progress(f"peak memory of {', '.join(by_impl)} (a fresh process each, {workers} at a time)")
+
+    def peaks(impl, sizes):  # each child says when it is done: at a large size each takes minutes
+        res = peaks_of(impl, sizes)
+        if progress is not None:
+            progress(f"peak memory of {impl}: measured")
+        return res
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {impl: pool.submit(peaks_of, impl, sizes) for impl, sizes in by_impl.items()}
+        futures = {impl: pool.submit(peaks, impl, sizes) for impl, sizes in by_impl.items()}
     for impl, fut in futures.items():
         res = fut.result()
         for r in rows:

@@ -167,6 +167,8 @@ def make(name: str, cfg: GTPOConfig, device):
 def missing_peers() -> list:
     """'<peer> (pip install ...)' for each comparison library that is not installed here."""
     import importlib.util
-    peers = (("trl", "TRL (the linear suite's comparison)"), ("liger_kernel", "Liger-Kernel"))
+    peers = (("trl", "TRL (its fused LM head, in the linear suite)"),
+             ("liger_kernel", "Liger-Kernel (its fused linear GRPO loss, in the linear suite; on CUDA also its loss "
+                              "on logits)"))
     return [f"{what}: pip install -e \".[bench]\"" for mod, what in peers if importlib.util.find_spec(mod) is None]
 

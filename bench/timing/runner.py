@@ -123,33 +123,50 @@ def fwd_above_full(rounds: dict) -> bool:
     return bool(fwd and full) and statistics.median(fwd) > max(full)
 
 
-def interleaved(steps: dict, rounds: int, warmup: int, device="cpu", on_error=None, before=None) -> dict:
+def interleaved(steps: dict, rounds: int, warmup: int, device="cpu", on_error=None, before=None,
+                progress=None) -> dict:
     """{key: [ms per round]}: `warmup` untimed rounds, then `rounds` rounds in each of which every step
     runs once, in the order given (before(key), when given, runs untimed just before each). A step that
-    raises is dropped (on_error(key, exception) is told)."""
+    raises is dropped (on_error(key, exception) is told). progress(msg), when given, hears of each round
+    that took longer than LONG_ROUND_S (a large problem's rounds take minutes on a CPU)."""
     steps, times = dict(steps), {k: [] for k in steps}
     calls = {k: 1 for k in steps}
+    t_run = time.perf_counter()
     for k in range(warmup + rounds):
-        for key, fn in list(steps.items()):
-            try:
-                if before is not None:
-                    before(key)
-                sync(device)
-                t0 = time.perf_counter()
-                for _ in range(calls[key]):
-                    fn()
-                sync(device)
-                dt = (time.perf_counter() - t0) / calls[key]
-            except Exception as e:
-                del steps[key], times[key]
-                if on_error is not None:
-                    on_error(key, e)
-                continue
-            if k >= warmup:
-                times[key].append(1e3 * dt)
-            elif torch.device(device).type == "cuda":  # calibrate: a sample lasts ~CUDA_SAMPLE_S
-                calls[key] = max(1, int(CUDA_SAMPLE_S / max(dt, 1e-6)))
+        t_round = time.perf_counter()
+        _one_round(steps, times, calls, k >= warmup, device, on_error, before)
+        if progress is not None and time.perf_counter() - t_round > LONG_ROUND_S:  # long rounds: say the next
+            nxt = (f"now round {k + 2}/{warmup + rounds} ({'warm-up' if k + 1 < warmup else 'timed'})"
+                   if k + 1 < warmup + rounds else "timing done")
+            progress(f"round {k + 1}/{warmup + rounds} took {time.perf_counter() - t_round:.0f} s "
+                     f"({time.perf_counter() - t_run:.0f} s so far); {nxt}")
     return times
+
+
+LONG_ROUND_S = 10.0
+
+
+def _one_round(steps, times, calls, timed, device, on_error, before):
+    """Every step once (interleaved's round): its time appended to times[key] when `timed`."""
+    for key, fn in list(steps.items()):
+        try:
+            if before is not None:
+                before(key)
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls[key]):
+                fn()
+            sync(device)
+            dt = (time.perf_counter() - t0) / calls[key]
+        except Exception as e:
+            del steps[key], times[key]
+            if on_error is not None:
+                on_error(key, e)
+            continue
+        if timed:
+            times[key].append(1e3 * dt)
+        elif torch.device(device).type == "cuda":  # calibrate: a sample lasts ~CUDA_SAMPLE_S
+            calls[key] = max(1, int(CUDA_SAMPLE_S / max(dt, 1e-6)))
 
 
 def step_fns(run, inp, modes):
