@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from .common import record
+from .common import HelpFormatter, record
 
 GPU_TOKENS = (4096, 16384, 32768)
 GPU_VOCAB = (32000, 128256, 151936, 262144)
@@ -36,16 +36,9 @@ def _ints(text):
     return [int(x) for x in str(text).split(",") if x]
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: ...)" to every flag's help unless the help already states its default."""
-
-    def _get_help_string(self, action):
-        return action.help if "(default:" in (action.help or "") else super()._get_help_string(action)
-
-
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0],
-                                 formatter_class=_Help, epilog=f"Duration: {DEFAULT_RUN}")
+                                 formatter_class=HelpFormatter, epilog=f"Duration: {DEFAULT_RUN}")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="auto: CUDA when available (the GPU grid needs --gpu-sizes), else CPU")
     ap.add_argument("--tokens", default=None,

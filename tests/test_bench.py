@@ -382,3 +382,12 @@ def test_linear_suite_times_the_replay_head_against_the_full_head(monkeypatch):
     assert st["tiles"] >= 2 and 0 < st["union_over_V"] <= 1 and st["mean_kept"] < st["mean_union"]
     text = linear_suite.table(res)
     assert "vs full head" in text and "kept sets at 256x64x1000" in text
+
+
+def test_help_states_each_default_once(capsys):
+    """A flag whose help states its default gets no second "(default: None)" (python -m bench.aot --help)."""
+    from bench.aot.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: bench/out/, git-ignored)" in out and "(default: None)" not in out, out

@@ -9,7 +9,7 @@
 import os
 import sys
 
-from ..common import record
+from ..common import HelpFormatter, record
 from .compiler import KERNELS, report
 from .tables import format_roofline, format_table, write_results
 
@@ -17,7 +17,7 @@ from .tables import format_roofline, format_table, write_results
 def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(
-        prog="python -m bench.aot", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m bench.aot", formatter_class=HelpFormatter,
         description="Compile our kernels (and the installed peers', for sm_90) for sm_90 / sm_80 / sm_100 and "
                     "AMD gfx942 without a GPU and report registers, spills, 16-byte loads, instructions per "
                     "element in the main loop, barriers, occupancy and a roofline estimate (N=16384, V=151936, "

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ..common import record
+from ..common import HelpFormatter, record
 from .compiler import compile_kernel
 from .sass import V_REAL
 
@@ -91,7 +91,7 @@ def timed(N=16384, V=151936, dtype=torch.bfloat16, repeats=20):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.aot.tune", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    ap = argparse.ArgumentParser(prog="python -m bench.aot.tune", formatter_class=HelpFormatter,
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="also time every candidate on CUDA (N=16384, V=151936 bf16)")
     ap.add_argument("--save", action="store_true", help="write into bench/results/ (the committed record)")
