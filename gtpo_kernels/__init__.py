@@ -2,6 +2,7 @@
 
     from gtpo_kernels import gtpo_loss, GTPOConfig, conflict_weights, token_logprobs
     from gtpo_kernels import gtpo_loss_from_logps, rollout_is_weights   # spec sections 9-10
+    from gtpo_kernels import rollout_mismatch   # spec section 14: the rollout/training mismatch
     from gtpo_kernels import gtpo_token_advantages   # GTPO folded into token advantages (verl)
     from gtpo_kernels import linear_gtpo_loss, linear_token_logprobs    # spec section 11
 
@@ -14,12 +15,12 @@ from .api.advantages import gtpo_token_advantages
 from .api.linear import linear_gtpo_loss, linear_token_logprobs
 from .api.logits import gtpo_loss, token_logprobs
 from .api.logps import gtpo_loss_from_logps
-from .api.rollout import ROLLOUT_IS_MODES, rollout_is_weights
+from .api.rollout import ROLLOUT_IS_MODES, rollout_is_weights, rollout_mismatch
 from .api.weights import conflict_weights
 from .core.config import IS_LEVELS, LOSS_AGGS, POLICY_LOSSES, PRESETS, GTPOConfig
 from .core.output import GTPOOutput
 
 __all__ = ["gtpo_loss", "gtpo_loss_from_logps", "linear_gtpo_loss", "linear_token_logprobs", "token_logprobs",
-           "conflict_weights", "rollout_is_weights", "gtpo_token_advantages", "GTPOConfig", "GTPOOutput",
+           "conflict_weights", "rollout_is_weights", "rollout_mismatch", "gtpo_token_advantages", "GTPOConfig", "GTPOOutput",
            "LOSS_AGGS", "POLICY_LOSSES", "IS_LEVELS", "PRESETS", "ROLLOUT_IS_MODES"]
 __version__ = "0.1.0"

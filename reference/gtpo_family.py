@@ -15,7 +15,7 @@ import torch
 
 from .gtpo_verl import VERL_POLICIES
 
-__all__ = ["POLICY_LOSSES", "IS_LEVELS", "ROLLOUT_IS_MODES", "rollout_is_weights"]
+__all__ = ["POLICY_LOSSES", "IS_LEVELS", "ROLLOUT_IS_MODES", "rollout_is_weights", "rollout_mismatch"]
 
 POLICY_LOSSES = ("ppo", "cispo", "sapo", "vespo") + VERL_POLICIES  # verl's modes: gtpo_verl.py
 IS_LEVELS = ("token", "sequence")
@@ -189,6 +189,37 @@ def k3(ref, logp, r=None):
     d = ref - logp
     kl = torch.exp(d) - d - 1.0
     return kl if r is None else kl * r
+
+
+def _k3_of(d):
+    """exp(d) - 1 - d without cancellation: its Taylor series sum_{k>=2} d^k / k! for |d| < 0.1 (to d^12,
+    relative error below 1e-16), expm1(d) - d elsewhere; +inf at d = +inf (where expm1(d) - d is inf - inf)."""
+    series = torch.zeros_like(d)
+    term = d * d / 2.0
+    for k in range(3, 14):
+        series = series + term
+        term = term * d / k
+    direct = torch.where(d == math.inf, math.inf, torch.expm1(d) - d)
+    return torch.where(d.abs() < 0.1, series, direct)
+
+
+@torch.no_grad()
+def rollout_mismatch(logp, rollout_logps, m):
+    """Spec 14's rollout/training mismatch over counted tokens, d = logp - rollout_logps (float64):
+    rollout_k3 = mean of exp(d) - 1 - d, rollout_abs_diff = mean |d|, rollout_max_abs_diff = max |d|,
+    rollout_outside_frac = fraction with exp(d) outside [0.9, 1.1], over the counted tokens whose d is not
+    NaN (0 when there are none); rollout_nan_frac = the counted tokens with a NaN d over all counted ones."""
+    d = logp.detach().double() - rollout_logps.double()
+    nan = m & torch.isnan(d)
+    ok = m & ~nan
+    d = torch.where(ok, d, torch.zeros_like(d))
+    n_ok = ok.double().sum().clamp(min=1)
+    r = torch.exp(d)
+    return {"rollout_k3": torch.where(ok, _k3_of(d), 0.0).sum() / n_ok,
+            "rollout_abs_diff": d.abs().sum() / n_ok,
+            "rollout_max_abs_diff": d.abs().max() if d.numel() else torch.zeros((), dtype=_F64, device=d.device),
+            "rollout_outside_frac": (ok & ((r < 0.9) | (r > 1.1))).double().sum() / n_ok,
+            "rollout_nan_frac": nan.double().sum() / m.double().sum().clamp(min=1)}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -162,7 +162,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     Returns a dict with keys: loss (0-d, or (B,T) for loss_agg='none', differentiable w.r.t.
     logits), per_token_loss (B,T) detached (0 where masked), logps (B,T), entropy (B,T) (both
     detached, 0 where masked), lam (B,T), n_conf (B,), kept (B,) bool, seq_entropy (B,), metrics:
-    dict with 0-d tensors clip_frac, filtered_frac, conflict_frac, mean_entropy. All floats float64.
+    dict with 0-d tensors clip_frac, filtered_frac, conflict_frac, mean_entropy (and, with rollout_logps,
+    spec 14's rollout_k3, rollout_abs_diff, rollout_max_abs_diff, rollout_outside_frac, rollout_nan_frac).
+    All floats float64.
     logits is (B, T_l, V) with T_l >= logits_start + T: row logits_start+t predicts
     completion_ids[:, t].
     """
@@ -302,6 +304,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         "conflict_frac": ((lam != 1) & m).double().sum() / Mc,
         "mean_entropy": H.detach().sum() / Mc,
     }
+    if rollout_logps is not None:  # spec 14: the rollout/training mismatch of the (replayed) logp
+        metrics.update(fam.rollout_mismatch(logp, rollout_logps, m))
     return {
         "loss": loss,
         "per_token_loss": tok.detach(),

@@ -70,14 +70,15 @@ def _checks(rank, world, counter):
                     # once per backend and once per form; 2 ranks run all 16
                 x, ids, mask, adv, old, kw = _case(7, packed)
                 refl = old + 0.1 if cfg.beta > 0 else None
+                roll = dict(rollout_logps=old + 0.3 * torch.sin(old * 7)) if name in ("grpo", "gspo") else {}
                 full = x.clone().requires_grad_()
                 one = gtpo_loss(full, ids, adv, mask, group_size=2, old_logps=old, ref_logps=refl, config=cfg,
-                                backend=backend, **kw)
+                                backend=backend, **roll, **kw)
                 one.loss.backward()
                 part = x[..., sl].clone().requires_grad_()
                 before, layout_before = counter["bytes"], counter["layout_bytes"]
                 out = gtpo_loss(part, ids, adv, mask, group_size=2, old_logps=old, ref_logps=refl, config=cfg,
-                                backend=backend, process_group=dist.group.WORLD, **kw)
+                                backend=backend, process_group=dist.group.WORLD, **roll, **kw)
                 sent = counter["bytes"] - before
                 layout = counter["layout_bytes"] - layout_before
                 out.loss.backward()
@@ -91,6 +92,9 @@ def _checks(rank, world, counter):
                 e["kept"] = bool(torch.equal(out.kept, one.kept))
                 e["metrics"] = max(_rel(out.metrics[k], v) for k, v in one.metrics.items())
                 e["loss_value"] = float(out.loss)
+                e["metric_values"] = {k: float(v) for k, v in out.metrics.items()}  # identical on every rank
+                if roll:  # spec 14's mismatch metrics, with the others
+                    assert "rollout_k3" in out.metrics and "rollout_k3" in one.metrics
                 e["grad_norm"] = float(full.grad.norm())
                 errs[key] = e
         x, ids, mask, adv, old, kw = _case(3, False)
@@ -218,6 +222,7 @@ def test_vocabulary_parallel_equals_one_process(world):
         for key, e in res["errs"].items():
             if "loss_value" in e:
                 assert e["loss_value"] == results[0]["errs"][key]["loss_value"], (r, key)
+                assert e["metric_values"] == results[0]["errs"][key]["metric_values"], (r, key)
         assert "disagree on the shapes" in res["raised"].get("shapes", ""), res["raised"]
         assert "completion_ids must lie in [0, V) = [0, 37)" in res["raised"].get("ids", ""), res["raised"]
         assert res["raised"]["nan_unvalidated"]

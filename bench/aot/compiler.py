@@ -328,7 +328,7 @@ def compile_epilogue(arch, **switches):
                 thr=0.69, max_len_cfg=0.0, nitems_val=1.0)
     meta = dict(PACKED=False, HAS_MASK=True, HAS_OLD=True, HAS_KL=True, BIAS_KL=True, HAS_LAM=True, HAS_NCONF=True,
                 NITEMS=0, CLIP=True, HAS_DELTA=True, HAS_DUAL=True, HAS_E=True, FILTER=True, PENALTY=True, SEQ=False,
-                AGG=0, BLOCK=1024, VALIDATE=True, MASK_VALUES=True, HAS_REF=True, num_warps=4)
+                AGG=0, BLOCK=1024, VALIDATE=True, MASK_VALUES=True, HAS_REF=True, HAS_ROLL=True, num_warps=4)
     meta.update(switches)
     target = _target(arch)
     backend = make_backend(target)

@@ -1,9 +1,11 @@
-"""Rollout importance-sampling weights for the training/inference mismatch (spec 9), as TRL makes them."""
+"""The training/inference mismatch: rollout importance-sampling weights (spec 9), as TRL makes them, and the
+mismatch measured (spec 14)."""
 from __future__ import annotations
 
 import torch
 
 from ..core import checks
+from ..objective.mismatch import rollout_metrics
 
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -42,3 +44,23 @@ def rollout_is_weights(old_logps, rollout_logps, completion_mask, mode, clip_min
             return torch.clamp(w, min=clip_min, max=clip_max)
         lo = 0.0 if clip_min is None else clip_min
         return torch.where((w < lo) | (w > clip_max), torch.zeros_like(w), w)
+
+
+def rollout_mismatch(logps, rollout_logps, completion_mask=None):
+    """Spec 14's rollout/training mismatch of two log-probs of the same tokens, for a trainer that has both
+    without calling the loss (e.g. its old-policy pass and the inference engine's): a dict of 0-d tensors
+    rollout_k3 (mean of exp(d) - 1 - d, d = logps - rollout_logps: the k3 estimate of KL(rollout || policy)),
+    rollout_abs_diff (mean |d|), rollout_max_abs_diff, rollout_outside_frac (exp(d) outside [0.9, 1.1]) and
+    rollout_nan_frac, over the counted tokens (completion_mask != 0; all when None), NaN differences left out
+    of the first four and counted in the last. What `metrics` of every loss call holds when it is given
+    rollout_logps. Float64 for float64 logps, float32 otherwise; no gradient."""
+    checks.check_float_tensor("logps", logps)
+    checks.check_float_tensor("rollout_logps", rollout_logps)
+    checks.check_same_shape("rollout_logps", rollout_logps, tuple(logps.shape))
+    if completion_mask is None:
+        m = torch.ones(logps.shape, dtype=torch.bool, device=logps.device)
+    else:
+        checks.check_same_shape("completion_mask", completion_mask, tuple(logps.shape))
+        m = completion_mask != 0
+    dt = torch.float64 if logps.dtype == torch.float64 else torch.float32
+    return rollout_metrics(logps, rollout_logps, m, dt)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .epilogue_terms import _counted, _finite_or_nan, _invalid_inputs, _span, _terms
+from .epilogue_terms import _counted, _finite_or_nan, _invalid_inputs, _k3, _span, _terms
 
 # loss_agg as the kernel's AGG
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "gtpo-official",
@@ -36,9 +36,9 @@ AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-tok
 @triton.jit(do_not_specialize=["B", "T", "N", "max_seqlen"])
 def _epilogue_kernel(
     logp_ptr, ent_ptr, bad_ptr, mask_ptr, cu_ptr,  # the forward kernel's outputs; the caller's mask; cu_seqlens
-    adv_ptr, old_ptr, ref_ptr, lam_ptr, nconf_ptr, nitems_ptr,  # inputs (unused ones: any tensor)
+    adv_ptr, old_ptr, ref_ptr, lam_ptr, nconf_ptr, nitems_ptr, roll_ptr,  # inputs (unused ones: any tensor)
     value_ptr, logp_out, ent_out, ltok_out, c_out, e_out, lam_out, nconf_out, kept_out, hbar_out,  # outputs
-    scratch_ptr, cu_fix, met_ptr, status_ptr,  # (3B,) float32, (B + 1,) int64 scratch; (4,) metrics; (1,) int32
+    scratch_ptr, cu_fix, met_ptr, status_ptr,  # (3B,) float32, (B + 1,) int64 scratch; (9,) metrics; (1,) int32
     B, T, N, max_seqlen,  # completions; tokens per completion (padded form); tokens; the packed max_seqlen or -1
     lo, hi, delta, dual_c, beta, ent_coef, penalty, thr, max_len_cfg, nitems_val,  # hyper-parameters (floats)
     PACKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
@@ -48,6 +48,7 @@ def _epilogue_kernel(
     VALIDATE: tl.constexpr = False,  # the input checks into the status word (bit 2)
     MASK_VALUES: tl.constexpr = False,  # the mask is not bool: its values must be 0 or 1
     HAS_REF: tl.constexpr = False,  # ref_logps given (checked when validating, used with HAS_KL)
+    HAS_ROLL: tl.constexpr = False,  # rollout_logps given: spec 14's mismatch metrics (met[4:9])
 ):
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     M = tl.zeros((), tl.int32)
@@ -57,6 +58,12 @@ def _epilogue_kernel(
     flagged = tl.zeros((), tl.int32)
     invalid = tl.zeros((), tl.int32)  # validating: any input check failed (bit 2 of the status)
     malformed = tl.zeros((), tl.int32)
+    roll_sums = tl.zeros([BLOCK], tl.float32)  # spec 14: sum of k3, of |d|; max |d|; outside, NaN, kept counts
+    roll_abs = tl.zeros([BLOCK], tl.float32)
+    roll_max = tl.zeros([BLOCK], tl.float32)
+    roll_out = tl.zeros([BLOCK], tl.int32)
+    roll_nan = tl.zeros([BLOCK], tl.int32)
+    roll_ok = tl.zeros([BLOCK], tl.int32)
     if PACKED:  # cu_seqlens as given: the stand-in (clamped into [0, N], non-decreasing, from 0 to N) and a flag
         prev_raw = tl.load(cu_ptr).to(tl.int64)
         malformed = ((prev_raw != 0) | (tl.load(cu_ptr + B).to(tl.int64) != N)).to(tl.int32)
@@ -92,6 +99,18 @@ def _epilogue_kernel(
             else:
                 lam = tl.full([BLOCK], 1.0, tl.float32)
             tl.store(lam_out + o, lam, mask=inb)
+            if HAS_ROLL:
+                d = (lp.to(tl.float64) - tl.load(roll_ptr + o, mask=inb, other=0.0).to(tl.float64)).to(tl.float32)
+                isnan = m & (d != d)
+                ok = m & (d == d)
+                d = tl.where(ok, d, 0.0)
+                r = tl.exp(d)
+                roll_sums += tl.where(ok, _k3(d), 0.0)
+                roll_abs += tl.abs(d)
+                roll_max = tl.maximum(roll_max, tl.abs(d))
+                roll_out += (ok & ((r < 0.9) | (r > 1.1))).to(tl.int32)
+                roll_nan += isnan.to(tl.int32)
+                roll_ok += ok.to(tl.int32)
             if VALIDATE:
                 invalid = invalid | _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, MASK_VALUES, HAS_OLD,
                                                     HAS_REF, HAS_LAM)
@@ -225,6 +244,13 @@ def _epilogue_kernel(
     else:
         tl.store(met_ptr + 2, 0.0)
     tl.store(met_ptr + 3, h_tot / M_safe)
+    if HAS_ROLL:
+        n_ok = tl.maximum(tl.sum(roll_ok, axis=0), 1).to(tl.float32)
+        tl.store(met_ptr + 4, tl.sum(roll_sums, axis=0) / n_ok)
+        tl.store(met_ptr + 5, tl.sum(roll_abs, axis=0) / n_ok)
+        tl.store(met_ptr + 6, tl.max(roll_max, axis=0))
+        tl.store(met_ptr + 7, tl.sum(roll_out, axis=0).to(tl.float32) / n_ok)
+        tl.store(met_ptr + 8, tl.sum(roll_nan, axis=0).to(tl.float32) / M_safe)
     if FILTER:
         flagged = flagged | (((n_kept == 0) & (M > 0)).to(tl.int32) * 2)
     if VALIDATE:

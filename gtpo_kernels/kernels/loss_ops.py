@@ -3,7 +3,10 @@
 gradient by pointer (one launch). Opaque to torch.compile, with a fake implementation.
 
     fused_loss(logits3, ...) -> [value, logp, H, loss_tok, c, e, lam, n_conf, kept (uint8), Hbar,
-                                 metrics (4,), status (1,), stats (n, 3), flags (n,)]
+                                 metrics (9,), status (1,), stats (n, 3), flags (n,)]
+
+metrics: clip_frac, filtered_frac, conflict_frac, mean_entropy, then with `roll` (rollout_logps) spec 14's
+rollout_k3, rollout_abs_diff, rollout_max_abs_diff, rollout_outside_frac, rollout_nan_frac.
 
 `floats` and `flags` carry the hyper-parameters and the kernel's switches, in the order FLOATS and
 FLAGS name them (pipeline/epilogue.py builds them); nothing here reads the device on the host.
@@ -29,7 +32,7 @@ def _outputs(logits3, n, B, none_agg):
     value = torch.empty(n if none_agg else (), **f32)
     per_tok = [torch.empty(n, **f32) for _ in range(6)]  # logp, H, loss_tok, c, e, lam
     return [value, *per_tok, torch.empty(B, **f32), torch.empty(B, device=logits3.device, dtype=torch.uint8),
-            torch.empty(B, **f32), torch.empty(4, **f32), torch.empty(1, device=logits3.device, dtype=torch.int32),
+            torch.empty(B, **f32), torch.empty(9, **f32), torch.empty(1, device=logits3.device, dtype=torch.int32),
             torch.empty((n, 3), **f32), torch.empty(n, device=logits3.device, dtype=torch.int8)]
 
 
@@ -38,7 +41,7 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
                adv: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
                lam: Optional[torch.Tensor], n_conf: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
                temperature: Optional[torch.Tensor], floats: List[float], flags: List[int], logits_start: int,
-               B: int) -> List[torch.Tensor]:
+               B: int, roll: Optional[torch.Tensor]) -> List[torch.Tensor]:
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     n = ids.numel()
     outs = _outputs(logits3, n, B, fg["AGG"] == 5)
@@ -53,16 +56,17 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
           if k not in ("TEMP_BY_VALUE", "MAX_SEQLEN")}
     _epilogue_kernel[(1,)](
         logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
-        adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items)),
+        adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items, roll)),
         value, logp, ent, ltok, c, e, lam_out, nconf_out, kept, hbar, scratch, cu_fix, met, status,
         B, n // B if (B and not fg["PACKED"]) else 0, n, fg["MAX_SEQLEN"],
         fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
-        fl["max_len"], fl["nitems"], HAS_MASK=mask is not None, BLOCK=EPILOGUE_BLOCK, num_warps=4, **sw)
+        fl["max_len"], fl["nitems"], HAS_MASK=mask is not None, HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK, num_warps=4, **sw)
     return outs
 
 
 @fused_loss.register_fake
-def _(logits3, ids, mask, cu, adv, old, ref, lam, n_conf, num_items, temperature, floats, flags, logits_start, B):
+def _(logits3, ids, mask, cu, adv, old, ref, lam, n_conf, num_items, temperature, floats, flags, logits_start, B,
+      roll):
     return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5)
 
 
@@ -81,13 +85,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     grad = grads[0]  # the loss value's; the other outputs are not differentiable
     if grad is None:
-        return (None,) * 15
+        return (None,) * 16
     logits3, ids, stats, ent, c, e, temperature = ctx.saved_tensors
     logits_start, tau_value = ctx.meta
     g = grad.reshape(-1)
     grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, backend="triton", g=g,
                           tau_value=tau_value)
-    return (grad3,) + (None,) * 14
+    return (grad3,) + (None,) * 15
 
 
 fused_loss.register_autograd(_backward, setup_context=_setup_context)

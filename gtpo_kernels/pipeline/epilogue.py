@@ -22,6 +22,7 @@ from ..core import checks
 from ..core.output import GTPOOutput
 from ..kernels import loss_ops, ops
 from ..kernels.epilogue_triton import AGGS
+from ..objective import mismatch
 from .loss import warn_all_dropped
 
 _NUMBERS = ("eps_low", "eps_high", "delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty",
@@ -80,12 +81,15 @@ def loss(b, cfg, num_items, tau, host, revalidate=None):
             for x in (b.mask, given["adv"], b.old, b.ref, b.lam, b.n_conf, given["cu_seqlens"])]
     mask, adv, old, ref, lam, n_conf, cu = flat  # the kernels read them with stride 1 (a copy only if they are not)
     outs = loss_ops.fused_loss(b.logits3, given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
-                               temperature, floats, [int(f) for f in flags], b.logits_start, b.B)
+                               temperature, floats, [int(f) for f in flags], b.logits_start, b.B,
+                               None if b.rollout_logps is None else b.rollout_logps.contiguous())
     value, logp, ent, ltok, _c, _e, lam, n_conf, kept, hbar, met, status, _stats, bad = outs
     if host:
         checks.check_on_device(status[0], lambda: _report(status, bad, b, thr, revalidate))
     shape = b.tok_shape
     metrics = dict(clip_frac=met[0], filtered_frac=met[1], conflict_frac=met[2], mean_entropy=met[3])
+    if b.rollout_logps is not None:  # spec 14
+        metrics.update(zip(mismatch.NAMES, met[4:9].unbind()))
     return GTPOOutput(loss=value.reshape(shape) if agg == AGGS.index("none") else value, logps=logp.reshape(shape),
                       entropy=ent.reshape(shape), per_token_loss=ltok.reshape(shape), lam=lam.reshape(shape),
                       n_conf=n_conf, kept=kept.view(torch.bool), seq_entropy=hbar, metrics=metrics)

@@ -17,6 +17,7 @@ from ..distributed import vocab_parallel as parallel
 from ..kernels import autograd  # noqa: F401  (registers attach_grad's backward)
 from ..kernels import ops
 from ..objective.conflict import conflict_flat
+from ..objective.mismatch import rollout_metrics
 from ..objective.surrogate import surrogate
 
 
@@ -137,6 +138,8 @@ def make_output(b, cfg, loss, res, dt, host):
     dev = b.counted.device
     lam_out = torch.ones(b.tok_shape, dtype=dt, device=dev) if b.lam is None else b.lam.to(dt).reshape(b.tok_shape)
     n_conf_out = torch.ones(b.B, dtype=dt, device=dev) if b.n_conf is None else b.n_conf.to(dt)
+    if b.rollout_logps is not None:  # spec 14: the rollout/training mismatch of the logp the loss used
+        res["metrics"].update(rollout_metrics(res["logp"], b.rollout_logps, b.counted, dt))
     return GTPOOutput(loss=loss, logps=res["logp"].reshape(b.tok_shape), entropy=res["ent"].reshape(b.tok_shape),
                       per_token_loss=res["loss_tok"].reshape(b.tok_shape), lam=lam_out, n_conf=n_conf_out,
                       kept=res["kept"], seq_entropy=res["seq_entropy"], metrics=res["metrics"])
