@@ -293,3 +293,28 @@ def test_trl_config_mapping_and_refusals(tmp_path, trl_pair):
             ours._gtpo_setup()
     finally:
         _configure(ours)
+
+
+@needs_trl
+def test_trl_logs_the_rollout_mismatch(trl_pair, monkeypatch):
+    """With the engine's log-probs in the batch (`sampling_per_token_logps`, one NaN as vLLM gives), the
+    adapter logs spec 14's mismatch of the loss's log-probs under gtpo/: equal to the float64 reference
+    on the same log-probs, NaN counted apart."""
+    import gtpo_reference.gtpo_family as fam
+    from gtpo_kernels.integrations.trl_config import _loss_mask
+    tr, batch = trl_pair["ours"], dict(trl_pair["batch"])
+    _configure(tr)
+    tr.args.steps_per_generation = tr.current_gradient_accumulation_steps = 1
+    tr.model.train()
+    seen = {}
+    orig = tr._gtpo_log
+    monkeypatch.setattr(tr, "_gtpo_log", lambda mode, out, *a: (seen.update(out=out), orig(mode, out, *a))[1])
+    with torch.no_grad():
+        tr._compute_loss(tr.model, batch)
+    roll = batch["sampling_per_token_logps"]
+    m = _loss_mask(batch) != 0
+    assert torch.isnan(roll[m]).any() and (m & ~torch.isnan(roll)).any()
+    want = fam.rollout_mismatch(seen["out"].logps.double(), roll.double(), m)
+    assert want["rollout_abs_diff"] > 0
+    for k, v in want.items():
+        assert tr._metrics["train"][f"gtpo/{k}"][-1] == pytest.approx(float(v), rel=1e-5, abs=1e-9), k

@@ -280,6 +280,57 @@ def test_trainer_advantage_step_shuffled_padded(monkeypatch):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     assert not got[B:].any()
     assert "gtpo/changed_frac" in metrics
+    assert not any(k.startswith("rollout_corr/") for k in metrics)  # the rollout kept no log-probs
+
+
+def test_trainer_logs_the_rollout_mismatch(monkeypatch):
+    """With `calculate_log_probs` on, the advantage step logs spec 14's mismatch of the old-policy pass
+    against the rollout's log-probs (nested, with verl's padding rows and a NaN), equal to the float64
+    reference over the counted tokens."""
+    plugin, TensorDict, tu, *_ = _verl()
+    if plugin.GTPOTrainer is None:
+        pytest.skip("verl's v1 trainer (TransferQueue) is not importable")
+    import gtpo_reference.gtpo_family as fam
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import PPOTrainerSync
+
+    r = _rollout(5)
+    B, T = r["ids"].shape
+    g = torch.Generator().manual_seed(5)
+    old = -torch.rand(B, T, generator=g) * 3
+    roll = old + 0.2 * torch.randn(B, T, generator=g)
+    roll[0, 0] = float("nan")
+    nested = lambda x: _nested([x[i, :int(r["lens"][i])] for i in range(B)])  # noqa: E731
+    td = TensorDict({"responses": nested(r["ids"]), "response_mask": nested(r["mask"]),
+                     "advantages": nested(r["adv"][:, None] * r["mask"]), "old_log_probs": nested(old),
+                     "rollout_log_probs": nested(roll)}, batch_size=[B])
+    uids = [f"uid{k}" for k in r["group"].tolist()]
+    tu.assign_non_tensor(td, uid=uids)
+    keys = [f"{u}_0_{i}" for i, u in enumerate(uids)]
+    monkeypatch.setattr(plugin, "tq", _FakeTQ(td, keys))
+    monkeypatch.setattr(PPOTrainerSync, "_compute_advantage", lambda self, batch, metrics: batch)
+    trainer = object.__new__(plugin.GTPOTrainer)
+    trainer.config = OmegaConf.create({"trainer": {"v1": {"trainer_mode": "gtpo", "gtpo": {"preset": "grpo"}}},
+                                       "actor_rollout_ref": {"rollout": {"calculate_log_probs": True}}})
+
+    class Batch:
+        partition_id = "train"
+
+        def __init__(self):
+            self.keys = keys
+
+        def __len__(self):
+            return B
+
+    metrics = {}
+    trainer._compute_advantage(Batch(), metrics)
+    m = torch.zeros(B, T, dtype=torch.bool)
+    for i in range(B):
+        m[i, :int(r["lens"][i])] = r["mask"][i, :int(r["lens"][i])] != 0
+    want = fam.rollout_mismatch(old.double(), roll.double(), m)
+    assert 0 < want["rollout_nan_frac"] < 1 and want["rollout_k3"] > 0
+    for k, v in want.items():
+        assert metrics[f"rollout_corr/{k}"] == pytest.approx(float(v), rel=1e-5), k
 
 
 def test_gtpo_config_from_section():

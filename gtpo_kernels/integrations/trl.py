@@ -46,7 +46,10 @@ vLLM, logging, checkpoints, is TRL's own):
    (`sampler_settings`), or the sets a rollout_func recorded (`sampling_mask`) replace those rules.
 4. Metrics, through the trainer's logger (averaged per logging step like TRL's): `entropy`
    (token mean, TRL's key), `gtpo/clip_frac`, `gtpo/filtered_frac`, `gtpo/conflict_frac`,
-   `gtpo/mean_entropy`, and `kl` when `beta > 0`.
+   `gtpo/mean_entropy`, `kl` when `beta > 0`, and when TRL keeps the engine's log-probs
+   (`sampling_per_token_logps`) the rollout/training mismatch of the loss's log-probs (spec 14):
+   `gtpo/rollout_k3`, `gtpo/rollout_abs_diff`, `gtpo/rollout_max_abs_diff`, `gtpo/rollout_outside_frac`,
+   `gtpo/rollout_nan_frac` (means over all processes' tokens, the maximum over all processes).
 
 The loss: TRL's `loss_type` (the policy term, the ratio and the normalizer, as in the stock trainer) x
 `gtpo_loss` (what GTPO adds on top: "gtpo", None, "gtpo-official"), `gtpo_kwargs` overriding any other
@@ -282,4 +285,20 @@ class GTPOTrainer(GRPOTrainer):
         self._metrics[mode]["gtpo/filtered_frac"].append((s[3] / seq).item())
         if self.gtpo_config.beta > 0:
             self._metrics[mode]["kl"].append((s[4] / tok).item())
+        if "rollout_k3" in met:
+            _log_mismatch(self, mode, met, n_tok)
+
+
+def _log_mismatch(trainer, mode, met, n_tok):
+    """Spec 14's metrics over all processes: each mean weighted by the process's tokens it averages over
+    (the counted tokens whose difference is not NaN), the maximum of the maxima."""
+    n_ok = n_tok * (1 - met["rollout_nan_frac"].float())
+    names = ("rollout_k3", "rollout_abs_diff", "rollout_outside_frac")
+    stats = torch.stack([met[k].float() * n_ok for k in names] + [met["rollout_nan_frac"].float() * n_tok, n_ok, n_tok])
+    s = trainer.accelerator.reduce(stats.detach(), reduction="sum")
+    biggest = trainer.accelerator.gather(met["rollout_max_abs_diff"].detach().float().reshape(1)).max()
+    for k, v in zip(names, s[:3]):
+        trainer._metrics[mode][f"gtpo/{k}"].append((v / s[4].clamp(min=1.0)).item())
+    trainer._metrics[mode]["gtpo/rollout_nan_frac"].append((s[3] / s[5].clamp(min=1.0)).item())
+    trainer._metrics[mode]["gtpo/rollout_max_abs_diff"].append(biggest.item())
 

@@ -207,12 +207,12 @@ def _loss_kwargs(trainer, cfg, inputs, num_items):
     """The gtpo_loss / linear_gtpo_loss keyword arguments other than the tokens, advantages and mask
     (the temperature is cfg's: the sampler's)."""
     # vLLM importance-sampling correction: TRL's ratios (B, T) or (B, 1) multiply the policy term (VESPO
-    # folds them into its weight); the engine's log-probs are the off-policy mask's sampling policy
+    # folds them into its weight); the engine's log-probs are the off-policy mask's sampling policy and,
+    # whenever TRL kept them, what the rollout/training mismatch metrics compare against (spec 14)
     is_w = None
     if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
         is_w = inputs.get("importance_sampling_ratio")
-    rollout_logps = inputs.get("sampling_per_token_logps") if cfg.off_policy_mask_threshold is not None \
-        else None
+    rollout_logps = inputs.get("sampling_per_token_logps")
     return dict(
         old_logps=inputs.get("old_per_token_logps"),
         ref_logps=inputs.get("ref_per_token_logps") if cfg.beta > 0 else None,

@@ -35,6 +35,11 @@ registers, through verl's own extension points (verl is not patched):
    in the batch of its three log-prob passes, and a guarded patch of verl 0.9.1's FSDP engine, installed
    at import (`ENGINE_REPLAY` says whether), computes their log-probs and entropies over the kept sets
    (`kept_set_logprobs`, `kept_set_entropy`). `+trainer.v1.gtpo.replay_sampler=false` turns it off.
+5. The rollout/training mismatch measured (spec 14): when the rollout returns its log-probs
+   (`actor_rollout_ref.rollout.calculate_log_probs=True`), the `gtpo` trainer's advantage step logs the
+   old-policy pass against them (`mismatch_metrics`): `rollout_corr/rollout_k3`, `rollout_corr/rollout_abs_diff`,
+   `rollout_corr/rollout_max_abs_diff`, `rollout_corr/rollout_outside_frac`, `rollout_corr/rollout_nan_frac`,
+   beside verl's own `rollout_corr/` metrics.
 
 The one approximation: the entropy filter and shaping use the entropies of the policy that computed
 `old_log_probs` (verl's old-policy pass), not the current policy's. That is exact on the first
@@ -71,6 +76,7 @@ import numpy as np
 import torch
 
 from ..api.advantages import gtpo_token_advantages
+from ..api.rollout import rollout_mismatch
 from ..core.config import GTPOConfig, as_config
 from .verl_modes import MODES, register_modes
 # the kept-set replay (re-exported: the plugin's public names), its engine patch installed by this import
@@ -184,6 +190,21 @@ def rewrite_advantages(batch, uid, cfg) -> dict:
 
 register_modes(register_policy_loss, agg_loss)
 
+def _rollout_logps_kept(config) -> bool:
+    """Whether the rollout returns its log-probs (`actor_rollout_ref.rollout.calculate_log_probs`)."""
+    from omegaconf import OmegaConf
+    return bool(OmegaConf.select(config, "actor_rollout_ref.rollout.calculate_log_probs", default=False))
+
+
+def mismatch_metrics(old_log_probs, rollout_log_probs, response_mask) -> dict:
+    """Spec 14's rollout/training mismatch of the old-policy pass (the trainer's log-probs at the rollout's
+    weights) against the engine's, under verl's `rollout_corr/` prefix: rollout_corr/rollout_k3,
+    rollout_corr/rollout_abs_diff, rollout_corr/rollout_max_abs_diff, rollout_corr/rollout_outside_frac,
+    rollout_corr/rollout_nan_frac (floats)."""
+    got = rollout_mismatch(old_log_probs, rollout_log_probs, response_mask)
+    return {f"rollout_corr/{k}": float(v) for k, v in got.items()}
+
+
 # ------------------------------------------------------------------ the trainer mode
 
 tq = None  # transfer_queue, once the trainer is registered (a module global: tests replace it)
@@ -245,9 +266,14 @@ def _register_trainer():
             batch = super()._compute_advantage(batch, metrics)
             cfg = self._gtpo_config()
             fields = ["uid", "responses", "response_mask", "advantages"] + (["entropy"] if cfg.shapes_advantages else [])
-            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+            measure = _rollout_logps_kept(self.config)
+            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                                   select_fields=fields + (["old_log_probs", "rollout_log_probs"] if measure else []))
             response_mask = data["response_mask"]  # nested (bs, response_len)
             padded = data.to_padded_tensor()
+            if measure:  # spec 14: the old-policy pass against the engine's log-probs, same weights
+                metrics.update(mismatch_metrics(padded.pop("old_log_probs"), padded.pop("rollout_log_probs"),
+                                                padded["response_mask"]))
             uid = np.array(padded.pop("uid").tolist(), dtype=object)
             metrics.update(rewrite_advantages(padded, uid, cfg))
             out = TensorDict({"advantages": response_to_nested(padded["advantages"], response_mask)},
