@@ -1,7 +1,7 @@
 """Every python block of README.md and docs/*.md runs as written, on its own: each is copied into a file
 and run by a fresh `python` in an empty temporary folder (Triton's interpreter on, as for the tests), and
-must exit 0 without a warning of this package's. A block that needs what a test machine may lack says so
-on the line before it:
+must exit 0 without a warning of this package's, nor a FutureWarning of any library's. A block that needs
+what a test machine may lack says so on the line before it:
 - `<!-- snippet: needs trl -->`: runs when TRL is installed (the `trl` extra), skipped otherwise.
 Nothing else is exempt. The quick start's commands are the lines CI runs."""
 import os
@@ -54,6 +54,9 @@ def test_python_block_runs_in_a_fresh_process(where, marker, code, tmp_path):
     assert r.returncode == 0, f"{where} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     ours = [ln for ln in r.stderr.splitlines() if "Warning" in ln and ("gtpo" in ln or "snippet.py" in ln)]
     assert not ours, f"{where} warns:\n" + "\n".join(ours)
+    # a deprecated argument in a block is ours to fix, whichever library warns about it
+    future = [ln for ln in r.stderr.splitlines() if "FutureWarning" in ln]
+    assert not future, f"{where} uses something deprecated:\n" + "\n".join(future)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snippet.py"], \
         f"{where} left files behind: {sorted(p.name for p in tmp_path.iterdir())}"
 
