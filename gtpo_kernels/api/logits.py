@@ -43,7 +43,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     completion_mask (B, T) (packed: (N,)) bool, or int/float holding only 0 and 1 (checked when
                     validating; with validate=False any nonzero value counts as 1). Default all counted.
     group_size      completions per prompt (groups are contiguous); needed for the conflict weights
-                    unless lam/n_conf come from `conflict_weights`.
+                    unless lam/n_conf come from `conflict_weights`; unused by a config without them
+                    (the TRL-family presets), where one that does not divide B warns.
     config          a GTPOConfig or a preset name (see PRESETS).
     lam, n_conf     precomputed conflict weights from `conflict_weights` (shape of completion_ids, and
                     (B,)); when given they are used as they are, whatever config.use_conflict_mask says.
