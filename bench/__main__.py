@@ -25,10 +25,12 @@ import time
 from .common import HelpFormatter, record
 
 GPU_TOKENS = (4096, 16384, 32768)
+CPU_LINEAR = "1024,256,8192"  # the linear suite's default point on a CPU (N,D,V)
 GPU_VOCAB = (32000, 128256, 151936, 262144)
 # the default run (`python -m bench` on a CPU machine), as measured; the start line and --help quote it
-DEFAULT_RUN = ("the default run (python -m bench on a CPU) took 17 min of wall clock and 4.3 min of CPU time on a "
-               "2-core CPU shared with other work (1-minute load 6 to 12), 2 min of it waiting for the load to "
+DEFAULT_RUN = ("the default run (python -m bench on a CPU, TRL and Liger-Kernel installed) took 7.5 min of wall clock "
+               "and 3.5 min of CPU time on a 2-core AMD EPYC that other work kept at a 1-minute load of 4, and 17 min "
+               "(4.3 min of CPU time) on a 2-core CPU at a load of 6 to 12; 2 min of each was waiting for the load to "
                "settle (up to 60 s before each suite; --settle 0: no wait)")
 
 
@@ -76,7 +78,8 @@ def parse_args(argv):
     ap.add_argument("--linear-size", action="append", default=None, metavar="N,D,V",
                     help="tokens, hidden size, vocabulary of a linear-suite problem; repeat the flag for more "
                          "(default: CPU 1024,256,8192; CUDA 4096,1024,151936). The README's CPU point: "
-                         "--suite linear --linear-size 4096,1024,32000 (a few minutes)")
+                         "--suite linear --linear-size 4096,1024,32000 --threads 2 (9 min on a 2-core CPU in its "
+                         "committed record, longer on a loaded one)")
     ap.add_argument("--linear-impls", default="materialized,fused,recompute,trl,liger",
                     help="comma-separated: materialized, fused, recompute, trl, liger")
     ap.add_argument("--linear-tile", type=float, default=None,
@@ -181,7 +184,7 @@ def _linear_suite(a, device, torch, report):
     """The loss from hidden states and the LM head; its own table, JSON (linear-<device>-<date>.json,
     latest-linear-<device>.json) and plots. Returns the exit status (1 when an implementation is wrong)."""
     from .timing.linear_suite import LinearSuite, parse_size, table
-    sizes = [parse_size(s) for s in (a.linear_size or (["1024,256,8192"] if device == "cpu"
+    sizes = [parse_size(s) for s in (a.linear_size or ([CPU_LINEAR] if device == "cpu"
                                                          else ["4096,1024,151936"]))]
     tile = a.linear_tile if a.linear_tile is not None else (64 if device == "cpu" else 256)
     suite = LinearSuite(device=device, impls=[x for x in a.linear_impls.split(",") if x], sizes=sizes,

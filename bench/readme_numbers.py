@@ -238,7 +238,14 @@ def render_logits_summary(doc, path):
         r = t["ratios"]
         out += (f"; the Triton kernels move {r['fwd_read']:.4f} / {r['bwd_read']:.4f} / {r['bwd_write']:.4f} "
                 f"times the ideal bytes (forward read / backward read / backward write, {t['tokens']} x {t['V']})")
-    return out + f" (`{path}`: {_short(doc)});\n"
+    aot = "" if doc.get("aot") else " without its static GPU report (`--no-aot`)"
+    return out + f"; printed by `python -m bench`, whose logits suite took {_took(doc)}{aot}" \
+        f" (`{path}`: {_short(doc)});\n"
+
+
+def _took(doc):
+    """A suite's recorded wall time in words ('2.0 min')."""
+    return f"{doc['wall_s'] / 60:.1f} min" if doc.get("wall_s") else "a time not recorded"
 
 
 def render_linear_summary(doc, path):
@@ -256,6 +263,12 @@ def render_linear_summary(doc, path):
     v = fused.get("vs_trl", {}).get("full")
     if isinstance(v, dict):  # a CPU time: quoted with its per-round range and its '!' when unreliable
         out += f"; forward + backward CPU time {_ratio(v, load_of(doc))} TRL's (per round)"
+    from .__main__ import CPU_LINEAR
+    point = f"{fused['N']},{fused['D']},{fused['V']}"
+    cmd = "python -m bench --suite linear" + ("" if point == CPU_LINEAR else f" --linear-size {point}") \
+        + (f" --threads {doc['threads']}" if doc.get("threads") else "")
+    out += f"; measured by `{cmd}` in {_took(doc)}" + ("" if point == CPU_LINEAR else
+                                                       f" (`python -m bench` measures {CPU_LINEAR} only)")
     return out + f" (`{path}`: {_short(doc)}).\n"
 
 

@@ -181,3 +181,15 @@ def test_figures_attributed_to_tests_are_theirs():
     for page, figure, test_file, assertion in FROM_TESTS:
         assert " ".join(figure.split()) in " ".join((ROOT / page).read_text().split()), (page, figure)
         assert assertion in (ROOT / test_file).read_text(), (test_file, assertion)
+
+
+def test_the_summaries_name_the_command_and_its_time():
+    """Each README summary says which command printed its figures and how long that took; one measured at
+    another point than `python -m bench`'s gives the command for its point and says so."""
+    text = (ROOT / "README.md").read_text()
+    body = {name: b for name, _, b in rn.blocks(text)}
+    assert "printed by `python -m bench`, whose logits suite took" in body["logits_summary"]
+    lin = json.load(open(ROOT / "bench/results/latest-linear-cpu.json"))
+    assert f"in {lin['wall_s'] / 60:.1f} min" in body["linear_summary"]
+    assert ("`python -m bench --suite linear --linear-size 4096,1024,32000 --threads 2`" in body["linear_summary"]
+            and "(`python -m bench` measures 1024,256,8192 only)" in body["linear_summary"])
