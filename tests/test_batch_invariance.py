@@ -1,0 +1,83 @@
+"""Spec 14, batch invariance on logits: a counted token's logp and entropy from gtpo_loss and
+token_logprobs are bitwise identical (torch.equal) whatever else the call holds: other completions and
+their order, padded or packed layout, logits_start (extra rows before the completion's), and other
+tokens' kept sets; on every backend (Triton under the interpreter, torch). Drawn by hypothesis: a
+batch, a permutation of its completions with extra completions added, and the layout of each call."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import examples
+from gtpo_kernels import gtpo_loss, token_logprobs
+
+
+@st.composite
+def cases(draw):
+    return dict(seed=draw(st.integers(0, 2**31 - 1)), B=draw(st.integers(1, 4)), extra=draw(st.integers(1, 3)),
+                T=draw(st.integers(1, 7)), V=draw(st.sampled_from([3, 17, 300, 2100])), backend=draw(st.sampled_from(["triton", "torch"])),
+                entry=draw(st.sampled_from(["loss", "logprobs"])), start=draw(st.integers(0, 3)),
+                packed=draw(st.booleans()), kept=draw(st.sampled_from([None, "top_k", "top_p"])),
+                tau=draw(st.sampled_from([1.0, 0.7])), scale=draw(st.sampled_from([1.0, 8.0])))
+
+
+def _call(c, logits, ids, mask, adv, start, packed, kept_for):
+    """(logp, entropy) as (B, T) from one call in the given layout; kept_for: the (B,) per-completion top_k
+    (or top_p) values when kept sets are in use."""
+    B, T = ids.shape
+    kw = dict(backend=c["backend"])
+    if kept_for is not None:  # per completion, (B, 1): never ambiguous with per token
+        kw[c["kept"]] = kept_for[:, None]
+    if packed:
+        keep = mask.reshape(-1)
+        lengths = mask.sum(1)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        z = logits[:, start:start + T].reshape(B * T, -1)[keep]
+        fl = ids.reshape(-1)[keep]
+        form = dict(cu_seqlens=cu, max_seqlen=T)
+        if c["entry"] == "loss":
+            out = gtpo_loss(z, fl, adv, config="grpo", temperature=c["tau"], **form, **kw)
+            lp, h = out.logps, out.entropy
+        else:
+            lp, h = token_logprobs(z, fl, c["tau"], **form, **kw)
+        full_lp = torch.zeros(B * T, dtype=lp.dtype)
+        full_h = torch.zeros(B * T, dtype=h.dtype)
+        full_lp[keep], full_h[keep] = lp, h
+        return full_lp.view(B, T), full_h.view(B, T)
+    ls = dict(logits_start=start) if start or logits.shape[1] != T else {}
+    if c["entry"] == "loss":
+        out = gtpo_loss(logits, ids, adv, mask, config="grpo", temperature=c["tau"], **ls, **kw)
+        return out.logps, out.entropy
+    return token_logprobs(logits, ids, c["tau"], mask, **ls, **kw)
+
+
+@settings(max_examples=examples(50), deadline=None)
+@given(cases())
+def test_a_tokens_logp_and_entropy_do_not_depend_on_the_batch(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    B, T, V, E = c["B"], c["T"], c["V"], c["extra"]
+    n = B + E
+    logits = torch.randn(n, T + 4, V, generator=g) * c["scale"]
+    ids = torch.randint(0, V, (n, T), generator=g)
+    mask = torch.rand(n, T, generator=g) > 0.3
+    mask[:, 0] = True
+    adv = torch.randn(n, generator=g)
+    kept = None
+    if c["kept"] == "top_k":
+        kept = torch.randint(1, V + 1, (n,), generator=g)
+    elif c["kept"] == "top_p":
+        kept = torch.rand(n, generator=g) * 0.9 + 0.1
+    # call 1: the first B completions alone, padded; a token's logits sit at row 4 + t of `logits`
+    a_lp, a_h = _call(c, logits[:B], ids[:B], mask[:B], adv[:B], 4, False, None if kept is None else kept[:B])
+    # call 2: all n completions shuffled, in the drawn layout, with logits_start s (padded) over fewer rows
+    perm = torch.randperm(n, generator=g)
+    s2 = c["start"]
+    z2, start2 = (logits[perm], 4) if c["packed"] else (logits[perm][:, 4 - s2:], s2)
+    b_lp, b_h = _call(c, z2, ids[perm], mask[perm], adv[perm], start2, c["packed"],
+                      None if kept is None else kept[perm])
+    inv = torch.argsort(perm)
+    b_lp, b_h = b_lp[inv][:B], b_h[inv][:B]
+    m = mask[:B]
+    assert torch.equal(a_lp[m], b_lp[m]), (a_lp[m] - b_lp[m]).abs().max()
+    assert torch.equal(a_h[m], b_h[m]), (a_h[m] - b_h[m]).abs().max()
+    assert torch.isfinite(a_lp[m]).all() and (a_h[m] != 0).any() or V == 1
