@@ -14,9 +14,9 @@ setup(
     install_requires=["torch>=2.4", "triton>=3.6,<3.9; platform_system=='Linux'"],
     extras_require={
         "test": ["pytest", "pytest-xdist", "hypothesis", "numpy"],
-        # what `python -m bench` compares against, each run on a CPU too (the linear suite): TRL's fused LM head
-        # (TRL brings transformers, datasets, pandas, pyarrow) and Liger-Kernel's fused linear GRPO loss; Liger's loss on logits
-        # (the logits suite) needs CUDA, and a CPU run says so in one line
+        # what `python -m bench` compares against, each run on a CPU too (the linear suite): TRL's fused LM
+        # head (TRL brings transformers, datasets, pandas, pyarrow) and Liger-Kernel's fused linear GRPO loss;
+        # Liger's loss on logits (the logits suite) needs CUDA, and a CPU run says so in one line
         "bench": ["matplotlib>=3.8", "numpy", "trl>=1.14,<1.17", "transformers>=5.24,<6", "liger-kernel>=0.8.5,<0.9"],
         "trl": ["trl>=1.14,<1.17", "transformers>=5.24,<6"],
         "demo": ["matplotlib>=3.8"],
