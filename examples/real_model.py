@@ -21,7 +21,8 @@ functions): the conflict-token fraction (`conflict_weights` with GTPO's weights:
 lambda is not 1, spec section 3), the entropy of the completion tokens over the whole vocabulary at the
 temperature and over the top-p sets, and the full softmax's mass on the top-p sets (`token_logprobs`).
 Per step it records TRL's logged metrics (reward, clip fractions, the adapter's `gtpo/*` keys, including
-`kept_mass` and `rollout_*` mismatch metrics when the package's loss reports them), step time and peak RSS.
+`kept_mass` and `rollout_*` mismatch metrics when the package's loss reports them), step time and peak RSS
+(`peak_rss_mb`, in MiB).
 Writes <out>/<loss>.json (with date, commit, machine and command).
 """
 from __future__ import annotations
@@ -276,7 +277,7 @@ def main(argv=None):
     path = Path(args.out) / f"{args.loss}.json"
     path.write_text(json.dumps(res, indent=1))
     print(f"{args.loss}: {len(steps)} steps in {total:.0f} s (load {t_load:.0f} s), peak RSS "
-          f"{res['peak_rss_mb']:.0f} MB -> {path}")
+          f"{res['peak_rss_mb']:.0f} MiB -> {path}")
     return res
 
 

@@ -56,7 +56,7 @@ def line(loss, s):
            f"{s['reward_last3']:.3f} (first / last 3 generation steps); entropy {s['entropy_first3']:.3f} -> "
            f"{s['entropy_last3']:.3f}; conflict frac {s['conflict_frac_mean']:.3f}; clip frac "
            f"{s['clip_frac_mean']:.3f}; kept mass {s['kept_mass_mean']:.3f}; median step "
-           f"{s['step_seconds_median']:.1f} s; peak RSS {s['peak_rss_mb']:.0f} MB")
+           f"{s['step_seconds_median']:.1f} s; peak RSS {s['peak_rss_mb']:.0f} MiB")
     return txt + (f"; filtered frac {s['filtered_frac_mean']:.3f}" if "filtered_frac_mean" in s else "")
 
 
@@ -68,7 +68,7 @@ def plot(runs, path):
               ("measured/conflict_frac", "conflict-token fraction"), (None, "clip fraction"),
               ("measured/kept_mass", "mass on the top-p sets"),
               ("gtpo/filtered_frac", "completions dropped by GTPO's entropy filter"),
-              ("seconds", "step time (s)"), ("peak_rss_mb", "peak RSS (MB)")]
+              ("seconds", "step time (s)"), ("peak_rss_mb", "peak RSS (MiB)")]
     fig, axes = plt.subplots(2, 4, figsize=(17, 7))
     for ax, (key, title) in zip(axes.flat, panels):
         for loss, run in runs.items():

