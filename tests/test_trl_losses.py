@@ -296,13 +296,19 @@ def test_trl_config_mapping_and_refusals(tmp_path, trl_pair):
 
 
 @needs_trl
-def test_trl_logs_the_rollout_mismatch(trl_pair, monkeypatch):
+def test_trl_logs_the_rollout_mismatch(trl_pair, monkeypatch, tmp_path):
     """With the engine's log-probs in the batch (`sampling_per_token_logps`, one NaN as vLLM gives), the
     adapter logs spec 14's mismatch of the loss's log-probs under gtpo/: equal to the float64 reference
-    on the same log-probs, NaN counted apart."""
+    on the same log-probs, NaN counted apart. A trainer of its own (accelerate's state is a process-wide
+    singleton that another module's trainer may have replaced), on the shared batch."""
+    import copy
+
     import gtpo_reference.gtpo_family as fam
+    from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig
     from gtpo_kernels.integrations.trl_config import _loss_mask
-    tr, batch = trl_pair["ours"], dict(trl_pair["batch"])
+    batch = dict(trl_pair["batch"])
+    tr = _trl_setup(tmp_path, GTPOTrainer, GTPOTrainerConfig, model=copy.deepcopy(trl_pair["ours"].model),
+                    gtpo_loss=None, temperature=0.7, epsilon=0.2, epsilon_high=0.25, bf16=False)
     _configure(tr)
     tr.args.steps_per_generation = tr.current_gradient_accumulation_steps = 1
     tr.model.train()
