@@ -24,7 +24,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                      n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
                      rollout_is_weights=None, rollout_logps=None, temperature=None, validate=True,
                      backend="auto", process_group=None, logits_start=None, inplace=False, sampling_mask=None,
-                     top_k=None, top_p=None, min_p=None):
+                     top_k=None, top_p=None, min_p=None, head_dtype=None):
     """`gtpo_loss` from the final hidden states and the LM head, never holding the (tokens x V) logits.
 
     hidden    (B, T, D) (packed: (N, D), with cu_seqlens): row t predicts completion_ids[:, t]; pass
@@ -54,6 +54,12 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
               slice and the statistics merge in O(M) bytes; the rules then need top_k.
     logits_start, inplace  gtpo_loss's, refused here (only their defaults pass): slice the hidden states
               instead of offsetting them (a view, read in place), and there are no logits to overwrite.
+    head_dtype  None: the logits are the GEMM's output in the inputs' dtype (16-bit inputs: each logit
+              rounded to 16 bits); torch.float32 (vLLM's head_dtype, spec 14): 16-bit hidden and weight are
+              projected in float32 (each tile's rows and the weight upcast, a float32 GEMM), so logp and
+              entropy are those of the exact product to float32's precision; gradients keep the inputs'
+              dtypes. Costs a float32 copy of the weight (its rows in a kept-set union) per pass and float32
+              tiles (half the rows per memory_budget). A no-op for float32 inputs; refused for float64.
     Under torch.autocast the head computes in its inputs' dtypes (autocast is off inside).
     Host reads: planning the tiles (the counted rows and their number per completion; the recompute
     backward: the rows with a gradient), and validating, the flags once after the tiles.
@@ -68,7 +74,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         host = checks.host_checks(validate)
         b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens,
                                    max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
-                                   temperature)
+                                   temperature, head_dtype)
         extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
         batch.add_extras(b, hidden.device, validate=host, **extras)
@@ -90,7 +96,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         loss.conflicts_for(b, cfg, group_size, dt, backend)
         span = head_ops.coefficient_span(cfg)
         _summary(g, b, hidden, weight, host, (backend, cfg, schedule, budget, span, group_size, num_items_in_batch,
-                                              logit_scale, logit_softcap), (sampling_mask, top_k, top_p, min_p))
+                                              logit_scale, logit_softcap, str(head.proj)), (sampling_mask, top_k, top_p, min_p))
     vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)")
     with linear.autocast_off(hidden.device):
         if rules is not None:  # the sampler's kept sets: only the union of a tile's sets is projected
@@ -105,18 +111,18 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
 def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,
                           logit_scale=1.0, logit_softcap=None, cu_seqlens=None, max_seqlen=None,
                           memory_budget=None, sampling_mask=None, top_k=None, top_p=None, min_p=None,
-                          validate=True, backend="auto", process_group=None):
+                          validate=True, backend="auto", process_group=None, head_dtype=None):
     """Forward-only log-probs and entropies from hidden states (old-policy and reference passes); temperature
     a number or a tensor per completion / per token, as in token_logprobs:
     -> (logps, entropy) of completion_ids' shape, float32 (float64 for float64 inputs), 0 where masked
-    out. No autograd; only a tile of logits at a time. process_group: as in linear_gtpo_loss."""
+    out. No autograd; only a tile of logits at a time. process_group, head_dtype: as in linear_gtpo_loss."""
     with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)
         if not api._per_token_tau(temperature):
             temperature = api._with_temperature(GTPOConfig(), temperature).temperature  # validates it
         host = checks.host_checks(validate)
         b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
                                    max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
-                                   temperature)
+                                   temperature, head_dtype)
         with checks.one_host_read():
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, float_dtype_for(hidden))
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
@@ -128,7 +134,8 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
                                       max_seqlen=max_seqlen, validate=validate, backend="reference",
                                       sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p)
         one = None if b.tau is not None else temperature  # a per-token tau: compared by value (b.tau)
-        _summary(g, b, hidden, weight, host, (backend, one, "logprobs", budget, logit_scale, logit_softcap),
+        _summary(g, b, hidden, weight, host, (backend, one, "logprobs", budget, logit_scale, logit_softcap,
+                                              str(head.proj)),
                  (sampling_mask, top_k, top_p, min_p))
     vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)")
     with linear.autocast_off(hidden.device):
@@ -187,7 +194,7 @@ def _materialize(head, hidden):
 
 @checks.read_once
 def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens, max_seqlen,
-             logit_scale, logit_softcap, memory_budget, host, group=None, temperature=None):
+             logit_scale, logit_softcap, memory_budget, host, group=None, temperature=None, head_dtype=None):
     """Checks of the head's arguments (names, shapes, dtypes, devices) -> (Batch, Head, budget). With a
     process group, counted ids are checked against the whole vocabulary once the ranks agree. A per-token
     or per-completion temperature becomes b.tau, (N,) per flat token (loss.call_temperature)."""
@@ -241,7 +248,19 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
         checks.check_ids_in_range(b.ids, b.counted, V if group is None else float("inf"))
     if api._per_token_tau(temperature):
         b.tau = loss.call_temperature(temperature, b, float_dtype_for(hidden), host)
-    return b, linear.Head(weight, bias, logit_scale, logit_softcap), memory_budget
+    return b, linear.Head(weight, bias, logit_scale, logit_softcap, _head_dtype(head_dtype, hidden)), memory_budget
+
+
+def _head_dtype(head_dtype, hidden):
+    """head_dtype as the head takes it: None, or float32 for 16-bit inputs (float32 inputs: None already)."""
+    if head_dtype is None:
+        return None
+    if head_dtype is not torch.float32:
+        raise ValueError(f"head_dtype must be None (the inputs' dtype) or torch.float32, got {head_dtype!r}")
+    if hidden.dtype == torch.float64:
+        raise ValueError("head_dtype=torch.float32 would round float64 hidden and weight: leave it None (float64 "
+                         "inputs are projected in float64)")
+    return None if hidden.dtype == torch.float32 else torch.float32
 
 
 def _summary(g, b, hidden, weight, host, options, replay):

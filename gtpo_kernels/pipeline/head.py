@@ -26,6 +26,18 @@ class Head(NamedTuple):
     bias: Optional[torch.Tensor]
     scale: float
     cap: Optional[float]
+    proj: Optional[torch.dtype] = None  # head_dtype: the projection's dtype when not the inputs' (float32)
+
+
+def project_dtype(weight, proj):
+    """The dtype a tile's logits are projected in: the inputs' dtype, or float32 with head_dtype=float32
+    (spec 14: 16-bit hidden and weight upcast, a float32 GEMM)."""
+    return weight.dtype if proj is None else proj
+
+
+def upcast(x, proj):
+    """x in the projection's dtype (a copy only where head_dtype asks for another one)."""
+    return x if x is None or proj is None or x.dtype == proj else x.to(proj)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +48,7 @@ class HeadOptions:
     per_tile  counted rows in one tile (the budget over the bytes of a row of logits and its gradient)
     fused     form the gradient in the forward (3 GEMMs a tile) or recompute it in the backward (4)
     B         completions; vp: (process group, whole vocabulary's size) when vocabulary-parallel, or None
+    proj      head_dtype: None (the inputs' dtype) or torch.float32
     """
     cfg: object
     backend: str
@@ -45,6 +58,7 @@ class HeadOptions:
     fused: bool
     B: int
     vp: object = None
+    proj: object = None
 
 
 _KEYS: dict = {}
@@ -61,18 +75,18 @@ def _assume_constant_result(fn):
 
 
 @_assume_constant_result
-def options_key(cfg, backend, scale, softcap, per_tile, fused, B, vp) -> str:
+def options_key(cfg, backend, scale, softcap, per_tile, fused, B, vp, proj=None) -> str:
     """The key the head's custom ops take for their options (a string: custom ops take no Python
     objects). torch.compile calls it once while tracing and bakes the key into the graph; a tensor in
     the config is then read live by the ops. Equal options (tensors by identity) share a key."""
     ident = None if cfg is None else tuple(
         id(v) if isinstance(v, torch.Tensor) else v for v in (getattr(cfg, f.name) for f in dataclasses.fields(cfg)))
     sig = (ident, backend, float(scale), softcap, int(per_tile), bool(fused), int(B),
-           None if vp is None else (id(vp[0]), vp[1]))
+           None if vp is None else (id(vp[0]), vp[1]), proj)
     key = _KEYS.get(sig)
     if key is None:
         key = _KEYS[sig] = f"head{next(_COUNTER)}"
-        _OPTIONS[key] = HeadOptions(cfg, backend, float(scale), softcap, int(per_tile), bool(fused), int(B), vp)
+        _OPTIONS[key] = HeadOptions(cfg, backend, float(scale), softcap, int(per_tile), bool(fused), int(B), vp, proj)
     return key
 
 
@@ -118,7 +132,7 @@ def accumulate(acc, a, b):
     """acc += a @ b in acc's dtype (float32 for 16-bit a, b), in place, never rounding a tile's product
     to 16 bits: a mixed-precision GEMM where torch has one, else only the tile upcast."""
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b.to(acc.dtype))  # b 16-bit only with head_dtype=float32: the tile's rows upcast
     elif mixed_gemm(acc.device):
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
@@ -135,8 +149,9 @@ def autocast_off(device):
     return torch.autocast(kind, enabled=False)
 
 
-def materialize(hidden, weight, bias, scale, softcap):
+def materialize(hidden, weight, bias, scale, softcap, proj=None):
     """The whole logits, out of place (autograd flows through): the reference backend only."""
+    hidden, weight, bias = upcast(hidden, proj), upcast(weight, proj), upcast(bias, proj)
     z = hidden @ weight.t()
     z = (z if bias is None else z + bias) * scale
     return z if softcap is None else softcap * torch.tanh(z / softcap)

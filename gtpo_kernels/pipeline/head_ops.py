@@ -56,7 +56,8 @@ def head_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor
              counted: Tensor, seg: Tensor, extras: List[Optional[Tensor]], temperature: Tensor, key: str,
              need: List[bool]) -> List[Tensor]:
     opts = hd.options(key)
-    t = _tensors(hidden, weight, bias, ids, kernel_ids, counted, seg, extras, temperature)
+    t = _tensors(hidden, hd.upcast(weight, opts.proj), hd.upcast(bias, opts.proj), ids, kernel_ids, counted, seg,
+                 extras, temperature)
     with hd.autocast_off(hidden.device):
         logp, ent, stats, bad, grads = tiles.forward_tiles(opts, t, need)
     return [logp, ent, stats, bad, *_grads_or_empty(grads, hidden)]
@@ -75,9 +76,11 @@ def _(hidden, weight, bias, ids, kernel_ids, counted, seg, extras, temperature, 
 def head_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], kernel_ids: Tensor, stats: Tensor,
              ent: Tensor, c: Tensor, e: Optional[Tensor], temperature: Tensor, key: str,
              need: List[bool]) -> List[Tensor]:
-    t = _tensors(hidden, weight, bias, kernel_ids, kernel_ids, None, None, None, temperature)
+    opts = hd.options(key)
+    t = _tensors(hidden, hd.upcast(weight, opts.proj), hd.upcast(bias, opts.proj), kernel_ids, kernel_ids, None,
+                 None, None, temperature)
     with hd.autocast_off(hidden.device):
-        dh, dw, db = tiles.backward_tiles(hd.options(key), t, stats, ent, c, e, need)
+        dh, dw, db = tiles.backward_tiles(opts, t, stats, ent, c, e, need)
     dw = None if dw is None else dw.to(weight.dtype)  # cast once
     db = None if db is None else db.to(bias.dtype)
     return _grads_or_empty([dh, dw, db], hidden)
@@ -184,12 +187,12 @@ def _key(b, cfg, head, backend, schedule, budget, vp, host=False):
     """The per-call options' key: tile rows from the budget (sized by the largest vocabulary slice, so
     that every rank makes the same tiles), and the schedule."""
     V = head.weight.shape[0] if vp is None else vp.V_max
-    per_tile = hd.rows_per_tile(V, head.weight.dtype, head.weight.device, budget)
+    per_tile = hd.rows_per_tile(V, hd.project_dtype(head.weight, head.proj), head.weight.device, budget)
     fused = cfg is not None and choose_schedule(b, cfg, schedule, per_tile, host, V, head.weight.shape[1],
                                                 collective=vp is not None)
     cap = None if head.cap is None else float(head.cap)
     return hd.options_key(cfg, backend, float(head.scale), cap, per_tile, fused, b.B,
-                          None if vp is None else (vp.group, vp.V)), fused
+                          None if vp is None else (vp.group, vp.V), head.proj), fused
 
 
 def _forward(b, head, hidden, key, temperature, vp, extras, need, host):

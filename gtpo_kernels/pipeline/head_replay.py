@@ -58,10 +58,11 @@ def plan_union(sizes, V, per_entry, budget, max_rows=TILE_ROWS):
 
 def _project(h, head, cols):
     """h @ W[cols].T (+ b[cols]): the tile's raw logits on the columns `cols` (None: every column)."""
-    w = head.weight if cols is None else head.weight.index_select(0, cols)
+    w = hd.upcast(head.weight if cols is None else head.weight.index_select(0, cols), head.proj)
+    h = hd.upcast(h, head.proj)  # head_dtype=float32: the tile's rows and columns upcast, a float32 GEMM
     if head.bias is None:
         return h @ w.t()
-    return torch.addmm(head.bias if cols is None else head.bias.index_select(0, cols), h, w.t())
+    return torch.addmm(hd.upcast(head.bias if cols is None else head.bias.index_select(0, cols), head.proj), h, w.t())
 
 
 def _replay(z, ids, offsets, y, tau, invalid, p, vp=None):
@@ -119,7 +120,8 @@ class _HeadReplay(torch.autograd.Function):
                 outs = [(x, g[m0:m1]) for x, g in ((lp, g_logp), (en, g_ent)) if g is not None]
                 gz, = torch.autograd.grad([x for x, _ in outs], [z], [g for _, g in outs])
             if dh is not None:
-                dh.view(-1, dh.shape[-1]).index_copy_(0, idx, gz @ weight.index_select(0, u))
+                dh.view(-1, dh.shape[-1]).index_copy_(0, idx, (gz @ hd.upcast(weight.index_select(0, u), p.head.proj))
+                                                      .to(dh.dtype))
             if dw is not None:
                 dw.index_add_(0, u, hd.accumulate(torch.zeros(u.numel(), h.shape[-1], dtype=acc, device=h.device),
                                                   gz.t(), h))
@@ -164,7 +166,8 @@ def _rebuild_forward(hidden, p):
     M = p.pos.numel()
     V = p.head.weight.shape[0]
     V_tiles = V if p.vp is None else p.vp.V_max  # a vocabulary split: the same tiles on every rank
-    step = max(1, hd.rows_per_tile(V_tiles, p.head.weight.dtype, p.head.weight.device, p.budget))
+    step = max(1, hd.rows_per_tile(V_tiles, hd.project_dtype(p.head.weight, p.head.proj), p.head.weight.device,
+                                   p.budget))
     block = max(1, p.budget // (2 * SET_BYTES * max(V_tiles, 1)))  # the rebuild's blocks: within the budget too
     lps, ents, flags, ids, sizes, restored, mass = [], [], [], [], [], [], []
     for m0 in range(0, M, step):
@@ -208,7 +211,8 @@ def replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host, 
     V = head.weight.shape[0] if vp is None else vp.V
     pos = b.counted.reshape(-1).nonzero().squeeze(1)  # sync: the counted rows
     p = types.SimpleNamespace(head=head, pos=pos, y=b.ids.reshape(-1)[pos], tau=at(tau, pos), backend=backend,
-                              budget=budget, per_entry=hd.row_bytes(1, head.weight.dtype, head.weight.device),
+                              budget=budget, per_entry=hd.row_bytes(1, hd.project_dtype(head.weight, head.proj),
+                                                                    head.weight.device),
                               rules=None, invalid=None, invalid_parts=[], metrics=None, vp=vp, lse_kept=[],
                               columns=None if vp is None else types.SimpleNamespace(group=vp.group, start=0))
     if sampling_mask is not None:

@@ -84,7 +84,7 @@ class Workspace:
         """The tile's raw logits h @ W.T + bias, by one GEMM into the reused buffer."""
         V = self.t.weight.shape[0]
         z = self.buf[:h.shape[0] * V].view(h.shape[0], V)  # V = 0: a rank's empty vocabulary slice
-        return project(h, self.t.weight, self.t.bias, z)
+        return project(h.to(z.dtype), self.t.weight, self.t.bias, z)  # head_dtype=float32: the rows upcast
 
     def statistics(self, z, idx):
         """(logp, H, stats, flags) of the tile's rows; scale and softcap applied inside the kernels."""
@@ -128,10 +128,12 @@ def grad_gemms(gz, h, idx, weight, grads, at=None):
     dh, dw, db = grads
     if dh is not None:
         dh2 = dh.view(-1, dh.shape[-1])
-        if at is not None:
+        if at is not None and dh.dtype == weight.dtype:
             torch.mm(gz, weight, out=dh2[at[0]:at[1]])
+        elif at is not None:  # head_dtype=float32 on 16-bit inputs: a float32 product, rounded once into dh
+            dh2[at[0]:at[1]].copy_(torch.mm(gz, weight))
         else:
-            dh2.index_copy_(0, idx, torch.mm(gz, weight))
+            dh2.index_copy_(0, idx, torch.mm(gz, weight).to(dh.dtype))
     if dw is not None:
         hd.accumulate(dw, gz.t(), h)
     if db is not None:
