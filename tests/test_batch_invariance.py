@@ -81,3 +81,94 @@ def test_a_tokens_logp_and_entropy_do_not_depend_on_the_batch(c):
     assert torch.equal(a_lp[m], b_lp[m]), (a_lp[m] - b_lp[m]).abs().max()
     assert torch.equal(a_h[m], b_h[m]), (a_h[m] - b_h[m]).abs().max()
     assert torch.isfinite(a_lp[m]).all() and (a_h[m] != 0).any() or V == 1
+
+
+# ---------------------------------------------------------------- the LM head, batch_invariant=True
+
+@st.composite
+def head_cases(draw):
+    return dict(seed=draw(st.integers(0, 2**31 - 1)), B=draw(st.integers(1, 3)), extra=draw(st.integers(1, 3)),
+                T=draw(st.integers(1, 9)), backend=draw(st.sampled_from(["triton", "torch"])),
+                dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+                entry=draw(st.sampled_from(["loss-fused", "loss-recompute", "logprobs"])),
+                packed=draw(st.booleans()), rows=draw(st.integers(1, 80)), f32=draw(st.booleans()))
+
+
+def _head_call(c, h, w, ids, mask, adv, rows, packed):
+    from gtpo_kernels import linear_gtpo_loss, linear_token_logprobs
+    V = w.shape[0]
+    kw = dict(backend=c["backend"], batch_invariant=True, memory_budget=rows * V * 16,
+              head_dtype=torch.float32 if c["f32"] else None)
+    B, T = ids.shape
+    if packed:
+        keep = mask.reshape(-1)
+        form = dict(cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int64), mask.sum(1).cumsum(0)]), max_seqlen=T)
+        args, m = (h.reshape(B * T, -1)[keep], w, ids.reshape(-1)[keep]), None
+    else:
+        form, args, m = {}, (h, w, ids), mask
+    if c["entry"] == "logprobs":
+        lp, ent = linear_token_logprobs(*args, 1.0, m, **form, **kw)
+    else:
+        out = linear_gtpo_loss(*args, adv, m, config="grpo", schedule=c["entry"].split("-")[1], **form, **kw)
+        lp, ent = out.logps, out.entropy
+    if not packed:
+        return lp, ent
+    full_lp, full_h = torch.zeros(B * T, dtype=lp.dtype), torch.zeros(B * T, dtype=ent.dtype)
+    full_lp[keep], full_h[keep] = lp, ent
+    return full_lp.view(B, T), full_h.view(B, T)
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(head_cases())
+def test_head_batch_invariant_bitwise(c):
+    """batch_invariant=True: a counted token's logp and entropy from the head are torch.equal whether its
+    completion comes alone (tiles of 1-80 rows) or shuffled among 1-3 others (tiles of another size),
+    padded or packed, on both backends and schedules, bf16 or float32, head_dtype None or float32."""
+    g = torch.Generator().manual_seed(c["seed"])
+    B, T, D, V = c["B"], c["T"], 24, 300
+    n = B + c["extra"]
+    h = torch.randn(n, T, D, generator=g).to(c["dtype"])
+    w = (torch.randn(V, D, generator=g) / 3).to(c["dtype"])
+    ids = torch.randint(0, V, (n, T), generator=g)
+    mask = torch.rand(n, T, generator=g) > 0.25
+    mask[:, 0] = True
+    adv = torch.randn(n, generator=g)
+    a_lp, a_h = _head_call(c, h[:B], w, ids[:B], mask[:B], adv[:B], c["rows"], False)
+    perm = torch.randperm(n, generator=g)
+    b_lp, b_h = _head_call(c, h[perm], w, ids[perm], mask[perm], adv[perm], 81 - c["rows"], c["packed"])
+    inv = torch.argsort(perm)
+    m = mask[:B]
+    assert torch.equal(a_lp[m], b_lp[inv][:B][m]) and torch.equal(a_h[m], b_h[inv][:B][m])
+
+
+def test_head_default_is_not_invariant_and_batch_invariant_is():
+    """Why the option exists: on this CPU a float32 GEMM of fewer than 16 rows rounds differently from a
+    larger one, so the default head's logp moves with the tile; batch_invariant=True does not. Gradients
+    are deterministic call after call."""
+    from gtpo_kernels import linear_gtpo_loss, linear_token_logprobs
+    g = torch.Generator().manual_seed(1)
+    h, w = torch.randn(1, 40, 64, generator=g), torch.randn(500, 64, generator=g) / 4
+    ids = torch.randint(0, 500, (1, 40), generator=g)
+    alone = [linear_token_logprobs(h[:, :3], w, ids[:, :3], batch_invariant=inv)[0] for inv in (False, True)]
+    among = [linear_token_logprobs(h, w, ids, batch_invariant=inv)[0][:, :3] for inv in (False, True)]
+    assert not torch.equal(alone[0], among[0]) and torch.equal(alone[1], among[1])
+    grads = []
+    for _ in range(2):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        old = torch.full((1, 40), -6.0)
+        linear_gtpo_loss(hh, ww, ids, torch.tensor([1.0]), old_logps=old, config="grpo", batch_invariant=True,
+                         memory_budget=7 * 500 * 16).loss.backward()
+        grads.append((hh.grad, ww.grad))
+    assert grads[0][1].abs().sum() > 0
+    assert all(torch.equal(x, y) for x, y in zip(*grads))
+
+
+def test_head_batch_invariant_refusals():
+    from gtpo_kernels import linear_gtpo_loss, linear_token_logprobs
+    h, w, ids = torch.randn(2, 3, 8), torch.randn(11, 8), torch.randint(0, 11, (2, 3))
+    with pytest.raises(ValueError, match="batch_invariant=True with kept sets"):
+        linear_gtpo_loss(h, w, ids, torch.tensor([1.0, -1.0]), batch_invariant=True, top_k=3)
+    with pytest.raises(ValueError, match="batch_invariant=True applies to the 'triton' and 'torch' backends"):
+        linear_token_logprobs(h, w, ids, batch_invariant=True, backend="reference")
+    with pytest.raises(TypeError, match="batch_invariant must be True or False"):
+        linear_token_logprobs(h, w, ids, batch_invariant=1)

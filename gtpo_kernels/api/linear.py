@@ -24,7 +24,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                      n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
                      rollout_is_weights=None, rollout_logps=None, temperature=None, validate=True,
                      backend="auto", process_group=None, logits_start=None, inplace=False, sampling_mask=None,
-                     top_k=None, top_p=None, min_p=None, head_dtype=None):
+                     top_k=None, top_p=None, min_p=None, head_dtype=None, batch_invariant=False):
     """`gtpo_loss` from the final hidden states and the LM head, never holding the (tokens x V) logits.
 
     hidden    (B, T, D) (packed: (N, D), with cu_seqlens): row t predicts completion_ids[:, t]; pass
@@ -60,6 +60,10 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
               entropy are those of the exact product to float32's precision; gradients keep the inputs'
               dtypes. Costs a float32 copy of the weight (its rows in a kept-set union) per pass and float32
               tiles (half the rows per memory_budget). A no-op for float32 inputs; refused for float64.
+    batch_invariant  True (spec 14): every projection GEMM has one fixed shape (64 rows, the last block of a
+              tile padded with zero rows), so each token's logp and entropy are bitwise the same for any
+              memory_budget, batch composition or layout; gradients are deterministic call after call.
+              Not yet with kept sets, process_group or the reference backend (refused).
     Under torch.autocast the head computes in its inputs' dtypes (autocast is off inside).
     Host reads: planning the tiles (the counted rows and their number per completion; the recompute
     backward: the rows with a gradient), and validating, the flags once after the tiles.
@@ -74,7 +78,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         host = checks.host_checks(validate)
         b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens,
                                    max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
-                                   temperature, head_dtype)
+                                   temperature, head_dtype, batch_invariant)
         extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
         batch.add_extras(b, hidden.device, validate=host, **extras)
@@ -84,6 +88,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, float_dtype_for(hidden))
         replay_kw = dict(sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p)
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
+        linear.refuse_invariant(head, backend, rules)
         if backend == "reference":  # the oracle on the materialized logits (autograd through the projection)
             checks.refuse_reference_with_group(process_group)
             logits = _materialize(head, hidden)
@@ -111,21 +116,24 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
 def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,
                           logit_scale=1.0, logit_softcap=None, cu_seqlens=None, max_seqlen=None,
                           memory_budget=None, sampling_mask=None, top_k=None, top_p=None, min_p=None,
-                          validate=True, backend="auto", process_group=None, head_dtype=None):
+                          validate=True, backend="auto", process_group=None, head_dtype=None,
+                          batch_invariant=False):
     """Forward-only log-probs and entropies from hidden states (old-policy and reference passes); temperature
     a number or a tensor per completion / per token, as in token_logprobs:
     -> (logps, entropy) of completion_ids' shape, float32 (float64 for float64 inputs), 0 where masked
-    out. No autograd; only a tile of logits at a time. process_group, head_dtype: as in linear_gtpo_loss."""
+    out. No autograd; only a tile of logits at a time. process_group, head_dtype, batch_invariant: as in
+    linear_gtpo_loss."""
     with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)
         if not api._per_token_tau(temperature):
             temperature = api._with_temperature(GTPOConfig(), temperature).temperature  # validates it
         host = checks.host_checks(validate)
         b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
                                    max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
-                                   temperature, head_dtype)
+                                   temperature, head_dtype, batch_invariant)
         with checks.one_host_read():
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, float_dtype_for(hidden))
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
+        linear.refuse_invariant(head, backend, rules)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
             with torch.no_grad():
@@ -189,12 +197,13 @@ def _refuse_logits_keywords(logits_start, inplace):
 
 def _materialize(head, hidden):
     """The whole logits, out of place (autograd flows through): the reference backend only."""
-    return linear.materialize(hidden, *head)
+    return linear.materialize(hidden, head.weight, head.bias, head.scale, head.cap, head.proj)
 
 
 @checks.read_once
 def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens, max_seqlen,
-             logit_scale, logit_softcap, memory_budget, host, group=None, temperature=None, head_dtype=None):
+             logit_scale, logit_softcap, memory_budget, host, group=None, temperature=None, head_dtype=None,
+             batch_invariant=False):
     """Checks of the head's arguments (names, shapes, dtypes, devices) -> (Batch, Head, budget). With a
     process group, counted ids are checked against the whole vocabulary once the ranks agree. A per-token
     or per-completion temperature becomes b.tau, (N,) per flat token (loss.call_temperature)."""
@@ -248,19 +257,13 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
         checks.check_ids_in_range(b.ids, b.counted, V if group is None else float("inf"))
     if api._per_token_tau(temperature):
         b.tau = loss.call_temperature(temperature, b, float_dtype_for(hidden), host)
-    return b, linear.Head(weight, bias, logit_scale, logit_softcap, _head_dtype(head_dtype, hidden)), memory_budget
-
-
-def _head_dtype(head_dtype, hidden):
-    """head_dtype as the head takes it: None, or float32 for 16-bit inputs (float32 inputs: None already)."""
-    if head_dtype is None:
-        return None
-    if head_dtype is not torch.float32:
-        raise ValueError(f"head_dtype must be None (the inputs' dtype) or torch.float32, got {head_dtype!r}")
-    if hidden.dtype == torch.float64:
-        raise ValueError("head_dtype=torch.float32 would round float64 hidden and weight: leave it None (float64 "
-                         "inputs are projected in float64)")
-    return None if hidden.dtype == torch.float32 else torch.float32
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+    if batch_invariant and group is not None:
+        raise ValueError("batch_invariant=True with process_group is not supported yet: the vocabulary-parallel "
+                         "statistics merge in an order that depends on the split; call without process_group")
+    return b, linear.Head(weight, bias, logit_scale, logit_softcap, linear.head_dtype_arg(head_dtype, hidden),
+                          batch_invariant), memory_budget
 
 
 def _summary(g, b, hidden, weight, host, options, replay):

@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes for one tile of logits and its gradient
+INVARIANT_ROWS = 64  # batch_invariant=True: the rows of every projection GEMM (a fixed shape, spec 14)
 
 
 class Head(NamedTuple):
@@ -27,6 +28,7 @@ class Head(NamedTuple):
     scale: float
     cap: Optional[float]
     proj: Optional[torch.dtype] = None  # head_dtype: the projection's dtype when not the inputs' (float32)
+    invariant: bool = False  # batch_invariant: fixed-shape projection GEMMs
 
 
 def project_dtype(weight, proj):
@@ -40,6 +42,30 @@ def upcast(x, proj):
     return x if x is None or proj is None or x.dtype == proj else x.to(proj)
 
 
+def head_dtype_arg(head_dtype, hidden):
+    """head_dtype as the head takes it: None, or float32 for 16-bit inputs (float32 inputs: None already)."""
+    if head_dtype is None:
+        return None
+    if head_dtype is not torch.float32:
+        raise ValueError(f"head_dtype must be None (the inputs' dtype) or torch.float32, got {head_dtype!r}")
+    if hidden.dtype == torch.float64:
+        raise ValueError("head_dtype=torch.float32 would round float64 hidden and weight: leave it None (float64 "
+                         "inputs are projected in float64)")
+    return None if hidden.dtype == torch.float32 else torch.float32
+
+
+def refuse_invariant(head, backend, rules):
+    """batch_invariant=True where the fixed-shape projection does not reach yet: refused, not ignored."""
+    if not head.invariant:
+        return
+    if rules is not None:
+        raise ValueError("batch_invariant=True with kept sets (sampling_mask, top_k, top_p, min_p) is not supported "
+                         "yet: a tile's union of kept sets sets the projection's width; drop batch_invariant")
+    if backend == "reference":
+        raise ValueError("batch_invariant=True applies to the 'triton' and 'torch' backends (the reference "
+                         "materializes the logits in one GEMM)")
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadOptions:
     """Everything one call of the head runs with that is not a tensor (the custom ops take it by key).
@@ -49,6 +75,7 @@ class HeadOptions:
     fused     form the gradient in the forward (3 GEMMs a tile) or recompute it in the backward (4)
     B         completions; vp: (process group, whole vocabulary's size) when vocabulary-parallel, or None
     proj      head_dtype: None (the inputs' dtype) or torch.float32
+    invariant batch_invariant: project in GEMMs of INVARIANT_ROWS rows
     """
     cfg: object
     backend: str
@@ -59,6 +86,7 @@ class HeadOptions:
     B: int
     vp: object = None
     proj: object = None
+    invariant: bool = False
 
 
 _KEYS: dict = {}
@@ -75,18 +103,19 @@ def _assume_constant_result(fn):
 
 
 @_assume_constant_result
-def options_key(cfg, backend, scale, softcap, per_tile, fused, B, vp, proj=None) -> str:
+def options_key(cfg, backend, scale, softcap, per_tile, fused, B, vp, proj=None, invariant=False) -> str:
     """The key the head's custom ops take for their options (a string: custom ops take no Python
     objects). torch.compile calls it once while tracing and bakes the key into the graph; a tensor in
     the config is then read live by the ops. Equal options (tensors by identity) share a key."""
     ident = None if cfg is None else tuple(
         id(v) if isinstance(v, torch.Tensor) else v for v in (getattr(cfg, f.name) for f in dataclasses.fields(cfg)))
     sig = (ident, backend, float(scale), softcap, int(per_tile), bool(fused), int(B),
-           None if vp is None else (id(vp[0]), vp[1]), proj)
+           None if vp is None else (id(vp[0]), vp[1]), proj, bool(invariant))
     key = _KEYS.get(sig)
     if key is None:
         key = _KEYS[sig] = f"head{next(_COUNTER)}"
-        _OPTIONS[key] = HeadOptions(cfg, backend, float(scale), softcap, int(per_tile), bool(fused), int(B), vp, proj)
+        _OPTIONS[key] = HeadOptions(cfg, backend, float(scale), softcap, int(per_tile), bool(fused), int(B), vp, proj,
+                                    bool(invariant))
     return key
 
 
@@ -107,6 +136,31 @@ def rows_per_tile(V, dtype, device, memory_budget):
         raise ValueError(f"memory_budget = {memory_budget} bytes holds no row of logits and its gradient: "
                          f"one row takes {per_row} bytes (V = {V}); raise memory_budget")
     return int(memory_budget) // per_row
+
+
+def project(h, weight, bias, out):
+    """out = h @ weight.T (+ bias, added by the GEMM)."""
+    if bias is None:
+        return torch.mm(h, weight.t(), out=out)
+    return torch.addmm(bias, h, weight.t(), out=out)
+
+
+def project_blocks(h, weight, bias, out):
+    """out = h @ weight.T (+ bias) by GEMMs of exactly hd.INVARIANT_ROWS rows each (the last block padded
+    with zero rows): every token's logits come from a GEMM of one fixed shape, whatever the tile's row
+    count, so their bits do not depend on the batch (batch_invariant=True, spec 14)."""
+    R = INVARIANT_ROWS
+    n = h.shape[0]
+    block = h.new_zeros((R, h.shape[1]))
+    z = out.new_empty((R, out.shape[1]))
+    for r0 in range(0, n, R):
+        k = min(R, n - r0)
+        block[:k].copy_(h[r0:r0 + k])
+        if k < R:
+            block[k:].zero_()
+        project(block, weight, bias, z)
+        out[r0:r0 + k].copy_(z[:k])
+    return out
 
 
 _MIXED = {}

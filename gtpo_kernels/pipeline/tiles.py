@@ -26,6 +26,7 @@ from ..core.layout import Batch, float_dtype_for
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch
 from . import head as hd
+from .head import project, project_blocks
 from . import loss
 
 
@@ -84,7 +85,10 @@ class Workspace:
         """The tile's raw logits h @ W.T + bias, by one GEMM into the reused buffer."""
         V = self.t.weight.shape[0]
         z = self.buf[:h.shape[0] * V].view(h.shape[0], V)  # V = 0: a rank's empty vocabulary slice
-        return project(h.to(z.dtype), self.t.weight, self.t.bias, z)  # head_dtype=float32: the rows upcast
+        h = h.to(z.dtype)  # head_dtype=float32: the rows upcast
+        if not self.o.invariant:
+            return project(h, self.t.weight, self.t.bias, z)
+        return project_blocks(h, self.t.weight, self.t.bias, z)
 
     def statistics(self, z, idx):
         """(logp, H, stats, flags) of the tile's rows; scale and softcap applied inside the kernels."""
@@ -112,13 +116,6 @@ def tau_of(temperature, idx):
     if isinstance(temperature, torch.Tensor) and temperature.dim() == 1 and temperature.numel() > 1:
         return temperature[idx]
     return temperature
-
-
-def project(h, weight, bias, out):
-    """out = h @ weight.T (+ bias, added by the GEMM)."""
-    if bias is None:
-        return torch.mm(h, weight.t(), out=out)
-    return torch.addmm(bias, h, weight.t(), out=out)
 
 
 def grad_gemms(gz, h, idx, weight, grads, at=None):
