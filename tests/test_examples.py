@@ -47,3 +47,20 @@ def test_demo_runs_small(tmp_path):
     assert curves["arms"]["gtpo"]["conflict_frac"][0] > 0  # the tags are shared: conflict tokens exist
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "toy_rl.png").stat().st_size > 1000
+
+
+# ---------------------------------------------------------------- examples/mismatch_demo.py (spec 14)
+
+def test_mismatch_demo_runs_small(tmp_path):
+    """A small run: the four head settings, each with its mismatch against the sampler; the float32 head's
+    mean |d| below the default's (the sampler computes its head in float32)."""
+    demo = Path(__file__).resolve().parents[1] / "examples" / "mismatch_demo.py"
+    r = subprocess.run([sys.executable, str(demo), "--vocab", "700", "--dim", "32", "--completions", "4",
+                        "--tokens", "6"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    names = ("default (bf16 logits)", "batch_invariant=True", "head_dtype=torch.float32", "both")
+    rows = {ln.split("|")[0].strip(): ln.split("|")[1].split() for ln in r.stdout.splitlines()
+            if ln.split("|")[0].strip() in names}
+    assert set(names) == set(rows), r.stdout
+    mean_d = {k: float(v[1]) for k, v in rows.items()}  # k3, mean |d|, max |d|, outside
+    assert mean_d["head_dtype=torch.float32"] < mean_d["default (bf16 logits)"], r.stdout
