@@ -15,6 +15,8 @@
 #      TRL's and peak memory above inputs and gradients, at TRL's default tile (4096 x 32768 bf16 = 256 MiB);
 #   4b. the LM head alone at V = 151936 and a 7-8B model's hidden size (N = 8192, D = 4096) with the budget
 #      TRL uses (its 256 MiB tile): linear_gtpo_loss fused / recompute against TRL's and Liger's heads;
+#   4c. the head's spec-14 options timed (python -m bench.head_dtype --time): default, batch_invariant=True,
+#      head_dtype=torch.float32 and both, fwd+bwd at 4096 x 2048 x 151936 bf16 (head_options.txt);
 #   5. the launch configurations of bench/aot/tune.py's static model (BLOCK_V x warps) timed on this GPU
 #      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/kernels/vocab_triton.py;
 #   6. bench.timing.profile at 4096 x 32000 and 16384 x 151936: wall against device time, kernels and host
@@ -82,7 +84,7 @@ timeout 30 python -m bench --device cuda --suite logits --check-only --settle 0 
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "large-problem check: exit $rc"; status=1; }
 
 step "3. benchmark: the GPU grid against eager and Liger-Kernel"
-timeout 100 python -m bench --device cuda --settle 0 --suite logits --gpu-sizes --impls triton,eager,liger --no-aot --no-traffic \
+timeout 85 python -m bench --device cuda --settle 0 --suite logits --gpu-sizes --impls triton,eager,liger --no-aot --no-traffic \
   --time-budget 80 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "benchmark: exit $rc"; status=1; }
 
@@ -99,6 +101,10 @@ step "4b. the LM head at V = 151936, D = 4096, TRL's tile budget: ours against T
 timeout 40 python -m bench --device cuda --settle 0 --suite linear --linear-size 8192,4096,151936 \
   --linear-impls fused,recompute,trl,liger --linear-tile 256 --out "$OUT_DIR" 2>&1
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "LM head at V = 151936: exit $rc"; status=1; }
+
+step "4c. the head's spec-14 options at V = 151936, D = 2048: default, batch_invariant, head_dtype=float32, both"
+timeout 15 python -m bench.head_dtype --time --device cuda --size 4096,2048,151936 2>&1 | tee "$OUT_DIR/head_options.txt"
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "head options: exit $rc (124 = time limit)"; status=1; }
 
 step "5. launch configurations: the static model's candidates (bench/aot/tune.py) timed on this GPU"
 timeout 30 python -m bench.aot.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12

@@ -157,3 +157,6 @@ def test_the_accuracy_script_runs_small():
     rows = measure(16, 64, 700)
     err = [float(r.split("logp error max ")[1].split(",")[0]) for r in rows[1:]]
     assert err[1] < 1e-5 < err[0], rows
+    from bench.head_dtype import SETTINGS, timing  # gpu_check.sh's step 4c, at a tiny size on the CPU
+    rows = timing(64, 16, 300, "cpu", reps=1)
+    assert [r.split(":")[0] for r in rows[1:]] == [name for name, _ in SETTINGS], rows
