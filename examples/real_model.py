@@ -21,8 +21,8 @@ functions): the conflict-token fraction (`conflict_weights` with GTPO's weights:
 lambda is not 1, spec section 3), the entropy of the completion tokens over the whole vocabulary at the
 temperature and over the top-p sets, and the full softmax's mass on the top-p sets (`token_logprobs`).
 Per step it records TRL's logged metrics (reward, clip fractions, the adapter's `gtpo/*` keys, including
-`kept_mass` and `rollout_*` mismatch metrics when the package's loss reports them), step time and peak RSS
-(`peak_rss_mb`, in MiB).
+the loss's kept-set metrics `gtpo/kept_mass`, `gtpo/mean_kept_size`, `gtpo/replay_restored_frac` and the
+`gtpo/rollout_*` mismatch metrics when it reports them), step time and peak RSS (`peak_rss_mb`, in MiB).
 Writes <out>/<loss>.json (with date, commit, machine and command).
 """
 from __future__ import annotations
@@ -43,9 +43,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# metrics of the package's loss forwarded to TRL's logger when present (spec 13-14)
-EXTRA_METRICS = ("kept_mass", "mean_kept_size", "replay_restored_frac")
-ROLLOUT_PREFIX = "rollout_"
 EPILOG = """Run both losses with the same --seed and settings (the defaults are those of the run in
 docs/trainers.md), then plot:
   python examples/real_model.py --loss gtpo --out real_out
@@ -168,15 +165,6 @@ def measure_mixin(base):
             met["measured/entropy_top_p"].append(float(h_kept[mask].mean()))
             met["measured/kept_mass"].append(float(torch.exp(lp_full - lp_kept)[mask].mean()))
             met["measured/mean_length"].append(float(mask.sum(1).float().mean()))
-
-        def _gtpo_log(self, mode, out, mask, inputs):  # GTPOTrainer only: the loss's own extra metrics
-            met = self._metrics[mode]
-            before = {k: len(v) for k, v in met.items()}
-            super()._gtpo_log(mode, out, mask, inputs)
-            for k, v in out.metrics.items():  # those the adapter did not log itself already
-                key = f"gtpo/{k}"
-                if (k in EXTRA_METRICS or k.startswith(ROLLOUT_PREFIX)) and len(met[key]) == before.get(key, 0):
-                    met[key].append(float(v))
 
     return Measured
 

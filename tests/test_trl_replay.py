@@ -373,3 +373,68 @@ def test_trl_sampling_mask_refusals(tmp_path):
         _flat_sampling_mask([(torch.tensor([4.0]), torch.tensor([0, 1, 1])), good[1]], cm, cm)
     with pytest.raises(ValueError, match="non-decreasing"):
         _flat_sampling_mask([(torch.tensor([4, 5, 6]), torch.tensor([0, 2, 1])), good[1]], cm, cm)
+
+
+@needs_trl
+@pytest.mark.parametrize("sampler", [{}, dict(top_k=12), "recorded"])
+def test_trl_logs_the_replay_metrics(tmp_path, monkeypatch, sampler):
+    """Spec 13's metrics of a loss call that replays kept sets (the sampler's rules: kept_mass,
+    mean_kept_size, replay_restored_frac; a rollout's recorded sets: no kept_mass) are logged under gtpo/,
+    equal (one process) to the loss's own out.metrics; without kept sets none is logged. The default
+    fused head."""
+    if _head_replays() is not None:
+        pytest.skip(f"the fused LM head does not replay kept sets yet: {_head_replays()}")
+    from gtpo_kernels.integrations.trl_metrics import REPLAY_METRICS
+    if sampler == "recorded":
+        from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig
+        tr = _trl_setup(tmp_path, GTPOTrainer, GTPOTrainerConfig, gtpo_loss=None, temperature=TAU,
+                        steps_per_generation=2, bf16=False)
+        tr.rollout_func = _rollout_with_sets(len(tiny_tokenizer()))[0]
+        tr.current_gradient_accumulation_steps = 1
+        want_keys = {"mean_kept_size", "replay_restored_frac"}
+    else:
+        tr = _trainer(tmp_path, "fused", **sampler)
+        want_keys = set(REPLAY_METRICS) if sampler else set()
+    torch.manual_seed(0)
+    tr.model.train()
+    batch = tr._generate_and_score_completions(PROMPTS)
+    seen = {}
+    orig = tr._gtpo_log
+    monkeypatch.setattr(tr, "_gtpo_log", lambda mode, out, *a: (seen.update(out=out), orig(mode, out, *a))[1])
+    logged = tr._metrics["train"]
+    before = {k: len(logged[k]) for k in logged}
+    with torch.no_grad():
+        tr._compute_loss(tr.model, batch)
+    met = seen["out"].metrics
+    assert {k for k in REPLAY_METRICS if k in met} == want_keys, sorted(met)
+    for k in REPLAY_METRICS:
+        new = logged.get(f"gtpo/{k}", [])[before.get(f"gtpo/{k}", 0):]
+        if k in want_keys:
+            assert new == [pytest.approx(float(met[k]), rel=1e-6, abs=1e-9)], (k, new, float(met[k]))
+        else:
+            assert new == [], (k, new)
+    if sampler:
+        assert float(met["mean_kept_size"]) > 1  # a replay that keeps more than the sampled token
+
+
+def test_replay_metrics_aggregate_over_processes():
+    """Across processes each of spec 13's metrics is a mean over all counted tokens: each process's mean
+    weighted by its counted tokens (a fake accelerator summing this process's stats with another's)."""
+    from collections import defaultdict
+
+    from gtpo_kernels.integrations.trl_metrics import _log_replay
+    t = lambda x: torch.tensor(x)  # noqa: E731
+    other = {"kept_mass": t(0.5), "mean_kept_size": t(3.0), "replay_restored_frac": t(0.25)}, t(30.0)
+    mine = {"kept_mass": t(0.9), "mean_kept_size": t(7.0), "replay_restored_frac": t(0.0)}, t(10.0)
+
+    def reduce(stats, reduction):
+        assert reduction == "sum"
+        return stats + torch.stack([other[0][k] * other[1] for k in mine[0]] + [other[1]])
+    tr = types.SimpleNamespace(accelerator=types.SimpleNamespace(reduce=reduce), _metrics={"train": defaultdict(list)})
+    _log_replay(tr, "train", *mine)
+    got = {k: v for k, v in tr._metrics["train"].items()}
+    assert got == {f"gtpo/{k}": [pytest.approx((float(mine[0][k]) * 10 + float(other[0][k]) * 30) / 40)]
+                   for k in mine[0]}, got
+    tr._metrics["train"].clear()
+    _log_replay(tr, "train", {"clip_frac": t(0.1)}, t(10.0))  # no kept sets: nothing, no collective
+    assert not tr._metrics["train"]

@@ -49,7 +49,9 @@ vLLM, logging, checkpoints, is TRL's own):
    `gtpo/mean_entropy`, `kl` when `beta > 0`, and when TRL keeps the engine's log-probs
    (`sampling_per_token_logps`) the rollout/training mismatch of the loss's log-probs (spec 14):
    `gtpo/rollout_k3`, `gtpo/rollout_abs_diff`, `gtpo/rollout_max_abs_diff`, `gtpo/rollout_outside_frac`,
-   `gtpo/rollout_nan_frac` (means over all processes' tokens, the maximum over all processes).
+   `gtpo/rollout_nan_frac` (means over all processes' tokens, the maximum over all processes), and when
+   the loss replays kept sets (item 3) spec 13's `gtpo/mean_kept_size`, `gtpo/replay_restored_frac` and,
+   with sets rebuilt by the sampler's rules, `gtpo/kept_mass` (means over all processes' counted tokens).
 
 The loss: TRL's `loss_type` (the policy term, the ratio and the normalizer, as in the stock trainer) x
 `gtpo_loss` (what GTPO adds on top: "gtpo", None, "gtpo-official"), `gtpo_kwargs` overriding any other
@@ -68,7 +70,8 @@ options above against the stock trainer's loss and gradients).
 Layout: this module (the trainer and its config; re-exports `gtpo_config_from_args`, `TRL_LOSS_TYPES`,
 `sampler_settings`), `trl_config` (TRL's config onto GTPOConfig, the refusals, the normalizers),
 `trl_sampler` (the sampler's kept sets in every log-prob pass), `trl_forward` (the backbone-only forward:
-the head's weight and scaling) and `trl_head` (the loss and the old-policy / reference passes).
+the head's weight and scaling), `trl_head` (the loss and the old-policy / reference passes) and
+`trl_metrics` (the metrics logged beyond TRL's own: spec 13's and 14's).
 """
 from __future__ import annotations
 
@@ -88,6 +91,7 @@ from .trl_config import (TRL_LOSS_TYPES, _loss_kwargs, _loss_mask, _normalizer, 
                          gtpo_config_from_args)
 from .trl_forward import _add_gtpo_head, _base_model, _head_scaling  # noqa: F401  (_head_scaling: read here)
 from .trl_head import _fused_logps_and_entropies, _fused_loss, _logits_logps_and_entropies, _logits_loss
+from .trl_metrics import _log_mismatch, _log_replay
 from .trl_sampler import _pass_replays, _recorded_sets, _sampler_rules, sampler_settings
 
 __all__ = ["GTPOTrainer", "GTPOTrainerConfig", "gtpo_config_from_args", "sampler_settings", "TRL_LOSS_TYPES"]
@@ -287,18 +291,5 @@ class GTPOTrainer(GRPOTrainer):
             self._metrics[mode]["kl"].append((s[4] / tok).item())
         if "rollout_k3" in met:
             _log_mismatch(self, mode, met, n_tok)
-
-
-def _log_mismatch(trainer, mode, met, n_tok):
-    """Spec 14's metrics over all processes: each mean weighted by the process's tokens it averages over
-    (the counted tokens whose difference is not NaN), the maximum of the maxima."""
-    n_ok = n_tok * (1 - met["rollout_nan_frac"].float())
-    names = ("rollout_k3", "rollout_abs_diff", "rollout_outside_frac")
-    stats = torch.stack([met[k].float() * n_ok for k in names] + [met["rollout_nan_frac"].float() * n_tok, n_ok, n_tok])
-    s = trainer.accelerator.reduce(stats.detach(), reduction="sum")
-    biggest = trainer.accelerator.gather(met["rollout_max_abs_diff"].detach().float().reshape(1)).max()
-    for k, v in zip(names, s[:3]):
-        trainer._metrics[mode][f"gtpo/{k}"].append((v / s[4].clamp(min=1.0)).item())
-    trainer._metrics[mode]["gtpo/rollout_nan_frac"].append((s[3] / s[5].clamp(min=1.0)).item())
-    trainer._metrics[mode]["gtpo/rollout_max_abs_diff"].append(biggest.item())
+        _log_replay(self, mode, met, n_tok)  # the loss's kept-set metrics, when it replays kept sets
 
