@@ -172,3 +172,28 @@ def test_head_batch_invariant_refusals():
         linear_token_logprobs(h, w, ids, batch_invariant=True, backend="reference")
     with pytest.raises(TypeError, match="batch_invariant must be True or False"):
         linear_token_logprobs(h, w, ids, batch_invariant=1)
+
+
+@pytest.mark.parametrize("rows", [None, 70])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_head_batch_invariant_logits_are_the_projection(backend, rows):
+    """batch_invariant=True changes how the logits are computed, not what they are: over tiles of more than
+    INVARIANT_ROWS rows (150 counted tokens in one tile, blocks of 64, 64 and 22 rows the last padded, or
+    tiles of 70 rows), with bias, logp and entropy within 1e-5 (|x - ref| / max(1, |ref|)) of float64 of the
+    exact product h @ W.T + b."""
+    from gtpo_kernels import linear_token_logprobs
+    g = torch.Generator().manual_seed(6)
+    B, T, D, V = 3, 60, 24, 300
+    h, w = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g) / 3
+    b = torch.randn(V, generator=g) * 0.2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.15
+    budget = {} if rows is None else dict(memory_budget=rows * 2 * V * 4)
+    lp, ent = linear_token_logprobs(h, w, ids, completion_mask=mask, bias=b, batch_invariant=True, backend=backend,
+                                    **budget)
+    z = torch.log_softmax(h.double() @ w.double().t() + b.double(), -1)
+    r_lp, r_h = z.gather(-1, ids[..., None])[..., 0], -(z.exp() * z).sum(-1)
+    assert int(mask.sum()) > 2 * 64
+    for x, r in ((lp, r_lp), (ent, r_h)):
+        err = float(((x[mask].double() - r[mask]).abs() / r[mask].abs().clamp(min=1)).max())
+        assert err <= 1e-5, err

@@ -109,23 +109,26 @@ def test_mismatch_metrics_equal_the_reference_on_every_entry_point(c):
         assert float(got["rollout_nan_frac"]) == 1.0 and float(got["rollout_k3"]) == 0.0
 
 
+@pytest.mark.parametrize("roll_dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("entry", ["logits-fused", "logits-torch", "logps"])
-def test_k3_keeps_its_digits_at_small_differences(entry):
+def test_k3_keeps_its_digits_at_small_differences(entry, roll_dtype):
     """d = 1e-4 exactly in float32 terms: k3 = d**2 / 2 + ... = 5.0002e-9, where exp(d) - 1 - d in float32
-    is off by about 1e-8 (no digit right); every path within 1e-5 of the float64 value."""
+    is off by about 1e-8 (no digit right); every path within 1e-5 of the float64 value. Float64 rollout
+    log-probs (lp - 1e-4 exactly) are subtracted as given: rounded to float32 first, d would move by up to
+    half an ulp of lp (1.2e-7 here, 1e-3 of d)."""
     g = torch.Generator().manual_seed(3)
     B, T, V = 2, 4, 9
     logits = torch.randn(B, T, V, generator=g)
     ids = torch.randint(0, V, (B, T), generator=g)
     adv = torch.tensor([1.0, -1.0])
     lp = token_logprobs(logits, ids)[0]
-    roll = lp.double() - 1e-4
-    kw = dict(config="grpo", rollout_logps=roll.float())
+    roll = (lp.double() - 1e-4).to(roll_dtype)
+    kw = dict(config="grpo", rollout_logps=roll)
     if entry == "logps":
         out = gtpo_loss_from_logps(lp, ids, adv, **kw)
     else:
         out = gtpo_loss(logits, ids, adv, backend={"logits-fused": "triton", "logits-torch": "torch"}[entry], **kw)
-    d = out.logps.double() - roll.float().double()
+    d = out.logps.double() - roll.double()
     want = float((torch.expm1(d) - d).mean())
     assert want > 4e-9 and float(out.metrics["rollout_k3"]) == pytest.approx(want, rel=1e-5)
 
@@ -150,3 +153,58 @@ def test_rollout_mismatch_refuses_bad_input():
         rollout_mismatch(lp, -torch.rand(2, 3), torch.ones(3, 2))
     with pytest.raises(TypeError, match="logps"):
         rollout_mismatch(torch.ones(2, 3, dtype=torch.long), -torch.rand(2, 3))
+
+
+@pytest.mark.parametrize("band", [(0.05, 0.2), (0.3, 0.5), (2.0, 6.0)])
+@pytest.mark.parametrize("entry", ["logits-fused", "logits-torch", "logps", "public"])
+def test_metrics_at_every_distance_band(entry, band):
+    """Every |d| in one band, both signs: across the bounds of rollout_outside_frac (exp(d) = 0.9 and 1.1
+    at d = -0.105 and 0.095) and the float64 k3's series (|d| < 0.1); just under the Triton k3's switch from
+    its series to the direct form (0.5, where the series' last terms weigh most); 2 to 6 (the engine gave
+    the token e^-6 to e^6 times the trainer's probability: there exp(d) - 1 - d must be the direct form, a
+    Taylor series to d^12 being 1e-5 to 1e-3 off). Every metric within 1e-5 of the float64 reference."""
+    lo, hi = band
+    g = torch.Generator().manual_seed(11)
+    B, T, V = 2, 8, 11
+    logits = torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.rand(B, T, generator=g) > 0.2
+    mask[:, 0] = True
+    lp = token_logprobs(logits, ids)[0]
+    sign = torch.where(torch.rand(B, T, generator=g) < 0.5, -1.0, 1.0)
+    roll = (lp.double() - sign * (lo + (hi - lo) * torch.rand(B, T, generator=g, dtype=torch.float64))).float()
+    kw = dict(config="grpo", rollout_logps=roll)
+    if entry == "public":
+        got, logps = rollout_mismatch(lp, roll, mask), lp
+    else:
+        out = (gtpo_loss_from_logps(lp, ids, adv, mask, **kw) if entry == "logps" else
+               gtpo_loss(logits, ids, adv, mask, backend={"logits-fused": "triton", "logits-torch": "torch"}[entry],
+                         **kw))
+        got, logps = out.metrics, out.logps
+    want = fam.rollout_mismatch(logps.double(), roll.double(), mask)
+    assert lo < float(want["rollout_abs_diff"]) < float(want["rollout_max_abs_diff"]) < hi
+    _close(got, want, entry)
+
+
+def test_rollout_mismatch_float64_and_no_counted_tokens():
+    """Float64 log-probs give float64 metrics, equal to the reference to 1e-12 (k3 of d = 1e-6 keeps its
+    digits: no float32 rounding on the way), with a mask and without one (every token counted); no counted
+    token, or no token at all: every metric 0."""
+    g = torch.Generator().manual_seed(5)
+    lp = -3 * torch.rand(3, 7, generator=g, dtype=torch.float64)
+    roll = lp + 1e-6 * torch.randn(3, 7, generator=g, dtype=torch.float64)
+    roll[1, 2] = float("nan")
+    m = torch.rand(3, 7, generator=g) > 0.3
+    m[1, 2] = True
+    for mask in (m, None):  # None: every token counted
+        got = rollout_mismatch(lp, roll, mask)
+        want = fam.rollout_mismatch(lp, roll, torch.ones_like(m) if mask is None else m)
+        for k in NAMES:
+            assert got[k].dtype == torch.float64
+            assert abs(float(got[k]) - float(want[k])) <= 1e-12 * abs(float(want[k])), (k, got[k], want[k])
+        assert 0 < float(want["rollout_k3"]) < 1e-11 and 0 < float(want["rollout_nan_frac"]) < 0.1
+    none = rollout_mismatch(lp.float(), roll.float(), torch.zeros(3, 7))
+    empty = rollout_mismatch(torch.zeros(0, 4), torch.zeros(0, 4))
+    for got in (none, empty):
+        assert {k: float(v) for k, v in got.items()} == {k: 0.0 for k in NAMES}

@@ -324,3 +324,41 @@ def test_trl_logs_the_rollout_mismatch(trl_pair, monkeypatch, tmp_path):
     assert want["rollout_abs_diff"] > 0
     for k, v in want.items():
         assert tr._metrics["train"][f"gtpo/{k}"][-1] == pytest.approx(float(v), rel=1e-5, abs=1e-9), k
+
+
+def test_trl_mismatch_aggregates_over_processes():
+    """Across processes spec 14's means are means over all processes' counted tokens whose difference is not
+    NaN, the NaN fraction over all counted tokens, the maximum over all: _log_mismatch with a fake
+    two-process accelerator (this process's stats summed with another's, maxima gathered) equals the float64
+    reference on both processes' tokens together (1e-5 relative)."""
+    import types
+    from collections import defaultdict
+
+    import gtpo_reference.gtpo_family as fam
+    from gtpo_kernels import rollout_mismatch
+    from gtpo_kernels.integrations.trl_metrics import _log_mismatch
+    g = torch.Generator().manual_seed(8)
+    procs = []
+    for B, T, nan in ((2, 5, 0.0), (3, 9, 0.4)):  # different token counts and NaN fractions
+        lp = -3 * torch.rand(B, T, generator=g)
+        roll = lp + 0.3 * torch.randn(B, T, generator=g)
+        roll[torch.rand(B, T, generator=g) < nan] = float("nan")
+        m = torch.rand(B, T, generator=g) > 0.2
+        procs.append((lp.reshape(-1), roll.reshape(-1), m.reshape(-1)))
+
+    def trainer(reduce, gather):
+        return types.SimpleNamespace(accelerator=types.SimpleNamespace(reduce=reduce, gather=gather),
+                                     _metrics={"train": defaultdict(list)})
+    seen = {}
+    other = trainer(lambda s, reduction: seen.setdefault("s", s), lambda x: seen.setdefault("max", x))
+    lp, roll, m = procs[1]
+    _log_mismatch(other, "train", rollout_mismatch(lp, roll, m), m.sum().float())
+    tr = trainer(lambda s, reduction: s + seen["s"], lambda x: torch.cat([x, seen["max"]]))
+    lp, roll, m = procs[0]
+    _log_mismatch(tr, "train", rollout_mismatch(lp, roll, m), m.sum().float())
+    want = fam.rollout_mismatch(*(torch.cat([p[i] for p in procs]).double() for i in (0, 1)),
+                                torch.cat([p[2] for p in procs]))
+    assert 0 < float(want["rollout_nan_frac"]) < 1
+    assert float(rollout_mismatch(*procs[0])["rollout_max_abs_diff"]) != float(want["rollout_max_abs_diff"])
+    for k, v in want.items():
+        assert tr._metrics["train"][f"gtpo/{k}"] == [pytest.approx(float(v), rel=1e-5)], k
