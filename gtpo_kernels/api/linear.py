@@ -88,7 +88,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, float_dtype_for(hidden))
         replay_kw = dict(sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p)
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
-        linear.refuse_invariant(head, backend, rules)
+        linear.refuse_invariant(head, backend, rules, process_group)
         if backend == "reference":  # the oracle on the materialized logits (autograd through the projection)
             checks.refuse_reference_with_group(process_group)
             logits = _materialize(head, hidden)
@@ -133,7 +133,7 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
         with checks.one_host_read():
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, float_dtype_for(hidden))
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
-        linear.refuse_invariant(head, backend, rules)
+        linear.refuse_invariant(head, backend, rules, process_group)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
             with torch.no_grad():
@@ -259,9 +259,6 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
         b.tau = loss.call_temperature(temperature, b, float_dtype_for(hidden), host)
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be True or False, got {batch_invariant!r}")
-    if batch_invariant and group is not None:
-        raise ValueError("batch_invariant=True with process_group is not supported yet: the vocabulary-parallel "
-                         "statistics merge in an order that depends on the split; call without process_group")
     return b, linear.Head(weight, bias, logit_scale, logit_softcap, linear.head_dtype_arg(head_dtype, hidden),
                           batch_invariant), memory_budget
 

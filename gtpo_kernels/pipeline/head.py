@@ -54,10 +54,13 @@ def head_dtype_arg(head_dtype, hidden):
     return None if hidden.dtype == torch.float32 else torch.float32
 
 
-def refuse_invariant(head, backend, rules):
+def refuse_invariant(head, backend, rules, group):
     """batch_invariant=True where the fixed-shape projection does not reach yet: refused, not ignored."""
     if not head.invariant:
         return
+    if group is not None:
+        raise ValueError("batch_invariant=True with process_group is not supported yet: the vocabulary-parallel "
+                         "statistics merge in an order that depends on the split; call without process_group")
     if rules is not None:
         raise ValueError("batch_invariant=True with kept sets (sampling_mask, top_k, top_p, min_p) is not supported "
                          "yet: a tile's union of kept sets sets the projection's width; drop batch_invariant")
@@ -146,7 +149,7 @@ def project(h, weight, bias, out):
 
 
 def project_blocks(h, weight, bias, out):
-    """out = h @ weight.T (+ bias) by GEMMs of exactly hd.INVARIANT_ROWS rows each (the last block padded
+    """out = h @ weight.T (+ bias) by GEMMs of exactly INVARIANT_ROWS rows each (the last block padded
     with zero rows): every token's logits come from a GEMM of one fixed shape, whatever the tile's row
     count, so their bits do not depend on the batch (batch_invariant=True, spec 14)."""
     R = INVARIANT_ROWS

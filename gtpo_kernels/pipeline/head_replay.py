@@ -170,9 +170,11 @@ def _rebuild_forward(hidden, p):
                                    p.budget))
     block = max(1, p.budget // (2 * SET_BYTES * max(V_tiles, 1)))  # the rebuild's blocks: within the budget too
     lps, ents, flags, ids, sizes, restored, mass = [], [], [], [], [], [], []
+    # head_dtype=float32: the whole weight upcast once for every tile here (_project then upcasts only the rows)
+    full = p.head._replace(weight=hd.upcast(p.head.weight, p.head.proj), bias=hd.upcast(p.head.bias, p.head.proj))
     for m0 in range(0, M, step):
         sl = slice(m0, min(M, m0 + step))
-        z = _project(rows_of(hidden, p.pos[sl]), p.head, None)
+        z = _project(rows_of(hidden, p.pos[sl]), full, None)
         n = z.shape[0]
         rows_t = torch.arange(n, device=z.device)
         zero = torch.zeros_like(rows_t)
