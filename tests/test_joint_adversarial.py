@@ -1,7 +1,7 @@
 """The option space under the conditions a trainer creates and the first generator never drew: every
 option traced by torch.compile(fullgraph=True) (with a max_seqlen that lies, autocast, saturated
-soft-caps and the sampler's recorded kept sets on the logits drawn as in tests/test_joint.py; the kept sets
-that do not trace yet pinned by a strict xfail), and non-finite values in every O(B) / O(N) input with the
+soft-caps and the sampler's kept sets, recorded or rebuilt, on the logits and the head, drawn as in
+tests/test_joint.py), and non-finite values in every O(B) / O(N) input with the
 entropy filter on (spec 6): refused naming the argument with validate=True, NaN in every output it
 touches with validate=False, even where the filter drops the completion."""
 import dataclasses
@@ -12,7 +12,6 @@ import pytest
 import torch
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 import joint_calls
 from conftest import examples
@@ -58,40 +57,35 @@ def test_compiled_joint_matches_reference(j):
 
 
 def traced_kept_sets(j):
-    """The kept sets the compiled test draws: a recorded mask on the logits (it traces); the rules on the
-    logits and any kept set on the head do not trace yet (test_does_not_trace_yet): as a mask on
-    the logits, none on the head."""
-    if j.replay is None:
-        return {}
-    return dict(replay="mask") if j.entry == "logits" else dict(replay=None, inplace=False)
+    """The kept sets the compiled test draws: every kind on every entry (a recorded mask or the rules, on
+    the logits and on the head); in-place gradients are not taken with them."""
+    return {} if j.replay is None else dict(inplace=False)
 
 
-# Defects found by the compiled joint test (reported, not yet fixed): each a strict xfail, so that the fix
-# turns it into a failure that says to remove it (and, for the kept sets, to draw them in the compiled test).
-NOT_TRACED = {
-    "kept sets rebuilt by the rules on the logits": dict(replay="rules"),  # kept_set.kept_sets: data-dependent loop
-    "recorded kept sets on the head": dict(entry="linear", replay="mask"),  # head_replay: types.SimpleNamespace
+# Options that once broke the whole-graph trace, each checked on one small example every run: the rules'
+# rebuild (a size known only after it runs: a custom op), the head over kept sets (custom ops), and the
+# conflict weights of a packed batch without max_seqlen (a longest completion known only at run time).
+ONCE_UNTRACED = {
+    "kept sets rebuilt by the rules on the logits": dict(replay="rules"),
+    "recorded kept sets on the head": dict(entry="linear", replay="mask"),
     "kept sets rebuilt by the rules on the head": dict(entry="linear", replay="rules"),
-    # objective/conflict.py conflict_runs: `if T` on the data-dependent longest completion
     "packed without max_seqlen, conflict weights computed": dict(form="packed", preset="gtpo"),
 }
 
 
-@pytest.mark.xfail(strict=True, raises=(torch._dynamo.exc.TorchDynamoException, GuardOnDataDependentSymNode),
-                   reason="defect: spec 6 says torch.compile(fullgraph=True) traces every option; these break the "
-                   "whole-graph trace")
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("case", sorted(NOT_TRACED))
+@pytest.mark.parametrize("case", sorted(ONCE_UNTRACED))
 @settings(max_examples=1, database=None)
 @given(seed=st.just(3))
-def test_does_not_trace_yet(case, seed):
-    """One small example of each option that torch.compile(fullgraph=True) cannot trace today."""
+def test_traces_whole(case, seed):
+    """One small example of each option that torch.compile(fullgraph=True) once could not trace: traced
+    whole and equal to the float64 reference."""
     j = Joint(entry="logits", form="padded", dtype=torch.float32, backend="torch", seed=seed, P=1, G=2, T=3, V=8,
               preset="grpo", over={"temperature": 1.0}, logits_start=None, with_old=True, with_ref=True,
               with_roll_lp=False, rollout="none", clip_min=None, clip_max=1.5, conflict="computed", num_items=None,
               with_entropy=True, head=dict(D=4, bias=False, scale=1.0, cap=None, schedule="auto", budget_rows=1000),
               max_seqlen=False, adv_shape="B", uid="int", filter_between=False, rules={"top_k": (3, "num")})
-    check_joint(dataclasses.replace(j, **NOT_TRACED[case]), around=compiled)
+    check_joint(dataclasses.replace(j, **ONCE_UNTRACED[case]), around=compiled)
 
 
 @settings(max_examples=examples(20))

@@ -12,7 +12,7 @@ from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch
 from ..pipeline import head as linear
-from ..pipeline import head_ops, head_replay, loss, replay
+from ..pipeline import head_ops, head_replay_ops, loss, replay
 from . import logits as api
 
 SCHEDULES = ("auto", "fused", "recompute")
@@ -105,7 +105,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)")
     with linear.autocast_off(hidden.device):
         if rules is not None:  # the sampler's kept sets: only the union of a tile's sets is projected
-            logp, ent, metrics = head_replay.replayed(b, head, hidden, _one_tau(cfg, b), sampling_mask, rules,
+            logp, ent, metrics = head_replay_ops.replayed(b, head, hidden, _one_tau(cfg, b), sampling_mask, rules,
                                                       budget, backend, host, vp)
             value, res = loss.logps_loss(b, cfg, logp, ent, num_items, dt, host)
             res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
@@ -150,7 +150,7 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
         if rules is not None:
             with torch.no_grad():
                 tau = b.tau if b.tau is not None else _one_tau(GTPOConfig(temperature=temperature), b)
-                logp, ent, _ = head_replay.replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host,
+                logp, ent, _ = head_replay_ops.replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host,
                                                     vp)
             dt = float_dtype_for(hidden)
             zero = torch.zeros((), dtype=dt, device=hidden.device)

@@ -165,9 +165,12 @@ def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale
     return cat(ids, torch.long), offsets, cat(restored, torch.bool), cat(invalid, torch.bool), cat(mass, acc)
 
 
-def missing_k(top_k, y, host):
-    """(M,) bool: the counted tokens without a top_k > 0 (refused when validating: identical on every rank)."""
+def missing_k(top_k, y, host, counted=None):
+    """(M,) bool: the counted tokens without a top_k > 0 (refused when validating: identical on every rank);
+    with `counted` (M,) bool, the tokens are the flat ones and only the counted count."""
     no_k = _param(top_k, slice(0, y.numel()), 0, torch.long, y.device) <= 0
+    if counted is not None:
+        no_k = no_k & counted
     if host and bool(no_k.any()):
         raise ValueError("top_k with process_group must be > 0 at every counted token (each rank's top_k "
                          "candidates are gathered to rebuild the sets); pass the sets the engine recorded as "

@@ -29,7 +29,8 @@ def conflict_runs(ids, m, adv, group_size, backend="torch"):
     conf_f = _leading_run(raw(ids, m))
     # right-align every completion at its last counted row: aligned index r = last - t
     t_idx = torch.arange(T, device=ids.device)
-    last = torch.where(m, t_idx, -1).amax(dim=1) if T else torch.full((B,), -1, device=ids.device)
+    # (a column of -1 closes each row: T may be 0, or a size known only at run time, which tracing never branches on)
+    last = torch.cat([torch.where(m, t_idx, -1), torch.full((B, 1), -1, device=ids.device)], 1).amax(dim=1)
     src = last[:, None] - t_idx[None, :]  # row t of completion i seen at aligned index r
     valid = src >= 0
     src_c = src.clamp(min=0)

@@ -22,14 +22,12 @@ import types
 
 import torch
 
-from ..core import checks
 from ..core.layout import float_dtype_for
-from ..core.sampling import check_sampling_mask_flat
 from ..distributed import vocab_replay
 from ..kernels import replay as rp
 from ..kernels.kept_set import kept_sets
 from . import head as hd
-from .replay import _any, at
+from .replay import at
 from .tiles import rows_of
 
 
@@ -82,53 +80,75 @@ def _replay(z, ids, offsets, y, tau, invalid, p, vp=None):
     return torch.where(bad, nan, lp), torch.where(bad, nan, en), fl
 
 
-class _HeadReplay(torch.autograd.Function):
-    """(hidden, weight, bias) -> logp, H, flags (M,) of the counted tokens over their kept sets."""
+def state(hidden, weight, bias, ids, counted, tau, o):
+    """The tile loops' state p for one call: the counted rows (a host read), their sampled ids and
+    temperatures, the head and the options `o` (head_replay_ops.ReplayOptions)."""
+    pos = counted.reshape(-1).nonzero().squeeze(1)  # sync: the counted rows
+    head = hd.Head(weight, bias, o.scale, o.cap, o.proj)
+    return types.SimpleNamespace(head=head, pos=pos, y=ids.reshape(-1)[pos], tau=at(o.tau if tau is None else tau, pos),
+                                 backend=o.backend, budget=o.budget,
+                                 per_entry=hd.row_bytes(1, hd.project_dtype(weight, o.proj), weight.device),
+                                 rules=None, invalid=None, invalid_parts=[], metrics=None, vp=o.vp, lse_kept=[],
+                                 columns=None if o.vp is None else types.SimpleNamespace(group=o.vp.group, start=0))
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, p):
-        if p.rules is not None:
-            logp, ent, flags = _rebuild_forward(hidden, p)
-        else:
-            out = [_replay(_project(rows_of(hidden, p.pos[m0:m1]), p.head, u), ids, off, ly,
-                           at(p.tau, slice(m0, m1)), p.invalid[m0:m1], p)
-                   for (m0, m1), (u, ids, off, ly) in zip(p.tiles, _unions(p))]
-            logp, ent, flags = (_cat([o[i] for o in out], p, dt) for i, dt in ((0, None), (1, None), (2, torch.int8)))
-        ctx.save_for_backward(hidden, weight, bias)
-        ctx.p = p
-        ctx.mark_non_differentiable(flags)
-        ctx.set_materialize_grads(False)
-        return logp, ent, flags
 
-    @staticmethod
-    def backward(ctx, g_logp, g_ent, _g_flags):
-        hidden, weight, bias = ctx.saved_tensors
-        p = ctx.p
-        need = ctx.needs_input_grad[:3]
-        if not any(need) or (g_logp is None and g_ent is None):
-            return None, None, None, None
-        acc = float_dtype_for(weight)
-        dh = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need[0] else None  # any strides
-        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
-        db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need[2] and bias is not None else None
-        for (m0, m1), (u, ids, off, ly) in zip(p.tiles, _unions(p)):
-            idx = p.pos[m0:m1]
-            h = rows_of(hidden, idx)
-            with torch.enable_grad():
-                z = _project(h, p.head, u).detach().requires_grad_()
-                lp, en, _ = _replay(z, ids, off, ly, at(p.tau, slice(m0, m1)), p.invalid[m0:m1], p)
-                outs = [(x, g[m0:m1]) for x, g in ((lp, g_logp), (en, g_ent)) if g is not None]
-                gz, = torch.autograd.grad([x for x, _ in outs], [z], [g for _, g in outs])
-            if dh is not None:
-                dh.view(-1, dh.shape[-1]).index_copy_(0, idx, (gz @ hd.upcast(weight.index_select(0, u), p.head.proj))
-                                                      .to(dh.dtype))
-            if dw is not None:
-                dw.index_add_(0, u, hd.accumulate(torch.zeros(u.numel(), h.shape[-1], dtype=acc, device=h.device),
-                                                  gz.t(), h))
-            if db is not None:
-                db.index_add_(0, u, gz.sum(0, dtype=acc))
-        p.lse_kept.clear()
-        return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype), None)
+def with_sets(p, token_ids, flat, invalid):
+    """p with the counted tokens' kept sets, given in the flat layout (token_ids, offsets (n + 1,) with an
+    uncounted token's set empty, invalid (n,) or None), and the union tiles planned on them (a host read
+    of the offsets)."""
+    p.token_ids = token_ids
+    p.offsets = torch.cat([flat[p.pos], flat[-1:]])
+    p.invalid = None if invalid is None else invalid[p.pos]
+    p.off_host = p.offsets.tolist()  # sync: the tiles
+    p.tiles = plan_union([e - s for s, e in zip(p.off_host[:-1], p.off_host[1:])],
+                         p.head.weight.shape[0] if p.vp is None else p.vp.V_max, p.per_entry, p.budget)
+    return p
+
+
+def flat_sets(p, n):
+    """The counted tokens' sets in p in the flat layout of n tokens: (token_ids, offsets (n + 1,), invalid (n,))."""
+    counts = torch.zeros(n, dtype=torch.long, device=p.pos.device).scatter(0, p.pos, p.offsets.diff())
+    invalid = torch.zeros(n, dtype=torch.bool, device=p.pos.device)
+    if p.invalid is not None:
+        invalid = invalid.scatter(0, p.pos, p.invalid)
+    return p.token_ids, torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]), invalid
+
+
+def forward(hidden, p):
+    """logp, H, flags (M,) of the counted tokens over their kept sets: rebuilt by p.rules, else p's sets."""
+    if p.rules is not None:
+        return _rebuild_forward(hidden, p)
+    out = [_replay(_project(rows_of(hidden, p.pos[m0:m1]), p.head, u), ids, off, ly, at(p.tau, slice(m0, m1)),
+                   None if p.invalid is None else p.invalid[m0:m1], p)
+           for (m0, m1), (u, ids, off, ly) in zip(p.tiles, _unions(p))]
+    return tuple(_cat([o[i] for o in out], p, dt) for i, dt in ((0, None), (1, None), (2, torch.int8)))
+
+
+def backward(hidden, weight, bias, p, g_logp, g_ent, need):
+    """dL/dh, dL/dW, dL/db (None where not `need`ed) from the upstream gradients (M,) of logp and H: per
+    union tile the projection again, the replay's gradient and the two gradient GEMMs on the union."""
+    acc = float_dtype_for(weight)
+    dh = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need[0] else None  # any strides
+    dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
+    db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need[2] and bias is not None else None
+    for (m0, m1), (u, ids, off, ly) in zip(p.tiles, _unions(p)):
+        idx = p.pos[m0:m1]
+        h = rows_of(hidden, idx)
+        with torch.enable_grad():
+            z = _project(h, p.head, u).detach().requires_grad_()
+            lp, en, _ = _replay(z, ids, off, ly, at(p.tau, slice(m0, m1)),
+                                None if p.invalid is None else p.invalid[m0:m1], p)
+            gz, = torch.autograd.grad([lp, en], [z], [g_logp[m0:m1], g_ent[m0:m1]])
+        if dh is not None:
+            dh.view(-1, dh.shape[-1]).index_copy_(0, idx, (gz @ hd.upcast(weight.index_select(0, u), p.head.proj))
+                                                  .to(dh.dtype))
+        if dw is not None:
+            dw.index_add_(0, u, hd.accumulate(torch.zeros(u.numel(), h.shape[-1], dtype=acc, device=h.device),
+                                              gz.t(), h))
+        if db is not None:
+            db.index_add_(0, u, gz.sum(0, dtype=acc))
+    p.lse_kept.clear()
+    return dh, dw, db
 
 
 def _cat(xs, p, dtype=None):
@@ -203,49 +223,3 @@ def _rebuild_forward(hidden, p):
     p.invalid = _cat(p.invalid_parts, p, torch.bool)
     p.metrics = rp.replay_metrics(p.offsets, _cat(restored, p, torch.bool), _cat(mass, p))
     return _cat(lps, p), _cat(ents, p), _cat(flags, p, torch.int8)
-
-
-def replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host, vp=None):
-    """(logp, entropy, metrics): logp, entropy (n,) of the flat tokens over their kept sets (0 where not
-    counted, NaN where invalid; differentiable w.r.t. hidden, weight, bias), from the recorded sets or
-    the rules (pipeline.replay.check_rules' output); validating, a flagged token raises. vp: the
-    vocabulary-parallel layout (this rank's weight rows are a slice; the ranks' tiles are alike)."""
-    V = head.weight.shape[0] if vp is None else vp.V
-    pos = b.counted.reshape(-1).nonzero().squeeze(1)  # sync: the counted rows
-    p = types.SimpleNamespace(head=head, pos=pos, y=b.ids.reshape(-1)[pos], tau=at(tau, pos), backend=backend,
-                              budget=budget, per_entry=hd.row_bytes(1, hd.project_dtype(head.weight, head.proj),
-                                                                    head.weight.device),
-                              rules=None, invalid=None, invalid_parts=[], metrics=None, vp=vp, lse_kept=[],
-                              columns=None if vp is None else types.SimpleNamespace(group=vp.group, start=0))
-    if sampling_mask is not None:
-        with checks.one_host_read():  # with a group every rank holds the same sets (agreed): the same error
-            token_ids, flat, invalid = check_sampling_mask_flat(sampling_mask, b.ids, b.counted, V, host)
-        # a kept id outside [0, V) (unvalidated) makes its token invalid (NaN, spec 13); one process reads only
-        # its weight's rows: such an id stands as 0 in the union (with a split, each rank keeps its own slice)
-        p.token_ids = token_ids if vp is not None else \
-            torch.where((token_ids >= 0) & (token_ids < V), token_ids, torch.zeros_like(token_ids))
-        p.offsets = torch.cat([flat[pos], flat[-1:]])  # an uncounted token's set is empty: counted sets in order
-        p.invalid = invalid[pos]
-        p.off_host = p.offsets.tolist()  # sync: the tiles
-        p.tiles = plan_union([e - s for s, e in zip(p.off_host[:-1], p.off_host[1:])],
-                             V if vp is None else vp.V_max, p.per_entry, budget)
-        p.metrics = rp.replay_metrics(p.offsets)
-    else:
-        (top_k, top_p, min_p), rule_bad = rules
-        p.rules = tuple(at(x, pos) for x in (top_k, top_p, min_p))
-        bad = _any(*(None if x is None else x[pos] for x in rule_bad))
-        if vp is not None:
-            bad = _any(bad, vocab_replay.missing_k(p.rules[0], p.y, host))
-        p.invalid = bad
-    bias = None if head.bias is None else head.bias
-    lp, ent, flags = _HeadReplay.apply(hidden, head.weight, bias, p)
-    p.lse_kept.clear()
-    if vp is not None and rules is not None:
-        vocab_replay.refuse_unbuilt(p.invalid, host)
-    if host:
-        n = b.counted.numel()
-        checks.raise_on_flags(torch.zeros(n, dtype=flags.dtype, device=flags.device).scatter(0, pos, flags),
-                              b.tok_shape)
-    n = b.counted.numel()
-    zero = torch.zeros(n, dtype=lp.dtype, device=lp.device)
-    return zero.scatter(0, pos, lp), zero.scatter(0, pos, ent), p.metrics

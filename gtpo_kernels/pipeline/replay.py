@@ -10,7 +10,7 @@ from ..core import checks
 from ..core.layout import float_dtype_for
 from ..core.sampling import check_exclusive, check_rule, check_sampling_mask_flat
 from ..kernels import replay as rp
-from ..kernels.kept_set import kept_sets
+from ..kernels.kept_set_ops import as_rule, kept_sets_flat
 
 
 def requested(sampling_mask, top_k, top_p, min_p):
@@ -60,18 +60,14 @@ def replayed(b, tau, sampling_mask, rules, backend, validate):
                                               backend=backend, counted=b.counted)
         metrics = rp.replay_metrics(offsets, M=b.counted.sum())
         return logp, ent, torch.where(b.counted, flags, torch.zeros_like(flags)), metrics
-    pos = b.counted.reshape(-1).nonzero().squeeze(1)  # one host read: the number of counted tokens
-    rows_b, rows_t = rp.counted_rows(b.counted, b.tok_shape, b.logits_start)
-    y = b.ids[pos]
-    tau_m = at(tau, pos)
-    token_ids, offsets, restored, nonfinite, mass = kept_sets(logits3, rows_b, rows_t, y, tau_m, at(top_k, pos),
-                                                              at(top_p, pos), at(min_p, pos))
-    bad = _any(*(None if x is None else x[pos] for x in rule_bad))
-    invalid = nonfinite if bad is None else nonfinite | bad
-    lp_m, ent_m, fl_m = rp.replay_logprobs(logits3, rows_b, rows_t, y, tau_m, token_ids, offsets, invalid,
-                                           backend=backend)
-    n = b.counted.numel()
-    zero = torch.zeros(n, dtype=lp_m.dtype, device=lp_m.device)
-    logp, ent = zero.scatter(0, pos, lp_m), zero.scatter(0, pos, ent_m)
-    flags = torch.zeros(n, dtype=fl_m.dtype, device=fl_m.device).scatter(0, pos, fl_m)
-    return logp, ent, flags, rp.replay_metrics(offsets, restored, mass)
+    # the sets rebuilt for every flat token (an uncounted one's is empty): one custom op, so that the call
+    # traces whole (their total size is the one size known only after it runs)
+    acc = float_dtype_for(logits3)
+    rows_b, rows_t = rp.flat_rows(b.tok_shape, b.logits_start, logits3.device)
+    rule = [as_rule(x, dt, logits3) for x, dt in ((tau, acc), (top_k, torch.long), (top_p, acc), (min_p, acc))]
+    sets = kept_sets_flat(logits3.detach(), rows_b, rows_t, b.ids, b.counted, *rule)  # the sets: no gradient
+    token_ids, offsets, restored, nonfinite, mass = sets
+    invalid = _any(nonfinite, *rule_bad)
+    logp, ent, flags = rp.replay_logprobs(logits3, rows_b, rows_t, b.ids, tau, token_ids, offsets, invalid,
+                                          backend=backend, counted=b.counted)
+    return logp, ent, flags, rp.replay_metrics(offsets, restored, mass, M=b.counted.sum())
