@@ -17,6 +17,29 @@ from ..objective.surrogate import entropy_control
 from .weights import conflict_weights
 
 
+def outcome_rows(advantages, mask, error):
+    """(B, T) advantages holding one value per row at its counted tokens (`mask` (B, T) bool) -> (B,),
+    0 for a row with none; a row whose counted tokens hold different values raises ValueError(error)
+    (one host read)."""
+    T = mask.shape[1]
+    first = torch.where(mask, torch.arange(T, device=mask.device), T).amin(dim=1).clamp(max=max(T - 1, 0))
+    row = advantages.gather(1, first[:, None]).squeeze(1)
+    row = torch.where(mask.any(dim=1), row, torch.zeros_like(row))
+    if bool(((advantages != row[:, None]) & mask).any()):
+        raise ValueError(error)
+    return row
+
+
+def batch_entropy(batch, cfg, missing):
+    """gtpo_token_advantages' `entropy` from a trainer's batch (a dict or TensorDict): batch['entropy'] as
+    float32 when the config's entropy filter or shaping needs it, else None; absent, KeyError(missing)."""
+    if not cfg.shapes_advantages:
+        return None
+    if "entropy" not in batch.keys():
+        raise KeyError(missing)
+    return batch["entropy"].float()
+
+
 def _row_advantages(advantages, mask, B, T):
     """(B,), (B, 1) or (B, T) with one value per row (verl) -> (B,)."""
     if not isinstance(advantages, torch.Tensor):
@@ -27,14 +50,9 @@ def _row_advantages(advantages, mask, B, T):
         if T == 0:  # no token: every row is inactive (its advantage multiplies nothing)
             return advantages.new_zeros(B)
         # verl's outcome advantages: the row's value at its counted tokens (0 elsewhere)
-        first = torch.where(mask, torch.arange(T, device=mask.device), T).amin(dim=1).clamp(max=max(T - 1, 0))
-        row = advantages.gather(1, first[:, None]).squeeze(1)
-        row = torch.where(mask.any(dim=1), row, torch.zeros_like(row))
-        if bool(((advantages != row[:, None]) & mask).any()):
-            raise ValueError("advantages (B, T) must hold one value per row at its counted tokens (an outcome "
-                             "advantage, as verl's GRPO-family estimators give); token-varying advantages "
-                             "(GAE) cannot be GTPO-shaped")
-        return row
+        return outcome_rows(advantages, mask, "advantages (B, T) must hold one value per row at its counted "
+                            "tokens (an outcome advantage, as verl's GRPO-family estimators give); token-varying "
+                            "advantages (GAE) cannot be GTPO-shaped")
     if advantages.numel() != B or advantages.dim() > 2 or (advantages.dim() == 2 and advantages.shape[1] != 1):
         raise ValueError(f"advantages must be (B,), (B, 1) or (B, T) = ({B}, {T}) like responses, got shape "
                          f"{tuple(advantages.shape)}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..api.advantages import outcome_rows
 from ..api.logps import gtpo_loss_from_logps
 from ..api.weights import conflict_weights
 from ..core.config import as_config
@@ -55,15 +56,9 @@ def add_conflict_weights(data: dict, group_size: int, config="gtpo") -> dict:
 
 def _per_row(advantages, mask):
     """(B, T) advantages holding one value per row at its counted tokens -> (B,)."""
-    B, T = mask.shape
-    first = torch.where(mask, torch.arange(T, device=mask.device), T).amin(dim=1).clamp(max=max(T - 1, 0))
-    row = advantages.gather(1, first[:, None]).squeeze(1)
-    row = torch.where(mask.any(dim=1), row, torch.zeros_like(row))
-    if bool(((advantages != row[:, None]) & mask).any()):
-        raise ValueError("advantages must hold one value per sample at its counted tokens (a GRPO-family "
-                         "outcome advantage: discount = gae_lambda = 1, kl_ctl = 0); GAE advantages cannot be "
-                         "GTPO-shaped")
-    return row
+    return outcome_rows(advantages, mask, "advantages must hold one value per sample at its counted tokens (a "
+                        "GRPO-family outcome advantage: discount = gae_lambda = 1, kl_ctl = 0); GAE advantages "
+                        "cannot be GTPO-shaped")
 
 
 def _per_completion(advantages, mask, cu_seqlens):

@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..api.advantages import gtpo_token_advantages
+from ..api.advantages import batch_entropy, gtpo_token_advantages
 from ..core.config import GTPOConfig, as_config
 from .rows import first_counted, shift_left, shift_right
 from .token_ppo import token_config, token_ppo_losses
@@ -87,14 +87,11 @@ def rewrite_advantages(data, config=DEFAULT_CONFIG) -> dict:
         return shift_left(x, offset)
 
     responses = left(data["sequences"][:, -R:])  # response-level tensors are the last R columns of `sequences`
-    entropy = None
-    if cfg.shapes_advantages:
-        if "entropy" not in data.keys():
-            raise KeyError("this GTPOConfig's entropy filter or shaping needs the old policy's 'entropy' "
-                           "(B, response_length) in the batch, which SkyRL does not compute: add it, or use "
-                           "gtpo_kernels.integrations.skyrl.DEFAULT_CONFIG (entropy_threshold=None, "
-                           "entropy_penalty=0)")
-        entropy = left(data["entropy"].float())
+    entropy = batch_entropy(data, cfg, "this GTPOConfig's entropy filter or shaping needs the old policy's "
+                            "'entropy' (B, response_length) in the batch, which SkyRL does not compute: add it, or "
+                            "use gtpo_kernels.integrations.skyrl.DEFAULT_CONFIG (entropy_threshold=None, "
+                            "entropy_penalty=0)")
+    entropy = None if entropy is None else left(entropy)
     uids = np.array(list(data.metadata["uids"]), dtype=object)
     tok = gtpo_token_advantages(left(adv), responses, left(loss_mask), entropy, uids, config=cfg).to(adv.dtype)
     tok = shift_right(tok, offset)

@@ -24,7 +24,6 @@ checks. With `entropy_threshold=None, entropy_penalty=0` it is torchtitan's `DAP
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -37,20 +36,24 @@ from ..core.config import GTPOConfig
 from torchtitan.components.loss import BaseLoss, ChunkedLossWrapper  # noqa: E402  (torchtitan is required)
 
 
+_DEFAULT = GTPOConfig()  # the loss's defaults are GTPOConfig's
+
+
 class GTPOLoss(ChunkedLossWrapper):
     """torchtitan RL loss: GTPO through the fused LM head (module docstring)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseLoss.Config):
-        eps_low: float = 0.2
+        """The GTPOConfig fields this loss takes, with GTPOConfig's defaults, and the head's budget."""
+        eps_low: float = _DEFAULT.eps_low
         """PPO clip: the ratio is clamped to ``[1 - eps_low, 1 + eps_high]``."""
-        eps_high: float = 0.2
-        entropy_threshold: Optional[float] = math.log(2.0)
+        eps_high: float = _DEFAULT.eps_high
+        entropy_threshold: Optional[float] = _DEFAULT.entropy_threshold
         """GTPO's entropy filter h_max (None: off)."""
-        entropy_penalty: float = 0.1
+        entropy_penalty: float = _DEFAULT.entropy_penalty
         """GTPO's shaping gamma in Ahat = delta * (A - gamma * Hbar) (0: off)."""
-        initial_entropy: Optional[float] = None
-        temperature: float = 1.0
+        initial_entropy: Optional[float] = _DEFAULT.initial_entropy
+        temperature: float = _DEFAULT.temperature
         memory_budget: Optional[int] = None
         """Bytes for one tile of logits and its gradient (default: the package's, 1 GiB)."""
 

@@ -75,7 +75,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..api.advantages import gtpo_token_advantages
+from ..api.advantages import batch_entropy, gtpo_token_advantages
 from ..api.rollout import rollout_mismatch
 from ..core.config import GTPOConfig, as_config
 from .verl_modes import MODES, register_modes
@@ -169,14 +169,10 @@ def rewrite_advantages(batch, uid, cfg) -> dict:
     for key in ("advantages", "responses", "response_mask"):
         if key not in batch.keys():
             raise KeyError(f"the GTPO advantage step needs '{key}' in the batch")
-    entropy = None
-    if cfg.shapes_advantages:
-        if "entropy" not in batch.keys():
-            raise KeyError("the GTPO advantage step needs the old policy's 'entropy' in the batch (verl "
-                           "computes it with old_log_probs; rollout_correction.bypass_mode skips that pass): "
-                           "disable the entropy filter and shaping (+trainer.v1.gtpo.entropy_threshold=null "
-                           "+trainer.v1.gtpo.entropy_penalty=0) or recompute old_log_probs")
-        entropy = batch["entropy"].float()
+    entropy = batch_entropy(batch, cfg, "the GTPO advantage step needs the old policy's 'entropy' in the batch "
+                            "(verl computes it with old_log_probs; rollout_correction.bypass_mode skips that pass): "
+                            "disable the entropy filter and shaping (+trainer.v1.gtpo.entropy_threshold=null "
+                            "+trainer.v1.gtpo.entropy_penalty=0) or recompute old_log_probs")
     adv = batch["advantages"]
     mask = batch["response_mask"]
     tok = gtpo_token_advantages(adv, batch["responses"], mask, entropy, uid, config=cfg)
