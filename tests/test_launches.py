@@ -4,7 +4,8 @@ ops that launch a device kernel; autograd's seed of a scalar loss, `ones_like`, 
 
 On the Triton backend (run by Triton's interpreter here), with validate=False: gtpo_loss on logits at most
 4 launches for GTPO and the TRL-family presets (the forward vocabulary kernel, the epilogue, the seed, the
-backward vocabulary kernel), padded and packed, conflict weights given; token_logprobs 1; no host read
+backward vocabulary kernel), padded and packed, conflict weights given (one launch more computed in the
+call); token_logprobs 1; no host read
 and no tensor made from host data; validate=True exactly one host read. Every count is the same at two
 batch sizes (it grows with neither tokens nor completions).
 """
@@ -56,6 +57,27 @@ def test_validating_reads_the_host_once(packed):
     assert counts[0] == counts[1], counts
     assert counts[0][1] == 1, counts  # the status word: the input checks are in the kernel
     assert counts[0][0] <= 4, counts  # the same 4 launches as without validation
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_conflict_weights_computed_in_the_call_take_one_kernel(packed):
+    """group_size instead of lam / n_conf: the conflict weights are one more launch (spec 8), from the
+    call's tensors as given (no derived batch field formed), flat in tokens."""
+    counts = []
+    for k, (B, T) in enumerate(SIZES):
+        logits, ids, adv, mask, kw = _batch(B, T, k, packed)
+        kw = {key: v for key, v in kw.items() if key not in ("lam", "n_conf")}
+        x = logits.requires_grad_()
+        with counting() as c:
+            out = gtpo_loss(x, ids, adv, mask, group_size=2, config="gtpo", validate=False, backend="triton", **kw)
+            out.loss.backward()
+        assert torch.isfinite(out.loss) and x.grad.abs().sum() > 0
+        counts.append((c.launches, c.host_reads, c.creations, dict(c.triton_names)))
+    assert counts[0] == counts[1], counts
+    launches, reads, creations, kernels = counts[0]
+    assert reads == 0 and creations == 0 and launches <= 5, counts
+    assert kernels == {"_conflict_weights_kernel": 1, "_vocab_fwd_kernel": 1, "_epilogue_kernel": 1,
+                       "_vocab_bwd_kernel": 1}, kernels
 
 
 def test_num_items_tensor_and_per_token_temperature_stay_on_the_path():

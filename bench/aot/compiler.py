@@ -310,28 +310,43 @@ def report_in_subprocess(timeout=600, kernels=KERNELS):
         raise RuntimeError(f"AOT child failed: {p.stderr[-2000:]}")
 
 
-def compile_epilogue(arch, **switches):
-    """kernels/epilogue_triton.py compiled for `arch` (an NVIDIA capability, or an AMD target) with the
-    given switches (the rest on: every term of the kernel compiled); returns Triton's compiled kernel.
-    What the interpreter cannot see (a loop-carried type that changes, a global that differs between
-    inner functions) fails here."""
+def _compile_ahead(k, arch, dtypes, default, scal, meta):
+    """Triton's compiled kernel `k` for `arch` (an NVIDIA capability, or an AMD target): its pointers of
+    the dtypes `dtypes` (by name; others `default`), the scalars `scal` and the constexprs `meta`."""
     import triton
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    from gtpo_kernels.kernels.epilogue_triton import _epilogue_kernel as k
-    ptr = {p.name: _Ptr({"bad_ptr": torch.int8, "mask_ptr": torch.bool, "cu_ptr": torch.int64,
-                         "kept_out": torch.uint8, "cu_fix": torch.int64, "status_ptr": torch.int32}.get(p.name,
-                                                                                                 torch.float32))
-           for p in k.params if not p.is_constexpr and p.name.endswith(("_ptr", "_out", "cu_fix"))}
-    scal = dict(B=64, T=512, N=32768, max_seqlen=-1, lo=0.8, hi=1.2, delta=1.5, dual_c=3.0, beta=0.04, ent_coef=0.01, penalty=0.1,
-                thr=0.69, max_len_cfg=0.0, nitems_val=1.0)
-    meta = dict(PACKED=False, HAS_MASK=True, HAS_OLD=True, HAS_KL=True, BIAS_KL=True, HAS_LAM=True, HAS_NCONF=True,
-                NITEMS=0, CLIP=True, HAS_DELTA=True, HAS_DUAL=True, HAS_E=True, FILTER=True, PENALTY=True, SEQ=False,
-                AGG=0, BLOCK=1024, VALIDATE=True, MASK_VALUES=True, HAS_REF=True, HAS_ROLL=True, num_warps=4)
-    meta.update(switches)
+    ptr = {p.name: _Ptr(dtypes.get(p.name, default)) for p in k.params
+           if not p.is_constexpr and p.name not in scal}
     target = _target(arch)
     backend = make_backend(target)
     bound, spec, opts = create_function_from_signature(k.signature, k.params, backend)(**ptr, **scal, **meta)
     options, sig, constexprs, attrs = k._pack_args(backend, meta, bound, spec, opts)
     return triton.compile(ASTSource(k, sig, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def compile_epilogue(arch, **switches):
+    """kernels/epilogue_triton.py compiled for `arch` (an NVIDIA capability, or an AMD target) with the
+    given switches (the rest on: every term of the kernel compiled); returns Triton's compiled kernel.
+    What the interpreter cannot see (a loop-carried type that changes, a global that differs between
+    inner functions) fails here."""
+    from gtpo_kernels.kernels.epilogue_triton import _epilogue_kernel as k
+    scal = dict(B=64, T=512, N=32768, max_seqlen=-1, lo=0.8, hi=1.2, delta=1.5, dual_c=3.0, beta=0.04, ent_coef=0.01,
+                penalty=0.1, thr=0.69, max_len_cfg=0.0, nitems_val=1.0)
+    meta = dict(PACKED=False, HAS_MASK=True, HAS_OLD=True, HAS_KL=True, BIAS_KL=True, HAS_LAM=True, HAS_NCONF=True,
+                NITEMS=0, CLIP=True, HAS_DELTA=True, HAS_DUAL=True, HAS_E=True, FILTER=True, PENALTY=True, SEQ=False,
+                AGG=0, BLOCK=1024, VALIDATE=True, MASK_VALUES=True, HAS_REF=True, HAS_ROLL=True, num_warps=4)
+    meta.update(switches)
+    return _compile_ahead(k, arch, {"bad_ptr": torch.int8, "mask_ptr": torch.bool, "cu_ptr": torch.int64,
+                                    "kept_out": torch.uint8, "cu_fix": torch.int64, "status_ptr": torch.int32},
+                          torch.float32, scal, meta)
+
+
+def compile_conflict_weights(arch, **switches):
+    """kernels/conflict_triton.py's conflict-weights kernel compiled for `arch` (as compile_epilogue)."""
+    from gtpo_kernels.kernels.conflict_triton import _conflict_weights_kernel as k
+    meta = dict(PACKED=True, HAS_MASK=True, BLOCK_G=8, BLOCK_T=128, num_warps=4)
+    meta.update(switches)
+    return _compile_ahead(k, arch, {"ids_ptr": torch.int64, "mask_ptr": torch.bool, "cu_ptr": torch.int32},
+                          torch.float32, dict(B=64, T=512, N=32768, G=8, w_pos=2.0, w_neg=0.0), meta)

@@ -108,7 +108,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             b.tau = tau  # compared across the ranks of a vocabulary split (agree.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace)
             if fast:  # three launches (spec 8)
-                conflicts_for(b, cfg, group_size, dt, backend, mask_lam=False)
+                conflicts_for(b, cfg, group_size, dt, backend, epilogue=True)
 
                 def revalidate():  # an input check failed in the kernel: the host checks name it
                     with checks.one_host_read():

@@ -126,3 +126,20 @@ def raw_conflicts(ids: torch.Tensor, m: torch.Tensor, pos: torch.Tensor, neg: to
 @raw_conflicts.register_fake
 def _(ids, m, pos, neg, group_size, backend):
     return torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
+
+
+@torch.library.custom_op("gtpo_kernels::conflict_weights", mutates_args=())
+def conflict_weights(ids: torch.Tensor, mask: Optional[torch.Tensor], adv: torch.Tensor, cu: Optional[torch.Tensor],
+                     T: int, group_size: int, w_pos: float, w_neg: float) -> List[torch.Tensor]:
+    """lam (N,), n_conf (B,) float32 in one Triton launch, from the call's tensors as given (the loss's
+    three-launch path, spec 8): conflict_triton.conflict_weights."""
+    from .conflict_triton import conflict_weights as impl
+    lam = torch.empty(ids.numel(), dtype=torch.float32, device=ids.device)
+    n_conf = torch.empty(adv.numel(), dtype=torch.float32, device=ids.device)
+    impl(ids, mask, adv, cu, T, group_size, w_pos, w_neg, lam, n_conf)
+    return [lam, n_conf]
+
+
+@conflict_weights.register_fake
+def _(ids, mask, adv, cu, T, group_size, w_pos, w_neg):
+    return [ids.new_empty(ids.numel(), dtype=torch.float32), adv.new_empty(adv.numel(), dtype=torch.float32)]

@@ -34,16 +34,25 @@ def check_loss_args(b, cfg, num_items_in_batch, dt, validate=True, raw=False):
     return checks.check_num_items(num_items_in_batch, cfg.loss_agg, b.given["ids"].device, dt, validate, raw)
 
 
-def conflicts_for(b, cfg, group_size, dt, backend, mask_lam=True):
-    """The conflict weights the loss uses: given (b.lam / b.n_conf) or computed here; 1 off the mask
-    (mask_lam=False: left to the epilogue kernel, which reads them only where counted)."""
+def conflicts_for(b, cfg, group_size, dt, backend, epilogue=False):
+    """The conflict weights the loss uses: given (b.lam / b.n_conf) or computed here; 1 off the mask.
+    epilogue: for the epilogue kernel, which reads them only where counted: with number weights, one
+    kernel on the call's tensors as given (b.given; the batch's derived fields are never formed)."""
     if cfg.use_conflict_mask and (b.lam is None or
                                   (b.n_conf is None and cfg.loss_agg == "gtpo-official")):
         group_size = checks.check_group_size(group_size, b.B)
-        lam_c, n_conf_c = conflict_flat(b, group_size, cfg, dt, backend)
+        w = (cfg.conflict_pos_weight, cfg.conflict_neg_weight)
+        if epilogue and not any(isinstance(x, torch.Tensor) for x in w):
+            g = b.given
+            lam_c, n_conf_c = ops.conflict_weights(
+                g["ids"].contiguous(), None if b.mask is None else b.mask.contiguous(), g["adv"].contiguous(),
+                None if g["cu_seqlens"] is None else g["cu_seqlens"].contiguous(),
+                0 if b.packed else b.tok_shape[1], group_size, float(w[0]), float(w[1]))
+        else:
+            lam_c, n_conf_c = conflict_flat(b, group_size, cfg, dt, backend)
         b.lam = b.lam if b.lam is not None else lam_c
         b.n_conf = b.n_conf if b.n_conf is not None else n_conf_c
-    if b.lam is not None and mask_lam:  # ignored where masked out, as everything else
+    if b.lam is not None and not epilogue:  # ignored where masked out, as everything else
         b.lam = torch.where(b.counted, b.lam, torch.ones_like(b.lam))
 
 
