@@ -111,7 +111,7 @@ def assert_grad_close(name, g, ref, tol):
     nref = ref.norm()
     if nref > 0:
         rel = (float((g - ref).norm()) - unavoidable) / float(nref)
-        assert rel <= tol, f"{name}: relative error {rel:.3e} > {tol:.0e} (beyond the rounding of the " \
+        assert rel <= tol, f"{name}: relative error {rel:.3e} > {tol:.3g} (beyond the rounding of the " \
                            f"reference into {dtype}, {unavoidable / float(nref):.1e})"
     else:
         assert (g == 0).all(), f"{name}: reference gradient is zero but ours is not"

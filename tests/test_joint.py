@@ -26,8 +26,8 @@ import gtpo_reference as ref
 from conftest import TOL, assert_value_close, examples
 from gtpo_kernels import GTPOConfig, gtpo_token_advantages
 from joint_calls import (api_side, autocast, away_from_thresholds, call_linear, call_logits, call_logps, compare,
-                         completion_entropy, lying, num_items, precomputed, reference, rollout_weights,
-                         settle_filter)
+                         completion_entropy, held_values, lying, num_items, precomputed, reference,
+                         rollout_weights, settle_filter)
 from joint_replay import Replay
 from joint_strategies import build_data, head_values, held_logits, joints, logits_values, materialize, side_inputs
 
@@ -246,7 +246,7 @@ def check_joint(j, around=None):
         kw_ref["max_completion_length"] = max(int(d.lengths.max()), 1) if j.B else 1
     if tau is not None:
         kw_ref["temperature"] = 1.0  # the rows are divided by their own tau (reference(..., tau))
-    r, rgrads, slack = reference(j, d, Z, head, kw_ref, up, tau, sampler)
+    r, rgrads, slack = reference(j, d, Z, head, kw_ref, up, tau, sampler, held_values(j, d, res[0]))
     if not j.validate and j.num_items is not None and j.num_items[1] == 0:  # num_items_in_batch = tensor(0.)
         loss = res[0].loss.detach()  # unread: NaN (an all-masked batch may keep its loss of 0)
         assert bool(loss.isnan().all()) or (not d.mask.any() and bool((loss == 0).all())), f"loss {loss}"
