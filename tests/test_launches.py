@@ -85,6 +85,25 @@ def test_num_items_tensor_and_per_token_temperature_stay_on_the_path():
     assert counts[0] == counts[1] and counts[0][0] <= 4 and counts[0][1] == 0, counts
 
 
+@pytest.mark.parametrize("per", ["completion", "token"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_temperature_per_completion_or_token_takes_at_most_eight(per, packed):
+    """A temperature tensor on the 3-launch path (spec 8: at most 8 for any other option): its expansion
+    to the tokens, no check launched (the vocabulary kernels read a tau that is not finite and > 0 as NaN)."""
+    counts = []
+    for k, (B, T) in enumerate(SIZES):
+        logits, ids, adv, mask, kw = _batch(B, T, k, packed)
+        tau = torch.full((B, 1), 0.7) if per == "completion" else torch.full(ids.shape, 0.7)
+        x = logits.requires_grad_()
+        with counting() as c:
+            out = gtpo_loss(x, ids, adv, mask, config="gtpo", temperature=tau, validate=False, backend="triton", **kw)
+            out.loss.backward()
+        assert torch.isfinite(out.loss) and x.grad.abs().sum() > 0
+        counts.append((c.launches, c.host_reads, c.creations, c.triton_names.get("_epilogue_kernel")))
+    assert counts[0] == counts[1], counts
+    assert counts[0][0] <= 8 and counts[0][1:] == (0, 0, 1), counts
+
+
 @pytest.mark.parametrize("validate,reads", [(False, 0), (True, 1)])
 def test_token_logprobs_one_launch(validate, reads):
     counts = []

@@ -125,9 +125,20 @@ def test_bad_temperatures_are_refused_or_nan():
             gtpo_loss(z, ids, adv, group_size=2, temperature=bad, backend="torch")
         with pytest.raises(ValueError, match="temperature must be finite and > 0"):
             token_logprobs(z, ids, bad, backend="torch")
-        out = gtpo_loss(z, ids, adv, group_size=2, temperature=bad, config="grpo", backend="torch", validate=False)
-        assert torch.isnan(out.loss) and torch.isnan(out.logps[1 if bad[0] == 1.0 else 0]).all()
-        assert torch.isfinite(out.logps[0 if bad[0] == 1.0 else 1]).all()
+        for backend in ("torch", "triton"):  # triton: the 3-launch path, where the kernels read a bad tau as NaN
+            out = gtpo_loss(z, ids, adv, group_size=2, temperature=bad, config="grpo", backend=backend,
+                            validate=False)
+            assert torch.isnan(out.loss) and torch.isnan(out.logps[1 if bad[0] == 1.0 else 0]).all(), backend
+            assert torch.isfinite(out.logps[0 if bad[0] == 1.0 else 1]).all(), backend
+    for backend in ("torch", "triton"):  # per token, +inf and 0 at one token each: those tokens alone NaN
+        tau = torch.full(ids.shape, 0.8)
+        tau[0, 1], tau[1, 2] = float("inf"), 0.0
+        x = z.clone().requires_grad_()
+        out = gtpo_loss(x, ids, adv, group_size=2, temperature=tau, config="grpo", backend=backend, validate=False)
+        out.loss.backward()
+        bad = tau != 0.8
+        assert torch.isnan(out.logps[bad]).all() and torch.isfinite(out.logps[~bad]).all(), backend
+        assert torch.isnan(out.entropy[bad]).all() and torch.isnan(x.grad[bad]).all(), backend
     with pytest.raises(ValueError, match="temperature must be a number, a tensor per completion"):
         gtpo_loss(z, ids, adv, group_size=2, temperature=torch.ones(3), backend="torch")
     # a bad number from the call's `temperature=` is named as that argument, not as the config's field

@@ -104,7 +104,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
             num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not fast, raw=fast)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
-                                   torch.float64 if logits.dtype == torch.float64 else torch.float32, host)
+                                   torch.float64 if logits.dtype == torch.float64 else torch.float32, host,
+                                   in_kernels=fast)
             b.tau = tau  # compared across the ranks of a vocabulary split (agree.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace)
             if fast:  # three launches (spec 8)

@@ -68,9 +68,10 @@ def _refuse(name, bad, values, want, counted=None):
 
 
 def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=None, validate=True,
-                      dtype=torch.float32):
+                      dtype=torch.float32, flag=True):
     """tau (spec 13): a finite number > 0, or a tensor (per completion / per token) of them.
-    Returns (tau: a number or a `dtype` (n,) tensor, invalid: None or an (n,) bool tensor)."""
+    Returns (tau: a number or a `dtype` (n,) tensor, invalid: None or an (n,) bool tensor; None too when
+    neither `validate` nor `flag`: the caller's kernels flag such a tau)."""
     if _is_number(temperature):
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
@@ -78,6 +79,8 @@ def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=Non
     if isinstance(temperature, torch.Tensor) and not temperature.dtype.is_floating_point:
         raise TypeError(f"temperature must be a number or a floating-point tensor, got {temperature.dtype}")
     tau = per_token("temperature", temperature, B, T, n, device, cu_seqlens).to(dtype)
+    if not (validate or flag):
+        return tau, None
     bad = ~(torch.isfinite(tau) & (tau > 0))
     if validate:
         _refuse("temperature", bad, tau, "finite and > 0 at counted tokens", counted)

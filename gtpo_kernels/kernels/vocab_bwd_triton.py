@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .vocab_jit import LN2, LOG2E, _inv_cap, _transform_grad
+from .vocab_jit import LN2, LOG2E, _inv_cap, _inv_tau, _transform_grad
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def _vocab_bwd_kernel(
     if TEMP_BY_VALUE:
         inv_temp = 1.0 / temp_ptr
     else:
-        inv_temp = 1.0 / tl.load(temp_ptr + tok * temp_stride, mask=in_window, other=1.0)
+        inv_temp = _inv_tau(tl.load(temp_ptr + tok * temp_stride, mask=in_window, other=1.0))
     c = tl.load(c_ptr + tok, mask=in_window, other=0.0)
     if HAS_E:
         e = tl.load(e_ptr + tok, mask=in_window, other=0.0)

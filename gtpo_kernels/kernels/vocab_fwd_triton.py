@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E, NEG_SENTINEL, _inv_cap,
-                        _log1p, _store_token, _transform)
+                        _inv_tau, _log1p, _store_token, _transform)
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def _vocab_fwd_kernel(
     if TEMP_BY_VALUE:
         inv_temp = 1.0 / temp_ptr
     else:
-        inv_temp = 1.0 / tl.load(temp_ptr + tok * temp_stride)
+        inv_temp = _inv_tau(tl.load(temp_ptr + tok * temp_stride))
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
     if HAS_MASK:  # the caller's mask as given, any dtype: nonzero counts
         counted = tl.load(mask_ptr + tok) != 0

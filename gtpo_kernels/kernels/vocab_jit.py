@@ -84,6 +84,13 @@ def _transform_grad(z, scale, cap, inv_cap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP
 
 
 @triton.jit
+def _inv_tau(tau):
+    """1 / tau of a temperature read from memory, NaN where tau is not finite and > 0 (an unvalidated
+    per-token temperature: that token's outputs and gradient NaN, never a finite number)."""
+    return 1.0 / tl.where((tau > 0) & (tau < float("inf")), tau, float("nan"))
+
+
+@triton.jit
 def _inv_cap(softcap, HAS_SOFTCAP: tl.constexpr):
     """1 / cap, once per program (0 when there is no cap: never used then)."""
     if HAS_SOFTCAP:
