@@ -14,12 +14,16 @@ size of z / tau), with exp(d) = exp2(t), t = (z - m_l) * c2, c2 = log2(e) / tau 
     r_l = (sum e^d) - 1 (one instance of m_l left out, ties inside the lane included),   u_l = sum e^d t <= 0.
 One exp2 per element (the pass must stay under the special-function units' rate to stay memory-bound):
 x = exp2(-|t|) is e^d when z <= m_l, and the rescale of the lane's sums when z raises m_l (then z itself
-contributes 1 and is the instance left out). After the loop, once per row: the row maximum m = max m_l,
-the lanes re-based on it with alpha_l = exp2((m_l - m) c2), and
+contributes 1 and is the instance left out). The row is read in vocabulary blocks of VOCAB_BLOCK entries
+(gtpo_kernels.VOCAB_BLOCK, a multiple of BLOCK_V; spec 14), each with fresh lanes; at the end of a block
+(_block_stats), its maximum m = max m_l, the lanes re-based on it with alpha_l = exp2((m_l - m) c2), and
     R = S - 1 = sum alpha_l r_l + sum_{m_l < m} alpha_l + (number of lanes with m_l = m) - 1,
-    S = 1 + R,   U = sum alpha_l (u_l + (1 + r_l) (m_l - m) c2) ln 2,
+    U = sum alpha_l (u_l + (1 + r_l) (m_l - m) c2)   (U ln 2 = sum e^d d),
 all sums of non-negative (U: non-positive) terms, so nothing cancels and the count of entries tied at the
-maximum comes out of the last term instead of being summed every block. Then H = log S - U / S, and
+maximum comes out of the last term instead of being summed every block. The blocks' (m, R, U) are folded
+into the row's in block order by _merge_block (the same sums across blocks: nothing cancels), S = 1 + R;
+the vocabulary-parallel merge kernel folds every rank's blocks with the same function, so that a split at
+multiples of VOCAB_BLOCK gives the same bits. Then H = log S - U / S, and
 log S = log1p(R): a confident row (p_max ~ 1) keeps its digits, where float32 S - 1 would lose them. For
 the target, logp = (z_y - m) / tau - log1p(R), and q = 1 - p_y is R / S when y holds the maximum (the one
 case where 1 - p_y cancels), 1 - exp(logp) otherwise (then p_y < 1/2). A lane starts at m_l = -FLT_MAX
