@@ -179,11 +179,11 @@ def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.
     whole = torch.cat([p[:, :3 * k].reshape(n, k, 3) for p, k in zip(parts, nbs)], 1)  # global block order
     # the target logit from the rank that owns the id (NaN for an id outside the vocabulary)
     ids = b.ids.long()
-    starts = torch.tensor([sum(sizes[:r]) for r in range(len(sizes))], dtype=torch.long, device=ids.device)
-    owner = (torch.searchsorted(starts, ids, right=True) - 1).clamp(0, len(sizes) - 1)
-    zys = torch.stack([p[:, -2] for p in parts], 0)
-    z_y = zys.gather(0, owner[None]).squeeze(0)
-    z_y = torch.where((ids >= 0) & (ids < V_global), z_y, torch.full_like(z_y, float("nan")))
+    z_y = torch.full((n,), float("nan"), dtype=acc, device=blocks.device)
+    start = 0
+    for p, size in zip(parts, sizes):  # selected, not summed: the owner's bits as they are (no host copy)
+        z_y = torch.where((ids >= start) & (ids < start + size), p[:, -2], z_y)
+        start += size
     nonfinite = torch.stack([p[:, -1] for p in parts], 0).amax(0) > 0
     return dispatch.vocab_merge(backend, whole, z_y, nonfinite, b.ids, b.counted, tau, V_global)
 
