@@ -5,10 +5,10 @@ entropy on 1, 2 and 4 gloo ranks, on both backends (Triton under the interpreter
 
 The ranks run with GTPO_VOCAB_BLOCK=64 (the documented process-wide setting, read at import), so that
 vocabularies of a few hundred entries span several blocks. Hypothesis draws the cases (collected from its
-examples, then run in one spawned group, each with its own seed): the vocabulary's size (whole blocks, or a partial last block), the
-split (uneven, empty slices allowed), the backend, the entry point, padded or packed, the temperature (one
-value or one per token), logit_scale and soft-cap, the logits' scale (confident rows at large scales) and
-dtype; logits and hidden states are random normals, never zeros. Each rank also checks the bytes the
+examples, then run in one spawned group, each with its own seed): the vocabulary's size (whole blocks, or
+a partial last block), the split (uneven, empty slices allowed), the backend, the entry point, padded or
+packed, the temperature (one value or one per token), logit_scale and soft-cap, the logits' scale
+(confident rows at large scales) and dtype; logits and hidden states are random normals, never zeros. Each rank also checks the bytes the
 block merge gathers per token, and (2 ranks) that a head call with batch_invariant=True on a split whose
 boundaries are not multiples of VOCAB_BLOCK is refused on every rank."""
 import json

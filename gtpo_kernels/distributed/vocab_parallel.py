@@ -14,9 +14,9 @@ elsewhere is simply not its target), and the per-slice statistics are merged exa
 then log S = log1p(R), H = log S - U / S, logp = (z_y - M) / tau - log S and q = 1 - p_y exactly as on
 one device: 32 bytes per token in all. When every slice starts at a multiple of VOCAB_BLOCK (spec 14) the
 ranks instead gather every block's statistics and fold them in global block order with the single-process
-pass's own merge (vp_blocks): bitwise the single-process outputs, block_bytes_per_token bytes per token. Every rank ends with the same per-token statistics, so the loss,
-the outputs and the metrics are identical on every rank; the backward pass runs on each slice with them
-and communicates nothing (each rank's gradient is its slice of the single-process gradient).
+pass's own merge (vp_blocks): bitwise the single-process outputs, block_bytes_per_token bytes per token.
+Every rank ends with the same per-token statistics, so the loss, the outputs and the metrics are
+identical on every rank; the backward pass runs on each slice with them and communicates nothing (each rank's gradient is its slice of the single-process gradient).
 
 Before any of that, `vocab_layout` makes the one small collective (agree.py): every rank's error flag,
 slice size, shapes, options and a digest of its tokens, so that a rank that failed its checks, ranks
