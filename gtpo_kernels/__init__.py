@@ -19,8 +19,10 @@ from .api.rollout import ROLLOUT_IS_MODES, rollout_is_weights, rollout_mismatch
 from .api.weights import conflict_weights
 from .core.config import IS_LEVELS, LOSS_AGGS, POLICY_LOSSES, PRESETS, GTPOConfig
 from .core.output import GTPOOutput
+from .core.vocab_block import VOCAB_BLOCK
 
 __all__ = ["gtpo_loss", "gtpo_loss_from_logps", "linear_gtpo_loss", "linear_token_logprobs", "token_logprobs",
            "conflict_weights", "rollout_is_weights", "rollout_mismatch", "gtpo_token_advantages", "GTPOConfig", "GTPOOutput",
-           "LOSS_AGGS", "POLICY_LOSSES", "IS_LEVELS", "PRESETS", "ROLLOUT_IS_MODES"]
+           "LOSS_AGGS", "POLICY_LOSSES", "IS_LEVELS", "PRESETS", "ROLLOUT_IS_MODES",
+           "VOCAB_BLOCK"]
 __version__ = "0.1.0"

@@ -34,6 +34,9 @@ def instructions(asm):
     for ln in asm.splitlines():
         s = ln.split(";", 1)[0].strip()
         if not s:
+            # LLVM may put a label's loop comment on the lines after it ("=>  This Inner Loop Header")
+            if "Loop Header" in ln and out and out[-1][1] is not None and out[-1][2] is None:
+                out[-1] = (True, out[-1][1], None)
             continue
         m = re.match(r"^(\.LBB\d+_\d+):", s)
         if m:
@@ -44,16 +47,20 @@ def instructions(asm):
 
 
 def find_main_loop(asm):
-    """The longest loop body holding a vector memory load: a backward branch to a label LLVM marks as a
-    loop header (a backward jump to another block is only layout); [instruction text] or None."""
+    """The longest innermost loop body holding a vector memory load: a backward branch to a label LLVM marks
+    as a loop header (a backward jump to another block is only layout); [instruction text] or None."""
     ins = instructions(asm)
     where = {lab: i for i, (head, lab, _) in enumerate(ins) if lab and head}
-    best = None
+    loops = []
     for i, (_, _, text) in enumerate(ins):
         m = re.match(r"^s_(?:cbranch_\w+|branch)\s+(\.LBB\d+_\d+)", text or "")
-        if not m or where.get(m.group(1), i) >= i:
-            continue
-        body = [t for _, _, t in ins[where[m.group(1)]:i + 1] if t and not t.startswith("s_nop")]
+        if m and where.get(m.group(1), i) < i:
+            loops.append((where[m.group(1)], i))
+    best = None
+    for lo, hi in loops:
+        if any(lo <= a and b < hi for a, b in loops if (a, b) != (lo, hi)):
+            continue  # another loop inside this one: the innermost is the main loop (as sass.find_main_loop)
+        body = [t for _, _, t in ins[lo:hi + 1] if t and not t.startswith("s_nop")]
         if any(_LOAD.match(t) for t in body) and (best is None or len(body) > len(best)):
             best = body
     return best

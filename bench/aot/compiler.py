@@ -67,7 +67,7 @@ def _arg_for(name, dtype, V, T, has_e):
                      **dict.fromkeys(_INT64_PTRS, torch.int64)}.get(name, torch.float32))
     table = {"stride_lb": T_l * V, "stride_gb": T_l * V, "stride_lt": V, "stride_gt": V, "T": T, "T_l": T_l,
              "V": V, "logits_start": 0, "temp_stride": 0, "g_stride": 0, "scale": 0.5,
-             "softcap": 30.0}  # floats: never specialized
+             "softcap": 30.0, "NB": 19}  # floats: never specialized; NB: blocks per token (the merge)
     if name in table:
         return table[name]
     raise KeyError(f"aot: no stand-in for kernel parameter {name!r}; teach bench/aot/compiler.py its value")
@@ -173,8 +173,10 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
             bv = block or rt.BLOCK_K
             meta = {"BLOCK_K": bv, **({"num_warps": warps} if warps else {})}
         elif peer is None:
-            bv = block or vt.block_v_for(V)
+            bv = block or vt.fwd_block_v(V) if kernel is vt._vocab_fwd_kernel else block or vt.block_v_for(V)
             meta = {"BLOCK_V": bv, "num_warps": warps or vt.num_warps_for(bv)}
+            if not any(p.name == "BLOCK_V" for p in kernel.params):  # the vocabulary-parallel merge: no block
+                meta = {"num_warps": warps or 1}
         if peer is None:
             if has_e is not None:
                 meta["HAS_E"] = has_e

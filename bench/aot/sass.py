@@ -82,19 +82,17 @@ def _opcode(text):
     return t.split()[0] if t.split() else ""
 
 
-def find_main_loop(sass):
-    """The main vocabulary loop: the longest backward-branch body holding a global load.
-    Returns the body's [(address, text)] (first to the branch, inclusive) or None."""
+def find_main_loop(sass, outer=False):
+    """The main vocabulary loop: the longest innermost backward-branch body holding a global load (the
+    forward kernel's loop over the kernel blocks of one VOCAB_BLOCK block sits inside the loop over the
+    vocabulary blocks); outer=True: the longest such body, nested loops included. Returns the body's
+    [(address, text)] (first to the branch, inclusive) or None."""
     ins = sass_instructions(sass)
+    loops = _backward_branches(ins)
     best = None
-    for i, (addr, text) in enumerate(ins):
-        # BRA 0x..., or on sm_100 BRA.U !UP0, 0x... (the uniform predicate an operand)
-        m = re.search(r"\bBRA(?:\.U)?\s+(?:!?U?P\w+\s*,\s*)?(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
-        if not m or not _opcode(text).startswith("BRA"):
-            continue
-        target = int(m.group(1), 16)
-        if target >= addr:
-            continue  # forward branch or the final self-branch
+    for addr, target in loops:
+        if not outer and any(target <= t2 and a2 < addr for a2, t2 in loops if (a2, t2) != (addr, target)):
+            continue  # another loop inside this one
         body = [(a, t) for a, t in ins if target <= a <= addr and _opcode(t) != "NOP"]
         if any(_opcode(t).startswith("LDG") for _, t in body) and (best is None or len(body) > len(best)):
             best = body

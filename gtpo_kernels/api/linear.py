@@ -8,6 +8,7 @@ import torch
 from ..core import batch, checks
 from ..core.config import GTPOConfig, as_config
 from ..core.layout import float_dtype_for
+from ..core.vocab_block import VOCAB_BLOCK
 from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch
@@ -63,7 +64,9 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
     batch_invariant  True (spec 14): every projection GEMM has one fixed shape (64 rows, the last block of a
               tile padded with zero rows), so each token's logp and entropy are bitwise the same for any
               memory_budget, batch composition or layout; gradients are deterministic call after call.
-              Not yet with kept sets, process_group or the reference backend (refused).
+              With process_group: bitwise the single-process values on any number of ranks when every
+              slice boundary is a multiple of gtpo_kernels.VOCAB_BLOCK (refused otherwise). Not yet with
+              kept sets or the reference backend (refused).
     Under torch.autocast the head computes in its inputs' dtypes (autocast is off inside).
     Host reads: planning the tiles (the counted rows and their number per completion; the recompute
     backward: the rows with a gradient), and validating, the flags once after the tiles.
@@ -102,7 +105,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         span = head_ops.coefficient_span(cfg)
         _summary(g, b, hidden, weight, host, (backend, cfg, schedule, budget, span, group_size, num_items_in_batch,
                                               logit_scale, logit_softcap, str(head.proj)), (sampling_mask, top_k, top_p, min_p))
-    vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)")
+    vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)", head.invariant)
     with linear.autocast_off(hidden.device):
         if rules is not None:  # the sampler's kept sets: only the union of a tile's sets is projected
             logp, ent, metrics = head_replay_ops.replayed(b, head, hidden, _one_tau(cfg, b), sampling_mask, rules,
@@ -145,7 +148,7 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
         _summary(g, b, hidden, weight, host, (backend, one, "logprobs", budget, logit_scale, logit_softcap,
                                               str(head.proj)),
                  (sampling_mask, top_k, top_p, min_p))
-    vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)")
+    vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)", head.invariant)
     with linear.autocast_off(hidden.device):
         if rules is not None:
             with torch.no_grad():
@@ -270,10 +273,18 @@ def _summary(g, b, hidden, weight, host, options, replay):
                      replay)
 
 
-def _vocab_parallel(g, hidden, where):
-    """The vocabulary-parallel layout of the head's rows after the one small collective, or None."""
+def _vocab_parallel(g, hidden, where, invariant=False):
+    """The vocabulary-parallel layout of the head's rows after the one small collective, or None.
+    batch_invariant=True (spec 14) needs every slice boundary at a multiple of VOCAB_BLOCK: refused
+    otherwise, on every rank alike (the sizes are the agreed ones)."""
     if g.group is None:
         return None
     vp = parallel.vocab_layout(g, agree.collective_device(g.group, hidden), where)
+    if invariant and not vp.blockwise:
+        starts = [sum(vp.sizes[:r]) for r in range(len(vp.sizes))]
+        raise ValueError(f"{where}: batch_invariant=True needs every vocabulary slice to start at a multiple of "
+                         f"gtpo_kernels.VOCAB_BLOCK = {VOCAB_BLOCK} (the slices here start at {starts}): pad the "
+                         f"vocabulary (the weight's rows) to a multiple of VOCAB_BLOCK x the number of ranks, or "
+                         f"drop batch_invariant; every rank raises this error")
     vp.ids = parallel.local_ids(g.batch.ids, vp.start)
     return vp

@@ -12,9 +12,11 @@ elsewhere is simply not its target), and the per-slice statistics are merged exa
                                                    (all-reduce SUM of 7 numbers, 28 bytes per token)
 
 then log S = log1p(R), H = log S - U / S, logp = (z_y - M) / tau - log S and q = 1 - p_y exactly as on
-one device: 32 bytes per token in all. Every rank ends with the same per-token statistics, so the loss,
-the outputs and the metrics are identical on every rank; the backward pass runs on each slice with them
-and communicates nothing (each rank's gradient is its slice of the single-process gradient).
+one device: 32 bytes per token in all. When every slice starts at a multiple of VOCAB_BLOCK (spec 14) the
+ranks instead gather every block's statistics and fold them in global block order with the single-process
+pass's own merge (vp_blocks): bitwise the single-process outputs, block_bytes_per_token bytes per token.
+Every rank ends with the same per-token statistics, so the loss, the outputs and the metrics are
+identical on every rank; the backward pass runs on each slice with them and communicates nothing (each rank's gradient is its slice of the single-process gradient).
 
 Before any of that, `vocab_layout` makes the one small collective (agree.py): every rank's error flag,
 slice size, shapes, options and a digest of its tokens, so that a rank that failed its checks, ranks
@@ -26,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
-from ..core import checks
-from ..kernels import ops
+from ..core import checks, vocab_block
+from ..kernels import dispatch, ops
 from . import agree
 
 BYTES_PER_TOKEN = 4 + 7 * 4  # the two all-reduces of vp_forward (float32 statistics)
@@ -81,7 +83,7 @@ def vocab_layout(g, device, where):
         agree.disagree(where, [row[2 + KEY + len(agree.INPUTS) + i] for row in rows], name,
                        "every rank replays the same kept sets: pass the same sampling_mask / top_k / top_p / min_p")
     rank = dist.get_rank(g.group)
-    return VocabParallel(g.group, sum(sizes[:rank]), V, max(sizes))
+    return VocabParallel(g.group, sum(sizes[:rank]), V, max(sizes), tuple(int(x) for x in sizes))
 
 
 def local_ids(ids, vocab_start):
@@ -89,10 +91,23 @@ def local_ids(ids, vocab_start):
     return ids.long() - vocab_start
 
 
-def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, softcap=None):
+def block_bytes_per_token(sizes, itemsize=4):
+    """Bytes per token the block merge (vp_blocks) gathers onto each rank, for slices of these sizes: every
+    rank's row of 3 statistics per block of the largest slice, its target logit and its non-finite flag,
+    in float32 (itemsize 8: float64 logits on the torch backend). Even slices: 3 per VOCAB_BLOCK block of
+    the whole vocabulary plus 2 per rank."""
+    return len(sizes) * (3 * max(vocab_block.n_blocks(v) for v in sizes) + 2) * itemsize
+
+
+def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, softcap=None, sizes=None):
     """The forward pass on this rank's slice, merged over the group -> (logp, H, stats, flags) per
     token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics).
-    scale, softcap: the tile's transforms (spec 11), applied by the kernel to this slice."""
+    scale, softcap: the tile's transforms (spec 11), applied by the kernel to this slice. sizes: every
+    rank's slice size; when every boundary is a multiple of VOCAB_BLOCK the blocks' statistics are
+    gathered and merged in global block order (vp_blocks: bitwise the single-process outputs), else
+    (or None) the 32-byte all-reduce merge below."""
+    if sizes is not None and vocab_block.aligned(sizes):
+        return vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap)
     logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, b.counted,
                                                   ops.temperature_param(temperature, b.logits3, backend),
                                                   b.logits_start, scale, softcap, backend)
@@ -141,6 +156,38 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     return logp, ent, torch.stack([M_safe, torch.where(b.counted, log_s, zero), q], 1), bad
 
 
+def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.0, softcap=None):
+    """The block merge (spec 14), for slices whose boundaries are all multiples of VOCAB_BLOCK: this rank's
+    blocks' statistics (the forward pass's own, block by block), one all-gather of every rank's, padded to
+    the largest slice's block count, then every rank merges all blocks in global block order with the
+    single-process pass's own merge (dispatch.vocab_merge) -> bitwise the single-process outputs, on every
+    rank, whatever the number of ranks. Bytes per token gathered: (3 n_blocks(largest slice) + 2) x the
+    number of ranks, float32 (3 per block of the whole vocabulary when the slices are even)."""
+    backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
+    tau = ops.temperature_param(temperature, b.logits3, backend)
+    blocks, zy, nonfinite = dispatch.vocab_blocks(backend, b.logits3.detach(), ids_loc, b.counted, tau,
+                                                  b.logits_start, V_global, scale, softcap)
+    n, acc = blocks.shape[0], blocks.dtype
+    nbs = [vocab_block.n_blocks(v) for v in sizes]
+    nb_max = max(nbs)
+    mine = torch.zeros((n, 3 * nb_max + 2), dtype=acc, device=blocks.device)
+    mine[:, :3 * blocks.shape[1]] = blocks.reshape(n, -1)
+    mine[:, -2] = zy
+    mine[:, -1] = nonfinite.to(acc)
+    parts = [torch.empty_like(mine) for _ in sizes]
+    dist.all_gather(parts, mine, group=group)
+    whole = torch.cat([p[:, :3 * k].reshape(n, k, 3) for p, k in zip(parts, nbs)], 1)  # global block order
+    # the target logit from the rank that owns the id (NaN for an id outside the vocabulary)
+    ids = b.ids.long()
+    z_y = torch.full((n,), float("nan"), dtype=acc, device=blocks.device)
+    start = 0
+    for p, size in zip(parts, sizes):  # selected, not summed: the owner's bits as they are (no host copy)
+        z_y = torch.where((ids >= start) & (ids < start + size), p[:, -2], z_y)
+        start += size
+    nonfinite = torch.stack([p[:, -1] for p in parts], 0).amax(0) > 0
+    return dispatch.vocab_merge(backend, whole, z_y, nonfinite, b.ids, b.counted, tau, V_global)
+
+
 def unwrap_dtensor(logits, process_group):
     """A DTensor sharded on its last dimension -> (its local shard, the mesh dimension's group)."""
     try:
@@ -161,8 +208,11 @@ def unwrap_dtensor(logits, process_group):
 
 class VocabParallel:
     """This rank's place in the vocabulary: the group, the slice's first id, the whole vocabulary's size,
-    the largest slice (tiles are sized by it, so that every rank makes the same tiles); `ids` (this
+    the largest slice (tiles are sized by it, so that every rank makes the same tiles), every rank's
+    slice size (rank order; `blockwise`: every boundary at a multiple of VOCAB_BLOCK); `ids` (this
     slice's ids of the batch) is set once the batch is prepared."""
 
-    def __init__(self, group, start, V, V_max):
+    def __init__(self, group, start, V, V_max, sizes=None):
         self.group, self.start, self.V, self.V_max, self.ids = group, start, V, V_max, None
+        self.sizes = sizes
+        self.blockwise = sizes is not None and vocab_block.aligned(sizes)

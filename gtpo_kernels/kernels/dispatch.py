@@ -81,6 +81,33 @@ def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale=1
                                           logits_start, scale, softcap)
 
 
+def vocab_blocks(backend, logits3, ids, counted, temperature, logits_start, V_whole, scale=1.0, softcap=None):
+    """A vocabulary slice's per-block statistics for the block merge (spec 14): (blocks (n, NB, 3), z'_y (n,),
+    non-finite (n,) bool: the torch path's; the Triton kernel's flags come from the merged statistics).
+    V_whole: the whole vocabulary's size (the Triton kernel's block is chosen from it, as on one process)."""
+    check_transforms(scale, softcap)
+    backend = _resolved(backend, logits3)
+    if backend == "triton":
+        from . import vocab_triton
+        blocks, zy = vocab_triton.vocab_blocks(logits3, ids, counted, _temperature(backend, temperature),
+                                               logits_start, V_whole, scale, softcap)
+        return blocks, zy, torch.zeros(zy.shape, dtype=torch.bool, device=zy.device)
+    from . import vocab_torch
+    return vocab_torch.vocab_blocks(logits3, ids, counted, _temperature(backend, temperature), logits_start,
+                                    scale, softcap)
+
+
+def vocab_merge(backend, blocks, z_y, nonfinite, ids, counted, temperature, V_whole):
+    """Every rank's blocks (n, NB, 3) in global block order -> (logp, H, stats, flags) by the single-process
+    pass's own merge and finish."""
+    if backend == "triton":
+        from . import vocab_triton
+        return vocab_triton.vocab_merge(blocks, z_y, ids, counted, _temperature(backend, temperature), V_whole)
+    from . import vocab_torch
+    return vocab_torch.vocab_merge(blocks, z_y, nonfinite, ids, counted, _temperature(backend, temperature),
+                                   V_whole)
+
+
 def scale_by(coef, g):
     """coef * g, and exactly 0 where coef is 0 (an uncounted token: an inf or NaN upstream gradient
     there is ignored, never 0 * inf = NaN); None stays None."""

@@ -14,12 +14,16 @@ size of z / tau), with exp(d) = exp2(t), t = (z - m_l) * c2, c2 = log2(e) / tau 
     r_l = (sum e^d) - 1 (one instance of m_l left out, ties inside the lane included),   u_l = sum e^d t <= 0.
 One exp2 per element (the pass must stay under the special-function units' rate to stay memory-bound):
 x = exp2(-|t|) is e^d when z <= m_l, and the rescale of the lane's sums when z raises m_l (then z itself
-contributes 1 and is the instance left out). After the loop, once per row: the row maximum m = max m_l,
-the lanes re-based on it with alpha_l = exp2((m_l - m) c2), and
+contributes 1 and is the instance left out). The row is read in vocabulary blocks of VOCAB_BLOCK entries
+(gtpo_kernels.VOCAB_BLOCK, a multiple of BLOCK_V; spec 14), each with fresh lanes; at the end of a block
+(_block_stats), its maximum m = max m_l, the lanes re-based on it with alpha_l = exp2((m_l - m) c2), and
     R = S - 1 = sum alpha_l r_l + sum_{m_l < m} alpha_l + (number of lanes with m_l = m) - 1,
-    S = 1 + R,   U = sum alpha_l (u_l + (1 + r_l) (m_l - m) c2) ln 2,
+    U = sum alpha_l (u_l + (1 + r_l) (m_l - m) c2)   (U ln 2 = sum e^d d),
 all sums of non-negative (U: non-positive) terms, so nothing cancels and the count of entries tied at the
-maximum comes out of the last term instead of being summed every block. Then H = log S - U / S, and
+maximum comes out of the last term instead of being summed every block. The blocks' (m, R, U) are folded
+into the row's in block order by _merge_block (the same sums across blocks: nothing cancels), S = 1 + R;
+the vocabulary-parallel merge kernel folds every rank's blocks with the same function, so that a split at
+multiples of VOCAB_BLOCK gives the same bits. Then H = log S - U / S, and
 log S = log1p(R): a confident row (p_max ~ 1) keeps its digits, where float32 S - 1 would lose them. For
 the target, logp = (z_y - m) / tau - log1p(R), and q = 1 - p_y is R / S when y holds the maximum (the one
 case where 1 - p_y cancels), 1 - exp(logp) otherwise (then p_y < 1/2). A lane starts at m_l = -FLT_MAX
@@ -38,6 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..core.vocab_block import VOCAB_BLOCK as _VOCAB_BLOCK
 from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E, NEG_SENTINEL, _inv_cap,
                         _inv_tau, _log1p, _store_token, _transform)
 
@@ -57,6 +62,93 @@ def _fwd_update(z, m_l, r_l, u_l, c2):
     r_new = k * r_l + x
     u_l = k * u_l - tl.where(grew, r_new, x) * a
     return tl.maximum(m_l, z), r_new, u_l
+
+
+@triton.jit
+def _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 BLOCK_V: tl.constexpr, VOCAB_BLOCK: tl.constexpr):
+    """The statistics of the vocabulary block [s0, min(s0 + VOCAB_BLOCK, V)) of `row`, relative to its own
+    maximum: (m_b, r_b = S_b - 1, u_b = sum e^d t), m_b = NEG_SENTINEL and r_b = u_b = 0 for a block with
+    no finite entry. Lanes as in the module docstring, reduced across lanes once per block; a block's bits
+    depend only on its entries (and BLOCK_V), never on where the row or the slice around it ends."""
+    HALF: tl.constexpr = BLOCK_V // 2
+    m_l = tl.full([HALF], NEG_SENTINEL, tl.float32)
+    r_l = tl.zeros([HALF], tl.float32)
+    u_l = tl.zeros([HALF], tl.float32)
+    s_end = tl.minimum(s0 + VOCAB_BLOCK, V)
+    v_full = s0 + ((s_end - s0) // BLOCK_V) * BLOCK_V
+    for v0 in range(s0, v_full, BLOCK_V):  # whole blocks: no mask
+        z0 = _transform(tl.load(row + v0 + lanes).to(tl.float32), scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP)
+        z1 = _transform(tl.load(row + v0 + HALF + lanes).to(tl.float32), scale, softcap, inv_cap, HAS_SCALE,
+                        HAS_SOFTCAP)
+        m_l, r_l, u_l = _fwd_update(z0, m_l, r_l, u_l, c2)
+        m_l, r_l, u_l = _fwd_update(z1, m_l, r_l, u_l, c2)
+    if v_full < s_end:  # the partial last block of the row (an entry past V adds exactly nothing)
+        offs = v_full + lanes
+        # the entries past V are -inf after the transform too (a soft-cap would make them -cap)
+        z0 = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        z1 = tl.load(row + offs + HALF, mask=offs + HALF < V, other=float("-inf")).to(tl.float32)
+        z0 = tl.where(offs < V, _transform(z0, scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
+        z1 = tl.where(offs + HALF < V, _transform(z1, scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP),
+                      float("-inf"))
+        m_l, r_l, u_l = _fwd_update(z0, m_l, r_l, u_l, c2)
+        m_l, r_l, u_l = _fwd_update(z1, m_l, r_l, u_l, c2)
+    # re-base the lanes on the block's maximum and reduce
+    mx = tl.max(m_l, axis=0)
+    empty = mx == NEG_SENTINEL  # no finite entry: every entry -inf (or NaN)
+    live = m_l != NEG_SENTINEL
+    sh = (m_l - mx) * c2
+    alpha = tl.exp2(sh)
+    # R = S - 1 without cancellation: the lanes' own sums, the maxima of lanes below the block maximum,
+    # and the extra lanes at it (ties across lanes; ties inside a lane are already in r_l)
+    r_raw = tl.sum(alpha * r_l, axis=0) + tl.sum(tl.where(live & (m_l < mx), alpha, 0.0), axis=0) \
+        + (tl.sum((live & (m_l == mx)).to(tl.float32), axis=0) - 1.0)
+    r_b = tl.where(empty, 0.0 * r_raw, r_raw)  # keeps a NaN
+    u_b = tl.sum(tl.where(alpha > 0, alpha * (u_l + (1.0 + r_l) * sh), 0.0), axis=0)
+    return mx, r_b, u_b
+
+
+@triton.jit
+def _merge_block(m, r, u, m_b, r_b, u_b, c2):
+    """The row's running statistics (m, r = S - 1, u) with the next block's (m_b, r_b, u_b) folded in,
+    each relative to its own maximum. With a = |m_b - m| c2 and x = exp2(-a), one exp2: the block rises
+    above the row (m_b > m): r = x (r + 1) + r_b, u = x (u - (r + 1) a) + u_b; else r = r + x (r_b + 1),
+    u = u + x (u_b - (r_b + 1) a) (m_b = m: x = 1, the block's maximum counts as one more tie). Sums of
+    non-negative terms (u: non-positive): nothing cancels. The one merge of the single-process kernel and
+    of the vocabulary-parallel merge kernel; explicit fma, so that no compiler contracts them differently.
+    The start state (NEG_SENTINEL, 0, 0) and blocks without a finite entry are wiped by x = 0."""
+    a = tl.minimum(tl.abs((m_b - m) * c2), BIG, propagate_nan=tl.PropagateNan.ALL)
+    x = tl.exp2(a * -1.0)
+    grew = m_b > m
+    r_keep = tl.where(grew, r_b, r)
+    u_keep = tl.where(grew, u_b, u)
+    s_move = tl.where(grew, r, r_b) + 1.0
+    u_move = tl.where(grew, u, u_b)
+    r_new = tl.fma(x, s_move, r_keep)
+    u_new = tl.fma(x, tl.fma(s_move, a * -1.0, u_move), u_keep)
+    return tl.maximum(m, m_b), r_new, u_new
+
+
+@triton.jit
+def _finalize(m, r, u, z_y, y_ok, inv_temp):
+    """Per token from the row's merged statistics (m, r, u) and its transformed target logit z_y:
+    (logp, H, m as stored, log S, q = 1 - p_y, flags); see the module docstring."""
+    empty = m == NEG_SENTINEL  # no finite entry: every entry -inf (or NaN)
+    r_tot = tl.where(empty, 0.0 * r, r)  # keeps a NaN
+    s_tot = tl.where(empty, 0.0, 1.0 + r_tot)
+    m_out = tl.where(empty, float("-inf"), m)
+    m_safe = tl.where(empty, 0.0, m)
+    log_s = tl.where(empty, float("-inf"), _log1p(r_tot))  # S = 0: a row (or slice) all at -inf
+    ent = log_s - (u * LN2) / s_tot
+    logp = (z_y - m_safe) * inv_temp - log_s
+    top = z_y == m_out
+    q = tl.where(top, r_tot / s_tot, 1.0 - tl.exp(tl.where(top, 0.0, logp)))
+    # flags (core/flags.py): a non-finite row (a NaN entry makes R NaN; +inf is the maximum), the
+    # target logit -inf, the id outside [0, V)
+    bad = tl.where((r != r) | (m_out == float("inf")), BAD_NONFINITE, 0)
+    bad = tl.where(z_y == float("-inf"), bad | BAD_TARGET_NEG_INF, bad)
+    bad = tl.where(y_ok, bad, bad | BAD_ID)
+    return logp, ent, m_safe, log_s, q, bad
 
 
 @triton.jit(do_not_specialize=["T", "logits_start", "temp_stride"])
@@ -79,6 +171,11 @@ def _vocab_fwd_kernel(
     HAS_MASK: tl.constexpr = True,  # False: every token counts (mask_ptr is not read)
     TEMP_BY_VALUE: tl.constexpr = False,  # True: temp_ptr is tau itself, a float argument (no memory read)
     NAN_FLAGGED: tl.constexpr = False,  # True: a flagged token's logp and H are stored as NaN (token_logprobs)
+    VOCAB_BLOCK: tl.constexpr = _VOCAB_BLOCK,  # gtpo_kernels.VOCAB_BLOCK: a multiple of BLOCK_V, fixed per process
+    BLOCKS_OUT: tl.constexpr = False,  # True: store each block's (m_b, r_b, u_b) at stats_ptr (n, NB, 3) and
+    # the transformed target logit at logp_ptr (NaN where the id is not in [0, V)), nothing else (the
+    # vocabulary-parallel path merges the blocks of every rank with _vocab_merge_kernel)
+    NB=1,  # BLOCKS_OUT: blocks per token in stats_ptr (the slice's own)
 ):
     tok = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
     if TEMP_BY_VALUE:
@@ -105,61 +202,77 @@ def _vocab_fwd_kernel(
         c2 = inv_temp * LOG2E  # d / ln 2: exp(d) = exp2((z - m) * c2)
         HALF: tl.constexpr = BLOCK_V // 2
         lanes = tl.arange(0, HALF)
-        # per-lane state, no reduction across lanes inside the loop; a lane takes two entries of each block
-        # (v0 + l and v0 + HALF + l: two coalesced loads, half the state of one lane per entry): the
-        # lane's maximum m_l of the raw logits, r_l = (sum over the lane of e^d) - 1 (one instance of m_l
-        # left out), u_l = sum e^d t, with d, t = log2 e * d relative to m_l
-        m_l = tl.full([HALF], NEG_SENTINEL, tl.float32)
-        r_l = tl.zeros([HALF], tl.float32)
-        u_l = tl.zeros([HALF], tl.float32)
-        v_full = (V // BLOCK_V) * BLOCK_V
-        for v0 in range(0, v_full, BLOCK_V):  # whole blocks: no mask
-            z0 = _transform(tl.load(row + v0 + lanes).to(tl.float32), scale, softcap, inv_cap, HAS_SCALE,
-                            HAS_SOFTCAP)
-            z1 = _transform(tl.load(row + v0 + HALF + lanes).to(tl.float32), scale, softcap, inv_cap, HAS_SCALE,
-                            HAS_SOFTCAP)
-            m_l, r_l, u_l = _fwd_update(z0, m_l, r_l, u_l, c2)
-            m_l, r_l, u_l = _fwd_update(z1, m_l, r_l, u_l, c2)
-        if v_full < V:  # the partial last block
-            offs = v_full + lanes
-            # the entries past V are -inf after the transform too (a soft-cap would make them -cap)
-            z0 = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            z1 = tl.load(row + offs + HALF, mask=offs + HALF < V, other=float("-inf")).to(tl.float32)
-            z0 = tl.where(offs < V, _transform(z0, scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
-            z1 = tl.where(offs + HALF < V, _transform(z1, scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP),
-                          float("-inf"))
-            m_l, r_l, u_l = _fwd_update(z0, m_l, r_l, u_l, c2)
-            m_l, r_l, u_l = _fwd_update(z1, m_l, r_l, u_l, c2)
-        # once per row: re-base the lanes on the row maximum and reduce
-        mx = tl.max(m_l, axis=0)
-        empty = mx == NEG_SENTINEL  # no finite entry: every entry -inf (or NaN)
-        live = m_l != NEG_SENTINEL
-        sh = (m_l - mx) * c2
-        alpha = tl.exp2(sh)
-        # R = S - 1 without cancellation: the lanes' own sums, the maxima of lanes below the row maximum,
-        # and the extra lanes at it (ties across lanes; ties inside a lane are already in r_l)
-        r_raw = tl.sum(alpha * r_l, axis=0) + tl.sum(tl.where(live & (m_l < mx), alpha, 0.0), axis=0) \
-            + (tl.sum((live & (m_l == mx)).to(tl.float32), axis=0) - 1.0)
-        r_tot = tl.where(empty, 0.0 * r_raw, r_raw)  # keeps a NaN
-        s_tot = tl.where(empty, 0.0, 1.0 + r_tot)
-        u_tot = tl.sum(tl.where(alpha > 0, alpha * (u_l + (1.0 + r_l) * sh), 0.0), axis=0)
-        m = tl.where(empty, float("-inf"), mx)
-        m_safe = tl.where(empty, 0.0, mx)
-        log_s = tl.where(empty, float("-inf"), _log1p(r_tot))  # S = 0: a row (or slice) all at -inf
-        ent = log_s - (u_tot * LN2) / s_tot
+        # each block of VOCAB_BLOCK entries in order: its own statistics (lane-wise, reduced across lanes
+        # at its end), folded into the row's by the one merge (_merge_block)
+        m_r = NEG_SENTINEL * 1.0
+        r_r = 0.0
+        u_r = 0.0
+        for s0 in range(0, V, VOCAB_BLOCK):
+            m_b, r_b, u_b = _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE, HAS_SOFTCAP,
+                                         BLOCK_V, VOCAB_BLOCK)
+            if BLOCKS_OUT:
+                blk = stats_ptr + (tok * NB + s0 // VOCAB_BLOCK) * 3
+                tl.store(blk, m_b)
+                tl.store(blk + 1, r_b)
+                tl.store(blk + 2, u_b)
+            else:
+                m_r, r_r, u_r = _merge_block(m_r, r_r, u_r, m_b, r_b, u_b, c2)
         z_y = tl.load(row + y, mask=y_ok, other=float("nan")).to(tl.float32)
         z_y = _transform(z_y, scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP)
-        logp = (z_y - m_safe) * inv_temp - log_s
-        top = z_y == m
-        q = tl.where(top, r_tot / s_tot, 1.0 - tl.exp(tl.where(top, 0.0, logp)))
-        # flags (core/flags.py): a non-finite row (a NaN entry makes R NaN; +inf is the maximum), the
-        # target logit -inf, the id outside [0, V)
-        bad = tl.where((r_raw != r_raw) | (m == float("inf")), BAD_NONFINITE, 0)
-        bad = tl.where(z_y == float("-inf"), bad | BAD_TARGET_NEG_INF, bad)
-        bad = tl.where(y_ok, bad, bad | BAD_ID)
-        m = m_safe
+        if BLOCKS_OUT:
+            logp = z_y
+        else:
+            logp, ent, m, log_s, q, bad = _finalize(m_r, r_r, u_r, z_y, y_ok, inv_temp)
+    if BLOCKS_OUT:
+        tl.store(logp_ptr + tok, logp)
+    else:
+        if NAN_FLAGGED:
+            logp = tl.where(bad != 0, float("nan"), logp)
+            ent = tl.where(bad != 0, float("nan"), ent)
+        _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad)
+
+
+@triton.jit(do_not_specialize=["NB", "V", "temp_stride"])
+def _vocab_merge_kernel(
+    blocks_ptr, zy_ptr, ids_ptr, mask_ptr,  # (n, NB, 3) block statistics in global block order; (n,) z_y; ids; mask
+    logp_ptr, ent_ptr, stats_ptr, bad_ptr,  # outputs as _vocab_fwd_kernel's
+    NB, V,  # blocks per token; the whole vocabulary's size (the ids' range)
+    temp_ptr, temp_stride,
+    HAS_MASK: tl.constexpr = True,
+    TEMP_BY_VALUE: tl.constexpr = False,
+    NAN_FLAGGED: tl.constexpr = False,
+):
+    """The vocabulary-parallel merge: per counted token, the blocks' statistics of every rank folded in
+    global block order by _merge_block, then _finalize: the very code of _vocab_fwd_kernel, so that with
+    slice boundaries at multiples of VOCAB_BLOCK the outputs are bitwise the single-process ones."""
+    tok = tl.program_id(0).to(tl.int64)
+    if TEMP_BY_VALUE:
+        inv_temp = 1.0 / temp_ptr
+    else:
+        inv_temp = 1.0 / tl.load(temp_ptr + tok * temp_stride)
+    if HAS_MASK:
+        counted = tl.load(mask_ptr + tok) != 0
+    else:
+        counted = True
+    logp = 0.0
+    ent = 0.0
+    m = float("-inf")
+    log_s = 0.0
+    q = 0.0
+    bad = 0
+    if counted:
+        y = tl.load(ids_ptr + tok).to(tl.int64)
+        y_ok = (y >= 0) & (y < V)
+        c2 = inv_temp * LOG2E
+        m_r = NEG_SENTINEL * 1.0
+        r_r = 0.0
+        u_r = 0.0
+        for b in range(0, NB):
+            blk = blocks_ptr + (tok * NB + b) * 3
+            m_r, r_r, u_r = _merge_block(m_r, r_r, u_r, tl.load(blk), tl.load(blk + 1), tl.load(blk + 2), c2)
+        z_y = tl.load(zy_ptr + tok)
+        logp, ent, m, log_s, q, bad = _finalize(m_r, r_r, u_r, z_y, y_ok, inv_temp)
     if NAN_FLAGGED:
         logp = tl.where(bad != 0, float("nan"), logp)
         ent = tl.where(bad != 0, float("nan"), ent)
     _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad)
-

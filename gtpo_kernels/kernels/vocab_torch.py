@@ -10,6 +10,7 @@ import torch
 
 from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
 from ..core.layout import float_dtype_for
+from ..core.vocab_block import VOCAB_BLOCK, n_blocks
 
 # float32 elements upcast at a time (16 MiB): the chunk of rows is CHUNK_ELEMENTS // V rows.
 CHUNK_ELEMENTS = 1 << 22
@@ -58,9 +59,120 @@ def _inv_tau(temperature, idx, dtype):
     return inv.reshape(1, 1).to(dtype) if isinstance(inv, torch.Tensor) else inv
 
 
+_BIG = 1e30  # |a| clamp of the merge: exp(-BIG) = 0 and 0 * BIG = 0, where 0 * inf would be NaN
+
+
+def _sentinel(dtype):
+    """A block's maximum before it has a finite entry (-FLT_MAX, or float64's): finite, so that two of
+    them differ by 0, never inf - inf."""
+    return torch.finfo(dtype).min
+
+
+def _column(inv_t, shape):
+    """1 / tau as the rows take it: a number as it is, a one-element tensor as a scalar, else per row."""
+    if not isinstance(inv_t, torch.Tensor):
+        return inv_t
+    return inv_t.reshape(()) if inv_t.numel() == 1 else inv_t.reshape(shape)
+
+
+def _stats_of(zb, inv_t):
+    """(rows, k, w) blocks of transformed logits (consumed) -> their (rows, k, 3) statistics."""
+    mx, top = zb.max(-1, keepdim=True)
+    empty = mx == float("-inf")
+    mx = torch.where(empty, torch.zeros_like(mx), mx)
+    # d = (z - m_b) / tau: the difference first, so its accuracy does not depend on |z / tau|
+    d = zb.sub_(mx).mul_(inv_t).clamp_(min=_LOG_ZERO)
+    ex = torch.exp(d)
+    # R_b = S_b without one instance of the block's maximum
+    ex.scatter_(2, top, 0.0)
+    r = ex.sum(-1)
+    ex.scatter_(2, top, 1.0)
+    u = d.mul_(ex).sum(-1)
+    empty = empty.squeeze(2)
+    zero = torch.zeros((), dtype=zb.dtype, device=zb.device)
+    m_b = torch.where(empty, torch.full_like(r, _sentinel(zb.dtype)), mx.squeeze(2))
+    return torch.stack([m_b, torch.where(empty, zero, r), torch.where(empty, zero, u)], 2)
+
+
+def block_stats(z, inv_t):
+    """The statistics of each block of VOCAB_BLOCK entries of the rows z (rows, V), the transformed logits
+    in the accumulation dtype (consumed): (rows, n_blocks(V), 3) = (m_b, r_b = S_b - 1, u_b = sum e^d d)
+    relative to the block's own maximum m_b (d = (z - m_b) / tau); a block with no finite entry has
+    m_b = the sentinel, r_b = u_b = 0. inv_t: 1 / tau, a number or a (rows, 1) column. Each block is
+    reduced on its own (the whole blocks as one (rows, k, VOCAB_BLOCK) view, the partial last one apart),
+    so its bits depend only on its entries, never on the row or slice it sits in."""
+    rows, V = z.shape
+    full = V // VOCAB_BLOCK
+    inv_t = _column(inv_t, (rows, 1, 1))
+    parts = []
+    if full:
+        parts.append(_stats_of(z[:, :full * VOCAB_BLOCK].view(rows, full, VOCAB_BLOCK), inv_t))
+    if full * VOCAB_BLOCK < V:
+        parts.append(_stats_of(z[:, full * VOCAB_BLOCK:].unsqueeze(1), inv_t))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def merge_blocks(blocks, inv_t):
+    """The rows' statistics (m, r = S - 1, u = sum e^d d) from their blocks' (rows, NB, 3), folded in
+    block order: with a = |m_b - m| / tau and x = exp(-a), a block above the row (m_b > m) gives
+    r = x (r + 1) + r_b, u = x (u - (r + 1) a) + u_b, any other r = r + x (r_b + 1),
+    u = u + x (u_b - (r_b + 1) a). Sums of non-negative terms (u: non-positive), nothing cancels. The one
+    merge of the single-process path and of the vocabulary-parallel one (elementwise: each row's bits do
+    not depend on the others). inv_t: a number or a (rows, 1) column."""
+    rows, nb = blocks.shape[0], blocks.shape[1]
+    inv_t = _column(inv_t, (rows,))
+    m = blocks.new_full((rows,), _sentinel(blocks.dtype))
+    r = blocks.new_zeros(rows)
+    u = blocks.new_zeros(rows)
+    for b in range(nb):
+        m_b, r_b, u_b = blocks[:, b, 0], blocks[:, b, 1], blocks[:, b, 2]
+        a = ((m_b - m) * inv_t).abs().clamp(max=_BIG)  # NaN stays NaN
+        x = torch.exp(-a)
+        grew = m_b > m
+        r_keep, u_keep = torch.where(grew, r_b, r), torch.where(grew, u_b, u)
+        s_move = torch.where(grew, r, r_b) + 1.0
+        u_move = torch.where(grew, u, u_b)
+        r = r_keep + x * s_move
+        u = u_keep + x * (u_move - s_move * a)
+        m = torch.maximum(m, m_b)
+    return m, r, u
+
+
+def finish(m, r, u, z_y, inv_t):
+    """Per row from the merged statistics and the transformed target logit z_y (NaN where the id is
+    invalid): logp, H, stats (m, log S, q). inv_t: a number or a (rows, 1) column."""
+    inv_t = _column(inv_t, m.shape)
+    empty = m == _sentinel(m.dtype)  # every entry -inf: S = 0 (a vocabulary slice may be all banned)
+    r = torch.where(empty, torch.full_like(r, -1.0), r)
+    mx = torch.where(empty, torch.zeros_like(m), m)
+    s_tot = 1.0 + r
+    log_s = torch.log1p(r)
+    # H = log S - U / S with U = sum e^d d <= 0 (no cancellation)
+    ent = log_s - u / s_tot
+    logp = (z_y - mx) * inv_t - log_s
+    # q = 1 - p_y is R / S when y holds the maximum (exact for a confident token), else 1 - p_y
+    # with p_y < 1/2
+    top_y = z_y == mx
+    q = torch.where(top_y, r / s_tot, -torch.expm1(torch.where(top_y, 0.0, logp)))
+    return logp, ent, torch.stack([mx, log_s, q], 1)
+
+
+def _target(z, y, V, acc):
+    """(z_y where the id lies in [0, V), else NaN; whether it does)."""
+    y_ok = (y >= 0) & (y < V)
+    yc = y.clamp(0, max(V - 1, 0))[:, None]
+    nan = torch.full((), float("nan"), dtype=acc, device=z.device)
+    return torch.where(y_ok, z.gather(1, yc).squeeze(1) if V else nan, nan), y_ok
+
+
+def _nonfinite(z):
+    return (torch.isnan(z) | (z == float("inf"))).any(-1)
+
+
 def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
     """Same contract as vocab_triton.vocab_fwd: logp, entropy, stats (m, log S, q), flags of the
-    transformed logits z' (scale, softcap)."""
+    transformed logits z' (scale, softcap). Each row's blocks of VOCAB_BLOCK entries are reduced on their
+    own and merged in order (block_stats, merge_blocks), as the vocabulary-parallel path merges them."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -75,46 +187,78 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
         return logp, ent, stats, bad
     bi, ti = rows_idx // T, rows_idx % T + logits_start
     step = _rows_per_chunk(V)
-    ninf = float("-inf")
     for k in range(0, rows_idx.numel(), step):
         sl = slice(k, k + step)
         idx = rows_idx[sl]
         inv_t = _inv_tau(temperature, idx, acc)
         # one chunk of rows in the accumulation dtype, and one more for the exponentials; in place after
         z = _transform(logits3[bi[sl], ti[sl]].to(acc), scale, softcap)
-        y = ids[idx].long()
-        y_ok = (y >= 0) & (y < V)
-        yc = y.clamp(0, V - 1)[:, None]
-        flag = (torch.isnan(z) | (z == float("inf"))).any(-1).to(torch.int8) * BAD_NONFINITE
-        z_y = torch.where(y_ok, z.gather(1, yc).squeeze(1), torch.full_like(y, 0, dtype=acc) + float("nan"))
-        flag |= (z_y == ninf).to(torch.int8) * BAD_TARGET_NEG_INF
+        z_y, y_ok = _target(z, ids[idx].long(), V, acc)
+        flag = _nonfinite(z).to(torch.int8) * BAD_NONFINITE
+        flag |= (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF
         flag |= (~y_ok).to(torch.int8) * BAD_ID
-        mx, top = z.max(-1, keepdim=True)
-        empty = (mx == ninf).squeeze(1)  # every entry -inf: S = 0 (a vocabulary slice may be all banned)
-        mx = torch.where(mx == ninf, torch.zeros_like(mx), mx)
-        # d = (z - max) / tau: the difference first, so its accuracy does not depend on |z / tau|
-        d = z.sub_(mx).mul_(inv_t).clamp_(min=_LOG_ZERO)
-        ex = torch.exp(d)
-        # R = S without one instance of the maximum: log S = log1p(R) exact for confident rows
-        ex.scatter_(1, top, 0.0)
-        r = ex.sum(-1)
-        ex.scatter_(1, top, 1.0)
-        r = torch.where(empty, torch.full_like(r, -1.0), r)
-        s_tot = 1.0 + r
-        log_s = torch.log1p(r)
-        # H = log S - U / S with U = sum e^d d <= 0 (no cancellation)
-        c_ent = log_s - d.mul_(ex).sum(-1) / s_tot
-        mx1 = mx.squeeze(1)
-        c_logp = (z_y - mx1) * (inv_t[:, 0] if isinstance(inv_t, torch.Tensor) else inv_t) - log_s
-        # q = 1 - p_y is R / S when y holds the maximum (exact for a confident token), else 1 - p_y
-        # with p_y < 1/2
-        top_y = z_y == mx1
-        c_q = torch.where(top_y, r / s_tot, -torch.expm1(torch.where(top_y, 0.0, c_logp)))
+        m, r, u = merge_blocks(block_stats(z, inv_t), inv_t)
+        del z
+        c_logp, c_ent, c_stats = finish(m, r, u, z_y, inv_t)
         logp[idx] = c_logp
         ent[idx] = c_ent
-        stats[idx] = torch.stack([mx1, log_s, c_q], 1)
+        stats[idx] = c_stats
         bad[idx] = flag
-        del z, d, ex
+    return logp, ent, stats, bad
+
+
+def vocab_blocks(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
+    """A vocabulary slice's per-block statistics (spec 14): (n, n_blocks(V), 3) as block_stats gives them,
+    the transformed target logit z'_y (n,) where the (local) id lies in the slice (NaN elsewhere), and
+    whether the token's slice holds a NaN or +inf (n,) bool. Uncounted tokens: zeros."""
+    B, T_l, V = logits3.shape
+    n = ids.numel()
+    T = n // B if B else 0
+    dev = logits3.device
+    acc = float_dtype_for(logits3)
+    nb = n_blocks(V)
+    blocks = torch.zeros((n, nb, 3), device=dev, dtype=acc)
+    zy = torch.full((n,), float("nan"), device=dev, dtype=acc)
+    nonfinite = torch.zeros(n, device=dev, dtype=torch.bool)
+    rows_idx = counted.nonzero().squeeze(1)
+    if rows_idx.numel() == 0 or V == 0:
+        return blocks, zy, nonfinite
+    bi, ti = rows_idx // T, rows_idx % T + logits_start
+    step = _rows_per_chunk(V)
+    for k in range(0, rows_idx.numel(), step):
+        sl = slice(k, k + step)
+        idx = rows_idx[sl]
+        inv_t = _inv_tau(temperature, idx, acc)
+        z = _transform(logits3[bi[sl], ti[sl]].to(acc), scale, softcap)
+        zy[idx] = _target(z, ids[idx].long(), V, acc)[0]
+        nonfinite[idx] = _nonfinite(z)
+        blocks[idx] = block_stats(z, inv_t)
+        del z
+    return blocks, zy, nonfinite
+
+
+def vocab_merge(blocks, zy, nonfinite, ids, counted, temperature, V_whole):
+    """The vocabulary-parallel merge: blocks (n, NB, 3) of every rank in global block order, the owner's
+    z'_y, whether any slice is non-finite -> logp, entropy, stats, flags as vocab_fwd gives them for the
+    whole vocabulary (the same merge_blocks and finish). ids: global ids."""
+    n = ids.numel()
+    acc = blocks.dtype
+    logp = torch.zeros(n, device=blocks.device, dtype=acc)
+    ent = torch.zeros_like(logp)
+    stats = torch.zeros((n, 3), device=blocks.device, dtype=acc)
+    bad = torch.zeros(n, device=blocks.device, dtype=torch.int8)
+    idx = counted.nonzero().squeeze(1)
+    if idx.numel() == 0:
+        return logp, ent, stats, bad
+    inv_t = _inv_tau(temperature, idx, acc)
+    y = ids[idx].long()
+    z_y = zy[idx]
+    m, r, u = merge_blocks(blocks[idx], inv_t)
+    c_logp, c_ent, c_stats = finish(m, r, u, z_y, inv_t)
+    flag = nonfinite[idx].to(torch.int8) * BAD_NONFINITE
+    flag |= (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF
+    flag |= ((y < 0) | (y >= V_whole)).to(torch.int8) * BAD_ID
+    logp[idx], ent[idx], stats[idx], bad[idx] = c_logp, c_ent, c_stats, flag
     return logp, ent, stats, bad
 
 

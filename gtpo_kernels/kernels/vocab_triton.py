@@ -15,10 +15,12 @@ import torch
 import triton
 
 from .vocab_bwd_triton import _vocab_bwd_kernel
-from .vocab_fwd_triton import _vocab_fwd_kernel
+from ..core.vocab_block import VOCAB_BLOCK, n_blocks
+from .vocab_fwd_triton import _vocab_fwd_kernel, _vocab_merge_kernel
 
-__all__ = ["MAX_BLOCK_V", "block_v_for", "num_warps_for", "interpreted", "temperature_arg", "vocab_fwd",
-           "vocab_bwd", "_vocab_fwd_kernel", "_vocab_bwd_kernel"]
+__all__ = ["MAX_BLOCK_V", "block_v_for", "fwd_block_v", "num_warps_for", "interpreted", "temperature_arg",
+           "vocab_fwd", "vocab_blocks", "vocab_merge", "vocab_bwd", "_vocab_fwd_kernel", "_vocab_merge_kernel",
+           "_vocab_bwd_kernel"]
 
 # Largest block over the vocabulary, and the warps of a block: the choice of the static model of
 # `python -m bench.aot.tune` for all three kernels (bf16, sm_90, V = 151936: memory-bound by the roofline,
@@ -30,6 +32,13 @@ MAX_BLOCK_V = 2048
 
 def block_v_for(V: int) -> int:
     return min(MAX_BLOCK_V, triton.next_power_of_2(max(int(V), 16)))
+
+
+def fwd_block_v(V: int) -> int:
+    """The forward kernel's block for a vocabulary of V entries (the whole one, under a split): at most
+    VOCAB_BLOCK, so that the vocabulary blocks are whole numbers of kernel blocks and every rank of a
+    split reads its blocks with the very lanes of the single-process kernel."""
+    return min(block_v_for(V), VOCAB_BLOCK)
 
 
 def num_warps_for(block_v: int) -> int:
@@ -90,7 +99,7 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     logp, ent, stats, bad = outs
     if n == 0:
         return logp, ent, stats, bad
-    bv = block_v_for(V)
+    bv = fwd_block_v(V)
     scale, cap, has = _transforms(scale, softcap)
     tau, tau_stride = temperature_arg(temperature, dev, n)
     _vocab_fwd_kernel[(n,)](
@@ -98,7 +107,54 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
         logits3.stride(0), logits3.stride(1),
         T, V, logits_start, tau, tau_stride, scale, cap,
         **has, BLOCK_V=bv, num_warps=num_warps_for(bv), HAS_MASK=counted is not None,
-        TEMP_BY_VALUE=isinstance(tau, float), NAN_FLAGGED=nan_flagged,
+        TEMP_BY_VALUE=isinstance(tau, float), NAN_FLAGGED=nan_flagged, VOCAB_BLOCK=VOCAB_BLOCK,
+    )
+    return logp, ent, stats, bad
+
+
+def vocab_blocks(logits3, ids, counted, temperature, logits_start, V_whole, scale=1.0, softcap=None):
+    """The per-block statistics of a vocabulary slice (spec 14): float32 (n, n_blocks(V), 3), block b
+    = entries [b VOCAB_BLOCK, (b + 1) VOCAB_BLOCK) of the slice, (m_b, r_b, u_b) as _vocab_fwd_kernel folds
+    them; and the transformed target logit z'_y (n,) where the (local) id lies in the slice, NaN elsewhere.
+    V_whole: the whole vocabulary's size, which sets the kernel's block as on one process. Uncounted
+    tokens' entries are left unset."""
+    B, T_l, V = logits3.shape
+    n = ids.numel()
+    T = n // B if B else 0
+    dev = logits3.device
+    nb = n_blocks(V)
+    blocks = torch.empty((n, nb, 3), device=dev, dtype=torch.float32)
+    zy = torch.zeros(n, device=dev, dtype=torch.float32)
+    if n == 0 or nb == 0:
+        return blocks, zy.fill_(float("nan"))
+    bv = fwd_block_v(V_whole)
+    scale, cap, has = _transforms(scale, softcap)
+    tau, tau_stride = temperature_arg(temperature, dev, n)
+    _vocab_fwd_kernel[(n,)](
+        logits3, ids, ids if counted is None else counted, zy, zy, blocks, zy,
+        logits3.stride(0), logits3.stride(1),
+        T, V, logits_start, tau, tau_stride, scale, cap,
+        **has, BLOCK_V=bv, num_warps=num_warps_for(bv), HAS_MASK=counted is not None,
+        TEMP_BY_VALUE=isinstance(tau, float), VOCAB_BLOCK=VOCAB_BLOCK, BLOCKS_OUT=True, NB=nb,
+    )
+    return blocks, zy
+
+
+def vocab_merge(blocks, zy, ids, counted, temperature, V_whole, nan_flagged=False):
+    """The vocabulary-parallel merge: blocks (n, NB, 3) of every rank in global block order and the
+    owner's z'_y (n,) -> logp, entropy, stats (m, log S, q), flags as vocab_fwd returns them for the whole
+    vocabulary, by the very merge and finish of the single-process kernel. ids: global ids."""
+    n, nb = blocks.shape[0], blocks.shape[1]
+    dev = blocks.device
+    logp, ent = torch.empty(n, device=dev, dtype=torch.float32), torch.empty(n, device=dev, dtype=torch.float32)
+    stats, bad = torch.empty((n, 3), device=dev, dtype=torch.float32), torch.empty(n, device=dev, dtype=torch.int8)
+    if n == 0:
+        return logp, ent, stats, bad
+    tau, tau_stride = temperature_arg(temperature, dev, n)
+    _vocab_merge_kernel[(n,)](
+        blocks.contiguous(), zy.contiguous(), ids, ids if counted is None else counted, logp, ent, stats, bad,
+        nb, V_whole, tau, tau_stride, HAS_MASK=counted is not None, TEMP_BY_VALUE=isinstance(tau, float),
+        NAN_FLAGGED=nan_flagged, num_warps=1,
     )
     return logp, ent, stats, bad
 

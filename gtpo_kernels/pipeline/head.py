@@ -17,6 +17,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..core.vocab_block import VOCAB_BLOCK
+
 DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes for one tile of logits and its gradient
 INVARIANT_ROWS = 64  # batch_invariant=True: the rows of every projection GEMM (a fixed shape, spec 14)
 
@@ -55,12 +57,10 @@ def head_dtype_arg(head_dtype, hidden):
 
 
 def refuse_invariant(head, backend, rules, group):
-    """batch_invariant=True where the fixed-shape projection does not reach yet: refused, not ignored."""
+    """batch_invariant=True where the fixed-shape projection does not reach yet: refused, not ignored. (A
+    process group is taken: its slice boundaries are checked after the agreement, api/linear._vocab_parallel.)"""
     if not head.invariant:
         return
-    if group is not None:
-        raise ValueError("batch_invariant=True with process_group is not supported yet: the vocabulary-parallel "
-                         "statistics merge in an order that depends on the split; call without process_group")
     if rules is not None:
         raise ValueError("batch_invariant=True with kept sets (sampling_mask, top_k, top_p, min_p) is not supported "
                          "yet: a tile's union of kept sets sets the projection's width; drop batch_invariant")
@@ -76,7 +76,8 @@ class HeadOptions:
     cfg       the GTPOConfig (None: log-probs and entropies only)
     per_tile  counted rows in one tile (the budget over the bytes of a row of logits and its gradient)
     fused     form the gradient in the forward (3 GEMMs a tile) or recompute it in the backward (4)
-    B         completions; vp: (process group, whole vocabulary's size) when vocabulary-parallel, or None
+    B         completions; vp: (process group, whole vocabulary's size, every rank's slice size under
+              batch_invariant (the block merge, spec 14) or None) when vocabulary-parallel, or None
     proj      head_dtype: None (the inputs' dtype) or torch.float32
     invariant batch_invariant: project in GEMMs of INVARIANT_ROWS rows
     """
@@ -113,7 +114,7 @@ def options_key(cfg, backend, scale, softcap, per_tile, fused, B, vp, proj=None,
     ident = None if cfg is None else tuple(
         id(v) if isinstance(v, torch.Tensor) else v for v in (getattr(cfg, f.name) for f in dataclasses.fields(cfg)))
     sig = (ident, backend, float(scale), softcap, int(per_tile), bool(fused), int(B),
-           None if vp is None else (id(vp[0]), vp[1]), proj, bool(invariant))
+           None if vp is None else (id(vp[0]), *vp[1:]), proj, bool(invariant))
     key = _KEYS.get(sig)
     if key is None:
         key = _KEYS[sig] = f"head{next(_COUNTER)}"
@@ -149,20 +150,27 @@ def project(h, weight, bias, out):
 
 
 def project_blocks(h, weight, bias, out):
-    """out = h @ weight.T (+ bias) by GEMMs of exactly INVARIANT_ROWS rows each (the last block padded
-    with zero rows): every token's logits come from a GEMM of one fixed shape, whatever the tile's row
-    count, so their bits do not depend on the batch (batch_invariant=True, spec 14)."""
-    R = INVARIANT_ROWS
-    n = h.shape[0]
+    """out = h @ weight.T (+ bias) by GEMMs of exactly INVARIANT_ROWS rows (the last row block padded with
+    zero rows) and VOCAB_BLOCK weight rows each (the vocabulary's last block as wide as it is): every
+    token's logits of a vocabulary block come from a GEMM of one fixed shape, whatever the tile's row count
+    or the rank's slice of the vocabulary around the block, so their bits depend on neither the batch
+    (batch_invariant=True, spec 14) nor, with slice boundaries at multiples of VOCAB_BLOCK, the split."""
+    R, C = INVARIANT_ROWS, VOCAB_BLOCK
+    n, V = h.shape[0], weight.shape[0]
     block = h.new_zeros((R, h.shape[1]))
-    z = out.new_empty((R, out.shape[1]))
+    zs = {}
     for r0 in range(0, n, R):
         k = min(R, n - r0)
         block[:k].copy_(h[r0:r0 + k])
         if k < R:
             block[k:].zero_()
-        project(block, weight, bias, z)
-        out[r0:r0 + k].copy_(z[:k])
+        for c0 in range(0, V, C):
+            w = min(C, V - c0)
+            z = zs.get(w)
+            if z is None:
+                z = zs[w] = out.new_empty((R, w))
+            project(block, weight[c0:c0 + w], None if bias is None else bias[c0:c0 + w], z)
+            out[r0:r0 + k, c0:c0 + w].copy_(z[:k])
     return out
 
 

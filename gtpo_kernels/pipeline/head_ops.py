@@ -192,7 +192,8 @@ def _key(b, cfg, head, backend, schedule, budget, vp, host=False):
                                                 collective=vp is not None)
     cap = None if head.cap is None else float(head.cap)
     return hd.options_key(cfg, backend, float(head.scale), cap, per_tile, fused, b.B,
-                          None if vp is None else (vp.group, vp.V), head.proj, head.invariant), fused
+                          None if vp is None else (vp.group, vp.V, vp.sizes if head.invariant else None), head.proj,
+                          head.invariant), fused
 
 
 def _forward(b, head, hidden, key, temperature, vp, extras, need, host):

@@ -164,7 +164,7 @@ def forward(b, temperature, backend, host, vp=None):
         logp, ent, stats, bad = ops.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
                                               b.logits_start, backend=backend)
     else:
-        logp, ent, stats, bad = parallel.vp_forward(b, vp.ids, temperature, backend, vp.group, vp.V)
+        logp, ent, stats, bad = parallel.vp_forward(b, vp.ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes)
     if host:
         checks.raise_on_flags(bad, b.tok_shape)
     invalid = bad != 0

@@ -100,7 +100,7 @@ class Workspace:
         tile = types.SimpleNamespace(logits3=z.unsqueeze(0), counted=ones, logits_start=0, V=z.shape[-1],
                                      ids=t.ids[idx])  # the statistics merged over the vocabulary slices
         return parallel.vp_forward(tile, t.kernel_ids[idx], tau, o.backend, o.vp[0], o.vp[1],
-                                   scale=o.scale, softcap=o.softcap)
+                                   scale=o.scale, softcap=o.softcap, sizes=o.vp[2])
 
     def gradient(self, z, h, idx, st, en, c, e, grads, at=None):
         """dL/dz_raw of the tile written over z (the kernel's chain rule), then dL/dh, dL/dW, dL/db."""
