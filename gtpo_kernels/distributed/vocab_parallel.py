@@ -13,8 +13,8 @@ elsewhere is simply not its target), and the per-slice statistics are merged exa
 
 then log S = log1p(R), H = log S - U / S, logp = (z_y - M) / tau - log S and q = 1 - p_y exactly as on
 one device: 32 bytes per token in all. When every slice starts at a multiple of VOCAB_BLOCK (spec 14) the
-ranks instead gather every block's statistics and fold them in global block order with the single-process
-pass's own merge (vp_blocks): bitwise the single-process outputs, block_bytes_per_token bytes per token.
+row statistics instead travel from rank to rank, each folding its blocks in global block order with the
+single-process pass's own merge (vp_blocks): bitwise the single-process outputs, 32 bytes per token too.
 Every rank ends with the same per-token statistics, so the loss, the outputs and the metrics are
 identical on every rank; the backward pass runs on each slice with them and communicates nothing (each rank's gradient is its slice of the single-process gradient).
 
@@ -91,12 +91,10 @@ def local_ids(ids, vocab_start):
     return ids.long() - vocab_start
 
 
-def block_bytes_per_token(sizes, itemsize=4):
-    """Bytes per token the block merge (vp_blocks) gathers onto each rank, for slices of these sizes: every
-    rank's row of 3 statistics per block of the largest slice, its target logit and its non-finite flag,
-    in float32 (itemsize 8: float64 logits on the torch backend). Even slices: 3 per VOCAB_BLOCK block of
-    the whole vocabulary plus 2 per rank."""
-    return len(sizes) * (3 * max(vocab_block.n_blocks(v) for v in sizes) + 2) * itemsize
+def block_bytes_per_token(itemsize=4):
+    """Bytes per token the block merge (vp_blocks) brings to a rank, at most: the statistics from the rank
+    before it and the last rank's, 4 numbers each (float32; itemsize 8: float64 logits, torch backend)."""
+    return 2 * 4 * itemsize
 
 
 def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, softcap=None, sizes=None):
@@ -157,35 +155,41 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
 
 
 def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.0, softcap=None):
-    """The block merge (spec 14), for slices whose boundaries are all multiples of VOCAB_BLOCK: this rank's
-    blocks' statistics (the forward pass's own, block by block), one all-gather of every rank's, padded to
-    the largest slice's block count, then every rank merges all blocks in global block order with the
-    single-process pass's own merge (dispatch.vocab_merge) -> bitwise the single-process outputs, on every
-    rank, whatever the number of ranks. Bytes per token gathered: (3 n_blocks(largest slice) + 2) x the
-    number of ranks, float32 (3 per block of the whole vocabulary when the slices are even)."""
+    """The block merge (spec 14), for slices whose boundaries are all multiples of VOCAB_BLOCK: the row
+    statistics travel from rank to rank in rank order (= global block order) and each folds its own
+    blocks into them with the single-process pass's own merge (dispatch.vocab_merge); the last rank's
+    are broadcast and every rank finishes them -> bitwise the single-process outputs, on every rank,
+    whatever the number of ranks. A message is 4 numbers per token (m, r, u and the owner's target
+    logit; a non-finite slice marks r = -1): a rank receives at most 2 of them, block_bytes_per_token."""
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
     tau = ops.temperature_param(temperature, b.logits3, backend)
     blocks, zy, nonfinite = dispatch.vocab_blocks(backend, b.logits3.detach(), ids_loc, b.counted, tau,
                                                   b.logits_start, V_global, scale, softcap)
-    n, acc = blocks.shape[0], blocks.dtype
-    nbs = [vocab_block.n_blocks(v) for v in sizes]
-    nb_max = max(nbs)
-    mine = torch.zeros((n, 3 * nb_max + 2), dtype=acc, device=blocks.device)
-    mine[:, :3 * blocks.shape[1]] = blocks.reshape(n, -1)
-    mine[:, -2] = zy
-    mine[:, -1] = nonfinite.to(acc)
-    parts = [torch.empty_like(mine) for _ in sizes]
-    dist.all_gather(parts, mine, group=group)
-    whole = torch.cat([p[:, :3 * k].reshape(n, k, 3) for p, k in zip(parts, nbs)], 1)  # global block order
-    # the target logit from the rank that owns the id (NaN for an id outside the vocabulary)
+    n, acc, dev = blocks.shape[0], blocks.dtype, blocks.device
+    W, r = dist.get_world_size(group), dist.get_rank(group)
     ids = b.ids.long()
-    z_y = torch.full((n,), float("nan"), dtype=acc, device=blocks.device)
-    start = 0
-    for p, size in zip(parts, sizes):  # selected, not summed: the owner's bits as they are (no host copy)
-        z_y = torch.where((ids >= start) & (ids < start + size), p[:, -2], z_y)
-        start += size
-    nonfinite = torch.stack([p[:, -1] for p in parts], 0).amax(0) > 0
-    return dispatch.vocab_merge(backend, whole, z_y, nonfinite, b.ids, b.counted, tau, V_global)
+    start = sum(sizes[:r])
+    msg = torch.empty((n, 4), dtype=acc, device=dev)
+    state, z_y, bad = None, torch.full((n,), float("nan"), dtype=acc, device=dev), nonfinite
+    if r > 0:  # the statistics of every block before this rank's
+        dist.recv(msg, src=dist.get_global_rank(group, r - 1), group=group)
+        state, z_y, bad = _unpack(msg, bad)
+    state = dispatch.vocab_merge(backend, blocks, zy, bad, b.ids, b.counted, tau, V_global, state=state, fold=True)
+    z_y = torch.where((ids >= start) & (ids < start + sizes[r]), zy, z_y)  # the owner's bits, selected
+    msg = torch.cat([state[:, :1], torch.where(bad, -1.0, state[:, 1])[:, None], state[:, 2:], z_y[:, None]], 1)
+    if r < W - 1:
+        dist.send(msg, dst=dist.get_global_rank(group, r + 1), group=group)
+    if W > 1:
+        dist.broadcast(msg, src=dist.get_global_rank(group, W - 1), group=group)
+    state, z_y, bad = _unpack(msg, nonfinite)
+    return dispatch.vocab_merge(backend, blocks[:, :0], z_y, bad, b.ids, b.counted, tau, V_global, state=state)
+
+
+def _unpack(msg, bad):
+    """A message's (state (n, 3), z_y, non-finite: marked by r = -1 (r = S - 1 >= 0 otherwise), or `bad`)."""
+    marked = msg[:, 1] < 0
+    state = torch.stack([msg[:, 0], torch.where(marked, 0.0, msg[:, 1]), msg[:, 2]], 1)
+    return state, msg[:, 3], marked | bad
 
 
 def unwrap_dtensor(logits, process_group):

@@ -97,15 +97,17 @@ def vocab_blocks(backend, logits3, ids, counted, temperature, logits_start, V_wh
                                     scale, softcap)
 
 
-def vocab_merge(backend, blocks, z_y, nonfinite, ids, counted, temperature, V_whole):
-    """Every rank's blocks (n, NB, 3) in global block order -> (logp, H, stats, flags) by the single-process
-    pass's own merge and finish."""
+def vocab_merge(backend, blocks, z_y, nonfinite, ids, counted, temperature, V_whole, state=None, fold=False):
+    """Blocks (n, NB, 3) of consecutive ranks in global block order -> (logp, H, stats, flags) by the
+    single-process pass's own merge and finish; state: (n, 3) row statistics the earlier blocks were
+    folded into (None: the empty row); fold: the folded (n, 3) statistics instead (the next rank's state)."""
     if backend == "triton":
         from . import vocab_triton
-        return vocab_triton.vocab_merge(blocks, z_y, ids, counted, _temperature(backend, temperature), V_whole)
+        return vocab_triton.vocab_merge(blocks, z_y, ids, counted, _temperature(backend, temperature), V_whole,
+                                        state=state, fold=fold)
     from . import vocab_torch
     return vocab_torch.vocab_merge(blocks, z_y, nonfinite, ids, counted, _temperature(backend, temperature),
-                                   V_whole)
+                                   V_whole, state=state, fold=fold)
 
 
 def scale_by(coef, g):

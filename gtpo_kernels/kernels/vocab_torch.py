@@ -112,18 +112,20 @@ def block_stats(z, inv_t):
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
-def merge_blocks(blocks, inv_t):
+def merge_blocks(blocks, inv_t, state=None):
     """The rows' statistics (m, r = S - 1, u = sum e^d d) from their blocks' (rows, NB, 3), folded in
     block order: with a = |m_b - m| / tau and x = exp(-a), a block above the row (m_b > m) gives
     r = x (r + 1) + r_b, u = x (u - (r + 1) a) + u_b, any other r = r + x (r_b + 1),
     u = u + x (u_b - (r_b + 1) a). Sums of non-negative terms (u: non-positive), nothing cancels. The one
     merge of the single-process path and of the vocabulary-parallel one (elementwise: each row's bits do
-    not depend on the others). inv_t: a number or a (rows, 1) column."""
+    not depend on the others). inv_t: a number or a (rows, 1) column. state: (m, r, u) the earlier blocks
+    were folded into (None: the empty row)."""
     rows, nb = blocks.shape[0], blocks.shape[1]
     inv_t = _column(inv_t, (rows,))
-    m = blocks.new_full((rows,), _sentinel(blocks.dtype))
-    r = blocks.new_zeros(rows)
-    u = blocks.new_zeros(rows)
+    if state is None:
+        m, r, u = blocks.new_full((rows,), _sentinel(blocks.dtype)), blocks.new_zeros(rows), blocks.new_zeros(rows)
+    else:
+        m, r, u = state
     for b in range(nb):
         m_b, r_b, u_b = blocks[:, b, 0], blocks[:, b, 1], blocks[:, b, 2]
         a = ((m_b - m) * inv_t).abs().clamp(max=_BIG)  # NaN stays NaN
@@ -237,10 +239,12 @@ def vocab_blocks(logits3, ids, counted, temperature, logits_start, scale=1.0, so
     return blocks, zy, nonfinite
 
 
-def vocab_merge(blocks, zy, nonfinite, ids, counted, temperature, V_whole):
-    """The vocabulary-parallel merge: blocks (n, NB, 3) of every rank in global block order, the owner's
-    z'_y, whether any slice is non-finite -> logp, entropy, stats, flags as vocab_fwd gives them for the
-    whole vocabulary (the same merge_blocks and finish). ids: global ids."""
+def vocab_merge(blocks, zy, nonfinite, ids, counted, temperature, V_whole, state=None, fold=False):
+    """The vocabulary-parallel merge: blocks (n, NB, 3) of consecutive ranks in global block order, the
+    owner's z'_y, whether any slice is non-finite -> logp, entropy, stats, flags as vocab_fwd gives them for
+    the whole vocabulary (the same merge_blocks and finish). ids: global ids. state: (n, 3) row statistics
+    the earlier blocks were folded into (None: the empty row); fold: only fold the blocks into them and
+    return the (n, 3) statistics."""
     n = ids.numel()
     acc = blocks.dtype
     logp = torch.zeros(n, device=blocks.device, dtype=acc)
@@ -248,12 +252,17 @@ def vocab_merge(blocks, zy, nonfinite, ids, counted, temperature, V_whole):
     stats = torch.zeros((n, 3), device=blocks.device, dtype=acc)
     bad = torch.zeros(n, device=blocks.device, dtype=torch.int8)
     idx = counted.nonzero().squeeze(1)
+    folded = None if state is None else state.clone()
     if idx.numel() == 0:
-        return logp, ent, stats, bad
+        return (folded if folded is not None else stats) if fold else (logp, ent, stats, bad)
     inv_t = _inv_tau(temperature, idx, acc)
     y = ids[idx].long()
     z_y = zy[idx]
-    m, r, u = merge_blocks(blocks[idx], inv_t)
+    m, r, u = merge_blocks(blocks[idx], inv_t, None if state is None else state[idx].unbind(1))
+    if fold:
+        out = stats if folded is None else folded
+        out[idx] = torch.stack([m, r, u], 1)
+        return out
     c_logp, c_ent, c_stats = finish(m, r, u, z_y, inv_t)
     flag = nonfinite[idx].to(torch.int8) * BAD_NONFINITE
     flag |= (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF

@@ -140,23 +140,29 @@ def vocab_blocks(logits3, ids, counted, temperature, logits_start, V_whole, scal
     return blocks, zy
 
 
-def vocab_merge(blocks, zy, ids, counted, temperature, V_whole, nan_flagged=False):
-    """The vocabulary-parallel merge: blocks (n, NB, 3) of every rank in global block order and the
+def vocab_merge(blocks, zy, ids, counted, temperature, V_whole, nan_flagged=False, state=None, fold=False):
+    """The vocabulary-parallel merge: blocks (n, NB, 3) of consecutive ranks in global block order and the
     owner's z'_y (n,) -> logp, entropy, stats (m, log S, q), flags as vocab_fwd returns them for the whole
-    vocabulary, by the very merge and finish of the single-process kernel. ids: global ids."""
+    vocabulary, by the very merge and finish of the single-process kernel. ids: global ids. state: (n, 3)
+    float32 row statistics the earlier blocks folded into (None: the empty row); fold: only fold the
+    blocks into them and return the statistics (a new (n, 3) tensor, `state` left as it is)."""
     n, nb = blocks.shape[0], blocks.shape[1]
     dev = blocks.device
+    out = torch.empty((n, 3), device=dev, dtype=torch.float32) if fold else None
+    if fold and state is not None:
+        out.copy_(state)
     logp, ent = torch.empty(n, device=dev, dtype=torch.float32), torch.empty(n, device=dev, dtype=torch.float32)
     stats, bad = torch.empty((n, 3), device=dev, dtype=torch.float32), torch.empty(n, device=dev, dtype=torch.int8)
     if n == 0:
-        return logp, ent, stats, bad
+        return out if fold else (logp, ent, stats, bad)
     tau, tau_stride = temperature_arg(temperature, dev, n)
     _vocab_merge_kernel[(n,)](
         blocks.contiguous(), zy.contiguous(), ids, ids if counted is None else counted, logp, ent, stats, bad,
-        nb, V_whole, tau, tau_stride, HAS_MASK=counted is not None, TEMP_BY_VALUE=isinstance(tau, float),
-        NAN_FLAGGED=nan_flagged, num_warps=1,
+        nb, V_whole, tau, tau_stride, out if fold else state, HAS_MASK=counted is not None,
+        TEMP_BY_VALUE=isinstance(tau, float), NAN_FLAGGED=nan_flagged, HAS_INIT=state is not None, FOLD=fold,
+        num_warps=1,
     )
-    return logp, ent, stats, bad
+    return out if fold else (logp, ent, stats, bad)
 
 
 def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, g=None):
