@@ -1,0 +1,127 @@
+"""Tests added by the third mutation sweep (issue 31, item 5; tests/mutation_sweep.py): each kills mutants
+of the sampler replay (spec 13), the verl modes or the per-token temperature code that the suite let
+survive, through the public calls and against the float64 reference (reference/). The mutant ids in the
+docstrings are the sweep's."""
+import math
+
+import pytest
+import torch
+
+from gtpo_kernels import gtpo_loss, token_logprobs
+from gtpo_reference import gtpo_sampling as rs
+
+
+def _logp_over(row, keep, y, tau=1.0):
+    """log p^K_y of one float64 row over the ids `keep`."""
+    s = row.double()[torch.tensor(keep)] / tau
+    return float(s[keep.index(y)] - torch.logsumexp(s, 0))
+
+
+# ---- the rebuild's rules (kernels/kept_set.py) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_top_p_removes_the_prefix_whose_mass_equals_one_minus_top_p(backend):
+    """K3: four equal logits (the others -inf), top_p = 0.75: the cumulative masses 0.25, 0.5, 0.75, 1 are
+    exact and the first (lowest id: ties by ascending id) is <= 1 - top_p = 0.25, so it is removed: 3 kept
+    (vLLM's `<=`), log p = log(1/3)."""
+    row = torch.tensor([1.5, 1.5, 1.5, 1.5, -float("inf"), -float("inf")])
+    logits = row.reshape(1, 1, -1).repeat(2, 3, 1)
+    ids = torch.full((2, 3), 3)
+    lp, _ = token_logprobs(logits, ids, 1.0, top_p=0.75, backend=backend)
+    ref, _, _, (tid, off) = rs.replay_token_logprobs(logits.double(), ids, top_p=0.75)
+    assert tid[:3].tolist() == [1, 2, 3] and off[1] == 3
+    assert abs(float(ref[0, 0]) - math.log(1 / 3)) < 1e-12
+    torch.testing.assert_close(lp.double(), ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_top_p_one_keeps_entries_whose_probability_underflows(backend):
+    """K4: top_k = 3 and top_p off (None, or exactly 1): the 3 largest values are kept although two of them
+    have a probability that underflows to 0 in float32 (top-p would remove a prefix of mass 0 <= 1 - 1):
+    mean_kept_size 3, nothing restored, as the float64 reference."""
+    V = 8
+    row = torch.full((V,), -1000.0)
+    row[2], row[5], row[6] = 0.0, -150.0, -151.0
+    logits = row.reshape(1, 1, V).repeat(2, 2, 1)
+    ids = torch.full((2, 2), 2)
+    adv = torch.tensor([1.0, -1.0])
+    for top_p in (None, 1.0):
+        out = gtpo_loss(logits, ids, adv, group_size=2, config="grpo", top_k=3, top_p=top_p, backend=backend)
+        _, _, met, _ = rs.replay_token_logprobs(logits.double(), ids, top_k=3, top_p=top_p)
+        assert float(met["mean_kept_size"]) == 3.0
+        for k in ("mean_kept_size", "replay_restored_frac", "kept_mass"):
+            torch.testing.assert_close(out.metrics[k].double(), met[k], atol=1e-6, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tiny_top_p_keeps_the_largest_entry(backend):
+    """K5: top_p = 1e-8 (1 - top_p rounds to 1 in float32, so every cumulative mass is <= it): the largest
+    entry is still kept, and the sampled token (not the largest) restored beside it."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3, 10, generator=g) * 2
+    am = logits.argmax(-1)
+    ids = (am + 1) % 10
+    lp, _ = token_logprobs(logits, ids, 1.0, top_p=1e-8, backend=backend)
+    ref, _, _, (tid, off) = rs.replay_token_logprobs(logits.double(), ids, top_p=1e-8)
+    assert (off.diff() == 2).all()
+    assert (ref < -1e-3).all()  # two entries in every set: log p of the sampled one is not 0
+    torch.testing.assert_close(lp.double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_plus_inf_logit_with_min_p_gives_nan_or_raises(backend):
+    """K15: a row holding +inf with min_p: its kept set means nothing, so the token's log-prob is NaN
+    unvalidated (min-p's exp(s - inf) removed everything but the restored sampled token: it was a finite 0)
+    and validating raises; the other tokens equal the reference's."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 9, generator=g)
+    ids = torch.randint(0, 9, (2, 3), generator=g)
+    bad = logits.clone()
+    bad[1, 2, (int(ids[1, 2]) + 1) % 9] = float("inf")
+    lp, ent = token_logprobs(bad, ids, 1.0, min_p=0.1, validate=False, backend=backend)
+    assert torch.isnan(lp[1, 2]) and torch.isnan(ent[1, 2]), (lp, ent)
+    ok = torch.ones(2, 3, dtype=torch.bool)
+    ok[1, 2] = False
+    ref, _, _, _ = rs.replay_token_logprobs(logits.double(), ids, min_p=0.1)
+    torch.testing.assert_close(lp[ok].double(), ref[ok], atol=1e-5, rtol=0)
+
+
+@pytest.mark.xfail(strict=True, reason="defect found by the sweep: validating, a row with NaN / +inf under rebuilt "
+                   "sets is made NaN but not refused (the rebuild drops the entry: min-p's exp(s - max) is NaN "
+                   "there even at min_p = 0, and kept_sets' `nonfinite` only makes the token invalid); spec 6: "
+                   "a counted row with NaN / +inf is invalid input, refused when validating as without rules")
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("rule", [dict(top_k=3), dict(top_p=0.9), dict(min_p=0.1)])
+def test_nonfinite_row_with_rules_is_refused_when_validating(rule, value):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 9, generator=g)
+    ids = torch.randint(0, 9, (2, 3), generator=g)
+    logits[1, 2, (int(ids[1, 2]) + 1) % 9] = value
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
+        token_logprobs(logits, ids, 1.0, backend="torch", **rule)
+
+
+# ---- recorded sets on packed logits with logits_start (kernels/replay.py) -------------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_packed_recorded_sets_with_logits_start(backend):
+    """R2: packed logits (1 + N, V) with logits_start = 1 (row 1 + k predicts token k) and recorded sets: the
+    log-probs, entropies and the gradient are the reference's on rows 1.. (they were read one row early)."""
+    g = torch.Generator().manual_seed(11)
+    N, V = 7, 16
+    z = torch.randn(N + 1, V, generator=g) * 2
+    ids = torch.randint(0, V, (N,), generator=g)
+    cu = torch.tensor([0, 3, N], dtype=torch.int32)
+    tau = 0.7
+    rlp, rent, _, sm = rs.replay_token_logprobs(z[1:].double(), ids, top_k=5, temperature=tau, cu_seqlens=cu)
+    x = z.clone().requires_grad_()
+    lp, ent = token_logprobs(x, ids, tau, cu_seqlens=cu, max_seqlen=4, logits_start=1, sampling_mask=sm,
+                             backend=backend)
+    torch.testing.assert_close(lp.double(), rlp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent.double(), rent, atol=1e-5, rtol=0)
+    adv = torch.tensor([1.0, -0.5])
+    out = gtpo_loss(x, ids, adv, cu_seqlens=cu, max_seqlen=4, logits_start=1, lam=torch.ones(N), n_conf=torch.ones(2),
+                    config="grpo", temperature=tau, sampling_mask=sm, backend=backend)
+    torch.testing.assert_close(out.logps.double(), rlp, atol=1e-5, rtol=0)
+    out.loss.backward()
+    assert x.grad[0].eq(0).all() and x.grad[1:].abs().sum() > 0
