@@ -12,6 +12,7 @@ Mutants marked `equivalent` cannot change any observable output of the package; 
 reason. The score is killed / (mutants that applied), reported with and without the equivalents.
 
     python tests/mutation_sweep.py                      # the whole sweep (about an hour on 2 shared cores)
+    python tests/mutation_sweep.py --before             # the same without this round's tests (before score)
     python tests/mutation_sweep.py --file kept_set.py   # the mutants of files whose path contains this
     python tests/mutation_sweep.py --only K3,S7         # these mutants
     python tests/mutation_sweep.py --list               # the mutants, not run
@@ -327,13 +328,14 @@ MUTANTS = [
 
 
 TEST_OVERRIDE = None  # --tests: these pytest arguments in place of the mapping
+WITHOUT_NEW = False  # --before: the suite as it was before this round's tests
 
 
 def tests_for(m, root):
     if TEST_OVERRIDE:
         return TEST_OVERRIDE
     files = [f"tests/{t}.py" for t in (m.tests or TESTS[m.file])]
-    if os.path.exists(os.path.join(root, NEW_TESTS)):
+    if not WITHOUT_NEW and os.path.exists(os.path.join(root, NEW_TESTS)):
         files.append(NEW_TESTS)
     return files
 
@@ -355,10 +357,11 @@ def run(m, root, timeout):
     src = apply(m, root)
     if src is None:
         return "stale", 0.0, ""
-    # dev profile: a third of the hypothesis examples (a mutant is usually killed by the first few)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", HYPOTHESIS_PROFILE="dev")
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"] + tests_for(m, root)
-    cmd += [f"--deselect={d}" for d in DESELECT] + ["--hypothesis-seed=0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", HYPOTHESIS_PROFILE="mutation",
+               PYTHONPATH=os.pathsep.join([PLUGIN_DIR] + ([os.environ["PYTHONPATH"]] if "PYTHONPATH" in os.environ
+                                                          else [])))
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "gtpo_mutation_profile"]
+    cmd += tests_for(m, root) + [f"--deselect={d}" for d in DESELECT]
     t0 = time.time()
     try:
         r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
@@ -373,6 +376,18 @@ def run(m, root, timeout):
         with open(path, "w") as f:
             f.write(src)
     return status, time.time() - t0, tail
+
+
+# ci's examples, derandomized, but no shrinking: a failing example ends the run at once (shrinking a
+# mutant's failure took minutes); registered before tests/conftest.py loads HYPOTHESIS_PROFILE
+PLUGIN = """from hypothesis import HealthCheck, Phase, settings
+settings.register_profile("mutation", max_examples=50, derandomize=True, deadline=None, database=None,
+                          phases=(Phase.explicit, Phase.reuse, Phase.generate),
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+"""
+PLUGIN_DIR = tempfile.mkdtemp(prefix="gtpo-mut-plugin-")
+with open(os.path.join(PLUGIN_DIR, "gtpo_mutation_profile.py"), "w") as _f:
+    _f.write(PLUGIN)
 
 
 def copy_tree():
@@ -394,9 +409,11 @@ def main():
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--check", action="store_true", help="check the snippets only")
     ap.add_argument("--in-place", action="store_true", help="mutate this checkout (restored after each)")
+    ap.add_argument("--before", action="store_true", help=f"without {NEW_TESTS} (the score before this round)")
     ap.add_argument("--tests", help="comma-separated pytest arguments run in place of the mapped test files")
     a = ap.parse_args()
-    global TEST_OVERRIDE
+    global TEST_OVERRIDE, WITHOUT_NEW
+    WITHOUT_NEW = a.before
     TEST_OVERRIDE = a.tests.split(",") if a.tests else None
     ids = set(a.only.split(",")) if a.only else None
     sel = [m for m in MUTANTS if (ids is None or m.id in ids) and (a.file is None or a.file in m.file)]
@@ -422,6 +439,7 @@ def main():
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(PLUGIN_DIR, ignore_errors=True)
     report(rows)
 
 

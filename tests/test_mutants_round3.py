@@ -125,3 +125,29 @@ def test_packed_recorded_sets_with_logits_start(backend):
     torch.testing.assert_close(out.logps.double(), rlp, atol=1e-5, rtol=0)
     out.loss.backward()
     assert x.grad[0].eq(0).all() and x.grad[1:].abs().sum() > 0
+
+
+# ---- the rules' invalid values, unvalidated (pipeline/replay.py, pipeline/head_replay.py) ------------------
+
+@pytest.mark.parametrize("bad_rule", ["top_k", "top_p", "min_p"])
+def test_one_invalid_rule_among_several_gives_nan(bad_rule):
+    """P2: per-token top_k, top_p and min_p tensors, validate=False, one of them invalid at one token: that
+    token's log-prob and entropy are NaN (any invalid rule: the flags are or-ed, not and-ed), through the
+    logits and the head; the other tokens equal the float64 reference's."""
+    from gtpo_kernels import linear_token_logprobs
+    g = torch.Generator().manual_seed(21)
+    B, T, D, V = 2, 3, 6, 14
+    h = torch.randn(B, T, D, generator=g)
+    w = torch.randn(V, D, generator=g)
+    logits = h @ w.t()
+    ids = torch.randint(0, V, (B, T), generator=g)
+    rules = dict(top_k=torch.full((B, T), 6), top_p=torch.full((B, T), 0.9), min_p=torch.full((B, T), 0.01))
+    bad = {k: v.clone() for k, v in rules.items()}
+    bad[bad_rule][0, 1] = {"top_k": -2, "top_p": 1.5, "min_p": -0.5}[bad_rule]
+    ok = torch.ones(B, T, dtype=torch.bool)
+    ok[0, 1] = False
+    ref, _, _, _ = rs.replay_token_logprobs((h.double() @ w.double().t()), ids, **rules)
+    for lp, ent in (token_logprobs(logits, ids, 1.0, validate=False, backend="torch", **bad),
+                    linear_token_logprobs(h, w, ids, 1.0, validate=False, backend="torch", **bad)):
+        assert torch.isnan(lp[0, 1]) and torch.isnan(ent[0, 1]), lp
+        torch.testing.assert_close(lp[ok].double(), ref[ok], atol=1e-5, rtol=0)
