@@ -151,3 +151,47 @@ def test_one_invalid_rule_among_several_gives_nan(bad_rule):
                     linear_token_logprobs(h, w, ids, 1.0, validate=False, backend="torch", **bad)):
         assert torch.isnan(lp[0, 1]) and torch.isnan(ent[0, 1]), lp
         torch.testing.assert_close(lp[ok].double(), ref[ok], atol=1e-5, rtol=0)
+
+
+# ---- the head's replay (pipeline/head_replay.py) --------------------------------------------------------------
+
+def _head(seed=31, B=4, T=3, D=8, V=24):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, D, generator=g)
+    w = torch.randn(V, D, generator=g) * 0.8
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return h, w, ids, torch.randn(B, generator=g)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_head_rebuilt_sets_use_the_temperature_and_report_restored(backend):
+    """H7, H8: linear_gtpo_loss with top_k / top_p rebuilt at temperature 0.6, sampled ids drawn at random
+    (some left out by the rules: restored): log-probs and the metrics replay_restored_frac, mean_kept_size,
+    kept_mass equal the float64 reference's on the materialized logits."""
+    from gtpo_kernels import linear_gtpo_loss
+    h, w, ids, adv = _head()
+    ids[:, 0] = (h @ w.t())[:, 0].argmax(-1)  # these kept by the rules, the others mostly restored
+    rules = dict(top_k=5, top_p=0.7)
+    out = linear_gtpo_loss(h, w, ids, adv, group_size=2, config="grpo", temperature=0.6, backend=backend, **rules)
+    rlp, _, met, _ = rs.replay_token_logprobs(h.double() @ w.double().t(), ids, temperature=0.6, **rules)
+    assert 0 < float(met["replay_restored_frac"]) < 1
+    torch.testing.assert_close(out.logps.double(), rlp, atol=1e-5, rtol=0)
+    for k in ("replay_restored_frac", "mean_kept_size", "kept_mass"):
+        torch.testing.assert_close(out.metrics[k].double(), met[k], atol=1e-5, rtol=0, msg=k)
+
+
+def test_head_recorded_sets_refuse_a_nonfinite_kept_logit():
+    """H10: linear_token_logprobs with recorded sets whose kept column holds +inf (a weight row of inf):
+    validating, the flagged row is refused naming the logits; unvalidated its token is NaN."""
+    from gtpo_kernels import linear_token_logprobs
+    h, w, ids, _ = _head()
+    logits = (h.double() @ w.double().t())
+    _, _, _, (tid, off) = rs.replay_token_logprobs(logits, ids, top_k=4)
+    col = next(int(v) for v in tid[off[1]:off[2]] if int(v) != int(ids[0, 1]))  # in token 1's set
+    w = w.clone()
+    w[col] = 0.0
+    w[col, 0] = math.copysign(float("inf"), float(h[0, 1, 0]))  # token 1's logit of `col`: +inf
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
+        linear_token_logprobs(h, w, ids, 1.0, sampling_mask=(tid, off), backend="torch")
+    lp, _ = linear_token_logprobs(h, w, ids, 1.0, sampling_mask=(tid, off), backend="torch", validate=False)
+    assert torch.isnan(lp[0, 1])
