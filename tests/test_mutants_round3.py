@@ -195,3 +195,23 @@ def test_head_recorded_sets_refuse_a_nonfinite_kept_logit():
         linear_token_logprobs(h, w, ids, 1.0, sampling_mask=(tid, off), backend="torch")
     lp, _ = linear_token_logprobs(h, w, ids, 1.0, sampling_mask=(tid, off), backend="torch", validate=False)
     assert torch.isnan(lp[0, 1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rebuilt_sets_refuse_a_sampled_token_at_minus_inf(backend):
+    """P8: the sampled token's own logit is -inf (the rules leave it out; it is restored): validating, the
+    replay kernel's flag is read and the call refuses naming that token; unvalidated its log-prob is NaN and
+    the others are the reference's."""
+    g = torch.Generator().manual_seed(41)
+    logits = torch.randn(2, 3, 10, generator=g)
+    ids = torch.randint(0, 10, (2, 3), generator=g)
+    bad = logits.clone()
+    bad[1, 0, int(ids[1, 0])] = -float("inf")
+    with pytest.raises(ValueError, match=r"completion token \(1, 0\) gives its own target token a logit of -inf"):
+        token_logprobs(bad, ids, 1.0, top_k=3, backend=backend)
+    lp, _ = token_logprobs(bad, ids, 1.0, top_k=3, validate=False, backend=backend)
+    assert torch.isnan(lp[1, 0])
+    ok = torch.ones(2, 3, dtype=torch.bool)
+    ok[1, 0] = False
+    ref, _, _, _ = rs.replay_token_logprobs(logits.double(), ids, top_k=3)
+    torch.testing.assert_close(lp[ok].double(), ref[ok], atol=1e-5, rtol=0)
