@@ -110,7 +110,8 @@ MUTANTS = [
       "full-sort path: the k-th value and its ties dropped"),
     M("K10", "kernels/kept_set.py", "if bool(((k > 0) & (k <= min(TOPK_PATH, V - 1))).all()):", "if False:",
       "the top-k path never taken",
-      equivalent="the full sort computes the same kept set (values ascending, ties by ascending id); speed only"),
+      equivalent="the full sort computes the same kept set (values ascending, ties by ascending id): memory and "
+                 "speed only (test_recompute_is_blockwise kills it by checking that only the candidates are sorted)"),
     M("K11", "kernels/kept_set.py", "tp = torch.where((tp > 0) & (tp <= 1), tp, torch.ones_like(tp))",
       "tp = torch.where((tp > 0) & (tp < 1), tp, torch.ones_like(tp))", "top_p = 1 replaced by 1",
       equivalent="a top_p of exactly 1 is replaced by 1: the same value"),

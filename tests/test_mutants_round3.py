@@ -215,3 +215,56 @@ def test_rebuilt_sets_refuse_a_sampled_token_at_minus_inf(backend):
     ok[1, 0] = False
     ref, _, _, _ = rs.replay_token_logprobs(logits.double(), ids, top_k=3)
     torch.testing.assert_close(lp[ok].double(), ref[ok], atol=1e-5, rtol=0)
+
+
+# ---- the replay kernels (kernels/replay_torch.py, replay_triton.py, replay_ops.py) ---------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_recorded_set_with_a_nonfinite_kept_logit(backend, value):
+    """T4: a kept (not sampled) logit of +inf or NaN in a recorded set: validating, the call refuses naming
+    the row; unvalidated that token's log-prob and entropy are NaN and the others the reference's."""
+    g = torch.Generator().manual_seed(51)
+    logits = torch.randn(2, 3, 12, generator=g)
+    ids = torch.randint(0, 12, (2, 3), generator=g)
+    ref, _, _, (tid, off) = rs.replay_token_logprobs(logits.double(), ids, top_k=4)
+    col = next(int(v) for v in tid[off[4]:off[5]] if int(v) != int(ids[1, 1]))  # token (1, 1)'s set
+    bad = logits.clone()
+    bad[1, 1, col] = value
+    with pytest.raises(ValueError, match=r"completion token \(1, 1\) contains NaN or \+inf"):
+        token_logprobs(bad, ids, 1.0, sampling_mask=(tid, off), backend=backend)
+    lp, ent = token_logprobs(bad, ids, 1.0, sampling_mask=(tid, off), validate=False, backend=backend)
+    assert torch.isnan(lp[1, 1]) and torch.isnan(ent[1, 1])
+    ok = torch.ones(2, 3, dtype=torch.bool)
+    ok[1, 1] = False
+    torch.testing.assert_close(lp[ok].double(), ref[ok], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attach_replay_grad_scales_by_the_upstream_gradient(backend):
+    """O1: attach_replay_grad's backward multiplies the coefficients by the upstream gradient: d(2.5 L)/dz
+    = 2.5 dL/dz, with dL/dz the float64 reference's."""
+    from gtpo_kernels.core.sampling import check_sampling_mask_flat
+    from gtpo_kernels.kernels.replay import flat_rows
+    from gtpo_kernels.kernels.replay_ops import attach_replay_grad, replay_fwd
+    g = torch.Generator().manual_seed(52)
+    B, T, V = 2, 3, 12
+    z = torch.randn(B, T, V, generator=g)
+    y = torch.randint(0, V, (B, T), generator=g)
+    _, _, _, (tid, off) = rs.replay_token_logprobs(z.double(), y, top_k=5)
+    counted = torch.ones(B * T, dtype=torch.bool)
+    tok, f_off, invalid = check_sampling_mask_flat((tid, off), y.reshape(-1), counted, V, validate=False)
+    rb, rt = flat_rows((B, T), 0, z.device)
+    w1, w2 = torch.randn(B * T, generator=g), torch.randn(B * T, generator=g)
+    tau = torch.tensor(0.8)
+    x = z.clone().requires_grad_()
+    logp, ent, stats, _ = replay_fwd(x.detach(), rb, rt, y.reshape(-1), tau, tok, f_off, invalid, counted, 1.0, None,
+                                     backend)
+    value = attach_replay_grad(x, (w1 * logp + w2 * ent).sum(), rb, rt, y.reshape(-1), tau, tok, f_off, stats, ent,
+                               w1, w2, 1.0, None, backend)
+    (2.5 * value).backward()
+    rows = z.reshape(B * T, V).double().requires_grad_()
+    rlp, rh = rs.replay_logprobs(rows, y.reshape(-1), (tid, off), 0.8)
+    (2.5 * (w1.double() * rlp + w2.double() * rh).sum()).backward()
+    assert rows.grad.abs().sum() > 0
+    torch.testing.assert_close(x.grad.reshape(B * T, V).double(), rows.grad, atol=1e-5, rtol=1e-5)
