@@ -268,3 +268,48 @@ def test_attach_replay_grad_scales_by_the_upstream_gradient(backend):
     (2.5 * (w1.double() * rlp + w2.double() * rh).sum()).backward()
     assert rows.grad.abs().sum() > 0
     torch.testing.assert_close(x.grad.reshape(B * T, V).double(), rows.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_replay_kernel_flags_bad_sets_by_itself(backend):
+    """X3, X4: replay_logprobs without `invalid` (the kernel's own checks, spec 13's contract of its flags):
+    a set holding the sampled id twice, or an id outside [0, V), is flagged and its token NaN; the other
+    tokens equal the float64 reference's."""
+    from gtpo_kernels.kernels.replay import counted_rows, replay_logprobs
+    g = torch.Generator().manual_seed(53)
+    B, T, V = 1, 4, 10
+    z = torch.randn(B, T, V, generator=g)
+    y = torch.tensor([2, 5, 7, 1])
+    sets = [[1, 2, 4], [5, 5, 6], [0, 7, V + 3], [1, 3, 9]]  # token 1: y twice; token 2: an id out of range
+    tid = torch.tensor([v for s in sets for v in s])
+    off = torch.tensor([0, 3, 6, 9, 12])
+    rb, rt = counted_rows(torch.ones(B, T, dtype=torch.bool), (B, T))
+    lp, ent, flags = replay_logprobs(z, rb, rt, y, 1.0, tid, off, backend=backend)
+    assert flags.tolist()[0] == 0 and flags.tolist()[3] == 0 and (flags[1:3] != 0).all(), flags
+    assert torch.isnan(lp[1:3]).all() and torch.isnan(ent[1:3]).all()
+    good = torch.tensor([0, 3])
+    rlp, rh = rs.replay_logprobs(z[0, good].double(), y[good], (torch.tensor([1, 2, 4, 1, 3, 9]), torch.tensor([0, 3, 6])))
+    torch.testing.assert_close(lp[good].double(), rlp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent[good].double(), rh, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_entropy_only_gradient_over_recorded_sets(backend):
+    """T9, X6: recorded sets, completions with advantage 0 beside others and an entropy bonus: the tokens
+    whose only coefficient is the entropy's (c = 0, e != 0) get their gradient (it was left 0), equal to
+    the float64 reference's."""
+    from conftest import assert_grad_close
+    from gtpo_kernels import GTPOConfig
+    g = torch.Generator().manual_seed(54)
+    logits = torch.randn(4, 3, 12, generator=g) * 1.5
+    ids = torch.randint(0, 12, (4, 3), generator=g)
+    _, _, _, sm = rs.replay_token_logprobs(logits.double(), ids, top_k=5)
+    adv = torch.tensor([0.0, 1.2, 0.0, -0.8])
+    cfg = GTPOConfig.preset("grpo", entropy_coef=0.1)
+    grads = {}
+    for b, x in ((backend, logits.clone()), ("reference", logits.double())):
+        x.requires_grad_()
+        gtpo_loss(x, ids, adv.to(x.dtype), group_size=2, config=cfg, sampling_mask=sm, backend=b).loss.backward()
+        grads[b] = x.grad
+    assert grads["reference"][0].abs().sum() > 0  # the zero-advantage completion's rows move
+    assert_grad_close("grad", grads[backend], grads["reference"], 1e-5)
