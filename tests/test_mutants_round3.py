@@ -313,3 +313,25 @@ def test_entropy_only_gradient_over_recorded_sets(backend):
         grads[b] = x.grad
     assert grads["reference"][0].abs().sum() > 0  # the zero-advantage completion's rows move
     assert_grad_close("grad", grads[backend], grads["reference"], 1e-5)
+
+
+# ---- per-token temperature (core/sampling.py, pipeline/loss.py, kernels/ops.py, ...) --------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_infinite_per_token_temperature_refused_or_nan(backend):
+    """S2: a per-token temperature of +inf at one counted token is not finite: refused when validating,
+    NaN at that token unvalidated; the others equal the reference's at their own temperatures."""
+    g = torch.Generator().manual_seed(61)
+    logits = torch.randn(2, 3, 9, generator=g)
+    ids = torch.randint(0, 9, (2, 3), generator=g)
+    tau = 0.5 + torch.rand(2, 3, generator=g)
+    bad = tau.clone()
+    bad[0, 2] = float("inf")
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        token_logprobs(logits, ids, bad, backend=backend)
+    lp, _ = token_logprobs(logits, ids, bad, validate=False, backend=backend)
+    assert torch.isnan(lp[0, 2])
+    ok = torch.ones(2, 3, dtype=torch.bool)
+    ok[0, 2] = False
+    ref = torch.log_softmax(logits.double() / tau.double()[..., None], -1).gather(-1, ids[..., None])[..., 0]
+    torch.testing.assert_close(lp[ok].double(), ref[ok], atol=1e-5, rtol=0)
