@@ -13,6 +13,7 @@ reason. The score is killed / (mutants that applied), reported with and without 
 
     python tests/mutation_sweep.py                      # the whole sweep (about an hour on 2 shared cores)
     python tests/mutation_sweep.py --before             # the same without this round's tests (before score)
+    python tests/mutation_sweep.py --resume before.log  # rerun only what that sweep left alive (after score)
     python tests/mutation_sweep.py --file kept_set.py   # the mutants of files whose path contains this
     python tests/mutation_sweep.py --only K3,S7         # these mutants
     python tests/mutation_sweep.py --list               # the mutants, not run
@@ -411,6 +412,8 @@ def main():
     ap.add_argument("--check", action="store_true", help="check the snippets only")
     ap.add_argument("--in-place", action="store_true", help="mutate this checkout (restored after each)")
     ap.add_argument("--before", action="store_true", help=f"without {NEW_TESTS} (the score before this round)")
+    ap.add_argument("--resume", help="a previous sweep's output: its killed mutants are taken as killed (valid when "
+                    "tests were only added since: the same runs, with more tests), the others run again")
     ap.add_argument("--tests", help="comma-separated pytest arguments run in place of the mapped test files")
     a = ap.parse_args()
     global TEST_OVERRIDE, WITHOUT_NEW
@@ -429,10 +432,20 @@ def main():
                   f"{'[equivalent] ' if m.equivalent else ''}{m.what}")
         print(f"{len(sel)} mutants, {bad} stale")
         return 1 if bad and a.check else 0
+    prior = {}
+    if a.resume:
+        with open(a.resume) as f:
+            for line in f:
+                w = line.split()
+                if len(w) > 2 and w[1] in ("killed", "timeout", "survived", "stale"):
+                    prior[w[0]] = w[1]
     tmp, root = (None, ROOT) if a.in_place else copy_tree()
     rows = []
     try:
         for m in sel:
+            if prior.get(m.id) in ("killed", "timeout"):
+                rows.append((m, prior[m.id], 0.0, "(killed in " + a.resume + ")"))
+                continue
             status, dt, tail = run(m, root, a.timeout)
             rows.append((m, status, dt, tail))
             print(f"{m.id:5} {status:8} {dt:6.1f}s {m.file:28} {'[eq] ' if m.equivalent else ''}{m.what} | {tail}",
