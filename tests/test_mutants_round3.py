@@ -335,3 +335,21 @@ def test_infinite_per_token_temperature_refused_or_nan(backend):
     ok[0, 2] = False
     ref = torch.log_softmax(logits.double() / tau.double()[..., None], -1).gather(-1, ids[..., None])[..., 0]
     torch.testing.assert_close(lp[ok].double(), ref[ok], atol=1e-5, rtol=0)
+
+
+def test_float64_per_token_temperature_is_not_rounded():
+    """U7: float64 logits with a float64 per-token temperature (values float32 cannot hold): the log-probs
+    meet the float64 reference to spec 7's float64 tolerance (1e-12), with and without kept sets (a float32
+    rounding of tau is ~1e-8 off)."""
+    g = torch.Generator().manual_seed(62)
+    logits = torch.randn(2, 4, 11, generator=g, dtype=torch.float64) * 3
+    ids = torch.randint(0, 11, (2, 4), generator=g)
+    tau = 0.6 + torch.rand(2, 4, generator=g, dtype=torch.float64) / 3
+    assert (tau.float().double() != tau).all()
+    ref = torch.log_softmax(logits / tau[..., None], -1).gather(-1, ids[..., None])[..., 0]
+    lp, _ = token_logprobs(logits, ids, tau, backend="torch")
+    assert (lp - ref).abs().max() <= 1e-12 * max(1.0, float(ref.abs().max()))
+    rlp, _, _, sm = rs.replay_token_logprobs(logits, ids, temperature=tau, top_k=6)
+    for kw in (dict(top_k=6), dict(sampling_mask=sm)):
+        lp, _ = token_logprobs(logits, ids, tau, backend="torch", **kw)
+        assert (lp - rlp).abs().max() <= 1e-12 * max(1.0, float(rlp.abs().max())), kw
