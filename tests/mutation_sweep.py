@@ -224,7 +224,8 @@ MUTANTS = [
       "unvalidated: a wrong number of sets not made invalid"),
     M("S20", "core/sampling.py", "return token_ids, flat, ((code != 0) & counted) | malformed | mismatch",
       "return token_ids, flat, (code != 0) | malformed | mismatch", "uncounted tokens (empty sets) flagged invalid",
-      equivalent="uncounted tokens' outputs are set to 0 (finish, counted=) and they carry no gradient"),
+      equivalent="uncounted tokens' outputs are set to 0 (finish, counted=) and they carry no gradient: the public "
+                 "outputs are unchanged (test_sampling_checks kills it through check_sampling_mask_flat's own output)"),
 
     # ---- objective/verl_modes.py -----------------------------------------------------------------------
     M("V1", "objective/verl_modes.py", "return -A * logp, None, -A, _none(logp)",

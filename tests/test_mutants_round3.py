@@ -353,3 +353,20 @@ def test_float64_per_token_temperature_is_not_rounded():
     for kw in (dict(top_k=6), dict(sampling_mask=sm)):
         lp, _ = token_logprobs(logits, ids, tau, backend="torch", **kw)
         assert (lp - rlp).abs().max() <= 1e-12 * max(1.0, float(rlp.abs().max())), kw
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_float64_min_p_tensor_is_compared_in_float64(backend):
+    """S12: min_p as a float64 tensor on float64 logits keeps what the same number keeps, with a cut 1e-9
+    below a boundary: p = (0.5, 0.3, 0.2), min_p = 0.4 - 1e-9 keeps the 0.2 token (p >= min_p max p); float32
+    rounds min_p up to 0.40000000596 and would remove it."""
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    logits = torch.log(p).reshape(1, 1, 3).repeat(2, 2, 1)
+    ids = torch.zeros(2, 2, dtype=torch.long)
+    min_p = 0.4 - 1e-9
+    assert float(torch.tensor(min_p, dtype=torch.float32)) > 0.4
+    as_number, _ = token_logprobs(logits, ids, 1.0, min_p=min_p, backend=backend)
+    as_tensor, _ = token_logprobs(logits, ids, 1.0, min_p=torch.full((2,), min_p, dtype=torch.float64),
+                                  backend=backend)
+    assert torch.allclose(as_number, torch.full((2, 2), math.log(0.5), dtype=torch.float64), atol=1e-12), as_number
+    assert torch.allclose(as_tensor, as_number, atol=1e-12, rtol=0), (as_tensor, as_number)
