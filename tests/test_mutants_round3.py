@@ -438,3 +438,56 @@ def test_clip_cov_clip_frac_equals_the_reference_where_the_ppo_clip_binds():
                                              eps_high=0.05, generator=torch.Generator().manual_seed(0))
                     ).metrics["clip_frac"] for b in ("torch", "reference")]
     torch.testing.assert_close(fr[0], fr[1])
+
+
+# ---- rebuilt sets across a vocabulary split (distributed/vocab_replay.py) -------------------------------------
+
+def _split_rank(rank, world):
+    import torch.distributed as dist
+    g = torch.Generator().manual_seed(81)
+    B, T, V, cut = 4, 3, 20, 9
+    x = torch.randn(B, T, V, generator=g) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    ids[:, 0] = x[:, 0].argmax(-1)  # kept by the rules; most others restored
+    part = x[..., :cut] if rank == 0 else x[..., cut:]
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    res = {}
+    rules = dict(top_k=3, top_p=0.8)
+    out = gtpo_loss(part.contiguous(), ids, adv, group_size=2, config="grpo", backend="torch",
+                    process_group=dist.group.WORLD, **rules)
+    rlp, _, met, _ = rs.replay_token_logprobs(x.double(), ids, **rules)
+    res["ref_restored"] = float(met["replay_restored_frac"])
+    res["metrics"] = {k: abs(float(out.metrics[k]) - float(met[k])) for k in met}
+    res["logps"] = float((out.logps.double() - rlp).abs().max())
+    # top_k = 0 at a token: its set cannot be rebuilt from the ranks' candidates (refused)
+    k = torch.full((B, T), 3)
+    k[2, 1] = 0
+    try:
+        token_logprobs(part.contiguous(), ids, 1.0, top_k=k, backend="torch", process_group=dist.group.WORLD)
+        res["k0"] = "accepted"
+    except ValueError as e:
+        res["k0"] = str(e)
+    # unvalidated, an invalid rule value at one token (top_p = 1.5): that token NaN, the others finite
+    p = torch.full((B, T), 0.8)
+    p[1, 2] = 1.5
+    lp, _ = token_logprobs(part.contiguous(), ids, 1.0, top_k=3, top_p=p, validate=False, backend="torch",
+                           process_group=dist.group.WORLD)
+    res["bad_nan"] = bool(torch.isnan(lp[1, 2]))
+    ok = torch.ones(B, T, dtype=torch.bool)
+    ok[1, 2] = False
+    res["others"] = float((lp[ok].double() - rlp[ok]).abs().max())
+    return res
+
+
+def test_rebuilt_sets_across_a_vocabulary_split():
+    """D4, D6, D7: on 2 gloo ranks (a split at 9 of 20 ids), rules rebuilt from each rank's top_k candidates:
+    the log-probs and the metrics (replay_restored_frac among them) equal the float64 reference's; a token
+    with top_k = 0 is refused naming sampling_mask; unvalidated, a token with an invalid top_p is NaN."""
+    from gloo import run_ranks
+    ranks = run_ranks(_split_rank, 2, watchdog=120)
+    for r, res in enumerate(ranks):
+        assert "exception" not in res, f"rank {r}: {res.get('exception')}"
+        assert 0 < res["ref_restored"] < 1
+        assert res["logps"] <= 1e-5 and all(v <= 1e-6 for v in res["metrics"].values()), (r, res)
+        assert "top_k with process_group must be > 0" in res["k0"], (r, res["k0"])
+        assert res["bad_nan"] and res["others"] <= 1e-5, (r, res)
