@@ -321,7 +321,10 @@ MUTANTS = [
       "return torch.full((1,), 1.0, dtype=torch.float32, device=like.device)", "Triton: a number temperature read as 1"),
     M("U5", "kernels/ops.py", "        return temperature.detach().to(device=like.device, dtype=torch.float32)\n",
       "        return temperature.detach().to(device=like.device, dtype=torch.float32).flip(0)\n",
-      "Triton: a per-token temperature copied in reverse order"),
+      "Triton: a per-token temperature copied in reverse order",
+      equivalent="every tensor of several temperatures reaches temperature_param from loss.call_temperature, "
+                 "float32 on the logits' device (the pass-through branch); the copy branch only sees 0-d / "
+                 "one-element schedules, which flip leaves as they are"),
     M("U6", "pipeline/epilogue.py", "return ops.temperature_param(t, like, \"triton\").reshape(-1), 1.0",
       "return ops.temperature_param(t, like, \"triton\").reshape(-1)[:1], 1.0",
       "the 4-launch path reads only the first per-token temperature"),

@@ -491,3 +491,29 @@ def test_rebuilt_sets_across_a_vocabulary_split():
         assert res["logps"] <= 1e-5 and all(v <= 1e-6 for v in res["metrics"].values()), (r, res)
         assert "top_k with process_group must be > 0" in res["k0"], (r, res["k0"])
         assert res["bad_nan"] and res["others"] <= 1e-5, (r, res)
+
+
+def test_triton_takes_the_number_and_the_schedule_temperature():
+    """U4, U5: on the Triton backend, paths that pass the temperature to the kernels as a tensor (ops.
+    temperature_param): the LM head with a number, a loss off the 4-launch path (rollout weights) with the
+    config's number, and a float64 0-d schedule tensor (copied to float32 once): log-probs at tau = 0.7 equal
+    the float64 reference's."""
+    from gtpo_kernels import GTPOConfig, linear_token_logprobs
+    g = torch.Generator().manual_seed(91)
+    B, T, D, V = 2, 3, 6, 11
+    h = torch.randn(B, T, D, generator=g)
+    w = torch.randn(V, D, generator=g)
+    z = h @ w.t()
+    ids = torch.randint(0, V, (B, T), generator=g)
+    ref = torch.log_softmax(h.double() @ w.double().t() / 0.7, -1).gather(-1, ids[..., None])[..., 0]
+    lp, _ = linear_token_logprobs(h, w, ids, 0.7, backend="triton")
+    torch.testing.assert_close(lp.double(), ref, atol=1e-5, rtol=0)
+    adv = torch.tensor([1.0, -1.0])
+    out = gtpo_loss(z, ids, adv, group_size=2, config=GTPOConfig.preset("grpo", temperature=0.7),
+                    rollout_is_weights=torch.full((B, T), 0.9), backend="triton")
+    torch.testing.assert_close(out.logps.double(), ref, atol=1e-5, rtol=0)
+    sched = torch.tensor(0.7, dtype=torch.float64)
+    out = gtpo_loss(z, ids, adv, group_size=2, config="grpo", temperature=sched, backend="triton")
+    torch.testing.assert_close(out.logps.double(), ref, atol=1e-5, rtol=0)
+    lp, _ = token_logprobs(z, ids, sched, backend="triton")
+    torch.testing.assert_close(lp.double(), ref, atol=1e-5, rtol=0)
