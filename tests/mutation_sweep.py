@@ -14,6 +14,7 @@ reason. The score is killed / (mutants that applied), reported with and without 
     python tests/mutation_sweep.py                      # the whole sweep (about an hour on 2 shared cores)
     python tests/mutation_sweep.py --before             # the same without this round's tests (before score)
     python tests/mutation_sweep.py --resume before.log  # rerun only what that sweep left alive (after score)
+    python tests/mutation_sweep.py --report before.log  # that sweep's table and score, with the current notes
     python tests/mutation_sweep.py --file kept_set.py   # the mutants of files whose path contains this
     python tests/mutation_sweep.py --only K3,S7         # these mutants
     python tests/mutation_sweep.py --list               # the mutants, not run
@@ -419,6 +420,8 @@ def main():
     ap.add_argument("--before", action="store_true", help=f"without {NEW_TESTS} (the score before this round)")
     ap.add_argument("--resume", help="a previous sweep's output: its killed mutants are taken as killed (valid when "
                     "tests were only added since: the same runs, with more tests), the others run again")
+    ap.add_argument("--report", help="print the table and score of a previous sweep's output (nothing run), with "
+                    "this list's current equivalence notes")
     ap.add_argument("--tests", help="comma-separated pytest arguments run in place of the mapped test files")
     a = ap.parse_args()
     global TEST_OVERRIDE, WITHOUT_NEW
@@ -438,6 +441,13 @@ def main():
         print(f"{len(sel)} mutants, {bad} stale")
         return 1 if bad and a.check else 0
     prior = {}
+    if a.report:
+        by_id = {m.id: m for m in MUTANTS}
+        with open(a.report) as f:
+            rows = [(by_id[w[0]], w[1], 0.0, "") for w in (line.split() for line in f)
+                    if len(w) > 2 and w[0] in by_id and w[1] in ("killed", "timeout", "survived", "stale")]
+        report(rows)
+        return 0
     if a.resume:
         with open(a.resume) as f:
             for line in f:
@@ -476,8 +486,8 @@ def report(rows):
         tot["n"] += len(rs)
         tot["eq"] += eq
         tot["eqs"] += eqs
-        print(f"  {f:30} {k:3} / {len(rs):3}   (equivalent {eq}, of which survived {eqs}"
-              + (f"; stale {stale})" if stale else ")"))
+        print(f"  {f:30} {k:3} / {len(rs):3}   non-equivalent {k - (eq - eqs):3} / {len(rs) - eq:3}   "
+              f"(equivalent {eq}, of which survived {eqs}" + (f"; stale {stale})" if stale else ")"))
     n_ne = tot["n"] - tot["eq"]
     k_ne = tot["k"] - (tot["eq"] - tot["eqs"])
     print(f"\nSCORE killed {tot['k']} / {tot['n']} applied mutants; non-equivalent killed {k_ne} / {n_ne}")
