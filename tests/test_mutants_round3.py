@@ -288,7 +288,8 @@ def test_replay_kernel_flags_bad_sets_by_itself(backend):
     assert flags.tolist()[0] == 0 and flags.tolist()[3] == 0 and (flags[1:3] != 0).all(), flags
     assert torch.isnan(lp[1:3]).all() and torch.isnan(ent[1:3]).all()
     good = torch.tensor([0, 3])
-    rlp, rh = rs.replay_logprobs(z[0, good].double(), y[good], (torch.tensor([1, 2, 4, 1, 3, 9]), torch.tensor([0, 3, 6])))
+    good_sets = (torch.tensor([1, 2, 4, 1, 3, 9]), torch.tensor([0, 3, 6]))
+    rlp, rh = rs.replay_logprobs(z[0, good].double(), y[good], good_sets)
     torch.testing.assert_close(lp[good].double(), rlp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent[good].double(), rh, atol=1e-5, rtol=0)
 
@@ -404,7 +405,8 @@ def test_covariance_means_over_counted_tokens(preset, over):
         outs[b].loss.backward()
         grads[b] = x.grad
     assert grads["reference"].abs().sum() > 0
-    assert abs(float(outs["torch"].loss) - float(outs["reference"].loss)) <= 1e-12 * max(1, abs(float(outs["reference"].loss)))
+    want = float(outs["reference"].loss)
+    assert abs(float(outs["torch"].loss) - want) <= 1e-12 * max(1, abs(want))
     torch.testing.assert_close(grads["torch"], grads["reference"], atol=1e-10, rtol=1e-7)
 
 
@@ -418,7 +420,8 @@ def test_clip_cov_clip_frac_leaves_out_zero_advantages():
     fr = []
     for b in ("torch", "reference"):
         cfg = GTPOConfig.preset("clip_cov", entropy_threshold=None, clip_cov_ratio=1.0, clip_cov_lb=-10.0,
-                                clip_cov_ub=10.0, eps_low=0.9, eps_high=0.99, generator=torch.Generator().manual_seed(0))
+                                clip_cov_ub=10.0, eps_low=0.9, eps_high=0.99,
+                                generator=torch.Generator().manual_seed(0))
         fr.append(gtpo_loss(logits, ids, adv, mask, group_size=1, old_logps=old, config=cfg,
                             backend=b).metrics["clip_frac"])
     assert 0 < float(fr[1]) < 1
