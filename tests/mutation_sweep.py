@@ -15,6 +15,7 @@ reason. The score is killed / (mutants that applied), reported with and without 
     python tests/mutation_sweep.py --before             # the same without this round's tests (before score)
     python tests/mutation_sweep.py --resume before.log  # rerun only what that sweep left alive (after score)
     python tests/mutation_sweep.py --report before.log  # that sweep's table and score, with the current notes
+    python tests/mutation_sweep.py --report tests/mutation_before.log,tests/mutation_after.log   # this round's
     python tests/mutation_sweep.py --file kept_set.py   # the mutants of files whose path contains this
     python tests/mutation_sweep.py --only K3,S7         # these mutants
     python tests/mutation_sweep.py --list               # the mutants, not run
@@ -420,8 +421,8 @@ def main():
     ap.add_argument("--before", action="store_true", help=f"without {NEW_TESTS} (the score before this round)")
     ap.add_argument("--resume", help="a previous sweep's output: its killed mutants are taken as killed (valid when "
                     "tests were only added since: the same runs, with more tests), the others run again")
-    ap.add_argument("--report", help="print the table and score of a previous sweep's output (nothing run), with "
-                    "this list's current equivalence notes")
+    ap.add_argument("--report", help="print the table and score of previous sweeps' outputs, comma-separated, a "
+                    "later one overriding (nothing run), with this list's current equivalence notes")
     ap.add_argument("--tests", help="comma-separated pytest arguments run in place of the mapped test files")
     a = ap.parse_args()
     global TEST_OVERRIDE, WITHOUT_NEW
@@ -442,11 +443,13 @@ def main():
         return 1 if bad and a.check else 0
     prior = {}
     if a.report:
-        by_id = {m.id: m for m in MUTANTS}
-        with open(a.report) as f:
-            rows = [(by_id[w[0]], w[1], 0.0, "") for w in (line.split() for line in f)
-                    if len(w) > 2 and w[0] in by_id and w[1] in ("killed", "timeout", "survived", "stale")]
-        report(rows)
+        by_id, status = {m.id: m for m in MUTANTS}, {}
+        for path in a.report.split(","):  # a later output (a --resume run) overrides an earlier one
+            with open(path) as f:
+                for w in (line.split() for line in f):
+                    if len(w) > 2 and w[0] in by_id and w[1] in ("killed", "timeout", "survived", "stale"):
+                        status[w[0]] = w[1]
+        report([(m, status[m.id], 0.0, "") for m in MUTANTS if m.id in status])
         return 0
     if a.resume:
         with open(a.resume) as f:
