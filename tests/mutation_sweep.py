@@ -1,0 +1,506 @@
+"""Mutation sweep over the sampler replay (spec 13), the verl modes and the per-token temperature code
+(issue 31, item 5). Not collected by pytest (no test_ prefix).
+
+Each mutant is one semantic change: (file under gtpo_kernels/, an exact snippet that must occur exactly
+once, its replacement, a description). The sweep copies the repository (without .git) to a temporary
+directory once, applies each mutant there in turn (restored in a finally), runs the test files mapped
+to the mutant's file (pytest -x -q, single process, OMP_NUM_THREADS=1, no bytecode written) with a
+timeout, and records killed / survived / timeout (a timeout counts as killed in the score) / stale (the
+snippet no longer occurs exactly once: the file changed since the list was written).
+
+Mutants marked `equivalent` cannot change any observable output of the package; each carries its
+reason. The score is killed / (mutants that applied), reported with and without the equivalents.
+
+    python tests/mutation_sweep.py                      # the whole sweep (about an hour on 2 shared cores)
+    python tests/mutation_sweep.py --before             # the same without this round's tests (before score)
+    python tests/mutation_sweep.py --resume before.log  # rerun only what that sweep left alive (after score)
+    python tests/mutation_sweep.py --report before.log  # that sweep's table and score, with the current notes
+    python tests/mutation_sweep.py --report tests/mutation_before.log,tests/mutation_after.log   # this round's
+    python tests/mutation_sweep.py --file kept_set.py   # the mutants of files whose path contains this
+    python tests/mutation_sweep.py --only K3,S7         # these mutants
+    python tests/mutation_sweep.py --list               # the mutants, not run
+    python tests/mutation_sweep.py --check              # every snippet occurs exactly once (no tests run)
+    python tests/mutation_sweep.py --only K4 --tests tests/test_mutants_round3.py::test_x   # one test
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NEW_TESTS = "tests/test_mutants_round3.py"  # the tests this round added: run (first) for every file
+
+# the test files that cover each file (run with -x, after NEW_TESTS)
+TESTS = {
+    "pipeline/replay.py": ["test_sampling_rules", "test_replay_api", "test_trust_round3"],
+    "pipeline/head_replay.py": ["test_head_replay", "test_trust_round3"],
+    "distributed/vocab_replay.py": ["test_parallel_replay", "test_parallel_ties"],
+    "kernels/kept_set.py": ["test_sampling_rules", "test_sampling_reference", "test_replay_api", "test_trust_round3"],
+    "kernels/replay.py": ["test_sampling_replay", "test_sampling_checks", "test_replay_api", "test_head_replay"],
+    "kernels/replay_ops.py": ["test_sampling_ops", "test_replay_api"],
+    "kernels/replay_torch.py": ["test_sampling_replay", "test_sampling_checks", "test_replay_api"],
+    "kernels/replay_triton.py": ["test_sampling_replay", "test_sampling_checks", "test_replay_api"],
+    "core/sampling.py": ["test_sampling_checks", "test_sampling_replay", "test_replay_api"],
+    "objective/verl_modes.py": ["test_verl_modes", "test_trust_round3"],
+    "kernels/ops.py": ["test_temperature"],
+    "pipeline/loss.py": ["test_temperature"],
+    "pipeline/head_ops.py": ["test_temperature"],
+    "pipeline/epilogue.py": ["test_temperature"],
+    "api/logits.py": ["test_temperature"],
+}
+# slow tests that check tracing, not values (torch.compile): left out of every run
+DESELECT = ["tests/test_trust_round3.py::test_compiled_step_takes_a_preset_name",
+            "tests/test_sampling_ops.py::test_attach_replay_grad_matches_autograd[True-triton]"]
+
+
+@dataclass
+class Mutant:
+    id: str
+    file: str  # under gtpo_kernels/
+    old: str
+    new: str
+    what: str
+    equivalent: Optional[str] = None  # why no observable output can change
+    tests: Optional[list] = None  # test files in place of TESTS[file]
+
+
+M = Mutant
+MUTANTS = [
+    # ---- pipeline/replay.py ----------------------------------------------------------------------------
+    M("P1", "pipeline/replay.py", "any(x is not None for x in (top_k, top_p, min_p))",
+      "any(x is not None for x in (top_k, top_p))", "min_p alone does not request a replay"),
+    M("P2", "pipeline/replay.py", "out = f if out is None else out | f", "out = f if out is None else out & f",
+      "_any: the rules' invalid flags and-ed, not or-ed"),
+    M("P3", "pipeline/replay.py", "invalid = nonfinite if bad is None else nonfinite | bad", "invalid = nonfinite",
+      "the rules' invalid (unvalidated) values no longer make the token NaN"),
+    M("P4", "pipeline/replay.py", "return logp, ent, torch.where(b.counted, flags, torch.zeros_like(flags)), metrics",
+      "return logp, ent, flags, metrics", "flags at uncounted tokens not zeroed",
+      equivalent="replay.finish (given counted=) already zeroes the flags of uncounted tokens"),
+    M("P5", "pipeline/replay.py", "metrics = rp.replay_metrics(offsets, M=b.counted.sum())",
+      "metrics = rp.replay_metrics(offsets)", "mean_kept_size over every flat token, not the counted ones"),
+    M("P6", "pipeline/replay.py", "rp.replay_metrics(offsets, restored, mass)", "rp.replay_metrics(offsets, None, mass)",
+      "replay_restored_frac always 0 for rebuilt sets"),
+    M("P7", "pipeline/replay.py", "dtype = torch.float32 if b.logits3 is None else float_dtype_for(b.logits3)",
+      "dtype = torch.float32", "float64 calls' rule thresholds rounded to float32"),
+    M("P8", "pipeline/replay.py", "return logp, ent, flags, rp.replay_metrics",
+      "return logp, ent, torch.zeros_like(flags), rp.replay_metrics", "rebuilt sets: the kernel's flags dropped"),
+
+    # ---- kernels/kept_set.py ---------------------------------------------------------------------------
+    M("K1", "kernels/kept_set.py", "keep &= torch.exp(s - mx) >= min_p[:, None]",
+      "keep &= torch.exp(s) >= min_p[:, None]", "min-p against p unnormalized by the row maximum"),
+    M("K2", "kernels/kept_set.py", "mx = torch.where(mx == ninf, torch.zeros_like(mx), mx)", "mx = mx",
+      "an all -inf row's maximum left at -inf",
+      equivalent="such a row keeps nothing already (keep = s > -inf is all False), whatever min-p computes"),
+    M("K3", "kernels/kept_set.py", "drop = (cum <= (1.0 - top_p)[:, None])", "drop = (cum < (1.0 - top_p)[:, None])",
+      "top-p keeps the entry whose cumulative mass equals 1 - top_p"),
+    M("K4", "kernels/kept_set.py", " & (top_p < 1)[:, None]", "",
+      "top_p = 1 no longer off: entries whose probability underflows to 0 are removed"),
+    M("K5", "kernels/kept_set.py", "drop[:, -1] = False", "pass", "top-p may remove the last (largest) entry"),
+    M("K6", "kernels/kept_set.py", "kept_sorted = (srt > ninf) & ~drop", "kept_sorted = ~drop",
+      "entries removed by top-k / min-p (at -inf) kept"),
+    M("K7", "kernels/kept_set.py", "on_k = (k > 0) & (k < V)", "on_k = (k >= 0) & (k < V)",
+      "top_k = 0 (off) keeps only the largest entry (full-sort path)"),
+    M("K8", "kernels/kept_set.py", "cand = torch.where(sm >= kth, sm,", "cand = torch.where(sm > kth, sm,",
+      "top-k path: the k-th value and its ties dropped"),
+    M("K9", "kernels/kept_set.py", "return torch.where(srt >= kth, srt,", "return torch.where(srt > kth, srt,",
+      "full-sort path: the k-th value and its ties dropped"),
+    M("K10", "kernels/kept_set.py", "if bool(((k > 0) & (k <= min(TOPK_PATH, V - 1))).all()):", "if False:",
+      "the top-k path never taken",
+      equivalent="the full sort computes the same kept set (values ascending, ties by ascending id): memory and "
+                 "speed only (test_recompute_is_blockwise kills it by checking that only the candidates are sorted)"),
+    M("K11", "kernels/kept_set.py", "tp = torch.where((tp > 0) & (tp <= 1), tp, torch.ones_like(tp))",
+      "tp = torch.where((tp > 0) & (tp < 1), tp, torch.ones_like(tp))", "top_p = 1 replaced by 1",
+      equivalent="a top_p of exactly 1 is replaced by 1: the same value"),
+    M("K12", "kernels/kept_set.py", "keep.scatter_(1, yc, True)", "pass",
+      "the sampled token not restored into its rebuilt set"),
+    M("K13", "kernels/kept_set.py", "rest = ~keep.gather(1, yc).squeeze(1)", "rest = keep.gather(1, yc).squeeze(1)",
+      "restored inverted"),
+    M("K14", "kernels/kept_set.py", "torch.where(keep, torch.softmax(s, -1), torch.zeros_like(s))",
+      "torch.where(keep, torch.softmax(z, -1), torch.zeros_like(s))", "kept_mass from the softmax without tau"),
+    M("K15", "kernels/kept_set.py", "nf = (torch.isnan(s) | (s == float(\"inf\"))).any(-1)",
+      "nf = torch.isnan(s).any(-1)", "a +inf logit not flagged in the rebuild"),
+    M("K16", "kernels/kept_set.py", "s = z * (1.0 / _param(tau, sl, 1.0, acc, dev))[:, None]", "s = z",
+      "the rebuild ignores the temperature"),
+
+    # ---- kernels/replay.py -----------------------------------------------------------------------------
+    M("R1", "kernels/replay.py", "return k // T, k % T + logits_start", "return k // T, k % T",
+      "counted_rows ignores logits_start"),
+    M("R2", "kernels/replay.py", "return torch.zeros_like(j), j + logits_start", "return torch.zeros_like(j), j",
+      "flat_rows (packed) ignores logits_start"),
+    M("R3", "kernels/replay.py", "        bad = bad | invalid\n", "        pass\n",
+      "finish ignores `invalid` (unvalidated bad sets give finite numbers)"),
+    M("R4", "kernels/replay.py", "logp = torch.where(counted, logp, torch.zeros_like(logp))", "pass",
+      "uncounted tokens' logp not set to 0"),
+    M("R5", "kernels/replay.py", "e = None if g_ent is None else g_ent.to(ent.dtype)", "e = None",
+      "the entropy's gradient dropped"),
+    M("R6", "kernels/replay.py", "out[\"kept_mass\"] = kept_mass.to(f64).sum() / n",
+      "out[\"kept_mass\"] = kept_mass.to(f64).sum() / (n + 1)", "kept_mass averaged over one token too many"),
+    M("R7", "kernels/replay.py", "return union, local, offsets[m0:m1 + 1] - k0,", "return union, local, offsets[m0:m1 + 1],",
+      "tile_union's local offsets not rebased"),
+    M("R8", "kernels/replay.py", "torch.where(hit, col, torch.full_like(col, -1))", "col",
+      "tile_union: a sampled id outside the union not made -1",
+      equivalent="y outside its set is flagged by check_sampling_mask (code 4) -> invalid -> NaN either way"),
+
+    # ---- kernels/replay_ops.py -------------------------------------------------------------------------
+    M("O1", "kernels/replay_ops.py", "_scale(c, g), _scale(e, g)", "c, e",
+      "attach_replay_grad ignores the upstream gradient"),
+
+    # ---- kernels/replay_torch.py -----------------------------------------------------------------------
+    M("T1", "kernels/replay_torch.py", "d = ((zf - m_safe[seg]) * inv).clamp_(min=_LOG_ZERO)",
+      "d = (zf - m_safe[seg]).clamp_(min=_LOG_ZERO)", "forward ignores the temperature in d"),
+    M("T2", "kernels/replay_torch.py", "_segsum(top.to(acc), seg, M) - 1.0", "_segsum(top.to(acc), seg, M) - 0.0",
+      "S off by one"),
+    M("T3", "kernels/replay_torch.py", "ent = log_s - _segsum(ex * d, seg, M) / s_tot",
+      "ent = log_s + _segsum(ex * d, seg, M) / s_tot", "entropy sign"),
+    M("T4", "kernels/replay_torch.py", "bad_e = torch.isnan(z) | (z == float(\"inf\"))", "bad_e = torch.isnan(z)",
+      "a kept +inf logit not flagged"),
+    M("T6", "kernels/replay_torch.py", "-p * (cc + t_e))\n", "-p * (cc - t_e))\n",
+      "backward: the entropy term's sign off the sampled id"),
+    M("T7", "kernels/replay_torch.py", "logq = ((zt - st[:, 0]) * inv - st[:, 1])", "logq = ((zt - st[:, 0]) - st[:, 1])",
+      "backward: p without the temperature"),
+    M("T8", "kernels/replay_torch.py", "g = g * inv * dz", "g = g * dz", "backward: chain rule through 1/tau dropped"),
+    M("T9", "kernels/replay_torch.py", "active = (c != 0) | (e != 0)", "active = c != 0",
+      "backward: tokens with only an entropy gradient write zeros"),
+
+    # ---- kernels/replay_triton.py ----------------------------------------------------------------------
+    M("X1", "kernels/replay_triton.py", "d = tl.maximum((z - m) * inv_t, LOG_ZERO)", "d = tl.maximum((z - m), LOG_ZERO)",
+      "forward ignores the temperature in d"),
+    M("X2", "kernels/replay_triton.py", "top = use & (z == mx)", "top = use & (z == m)",
+      "the maximum's instances compared with m, not mx",
+      equivalent="m == mx unless mx = -inf, and then no lane is `use` (finite), so `top` is False either way"),
+    M("X3", "kernels/replay_triton.py", "tl.sum(found, axis=0) != 1", "tl.sum(found, axis=0) == 0",
+      "a set holding the sampled id twice not flagged"),
+    M("X4", "kernels/replay_triton.py", " | tl.where(live & ~ok, BAD_ID, 0)", "",
+      "an id outside [0, V) not flagged"),
+    M("X5", "kernels/replay_triton.py", "-p * (c + t_e)) * inv_t * dz", "-p * (c + t_e)) * dz",
+      "backward: chain rule through 1/tau dropped"),
+    M("X6", "kernels/replay_triton.py", "if (c != 0.0) | (e != 0.0):", "if c != 0.0:",
+      "backward: tokens with only an entropy gradient write zeros"),
+
+    # ---- core/sampling.py ------------------------------------------------------------------------------
+    M("S1", "core/sampling.py", "if not (math.isfinite(temperature) and temperature > 0):",
+      "if not (math.isfinite(temperature) and temperature >= 0):", "temperature = 0 (number) accepted", tests=["test_temperature", "test_sampling_checks"]),
+    M("S2", "core/sampling.py", "bad = ~(torch.isfinite(tau) & (tau > 0))", "bad = ~(tau > 0)",
+      "an infinite per-token temperature accepted", tests=["test_temperature", "test_sampling_checks"]),
+    M("S3", "core/sampling.py", "        bad = bad & counted\n", "        pass\n",
+      "bad values at uncounted tokens refused", tests=["test_temperature", "test_sampling_checks"]),
+    M("S4", "core/sampling.py", "return x[:, None].expand(B, T).reshape(n)", "return x.repeat(T)",
+      "per-completion values spread in the wrong order (padded)", tests=["test_temperature", "test_sampling_checks"]),
+    M("S5", "core/sampling.py", "torch.arange(n, device=device), right=True)", "torch.arange(n, device=device), right=False)",
+      "per-completion values (packed): the first token of a sequence gets the previous one's", tests=["test_temperature", "test_sampling_checks"]),
+    M("S6", "core/sampling.py", "if packed and B == n and shape == (n,):", "if False:",
+      "an ambiguous packed shape accepted", tests=["test_temperature", "test_sampling_checks"]),
+    M("S7", "core/sampling.py", "\"top_k\": (lambda x: x >= 0,", "\"top_k\": (lambda x: x > 0,",
+      "top_k = 0 (off) refused"),
+    M("S8", "core/sampling.py", "\"top_p\": (lambda x: (x > 0) & (x <= 1),", "\"top_p\": (lambda x: (x > 0) & (x < 1),",
+      "top_p = 1 (off) refused"),
+    M("S9", "core/sampling.py", "\"min_p\": (lambda x: (x >= 0) & (x < 1),", "\"min_p\": (lambda x: (x >= 0) & (x <= 1),",
+      "min_p = 1 accepted"),
+    M("S10", "core/sampling.py", "if integer and not isinstance(x, numbers.Integral):", "if False:",
+      "a fractional top_k number accepted"),
+    M("S11", "core/sampling.py", "bad = ~ok(v) if integer else ~(torch.isfinite(v) & ok(v))", "bad = ~ok(v)",
+      "no finiteness test for top_p / min_p tensors",
+      equivalent="ok() is False at NaN and +-inf for both (0 < x <= 1, 0 <= x < 1): the same tokens flagged"),
+    M("S12", "core/sampling.py", "v = v.long() if integer else v.to(dtype)", "v = v.long() if integer else v.float()",
+      "rule thresholds rounded to float32 for float64 logits"),
+    M("S13", "core/sampling.py", "if sampling_mask is not None and given:", "if False:",
+      "a mask and rules together accepted"),
+    M("S14", "core/sampling.py", "return torch.searchsorted(offsets[1:].contiguous(), e, right=True)",
+      "return torch.searchsorted(offsets[1:].contiguous(), e, right=False)", "segment_of off by one at set ends"),
+    M("S15", "core/sampling.py", "malformed = (offsets[0] != 0) | (offsets[-1] != K)", "malformed = (offsets[-1] != K)",
+      "offsets not starting at 0 accepted"),
+    M("S16", "core/sampling.py", "dup[1:] = srt[1:] == srt[:-1]", "pass", "a repeated id in a set accepted"),
+    M("S17", "core/sampling.py", "code |= (hits == 0).to(torch.int8) * 4", "pass",
+      "a set without its sampled token accepted"),
+    M("S18", "core/sampling.py", "out = (token_ids < 0) | (token_ids >= V)", "out = (token_ids < 0) | (token_ids > V)",
+      "the id V accepted"),
+    M("S19", "core/sampling.py", "return offsets.long()[excl.clamp(max=last)], excl[-1] != last",
+      "return offsets.long()[excl.clamp(max=last)], excl[-1] != excl[-1]",
+      "unvalidated: a wrong number of sets not made invalid"),
+    M("S20", "core/sampling.py", "return token_ids, flat, ((code != 0) & counted) | malformed | mismatch",
+      "return token_ids, flat, (code != 0) | malformed | mismatch", "uncounted tokens (empty sets) flagged invalid",
+      equivalent="uncounted tokens' outputs are set to 0 (finish, counted=) and they carry no gradient: the public "
+                 "outputs are unchanged (test_sampling_checks kills it through check_sampling_mask_flat's own output)"),
+
+    # ---- objective/verl_modes.py -----------------------------------------------------------------------
+    M("V1", "objective/verl_modes.py", "return -A * logp, None, -A, _none(logp)",
+      "return -A * logp, None, A, _none(logp)", "gpg: the gradient's sign"),
+    M("V2", "objective/verl_modes.py", "return -(logp * A - 0.5 * beta * log_r * log_r),",
+      "return -(logp * A - beta * log_r * log_r),", "dro: the penalty doubled (value only)"),
+    M("V3", "objective/verl_modes.py", "beta * log_r, -A, _none(logp)", "0.5 * beta * log_r, -A, _none(logp)",
+      "dro: the penalty's gradient halved"),
+    M("V4", "objective/verl_modes.py", "operand(1.0 + cfg.eps_high, r))", "operand(1.0 + cfg.eps_low, r))",
+      "cispo: the upper clip at eps_low"),
+    M("V5", "objective/verl_modes.py", "coef = r if cfg.dual_clip_c is None else torch.clamp(r, max=operand(cfg.dual_clip_c, r))",
+      "coef = r", "dppo: dual_clip_c ignored"),
+    M("V6", "objective/verl_modes.py", "down_ok = (p - p_old) <= hi, (p - p_old) >= -lo",
+      "down_ok = (p - p_old) <= hi, (p - p_old) >= lo", "dppo tv: the step down compared with +eps_low"),
+    M("V7", "objective/verl_modes.py", "up_ok, down_ok = (kl <= hi) | (p <= p_old), (kl <= lo) | (p >= p_old)",
+      "up_ok, down_ok = (kl <= hi), (kl <= lo) | (p >= p_old)", "dppo kl: a step down never valid for A > 0"),
+    M("V8", "objective/verl_modes.py", "valid = torch.where(A > 0, up_ok, down_ok)",
+      "valid = torch.where(A >= 0, up_ok, down_ok)", "dppo: A = 0 judged as A > 0",
+      equivalent="A = 0: pg = -A coef logp = 0 and d_logp = 0 either way, and `clipped` requires A != 0"),
+    M("V9", "objective/verl_modes.py", "return -A * coef * logp, None, -A * coef, ~valid & (A != 0)",
+      "return -A * coef * logp, None, -A * coef, ~valid", "dppo: A = 0 tokens counted clipped"),
+    M("V10", "objective/verl_modes.py", "y = s * torch.minimum(s * log_r, s * xc)", "y = s * torch.maximum(s * log_r, s * xc)",
+      "geo_mean: the clip's min becomes max"),
+    M("V11", "objective/verl_modes.py", "        log_R = log_R + log_w\n", "        pass\n",
+      "geo_mean: the rollout weight dropped"),
+    M("V12", "objective/verl_modes.py", "spread = (s * log_r <= s * xc) & (s != 0)", "spread = (s * log_r < s * xc) & (s != 0)",
+      "geo_mean: tokens inside the clip range stop the gradient"),
+    M("V13", "objective/verl_modes.py", "mean_a = torch.where(m, A, zero).sum() / M_safe", "mean_a = A.mean()",
+      "covariance: the advantage's mean over uncounted tokens too"),
+    M("V14", "objective/verl_modes.py", "return chosen & (rank < k)", "return chosen & (rank <= k)",
+      "first_k: one token too many"),
+    M("V15", "objective/verl_modes.py", "torch.clamp(torch.floor(r * M.to(torch.float64)), min=1.0)",
+      "torch.clamp(torch.ceil(r * M.to(torch.float64)), min=1.0)", "select_count rounds up"),
+    M("V16", "objective/verl_modes.py", "cand = m & ~on_clip & ", "cand = m & ",
+      "clip_cov: tokens the PPO clip already stopped are candidates"),
+    M("V17", "objective/verl_modes.py", "clipped | (sel & (A != 0))", "clipped | sel",
+      "clip_cov: selected zero-advantage tokens counted clipped"),
+    M("V18", "objective/verl_modes.py", "select_count(cfg.kl_cov_ratio, M), descending=True)",
+      "select_count(cfg.kl_cov_ratio, M), descending=False)", "kl_cov: the smallest covariances chosen"),
+    M("V19", "objective/verl_modes.py", "coef * torch.sign(log_r), None, _none(r)", "coef * log_r, None, _none(r)",
+      "kl_cov: the |log r| gradient without the sign"),
+
+    # ---- distributed/vocab_replay.py -------------------------------------------------------------------
+    M("D1", "distributed/vocab_replay.py", "mine = (token_ids >= vp.start) & (token_ids < vp.start + V_r)",
+      "mine = (token_ids >= vp.start) & (token_ids <= vp.start + V_r)", "the next slice's first id counted twice"),
+    M("D2", "distributed/vocab_replay.py", "    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=vp.group)\n",
+      "    pass\n", "merge: each rank's own maximum (not all-reduced)"),
+    M("D3", "distributed/vocab_replay.py", "keep = torch.cat([keep, ~hit[:, None]], 1)",
+      "keep = torch.cat([keep, torch.zeros_like(hit)[:, None]], 1)", "rebuilt sets: the sampled token not restored"),
+    M("D4", "distributed/vocab_replay.py", "restored.append(~hit)", "restored.append(hit)", "restored inverted"),
+    M("D5", "distributed/vocab_replay.py", "lse_full = gsafe + torch.log(stats[:, 0])", "lse_full = gsafe",
+      "kept_mass without the full normalizer's sum"),
+    M("D6", "distributed/vocab_replay.py", "no_k = _param(top_k, slice(0, y.numel()), 0, torch.long, y.device) <= 0",
+      "no_k = _param(top_k, slice(0, y.numel()), 0, torch.long, y.device) < 0", "top_k = 0 with a group accepted"),
+    M("D7", "distributed/vocab_replay.py", "    bad = (flags != 0) | invalid\n", "    bad = flags != 0\n",
+      "invalid (unvalidated) tokens get finite outputs"),
+    M("D8", "distributed/vocab_replay.py", "invalid.append((stats[:, 1] > 0) | ((extra > 0) & survives))",
+      "invalid.append(stats[:, 1] > 0)", "ties hidden across ranks not flagged"),
+
+    # ---- pipeline/head_replay.py -----------------------------------------------------------------------
+    M("H1", "pipeline/head_replay.py", "if m > m0 and (m - m0 >= max_rows or", "if m > m0 and (m - m0 > max_rows or",
+      "tiles of max_rows + 1 rows",
+      equivalent="tiling changes which columns are projected together, not any value beyond summation order "
+                 "(test_union_tiles_keep_the_budget kills it by checking plan_union's tiles themselves)"),
+    M("H2", "pipeline/head_replay.py", "        if per_entry * min(k, V) > budget:\n", "        if False:\n",
+      "a kept set larger than the budget not refused"),
+    M("H3", "pipeline/head_replay.py", "    if head.bias is None:\n        return h @ w.t()", "    if True:\n        return h @ w.t()",
+      "the bias dropped from the projection"),
+    M("H4", "pipeline/head_replay.py", "db.index_add_(0, u, gz.sum(0, dtype=acc))", "db.index_add_(0, u, gz.sum(0, dtype=acc) * 0)",
+      "the bias gradient dropped"),
+    M("H5", "pipeline/head_replay.py", "bad = nonfinite if p.invalid is None else nonfinite | p.invalid[sl]",
+      "bad = nonfinite", "rebuilt sets: the rules' invalid tokens get finite outputs"),
+    M("H6", "pipeline/head_replay.py", "torch.where((token_ids >= 0) & (token_ids < V), token_ids, torch.zeros_like(token_ids))",
+      "token_ids", "an out-of-range kept id (unvalidated) indexes the weight"),
+    M("H7", "pipeline/head_replay.py", "p.metrics = rp.replay_metrics(p.offsets, _cat(restored, p, torch.bool), _cat(mass, p))",
+      "p.metrics = rp.replay_metrics(p.offsets, None, _cat(mass, p))", "rebuilt sets: replay_restored_frac 0"),
+    M("H8", "pipeline/head_replay.py", "kept_sets(z.unsqueeze(0), zero, rows_t, p.y[sl], tau,",
+      "kept_sets(z.unsqueeze(0), zero, rows_t, p.y[sl], 1.0,", "the rebuild ignores the temperature"),
+    M("H10", "pipeline/head_replay.py", "if host:\n        n = b.counted.numel()", "if False:\n        n = b.counted.numel()",
+      "validating, flagged tokens (NaN / +inf logits) not refused"),
+    M("H11", "pipeline/head_replay.py", "dh.view(-1, dh.shape[-1]).index_copy_(0, idx,", "dh.view(-1, dh.shape[-1]).index_add_(0, idx,",
+      "dL/dh added instead of copied",
+      equivalent="dh starts at zero and each counted row belongs to one tile: add and copy write the same"),
+
+    # ---- per-token temperature -------------------------------------------------------------------------
+    M("U1", "pipeline/loss.py", "return tau if bad is None else torch.where(bad, torch.full_like(tau, float(\"nan\")), tau)",
+      "return tau", "unvalidated invalid per-token temperatures not made NaN"),
+    M("U2", "api/logits.py", "return isinstance(temperature, torch.Tensor) and temperature.dim() > 0",
+      "return isinstance(temperature, torch.Tensor) and temperature.dim() >= 0", "a 0-d temperature taken per token"),
+    M("U3", "pipeline/head_ops.py", "temperature = ops.temperature_param(cfg.temperature if b.tau is None else b.tau, hidden, backend)",
+      "temperature = ops.temperature_param(cfg.temperature, hidden, backend)", "linear loss ignores the per-token tau"),
+    M("U4", "kernels/ops.py", "return torch.full((1,), float(temperature), dtype=torch.float32, device=like.device)",
+      "return torch.full((1,), 1.0, dtype=torch.float32, device=like.device)", "Triton: a number temperature read as 1"),
+    M("U5", "kernels/ops.py", "        return temperature.detach().to(device=like.device, dtype=torch.float32)\n",
+      "        return temperature.detach().to(device=like.device, dtype=torch.float32).flip(0)\n",
+      "Triton: a per-token temperature copied in reverse order",
+      equivalent="every tensor of several temperatures reaches temperature_param from loss.call_temperature, "
+                 "float32 on the logits' device (the pass-through branch); the copy branch only sees 0-d / "
+                 "one-element schedules, which flip leaves as they are"),
+    M("U6", "pipeline/epilogue.py", "return ops.temperature_param(t, like, \"triton\").reshape(-1), 1.0",
+      "return ops.temperature_param(t, like, \"triton\").reshape(-1)[:1], 1.0",
+      "the 4-launch path reads only the first per-token temperature"),
+    M("U7", "core/sampling.py", "tau = per_token(\"temperature\", temperature, B, T, n, device, cu_seqlens).to(dtype)",
+      "tau = per_token(\"temperature\", temperature, B, T, n, device, cu_seqlens).to(torch.float32)",
+      "a float64 call's per-token temperature rounded to float32", tests=["test_temperature", "test_sampling_checks"]),
+]
+
+
+TEST_OVERRIDE = None  # --tests: these pytest arguments in place of the mapping
+WITHOUT_NEW = False  # --before: the suite as it was before this round's tests
+
+
+def tests_for(m, root):
+    if TEST_OVERRIDE:
+        return TEST_OVERRIDE
+    files = [f"tests/{t}.py" for t in (m.tests or TESTS[m.file])]
+    if not WITHOUT_NEW and os.path.exists(os.path.join(root, NEW_TESTS)):
+        files.insert(0, NEW_TESTS)  # first: the outcome does not depend on the order, -x stops sooner
+    return files
+
+
+def apply(m, root):
+    """The file's original text, after writing the mutant (None when the snippet is not there once)."""
+    path = os.path.join(root, "gtpo_kernels", m.file)
+    with open(path) as f:
+        src = f.read()
+    if src.count(m.old) != 1:
+        return None
+    with open(path, "w") as f:
+        f.write(src.replace(m.old, m.new))
+    return src
+
+
+def run(m, root, timeout):
+    path = os.path.join(root, "gtpo_kernels", m.file)
+    src = apply(m, root)
+    if src is None:
+        return "stale", 0.0, ""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", HYPOTHESIS_PROFILE="mutation",
+               PYTHONPATH=os.pathsep.join([PLUGIN_DIR] + ([os.environ["PYTHONPATH"]] if "PYTHONPATH" in os.environ
+                                                          else [])))
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "gtpo_mutation_profile"]
+    cmd += tests_for(m, root) + [f"--deselect={d}" for d in DESELECT]
+    t0 = time.time()
+    try:
+        r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        status = "survived" if r.returncode == 0 else "killed"
+        tail = (r.stdout + r.stderr).strip().splitlines()
+        tail = tail[-1] if tail else ""
+        if r.returncode not in (0, 1):  # 2: interrupted / collection error, 5: no tests: still a kill, noted
+            tail = f"rc={r.returncode} {tail}"
+    except subprocess.TimeoutExpired:
+        status, tail = "timeout", ""
+    finally:
+        with open(path, "w") as f:
+            f.write(src)
+    return status, time.time() - t0, tail
+
+
+# ci's examples, derandomized, but no shrinking: a failing example ends the run at once (shrinking a
+# mutant's failure took minutes); registered before tests/conftest.py loads HYPOTHESIS_PROFILE
+PLUGIN = """from hypothesis import HealthCheck, Phase, settings
+settings.register_profile("mutation", max_examples=50, derandomize=True, deadline=None, database=None,
+                          phases=(Phase.explicit, Phase.reuse, Phase.generate),
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+"""
+PLUGIN_DIR = tempfile.mkdtemp(prefix="gtpo-mut-plugin-")
+with open(os.path.join(PLUGIN_DIR, "gtpo_mutation_profile.py"), "w") as _f:
+    _f.write(PLUGIN)
+
+
+def copy_tree():
+    dst = tempfile.mkdtemp(prefix="gtpo-mut-")
+    shutil.copytree(ROOT, os.path.join(dst, "repo"), ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", ".hypothesis", "*.pyc", ".pytest_cache"))
+    root = os.path.join(dst, "repo")
+    out = subprocess.run([sys.executable, "-c", "import gtpo_kernels; print(gtpo_kernels.__file__)"], cwd=root,
+                         capture_output=True, text=True).stdout.strip()
+    assert out.startswith(root), f"the copy imports {out}, not its own package"
+    return dst, root
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--file", help="only mutants of files whose path contains this")
+    ap.add_argument("--only", help="comma-separated mutant ids")
+    ap.add_argument("--timeout", type=float, default=420.0, help="seconds per mutant")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--check", action="store_true", help="check the snippets only")
+    ap.add_argument("--in-place", action="store_true", help="mutate this checkout (restored after each)")
+    ap.add_argument("--before", action="store_true", help=f"without {NEW_TESTS} (the score before this round)")
+    ap.add_argument("--resume", help="a previous sweep's output: its killed mutants are taken as killed (valid when "
+                    "tests were only added since: the same runs, with more tests), the others run again")
+    ap.add_argument("--report", help="print the table and score of previous sweeps' outputs, comma-separated, a "
+                    "later one overriding (nothing run), with this list's current equivalence notes")
+    ap.add_argument("--tests", help="comma-separated pytest arguments run in place of the mapped test files")
+    a = ap.parse_args()
+    global TEST_OVERRIDE, WITHOUT_NEW
+    WITHOUT_NEW = a.before
+    TEST_OVERRIDE = a.tests.split(",") if a.tests else None
+    ids = set(a.only.split(",")) if a.only else None
+    sel = [m for m in MUTANTS if (ids is None or m.id in ids) and (a.file is None or a.file in m.file)]
+    assert len({m.id for m in MUTANTS}) == len(MUTANTS), "duplicate ids"
+    if a.list or a.check:
+        bad = 0
+        for m in sel:
+            with open(os.path.join(ROOT, "gtpo_kernels", m.file)) as f:
+                n = f.read().count(m.old)
+            bad += n != 1
+            print(f"{m.id:5} {m.file:28} {'ok' if n == 1 else f'STALE ({n})':10} "
+                  f"{'[equivalent] ' if m.equivalent else ''}{m.what}")
+        print(f"{len(sel)} mutants, {bad} stale")
+        return 1 if bad and a.check else 0
+    prior = {}
+    if a.report:
+        by_id, status = {m.id: m for m in MUTANTS}, {}
+        for path in a.report.split(","):  # a later output (a --resume run) overrides an earlier one
+            with open(path) as f:
+                for w in (line.split() for line in f):
+                    if len(w) > 2 and w[0] in by_id and w[1] in ("killed", "timeout", "survived", "stale"):
+                        status[w[0]] = w[1]
+        report([(m, status[m.id], 0.0, "") for m in MUTANTS if m.id in status])
+        return 0
+    if a.resume:
+        with open(a.resume) as f:
+            for line in f:
+                w = line.split()
+                if len(w) > 2 and w[1] in ("killed", "timeout", "survived", "stale"):
+                    prior[w[0]] = w[1]
+    tmp, root = (None, ROOT) if a.in_place else copy_tree()
+    rows = []
+    try:
+        for m in sel:
+            if prior.get(m.id) in ("killed", "timeout"):
+                rows.append((m, prior[m.id], 0.0, "(killed in " + a.resume + ")"))
+                continue
+            status, dt, tail = run(m, root, a.timeout)
+            rows.append((m, status, dt, tail))
+            print(f"{m.id:5} {status:8} {dt:6.1f}s {m.file:28} {'[eq] ' if m.equivalent else ''}{m.what} | {tail}",
+                  flush=True)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(PLUGIN_DIR, ignore_errors=True)
+    report(rows)
+
+
+def report(rows):
+    print("\n== per file (killed / applied; stale not counted; timeout counts as killed)")
+    files = sorted({m.file for m, *_ in rows})
+    tot = dict(k=0, n=0, eq=0, eqs=0)
+    for f in files:
+        rs = [r for r in rows if r[0].file == f and r[1] != "stale"]
+        k = sum(r[1] in ("killed", "timeout") for r in rs)
+        eq = sum(r[0].equivalent is not None for r in rs)
+        eqs = sum(r[0].equivalent is not None and r[1] == "survived" for r in rs)
+        stale = sum(r[0].file == f and r[1] == "stale" for r in rows)
+        tot["k"] += k
+        tot["n"] += len(rs)
+        tot["eq"] += eq
+        tot["eqs"] += eqs
+        print(f"  {f:30} {k:3} / {len(rs):3}   non-equivalent {k - (eq - eqs):3} / {len(rs) - eq:3}   "
+              f"(equivalent {eq}, of which survived {eqs}" + (f"; stale {stale})" if stale else ")"))
+    n_ne = tot["n"] - tot["eq"]
+    k_ne = tot["k"] - (tot["eq"] - tot["eqs"])
+    print(f"\nSCORE killed {tot['k']} / {tot['n']} applied mutants; non-equivalent killed {k_ne} / {n_ne}")
+    surv = [r[0] for r in rows if r[1] == "survived"]
+    if surv:
+        print("survivors:")
+        for m in surv:
+            print(f"  {m.id:5} {m.file:28} {'EQUIVALENT: ' + m.equivalent if m.equivalent else 'NOT EQUIVALENT'}"
+                  f" -- {m.what}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
