@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gtpo_kernels import gtpo_loss, token_logprobs
+from gtpo_kernels import gtpo_loss, linear_token_logprobs, token_logprobs
 from gtpo_reference import gtpo_sampling as rs
 
 
@@ -86,19 +86,29 @@ def test_plus_inf_logit_with_min_p_gives_nan(backend):
     torch.testing.assert_close(lp[ok].double(), ref[ok], atol=1e-5, rtol=0)
 
 
-@pytest.mark.xfail(strict=True, reason="defect found by the sweep: validating, a row with NaN / +inf under rebuilt "
-                   "sets is made NaN but not refused (the rebuild drops the entry: min-p's exp(s - max) is NaN "
-                   "there even at min_p = 0, and kept_sets' `nonfinite` only makes the token invalid); spec 6: "
-                   "a counted row with NaN / +inf is invalid input, refused when validating as without rules")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 @pytest.mark.parametrize("rule", [dict(top_k=3), dict(top_p=0.9), dict(min_p=0.1)])
-def test_nonfinite_row_with_rules_is_refused_when_validating(rule, value):
+def test_nonfinite_row_with_rules_is_refused_when_validating(rule, value, backend):
+    """A counted row holding NaN or +inf is invalid input (spec 6) with rebuilt sets as without: refused
+    when validating (on logits and on the head), NaN for that token alone when not (the sweep found it
+    made NaN but not refused: the rebuild drops such an entry, and only the token was marked invalid)."""
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(2, 3, 9, generator=g)
     ids = torch.randint(0, 9, (2, 3), generator=g)
     logits[1, 2, (int(ids[1, 2]) + 1) % 9] = value
     with pytest.raises(ValueError, match="NaN or \\+inf"):
-        token_logprobs(logits, ids, 1.0, backend="torch", **rule)
+        token_logprobs(logits, ids, 1.0, backend=backend, **rule)
+    lp, _ = token_logprobs(logits, ids, 1.0, backend=backend, validate=False, **rule)
+    bad = torch.zeros(2, 3, dtype=torch.bool)
+    bad[1, 2] = True
+    assert torch.isnan(lp[bad]).all() and torch.isfinite(lp[~bad]).all()
+    # the head: that token's hidden state holds the value, so its row of logits does (NaN / +inf)
+    hidden = torch.randn(2, 3, 4, generator=g)
+    hidden[1, 2, 1] = value
+    weight = torch.randn(9, 4, generator=g)
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
+        linear_token_logprobs(hidden, weight, ids, 1.0, backend=backend, **rule)
 
 
 # ---- recorded sets on packed logits with logits_start (kernels/replay.py) -------------------------------------
@@ -428,11 +438,9 @@ def test_clip_cov_clip_frac_leaves_out_zero_advantages():
     torch.testing.assert_close(fr[0], fr[1])
 
 
-@pytest.mark.xfail(strict=True, reason="discrepancy found by the sweep: with policy_loss='clip-cov' the package's "
-                   "clip_frac counts the tokens the PPO clip stopped as well as the covariance selection (spec 6: "
-                   "'counted tokens whose gradient the clip removed'); the reference (gtpo_verl._clip_cov) counts "
-                   "only the selection and the dual clip, as verl's pg_clipfrac; one of the two is to change")
 def test_clip_cov_clip_frac_equals_the_reference_where_the_ppo_clip_binds():
+    """clip_frac with policy_loss='clip-cov' is verl's pg_clipfrac, as the reference: the covariance
+    selection (and the dual clip), not the tokens the PPO clip stopped (the sweep found them counted)."""
     from gtpo_kernels import GTPOConfig
     logits, ids, mask, old = _verl_case(72)
     adv = torch.tensor([1.0, 0.0, -1.0, 0.5], dtype=torch.float64)

@@ -35,8 +35,8 @@ def ppo(r, A, cfg):
 
 
 def ppo_parts(r, A, cfg):
-    """ppo's (pg, d_logr, None, clipped) and `on_clip`, where the clipped branch is the minimum (verl's
-    clip_by_origin, which clip_cov reads)."""
+    """ppo's (pg, d_logr, None, clipped), `on_clip`, where the clipped branch is the minimum (verl's
+    clip_by_origin, which clip_cov reads), and the tokens the dual clip capped (None without it)."""
     zero = torch.zeros((), dtype=r.dtype, device=r.device)
     if cfg.delta is None:
         r1, dr1, capped = r, r, torch.zeros_like(r, dtype=torch.bool)
@@ -57,11 +57,12 @@ def ppo_parts(r, A, cfg):
         d_logr = torch.where(on_clip, torch.where(outside, zero, -r * A), -dr1 * A)
         clipped = torch.where(on_clip, outside, capped) & (A != 0)
         pg = -torch.minimum(u1, u2)
+    dual = None
     if cfg.dual_clip_c is not None:  # verl's dual clip: min(pg, -A c) where A < 0
         cap = -A * operand(cfg.dual_clip_c, r)
         dual = (A < 0) & (pg > cap)
         pg, d_logr, clipped = torch.where(dual, cap, pg), torch.where(dual, zero, d_logr), clipped | dual
-    return pg, d_logr, None, clipped, on_clip
+    return pg, d_logr, None, clipped, on_clip, dual
 
 
 def cispo(r, A, logp, cfg):

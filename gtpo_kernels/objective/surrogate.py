@@ -136,8 +136,8 @@ def policy_term(logp, log_r, A, adv, m, seg, B, cfg, rollout_w, rollout_w_seq, o
                                                   log_w, cfg)
         return pg, pg, None, clipped, spread
     if pl == "clip-cov":
-        pg, d_logr, _, clipped, on_clip = policy.ppo_parts(torch.exp(log_r), A, cfg)
-        pg, d_logr, clipped = verl_modes.clip_cov(pg, d_logr, clipped, on_clip, A, logp, m, M, M_safe, cfg)
+        pg, d_logr, _, _, on_clip, dual = policy.ppo_parts(torch.exp(log_r), A, cfg)
+        pg, d_logr, clipped = verl_modes.clip_cov(pg, d_logr, dual, on_clip, A, logp, m, M, M_safe, cfg)
         return pg, d_logr, None, clipped, None
     if pl == "kl-cov":
         return (*verl_modes.kl_cov(A, logp, log_r, m, M, M_safe, cfg), None)

@@ -95,10 +95,12 @@ def select_count(ratio, M):
     return torch.clamp(torch.floor(r * M.to(torch.float64)), min=1.0)
 
 
-def clip_cov(pg, d_logr, clipped, on_clip, A, logp, m, M, M_safe, cfg):
-    """clip_cov on the PPO term (pg, d_logr, clipped from policy.ppo; on_clip: verl's clip_by_origin):
-    a uniformly random choice (cfg.generator) of max(1, floor(clip_cov_ratio M)) counted, unclipped
-    tokens whose covariance lies in (clip_cov_lb, clip_cov_ub) get term 0 (value and gradient)."""
+def clip_cov(pg, d_logr, dual, on_clip, A, logp, m, M, M_safe, cfg):
+    """clip_cov on the PPO term (pg, d_logr from policy.ppo_parts; on_clip: verl's clip_by_origin; dual:
+    the tokens its dual clip capped, or None): a uniformly random choice (cfg.generator) of
+    max(1, floor(clip_cov_ratio M)) counted, unclipped tokens whose covariance lies in (clip_cov_lb,
+    clip_cov_ub) get term 0 (value and gradient). The tokens it reports as clipped are verl's pg_clipfrac's:
+    the chosen ones (and the dual clip's), not those the PPO clip stopped."""
     cov = covariance(A, logp, m, M_safe)
     cand = m & ~on_clip & (cov > operand(cfg.clip_cov_lb, cov)) & (cov < operand(cfg.clip_cov_ub, cov))
     gen = cfg.generator
@@ -108,7 +110,8 @@ def clip_cov(pg, d_logr, clipped, on_clip, A, logp, m, M, M_safe, cfg):
     u = torch.rand(logp.shape, dtype=torch.float64, device=logp.device, generator=gen)
     sel = first_k(torch.where(cand, u, 2.0), cand, select_count(cfg.clip_cov_ratio, M))
     zero = torch.zeros((), dtype=pg.dtype, device=pg.device)
-    return torch.where(sel, zero, pg), torch.where(sel, zero, d_logr), clipped | (sel & (A != 0))
+    chosen = sel & (A != 0)
+    return torch.where(sel, zero, pg), torch.where(sel, zero, d_logr), chosen if dual is None else chosen | dual
 
 
 def kl_cov(A, logp, log_r, m, M, M_safe, cfg):

@@ -27,7 +27,7 @@ from ..distributed import vocab_replay
 from ..kernels import replay as rp
 from ..kernels.kept_set import kept_sets
 from . import head as hd
-from .replay import at
+from .replay import at, nonfinite_flag
 from .tiles import rows_of
 
 
@@ -209,6 +209,8 @@ def _rebuild_forward(hidden, p):
                 p.head.scale, p.head.cap, block_rows=block)
         bad = nonfinite if p.invalid is None else nonfinite | p.invalid[sl]
         lp, en, fl = _replay(z, tid, off, p.y[sl], tau, bad, p, p.vp)
+        if p.vp is None:  # (with a split, refuse_unbuilt names such a row with the ties it cannot rebuild)
+            fl = fl | nonfinite_flag(nonfinite)
         if p.vp is not None:
             ms = torch.exp(p.lse_kept.pop() - lse_full)
         lps.append(lp), ents.append(en), flags.append(fl), ids.append(tid), sizes.append(off.diff())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..core import checks
+from ..core.flags import BAD_NONFINITE
 from ..core.layout import float_dtype_for
 from ..core.sampling import check_exclusive, check_rule, check_sampling_mask_flat
 from ..kernels import replay as rp
@@ -70,4 +71,11 @@ def replayed(b, tau, sampling_mask, rules, backend, validate):
     invalid = _any(nonfinite, *rule_bad)
     logp, ent, flags = rp.replay_logprobs(logits3, rows_b, rows_t, b.ids, tau, token_ids, offsets, invalid,
                                           backend=backend, counted=b.counted)
+    flags = flags | nonfinite_flag(nonfinite)  # a row with NaN / +inf: invalid input, as without kept sets
     return logp, ent, flags, rp.replay_metrics(offsets, restored, mass, M=b.counted.sum())
+
+
+def nonfinite_flag(nonfinite):
+    """The flag (core/flags) of rows the rebuild found holding NaN or +inf (their sets mean nothing): refused
+    when validating (checks.raise_on_flags names the row), NaN outputs otherwise."""
+    return torch.where(nonfinite, BAD_NONFINITE, 0).to(torch.int8)
