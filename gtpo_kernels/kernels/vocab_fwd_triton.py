@@ -151,6 +151,28 @@ def _finalize(m, r, u, z_y, y_ok, inv_temp):
     return logp, ent, m_safe, log_s, q, bad
 
 
+@triton.jit
+def _token(tok, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Token tok's 1 / tau (a number by value, or read per token: NaN where not finite and > 0) and whether
+    it counts (the caller's mask as given, any dtype: nonzero counts)."""
+    if TEMP_BY_VALUE:
+        inv_temp = 1.0 / temp_ptr
+    else:
+        inv_temp = _inv_tau(tl.load(temp_ptr + tok * temp_stride))
+    if HAS_MASK:
+        counted = tl.load(mask_ptr + tok) != 0
+    else:
+        counted = True
+    return inv_temp, counted
+
+
+@triton.jit
+def _uncounted():
+    """An uncounted token's outputs (logp, H, m, log S, q, flags)."""
+    zero = tl.zeros((), tl.float32)
+    return zero, zero, tl.full((), float("-inf"), tl.float32), zero, zero, tl.zeros((), tl.int32)
+
+
 @triton.jit(do_not_specialize=["T", "logits_start", "temp_stride"])
 def _vocab_fwd_kernel(
     # pointers
@@ -178,21 +200,9 @@ def _vocab_fwd_kernel(
     NB=1,  # BLOCKS_OUT: blocks per token in stats_ptr (the slice's own)
 ):
     tok = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
-    if TEMP_BY_VALUE:
-        inv_temp = 1.0 / temp_ptr
-    else:
-        inv_temp = _inv_tau(tl.load(temp_ptr + tok * temp_stride))
+    inv_temp, counted = _token(tok, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
-    if HAS_MASK:  # the caller's mask as given, any dtype: nonzero counts
-        counted = tl.load(mask_ptr + tok) != 0
-    else:
-        counted = True
-    logp = 0.0
-    ent = 0.0
-    m = float("-inf")
-    log_s = 0.0
-    q = 0.0
-    bad = 0
+    logp, ent, m, log_s, q, bad = _uncounted()
     if counted:
         i = tok // T
         t = tok - i * T
@@ -251,20 +261,8 @@ def _vocab_merge_kernel(
     the outputs are bitwise the single-process ones. FOLD: the folded statistics written to state_ptr (the
     next rank folds its blocks into them); NB = 0 with HAS_INIT: the finalize of statistics folded before."""
     tok = tl.program_id(0).to(tl.int64)
-    if TEMP_BY_VALUE:
-        inv_temp = 1.0 / temp_ptr
-    else:
-        inv_temp = _inv_tau(tl.load(temp_ptr + tok * temp_stride))
-    if HAS_MASK:
-        counted = tl.load(mask_ptr + tok) != 0
-    else:
-        counted = True
-    logp = 0.0
-    ent = 0.0
-    m = float("-inf")
-    log_s = 0.0
-    q = 0.0
-    bad = 0
+    inv_temp, counted = _token(tok, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
+    logp, ent, m, log_s, q, bad = _uncounted()
     m_r = NEG_SENTINEL * 1.0
     r_r = 0.0
     u_r = 0.0

@@ -184,17 +184,7 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     ent = torch.zeros_like(logp)
     stats = torch.zeros((n, 3), device=dev, dtype=acc)
     bad = torch.zeros(n, device=dev, dtype=torch.int8)
-    rows_idx = counted.nonzero().squeeze(1)  # masked-out rows are never read
-    if rows_idx.numel() == 0 or V == 0:
-        return logp, ent, stats, bad
-    bi, ti = rows_idx // T, rows_idx % T + logits_start
-    step = _rows_per_chunk(V)
-    for k in range(0, rows_idx.numel(), step):
-        sl = slice(k, k + step)
-        idx = rows_idx[sl]
-        inv_t = _inv_tau(temperature, idx, acc)
-        # one chunk of rows in the accumulation dtype, and one more for the exponentials; in place after
-        z = _transform(logits3[bi[sl], ti[sl]].to(acc), scale, softcap)
+    for idx, inv_t, z in _chunks(logits3, counted, T, logits_start, temperature, scale, softcap, acc):
         z_y, y_ok = _target(z, ids[idx].long(), V, acc)
         flag = _nonfinite(z).to(torch.int8) * BAD_NONFINITE
         flag |= (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF
@@ -207,6 +197,22 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
         stats[idx] = c_stats
         bad[idx] = flag
     return logp, ent, stats, bad
+
+
+def _chunks(logits3, counted, T, logits_start, temperature, scale, softcap, acc):
+    """The counted rows a chunk at a time (masked-out rows are never read): (their flat indices, 1 / tau,
+    the chunk's transformed logits in the accumulation dtype: one chunk, and one more for the exponentials
+    while it is reduced)."""
+    rows_idx = counted.nonzero().squeeze(1)
+    V = logits3.shape[-1]
+    if V == 0:
+        return
+    bi, ti = rows_idx // T, rows_idx % T + logits_start
+    step = _rows_per_chunk(V)
+    for k in range(0, rows_idx.numel(), step):
+        sl = slice(k, k + step)
+        idx = rows_idx[sl]
+        yield idx, _inv_tau(temperature, idx, acc), _transform(logits3[bi[sl], ti[sl]].to(acc), scale, softcap)
 
 
 def vocab_blocks(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
@@ -222,16 +228,7 @@ def vocab_blocks(logits3, ids, counted, temperature, logits_start, scale=1.0, so
     blocks = torch.zeros((n, nb, 3), device=dev, dtype=acc)
     zy = torch.full((n,), float("nan"), device=dev, dtype=acc)
     nonfinite = torch.zeros(n, device=dev, dtype=torch.bool)
-    rows_idx = counted.nonzero().squeeze(1)
-    if rows_idx.numel() == 0 or V == 0:
-        return blocks, zy, nonfinite
-    bi, ti = rows_idx // T, rows_idx % T + logits_start
-    step = _rows_per_chunk(V)
-    for k in range(0, rows_idx.numel(), step):
-        sl = slice(k, k + step)
-        idx = rows_idx[sl]
-        inv_t = _inv_tau(temperature, idx, acc)
-        z = _transform(logits3[bi[sl], ti[sl]].to(acc), scale, softcap)
+    for idx, inv_t, z in _chunks(logits3, counted, T, logits_start, temperature, scale, softcap, acc):
         zy[idx] = _target(z, ids[idx].long(), V, acc)[0]
         nonfinite[idx] = _nonfinite(z)
         blocks[idx] = block_stats(z, inv_t)

@@ -99,17 +99,23 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     logp, ent, stats, bad = outs
     if n == 0:
         return logp, ent, stats, bad
-    bv = fwd_block_v(V)
+    _launch(logits3, ids, counted, (logp, ent, stats, bad), T, V, logits_start, temperature, scale, softcap,
+            fwd_block_v(V), NAN_FLAGGED=nan_flagged)
+    return logp, ent, stats, bad
+
+
+def _launch(logits3, ids, counted, outs, T, V, logits_start, temperature, scale, softcap, bv, **meta):
+    """_vocab_fwd_kernel over the n tokens, one program each, writing `outs` (logp, H, stats, flags
+    pointers); bv: its block of entries; meta: its other switches."""
+    n = ids.numel()
     scale, cap, has = _transforms(scale, softcap)
-    tau, tau_stride = temperature_arg(temperature, dev, n)
+    tau, tau_stride = temperature_arg(temperature, logits3.device, n)
     _vocab_fwd_kernel[(n,)](
-        logits3, ids, ids if counted is None else counted, logp, ent, stats, bad,
-        logits3.stride(0), logits3.stride(1),
+        logits3, ids, ids if counted is None else counted, *outs, logits3.stride(0), logits3.stride(1),
         T, V, logits_start, tau, tau_stride, scale, cap,
         **has, BLOCK_V=bv, num_warps=num_warps_for(bv), HAS_MASK=counted is not None,
-        TEMP_BY_VALUE=isinstance(tau, float), NAN_FLAGGED=nan_flagged, VOCAB_BLOCK=VOCAB_BLOCK,
+        TEMP_BY_VALUE=isinstance(tau, float), VOCAB_BLOCK=VOCAB_BLOCK, **meta,
     )
-    return logp, ent, stats, bad
 
 
 def vocab_blocks(logits3, ids, counted, temperature, logits_start, V_whole, scale=1.0, softcap=None):
@@ -127,16 +133,8 @@ def vocab_blocks(logits3, ids, counted, temperature, logits_start, V_whole, scal
     zy = torch.zeros(n, device=dev, dtype=torch.float32)
     if n == 0 or nb == 0:
         return blocks, zy.fill_(float("nan"))
-    bv = fwd_block_v(V_whole)
-    scale, cap, has = _transforms(scale, softcap)
-    tau, tau_stride = temperature_arg(temperature, dev, n)
-    _vocab_fwd_kernel[(n,)](
-        logits3, ids, ids if counted is None else counted, zy, zy, blocks, zy,
-        logits3.stride(0), logits3.stride(1),
-        T, V, logits_start, tau, tau_stride, scale, cap,
-        **has, BLOCK_V=bv, num_warps=num_warps_for(bv), HAS_MASK=counted is not None,
-        TEMP_BY_VALUE=isinstance(tau, float), VOCAB_BLOCK=VOCAB_BLOCK, BLOCKS_OUT=True, NB=nb,
-    )
+    _launch(logits3, ids, counted, (zy, zy, blocks, zy), T, V, logits_start, temperature, scale, softcap,
+            fwd_block_v(V_whole), BLOCKS_OUT=True, NB=nb)
     return blocks, zy
 
 
