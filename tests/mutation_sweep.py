@@ -1,5 +1,5 @@
 """Mutation sweep over the sampler replay (spec 13), the verl modes and the per-token temperature code
-(issue 31, item 5). Not collected by pytest (no test_ prefix).
+Not collected by pytest (no test_ prefix).
 
 Each mutant is one semantic change: (file under gtpo_kernels/, an exact snippet that must occur exactly
 once, its replacement, a description). The sweep copies the repository (without .git) to a temporary
@@ -11,11 +11,11 @@ snippet no longer occurs exactly once: the file changed since the list was writt
 Mutants marked `equivalent` cannot change any observable output of the package; each carries its
 reason. The score is killed / (mutants that applied), reported with and without the equivalents.
 
-    python tests/mutation_sweep.py                      # the whole sweep (about an hour on 2 shared cores)
-    python tests/mutation_sweep.py --before             # the same without this round's tests (before score)
+    python tests/mutation_sweep.py                      # the whole sweep (about an hour on two CPU cores)
+    python tests/mutation_sweep.py --before             # the same without tests/test_mutants_round3.py (before score)
     python tests/mutation_sweep.py --resume before.log  # rerun only what that sweep left alive (after score)
     python tests/mutation_sweep.py --report before.log  # that sweep's table and score, with the current notes
-    python tests/mutation_sweep.py --report tests/mutation_before.log,tests/mutation_after.log   # this round's
+    python tests/mutation_sweep.py --report tests/mutation_before.log,tests/mutation_after.log   # the committed sweep's
     python tests/mutation_sweep.py --file kept_set.py   # the mutants of files whose path contains this
     python tests/mutation_sweep.py --only K3,S7         # these mutants
     python tests/mutation_sweep.py --list               # the mutants, not run
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NEW_TESTS = "tests/test_mutants_round3.py"  # the tests this round added: run (first) for every file
+NEW_TESTS = "tests/test_mutants_round3.py"  # the tests written against this list: run (first) for every file
 
 # the test files that cover each file (run with -x, after NEW_TESTS)
 TESTS = {
@@ -339,7 +339,7 @@ MUTANTS = [
 
 
 TEST_OVERRIDE = None  # --tests: these pytest arguments in place of the mapping
-WITHOUT_NEW = False  # --before: the suite as it was before this round's tests
+WITHOUT_NEW = False  # --before: the suite without NEW_TESTS
 
 
 def tests_for(m, root):
@@ -420,7 +420,7 @@ def main():
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--check", action="store_true", help="check the snippets only")
     ap.add_argument("--in-place", action="store_true", help="mutate this checkout (restored after each)")
-    ap.add_argument("--before", action="store_true", help=f"without {NEW_TESTS} (the score before this round)")
+    ap.add_argument("--before", action="store_true", help=f"without {NEW_TESTS} (the score before those tests)")
     ap.add_argument("--resume", help="a previous sweep's output: its killed mutants are taken as killed (valid when "
                     "tests were only added since: the same runs, with more tests), the others run again")
     ap.add_argument("--report", help="print the table and score of previous sweeps' outputs, comma-separated, a "

@@ -12,7 +12,7 @@ is small and ill-conditioned in logp (spec 4's k3): what the package computes th
   that part against the log-probs (spec 7's logp target), not the gradient (joint_calls.reference, held).
   The draws below, of the configuration that failed under the nightly profile (float32, gtpo, temperature
   0.7, eps_high = 0, beta = 0.04 with ref_logps, T = 1, V = 8): without that, three of the four fail its
-  gradient check; the fourth, the issue's own draw, failed by both parts together."""
+  gradient check; the fourth, the first failing nightly draw, failed by both parts together."""
 import dataclasses
 
 import pytest
@@ -33,12 +33,12 @@ COMMON = dict(dtype=torch.float32, preset="gtpo", logits_start=None, with_ref=Tr
 
 # Each: the KL term is the token's only gradient (the ratio beyond 1 + eps_high = 1 with A > 0, or A = 0,
 # or the completion filtered) and ref - logp is small. Without the held log-probs the gradient's relative
-# error against the float64 log-probs' reference is, in order: 1.4e-5 (the issue's case; 4.6e-6 of it the
+# error against the float64 log-probs' reference is, in order: 1.4e-5 (the first nightly case; 4.6e-6 of it the
 # rounding of logp = -1.49 into float32, 9.5e-6 that of exp(d) near 1 in 1 - exp(d), d = 4.0e-3), 5.3e-4
 # (logp = -16.7 rounded by 5.0e-7, ref - logp = -9.5e-4), 1.8e-3 and 3.4e-4 (the logits entry's own float32
 # log-probs, torch and Triton).
 PINNED = {
-    "logps, issue": Joint(
+    "logps, first nightly case": Joint(
         entry="logps", form="one-packed", backend="torch", seed=1193176147, P=1, G=1,
         over={"temperature": 0.7, "eps_high": 0.0, "beta": 0.04, "loss_agg": "seq-mean-token-mean", "eps_low": 0.1,
               "clip": True, "entropy_penalty": 0.1, "use_conflict_mask": True},

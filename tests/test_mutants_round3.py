@@ -1,4 +1,4 @@
-"""Tests added by the third mutation sweep (issue 31, item 5; tests/mutation_sweep.py): each kills mutants
+"""Tests added by the third mutation sweep (tests/mutation_sweep.py): each kills mutants
 of the sampler replay (spec 13), the verl modes or the per-token temperature code that the suite let
 survive, through the public calls and against the float64 reference (reference/). The mutant ids in the
 docstrings are the sweep's."""
@@ -91,8 +91,8 @@ def test_plus_inf_logit_with_min_p_gives_nan(backend):
 @pytest.mark.parametrize("rule", [dict(top_k=3), dict(top_p=0.9), dict(min_p=0.1)])
 def test_nonfinite_row_with_rules_is_refused_when_validating(rule, value, backend):
     """A counted row holding NaN or +inf is invalid input (spec 6) with rebuilt sets as without: refused
-    when validating (on logits and on the head), NaN for that token alone when not (the sweep found it
-    made NaN but not refused: the rebuild drops such an entry, and only the token was marked invalid)."""
+    when validating (on logits and on the head), NaN for that token alone when not (once made NaN but
+    not refused: the rebuild drops such an entry, and only the token was marked invalid)."""
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(2, 3, 9, generator=g)
     ids = torch.randint(0, 9, (2, 3), generator=g)
@@ -440,7 +440,7 @@ def test_clip_cov_clip_frac_leaves_out_zero_advantages():
 
 def test_clip_cov_clip_frac_equals_the_reference_where_the_ppo_clip_binds():
     """clip_frac with policy_loss='clip-cov' is verl's pg_clipfrac, as the reference: the covariance
-    selection (and the dual clip), not the tokens the PPO clip stopped (the sweep found them counted)."""
+    selection (and the dual clip), not the tokens the PPO clip stopped (once counted too)."""
     from gtpo_kernels import GTPOConfig
     logits, ids, mask, old = _verl_case(72)
     adv = torch.tensor([1.0, 0.0, -1.0, 0.5], dtype=torch.float64)

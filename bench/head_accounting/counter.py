@@ -74,10 +74,13 @@ def _python_impl(func):
 
 
 def gemm_flops(name, args):
-    """2 M N K of one GEMM (aten.mm / addmm / bmm / baddbmm / mv / addmv), else 0."""
+    """2 M N K of one GEMM (aten.mm / addmm / bmm / baddbmm / mv / addmv, and aten.matmul of two matrices, which
+    a custom op's body, running below autograd, meets before it decomposes into mm), else 0."""
     name = name.rstrip("_")
     if name in ("aten.addmm", "aten.baddbmm", "aten.addmv"):
         args = args[1:]
+    if name == "aten.matmul" and args[0].dim() == 2 and args[1].dim() == 2:
+        name = "aten.mm"
     if name in ("aten.mm", "aten.addmm"):
         (m, k), n = args[0].shape, args[1].shape[1]
         return 2 * m * n * k
