@@ -162,6 +162,31 @@ def test_inplace_writes_the_gradient_into_the_logits(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_takes_any_stride_of_a_vocabulary_of_one(backend):
+    """A vocabulary dimension of size 1 (or an empty batch) has no stride to speak of: inplace=True takes
+    it (its gradient equals the out-of-place one), where a larger vocabulary with stride != 1 is refused.
+    (A nightly draw of an empty batch with V = 1 was refused for its stride before the kept sets'
+    documented refusal could say why.)"""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 1, 3, generator=g).transpose(1, 2)  # (B, T, 1) with vocabulary stride 3
+    ids, adv = torch.zeros(2, 3, dtype=torch.long), torch.tensor([1.0, 0.5])
+    old = torch.full((2, 3), -0.1)
+    a = gtpo_loss(x.detach().clone(), ids, adv, group_size=2, old_logps=old, config="grpo", backend=backend).loss
+    b = x.detach().clone().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    assert b.stride(-1) == 3
+    out = gtpo_loss(b, ids, adv, group_size=2, old_logps=old, config="grpo", backend=backend, inplace=True)
+    assert out.loss != 0 and torch.equal(out.loss, a)  # (logp = 0 over one entry; the ratio is exp(0.1))
+    out.loss.backward()  # its gradient, 0 with one entry, written in place without a complaint
+    with pytest.raises(ValueError, match="vocabulary stride 1"):
+        wide = torch.randn(2, 4, 3, generator=g).transpose(1, 2)
+        gtpo_loss(wide.requires_grad_(), ids, adv, group_size=2, config="grpo", backend=backend, inplace=True)
+    empty = torch.zeros(1, 1, 1).expand(2, 0, 1)  # strides (0, 1, 0): no element, so no overlap either
+    with pytest.raises(ValueError, match="inplace=True is not taken with sampling_mask"):  # the documented one
+        gtpo_loss(empty.requires_grad_(), ids[:, :0], adv, group_size=2, backend=backend, inplace=True,
+                  sampling_mask=(torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_views_of_the_model_logits(backend):
     """logits_start on the model's full output, and a vocabulary-strided tensor (copied once)."""
     x, ids, adv = batch(B=2, T=7, V=10, seed=5)

@@ -83,7 +83,9 @@ def check_inplace(inplace, logits):
     if torch.compiler.is_compiling():
         raise ValueError("inplace=True is not supported inside torch.compile: the compiled backward would "
                          "copy the logits to write them, which loses the memory saving; use inplace=False")
-    if logits.stride(-1) != 1:
+    if logits.numel() == 0:  # nothing is written: no stride or overlap to speak of
+        return
+    if logits.shape[-1] > 1 and logits.stride(-1) != 1:  # (a dimension of 1: any stride)
         raise ValueError("inplace=True needs logits with vocabulary stride 1 (it writes the gradient "
                          "into their storage)")
     dims = sorted((st, n) for st, n in zip(logits.stride(), logits.shape) if n > 1)
