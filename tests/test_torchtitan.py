@@ -89,6 +89,12 @@ def _hidden(model, mb, g):
     model._skip_lm_head = True  # as the trainer sets it for a ChunkedLossWrapper loss
     with torch.no_grad():
         h = model(mb.token_ids, attention_masks=model.get_attention_masks(mb.positions), positions=mb.positions)
+        # torchtitan's model can leave a padding position's hidden state NaN on its first call in a process
+        # (seen in one run of three); no loss reads those rows, but the stock chunked loss's gradient then
+        # holds 0 * NaN there: they are set to 0, counted positions must be finite
+        off = ~torch.isfinite(h).all(-1)
+        assert not (off & mb.loss_mask).any(), "a counted position's hidden state is not finite"
+        h = torch.where(off[..., None], torch.zeros_like(h), h)
         logp = torch.log_softmax(h @ model.lm_head.weight.T, -1).gather(-1, mb.labels[..., None])[..., 0]
         noisy = logp + 0.3 * torch.randn(logp.shape, generator=g)
         mb.generator_logprobs = torch.where(mb.loss_mask, noisy, torch.zeros_like(noisy))
