@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 
 from ..core.layout import float_dtype_for
+from ..core.sampling import flat_offsets
 from .kept_set import kept_sets
 
 Tensor = torch.Tensor
@@ -36,10 +37,8 @@ def kept_sets_flat(logits3: Tensor, rows_b: Tensor, rows_t: Tensor, y: Tensor, c
     ids, off, rest, nonfinite, mass = kept_sets(logits3, rows_b[pos], rows_t[pos], y[pos], _at(tau, pos, n),
                                                 _at(top_k, pos, n), _at(top_p, pos, n), _at(min_p, pos, n),
                                                 scale, softcap)
-    counts = torch.zeros(n, dtype=torch.long, device=counted.device).scatter(0, pos, off.diff())
-    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
     flat = torch.zeros(n, dtype=torch.bool, device=counted.device)
-    return [ids, offsets, flat.scatter(0, pos, rest), flat.scatter(0, pos, nonfinite),
+    return [ids, flat_offsets(off, counted)[0], flat.scatter(0, pos, rest), flat.scatter(0, pos, nonfinite),
             torch.zeros(n, dtype=mass.dtype, device=mass.device).scatter(0, pos, mass)]
 
 

@@ -23,6 +23,7 @@ import types
 import torch
 
 from ..core.layout import float_dtype_for
+from ..core.sampling import flat_offsets
 from ..distributed import vocab_replay
 from ..kernels import replay as rp
 from ..kernels.kept_set import kept_sets
@@ -105,13 +106,13 @@ def with_sets(p, token_ids, flat, invalid):
     return p
 
 
-def flat_sets(p, n):
-    """The counted tokens' sets in p in the flat layout of n tokens: (token_ids, offsets (n + 1,), invalid (n,))."""
-    counts = torch.zeros(n, dtype=torch.long, device=p.pos.device).scatter(0, p.pos, p.offsets.diff())
-    invalid = torch.zeros(n, dtype=torch.bool, device=p.pos.device)
+def flat_sets(p, counted):
+    """The counted tokens' sets in p in the flat layout of the tokens `counted` (n,) marks: (token_ids,
+    offsets (n + 1,), invalid (n,))."""
+    invalid = torch.zeros(counted.numel(), dtype=torch.bool, device=p.pos.device)
     if p.invalid is not None:
         invalid = invalid.scatter(0, p.pos, p.invalid)
-    return p.token_ids, torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]), invalid
+    return p.token_ids, flat_offsets(p.offsets, counted)[0], invalid
 
 
 def forward(hidden, p):

@@ -96,7 +96,7 @@ def head_replay_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids:
         p.invalid = None if invalid is None else invalid[p.pos]
     lp, ent, flags = hr.forward(hidden, p)
     if token_ids is None:
-        sets = list(hr.flat_sets(p, n))
+        sets = list(hr.flat_sets(p, counted))
     metrics = p.metrics if token_ids is None else rp.replay_metrics(p.offsets)
     zero = torch.zeros(n, dtype=lp.dtype, device=lp.device)
     return [zero.scatter(0, p.pos, lp), zero.scatter(0, p.pos, ent),
