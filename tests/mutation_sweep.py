@@ -265,7 +265,7 @@ MUTANTS = [
       "torch.clamp(torch.ceil(r * M.to(torch.float64)), min=1.0)", "select_count rounds up"),
     M("V16", "objective/verl_modes.py", "cand = m & ~on_clip & ", "cand = m & ",
       "clip_cov: tokens the PPO clip already stopped are candidates"),
-    M("V17", "objective/verl_modes.py", "clipped | (sel & (A != 0))", "clipped | sel",
+    M("V17", "objective/verl_modes.py", "chosen = sel & (A != 0)", "chosen = sel",
       "clip_cov: selected zero-advantage tokens counted clipped"),
     M("V18", "objective/verl_modes.py", "select_count(cfg.kl_cov_ratio, M), descending=True)",
       "select_count(cfg.kl_cov_ratio, M), descending=False)", "kl_cov: the smallest covariances chosen"),
