@@ -1,5 +1,5 @@
-"""The head's `auto` schedule (spec 11) picks the cheaper of the two by the head accounting's own measure,
-GEMM FLOPs, on the accounting's cases (bench's head accounting: grpo, shaping over long completions, the
+"""The head's `auto` schedule (spec 11) runs the faster of the two by the time model (FLOPs, bytes,
+launches: pipeline.schedule.predict), on the accounting's cases (bench's head accounting: grpo, shaping over long completions, the
 entropy filter at the median, bias and transforms, zero advantages), at a smaller V and D (the choice
 depends on row counts only); and pipeline.schedule.schedule_cost, given the measured rows, ranks the
 schedules as the measurement does."""
@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gtpo_kernels import linear_gtpo_loss
-from gtpo_kernels.pipeline.schedule import schedule_cost
+from gtpo_kernels.pipeline.head import row_bytes
+from gtpo_kernels.pipeline.schedule import predict, schedule_cost
 
 try:  # bench's head accounting: a package, or one module
     ha = importlib.import_module("bench.head_accounting.measure")
@@ -57,16 +58,20 @@ def _run(case, schedule):
     return mode.flops, bool(out.metrics["grad_in_forward"])
 
 
+@pytest.mark.parametrize("V,D", [(256, 16), (4096, 512)])
 @pytest.mark.parametrize("name", list(ha.CASES))
-def test_auto_runs_the_cheaper_schedule(name):
-    case = ha.make_case(name, D=16, V=256)
+def test_auto_runs_the_schedule_the_time_model_predicts_faster(name, V, D):
+    """auto runs the schedule of pipeline.schedule.predict (a refused fused schedule: recompute), and
+    the FLOPs each schedule runs are the model's (schedule_cost)."""
+    case = ha.make_case(name, D=D, V=V)
     flops = {s: _run(case, s)[0] for s in ("fused", "recompute")}
     auto_flops, auto_fused = _run(case, "auto")
-    cheaper = min((f, s) for s, f in flops.items() if f is not None)[1]
-    print(f"{name}: GEMM FLOPs {flops}, auto ran {'fused' if auto_fused else 'recompute'}")
-    assert ("fused" if auto_fused else "recompute") == cheaper, f"{name}: auto did not run the cheaper {flops}"
-    assert auto_flops == flops[cheaper]
-    V, D = case.weight.shape
+    per_tile = case.budget // row_bytes(V, case.weight.dtype, case.weight.device)
+    model = predict(case.cfg, V, D, case.hidden[..., 0].numel(), per_tile, case.weight.element_size())
+    faster = model.choice if flops["fused"] is not None else "recompute"
+    print(f"{name}: GEMM FLOPs {flops}, predicted ms {model[:2]}, auto ran {'fused' if auto_fused else 'recompute'}")
+    assert ("fused" if auto_fused else "recompute") == faster, f"{name}: auto did not run the faster {model}"
+    assert auto_flops == flops[faster]
     modeled = schedule_cost(case.cfg, V, D, case.N, N_nz=case.N_nz, fused_ok=flops["fused"] is not None)
     if flops["fused"] is not None:  # the model's fused cost assumes no row known zero: an upper bound
         assert modeled.fused >= flops["fused"]

@@ -135,3 +135,50 @@ def test_counter_sees_launches_and_reads():
 
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):  # pragma: no cover - conftest sets it
     pytestmark = pytest.mark.skip("needs Triton's interpreter")
+
+
+def _head_counts(schedule, tiles, preset, packed=False, bias=False):
+    """Counts of linear_gtpo_loss with `tiles` tiles of rows (every token counted): forward and backward
+    apart, each (launches, host reads, Triton kernels by name)."""
+    from gtpo_kernels import linear_gtpo_loss
+    from gtpo_kernels.pipeline.head import row_bytes
+    g = torch.Generator().manual_seed(tiles)
+    B, T, D, V = 8, 6, 8, 40
+    h = torch.randn(B * T, D, generator=g) if packed else torch.randn(B, T, D, generator=g)
+    w = torch.randn(V, D, generator=g).requires_grad_()
+    b = torch.randn(V, generator=g).requires_grad_() if bias else None
+    ids = torch.randint(0, V, h.shape[:-1], generator=g)
+    adv = torch.randn(B, generator=g)
+    kw = dict(cu_seqlens=torch.arange(0, B * T + 1, T), max_seqlen=T) if packed else {}
+    h.requires_grad_()
+    budget = (B * T // tiles) * row_bytes(V, torch.float32, h.device)
+    cfg = GTPOConfig.preset(preset, beta=0.0) if preset in ("grpo", "dapo") else \
+        GTPOConfig.preset(preset, entropy_threshold=5.0) if preset == "gtpo" else GTPOConfig.preset(preset)
+    with counting() as fwd:
+        out = linear_gtpo_loss(h, w, ids, adv, bias=b, group_size=4, config=cfg, validate=False, backend="triton",
+                               memory_budget=budget, schedule=schedule, **kw)
+    with counting() as bwd:
+        out.loss.backward()
+    assert torch.isfinite(out.loss) and w.grad.abs().sum() > 0 and h.grad.abs().sum() > 0
+    return [(c.launches, c.host_reads, dict(c.triton_names)) for c in (fwd, bwd)]
+
+
+@pytest.mark.parametrize("schedule", ["fused", "recompute"])
+@pytest.mark.parametrize("preset,packed,bias", [("grpo", False, False), ("gtpo", True, True), ("dapo", False, True),
+                                                ("gspo", True, False)])
+def test_head_runs_the_loss_math_once_and_at_most_ten_launches_a_tile(schedule, preset, packed, bias):
+    """The LM head (spec 11): the loss math (the epilogue kernel) once per call, and on each fused tile for
+    its own completions; at most 10 launches a tile (a tile of the forward, and of the backward: the
+    recompute schedule's backward tiles are blocks of rows x vocabulary entries), the rest of the call
+    flat in tiles (at most 60 launches: the batch's preparation, packed or padded, the conflict weights'
+    kernel, the gradients' buffers)."""
+    for k in (2, 4, 8):
+        (lf, rf, kf), (lb, rb, kb) = _head_counts(schedule, k, preset, packed, bias)
+        assert kf["_vocab_fwd_kernel"] == k and kf["_epilogue_kernel"] == (k + 1 if schedule == "fused" else 1), kf
+        assert "_epilogue_kernel" not in kb, kb
+        tiles_b = kb.get("_vocab_bwd_kernel", 0) + kf.get("_vocab_bwd_kernel", 0)
+        assert tiles_b >= k, (kf, kb)
+        assert lf + lb <= 60 + 10 * (k + (tiles_b if schedule == "recompute" else 0)), (k, lf, lb, kf, kb)
+        assert rf + rb == (3 if schedule == "fused" else 4) + (schedule == "fused" and packed), (rf, rb)
+    per_fwd = [_head_counts(schedule, k, preset, packed, bias)[0][0] for k in (2, 4, 8)]
+    assert per_fwd[1] - per_fwd[0] == (per_fwd[2] - per_fwd[1]) / 2 <= 2 * 10, per_fwd  # linear in tiles

@@ -139,10 +139,11 @@ def test_linear_matches_reference(backend, case, preset, schedule, dtype, scale,
 
 @pytest.mark.parametrize("preset", ["grpo", "dapo", "cispo", "gtpo", "gspo", "vespo"])
 def test_auto_schedule_and_forcing(preset):
-    """Coefficients local to a tile: fused (3 GEMMs), unless the entropy filter makes recompute the
-    cheaper by the cost model (gtpo: auto runs recompute, 'fused' can be forced); per-completion
-    statistics are local when every tile holds whole completions, and need the recompute schedule when
-    a completion spans tiles."""
+    """Coefficients local to a tile: auto runs the schedule the time model predicts faster (at this size,
+    where launches dominate, fused; at a 7-8B model's size the entropy filter makes recompute the faster,
+    and 'fused' can be forced); per-completion statistics are local when every tile holds whole
+    completions, and need the recompute schedule when a completion spans tiles."""
+    from gtpo_kernels.pipeline.schedule import predict
     g = torch.Generator().manual_seed(0)
     B, T, D, V = 4, 6, 8, 30
     h, w = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g)
@@ -150,7 +151,12 @@ def test_auto_schedule_and_forcing(preset):
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     kw = dict(group_size=2, config=GTPOConfig.preset(preset, entropy_threshold=3.0) if preset == "gtpo" else preset)
     out = linear_gtpo_loss(h, w, ids, adv, **kw)
-    assert float(out.metrics["grad_in_forward"]) == (0.0 if preset == "gtpo" else 1.0)
+    cfg = GTPOConfig.preset(preset, entropy_threshold=3.0) if preset == "gtpo" else \
+        GTPOConfig.preset(preset)
+    assert predict(cfg, V, D, B * T, 1 << 20).choice == "fused"
+    assert float(out.metrics["grad_in_forward"]) == 1.0
+    real = predict(cfg, 151936, 4096, 8192, (1 << 30) // (4 * 151936))  # the default budget, bf16
+    assert real.choice == ("recompute" if preset == "gtpo" else "fused"), real
     out = linear_gtpo_loss(h, w, ids, adv, schedule="fused", **kw)
     assert float(out.metrics["grad_in_forward"]) == 1.0
     small = 2 * V * 4 * 4  # 4 rows a tile: completions of 6 tokens span tiles

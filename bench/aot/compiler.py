@@ -56,7 +56,7 @@ class _Ptr:
 
 
 # int64 tensors of the replay kernels (replay_triton): row offsets, sampled ids, the kept sets' offsets
-_INT64_PTRS = ("ids_ptr", "row_ptr", "grow_ptr", "y_ptr", "off_ptr")
+_INT64_PTRS = ("rows_ptr", "ids_ptr", "row_ptr", "grow_ptr", "y_ptr", "off_ptr")
 
 
 def _arg_for(name, dtype, V, T, has_e):
@@ -67,7 +67,7 @@ def _arg_for(name, dtype, V, T, has_e):
                      **dict.fromkeys(_INT64_PTRS, torch.int64)}.get(name, torch.float32))
     table = {"stride_lb": T_l * V, "stride_gb": T_l * V, "stride_lt": V, "stride_gt": V, "T": T, "T_l": T_l,
              "V": V, "logits_start": 0, "temp_stride": 0, "g_stride": 0, "scale": 0.5,
-             "softcap": 30.0, "NB": 19}  # floats: never specialized; NB: blocks per token (the merge)
+             "softcap": 30.0, "NB": 19, "id_start": 0}  # floats: never specialized; NB: blocks per token (the merge)
     if name in table:
         return table[name]
     raise KeyError(f"aot: no stand-in for kernel parameter {name!r}; teach bench/aot/compiler.py its value")
@@ -334,8 +334,8 @@ def compile_epilogue(arch, **switches):
     What the interpreter cannot see (a loop-carried type that changes, a global that differs between
     inner functions) fails here."""
     from gtpo_kernels.kernels.epilogue_triton import _epilogue_kernel as k
-    scal = dict(B=64, T=512, N=32768, max_seqlen=-1, lo=0.8, hi=1.2, delta=1.5, dual_c=3.0, beta=0.04, ent_coef=0.01,
-                penalty=0.1, thr=0.69, max_len_cfg=0.0, nitems_val=1.0)
+    scal = dict(B=64, T=512, N=32768, max_seqlen=-1, g_lo=0, g_hi=64, lo=0.8, hi=1.2, delta=1.5, dual_c=3.0,
+                beta=0.04, ent_coef=0.01, penalty=0.1, thr=0.69, max_len_cfg=0.0, nitems_val=1.0)
     meta = dict(PACKED=False, HAS_MASK=True, HAS_OLD=True, HAS_KL=True, BIAS_KL=True, HAS_LAM=True, HAS_NCONF=True,
                 NITEMS=0, CLIP=True, HAS_DELTA=True, HAS_DUAL=True, HAS_E=True, FILTER=True, PENALTY=True, SEQ=False,
                 AGG=0, BLOCK=1024, VALIDATE=True, MASK_VALUES=True, HAS_REF=True, HAS_ROLL=True, num_warps=4)

@@ -208,12 +208,15 @@ def measure_one(case, provider, validate):
 
 
 def auto_choice(case, rows):
-    """The schedule schedule='auto' runs on `case`: the cost model's choice for its options
-    (pipeline.schedule, before any logit is read), recompute where the fused schedule is refused."""
-    from gtpo_kernels.pipeline.schedule import schedule_cost
+    """The schedule schedule='auto' runs on `case`: the time model's choice for its options and sizes
+    (pipeline.schedule.predict, before any logit is read), recompute where the fused schedule is refused."""
+    from gtpo_kernels.pipeline.head import row_bytes
+    from gtpo_kernels.pipeline.schedule import predict
     V, D = case.weight.shape
     fused_ok = not any(r["provider"] == "fused" and "unavailable" in r for r in rows)
-    return schedule_cost(case.cfg, V, D, case.N, fused_ok=fused_ok).choice
+    per_tile = case.budget // row_bytes(V, case.weight.dtype, case.weight.device)
+    return predict(case.cfg, V, D, case.hidden[..., 0].numel(), per_tile, case.weight.element_size(),
+                   fused_ok=fused_ok).choice
 
 
 def measure(cases=tuple(CASES), providers=PROVIDERS, validate=(True, False), D=64, V=4096, seed=0):

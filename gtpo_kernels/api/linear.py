@@ -101,7 +101,9 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                                  num_items_in_batch=num_items_in_batch, validate=validate, backend="reference",
                                  **extras, **replay_kw)
         checks.check_unused_group_size(group_size, b.B, cfg, config)
-        loss.conflicts_for(b, cfg, group_size, dt, backend)
+        # the epilogue kernel reads lam only where counted: conflict weights computed in one kernel there
+        loss.conflicts_for(b, cfg, group_size, dt, backend, epilogue=head_ops.uses_epilogue(b, cfg, backend,
+                                                                                           process_group))
         span = head_ops.coefficient_span(cfg)
         _summary(g, b, hidden, weight, host, (backend, cfg, schedule, budget, span, group_size, num_items_in_batch,
                                               logit_scale, logit_softcap, str(head.proj)), (sampling_mask, top_k, top_p, min_p))

@@ -10,6 +10,10 @@ status word that validation reads once (bit 0: a counted row was flagged; bit 1:
 dropped every completion; bit 2, validating: an input check failed, the caller then runs the checks
 again on the host to raise the error that names the argument). The eager code stays the torch backend's path and this kernel's twin in tests.
 
+A tile of the LM head's fused schedule runs it with pass 2 over the tile's completions only (g_lo, g_hi):
+their c and e are then final (pass 1's batch totals, the counted tokens and the longest completion, come
+from the mask and cu_seqlens alone), the rest of what it writes is rewritten by the call's own launch.
+
 One program walks the completions in order (padded: completion i owns tokens [i T, (i + 1) T); packed:
 [cu[i], cu[i + 1])), in blocks of BLOCK tokens, twice: pass 1 forms the per-completion sums (counted
 tokens, entropy, and the sequence-level log-ratio) and the batch's, pass 2 the per-token terms, behind a
@@ -33,13 +37,14 @@ AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-tok
         "none")
 
 
-@triton.jit(do_not_specialize=["B", "T", "N", "max_seqlen"])
+@triton.jit(do_not_specialize=["B", "T", "N", "max_seqlen", "g_lo", "g_hi"])
 def _epilogue_kernel(
     logp_ptr, ent_ptr, bad_ptr, mask_ptr, cu_ptr,  # the forward kernel's outputs; the caller's mask; cu_seqlens
     adv_ptr, old_ptr, ref_ptr, lam_ptr, nconf_ptr, nitems_ptr, roll_ptr,  # inputs (unused ones: any tensor)
     value_ptr, logp_out, ent_out, ltok_out, c_out, e_out, lam_out, nconf_out, kept_out, hbar_out,  # outputs
     scratch_ptr, cu_fix, met_ptr, status_ptr,  # (3B,) float32, (B + 1,) int64 scratch; (9,) metrics; (1,) int32
     B, T, N, max_seqlen,  # completions; tokens per completion (padded form); tokens; the packed max_seqlen or -1
+    g_lo, g_hi,  # pass 2 over completions [g_lo, g_hi) only (0, B: the call; the LM head's fused tile: its own)
     lo, hi, delta, dual_c, beta, ent_coef, penalty, thr, max_len_cfg, nitems_val,  # hyper-parameters (floats)
     PACKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
     BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr, HAS_NCONF: tl.constexpr, NITEMS: tl.constexpr,
@@ -170,7 +175,7 @@ def _epilogue_kernel(
     conf_n = tl.zeros((), tl.int32)
     lam_nan = tl.zeros((), tl.float32)
     # pass 2: per token, the terms, the weights, c and e, the loss
-    for i in range(B):
+    for i in range(g_lo, g_hi):
         start, end = _span(cu_fix, i, T, PACKED)
         a_hat = tl.load(scratch_ptr + i)
         lr_seq = tl.load(scratch_ptr + B + i)

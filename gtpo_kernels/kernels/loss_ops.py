@@ -27,13 +27,43 @@ FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITE
 EPILOGUE_BLOCK = 1024  # tokens per step of the epilogue's one program
 
 
-def _outputs(logits3, n, B, none_agg):
-    f32 = dict(device=logits3.device, dtype=torch.float32)
+def _outputs(like, n, B, none_agg):
+    f32 = dict(device=like.device, dtype=torch.float32)
     value = torch.empty(n if none_agg else (), **f32)
     per_tok = [torch.empty(n, **f32) for _ in range(6)]  # logp, H, loss_tok, c, e, lam
-    return [value, *per_tok, torch.empty(B, **f32), torch.empty(B, device=logits3.device, dtype=torch.uint8),
-            torch.empty(B, **f32), torch.empty(9, **f32), torch.empty(1, device=logits3.device, dtype=torch.int32),
-            torch.empty((n, 3), **f32), torch.empty(n, device=logits3.device, dtype=torch.int8)]
+    return [value, *per_tok, torch.empty(B, **f32), torch.empty(B, device=like.device, dtype=torch.uint8),
+            torch.empty(B, **f32), torch.empty(9, **f32), torch.empty(1, device=like.device, dtype=torch.int32),
+            torch.empty((n, 3), **f32), torch.empty(n, device=like.device, dtype=torch.int8)]
+
+
+def epilogue_outputs(like, n, B, flags):
+    """The epilogue's outputs for n tokens of B completions (epilogue() writes them): [value, logp, H,
+    loss_tok, c, e, lam, n_conf, kept (uint8), Hbar, metrics (9,), status (1,)]."""
+    return _outputs(like, n, B, dict(zip(FLAGS, flags))["AGG"] == 5)[:12]
+
+
+def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs,
+             g_lo=0, g_hi=None):
+    """The epilogue kernel (one launch) on the forward pass's per-token logp, H and flags, writing `outs`
+    (epilogue_outputs; its logp and H may be the inputs themselves); pass 2 over completions [g_lo, g_hi)
+    (default: all of them)."""
+    fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
+    n = logp.numel()
+    value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status = outs
+    scratch = torch.empty(3 * B, device=logp.device, dtype=torch.float32)
+    cu_fix = torch.empty(B + 1, device=logp.device, dtype=torch.int64)
+    any_ = bad  # a tensor for the pointers that are not read
+    sw = {k: bool(v) if k not in ("NITEMS", "AGG") else int(v) for k, v in fg.items()
+          if k not in ("TEMP_BY_VALUE", "MAX_SEQLEN")}
+    _epilogue_kernel[(1,)](
+        logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
+        adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items, roll)),
+        value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, scratch, cu_fix, met, status,
+        B, n // B if (B and not fg["PACKED"]) else 0, n, fg["MAX_SEQLEN"], g_lo, B if g_hi is None else g_hi,
+        fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
+        fl["max_len"], fl["nitems"], HAS_MASK=mask is not None, HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK,
+        num_warps=4, **sw)
+    return outs
 
 
 @torch.library.custom_op("gtpo_kernels::fused_loss", mutates_args=())
@@ -49,18 +79,7 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
     tau = fl["tau"] if fg["TEMP_BY_VALUE"] else temperature
     if n:
         vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad))
-    scratch = torch.empty(3 * B, device=logits3.device, dtype=torch.float32)
-    cu_fix = torch.empty(B + 1, device=logits3.device, dtype=torch.int64)
-    any_ = ids  # a tensor for the pointers that are not read
-    sw = {k: bool(v) if k not in ("NITEMS", "AGG") else int(v) for k, v in fg.items()
-          if k not in ("TEMP_BY_VALUE", "MAX_SEQLEN")}
-    _epilogue_kernel[(1,)](
-        logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
-        adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items, roll)),
-        value, logp, ent, ltok, c, e, lam_out, nconf_out, kept, hbar, scratch, cu_fix, met, status,
-        B, n // B if (B and not fg["PACKED"]) else 0, n, fg["MAX_SEQLEN"],
-        fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
-        fl["max_len"], fl["nitems"], HAS_MASK=mask is not None, HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK, num_warps=4, **sw)
+    epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs[:12])
     return outs
 
 

@@ -38,7 +38,7 @@ def _bwd_grad(z, m, c2, ls2, a_co, b_co, HAS_E: tl.constexpr):
     return g
 
 
-@triton.jit(do_not_specialize=["T", "T_l", "logits_start", "temp_stride"])
+@triton.jit(do_not_specialize=["T", "T_l", "logits_start", "temp_stride", "id_start"])
 def _vocab_bwd_kernel(
     # pointers
     logits_ptr, grad_ptr,  # (B, T_l, V) strided rows; grad may alias logits (inplace)
@@ -59,6 +59,11 @@ def _vocab_bwd_kernel(
     TEMP_BY_VALUE: tl.constexpr = False,  # True: temp_ptr is tau itself, a float argument (no memory read)
     HAS_G: tl.constexpr = False,  # True: c and e are multiplied here by the upstream gradient g
     g_ptr=None, g_stride=0,  # g of token k at g_ptr + k * g_stride (0: the loss is a scalar), float32
+    rows_ptr=None,  # ROWS: the token of each logits row, int64 (the LM head's tile of gathered rows)
+    ROWS: tl.constexpr = False,  # True: program p writes row p (B = 1, T = T_l = the tile's rows, logits_start
+    # 0) and reads the per-token tensors at token rows_ptr[p]
+    id_start=0,  # the vocabulary entry of the tile's column 0 (the LM head's backward by vocabulary blocks):
+    # the target is y - id_start, written only where it lies in [0, V)
 ):
     row_id = tl.program_id(0).to(tl.int64)  # one program per logits row, int64 offsets
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
@@ -66,7 +71,10 @@ def _vocab_bwd_kernel(
     r = row_id - i * T_l
     t = r - logits_start
     in_window = (t >= 0) & (t < T)
-    tok = i * T + t
+    if ROWS:
+        tok = tl.load(rows_ptr + row_id).to(tl.int64)
+    else:
+        tok = i * T + t
     if TEMP_BY_VALUE:
         inv_temp = 1.0 / temp_ptr
     else:
@@ -89,7 +97,7 @@ def _vocab_bwd_kernel(
         log_s = tl.load(stats_ptr + tok * 3 + 1)
         q = tl.load(stats_ptr + tok * 3 + 2)  # 1 - p_y
         ent = tl.load(ent_ptr + tok)
-        y = tl.load(ids_ptr + tok).to(tl.int64)
+        y = tl.load(ids_ptr + tok).to(tl.int64) - id_start
         y_ok = (y >= 0) & (y < V)
         # the target's own logit, read before the loop: with inplace the loop overwrites it
         z_y = tl.load(row + y, mask=y_ok, other=float("-inf")).to(tl.float32)

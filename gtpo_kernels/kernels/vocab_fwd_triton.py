@@ -198,14 +198,21 @@ def _vocab_fwd_kernel(
     # the transformed target logit at logp_ptr (NaN where the id is not in [0, V)), nothing else (the
     # vocabulary-parallel path merges the blocks of every rank with _vocab_merge_kernel)
     NB=1,  # BLOCKS_OUT: blocks per token in stats_ptr (the slice's own)
+    rows_ptr=None,  # ROWS: the token of each logits row, int64 (the LM head's tile of gathered rows)
+    ROWS: tl.constexpr = False,  # True: program p reads logits row p (B = 1, T = the tile's rows) and the
+    # per-token tensors (ids, tau, mask, outputs) at token rows_ptr[p]; no gather or scatter around it
 ):
-    tok = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
+    pid = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
+    if ROWS:
+        tok = tl.load(rows_ptr + pid).to(tl.int64)
+    else:
+        tok = pid
     inv_temp, counted = _token(tok, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
     logp, ent, m, log_s, q, bad = _uncounted()
     if counted:
-        i = tok // T
-        t = tok - i * T
+        i = pid // T
+        t = pid - i * T
         row = logits_ptr + i * stride_lb + (t + logits_start) * stride_lt
         y = tl.load(ids_ptr + tok).to(tl.int64)
         y_ok = (y >= 0) & (y < V)

@@ -82,13 +82,14 @@ def temperature_arg(temperature, device, n):
 
 
 def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, outs=None,
-              nan_flagged=False):
+              nan_flagged=False, rows=None):
     """logits3 (B, T_l, V) with stride(2) == 1, the raw z; ids (B*T,) int; counted (B*T,) bool.
     Returns float32 logp, entropy (B*T,), stats (B*T, 3) = (row max m, log S, q = 1 - p_y) for the
     backward, and int8 flags (0 = fine), all of the transformed z' (scale, softcap: see vocab_jit).
     counted may be None (every token counts) or the caller's mask of any dtype (nonzero counts);
     temperature a Python float (passed by value) or a tensor (temperature_arg); outs: the four outputs,
-    allocated by the caller; nan_flagged: a flagged token's logp and H are NaN."""
+    allocated by the caller; nan_flagged: a flagged token's logp and H are NaN. rows: (n_rows,) int64, the
+    token of each row of logits3 = (1, n_rows, V) (the LM head's tile): only those tokens are written."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -97,20 +98,21 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
         outs = (torch.empty(n, device=dev, dtype=torch.float32), torch.empty(n, device=dev, dtype=torch.float32),
                 torch.empty((n, 3), device=dev, dtype=torch.float32), torch.empty(n, device=dev, dtype=torch.int8))
     logp, ent, stats, bad = outs
-    if n == 0:
+    if n == 0 or (rows is not None and rows.numel() == 0):
         return logp, ent, stats, bad
-    _launch(logits3, ids, counted, (logp, ent, stats, bad), T, V, logits_start, temperature, scale, softcap,
-            fwd_block_v(V), NAN_FLAGGED=nan_flagged)
+    meta = {} if rows is None else dict(rows_ptr=rows, ROWS=True)
+    _launch(logits3, ids, counted, (logp, ent, stats, bad), T if rows is None else T_l, V, logits_start, temperature,
+            scale, softcap, fwd_block_v(V), grid=n if rows is None else rows.numel(), NAN_FLAGGED=nan_flagged, **meta)
     return logp, ent, stats, bad
 
 
-def _launch(logits3, ids, counted, outs, T, V, logits_start, temperature, scale, softcap, bv, **meta):
-    """_vocab_fwd_kernel over the n tokens, one program each, writing `outs` (logp, H, stats, flags
-    pointers); bv: its block of entries; meta: its other switches."""
+def _launch(logits3, ids, counted, outs, T, V, logits_start, temperature, scale, softcap, bv, grid=None, **meta):
+    """_vocab_fwd_kernel over the n tokens (or `grid` rows), one program each, writing `outs` (logp, H,
+    stats, flags pointers); bv: its block of entries; meta: its other switches."""
     n = ids.numel()
     scale, cap, has = _transforms(scale, softcap)
     tau, tau_stride = temperature_arg(temperature, logits3.device, n)
-    _vocab_fwd_kernel[(n,)](
+    _vocab_fwd_kernel[(n if grid is None else grid,)](
         logits3, ids, ids if counted is None else counted, *outs, logits3.stride(0), logits3.stride(1),
         T, V, logits_start, tau, tau_stride, scale, cap,
         **has, BLOCK_V=bv, num_warps=num_warps_for(bv), HAS_MASK=counted is not None,
@@ -163,15 +165,20 @@ def vocab_merge(blocks, zy, ids, counted, temperature, V_whole, nan_flagged=Fals
     return out if fold else (logp, ent, stats, bad)
 
 
-def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, g=None):
+def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, g=None,
+              rows=None, id_start=0):
     """Writes dL/dz of the raw logits into grad3 (B, T_l, V), every row (zeros where no gradient);
     grad3 may be logits3 itself. c, e: float32 (B*T,) coefficients; e may be None (no entropy term);
     stats from vocab_fwd with the same scale and softcap. g: the loss's upstream gradient (float32, one
     element, or one per token), read by the kernel, which multiplies c and e by it; None: c and e are
-    already multiplied."""
+    already multiplied. rows: (n_rows,) int64, the token of each row of logits3 = (1, n_rows, V) (the LM
+    head's tile): the per-token tensors are read there. id_start: the vocabulary entry of logits3's column 0
+    (a block of the vocabulary: the target is written where ids - id_start lies in [0, V))."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
+    if rows is not None:
+        T = T_l
     if B * T_l == 0:
         return grad3
     bv = block_v_for(V)
@@ -183,6 +190,7 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, 
         T, T_l, V, logits_start, tau, tau_stride, scale, cap,
         HAS_E=e is not None, **has, BLOCK_V=bv, num_warps=num_warps_for(bv), TEMP_BY_VALUE=isinstance(tau, float),
         HAS_G=g is not None, g_ptr=c if g is None else g, g_stride=0 if g is None or g.numel() == 1 else g.stride(0),
+        **({} if rows is None else dict(rows_ptr=rows, ROWS=True)), id_start=int(id_start),
     )
     return grad3
 

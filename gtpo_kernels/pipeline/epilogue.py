@@ -44,7 +44,13 @@ def eligible(logits, cfg, backend, inplace, kept_sets, process_group, rollout_is
     except (ValueError, TypeError, RuntimeError):  # raised where the call resolves it
         return False
     return (backend == "triton" and process_group is None and not kept_sets and not inplace
-            and rollout_is_weights is None and cfg.policy_loss == "ppo" and cfg.off_policy_mask_threshold is None
+            and rollout_is_weights is None and covers(cfg))
+
+
+def covers(cfg):
+    """Whether the epilogue kernel computes this config's loss: the PPO-clip policy term, hyper-parameters
+    as numbers, no off-policy or top-entropy mask (the fused LM head asks too)."""
+    return (cfg.policy_loss == "ppo" and cfg.off_policy_mask_threshold is None
             and all(_number(getattr(cfg, k)) for k in _NUMBERS) and cfg.top_entropy_quantile == 1.0)
 
 
@@ -56,14 +62,12 @@ def _tau(t, like):
     return None, float(t)
 
 
-def loss(b, cfg, num_items, tau, host, revalidate=None):
-    """GTPOOutput of the call; validating, the status word joins the call's pending checks (one host read):
-    the kernel makes the input checks too (the batch was prepared without them), and when one fails
-    `revalidate()` runs them on the host to raise the error that names the argument."""
+def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
+    """The epilogue's (floats, flags) for this call, in the order loss_ops.FLOATS / FLAGS name them: the
+    hyper-parameters by value and the kernel's switches. host: validating in the kernel (the input checks
+    into the status word)."""
     thr, init = cfg.entropy_threshold, cfg.initial_entropy
     gate = thr is not None and init is not None and init > thr  # the paper's gate: the filter off
-    temperature, tau_value = _tau(cfg.temperature if tau is None else tau, b.logits3)
-    agg = AGGS.index(cfg.loss_agg)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     has_kl = b.ref is not None and cfg.beta != 0
     floats = [tau_value, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, 0.0 if cfg.delta is None else float(cfg.delta),
@@ -73,29 +77,51 @@ def loss(b, cfg, num_items, tau, host, revalidate=None):
     flags = [b.packed, b.old is not None, has_kl, has_kl and cfg.use_bias_correction_kl, b.lam is not None,
              b.n_conf is not None, 0 if num_items is None else (2 if n_items is not None else 1), cfg.clip,
              cfg.delta is not None, cfg.dual_clip_c is not None, cfg.entropy_coef != 0, thr is not None and not gate,
-             cfg.entropy_penalty != 0, cfg.importance_sampling_level == "sequence", agg, temperature is None,
-             host, host and b.mask is not None and b.mask.dtype != torch.bool, b.ref is not None,
+             cfg.entropy_penalty != 0, cfg.importance_sampling_level == "sequence", AGGS.index(cfg.loss_agg),
+             not has_temperature, host, host and b.mask is not None and b.mask.dtype != torch.bool, b.ref is not None,
              -1 if b.max_seqlen is None else b.max_seqlen]
-    given = b.given  # a malformed cu_seqlens is the kernel's to flag (ids and advantages as given)
-    flat = [None if x is None else x.contiguous()
-            for x in (b.mask, given["adv"], b.old, b.ref, b.lam, b.n_conf, given["cu_seqlens"])]
-    mask, adv, old, ref, lam, n_conf, cu = flat  # the kernels read them with stride 1 (a copy only if they are not)
-    outs = loss_ops.fused_loss(b.logits3, given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
-                               temperature, floats, [int(f) for f in flags], b.logits_start, b.B,
-                               None if b.rollout_logps is None else b.rollout_logps.contiguous())
-    value, logp, ent, ltok, _c, _e, lam, n_conf, kept, hbar, met, status, _stats, bad = outs
+    return floats, [int(f) for f in flags]
+
+
+def tensors(b):
+    """The tensors the epilogue reads, with stride 1 (a copy only if they are not): the caller's mask, the
+    advantages and cu_seqlens as given (a malformed cu_seqlens is the kernel's to flag), old / ref
+    log-probs, lam, n_conf, the rollout log-probs."""
+    given = b.given
+    return [None if x is None else x.contiguous() for x in (b.mask, given["adv"], b.old, b.ref, b.lam, b.n_conf,
+                                                            given["cu_seqlens"], b.rollout_logps)]
+
+
+def loss(b, cfg, num_items, tau, host, revalidate=None):
+    """GTPOOutput of the call; validating, the status word joins the call's pending checks (one host read):
+    the kernel makes the input checks too (the batch was prepared without them), and when one fails
+    `revalidate()` runs them on the host to raise the error that names the argument."""
+    temperature, tau_value = _tau(cfg.temperature if tau is None else tau, b.logits3)
+    floats, flags = arguments(b, cfg, num_items, tau_value, host, temperature is not None)
+    mask, adv, old, ref, lam, n_conf, cu, roll = tensors(b)
+    n_items = num_items if isinstance(num_items, torch.Tensor) else None
+    outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
+                               temperature, floats, flags, b.logits_start, b.B, roll)
+    return output(outs[:12], outs[13], b, cfg, host, revalidate)
+
+
+def output(outs, bad, b, cfg, host, revalidate=None, stacklevel=7):
+    """GTPOOutput from the epilogue's outputs (loss_ops.epilogue_outputs) and the forward's flags `bad`;
+    host: the status word read once (see loss)."""
+    value, logp, ent, ltok, _c, _e, lam, n_conf, kept, hbar, met, status = outs
     if host:
-        checks.check_on_device(status[0], lambda: _report(status, bad, b, thr, revalidate))
+        checks.check_on_device(status[0], lambda: _report(status, bad, b, cfg.entropy_threshold, revalidate,
+                                                                    stacklevel))
     shape = b.tok_shape
     metrics = dict(clip_frac=met[0], filtered_frac=met[1], conflict_frac=met[2], mean_entropy=met[3])
     if b.rollout_logps is not None:  # spec 14
         metrics.update(zip(mismatch.NAMES, met[4:9].unbind()))
-    return GTPOOutput(loss=value.reshape(shape) if agg == AGGS.index("none") else value, logps=logp.reshape(shape),
+    return GTPOOutput(loss=value.reshape(shape) if cfg.loss_agg == "none" else value, logps=logp.reshape(shape),
                       entropy=ent.reshape(shape), per_token_loss=ltok.reshape(shape), lam=lam.reshape(shape),
                       n_conf=n_conf, kept=kept.view(torch.bool), seq_entropy=hbar, metrics=metrics)
 
 
-def _report(status, bad, b, thr, revalidate):
+def _report(status, bad, b, thr, revalidate, stacklevel):
     """A nonzero status word: the input checks run again on the host and raise the first that fails (an
     id out of range included), then a flagged counted row raises (checks.raise_on_flags names it); the
     entropy filter having dropped every completion warns."""
@@ -105,7 +131,7 @@ def _report(status, bad, b, thr, revalidate):
     if word & 1:
         checks.raise_on_flags(bad, b.tok_shape)
     if word & 2:
-        warn_all_dropped(thr, stacklevel=7)
+        warn_all_dropped(thr, stacklevel=stacklevel)
 
 
 def token_logps(b, temperature, host):

@@ -24,7 +24,7 @@ import torch
 
 from ..core.layout import Batch, float_dtype_for
 from ..distributed import vocab_parallel as parallel
-from ..kernels import dispatch
+from ..kernels import dispatch, loss_ops, vocab_triton
 from . import head as hd
 from .head import project, project_blocks
 from . import loss
@@ -63,23 +63,44 @@ def plan(counts, per_tile, whole):
     return [Tile(s, e, at(s), at(e - 1)) for s, e in bounds]
 
 
-def rows_of(hidden, idx):
-    """The hidden states of flat tokens idx: (N, D), or (B, T, D) with any strides (read in place)."""
+def flat_rows(hidden):
+    """hidden as (N, D) rows: a view where its strides allow one (any (N, D), a (B, T, D) whose rows
+    flatten), else None (then rows_of gathers by (i, t))."""
     if hidden.dim() == 2:
-        return hidden.index_select(0, idx)
+        return hidden
+    try:
+        return hidden.view(-1, hidden.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def rows_of(hidden, idx, flat=None, span=None):
+    """The hidden states of flat tokens idx: (N, D), or (B, T, D) with any strides (read in place). flat:
+    flat_rows(hidden) (one gather, or none with span: the tokens span[0] .. span[1] - 1 in order)."""
+    flat = hidden if flat is None and hidden.dim() == 2 else flat
+    if flat is not None:
+        return flat[span[0]:span[1]] if span is not None else flat.index_select(0, idx)
     T = hidden.shape[1]
     return hidden[idx // T, idx % T]
 
 
 class Workspace:
-    """One call's tile buffers, reused across its tiles, and the per-tile GEMMs and kernel calls."""
+    """One call's tile buffers, reused across its tiles, and the per-tile GEMMs and kernel calls. direct:
+    the Triton kernels read and write the per-token tensors at the tile's tokens themselves (no gather or
+    scatter around them; one process)."""
 
-    def __init__(self, opts, t, rows):
+    def __init__(self, opts, t, rows, ones=False):
         self.o, self.t = opts, t
         V = t.weight.shape[0]
         dt, dev = t.weight.dtype, t.weight.device
         self.buf = torch.empty(rows * V, dtype=dt, device=dev)
-        self.ones = torch.ones(rows, dtype=torch.bool, device=dev)
+        self.direct = opts.backend == "triton" and opts.vp is None
+        self.ones = torch.ones(rows, dtype=torch.bool, device=dev) if ones or not self.direct else None
+        self.flat = flat_rows(t.hidden)
+
+    def rows(self, idx, span=None):
+        """The tile's hidden rows (span: the tokens are span[0] .. span[1] - 1, a view)."""
+        return rows_of(self.t.hidden, idx, self.flat, span)
 
     def project(self, h):
         """The tile's raw logits h @ W.T + bias, by one GEMM into the reused buffer."""
@@ -90,8 +111,18 @@ class Workspace:
             return project(h, self.t.weight, self.t.bias, z)
         return project_blocks(h, self.t.weight, self.t.bias, z)
 
-    def statistics(self, z, idx):
-        """(logp, H, stats, flags) of the tile's rows; scale and softcap applied inside the kernels."""
+    def statistics(self, z, idx, outs):
+        """(logp, H, stats, flags) of the tile's rows into `outs` (per flat token); scale and softcap applied
+        inside the kernels."""
+        o, t = self.o, self.t
+        if self.direct:  # one launch: the kernel reads each row's token from idx
+            vocab_triton.vocab_fwd(z.unsqueeze(0), t.kernel_ids, None, t.temperature, 0, scale=o.scale,
+                                   softcap=o.softcap, outs=outs, rows=idx)
+            return
+        for out, x in zip(outs, self._statistics(z, idx)):
+            out[idx] = x
+
+    def _statistics(self, z, idx):
         o, t, ones = self.o, self.t, self.ones[:z.shape[0]]
         tau = tau_of(t.temperature, idx)
         if o.vp is None:
@@ -102,12 +133,20 @@ class Workspace:
         return parallel.vp_forward(tile, t.kernel_ids[idx], tau, o.backend, o.vp[0], o.vp[1],
                                    scale=o.scale, softcap=o.softcap, sizes=o.vp[2])
 
-    def gradient(self, z, h, idx, st, en, c, e, grads, at=None):
-        """dL/dz_raw of the tile written over z (the kernel's chain rule), then dL/dh, dL/dW, dL/db."""
+    def gradient(self, z, h, idx, st, en, c, e, grads, at=None, g=None):
+        """dL/dz_raw of the tile written over z (the kernel's chain rule), then dL/dh, dL/dW, dL/db. st, en,
+        c, e: per flat token (read at idx); g: the upstream gradient (one element, or per flat token) that c
+        and e are multiplied by, or None."""
         o, t = self.o, self.t
         z3 = z.unsqueeze(0)
-        dispatch.vocab_bwd(o.backend, z3, z3, t.kernel_ids[idx], st, en, c, e, tau_of(t.temperature, idx), 0,
-                           scale=o.scale, softcap=o.softcap)
+        if self.direct:  # one launch: the kernel reads each row's token from idx
+            vocab_triton.vocab_bwd(z3, z3, t.kernel_ids, st, en, c, e, t.temperature, 0, scale=o.scale,
+                                   softcap=o.softcap, g=g, rows=idx)
+        else:
+            g = g if g is None or g.numel() == 1 else g[idx]
+            dispatch.vocab_bwd(o.backend, z3, z3, t.kernel_ids[idx], st[idx], en[idx], c[idx],
+                               None if e is None else e[idx], tau_of(t.temperature, idx), 0, scale=o.scale,
+                               softcap=o.softcap, g=g)
         grad_gemms(z, h, idx, t.weight, grads, at)
 
 
@@ -147,9 +186,12 @@ def zero_grads(t, need):
     return [dh, dw, db]
 
 
-def forward_tiles(opts, t, need):
+def forward_tiles(opts, t, need, epi_args=None):
     """Per token (logp, H, stats, flags), flat (N,); with the fused schedule also [dh, dw, db] (None
-    where not needed). Flagged counted tokens get NaN logp and H."""
+    where not needed); with epi_args, the epilogue kernel's (floats, flags) for the call (the loss math once
+    per call, and on each fused tile for its own completions), its outputs (loss_ops.epilogue_outputs: the loss, c, e,
+    the outputs and metrics, its logp and H the ones returned), else None. Flagged counted tokens get NaN
+    logp and H."""
     # the rows' order depends on the options and the tokens only (never on which inputs require grad):
     # vocabulary-parallel ranks merge their tiles' statistics row by row
     rows, counts_dev, tiles, live = plan_rows(opts, t, opts.fused)
@@ -157,29 +199,53 @@ def forward_tiles(opts, t, need):
     acc = torch.float64 if t.hidden.dtype == torch.float64 and opts.backend == "torch" else torch.float32
     logp, ent = torch.zeros(N, dtype=acc, device=dev), torch.zeros(N, dtype=acc, device=dev)
     stats, bad = torch.zeros((N, 3), dtype=acc, device=dev), torch.zeros(N, dtype=torch.int8, device=dev)
-    ws = Workspace(opts, t, max((k.e - k.s for k in tiles), default=0))
+    ws = Workspace(opts, t, max((k.e - k.s for k in tiles), default=0), ones=opts.fused and epi_args is None)
     grads = zero_grads(t, need) if opts.fused else [None, None, None]
-    dt = float_dtype_for(t.hidden)
-    totals = (counts_dev.to(dt), torch.full((), rows.numel(), dtype=dt, device=dev))
-    nan = torch.full((), float("nan"), dtype=acc, device=dev)
+    epi = None
+    if epi_args is not None:  # the epilogue's outputs, its logp and H written over the forward's
+        epi = loss_ops.epilogue_outputs(logp, N, opts.B, epi_args[1])
+        epi[1], epi[2] = logp, ent
+    elif opts.fused:
+        dt = float_dtype_for(t.hidden)
+        totals = (counts_dev.to(dt), torch.full((), rows.numel(), dtype=dt, device=dev))
+        nan = torch.full((), float("nan"), dtype=acc, device=dev)
+        c_all, e_all = torch.zeros(N, dtype=acc, device=dev), torch.zeros(N, dtype=acc, device=dev)
     # every token counted and none put last: tile k holds the flat tokens k.s .. k.e - 1
     consecutive = rows.numel() == N and (live is None or all(n == k.e - k.s for n, k in zip(live, tiles)))
     for i, k in enumerate(tiles):
         idx = rows[k.s:k.e]
-        h = rows_of(t.hidden, idx)
+        h = ws.rows(idx, (k.s, k.e) if rows.numel() == N and live is None else None)
         z = ws.project(h)
-        lp, en, st, bd = ws.statistics(z, idx)
-        logp[idx], ent[idx], stats[idx], bad[idx] = lp, en, st, bd
+        ws.statistics(z, idx, (logp, ent, stats, bad))
         if opts.fused:  # this tile's coefficients from its own tokens and completions
-            invalid = bd != 0
-            c, e = tile_coefficients(opts, t, k, idx, torch.where(invalid, nan, lp), torch.where(invalid, nan, en),
-                                     totals, ws.ones)
+            if epi is not None:  # the epilogue on the tile's completions (the batch's totals from the mask)
+                run_epilogue(opts, t, epi_args, logp, ent, bad, epi, k.g0, k.g1 + 1)
+                c, e = epi[4], epi[5] if epi_args[1][loss_ops.FLAGS.index("HAS_E")] else None
+            else:
+                lp, en = logp[idx], ent[idx]
+                invalid = bad[idx] != 0
+                c_t, e_t = tile_coefficients(opts, t, k, idx, torch.where(invalid, nan, lp),
+                                             torch.where(invalid, nan, en), totals, ws.ones)
+                c = c_all.index_copy_(0, idx, c_t.to(acc))
+                e = None if e_t is None else e_all.index_copy_(0, idx, e_t.to(acc))
             n = k.e - k.s if live is None else live[i]  # the gradient on the rows that may have one
             if n:
-                ws.gradient(z[:n], h[:n], idx[:n], st[:n].to(acc), en[:n].to(acc), c[:n].to(acc),
-                            None if e is None else e[:n].to(acc), grads, (k.s, k.s + n) if consecutive else None)
+                ws.gradient(z[:n], h[:n], idx[:n], stats, ent, c, e, grads, (k.s, k.s + n) if consecutive else None)
+    if epi is not None:
+        run_epilogue(opts, t, epi_args, logp, ent, bad, epi)
+        return logp, ent, stats, bad, grads, epi
     invalid = bad != 0
-    return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats, bad, grads
+    nan = torch.full((), float("nan"), dtype=acc, device=dev)
+    return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats, bad, grads, None
+
+
+def run_epilogue(opts, t, epi_args, logp, ent, bad, outs, g_lo=0, g_hi=None):
+    """The epilogue kernel on the forward's per-token logp, H and flags (pass 2 over completions [g_lo,
+    g_hi): a fused tile's own; default the call's), writing `outs`."""
+    x = t.extras
+    floats, flags = epi_args
+    loss_ops.epilogue(logp, ent, bad, x.mask, x.cu, x.adv_given, x.old, x.ref, x.lam, x.n_conf, x.num_items,
+                      list(floats), list(flags), opts.B, x.rollout_logps, outs, g_lo, g_hi)
 
 
 def plan_rows(opts, t, skip):
@@ -273,19 +339,3 @@ def plan_backward(c, e):
     """The recompute backward's plan: the rows with c != 0 or e != 0 (1 sync)."""
     live = c != 0 if e is None else (c != 0) | (e != 0)
     return live.nonzero().squeeze(1)  # sync: the rows with a gradient
-
-
-def backward_tiles(opts, t, stats, ent, c, e, need):
-    """The recompute schedule's backward: [dh, dw, db] from the coefficients (already scaled by the
-    upstream gradient), projecting again only the rows where c or e is nonzero."""
-    rows = plan_backward(c, e)
-    n = rows.numel()
-    grads = zero_grads(t, need)
-    ws = Workspace(opts, t, min(n, opts.per_tile))
-    for s in range(0, n, opts.per_tile):
-        idx = rows[s:s + opts.per_tile]
-        h = rows_of(t.hidden, idx)
-        z = ws.project(h)
-        ws.gradient(z, h, idx, stats[idx], ent[idx], c[idx], None if e is None else e[idx], grads,
-                    (s, s + idx.numel()) if n == c.numel() else None)  # every token: consecutive
-    return grads
