@@ -2,7 +2,7 @@
 # The GPU check, one script (at most 9 minutes on one H200: each step has its own time limit, 540 s in all,
 # plus a few seconds of shell between them):
 #   step                                                                              limit (s)
-#   0  the peers (Liger-Kernel, TRL) installed from $WHEELS when missing, the targets,    40
+#   0  the peers (Liger-Kernel, TRL) installed from $WHEELS when missing, the targets,    35
 #      the tree that runs (refused when uncommitted), the GPU, the versions
 #      (python -m bench.gpu_report begin: tree.txt, run.json)
 #   1  the property tests on CUDA (tests/test_kernels.py -k match_reference, Triton       40
@@ -39,8 +39,8 @@
 #      the kernels compiled (launches.txt)
 #   10 replaying recorded kept sets at 16384 x 151936 (bench.timing.replay): gtpo_loss    20
 #      and token_logprobs against the full vocabulary, with the bytes each moves
-#      (latest-replay-cuda.json; after step 8, whose replay row compiled its kernels)
-#   11 python -m bench.gpu_report targets: every JSON names this tree and none is         10
+#      (latest-replay-cuda.json; after steps 4 and 8, which compiled the replay kernels)
+#   11 python -m bench.gpu_report targets: every JSON names this tree and none is         15
 #      marked uncommitted; PASS / FAIL for each target (targets.txt, targets.json)
 #   total                                                                                540
 # Cut to fit 9 minutes (least valuable for the targets; each runs apart): the separate large-problem check
@@ -89,9 +89,9 @@ summary() {
 
 step "0. the peers, the targets, the tree that runs, the GPU"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$OUT_DIR/nvidia-smi.txt"
-timeout 40 python -m bench.gpu_report begin --out "$OUT_DIR" --wheels "${WHEELS:-.whl}" --peers "$PEERS" 2>&1 \
+timeout 35 python -m bench.gpu_report begin --out "$OUT_DIR" --wheels "${WHEELS:-.whl}" --peers "$PEERS" 2>&1 \
   | tee "$OUT_DIR/begin.txt"
-rc=${PIPESTATUS[0]}; done_step "0 begin" 40 "$rc"
+rc=${PIPESTATUS[0]}; done_step "0 begin" 35 "$rc"
 if [ "$rc" != 0 ]; then summary; exit "$rc"; fi  # 3: an uncommitted tree, refused
 
 step "1. the property tests on CUDA (Triton compiled) against the float64 reference"
@@ -142,8 +142,8 @@ timeout 20 python -m bench.timing.replay --device cuda --tokens 16384 --vocab 15
 done_step "10 replay" 20 "${PIPESTATUS[0]}"
 
 step "11. the records (every JSON names this tree) and the targets, PASS / FAIL"
-timeout 10 python -m bench.gpu_report targets --out "$OUT_DIR" 2>&1
-done_step "11 records and targets" 10 "${PIPESTATUS[0]}"
+timeout 15 python -m bench.gpu_report targets --out "$OUT_DIR" 2>&1
+done_step "11 records and targets" 15 "${PIPESTATUS[0]}"
 
 summary
 exit $status
