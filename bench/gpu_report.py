@@ -160,7 +160,9 @@ def targets(folder) -> int:
     print(text, flush=True)
     with open(os.path.join(folder, "targets.txt"), "w") as f:
         f.write(text + "\n")
-    doc = dict(record.stamp(), device="cuda", records_ok=ok, results=results,
+    import torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    doc = dict(record.stamp(device), device=device, records_ok=ok, results=results,
                targets=dict(grid_ratio=GRID_RATIO, large_tokens=LARGE_TOKENS, large_ratio=LARGE_RATIO,
                             head_size=list(HEAD_SIZE), head_ms=HEAD_MS))
     with open(os.path.join(folder, "targets.json"), "w") as f:
