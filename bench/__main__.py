@@ -49,8 +49,9 @@ def parse_args(argv):
                     help="comma-separated vocabulary sizes (default: CPU 8192,32000; CUDA 32000,128256,151936,262144)")
     ap.add_argument("--gpu-sizes", action="store_true", help=f"tokens {GPU_TOKENS} x V {GPU_VOCAB}")
     ap.add_argument("--impls", default=None,
-                    help="comma-separated: triton, torch, eager, compile, liger (default: triton,torch,eager,compile "
-                         "and, on CUDA, liger: Liger-Kernel's GRPO loss on logits is a GPU kernel)")
+                    help="comma-separated: triton, triton-novalidate (validate=False), triton-grpo (the grpo preset, "
+                         "validate=False: Liger's work), torch, eager, compile, liger (default: triton,torch,eager,"
+                         "compile and, on CUDA, liger: Liger-Kernel's GRPO loss on logits is a GPU kernel)")
     ap.add_argument("--preset", default="gtpo", choices=("gtpo", "grpo"), help="loss preset (Liger: always grpo)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="logits dtype")
     ap.add_argument("--repeats", type=int, default=None,
@@ -81,7 +82,8 @@ def parse_args(argv):
                          "--suite linear --linear-size 4096,1024,32000 --threads 2 (9 min on a 2-core CPU in its "
                          "committed record, longer on a loaded one)")
     ap.add_argument("--linear-impls", default="materialized,fused,recompute,trl,liger",
-                    help="comma-separated: materialized, fused, recompute, trl, liger")
+                    help="comma-separated: materialized, fused, recompute, trl, liger, liger-flce (Liger's fused "
+                         "linear cross-entropy: not GRPO, checked against a float64 cross-entropy), replay, rebuild")
     ap.add_argument("--linear-tile", type=float, default=None,
                     help="MiB of logits projected at once by ours and TRL's (default: CPU 64; CUDA 256)")
     ap.add_argument("--linear-dtype", default=None, choices=("bfloat16", "float16", "float32"),

@@ -1,127 +1,149 @@
 #!/usr/bin/env bash
-# The GPU check, one script (about 6 minutes on an H200; each step has its own time limit, 590 s in all):
-#   1. the correctness tests on CUDA (Triton compiled, not interpreted) and the runtime checks of
-#      tests/cuda_runtime_check.py (host syncs, JIT cache, CUDA graphs);
-#   1b. tests/cuda_sync_check.py: the logits path and the head's two schedules with every sync an error;
-#   2. our kernels against the float64 reference on sampled completions of a problem with
-#      N * V > 2**31 (16384 x 151936 bf16; the last completion sits past 2**31 elements);
-#   3. the benchmark: V in {32000, 128256, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16,
-#      fwd / bwd / fwd+bwd with do_bench, % of the copy bandwidth measured in the same run, peak
-#      memory, against eager and Liger-Kernel's triton_grpo_loss; 3b. torch.compile of the eager loss at
-#      4096 x 32000 (its first compile alone takes over a minute);
-#   4. the linear suite (the loss from hidden states and the LM head) at N = 4096, D = 2048,
-#      V = 151936, bf16: materialized logits + gtpo_loss, linear_gtpo_loss fused / recompute, TRL's
-#      ChunkedLogProbFunction + the same loss, Liger-Kernel's LigerFusedLinearGRPOLoss; fwd+bwd time over
-#      TRL's and peak memory above inputs and gradients, at TRL's default tile (4096 x 32768 bf16 = 256 MiB);
-#   4b. the LM head alone at V = 151936 and a 7-8B model's hidden size (N = 8192, D = 4096) with the budget
-#      TRL uses (its 256 MiB tile): linear_gtpo_loss fused / recompute against TRL's and Liger's heads;
-#   4c. the head's spec-14 options timed (python -m bench.head_dtype --time): default, batch_invariant=True,
-#      head_dtype=torch.float32 and both, fwd+bwd at 4096 x 2048 x 151936 bf16 (head_options.txt);
-#   5. the launch configurations of bench/aot/tune.py's static model (BLOCK_V x warps) timed on this GPU
-#      (tune-cuda.json), to confirm or replace the model's choice in gtpo_kernels/kernels/vocab_triton.py;
-#   6. bench.timing.profile at 4096 x 32000 and 16384 x 151936: wall against device time, kernels and host
-#      reads per call, for ours (validate on / off, and replaying top_k = 50 / top_p = 0.95 kept sets:
-#      the replay row of spec 13) and eager (profile-cuda.json);
-#   0. the tree that runs: `python -m bench.common.record --tree` (a hash of the files, the same on any copy of
-#      the tree, with or without git; every JSON written carries it as `tree`): commit first, then run, then
-#      `python -m bench.common.record FILE...` on the clean checkout checks that the files name it;
-#   6b. python -m bench.launches --device cuda: kernel launches, host reads and host-data tensors of each
-#      call, counted with the kernels compiled (launches.txt; the CPU count is in docs/benchmarks.md);
-#   7. replaying recorded kept sets (spec 13's sampling_mask) at 16384 x 151936 bf16: gtpo_loss (fwd+bwd)
-#      and token_logprobs with sampling_mask= against the same calls on the full vocabulary, with the
-#      bytes each moves; sets drawn as top_k = 512 / top_p = 0.95 keep them from peaked rows (tens to
-#      hundreds of ids per token), checked against float64 first (bench.timing.replay,
-#      latest-replay-cuda.json). Run after step 6, whose replay row has compiled the replay kernels.
-# Results (JSON, PNG) go to $OUT when set (the device runner brings that folder back), else bench/results.
+# The GPU check, one script (at most 9 minutes on one H200: each step has its own time limit, 540 s in all,
+# plus a few seconds of shell between them):
+#   step                                                                              limit (s)
+#   0  the peers (Liger-Kernel, TRL) installed from $WHEELS when missing, the targets,    35
+#      the tree that runs (refused when uncommitted), the GPU, the versions
+#      (python -m bench.gpu_report begin: tree.txt, run.json)
+#   1  the property tests on CUDA (tests/test_kernels.py -k match_reference, Triton       40
+#      compiled) against the float64 reference (property_tests.txt)
+#   2  tests/cuda_runtime_check.py: no sync with validate=False, no recompilation         25
+#      across lengths, one CUDA graph (cuda_runtime_check.txt)
+#   3  tests/cuda_sync_check.py: host syncs counted as they happen                        25
+#      (set_sync_debug_mode("warn")): 0 with validate=False, 1 with validate=True, the
+#      head's only in its tile planning (cuda_sync_check.txt / .json)
+#   4  tests/cuda_graph_check.py: CUDA-graph capture and replay equal to eager for every  70
+#      preset, padded and packed with max_seqlen, token_logprobs, recorded-set replay
+#      (cuda_graph_check.txt / .json)
+#   5  tests/cuda_bitwise_check.py: the vocabulary-parallel merge bitwise the single      30
+#      kernel, compiled (cuda_bitwise_check.txt)
+#   6  the grid: V in {32000, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16,    150
+#      fwd / bwd / fwd+bwd in interleaved rounds, % of the copy bandwidth measured in
+#      the same run over the bytes each implementation moves: ours validated (the
+#      default row: gtpo preset, entropies), ours with validate=False, ours doing
+#      Liger's work (grpo preset, validate=False), Liger-Kernel's triton_grpo_loss
+#      (GRPO, no entropy, no checks); every implementation checked against the float64
+#      reference first, on sampled completions (past 2**31 elements at the large
+#      sizes). Sizes not started after --time-budget 120 s are recorded as skipped,
+#      so that the largest still ends and the JSON is written in time; no plots
+#      (latest-cuda.json)
+#   7  the LM head at 4096 x 2048 x 151936 and 8192 x 4096 x 151936, bf16, TRL's tile     75
+#      budget (256 MiB): linear_gtpo_loss fused / recompute against TRL's chunked head,
+#      Liger's LigerFusedLinearGRPOLoss and its fused linear cross-entropy
+#      (latest-linear-cuda.json)
+#   8  python -m bench.timing.profile at 4096 x 32000 and 16384 x 151936: wall against    30
+#      device time, kernels and host syncs per call (counted by set_sync_debug_mode),
+#      ours validated / not / replaying top_k = 50, top_p = 0.95 sets: the replay row
+#      of spec 13 (profile-cuda.json)
+#   9  python -m bench.launches --device cuda: launches and host reads of each call,      25
+#      the kernels compiled (launches.txt)
+#   10 replaying recorded kept sets at 16384 x 151936 (bench.timing.replay): gtpo_loss    20
+#      and token_logprobs against the full vocabulary, with the bytes each moves
+#      (latest-replay-cuda.json; after steps 4 and 8, which compiled the replay kernels)
+#   11 python -m bench.gpu_report targets: every JSON names this tree and none is         15
+#      marked uncommitted; PASS / FAIL for each target (targets.txt, targets.json)
+#   total                                                                                540
+# Cut to fit 9 minutes (least valuable for the targets; each runs apart): the separate large-problem check
+# (step 6 checks every implementation at 16384 and 32768 tokens first), V = 128256, the eager baseline and
+# torch.compile rows (measured on 2026-12-04), the spec-14 head options (python -m bench.head_dtype --time),
+# the launch configurations (python -m bench.aot.tune --gpu).
+# A run's record: every step's exit code, seconds and limit in steps.tsv; each failed step with its exit
+# code (124 = its time limit) in failures.txt ("none" when none failed); the log of each step beside them.
+# The tree: every JSON carries `tree` (bench.common.record.tree_hash, the same on any copy of the tree, with
+# or without git) and `tree_committed`; step 0 refuses a tree that git sees as uncommitted, or whose hash is
+# not $GTPO_COMMITTED_TREE when set (`python -m bench.common.record --tree` on the clean checkout);
+# GPU_CHECK_ALLOW_DIRTY=1 runs anyway and every record is marked. Afterwards, on the clean checkout:
+# `python -m bench.common.record FILE...` checks that the files name its tree.
+# Results go to $OUT when set (the device runner brings that folder back), else bench/out/gpu-check.
 # Peers: pip download --no-deps liger-kernel==0.8.5 trl==1.16.0 datasets dill multiprocess -d .whl
-#   on a machine with the registry (TRL's head imports datasets).
+#   on a machine with the registry (TRL's head imports datasets); $WHEELS (default .whl/) is read here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-bench/results}"
+OUT_DIR="${OUT:-bench/out/gpu-check}"
 mkdir -p "$OUT_DIR"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}"
-# the package and its float64 reference from this checkout, installed or not
-mkdir -p /tmp/gtpo-src && ln -sfn "$PWD/reference" /tmp/gtpo-src/gtpo_reference
-export PYTHONPATH="$PWD:/tmp/gtpo-src${PYTHONPATH:+:$PYTHONPATH}"
+# the package and its float64 reference from this checkout, installed or not; the peers' folder
+PEERS=/tmp/gtpo-peers
+mkdir -p /tmp/gtpo-src "$PEERS" && ln -sfn "$PWD/reference" /tmp/gtpo-src/gtpo_reference
+export PYTHONPATH="$PWD:/tmp/gtpo-src:$PEERS${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-step() { echo; echo "=== $* ($(date +%T))"; }
-
-step "0. the tree that runs"
-echo "tree $(python -m bench.common.record --tree)" | tee "$OUT_DIR/tree.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
-
-# Liger-Kernel and TRL (for their rows): installed from wheels in $WHEELS (default .whl/) when missing,
-# into a folder of their own put on PYTHONPATH (no registry needed)
-WHEELS="${WHEELS:-.whl}"
-for mod in liger_kernel trl datasets dill multiprocess; do  # the last three: what TRL's head imports
-  python -c "import $mod" 2>/dev/null && continue
-  wheel="$(ls "$WHEELS"/${mod}-*.whl 2>/dev/null | tail -1)"
-  if [ -n "$wheel" ]; then
-    step "installing $mod from $wheel"
-    python -m pip install -q --no-deps --no-index --no-compile --target /tmp/gtpo-peers "$wheel" \
-      && export PYTHONPATH="/tmp/gtpo-peers${PYTHONPATH:+:$PYTHONPATH}" || echo "$mod install failed: reported as not installed"
-  else
-    echo "$mod not installed and no wheel in $WHEELS: reported as not installed"
+STEPS="$OUT_DIR/steps.tsv"
+FAILURES="$OUT_DIR/failures.txt"
+printf 'step\texit\tseconds\tlimit\n' > "$STEPS"
+echo "# failed steps of the GPU check started $(date -u +%FT%TZ): step, exit code (124 = its time limit)" > "$FAILURES"
+step() { echo; echo "=== $* ($(date +%T))"; T0=$(date +%s); }
+# done_step NAME LIMIT EXIT: one line of steps.tsv; a failure also into failures.txt and the status
+done_step() {
+  printf '%s\t%s\t%s\t%s\n' "$1" "$3" "$(( $(date +%s) - T0 ))" "$2" >> "$STEPS"
+  if [ "$3" != 0 ]; then
+    status=1
+    echo "$1: exit $3$([ "$3" = 124 ] && echo " (time limit, $2 s)")" | tee -a "$FAILURES"
   fi
-done
+}
+summary() {
+  step "done: status $status"
+  grep -q -v '^#' "$FAILURES" || echo "none" >> "$FAILURES"
+  column -t -s "$(printf '\t')" "$STEPS" 2>/dev/null || cat "$STEPS"
+  echo "failed steps:"; grep -v '^#' "$FAILURES"
+}
 
-step "1. correctness tests on CUDA (property tests against the float64 reference, then runtime checks)"
-GTPO_TEST_DEVICE=cuda timeout 60 python -m pytest -q -x tests/test_kernels.py -k "match_reference" \
-  -p no:cacheprovider 2>&1 | tail -25
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "correctness tests: exit $rc (124 = time limit)"; status=1; }
-# no host sync with validate=False, one JIT variant across lengths, CUDA-graph capture and replay
-timeout 40 python tests/cuda_runtime_check.py 2>&1 | tee "$OUT_DIR/cuda_runtime_check.txt"
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "runtime checks: exit $rc"; status=1; }
-# the logits path and both head schedules under torch.cuda.set_sync_debug_mode("error"), validate=False
-# (the head's tile planning is its one allowed host read)
-timeout 40 python tests/cuda_sync_check.py --cuda-only 2>&1 | tee "$OUT_DIR/cuda_sync_check.txt"
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "sync checks: exit $rc"; status=1; }
+step "0. the peers, the targets, the tree that runs, the GPU"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$OUT_DIR/nvidia-smi.txt"
+timeout 35 python -m bench.gpu_report begin --out "$OUT_DIR" --wheels "${WHEELS:-.whl}" --peers "$PEERS" 2>&1 \
+  | tee "$OUT_DIR/begin.txt"
+rc=${PIPESTATUS[0]}; done_step "0 begin" 35 "$rc"
+if [ "$rc" != 0 ]; then summary; exit "$rc"; fi  # 3: an uncommitted tree, refused
 
-step "2. sampled completions of N*V > 2**31 against the reference"
-timeout 30 python -m bench --device cuda --suite logits --check-only --settle 0 --tokens 16384 --vocab 151936 --impls triton \
-  --no-traffic --no-plots --out "$OUT_DIR" 2>&1 | grep -A3 '^implementation'
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "large-problem check: exit $rc"; status=1; }
+step "1. the property tests on CUDA (Triton compiled) against the float64 reference"
+GTPO_TEST_DEVICE=cuda timeout 40 python -m pytest -q -x tests/test_kernels.py -k "match_reference" \
+  -p no:cacheprovider 2>&1 | tee "$OUT_DIR/property_tests.txt" | tail -25
+done_step "1 property tests" 40 "${PIPESTATUS[0]}"
 
-step "3. benchmark: the GPU grid against eager and Liger-Kernel"
-timeout 85 python -m bench --device cuda --settle 0 --suite logits --gpu-sizes --impls triton,eager,liger --no-aot --no-traffic \
-  --time-budget 80 --out "$OUT_DIR" 2>&1
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "benchmark: exit $rc"; status=1; }
+step "2. runtime checks: no sync with validate=False, one JIT variant across lengths, a CUDA graph"
+timeout 25 python tests/cuda_runtime_check.py 2>&1 | tee "$OUT_DIR/cuda_runtime_check.txt"
+done_step "2 runtime checks" 25 "${PIPESTATUS[0]}"
 
-step "3b. torch.compile of the eager loss at one size (its first compile takes over a minute)"
-timeout 80 python -m bench --device cuda --settle 0 --suite logits --tokens 4096 --vocab 32000 --impls triton,eager,compile \
-  --no-aot --no-traffic --no-plots --out "$OUT_DIR/compile" 2>&1
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "torch.compile row: exit $rc"; status=1; }
+step "3. host syncs counted: 0 with validate=False, 1 with validate=True, the head's only in its planning"
+timeout 25 python tests/cuda_sync_check.py --cuda-only --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/cuda_sync_check.txt"
+done_step "3 sync counts" 25 "${PIPESTATUS[0]}"
 
-step "4. linear suite (from hidden states) at V = 151936"
-timeout 40 python -m bench --device cuda --settle 0 --suite linear --linear-size 4096,2048,151936 --linear-tile 256 --out "$OUT_DIR" 2>&1
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "linear suite: exit $rc"; status=1; }
+step "4. CUDA graphs: every preset, padded and packed, token_logprobs, recorded-set replay, equal to eager"
+timeout 70 python tests/cuda_graph_check.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/cuda_graph_check.txt"
+done_step "4 CUDA graphs" 70 "${PIPESTATUS[0]}"
 
-step "4b. the LM head at V = 151936, D = 4096, TRL's tile budget: ours against TRL's and Liger's heads"
-timeout 40 python -m bench --device cuda --settle 0 --suite linear --linear-size 8192,4096,151936 \
-  --linear-impls fused,recompute,trl,liger --linear-tile 256 --out "$OUT_DIR" 2>&1
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "LM head at V = 151936: exit $rc"; status=1; }
+step "5. the vocabulary-parallel merge bitwise the single kernel (compiled)"
+timeout 30 python tests/cuda_bitwise_check.py 2>&1 | tee "$OUT_DIR/cuda_bitwise_check.txt"
+done_step "5 bitwise merge" 30 "${PIPESTATUS[0]}"
 
-step "4c. the head's spec-14 options at V = 151936, D = 2048: default, batch_invariant, head_dtype=float32, both"
-timeout 15 python -m bench.head_dtype --time --device cuda --size 4096,2048,151936 2>&1 | tee "$OUT_DIR/head_options.txt"
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "head options: exit $rc (124 = time limit)"; status=1; }
+step "6. the grid against Liger-Kernel: ours validated, not validated, and doing Liger's work"
+timeout 150 python -m bench --device cuda --settle 0 --suite logits --tokens 4096,16384,32768 --vocab 32000,151936,262144 \
+  --impls triton,triton-novalidate,triton-grpo,liger --no-aot --no-traffic --no-plots --warmup 2 --time-budget 120 \
+  --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/grid.txt"
+done_step "6 grid" 150 "${PIPESTATUS[0]}"
 
-step "5. launch configurations: the static model's candidates (bench/aot/tune.py) timed on this GPU"
-timeout 30 python -m bench.aot.tune --gpu --out "$OUT_DIR" 2>&1 | tail -12
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "tune: exit $rc"; status=1; }
+step "7. the LM head at 4096 x 2048 and 8192 x 4096 x 151936 against TRL's and Liger's heads"
+timeout 75 python -m bench --device cuda --settle 0 --suite linear --linear-size 4096,2048,151936 \
+  --linear-size 8192,4096,151936 --linear-impls fused,recompute,trl,liger,liger-flce --linear-tile 256 --repeats 6 \
+  --no-plots --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/head.txt"
+done_step "7 head" 75 "${PIPESTATUS[0]}"
 
-step "6. where one call spends its time: torch.profiler per implementation (validate on / off, kept-set replay, eager)"
-timeout 70 python -m bench.timing.profile --device cuda --size 4096x32000 --size 16384x151936 --out "$OUT_DIR" 2>&1 \
-  | grep -v "^USDT"
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "profile: exit $rc"; status=1; }
+step "8. where one call spends its time: kernels and host syncs per call (validated, not, replay row)"
+timeout 30 python -m bench.timing.profile --device cuda --size 4096x32000 --size 16384x151936 \
+  --impls triton,triton-novalidate,triton-replay --out "$OUT_DIR" 2>&1 | grep -v "^USDT" | tee "$OUT_DIR/profile.txt"
+done_step "8 profile" 30 "${PIPESTATUS[0]}"
 
-step "6b. launches and host reads of each call, the kernels compiled"
-timeout 30 python -m bench.launches --device cuda 2>&1 | tee "$OUT_DIR/launches.txt"
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "launch count: exit $rc"; status=1; }
+step "9. launches and host reads of each call, the kernels compiled"
+timeout 25 python -m bench.launches --device cuda 2>&1 | tee "$OUT_DIR/launches.txt"
+done_step "9 launches" 25 "${PIPESTATUS[0]}"
 
-step "7. replaying recorded kept sets at 16384 x 151936: gtpo_loss and token_logprobs against the full vocabulary"
-timeout 30 python -m bench.timing.replay --device cuda --tokens 16384 --vocab 151936 --out "$OUT_DIR" 2>&1
-rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "replay timing: exit $rc (124 = time limit)"; status=1; }
+step "10. replaying recorded kept sets at 16384 x 151936: gtpo_loss and token_logprobs against the full vocabulary"
+timeout 20 python -m bench.timing.replay --device cuda --tokens 16384 --vocab 151936 --rounds 6 --warmup 1 --out "$OUT_DIR" 2>&1 \
+  | tee "$OUT_DIR/replay.txt"
+done_step "10 replay" 20 "${PIPESTATUS[0]}"
 
-step "done: status $status"
+step "11. the records (every JSON names this tree) and the targets, PASS / FAIL"
+timeout 15 python -m bench.gpu_report targets --out "$OUT_DIR" 2>&1
+done_step "11 records and targets" 15 "${PIPESTATUS[0]}"
+
+summary
 exit $status

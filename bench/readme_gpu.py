@@ -31,6 +31,8 @@ def render_gpu_profile(doc, path):
     rows_read = counted if counted is not None else big[0]
     fwd_tb = rows_read * big[1] * elem / f_us / 1e6
     bwd_tb = (rows_read + big[0]) * big[1] * elem / b_us / 1e6
+    how = ("host syncs counted as they happen (set_sync_debug_mode)"
+           if doc.get("syncs_counted_by") == "set_sync_debug_mode" else "host reads in the profiler's count")
     basis = ("" if counted is not None else
              "; per row of the whole batch: the record does not say how many rows were counted, about 90% "
              "in bench.timing.inputs, so the rates moved are about 0.9x and 0.95x these")
@@ -39,7 +41,7 @@ def render_gpu_profile(doc, path):
             f"backward kernel {b_us / 1e3:.2f} ms ({bwd_tb:.2f} TB/s read and written{basis}), "
             f"{off['device_ms']:.2f} ms of device time in all. But a `gtpo_loss` forward + backward launches "
             f"{off['kernels']} kernels with `validate=False` ({on['kernels']} validating, with {on['syncs']} "
-            f"host reads in the profiler's count against {off['syncs']}): its wall time is {off['wall_ms']:.2f} ms "
+            f"{how} against {off['syncs']}): its wall time is {off['wall_ms']:.2f} ms "
             f"({on['wall_ms']:.2f} ms validating). At {small[0]} x {small[1]} the kernels take "
             f"{s_off['device_ms']:.2f} ms and the call {s_off['wall_ms']:.2f} ms ({s_on['wall_ms']:.2f} ms "
             f"validating): the host's launches are the cost.\n")

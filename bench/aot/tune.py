@@ -110,7 +110,8 @@ def main(argv=None):
         print(f"{r['kernel']:<20} {r['variant']:<6} {r['block']:>6} {r['num_warps']:>5} {r['regs']:>5} "
               f"{r['instr_per_elem']:>8.2f} {r['warps_per_sm']:>8} {r['bytes_in_flight_per_sm'] / 1024:>16.1f}  "
               f"{'<-' if r['chosen'] else ''}")
-    out = {"static": rows, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "triton": __import__("triton").__version__}
+    out = dict(record.stamp("cuda" if args.gpu and torch.cuda.is_available() else "cpu"), static=rows,
+               triton=__import__("triton").__version__)
     if args.gpu:
         if not torch.cuda.is_available():
             raise SystemExit("--gpu needs CUDA")
@@ -123,7 +124,7 @@ def main(argv=None):
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, f"tune-{'cuda' if args.gpu else 'static'}.json")
     with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+        json.dump(out, f, indent=1, default=str)
     print(f"written: {path}")
 
 

@@ -5,10 +5,14 @@
   again before it writes, so no committed result is stamped '+dirty'. Changes under bench/results/
   itself do not count (re-measuring one table after another leaves the earlier ones modified).
 - bench/out/ (SCRATCH, git-ignored): every other run, unless --out names another folder.
-- the stamp: the date, the commit (`commit`), the tree that ran (`tree_hash`: a hash of the files'
-  contents, computed without git, so that a machine with a copy of the tree and no repository names it
-  too), the machine (`machine`) and the versions (`versions`). `python -m bench.common.record RECORD...`
-  checks, on a clean checkout, that each record's tree is this commit's.
+- the stamp (`stamp`, on every JSON a tool of bench/ writes): the date, the commit (`commit`), the tree
+  that ran (`tree`: `tree_hash`, a hash of the files' contents computed without git, so that a machine
+  with a copy of the tree and no repository names it too), whether that tree was committed
+  (`tree_committed`: False, and `uncommitted` lists the changes, when git sees changed tracked files or
+  untracked source files that the hash covers; without git, True only when $GTPO_COMMITTED_TREE, the hash
+  of a clean checkout computed where git is, equals it, else None: unknown), the machine (`machine`) and
+  the versions (`versions`). `python -m bench.common.record RECORD...` checks, on a clean checkout, that
+  each record's tree is this commit's and refuses a record marked uncommitted.
 """
 from __future__ import annotations
 
@@ -62,6 +66,37 @@ def tree_hash(root=ROOT) -> str:
         with open(os.path.join(root, rel), "rb") as f:
             h.update(rel.encode() + b"\0" + f.read() + b"\0")
     return h.hexdigest()[:16]
+
+
+def untracked_sources(root=ROOT) -> list:
+    """`git status --porcelain` lines of untracked files that tree_hash covers (.py and .sh under
+    TREE_PARTS); [] when none or not a git checkout."""
+    out = _git(root, "status", "--porcelain", "--untracked-files=all", "--", *TREE_PARTS)
+    return [ln for ln in (out or "").splitlines() if ln.startswith("??") and ln.rstrip().endswith((".py", ".sh"))
+            and not any(x in ln for x in ("bench/results/", "bench/out/"))]
+
+
+def is_git(root=ROOT) -> bool:
+    return _git(root, "rev-parse", "--git-dir") is not None
+
+
+def tree_state(root=ROOT) -> dict:
+    """{tree, commit, tree_committed, uncommitted}: the tree that runs and whether it is a commit's (see
+    the module's docstring for the rule without git)."""
+    tree = tree_hash(root)
+    if is_git(root):
+        changes = tracked_changes(root) + untracked_sources(root)
+        return dict(tree=tree, commit=commit(root), tree_committed=not changes, uncommitted=changes[:20])
+    expected = os.environ.get("GTPO_COMMITTED_TREE") or None
+    return dict(tree=tree, commit=None, tree_committed=None if expected is None else expected == tree,
+                uncommitted=[] if expected in (None, tree) else [f"tree {tree} is not the committed {expected}"])
+
+
+def stamp(device="cpu") -> dict:
+    """What every record carries about its origin: date, commit, tree, tree_committed, uncommitted,
+    machine, versions."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return dict(date=now.isoformat(timespec="seconds"), **tree_state(), machine=machine(device), versions=versions())
 
 
 def commit(root=ROOT):
@@ -133,9 +168,8 @@ def write_json(res, out_dir, prefix=""):
     commit, machine and versions; returns the first path. Into bench/results/ only from a clean tree."""
     require_clean(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    doc = dict(date=now.isoformat(timespec="seconds"), commit=commit(), tree=tree_hash(), machine=machine(res["device"]),
-               versions=versions(), **res)
+    doc = dict(stamp(res["device"]), **res)
+    now = datetime.datetime.fromisoformat(doc["date"])
     path = os.path.join(out_dir, f"{prefix}{res['device']}-{now.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
@@ -145,7 +179,8 @@ def write_json(res, out_dir, prefix=""):
 
 
 def check_records(paths) -> int:
-    """Each record's `tree` against this checkout's (which must be clean): 0 when all match."""
+    """Each record's `tree` against this checkout's (which must be clean), and none marked as measured on
+    an uncommitted tree (`tree_committed` False): 0 when all hold."""
     bad = 0
     if tracked_changes():
         print("the checkout has uncommitted changes: commit first")
@@ -154,9 +189,10 @@ def check_records(paths) -> int:
     for p in paths:
         with open(p) as f:
             rec = json.load(f)
-        ok = rec.get("tree") == here
+        ok = rec.get("tree") == here and rec.get("tree_committed") is not False
         bad += not ok
-        print(f"{'ok ' if ok else 'BAD'} {p}: tree {rec.get('tree')} (this commit's: {here})")
+        marked = " (marked: measured on an uncommitted tree)" if rec.get("tree_committed") is False else ""
+        print(f"{'ok ' if ok else 'BAD'} {p}: tree {rec.get('tree')}{marked} (this commit's: {here})")
     return int(bad > 0)
 
 
@@ -164,5 +200,7 @@ if __name__ == "__main__":
     import sys
     if len(sys.argv) == 2 and sys.argv[1] == "--tree":
         print(tree_hash())
+    elif len(sys.argv) == 2 and sys.argv[1] == "--state":  # one line of JSON: tree_state()
+        print(json.dumps(tree_state()))
     else:
         sys.exit(check_records(sys.argv[1:]))

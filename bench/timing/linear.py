@@ -45,6 +45,7 @@ LABELS = {
     "recompute": "linear_gtpo_loss recompute",
     "trl": "TRL ChunkedLogProb + loss",
     "liger": "Liger FusedLinearGRPO",
+    "liger-flce": "Liger FusedLinearCrossEntropy",
 }
 NOTES = {
     "materialized": "hidden @ weight.T whole (B, T, V), then gtpo_loss",
@@ -52,7 +53,24 @@ NOTES = {
     "recompute": "4 GEMMs per tile, backward projects again",
     "trl": "trl.kernels.ChunkedLogProbFunction on the counted rows, gtpo_loss_from_logps",
     "liger": "liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss, loss_type='grpo', its own tiles",
+    "liger-flce": "liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss: cross-entropy, not GRPO",
 }
+# what each row computes (spec 8's rule for a comparison: say what the peer does and does not do)
+WORK = {
+    "materialized": "grpo preset, old_logps given, entropies returned, validate=True, from the whole logits",
+    "fused": "grpo preset, old_logps given, entropies returned, validate=True, 3 GEMMs per tile",
+    "recompute": "grpo preset, old_logps given, entropies returned, validate=True, 4 GEMMs per tile",
+    "trl": "log-probs and entropies from TRL's chunked head (counted rows only), then our grpo loss from them in "
+           "torch",
+    "liger": "GRPO (LigerFusedLinearGRPOLoss, loss_type='grpo', beta=0, old_logps given): no entropy, no input "
+             "checks, every row projected (masked ones included)",
+    "liger-flce": "cross-entropy -mean(logp) over the counted tokens (LigerFusedLinearCrossEntropyLoss, "
+                  "ignore_index for masked rows): no GRPO terms, no entropy, no input checks, every row projected; "
+                  "the least a fused head can do (checked against float64 cross-entropy, not the GRPO loss)",
+    "replay": "grpo preset over the recorded kept sets, entropies returned, validate=True",
+    "rebuild": "grpo preset over the kept sets rebuilt by top_k/top_p, entropies returned, validate=True",
+}
+CE_PROVIDERS = ("liger-flce",)  # opt-in (--linear-impls ...,liger-flce), held to a float64 cross-entropy
 PRESET = "grpo"
 TRL_TOKEN_CHUNK = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 OLD_LOGP_NOISE = 0.1
@@ -346,8 +364,30 @@ def make_liger(cfg, device, tile_bytes):
     return run
 
 
+ALL_PROVIDERS = PROVIDERS + REPLAY_PROVIDERS + CE_PROVIDERS
+
+
+def make_liger_flce(cfg, device, tile_bytes):
+    """Liger-Kernel's fused linear cross-entropy (liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss,
+    its defaults: reduction='mean', the weight gradient accumulated in the input dtype), as a trainer's SFT
+    step calls it: hidden (B * T, D), targets with ignore_index at masked-out positions. Its Triton kernels
+    need CUDA (or Triton's interpreter)."""
+    LigerFLCE = require("liger_kernel.transformers", "LigerFusedLinearCrossEntropyLoss", "Liger-Kernel")
+    if torch.device(device).type != "cuda":
+        from gtpo_kernels.kernels.dispatch import interpreter_active
+        if not interpreter_active():
+            raise Unavailable("not run: its Triton kernels need CUDA (or TRITON_INTERPRET=1)")
+    fn = LigerFLCE(ignore_index=-100, reduction="mean")
+
+    def run(inp):
+        D = inp.hidden.shape[-1]
+        target = torch.where(inp.mask, inp.ids, torch.full_like(inp.ids, -100)).reshape(-1)
+        return fn(inp.weight, inp.hidden.reshape(-1, D), target)
+    return run
+
+
 def make(name, cfg, device, tile_bytes):
-    return make_from(globals(), PROVIDERS + REPLAY_PROVIDERS, name, cfg, device, tile_bytes)
+    return make_from(globals(), ALL_PROVIDERS, name, cfg, device, tile_bytes)
 
 
 def union_tiles(inp: LinearInputs, tile_bytes: int):
@@ -375,6 +415,8 @@ def tile_note(name, inp: LinearInputs, tile_bytes: int) -> str:
         return f"tiles of {min(inp.counted, TRL_TOKEN_CHUNK)} tokens x {trl_chunk_size(inp, tile_bytes)}"
     if name == "liger":
         return f"tiles of {inp.hidden.shape[1]} tokens x {min(inp.V, 4096)}, float32"
+    if name == "liger-flce":
+        return "its own row chunks x the whole vocabulary"
     return f"logits of {inp.hidden.shape[0] * inp.hidden.shape[1]} tokens x {inp.V}"
 
 

@@ -75,6 +75,18 @@ def reference_kept(inp: linear.LinearInputs, cfg, how):
     return float(loss.detach()), gh, gw
 
 
+def reference_ce(inp: linear.LinearInputs):
+    """Cross-entropy -mean(logp) over the counted tokens of the materialized logits in float64, with its
+    gradients (what linear.CE_PROVIDERS compute)."""
+    h = inp.hidden.detach().double().requires_grad_()
+    w = inp.weight.detach().double().requires_grad_()
+    logp = torch.log_softmax(h @ w.t(), -1).gather(-1, inp.ids[..., None])[..., 0]
+    m = inp.mask.double()
+    loss = -(logp * m).sum() / m.sum().clamp(min=1)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    return float(loss.detach()), gh, gw
+
+
 def _rel(g, ref):
     return float((g.double() - ref).norm() / ref.norm().clamp(min=1e-300))
 
@@ -113,9 +125,8 @@ class LinearSuite:
     def __init__(self, device, impls, sizes, dtype=None, tile_bytes=64 << 20, repeats=5, warmup=1, seed=0,
                  memory=True, threads=None, progress=None):
         for i in impls:
-            if i not in linear.PROVIDERS + linear.REPLAY_PROVIDERS:
-                raise ValueError(f"unknown linear implementation {i!r}; expected some of "
-                                 f"{linear.PROVIDERS + linear.REPLAY_PROVIDERS}")
+            if i not in linear.ALL_PROVIDERS:
+                raise ValueError(f"unknown linear implementation {i!r}; expected some of {linear.ALL_PROVIDERS}")
         self.device, self.impls, self.sizes = device, list(impls), [tuple(s) for s in sizes]
         self.dtype = dtype or linear.default_dtype(device)
         self.tile_bytes, self.repeats, self.warmup, self.seed = int(tile_bytes), repeats, warmup, seed
@@ -134,7 +145,8 @@ class LinearSuite:
 
     def _row(self, impl, N, D, V, status, **kw):
         row = dict(impl=impl, label=linear.LABELS[impl], N=N, D=D, V=V, status=status,
-                   note=linear.NOTES.get(impl, ""), dtype=str(self.dtype).replace("torch.", ""))
+                   note=linear.NOTES.get(impl, ""), dtype=str(self.dtype).replace("torch.", ""),
+                   computes=linear.WORK.get(impl, ""))
         row.update(kw)
         return row
 
@@ -198,9 +210,10 @@ class LinearSuite:
         refs = {}
 
         def ref_for(impl):  # the float64 evaluation each implementation is held to, computed once
-            how = impl if impl in linear.REPLAY_PROVIDERS else "full"
+            how = impl if impl in linear.REPLAY_PROVIDERS else "ce" if impl in linear.CE_PROVIDERS else "full"
             if how not in refs:
-                refs[how] = reference(inp, self.cfg) if how == "full" else reference_kept(inp, self.cfg, how)
+                refs[how] = (reference(inp, self.cfg) if how == "full" else reference_ce(inp) if how == "ce"
+                             else reference_kept(inp, self.cfg, how))
             return refs[how]
         if self.kept:
             tiles = linear.union_tiles(inp, self.tile_bytes)
@@ -295,10 +308,14 @@ def table(res):
                else " (peak resident size, a fresh process per implementation)."),
             f"errors against a float64 materialized evaluation: loss absolute, gradients relative norm "
             f"(bounds {res['tolerance']['loss']:.0e} / {res['tolerance']['grad']:.0e})"
-            + ("; the kept-set rows over their sets (recorded, or rebuilt by the rules in float64)." if kept
-               else ".")]
+            + ("; the kept-set rows over their sets (recorded, or rebuilt by the rules in float64)" if kept else "")
+            + ("; Liger's cross-entropy row against a float64 cross-entropy." if any(
+                r["impl"] in linear.CE_PROVIDERS for r in res["rows"]) else ".")]
     for key, st in (res.get("sets") or {}).items():
         out.append(kept_line(key, st, res))
+    seen = dict.fromkeys((r["label"], r.get("computes")) for r in res["rows"] if r.get("computes"))
+    if seen:
+        out.append("what each row computes: " + "; ".join(f"{k}: {v}" for k, v in seen) + ".")
     if not any(r["impl"] == "trl" and r["status"] == "ok" for r in res["rows"]):
         out.append("vs TRL: not compared (TRL is not installed: pip install -e \".[bench]\").")
     return "\n".join(out)

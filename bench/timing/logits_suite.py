@@ -36,7 +36,8 @@ class Suite:
     def _row(self, impl, tokens, V, status, **kw):
         row = dict(impl=impl, label=providers.LABELS[impl], tokens=tokens, V=V, status=status,
                    note=providers.NOTES.get(impl, ""), dtype=str(self.dtype).replace("torch.", ""),
-                   preset="grpo" if impl == "liger" else self.preset)
+                   preset="grpo" if impl in providers.GRPO_ROWS else self.preset,
+                   computes=providers.work(impl, self.preset), validate=providers.VALIDATES.get(impl))
         row.update(kw)
         return row
 
@@ -45,7 +46,7 @@ class Suite:
         cfg = providers.config_for(impl, self.cfg)
         try:
             out, grad = runner.forward_backward(run, inp)
-            c = check(out, grad, inp, cfg, strict=impl in ("triton", "torch"))
+            c = check(out, grad, inp, cfg, strict=impl in OURS)
             grad_rows = int((grad[:, :inp.T] != 0).any(-1).logical_and(inp.mask).sum())
             del out, grad
             f = dict(check=c.detail, errors=c.errors, grad_tokens=grad_rows, counted_tokens=inp.counted)
@@ -78,7 +79,11 @@ class Suite:
                 runs[impl] = providers.make(impl, self.cfg, self.device)
             except providers.Unavailable as e:
                 runs[impl] = e
-        native = [i for i in self.impls if not (i == "triton" and interp)]
+        native = [i for i in self.impls if not (i in INTERPRETED and interp)]
+        for i in self.impls:  # ours' other rows on the CPU: the interpreter, never timed (the 'triton' row is
+            if interp and i in INTERPRETED and i != "triton":  # checked and counted at the traffic size)
+                rows.append(self._row(i, *(self.traffic_size or self.sizes[0]), "skipped",
+                                      note="interpreted on the CPU: not timed (run on CUDA)"))
         for k, (tokens, V) in enumerate(self.sizes, 1):
             if self.time_budget and time.perf_counter() - self.t0 > self.time_budget:
                 rows += [self._row(i, tokens, V, "skipped", note="time budget spent") for i in native]
@@ -181,16 +186,17 @@ class Suite:
 
     @staticmethod
     def _ratios(rows, load):
-        """vs_eager: per mode, each round's time over eager's in the same round, summarized (median, range),
-        with 'unreliable' set by bench.runner's rule."""
-        eager = {(r["tokens"], r["V"]): r for r in rows if r["impl"] == "eager" and "rounds_ms" in r}
-        for r in rows:
-            e = eager.get((r["tokens"], r["V"]))
-            if e and "rounds_ms" in r:
-                r["vs_eager"] = {m: runner.per_round_ratio(t, e["rounds_ms"][m]) for m, t in r["rounds_ms"].items()
-                                 if m in e["rounds_ms"]}
-                for v in r["vs_eager"].values():
-                    v["unreliable"] = runner.unreliable(v, load, r)
+        """vs_eager and vs_liger: per mode, each round's time over eager's (Liger-Kernel's) in the same round,
+        summarized (median, range), with 'unreliable' set by bench.runner's rule."""
+        for key, impl in (("vs_eager", "eager"), ("vs_liger", "liger")):
+            base = {(r["tokens"], r["V"]): r for r in rows if r["impl"] == impl and "rounds_ms" in r}
+            for r in rows:
+                e = base.get((r["tokens"], r["V"]))
+                if e and "rounds_ms" in r:
+                    r[key] = {m: runner.per_round_ratio(t, e["rounds_ms"][m]) for m, t in r["rounds_ms"].items()
+                              if m in e["rounds_ms"]}
+                    for v in r[key].values():
+                        v["unreliable"] = runner.unreliable(v, load, r)
 
     def _copy_bandwidth(self):
         import triton.testing
@@ -204,17 +210,43 @@ class Suite:
 
     @staticmethod
     def _bandwidth(rows, copy_gbps):
-        """Section 8's bytes over the measured time, as a fraction of the copy bandwidth."""
+        """Bytes each row's implementation moves (`bytes_moved`) over its measured time, as a fraction of the
+        copy bandwidth measured in the same run; `bytes_basis` says how they were counted."""
         for r in rows:
             if "time_ms" not in r:
                 continue
-            e = torch.empty((), dtype=getattr(torch, r["dtype"])).element_size()
-            rd = r["counted_tokens"] * r["V"] * e
-            rd_b = r["grad_tokens"] * r["V"] * e
-            B, T = r["tokens"] // _T(r["tokens"]), _T(r["tokens"])
-            wr = B * (T + 1) * r["V"] * e
-            bytes_ = dict(fwd=rd, bwd=rd_b + wr, full=rd + rd_b + wr)
-            r["bandwidth_fraction"] = {m: bytes_[m] / (t * 1e-3) / 1e9 / copy_gbps for m, t in r["time_ms"].items()}
+            moved, basis = bytes_moved(r)
+            r["bytes_moved"], r["bytes_basis"] = moved, basis
+            r["bandwidth_fraction"] = {m: moved[m] / (t * 1e-3) / 1e9 / copy_gbps for m, t in r["time_ms"].items()
+                                       if m in moved}
+
+
+OURS = ("triton", "triton-novalidate", "triton-grpo", "torch")  # held to the spec's bounds
+INTERPRETED = ("triton", "triton-novalidate", "triton-grpo")  # Triton's interpreter on the CPU
+BASIS = {
+    "ours": "moved: forward reads the counted rows, backward reads the rows that carry a gradient and writes "
+            "every row of the gradient (bench.timing.traffic counts these bytes in the interpreter)",
+    "liger": "moved: liger_kernel/ops/grpo_loss.py's forward skips masked rows; its backward reads every "
+             "counted row (whatever its coefficient) and writes every row (zeros where masked, then the last row)",
+    "floor": "section 8's floor (the counted rows read forward, the rows with a gradient read backward, every "
+             "row written): this implementation moves more (float32 copies, masked rows), so the fraction is "
+             "of useful bytes",
+}
+
+
+def bytes_moved(r):
+    """({fwd, bwd, full}: bytes, basis) of one row: N counted tokens, Ng of them with a gradient, the
+    gradient (B, T + 1, V) written whole, e bytes per logit."""
+    e = torch.empty((), dtype=getattr(torch, r["dtype"])).element_size()
+    V, N, Ng = r["V"], r["counted_tokens"], r["grad_tokens"]
+    B, T = r["tokens"] // _T(r["tokens"]), _T(r["tokens"])
+    write = B * (T + 1) * V * e
+    if r["impl"] == "liger":
+        fwd, bwd, basis = N * V * e, N * V * e + write, BASIS["liger"]
+    else:
+        fwd, bwd = N * V * e, Ng * V * e + write
+        basis = BASIS["ours"] if r["impl"] in INTERPRETED else BASIS["floor"]
+    return dict(fwd=fwd, bwd=bwd, full=fwd + bwd), basis
 
 
 def _T(tokens):

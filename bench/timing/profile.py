@@ -3,10 +3,18 @@
     python -m bench.timing.profile --device cuda --size 4096x32000 --size 16384x151936
 
 For each size and implementation (ours with the Triton and torch backends, validate on and off, and
-replaying top_k = 50 / top_p = 0.95 kept sets; the eager baseline): the wall time of a synchronized forward + backward, the device time its kernels took, how many
-operators and kernels it launched and how many host syncs it made, then the operators that took the most
-device time (CUDA) or host time (CPU). The gap between wall and device time is launch and Python overhead.
-Writes profile-<device>.json into --out (default bench/out/).
+replaying top_k = 50 / top_p = 0.95 kept sets; the eager baseline): the wall time of a synchronized forward
++ backward, the device time its kernels took, how many operators and kernels it launched and how many host
+syncs it made, then the operators that took the most device time (CUDA) or host time (CPU). The gap between
+wall and device time is launch and Python overhead.
+
+Host syncs (`syncs`): on CUDA, counted as they happen: one more call runs under
+torch.cuda.set_sync_debug_mode("warn"), and every "synchronizing CUDA operation" warning it raises is one
+(a device-to-host read, a stream synchronization, a copy from pageable host memory); `sync_ops` is the
+profiler's count of the operators that usually sync (`item`, `_local_scalar_dense`, `nonzero`, stream and
+device synchronizations), which is not the same thing. On the CPU nothing syncs: `syncs` is that operator
+count. `counted` is the rows the forward kernel reads (a bandwidth over bytes moved counts these, not all).
+Writes profile-<device>.json into --out (default bench/out/), stamped as every record (bench.common.record).
 """
 from __future__ import annotations
 
@@ -14,12 +22,12 @@ import argparse
 import json
 import os
 import time
+import warnings
 
 import torch
 
 from ..common import record
-from . import providers, runner
-from .inputs import make_inputs
+from . import runner  # providers and inputs import gtpo_kernels (and triton): main sets the interpreter first
 
 IMPLS = ("triton", "triton-novalidate", "triton-replay", "torch", "eager")
 REPLAY = dict(top_k=50, top_p=0.95)  # the kept sets rebuilt as a rollout engine's sampler would keep them
@@ -42,6 +50,7 @@ def _runner(impl, cfg, device):
                             config=cfg, backend="triton", validate=False)
             return out.loss, out.logps, out.entropy
         return run
+    from . import providers
     return providers.make(impl, cfg, device)
 
 
@@ -65,15 +74,37 @@ def profile_one(run, inp, device, top=12, rounds=5):
     ops = [e for e in events if e.key.startswith(("aten::", "gtpo_kernels::"))]
     kernels = [e for e in events if device == "cuda" and getattr(e, "device_type", None) is not None
                and str(e.device_type).endswith("CUDA")]
-    syncs = sum(e.count for e in events if e.key in ("aten::_local_scalar_dense", "aten::item", "aten::nonzero",
-                                                    "cudaStreamSynchronize", "cudaDeviceSynchronize"))
+    sync_ops = sum(e.count for e in events if e.key in ("aten::_local_scalar_dense", "aten::item", "aten::nonzero",
+                                                       "cudaStreamSynchronize", "cudaDeviceSynchronize"))
+    syncs = count_syncs(lambda: runner.forward_backward(run, inp)) if device == "cuda" else sync_ops
     device_ms = sum(getattr(e, "self_device_time_total", 0.0) for e in kernels) / 1e3
     costly = sorted(events, key=lambda e: getattr(e, dev_attr, 0.0), reverse=True)[:top]
     return dict(wall_ms=wall_ms, device_ms=device_ms if device == "cuda" else None,
                 ops=sum(e.count for e in ops if e.key.startswith("aten::")), kernels=sum(e.count for e in kernels),
-                syncs=syncs,
+                syncs=syncs, sync_ops=sync_ops,
                 top=[dict(name=e.key, count=e.count, device_us=getattr(e, "device_time_total", 0.0),
                           self_cpu_us=e.self_cpu_time_total) for e in costly])
+
+
+SYNC_WARNING = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_mode("warn") says at each sync
+
+
+def count_syncs(fn):
+    """Host syncs that fn() makes on CUDA, counted as they happen: fn runs under
+    torch.cuda.set_sync_debug_mode("warn") with every warning recorded (none filtered as a repeat); each
+    'synchronizing CUDA operation' warning is one sync. The device is synchronized before and after,
+    outside the count."""
+    torch.cuda.synchronize()
+    old = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(old)
+    torch.cuda.synchronize()
+    return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 
 def main(argv=None):
@@ -87,6 +118,8 @@ def main(argv=None):
     if a.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from gtpo_kernels import GTPOConfig
+
+    from .inputs import make_inputs
     cfg = GTPOConfig()
     dtype = getattr(torch, a.dtype)
     rows = []
@@ -103,8 +136,10 @@ def main(argv=None):
                 continue
             rows.append(dict(impl=impl, tokens=tokens, V=V, counted=counted, **r))
             dev = f"{r['device_ms']:.3f}" if r["device_ms"] is not None else "-"
+            how = "counted by set_sync_debug_mode" if a.device == "cuda" else "sync ops"
             print(f"\n{impl} {tokens}x{V}: wall {r['wall_ms']:.3f} ms, device {dev} ms, {r['ops']} aten ops, "
-                  f"{r['kernels']} kernels, {r['syncs']} syncs", flush=True)
+                  f"{r['kernels']} kernels, {r['syncs']} host syncs ({how}; profiler sync ops {r['sync_ops']})",
+                  flush=True)
             for t in r["top"]:
                 print(f"  {t['name'][:70]:<70} x{t['count']:<4} device {t['device_us']:>9.1f} us  "
                       f"self cpu {t['self_cpu_us']:>9.1f} us")
@@ -112,9 +147,10 @@ def main(argv=None):
     root = a.out or record.SCRATCH
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, f"profile-{a.device}.json")
+    doc = dict(record.stamp(a.device), rows=rows, device=a.device, dtype=a.dtype,
+               syncs_counted_by="set_sync_debug_mode" if a.device == "cuda" else "profiler sync ops")
     with open(path, "w") as f:
-        json.dump(dict(rows=rows, date=time.strftime("%Y-%m-%d %H:%M:%S"), device=a.device,
-                       versions={"torch": torch.__version__}), f, indent=1)
+        json.dump(doc, f, indent=1, default=str)
     print(f"written: {path}")
 
 

@@ -3,7 +3,12 @@
 Each `make_<name>(cfg, device)` returns a callable `run(inp) -> (loss, logps, entropy)` (logps / entropy
 None when the implementation does not return them), or raises `Unavailable(reason)`. The runner
 differentiates `loss` with respect to `inp.logits`. Every provider computes the same loss on the same
-inputs: the config's preset, the precomputed conflict weights `inp.lam`, on-policy (no old log-probs).
+inputs: the config's preset, the precomputed conflict weights `inp.lam`, on-policy (no old log-probs);
+except where a row says otherwise (`config_for`, `WORK`): Liger-Kernel computes GRPO, and ours is also
+timed doing that same work ('triton-grpo').
+
+Each row says what it computes (`work(name, preset)`: the loss, whether entropies are returned and
+whether the inputs are checked), so that a time is never read against a peer that does less.
 """
 from __future__ import annotations
 
@@ -14,9 +19,11 @@ import torch
 
 from gtpo_kernels import GTPOConfig, gtpo_loss
 
-PROVIDERS = ("triton", "torch", "eager", "compile", "liger")
+PROVIDERS = ("triton", "triton-novalidate", "triton-grpo", "torch", "eager", "compile", "liger")
 LABELS = {
     "triton": "gtpo-kernels triton",
+    "triton-novalidate": "gtpo-kernels triton, validate=False",
+    "triton-grpo": "gtpo-kernels triton, grpo, validate=False",
     "torch": "gtpo-kernels torch",
     "eager": "eager baseline",
     "compile": "torch.compile(eager)",
@@ -24,8 +31,29 @@ LABELS = {
 }
 NOTES = {
     "liger": "GRPO preset; returns no entropy",
+    "triton-grpo": "Liger's work: GRPO, no conflict weights nor entropy control",
     "compile": "dynamic=True, compile time reported apart",
 }
+# what each row computes ({preset}: the run's): the loss, entropies, input checks
+WORK = {
+    "triton": "{preset} preset, entropies returned, validate=True (inputs checked: one host read per call)",
+    "triton-novalidate": "{preset} preset, entropies returned, validate=False (no check, no host read)",
+    "triton-grpo": "grpo preset (Liger's loss: no conflict weights, no entropy filter or shaping, no entropy "
+                   "gradient), validate=False; entropies still returned (the forward kernel computes them in "
+                   "its one pass: gtpo_loss has no switch to drop them)",
+    "torch": "{preset} preset, entropies returned, validate=True (the chunked torch backend)",
+    "eager": "{preset} preset in autograd from a float32 copy of the logits, entropies returned, no checks",
+    "compile": "torch.compile of the eager loss, entropies returned, no checks",
+    "liger": "GRPO (liger_kernel triton_grpo_loss, loss_type='grpo', on-policy, beta=0, inplace=False): no "
+             "entropy, no input checks",
+}
+VALIDATES = {"triton": True, "triton-novalidate": False, "triton-grpo": False, "torch": True, "eager": False,
+             "compile": False, "liger": False}
+
+
+def work(name: str, preset: str) -> str:
+    """What the row of `name` computes, in a run of `preset`."""
+    return WORK[name].format(preset=preset)
 
 
 class Unavailable(Exception):
@@ -41,10 +69,11 @@ def require(module, attr, what, extra="bench"):
 
 
 def make_from(namespace: dict, providers, name: str, *args):
-    """The provider `name` of a suite: namespace['make_<name>'](*args), after checking the name."""
+    """The provider `name` of a suite: namespace['make_<name>'](*args) ('-' in a name is '_' in its
+    function's), after checking the name."""
     if name not in providers:
         raise ValueError(f"unknown implementation {name!r}; expected some of {providers}")
-    return namespace[f"make_{name}"](*args)
+    return namespace[f"make_{name.replace('-', '_')}"](*args)
 
 
 def interpreted(device) -> bool:
@@ -54,7 +83,8 @@ def interpreted(device) -> bool:
 
 # ---- ours ---------------------------------------------------------------------------------------
 
-def _ours(backend):
+def _ours(backend, validate=True, weights=True):
+    """weights=False: the conflict weights are not passed (a config without them: 'triton-grpo')."""
     def make(cfg: GTPOConfig, device):
         if backend == "triton" and interpreted(device):
             from gtpo_kernels.kernels.dispatch import interpreter_active
@@ -62,8 +92,9 @@ def _ours(backend):
                 raise Unavailable("needs CUDA, or TRITON_INTERPRET=1 for the interpreter")
 
         def run(inp):
-            out = gtpo_loss(inp.logits, inp.ids, inp.adv, inp.mask, logits_start=0, lam=inp.lam,
-                            n_conf=inp.n_conf, config=cfg, backend=backend)
+            kw = dict(lam=inp.lam, n_conf=inp.n_conf) if weights else {}
+            out = gtpo_loss(inp.logits, inp.ids, inp.adv, inp.mask, logits_start=0, config=cfg, backend=backend,
+                            validate=validate, **kw)
             return out.loss, out.logps, out.entropy
         return run
     return make
@@ -71,6 +102,8 @@ def _ours(backend):
 
 make_triton = _ours("triton")
 make_torch = _ours("torch")
+make_triton_novalidate = _ours("triton", validate=False)
+make_triton_grpo = _ours("triton", validate=False, weights=False)
 
 
 # ---- what trainers do today ---------------------------------------------------------------------
@@ -153,11 +186,12 @@ def make_liger(cfg: GTPOConfig, device):
 
 
 LIGER_CONFIG = GTPOConfig.preset("grpo")  # what Liger computes, whatever preset the run uses
+GRPO_ROWS = ("liger", "triton-grpo")  # the rows that compute Liger's loss
 
 
 def config_for(name: str, cfg: GTPOConfig) -> GTPOConfig:
     return LIGER_CONFIG.replace(temperature=cfg.temperature, eps_low=cfg.eps_low,
-                                eps_high=cfg.eps_high) if name == "liger" else cfg
+                                eps_high=cfg.eps_high) if name in GRPO_ROWS else cfg
 
 
 def make(name: str, cfg: GTPOConfig, device):

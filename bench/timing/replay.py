@@ -40,7 +40,7 @@ import torch
 
 from ..common import record
 from . import runner
-from .inputs import G, T_MAX, Inputs
+# .inputs imports gtpo_kernels (and so triton): imported in problem(), after main has set the interpreter
 
 TOP_K, TOP_P = 512, 0.95
 HEAD = (16, 512)  # head sizes, log-uniform
@@ -51,6 +51,7 @@ CHECK_TOKENS = 64  # tokens checked against float64 before timing
 
 def problem(tokens, V, dtype=torch.bfloat16, device="cpu", seed=0, head=HEAD):
     """The batch of the docstring, built one completion at a time (no float32 copy of the whole logits)."""
+    from .inputs import G, T_MAX, Inputs
     T = max(1, min(T_MAX, tokens // G))
     B = max(G, tokens // T) // G * G
     dev = torch.device(device)

@@ -60,6 +60,9 @@ def table(res):
                "status / note"])
     if res["device"] == "cuda":
         head.insert(3 + len(modes), "% copy bw")
+    liger = any("vs_liger" in r for r in res["rows"])
+    if liger:
+        head.insert(head.index("fwd+bwd vs eager (per round)") + 1, "fwd+bwd vs Liger (per round)")
     lines = []
     for r in res["rows"]:
         tr = r.get("traffic")
@@ -68,9 +71,13 @@ def table(res):
                     _mb(r["peak_bytes"]) if "peak_bytes" in r else "-",
                     f"{r['saved_bytes_per_token']:,.0f}" if "saved_bytes_per_token" in r else "-",
                     f"{tr['fwd_read']:.4f}/{tr['bwd_read']:.4f}/{tr['bwd_write']:.4f}" if tr else "-", _note(r)])
+        if liger:
+            cells.insert(3 + len(modes), ratio_cell(r.get("vs_liger", {}).get("full")))
         if res["device"] == "cuda":
             bw = r.get("bandwidth_fraction")
-            cells.insert(3 + len(modes), "/".join(f"{100 * bw[m]:.0f}" for m in modes if m in bw) if bw else "-")
+            floor = " (floor)" if r.get("bytes_basis", "").startswith("section 8") else ""
+            cells.insert(3 + len(modes) + liger, "/".join(f"{100 * bw[m]:.0f}" for m in modes if m in bw) + floor if bw
+                         else "-")
         lines.append(cells)
     out = [format_rows(head, lines), ""]
     out.append(f"device {res['device']}, {res['dtype']}, preset {res['preset']} (Liger: grpo). Times: median (min-max) "
@@ -90,8 +97,17 @@ def table(res):
                    f"(self-test reads twice: {t['self_test']['read_ratio']:.3f}, "
                    f"{'ok' if t['self_test']['ok'] else 'FAILED'}).")
     if res.get("copy_bandwidth_GBps"):
-        out.append(f"% copy bw: ideal bytes / time, over the copy bandwidth measured in this run "
-                   f"({res['copy_bandwidth_GBps']:.0f} GB/s, read + write).")
+        out.append(f"% copy bw: bytes moved / time, over the copy bandwidth measured in this run "
+                   f"({res['copy_bandwidth_GBps']:.0f} GB/s, read + write). Bytes moved: ours, the counted rows read "
+                   f"forward, the rows with a gradient read backward, every row of the gradient written; Liger, every "
+                   f"counted row read in both passes; '(floor)': section 8's floor for an implementation that moves "
+                   f"more (`bytes_basis` in the JSON).")
+    seen = {}
+    for r in res["rows"]:
+        if r.get("computes"):
+            seen.setdefault(r["label"], r["computes"])
+    if seen:
+        out.append("what each row computes: " + "; ".join(f"{k}: {v}" for k, v in seen.items()) + ".")
     out.append("ok*: within float32 accuracy (1e-4) but beyond the 1e-5 our kernels are held to.")
     return "\n".join(out)
 
