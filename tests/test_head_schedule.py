@@ -101,3 +101,23 @@ def test_vocab_split_schedule_needs_no_host_read():
                         validate=True)
     assert choose_schedule(bv, cfg, "fused", per_tile=8, host=True, collective=True) is True
     assert choose_schedule(bv, cfg, "fused", per_tile=8, host=True) is True
+
+
+def test_docs_quote_the_time_model_and_the_accumulators():
+    """docs/head.md's table of predicted head times and accumulator bytes is the model's (bench.head_accounting
+    prints the same): every row recomputed here. The vocabulary-ordered backward moves less than half the
+    accumulator bytes of tiles of whole rows at the GPU record's sizes."""
+    import os
+    from bench.head_accounting.model import BUDGETS, GPU_SIZES, accumulator_bytes, per_tile
+    from gtpo_kernels import GTPOConfig
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "head.md")).read()
+    cfg = GTPOConfig.preset("grpo")
+    for N, D, V in GPU_SIZES:
+        for budget in BUDGETS:
+            rows = per_tile(V, 2, budget)
+            m = predict(cfg, V, D, N, rows, 2)
+            f, before, now = (x / 1e9 for x in accumulator_bytes(N, V, D, rows))
+            assert now < before / 2, (N, D, budget, before, now)
+            row = (f"| {N} x {D} x {V} | ", f" | {rows} | {m.fused:.1f} / {m.recompute:.1f} | {m.choice} | "
+                   f"{f:.1f}; {before:.1f} -> {now:.1f} |")
+            assert any(line.startswith(row[0]) and line.endswith(row[1]) for line in text.splitlines()), row

@@ -46,6 +46,7 @@ import torch
 
 from ..common import record
 from .counter import G, LIGER_TILE, PROVIDERS, TRL_TOKEN_CHUNK, Geometry, _ptr, count_call, our_kernels
+from . import model
 from .table import markdown
 
 # ---- the cases -----------------------------------------------------------------------------------
@@ -197,6 +198,8 @@ def measure_one(case, provider, validate):
         run, geo, kernels, tiles, note = provider_setup(case, provider, validate)
         row.update(note=note, tiles_planned=tiles, tile_elems=geo.tile_elems, tile_widths=geo.widths)
         row.update(count_call(run, case.wrt(), geo, kernels))
+        if provider in ("fused", "recompute"):  # the time model's prediction beside the counts (model.py)
+            row["model_ms"] = model.case_ms(case, provider)
     except (Unavailable, ValueError, TypeError, RuntimeError) as e:  # e.g. a schedule refused on this case
         row.update(unavailable=f"{type(e).__name__}: {e}")
         return row
@@ -296,6 +299,10 @@ def main(argv=None):
     if a.label != "before" and os.path.exists(a.before):
         before = json.loads(Path(a.before).read_text())
     print(markdown(result, before))
+    print("\nmodel ms (gtpo_kernels.pipeline.schedule.predict, fitted to the 2026-12-04 H200 record; predictions, "
+          "not measurements) per row: " + "; ".join(f"{r['case']}/{r['provider']}: {r['model_ms']}" for r in
+                                                   result["rows"] if r.get("model_ms") is not None))
+    print("\nat the GPU record's sizes:\n" + model.gpu_table())
     print(f"\nwritten: {out}")
 
 

@@ -227,6 +227,8 @@ class LinearSuite:
             status, f = self._check(run, inp, ref_for(impl))
             by[impl] = self._row(impl, N, D, V, status, tile=linear.tile_note(impl, inp, self.tile_bytes),
                                  counted_tokens=inp.counted, **f)
+            if impl in ("fused", "recompute"):  # the time model's prediction beside the measurement
+                by[impl]["model_ms"] = model_ms(impl, self.cfg, inp, self.tile_bytes, self.dtype)
             if status == "ok":
                 runs[impl] = run
         self.progress(f"{size_key(N, D, V)}: timing {', '.join(runs)} in interleaved rounds "
@@ -274,9 +276,20 @@ def _mb(b):
     return f"{b / 2**20:,.1f} MiB" if abs(b) >= 2**20 else f"{b / 2**10:,.0f} KiB"
 
 
+def model_ms(impl, cfg, inp, tile_bytes, dtype):
+    """The head's time model (gtpo_kernels.pipeline.schedule.predict, fitted to an H200 record) for schedule
+    `impl` on these inputs at our budget: a prediction for a GPU like that one, not a measurement."""
+    from gtpo_kernels.pipeline.head import row_bytes
+    from gtpo_kernels.pipeline.schedule import predict
+    V, D = inp.weight.shape
+    per_tile = linear.our_budget(tile_bytes) // row_bytes(V, dtype, inp.weight.device)
+    m = predict(cfg, V, D, inp.counted, per_tile, torch.empty((), dtype=dtype).element_size())
+    return round(getattr(m, impl), 3)
+
+
 def table(res):
     from .report import format_rows, load_line, ratio_cell
-    head = ["implementation", "N x D x V", "fwd+bwd ms (min-max)", "vs TRL (per round)",
+    head = ["implementation", "N x D x V", "fwd+bwd ms (min-max)", "model ms (H200 fit)", "vs TRL (per round)",
             "peak above inputs+grads", "peak vs TRL", "tiles", "max err loss/dh/dw", "status / note"]
     kept = any("vs_full" in r for r in res["rows"])
     if kept:
@@ -289,7 +302,9 @@ def table(res):
         err = f"{e['loss']:.0e}/{e['grad_hidden']:.0e}/{e['grad_weight']:.0e}" if e else "-"
         note = "; ".join(x for x in (r["status"] if r["status"] != "ok" else "", r.get("note", ""),
                                      r.get("peak_note", "")) if x)
-        lines.append([r["label"], f"{r['N']} x {r['D']} x {r['V']}", t, ratio_cell(r.get("vs_trl", {}).get("full")),
+        lines.append([r["label"], f"{r['N']} x {r['D']} x {r['V']}", t,
+                      f"{r['model_ms']:.1f}" if r.get("model_ms") is not None else "-",
+                      ratio_cell(r.get("vs_trl", {}).get("full")),
                       _mb(r["peak_bytes"]) if "peak_bytes" in r else "-",
                       f"{r['peak_vs_trl']:.2f}x" if "peak_vs_trl" in r else "-", r.get("tile", "-"), err, note])
         if kept:
@@ -303,6 +318,8 @@ def table(res):
             + ("(CUDA, synchronized)" if res["device"] == "cuda" else "(CPU wall clock)")
             + "; vs TRL: each round's time over TRL's in the same round.",
             load_line(res.get("load")) + " " + res.get("rule", ""),
+            "model ms: the head's time model (gtpo_kernels.pipeline.schedule.predict, fitted to the 2026-12-04 "
+            "H200 record), what it predicts on such a GPU; not a measurement.",
             "peak: one forward+backward, above the inputs and the returned gradients of hidden and weight"
             + (" (max_memory_allocated)." if res["device"] == "cuda"
                else " (peak resident size, a fresh process per implementation)."),
