@@ -57,8 +57,9 @@ def test_no_tile_exceeds_the_budget(monkeypatch, preset, over, dtype):
     h, w = h.to(dtype), w.to(dtype)
     V = w.shape[0]
     budget = 5 * row_bytes(V, dtype, h.device) + 7  # 5 rows; completions hold up to 12
-    seen = []
-    _spy(monkeypatch, "project", lambda hh, ww, bb, out: seen.append(out.shape[0]))
+    seen, shapes = [], []  # rows of the whole-vocabulary tiles; every tile's (rows, entries)
+    _spy(monkeypatch, "project", lambda hh, ww, bb, out: (shapes.append(tuple(out.shape)),
+                                                        out.shape[1] == V and seen.append(out.shape[0])))
     cfg = GTPOConfig.preset(preset, entropy_threshold=3.0, **over) if preset == "gtpo" else \
         GTPOConfig.preset(preset, **over)
     hh = h.clone().requires_grad_()
@@ -67,6 +68,8 @@ def test_no_tile_exceeds_the_budget(monkeypatch, preset, over, dtype):
     assert seen and max(seen) <= 5, seen
     assert sum(seen) >= int(mask.sum()), seen  # every counted row projected
     assert max(seen) * row_bytes(V, dtype, h.device) <= budget
+    # the backward by vocabulary blocks: taller, narrower tiles of at most the budget's elements
+    assert max(r * c for r, c in shapes) * row_bytes(V, dtype, h.device) <= budget * V, shapes
     spans = not (preset == "grpo" and not over)
     assert float(out.metrics["grad_in_forward"]) == (0.0 if spans else 1.0)
     if spans:

@@ -104,7 +104,7 @@ def _by_vocab(opts, t, rows, p, stats, ent, c, e, grads, g, every):
         for v0 in range(0, V, p.cols):
             w = min(p.cols, V - v0)
             W = t.weight[v0:v0 + w]
-            z = hd.project(h, W, None if t.bias is None else t.bias[v0:v0 + w], buf[:k * w].view(k, w))
+            z = tiles.project(h, W, None if t.bias is None else t.bias[v0:v0 + w], buf[:k * w].view(k, w))
             z3 = z.unsqueeze(0)
             if direct:  # the block's gradient, each row's token read from idx, its target shifted by v0
                 vocab_triton.vocab_bwd(z3, z3, t.kernel_ids, stats, ent, c, e, t.temperature, 0, scale=opts.scale,

@@ -4,7 +4,7 @@ GEMM FLOPs as the head accounting counts them (`schedule_cost`):
 
     fused      2 V D (N + 2 L)        the projection of the N counted rows, and the two gradient GEMMs on
                                       the L rows not known to have a zero gradient before any logit is
-                                      read (tiles.prior_live: zero advantages without shaping, lambda = 0)
+                                      read (tile_plan.prior_live: zero advantages without shaping, lambda = 0)
     recompute  2 V D (N + 3 N_nz)     the projection, then the N_nz rows whose coefficients are nonzero
                                       projected again with both gradient GEMMs (N_nz <= L)
 

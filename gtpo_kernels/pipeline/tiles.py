@@ -1,24 +1,20 @@
-"""The fused LM head's tiles (spec 11): the plan, and the loops over tiles of counted rows.
-
-Planning reads the counted rows and their number per completion on the host (2 syncs a pass; the
-fused schedule's count of rows known to have no gradient comes with the second; the recompute backward
-reads the rows with a nonzero coefficient, 1 sync); nothing inside the loops reads the device. Each
-tile is projected by one GEMM into one buffer reused across tiles (never more than `per_tile` rows: the
-memory budget), the vocabulary kernels run on it, and with a gradient the
-kernel writes dL/dz_raw in place of the logits, which the two gradient GEMMs read:
+"""The fused LM head's tile loops (spec 11) over the plans of tile_plan.py. Each tile is projected by one
+GEMM into one buffer reused across tiles (never more than `per_tile` rows: the memory budget), the
+vocabulary kernels run on it (on the Triton backend they read each row's token from the tile's row
+indices), and with a gradient the kernel writes dL/dz_raw in place of the logits, which the two gradient
+GEMMs read:
 
     fused (forward)        project, statistics, the tile's coefficients c, e, gradient, dL/dh, dL/dW
                            (the gradient only on rows not known to have c = e = 0: prior_live)
-    recompute (backward)   only rows with c != 0 or e != 0: project, gradient, dL/dh, dL/dW
+    recompute (backward)   head_backward.py: only rows with c != 0 or e != 0
 
-The fused schedule's c, e come from the surrogate run on the tile's tokens and completions alone,
-with the batch-wide counts (totals) computed once, so the O(N) work does not grow with the tiles.
+The fused schedule's c, e come from the epilogue kernel run on the tile's completions (or the eager
+surrogate on the tile's tokens and completions alone), with the batch-wide counts, so the O(N) work per
+tile does not grow with the tiles.
 """
 from __future__ import annotations
 
-import bisect
 import types
-from typing import NamedTuple
 
 import torch
 
@@ -28,39 +24,7 @@ from ..kernels import dispatch, loss_ops, vocab_triton
 from . import head as hd
 from .head import project, project_blocks
 from . import loss
-
-
-class Tile(NamedTuple):
-    s: int  # first and one-past-last position in the sorted counted rows
-    e: int
-    g0: int  # first and last completion with a row in the tile
-    g1: int
-
-
-def plan(counts, per_tile, whole):
-    """Tiles over the counted rows (host ints): `counts` rows per completion, at most `per_tile` rows a
-    tile. whole: boundaries between completions, a completion longer than a tile split across tiles
-    (the caller's schedule is then 'recompute'); else fixed-size tiles."""
-    n = sum(counts)
-    if whole:
-        bounds, start, size = [], 0, 0
-        for c in counts:
-            if size and size + c > per_tile:
-                bounds.append((start, start + size))
-                start, size = start + size, 0
-            size += c
-            while size > per_tile:  # a completion longer than a tile
-                bounds.append((start, start + per_tile))
-                start, size = start + per_tile, size - per_tile
-        if size:
-            bounds.append((start, start + size))
-    else:
-        bounds = [(s, min(n, s + per_tile)) for s in range(0, n, per_tile)]
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
-    at = lambda r: bisect.bisect_right(starts, r) - 1  # noqa: E731  (the completion of row r)
-    return [Tile(s, e, at(s), at(e - 1)) for s, e in bounds]
+from .tile_plan import plan_backward, plan_rows  # noqa: F401  (read as tiles.plan_*: the sync checks wrap them)
 
 
 def flat_rows(hidden):
@@ -133,10 +97,10 @@ class Workspace:
         return parallel.vp_forward(tile, t.kernel_ids[idx], tau, o.backend, o.vp[0], o.vp[1],
                                    scale=o.scale, softcap=o.softcap, sizes=o.vp[2])
 
-    def gradient(self, z, h, idx, st, en, c, e, grads, at=None, g=None):
+    def gradient(self, z, h, idx, st, en, c, e, grads, at=None, g=None, local=False):
         """dL/dz_raw of the tile written over z (the kernel's chain rule), then dL/dh, dL/dW, dL/db. st, en,
-        c, e: per flat token (read at idx); g: the upstream gradient (one element, or per flat token) that c
-        and e are multiplied by, or None."""
+        c, e: per flat token (read at idx; local: c and e are the tile's rows already, the torch path); g: the
+        upstream gradient (one element, or per flat token) that c and e are multiplied by, or None."""
         o, t = self.o, self.t
         z3 = z.unsqueeze(0)
         if self.direct:  # one launch: the kernel reads each row's token from idx
@@ -144,9 +108,9 @@ class Workspace:
                                    softcap=o.softcap, g=g, rows=idx)
         else:
             g = g if g is None or g.numel() == 1 else g[idx]
-            dispatch.vocab_bwd(o.backend, z3, z3, t.kernel_ids[idx], st[idx], en[idx], c[idx],
-                               None if e is None else e[idx], tau_of(t.temperature, idx), 0, scale=o.scale,
-                               softcap=o.softcap, g=g)
+            c, e = (c, e) if local else (c[idx], None if e is None else e[idx])
+            dispatch.vocab_bwd(o.backend, z3, z3, t.kernel_ids[idx], st[idx], en[idx], c, e,
+                               tau_of(t.temperature, idx), 0, scale=o.scale, softcap=o.softcap, g=g)
         grad_gemms(z, h, idx, t.weight, grads, at)
 
 
@@ -209,7 +173,8 @@ def forward_tiles(opts, t, need, epi_args=None):
         dt = float_dtype_for(t.hidden)
         totals = (counts_dev.to(dt), torch.full((), rows.numel(), dtype=dt, device=dev))
         nan = torch.full((), float("nan"), dtype=acc, device=dev)
-        c_all, e_all = torch.zeros(N, dtype=acc, device=dev), torch.zeros(N, dtype=acc, device=dev)
+        if ws.direct:
+            c_all, e_all = torch.zeros(N, dtype=acc, device=dev), torch.zeros(N, dtype=acc, device=dev)
     # every token counted and none put last: tile k holds the flat tokens k.s .. k.e - 1
     consecutive = rows.numel() == N and (live is None or all(n == k.e - k.s for n, k in zip(live, tiles)))
     for i, k in enumerate(tiles):
@@ -226,11 +191,15 @@ def forward_tiles(opts, t, need, epi_args=None):
                 invalid = bad[idx] != 0
                 c_t, e_t = tile_coefficients(opts, t, k, idx, torch.where(invalid, nan, lp),
                                              torch.where(invalid, nan, en), totals, ws.ones)
-                c = c_all.index_copy_(0, idx, c_t.to(acc))
-                e = None if e_t is None else e_all.index_copy_(0, idx, e_t.to(acc))
+                if ws.direct:  # the kernel reads them by token
+                    c = c_all.index_copy_(0, idx, c_t.to(acc))
+                    e = None if e_t is None else e_all.index_copy_(0, idx, e_t.to(acc))
             n = k.e - k.s if live is None else live[i]  # the gradient on the rows that may have one
-            if n:
+            if n and (epi is not None or ws.direct):
                 ws.gradient(z[:n], h[:n], idx[:n], stats, ent, c, e, grads, (k.s, k.s + n) if consecutive else None)
+            elif n:
+                ws.gradient(z[:n], h[:n], idx[:n], stats, ent, c_t[:n].to(acc), None if e_t is None else
+                            e_t[:n].to(acc), grads, (k.s, k.s + n) if consecutive else None, local=True)
     if epi is not None:
         run_epilogue(opts, t, epi_args, logp, ent, bad, epi)
         return logp, ent, stats, bad, grads, epi
@@ -246,74 +215,6 @@ def run_epilogue(opts, t, epi_args, logp, ent, bad, outs, g_lo=0, g_hi=None):
     floats, flags = epi_args
     loss_ops.epilogue(logp, ent, bad, x.mask, x.cu, x.adv_given, x.old, x.ref, x.lam, x.n_conf, x.num_items,
                       list(floats), list(flags), opts.B, x.rollout_logps, outs, g_lo, g_hi)
-
-
-def plan_rows(opts, t, skip):
-    """(rows, counted rows per completion (device), tiles, live rows per tile or None). skip: the fused
-    schedule's gradient (whole completions a tile), whose rows known to have c = e = 0 (prior_live) are
-    put last in their tile; their number per completion is read with the counts (2 syncs in all, one
-    more only when a completion spans tiles: token-local coefficients and a completion over a tile)."""
-    rows = t.counted.nonzero().squeeze(1)  # sync: the rows projected
-    seg = t.seg[rows]
-    counts_dev = torch.bincount(seg, minlength=opts.B)
-    live = prior_live(opts, t, rows, seg) if skip else None
-    if live is None:
-        counts = counts_dev.tolist()  # sync: the tiles
-        return rows, counts_dev, plan(counts, opts.per_tile, opts.fused), None
-    dev, n, B = rows.device, rows.numel(), opts.B
-    per_c = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, seg, live.long())
-    both = torch.cat([counts_dev, per_c]).tolist()  # sync: the tiles
-    counts, per_c = both[:B], both[B:]
-    tiles = plan(counts, opts.per_tile, True)
-    sizes = torch.tensor([k.e - k.s for k in tiles], dtype=torch.long, device=dev)
-    tile = torch.repeat_interleave(torch.arange(len(tiles), device=dev), sizes, output_size=n)
-    if max(counts, default=0) <= opts.per_tile:  # plan() cut only between completions
-        per_tile = [sum(per_c[k.g0:k.g1 + 1]) for k in tiles]
-    else:
-        per_tile = torch.zeros(len(tiles), dtype=torch.long, device=dev).index_add_(0, tile, live.long()).tolist()
-    order = torch.sort(2 * tile + (~live).long(), stable=True).indices  # within each tile, live rows first
-    return rows[order], counts_dev, tiles, per_tile
-
-
-# policy terms with a gradient where A = 0: dro's -(dro_beta / 2) (logp - old)^2, kl_cov's penalty on its
-# chosen tokens (both still multiplied by lambda)
-NOT_PROPORTIONAL_TO_A = ("dro", "kl-cov")
-
-
-def prior_live(opts, t, rows, seg):
-    """The rows (of completions `seg`) whose c, e may be nonzero, as far as is known before any logit is
-    read (None: all). c is the policy term's unless a KL term or an entropy bonus adds to it, and every
-    policy multiplies it by lambda_j and, but dro and kl_cov (NOT_PROPORTIONAL_TO_A), by Ahat_i: Ahat_i = 0
-    when A_i = 0 without shaping (gamma = 0);
-    lambda_j = 0 on a conflict token of a negative completion with w_neg = 0, at the token level (a
-    sequence-level ratio spreads over the completion's tokens). Options are taken by value (a 0-d tensor
-    0 is 0: the mask is then formed on the device, the same rows as with the number 0), so ranks with
-    equal options order their rows alike. Rows whose gradient depends on the logits (the entropy filter,
-    clipping, masks) still go through the fused schedule's GEMMs: it cannot read them before its tile's
-    GEMMs without a sync per tile (the recompute schedule skips them)."""
-    cfg, x = opts.cfg, t.extras
-    if cfg is None or _nonzero(cfg.entropy_coef) or (x.ref is not None and _nonzero(cfg.beta)):
-        return None
-    live = None
-    if not _nonzero(cfg.entropy_penalty) and cfg.policy_loss not in NOT_PROPORTIONAL_TO_A:
-        live = _or(x.adv[seg] != 0, cfg.entropy_penalty)  # NaN counts as live
-    if x.lam is not None and cfg.importance_sampling_level == "token":
-        on = x.lam[rows] != 0
-        live = on if live is None else live & on
-    if live is None:
-        return None
-    live = _or(live, cfg.entropy_coef)
-    return live if x.ref is None else _or(live, cfg.beta)
-
-
-def _nonzero(v):
-    """A Python number that is not 0 (a tensor is read on the device, never here)."""
-    return not isinstance(v, torch.Tensor) and v != 0
-
-
-def _or(live, v):
-    """live, or every row where the 0-d tensor v is nonzero (a number here is 0: _nonzero decided)."""
-    return live | (v != 0) if isinstance(v, torch.Tensor) else live  # a 0-d host tensor: a scalar operand
 
 
 def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
@@ -333,9 +234,3 @@ def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
         sub.n_conf = torch.ones_like(counts[g])
     res = loss.run_surrogate(sub, opts.cfg, logp, ent, x.num_items, counts.dtype, totals=(counts[g], M, opts.B))
     return res["c"], res["e"]
-
-
-def plan_backward(c, e):
-    """The recompute backward's plan: the rows with c != 0 or e != 0 (1 sync)."""
-    live = c != 0 if e is None else (c != 0) | (e != 0)
-    return live.nonzero().squeeze(1)  # sync: the rows with a gradient

@@ -1,0 +1,120 @@
+"""The fused LM head's tile plans (spec 11): tiles over the counted rows, the rows' order, the rows known
+to have no gradient before any logit is read, and the recompute backward's rows.
+
+Planning reads the counted rows and their number per completion on the host (2 syncs a pass; the
+fused schedule's count of rows known to have no gradient comes with the second; the recompute backward
+reads the rows with a nonzero coefficient, 1 sync); nothing inside the tile loops reads the device.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple
+
+import torch
+
+
+class Tile(NamedTuple):
+    s: int  # first and one-past-last position in the sorted counted rows
+    e: int
+    g0: int  # first and last completion with a row in the tile
+    g1: int
+
+
+def plan(counts, per_tile, whole):
+    """Tiles over the counted rows (host ints): `counts` rows per completion, at most `per_tile` rows a
+    tile. whole: boundaries between completions, a completion longer than a tile split across tiles
+    (the caller's schedule is then 'recompute'); else fixed-size tiles."""
+    n = sum(counts)
+    if whole:
+        bounds, start, size = [], 0, 0
+        for c in counts:
+            if size and size + c > per_tile:
+                bounds.append((start, start + size))
+                start, size = start + size, 0
+            size += c
+            while size > per_tile:  # a completion longer than a tile
+                bounds.append((start, start + per_tile))
+                start, size = start + per_tile, size - per_tile
+        if size:
+            bounds.append((start, start + size))
+    else:
+        bounds = [(s, min(n, s + per_tile)) for s in range(0, n, per_tile)]
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    at = lambda r: bisect.bisect_right(starts, r) - 1  # noqa: E731  (the completion of row r)
+    return [Tile(s, e, at(s), at(e - 1)) for s, e in bounds]
+
+
+def plan_rows(opts, t, skip):
+    """(rows, counted rows per completion (device), tiles, live rows per tile or None). skip: the fused
+    schedule's gradient (whole completions a tile), whose rows known to have c = e = 0 (prior_live) are
+    put last in their tile; their number per completion is read with the counts (2 syncs in all, one
+    more only when a completion spans tiles: token-local coefficients and a completion over a tile)."""
+    rows = t.counted.nonzero().squeeze(1)  # sync: the rows projected
+    seg = t.seg[rows]
+    counts_dev = torch.bincount(seg, minlength=opts.B)
+    live = prior_live(opts, t, rows, seg) if skip else None
+    if live is None:
+        counts = counts_dev.tolist()  # sync: the tiles
+        return rows, counts_dev, plan(counts, opts.per_tile, opts.fused), None
+    dev, n, B = rows.device, rows.numel(), opts.B
+    per_c = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, seg, live.long())
+    both = torch.cat([counts_dev, per_c]).tolist()  # sync: the tiles
+    counts, per_c = both[:B], both[B:]
+    tiles = plan(counts, opts.per_tile, True)
+    sizes = torch.tensor([k.e - k.s for k in tiles], dtype=torch.long, device=dev)
+    tile = torch.repeat_interleave(torch.arange(len(tiles), device=dev), sizes, output_size=n)
+    if max(counts, default=0) <= opts.per_tile:  # plan() cut only between completions
+        per_tile = [sum(per_c[k.g0:k.g1 + 1]) for k in tiles]
+    else:
+        per_tile = torch.zeros(len(tiles), dtype=torch.long, device=dev).index_add_(0, tile, live.long()).tolist()
+    order = torch.sort(2 * tile + (~live).long(), stable=True).indices  # within each tile, live rows first
+    return rows[order], counts_dev, tiles, per_tile
+
+
+# policy terms with a gradient where A = 0: dro's -(dro_beta / 2) (logp - old)^2, kl_cov's penalty on its
+# chosen tokens (both still multiplied by lambda)
+NOT_PROPORTIONAL_TO_A = ("dro", "kl-cov")
+
+
+def prior_live(opts, t, rows, seg):
+    """The rows (of completions `seg`) whose c, e may be nonzero, as far as is known before any logit is
+    read (None: all). c is the policy term's unless a KL term or an entropy bonus adds to it, and every
+    policy multiplies it by lambda_j and, but dro and kl_cov (NOT_PROPORTIONAL_TO_A), by Ahat_i: Ahat_i = 0
+    when A_i = 0 without shaping (gamma = 0);
+    lambda_j = 0 on a conflict token of a negative completion with w_neg = 0, at the token level (a
+    sequence-level ratio spreads over the completion's tokens). Options are taken by value (a 0-d tensor
+    0 is 0: the mask is then formed on the device, the same rows as with the number 0), so ranks with
+    equal options order their rows alike. Rows whose gradient depends on the logits (the entropy filter,
+    clipping, masks) still go through the fused schedule's GEMMs: it cannot read them before its tile's
+    GEMMs without a sync per tile (the recompute schedule skips them)."""
+    cfg, x = opts.cfg, t.extras
+    if cfg is None or _nonzero(cfg.entropy_coef) or (x.ref is not None and _nonzero(cfg.beta)):
+        return None
+    live = None
+    if not _nonzero(cfg.entropy_penalty) and cfg.policy_loss not in NOT_PROPORTIONAL_TO_A:
+        live = _or(x.adv[seg] != 0, cfg.entropy_penalty)  # NaN counts as live
+    if x.lam is not None and cfg.importance_sampling_level == "token":
+        on = x.lam[rows] != 0
+        live = on if live is None else live & on
+    if live is None:
+        return None
+    live = _or(live, cfg.entropy_coef)
+    return live if x.ref is None else _or(live, cfg.beta)
+
+
+def _nonzero(v):
+    """A Python number that is not 0 (a tensor is read on the device, never here)."""
+    return not isinstance(v, torch.Tensor) and v != 0
+
+
+def _or(live, v):
+    """live, or every row where the 0-d tensor v is nonzero (a number here is 0: _nonzero decided)."""
+    return live | (v != 0) if isinstance(v, torch.Tensor) else live  # a 0-d host tensor: a scalar operand
+
+
+def plan_backward(c, e):
+    """The recompute backward's plan: the rows with c != 0 or e != 0 (1 sync)."""
+    live = c != 0 if e is None else (c != 0) | (e != 0)
+    return live.nonzero().squeeze(1)  # sync: the rows with a gradient
