@@ -84,9 +84,9 @@ def _reference(case, cfg, hidden, weight, bias, scale, cap, old):
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), scale=st.sampled_from([1.0, 0.7]),
        cap=st.sampled_from([None, 4.0]), bias_on=st.booleans(), packed=st.booleans(),
        budget_rows=st.sampled_from([1, 3, 1000]), with_old=st.booleans(),
-       threshold=st.sampled_from([None, 2.0, 3.0]), seed=st.integers(0, 1000))
+       threshold=st.sampled_from([None, 2.0, 3.0]), ent_coef=st.sampled_from([0.0, 0.05]), seed=st.integers(0, 1000))
 def test_linear_matches_reference(backend, case, preset, schedule, dtype, scale, cap, bias_on, packed, budget_rows,
-                                  with_old, threshold, seed):
+                                  with_old, threshold, ent_coef, seed):
     gen = torch.Generator().manual_seed(seed)
     V = case.logits.shape[-1]
     hidden, weight, bias = _head(case, 8, dtype, gen, bias_on)
@@ -94,7 +94,7 @@ def test_linear_matches_reference(backend, case, preset, schedule, dtype, scale,
     # the entropy filter against the reference too; the packed form's default length normalizer is the
     # longest completion, the padded form's T: both given T
     cfg = GTPOConfig.preset(preset, temperature=case.temperature, entropy_threshold=threshold,
-                            max_completion_length=T)
+                            max_completion_length=T, entropy_coef=ent_coef)  # the bonus: e = dL/dH != 0
     old = None
     if with_old:
         old = torch.where(case.counted, -torch.rand(B, T, generator=gen) * 4, torch.full((B, T), float("nan")))
