@@ -89,13 +89,27 @@ def _logps_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero gradients made for the outputs without one
 
 
+@torch.library.custom_op("gtpo_kernels::logps_epilogue_bwd", mutates_args=())
+def logps_epilogue_bwd(grad: Tensor, c: Tensor, e: Optional[Tensor], lp_dtype: torch.dtype,
+                       ent_dtype: torch.dtype) -> List[Tensor]:
+    """logps_epilogue's backward: [c g, e g (empty without e)] (one launch)."""
+    gc, ge = scale(grad, c, e, (lp_dtype, ent_dtype))
+    return [gc, c.new_empty(0, dtype=ent_dtype) if ge is None else ge]
+
+
+@logps_epilogue_bwd.register_fake
+def _(grad, c, e, lp_dtype, ent_dtype):
+    return [c.new_empty(c.shape, dtype=lp_dtype), c.new_empty(c.shape if e is not None else 0, dtype=ent_dtype)]
+
+
 def _logps_backward(ctx, grads):
     c, e = ctx.saved_tensors
     (shape, dtype, ent_meta), grad = ctx.meta, grads[0]
     need_lp, need_ent = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and e is not None
     if grad is None or not (need_lp or need_ent):
         return (None,) * 16
-    gc, ge = scale(grad, c, e if need_ent else None, (dtype, None if ent_meta is None else ent_meta[1]))
+    gc, ge = logps_epilogue_bwd(grad, c, e if need_ent else None, dtype,
+                                dtype if ent_meta is None else ent_meta[1])
     return (gc.view(shape) if need_lp else None, ge.view(ent_meta[0]) if need_ent else None) + (None,) * 14
 
 
@@ -153,11 +167,11 @@ def _replay_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _replay_backward(ctx, grads):
-    logits3, ids, token_ids, stats, flat, rows, grows, tau_n, ent, c, e = ctx.saved_tensors
-    grad = grads[0]
-    if grad is None or not ctx.needs_input_grad[0]:
-        return (None,) * 20
+@torch.library.custom_op("gtpo_kernels::replay_epilogue_bwd", mutates_args=())
+def replay_epilogue_bwd(grad: Tensor, logits3: Tensor, ids: Tensor, token_ids: Tensor, stats: Tensor, flat: Tensor,
+                        rows: Tensor, grows: Tensor, tau_n: Tensor, ent: Tensor, c: Tensor,
+                        e: Optional[Tensor]) -> Tensor:
+    """replay_epilogue's backward: c g and e g, then the replay's gradient kernel into zeros (3 launches)."""
     gc, ge = scale(grad, c, e, (torch.float32, torch.float32))
     grad3 = torch.zeros(logits3.shape, dtype=logits3.dtype, device=logits3.device)  # 0 outside the kept sets
     n = ids.numel()
@@ -165,7 +179,18 @@ def _replay_backward(ctx, grads):
         _replay_bwd_kernel[(n,)](logits3, grad3, rows, grows, ids, tau_n, token_ids if token_ids.numel() else flat,
                                  flat, stats, ent, gc, gc if ge is None else ge, logits3.shape[-1], 1.0, 1.0,
                                  HAS_E=ge is not None, HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_K=BLOCK_K)
-    return (grad3,) + (None,) * 19
+    return grad3
+
+
+@replay_epilogue_bwd.register_fake
+def _(grad, logits3, ids, token_ids, stats, flat, rows, grows, tau_n, ent, c, e):
+    return torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
+
+
+def _replay_backward(ctx, grads):
+    if grads[0] is None or not ctx.needs_input_grad[0]:
+        return (None,) * 20
+    return (replay_epilogue_bwd(grads[0], *ctx.saved_tensors),) + (None,) * 19
 
 
 replay_epilogue.register_autograd(_replay_backward, setup_context=_replay_setup)
