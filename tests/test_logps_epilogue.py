@@ -1,0 +1,341 @@
+"""The loss math in the epilogue kernel on log-probs computed elsewhere (pipeline/logps_epilogue.py):
+gtpo_loss_from_logps(backend='triton') and gtpo_loss over the sampler's kept sets on Triton, against their
+eager twin (the torch backend: loss.logps_loss) and the float64 reference, on fresh random inputs: values,
+outputs, metrics and gradients (the reference's not zero), every aggregation ('none' with an upstream
+gradient that is inf where a token is not counted), padded and packed, with and without entropies;
+unvalidated invalid input gives NaN as the twin does, validating raises the twin's error; the calls trace
+under torch.compile(fullgraph=True). Tolerances: spec 7 (float32: 1e-5)."""
+import warnings
+
+import pytest
+import torch
+from conftest import assert_grad_close, assert_value_close
+from test_sampling_replay import rollout
+
+import gtpo_reference as ref
+from bench.launches import counting
+from gtpo_kernels import GTPOConfig, gtpo_loss, gtpo_loss_from_logps
+
+TOL = 1e-5
+OUTS = ("logps", "entropy", "per_token_loss", "lam")
+OWN = ("clip_frac", "filtered_frac", "conflict_frac", "mean_entropy")
+
+
+def _config(agg, entropy, hbar=None):
+    """With entropies: GTPO with the bonus (a gradient w.r.t. them) and the filter's threshold between two
+    completions' mean entropies; without: grpo with the KL."""
+    if not entropy:
+        return GTPOConfig.preset("grpo", beta=0.04, loss_agg=agg)
+    srt = hbar.sort().values
+    gaps = srt[1:] - srt[:-1]
+    k = int(gaps.argmax())
+    return GTPOConfig.preset("gtpo", loss_agg=agg, entropy_coef=0.01,
+                             entropy_threshold=float(srt[k] + gaps[k] / 2))
+
+
+def _tokens(seed, B=4, T=5, V=16):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 3
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[:, 0] = True
+    adv = torch.randn(B, generator=g)
+    noise = torch.randn(2, B, T, generator=g, dtype=torch.float64)
+    return z, ids, mask, adv, noise
+
+
+def _extras(lp, noise):
+    """old log-probs off the current ones (ratios within the clip and outside it), ref ones |d| >= 0.05 away
+    (the KL's float32 conditioning: tests/test_kl_conditioning.py)."""
+    return dict(old_logps=(lp + 0.3 * noise[0]).float(),
+                ref_logps=(lp + 0.1 * torch.sign(noise[1]) * (0.5 + noise[1].abs())).float())
+
+
+def _pack(x, mask):
+    return x[mask] if x.dim() == 2 else x
+
+
+def _padded(x, mask):
+    return x if x.dim() == 2 else torch.zeros(mask.shape, dtype=x.dtype).masked_scatter(mask, x)
+
+
+def _upstream(mask, seed=1):
+    return torch.where(mask, torch.rand(mask.shape, generator=torch.Generator().manual_seed(seed)) + 0.5,
+                       torch.full(mask.shape, float("inf")))
+
+
+def _backward(out, up):
+    out.loss.backward() if out.loss.dim() == 0 else out.loss.backward(up)
+
+
+def _compare(name, a, b, mask, packed, entropy_given=True):
+    """Outputs of two calls (a: ours) at the counted tokens, per completion, and the metrics."""
+    pad = (lambda x: _padded(x, mask)) if packed else (lambda x: x)
+    loss_a, loss_b = a.loss.detach(), b.loss.detach()
+    if loss_a.dim():
+        loss_a, loss_b = pad(loss_a), pad(loss_b)
+        assert_value_close(f"{name} loss", loss_a, loss_b, TOL, where=mask)
+    else:
+        assert_value_close(f"{name} loss", loss_a, loss_b, TOL)
+    for f in OUTS if entropy_given else ("logps", "per_token_loss", "lam"):
+        assert_value_close(f"{name} {f}", pad(getattr(a, f)), pad(getattr(b, f)), TOL, where=mask)
+    assert_value_close(f"{name} n_conf", a.n_conf, b.n_conf, TOL)
+    assert torch.equal(a.kept, b.kept), name
+    assert_value_close(f"{name} seq_entropy", a.seq_entropy, b.seq_entropy, TOL)
+
+
+def _metrics_equal(a, b):
+    assert list(a.metrics) == list(b.metrics)
+    for k in a.metrics:
+        assert_value_close(k, a.metrics[k], b.metrics[k], TOL)
+
+
+CASES = [("seq-mean-token-mean", False, True), ("token-mean", True, True), ("seq-mean-token-sum", False, False),
+         ("seq-mean-token-sum-norm", True, False), ("gtpo-official", False, True), ("none", True, True),
+         ("none", False, False)]
+
+
+@pytest.mark.parametrize("agg,packed,entropy", CASES, ids=[f"{a}-{'packed' if p else 'padded'}-"
+                                                            f"{'entropy' if e else 'no-entropy'}" for a, p, e in CASES])
+def test_from_logps_matches_twin_and_reference(agg, packed, entropy):
+    z, ids, mask, adv, noise = _tokens(CASES.index((agg, packed, entropy)))
+    zr = z.clone().requires_grad_()
+    lp64, H64 = ref.token_logprobs(zr, ids, 1.0, mask)
+    hbar = (H64.detach() * mask).sum(1) / mask.sum(1)
+    cfg = _config(agg, entropy, hbar)
+    kw = dict(_extras(lp64.detach(), noise), group_size=2, config=cfg, validate=False)
+    up = _upstream(mask)
+    args, upstream = (ids, adv, mask), (_pack(up, mask) if packed else up)
+    if packed:
+        kw = {k: _pack(v, mask) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        kw.update(cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)]),
+                  max_seqlen=int(mask.sum(1).max()))
+        args = (ids[mask], adv, None)
+    runs = {}
+    for backend in ("triton", "torch"):
+        x = _pack(lp64.detach().float(), mask).requires_grad_() if packed else lp64.detach().float().requires_grad_()
+        h = (_pack(H64.detach().float(), mask) if packed else H64.detach().float()).requires_grad_()
+        with counting() as c:
+            out = gtpo_loss_from_logps(x, *args, entropy=h if entropy else None, backend=backend, **kw)
+            _backward(out, upstream)
+        runs[backend] = (out, x.grad, h.grad, c)
+    (out, gx, gh, c), (twin, tgx, tgh, _) = runs["triton"], runs["torch"]
+    assert c.triton_names.get("_epilogue_kernel") == 1 and c.launches <= 5, (c.launches, dict(c.triton_names))
+    _compare("triton vs torch", out, twin, mask, packed, entropy)
+    _metrics_equal(out, twin)
+    assert_grad_close("grad logps", _padded(gx, mask), _padded(tgx, mask).double(), TOL)
+    assert (_padded(gx, mask)[~mask] == 0).all()
+    assert (gh is None) == (tgh is None) and (gh is not None) == (entropy and cfg.entropy_coef != 0)
+    if gh is not None:
+        assert_grad_close("grad entropy", _padded(gh, mask), _padded(tgh, mask).double(), TOL)
+    # against the float64 reference on the logits that gave the log-probs (chained back to them)
+    ref_kw = {k: v.double() for k, v in _extras(lp64.detach(), noise).items()}
+    zref = z.clone().requires_grad_()
+    r = ref.gtpo_loss(zref, ids, adv.double(), mask, group_size=2, **ref_kw, **_ref_config(cfg))
+    (r["loss"] if r["loss"].dim() == 0 else (r["loss"] * torch.where(mask, up, 0.0).double()).sum()).backward()
+    assert zref.grad.abs().sum() > 0
+    grads = [_padded(gx, mask).double()] + ([_padded(gh, mask).double()] if gh is not None else [])
+    (gz,) = torch.autograd.grad([lp64, H64][:len(grads)], zr, grads)
+    assert_grad_close("grad logits (through the log-probs)", gz, zref.grad, TOL)
+    loss = _padded(out.loss.detach(), mask) if packed and out.loss.dim() else out.loss.detach()
+    assert_value_close("loss vs reference", loss, r["loss"].detach(), TOL, where=mask if loss.dim() else None)
+    assert_value_close("logps vs reference", _padded(out.logps, mask), r["logps"], TOL, where=mask)
+    assert torch.equal(out.kept, r["kept"])
+
+
+def _ref_config(cfg):
+    keys = ("eps_low", "eps_high", "clip", "use_conflict_mask", "conflict_pos_weight", "conflict_neg_weight",
+            "entropy_threshold", "entropy_penalty", "initial_entropy", "entropy_coef", "beta", "loss_agg",
+            "max_completion_length", "policy_loss", "importance_sampling_level", "delta", "use_bias_correction_kl",
+            "dual_clip_c")
+    return {k: getattr(cfg, k) for k in keys}
+
+
+def _sets(seed, packed, B=4, T=4, V=60):
+    """A rollout (tests/test_sampling_replay.rollout: kept sets drawn as an engine draws them) as gtpo_loss
+    takes it: (logits, ids, advantages, mask, temperature, sampling_mask, extra keywords)."""
+    z, mask, tau, y, sets = rollout(seed, B=B, T=T, V=V, top_k=8, start=0)
+    ids = torch.zeros(mask.shape, dtype=torch.long).masked_scatter(mask, y)
+    adv = torch.randn(B, generator=torch.Generator().manual_seed(seed))
+    if not packed:
+        return z, ids, adv, mask, tau, sets, {}
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])
+    return z[mask], y, adv, None, tau[mask], sets, dict(cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("agg,packed,tau", [("seq-mean-token-mean", False, "token"), ("none", True, "number"),
+                                            ("token-mean", True, "config"), ("gtpo-official", False, "number")])
+def test_recorded_sets_match_twin_and_reference(agg, packed, tau):
+    z, ids, adv, mask, taus, sets, kw = _sets(3, packed)
+    temperature = {"token": taus, "number": 0.8, "config": None}[tau]
+    cfg = GTPOConfig.preset("gtpo", loss_agg=agg, entropy_coef=0.01, entropy_threshold=None, beta=0.04,
+                            temperature=torch.tensor(0.9) if tau == "config" else 1.0)
+    # old and ref log-probs off the replayed ones (the reference's, float64)
+    base = gtpo_loss(z.double(), ids, adv.double(), mask, sampling_mask=sets, temperature=temperature,
+                     config=cfg.replace(beta=0.0), group_size=2, backend="reference", **kw).logps
+    g = torch.Generator().manual_seed(9)
+    gap = torch.randn(base.shape, generator=g, dtype=torch.float64)
+    kw.update(old_logps=(base + 0.3 * torch.randn(base.shape, generator=g, dtype=torch.float64)).float(),
+              ref_logps=(base + 0.1 * torch.sign(gap) * (0.5 + gap.abs())).float())
+    counted = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask
+    up = torch.where(counted, torch.rand(ids.shape, generator=g) + 0.5, torch.full(ids.shape, float("inf")))
+    runs = {}
+    for backend in ("triton", "torch", "reference"):
+        x = (z.double() if backend == "reference" else z).clone().requires_grad_()
+        k = {key: v.double() if backend == "reference" and torch.is_tensor(v) and v.is_floating_point() else v
+             for key, v in kw.items()}
+        with counting() as c:
+            out = gtpo_loss(x, ids, adv, mask, sampling_mask=sets, temperature=temperature, config=cfg, group_size=2,
+                            validate=False, backend=backend, **k)
+            if out.loss.dim():
+                out.loss.backward(torch.where(counted, up, 0.0).double() if backend == "reference" else up)
+            else:
+                out.loss.backward()
+        runs[backend] = (out, x.grad, c)
+    (out, grad, c), (twin, tgrad, _), (r, rgrad, _) = runs["triton"], runs["torch"], runs["reference"]
+    assert dict(c.triton_names) == {"_conflict_weights_kernel": 1, "_flat_sets_kernel": 1, "_replay_fwd_kernel": 1, "_set_check_kernel": 1,
+                                    "_epilogue_kernel": 1, "_scale_kernel": 1, "_replay_bwd_kernel": 1}
+    assert rgrad.abs().sum() > 0
+    for name, other, og in (("triton vs torch", twin, tgrad), ("triton vs reference", r, rgrad)):
+        _compare(name, out, other, counted, False)
+        _metrics_equal(out, other)
+        assert_grad_close(f"{name} grad", grad.reshape(-1, grad.shape[-1]), og.reshape(-1, grad.shape[-1]).double(),
+                          TOL)
+
+
+def test_rules_replay_takes_the_epilogue():
+    """Kept sets rebuilt by top_k: the replay's own launches, then the same epilogue as the twin's surrogate."""
+    z, ids, adv, mask, taus, sets, kw = _sets(4, False)
+    runs = {}
+    for backend in ("triton", "torch"):
+        x = z.clone().requires_grad_()
+        with counting() as c:
+            out = gtpo_loss(x, ids, adv, mask, top_k=5, temperature=0.7, config="gtpo", group_size=2,
+                            validate=False, backend=backend)
+            out.loss.backward()
+        runs[backend] = (out, x.grad, c)
+    (out, grad, c), (twin, tgrad, _) = runs["triton"], runs["torch"]
+    assert c.triton_names.get("_epilogue_kernel") == 1 and c.triton_names.get("_prep_kernel") == 1
+    _compare("top_k", out, twin, mask, False)
+    _metrics_equal(out, twin)
+    assert tgrad.abs().sum() > 0
+    assert_grad_close("top_k grad", grad.reshape(-1, z.shape[-1]), tgrad.reshape(-1, z.shape[-1]).double(), TOL)
+
+
+def _nan_where_counted(out, counted):
+    assert torch.isnan(out.loss).all()
+    for f in ("logps", "entropy", "per_token_loss"):
+        assert torch.isnan(getattr(out, f).reshape(counted.shape)[counted]).all(), f
+
+
+@pytest.mark.parametrize("where", ["counted", "uncounted", "cu_seqlens"])
+def test_from_logps_unvalidated_nonfinite_entropy_or_malformed_cu(where):
+    """validate=False: a non-finite entropy at a counted token, or malformed cu_seqlens, makes every output
+    and the gradient at the counted tokens NaN (spec 6), as on the eager path; one at an uncounted token
+    is ignored."""
+    z, ids, mask, adv, noise = _tokens(7)
+    mask[1, 1] = False
+    lp, H = (x.float() for x in ref.token_logprobs(z, ids, 1.0, mask))
+    H[1, 1 if where == "uncounted" else 0] = float("inf")
+    args, kw, counted = (ids, adv, mask), {}, mask
+    if where == "cu_seqlens":
+        H[1, 0] = 1.0
+        args, kw = (ids.reshape(-1), adv, None), dict(cu_seqlens=torch.tensor([0, 5, 4, 15, 20]))
+        lp, H, counted = lp.reshape(-1), H.reshape(-1), torch.ones(20, dtype=torch.bool)
+    runs = {}
+    for backend in ("triton", "torch"):
+        x = lp.clone().requires_grad_()
+        out = gtpo_loss_from_logps(x, *args, entropy=H, config="gtpo", group_size=2, validate=False,
+                                   backend=backend, **kw)
+        out.loss.backward()
+        runs[backend] = (out, x.grad)
+    (out, grad), (twin, tgrad) = runs["triton"], runs["torch"]
+    if where == "uncounted":
+        assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+        _compare("finite", out, twin, mask, False)
+        assert_grad_close("grad", grad, tgrad.double(), TOL)
+        return
+    for o, gr in ((out, grad), (twin, tgrad)):
+        _nan_where_counted(o, counted)
+        assert torch.isnan(gr.reshape(counted.shape)[counted]).all()
+        assert (gr.reshape(counted.shape)[~counted] == 0).all()
+
+
+@pytest.mark.parametrize("bad", ["repeated", "missing", "offsets", "count", "nan_logit"])
+def test_invalid_kept_sets_unvalidated_nan_validated_the_twins_error(bad):
+    """A kept set repeating an id, a sampled token missing from its set, malformed offsets, a wrong number
+    of sets, a NaN kept logit: validate=False gives NaN at every counted token (as the twin), validate=True
+    the twin's error."""
+    z, ids, adv, mask, taus, (tok, off), _ = _sets(5, False)
+    tok, off, z, ids = tok.clone(), off.clone(), z.clone(), ids.clone()
+    pos = mask.nonzero()
+    if bad == "repeated":  # two ids other than the sampled one (the replay kernel flags a sampled id twice)
+        m = next(m for m in range(len(pos)) if off[m + 1] - off[m] >= 3)
+        b, t = pos[m].tolist()
+        others = [k for k in range(int(off[m]), int(off[m + 1])) if tok[k] != ids[b, t]]
+        tok[others[1]] = tok[others[0]]
+    elif bad == "missing":
+        b, t = pos[3].tolist()
+        ids[b, t] = int(next(v for v in range(z.shape[-1]) if v not in tok[off[3]:off[4]].tolist()))
+    elif bad == "offsets":
+        off[2] = off[1] - 1
+    elif bad == "count":
+        off = off[:-1]
+        tok = tok[:int(off[-1])]
+    else:
+        b, t = pos[4].tolist()
+        z[b, t, tok[int(off[4])]] = float("nan")
+    errors = {}
+    for backend in ("triton", "torch"):
+        out = gtpo_loss(z, ids, adv, mask, sampling_mask=(tok, off), config="gtpo", group_size=2, validate=False,
+                        backend=backend)
+        _nan_where_counted(out, mask)
+        with pytest.raises(ValueError) as e:
+            gtpo_loss(z, ids, adv, mask, sampling_mask=(tok, off), config="gtpo", group_size=2, backend=backend)
+        errors[backend] = str(e.value)
+    assert errors["triton"] == errors["torch"], errors
+
+
+def test_validating_raises_the_twins_errors_and_warns_at_the_caller():
+    z, ids, mask, adv, noise = _tokens(8)
+    lp, H = (x.float() for x in ref.token_logprobs(z, ids, 1.0, mask))
+    bad = H.clone()
+    bad[2, 0] = float("nan")
+    errors = {}
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError) as e:
+            gtpo_loss_from_logps(lp, ids, adv, mask, entropy=bad, config="gtpo", group_size=2, backend=backend)
+        errors[backend] = str(e.value)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = gtpo_loss_from_logps(lp, ids, adv, mask, entropy=H, group_size=2, backend=backend,
+                                       config=GTPOConfig(entropy_threshold=1e-3))
+        drop = [x for x in w if "dropped every completion" in str(x.message)]
+        assert len(drop) == 1 and drop[0].filename == __file__, [(x.filename, str(x.message)) for x in w]
+        assert out.loss == 0
+    assert errors["triton"] == errors["torch"] and "entropy" in errors["triton"], errors
+
+
+def test_calls_trace_whole_under_torch_compile():
+    """torch.compile(fullgraph=True) traces both calls on Triton (custom ops: no graph break) and gives the
+    eager call's numbers."""
+    z, ids, adv, mask, taus, sets, _ = _sets(6, False)
+    lp, H = (x.float() for x in ref.token_logprobs(z.double(), ids, 1.0, mask))
+    cfg = GTPOConfig.preset("gtpo", entropy_threshold=None, entropy_coef=0.01)
+
+    def step(x, h, logits):
+        a = gtpo_loss_from_logps(x, ids, adv, mask, entropy=h, config=cfg, group_size=2, backend="triton")
+        b = gtpo_loss(logits, ids, adv, mask, sampling_mask=sets, temperature=taus, config=cfg, group_size=2,
+                      backend="triton")
+        return a.loss + b.loss, a.per_token_loss, b.logps
+
+    torch._dynamo.reset()
+    got, want = [], []
+    for fn, acc in ((torch.compile(step, fullgraph=True, backend="aot_eager"), got), (step, want)):
+        x, h, logits = lp.clone().requires_grad_(), H.clone().requires_grad_(), z.clone().requires_grad_()
+        out = fn(x, h, logits)
+        out[0].backward()
+        acc += [*out, x.grad, h.grad, logits.grad]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert all(g.abs().sum() > 0 for g in want[3:])
