@@ -84,8 +84,8 @@ def _compare(name, a, b, mask, packed, entropy_given=True):
     assert_value_close(f"{name} seq_entropy", a.seq_entropy, b.seq_entropy, TOL)
 
 
-def _metrics_equal(a, b):
-    assert list(a.metrics) == list(b.metrics)
+def _metrics_equal(a, b, ordered=True):
+    assert list(a.metrics) == list(b.metrics) if ordered else sorted(a.metrics) == sorted(b.metrics)
     for k in a.metrics:
         assert_value_close(k, a.metrics[k], b.metrics[k], TOL)
 
@@ -103,7 +103,8 @@ def test_from_logps_matches_twin_and_reference(agg, packed, entropy):
     lp64, H64 = ref.token_logprobs(zr, ids, 1.0, mask)
     hbar = (H64.detach() * mask).sum(1) / mask.sum(1)
     cfg = _config(agg, entropy, hbar)
-    kw = dict(_extras(lp64.detach(), noise), group_size=2, config=cfg, validate=False)
+    kw = dict(_extras(lp64.detach(), noise), group_size=2, config=cfg, validate=False,
+              rollout_logps=(lp64.detach() + 0.2 * noise[1]).float())
     up = _upstream(mask)
     args, upstream = (ids, adv, mask), (_pack(up, mask) if packed else up)
     if packed:
@@ -151,32 +152,42 @@ def _ref_config(cfg):
     return {k: getattr(cfg, k) for k in keys}
 
 
-def _sets(seed, packed, B=4, T=4, V=60):
+def _sets(seed, packed, B=4, T=4, V=60, start=0):
     """A rollout (tests/test_sampling_replay.rollout: kept sets drawn as an engine draws them) as gtpo_loss
     takes it: (logits, ids, advantages, mask, temperature, sampling_mask, extra keywords)."""
-    z, mask, tau, y, sets = rollout(seed, B=B, T=T, V=V, top_k=8, start=0)
+    z, mask, tau, y, sets = rollout(seed, B=B, T=T, V=V, top_k=8, start=start)
     ids = torch.zeros(mask.shape, dtype=torch.long).masked_scatter(mask, y)
     adv = torch.randn(B, generator=torch.Generator().manual_seed(seed))
     if not packed:
-        return z, ids, adv, mask, tau, sets, {}
+        return z, ids, adv, mask, tau, sets, dict(logits_start=start) if start else {}
     cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])
     return z[mask], y, adv, None, tau[mask], sets, dict(cu_seqlens=cu)
 
 
-@pytest.mark.parametrize("agg,packed,tau", [("seq-mean-token-mean", False, "token"), ("none", True, "number"),
-                                            ("token-mean", True, "config"), ("gtpo-official", False, "number")])
-def test_recorded_sets_match_twin_and_reference(agg, packed, tau):
-    z, ids, adv, mask, taus, sets, kw = _sets(3, packed)
+RECORDED = [("seq-mean-token-mean", False, "token", "start"), ("none", True, "number", "plain"),
+            ("token-mean", True, "config", "plain"), ("gtpo-official", False, "number", "sliced")]
+
+
+@pytest.mark.parametrize("agg,packed,tau,layout", RECORDED)
+def test_recorded_sets_match_twin_and_reference(agg, packed, tau, layout):
+    """Logits with logits_start, or a view with rows of stride more than T V (a model's logits sliced), or
+    packed; tau per token, a number, the config's tensor; rollout log-probs (spec 14's metrics) once."""
+    z, ids, adv, mask, taus, sets, kw = _sets(3, packed, start=int(layout == "start"))
+    if layout == "sliced":  # logits[:, :T] of (B, T + 2, V) logits
+        z = torch.cat([z, torch.randn(z.shape[0], 2, z.shape[2], generator=torch.Generator().manual_seed(2))], 1)
+    view = (lambda x: x[:, :ids.shape[1]]) if layout == "sliced" else (lambda x: x)
     temperature = {"token": taus, "number": 0.8, "config": None}[tau]
     cfg = GTPOConfig.preset("gtpo", loss_agg=agg, entropy_coef=0.01, entropy_threshold=None, beta=0.04,
                             temperature=torch.tensor(0.9) if tau == "config" else 1.0)
     # old and ref log-probs off the replayed ones (the reference's, float64)
-    base = gtpo_loss(z.double(), ids, adv.double(), mask, sampling_mask=sets, temperature=temperature,
+    base = gtpo_loss(view(z.double()), ids, adv.double(), mask, sampling_mask=sets, temperature=temperature,
                      config=cfg.replace(beta=0.0), group_size=2, backend="reference", **kw).logps
     g = torch.Generator().manual_seed(9)
     gap = torch.randn(base.shape, generator=g, dtype=torch.float64)
     kw.update(old_logps=(base + 0.3 * torch.randn(base.shape, generator=g, dtype=torch.float64)).float(),
               ref_logps=(base + 0.1 * torch.sign(gap) * (0.5 + gap.abs())).float())
+    if tau == "config":
+        kw["rollout_logps"] = (base + 0.2 * torch.randn(base.shape, generator=g, dtype=torch.float64)).float()
     counted = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask
     up = torch.where(counted, torch.rand(ids.shape, generator=g) + 0.5, torch.full(ids.shape, float("inf")))
     runs = {}
@@ -185,22 +196,25 @@ def test_recorded_sets_match_twin_and_reference(agg, packed, tau):
         k = {key: v.double() if backend == "reference" and torch.is_tensor(v) and v.is_floating_point() else v
              for key, v in kw.items()}
         with counting() as c:
-            out = gtpo_loss(x, ids, adv, mask, sampling_mask=sets, temperature=temperature, config=cfg, group_size=2,
-                            validate=False, backend=backend, **k)
+            out = gtpo_loss(view(x), ids, adv, mask, sampling_mask=sets, temperature=temperature, config=cfg,
+                            group_size=2, validate=False, backend=backend, **k)
             if out.loss.dim():
                 out.loss.backward(torch.where(counted, up, 0.0).double() if backend == "reference" else up)
             else:
                 out.loss.backward()
         runs[backend] = (out, x.grad, c)
     (out, grad, c), (twin, tgrad, _), (r, rgrad, _) = runs["triton"], runs["torch"], runs["reference"]
-    assert dict(c.triton_names) == {"_conflict_weights_kernel": 1, "_flat_sets_kernel": 1, "_replay_fwd_kernel": 1, "_set_check_kernel": 1,
-                                    "_epilogue_kernel": 1, "_scale_kernel": 1, "_replay_bwd_kernel": 1}
+    assert dict(c.triton_names) == {"_conflict_weights_kernel": 1, "_flat_sets_kernel": 1, "_replay_fwd_kernel": 1,
+                                    "_set_check_kernel": 1, "_epilogue_kernel": 1, "_scale_kernel": 1,
+                                    "_replay_bwd_kernel": 1}
     assert rgrad.abs().sum() > 0
     for name, other, og in (("triton vs torch", twin, tgrad), ("triton vs reference", r, rgrad)):
         _compare(name, out, other, counted, False)
-        _metrics_equal(out, other)
+        _metrics_equal(out, other, ordered=other is twin)  # (the reference adds the replay's metrics last)
         assert_grad_close(f"{name} grad", grad.reshape(-1, grad.shape[-1]), og.reshape(-1, grad.shape[-1]).double(),
                           TOL)
+    if "rollout_logps" in kw:
+        assert "rollout_k3" in out.metrics
 
 
 def test_rules_replay_takes_the_epilogue():
@@ -339,3 +353,23 @@ def test_calls_trace_whole_under_torch_compile():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert all(g.abs().sum() > 0 for g in want[3:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_from_logps_half_precision_and_strided(dtype):
+    """bfloat16 / float16 log-probs and entropies, given as strided views: float32 inside, the gradients in
+    their dtype, as the twin's."""
+    z, ids, mask, adv, noise = _tokens(11)
+    lp, H = ref.token_logprobs(z, ids, 1.0, mask)
+    cfg = GTPOConfig.preset("gtpo", entropy_coef=0.01, entropy_threshold=None)
+    runs = {}
+    for backend in ("triton", "torch"):
+        wide = torch.stack([lp, H], -1).to(dtype).requires_grad_()  # logps = wide[..., 0]: stride 2
+        out = gtpo_loss_from_logps(wide[..., 0], ids, adv, mask, entropy=wide[..., 1], config=cfg, group_size=2,
+                                   backend=backend, **_extras(lp, noise))
+        out.loss.backward()
+        runs[backend] = (out, wide.grad)
+    (out, grad), (twin, tgrad) = runs["triton"], runs["torch"]
+    _compare("half", out, twin, mask, False)
+    assert grad.dtype == dtype and tgrad.abs().sum() > 0
+    torch.testing.assert_close(grad, tgrad, rtol=1e-2, atol=1e-6)
