@@ -373,3 +373,56 @@ def test_from_logps_half_precision_and_strided(dtype):
     _compare("half", out, twin, mask, False)
     assert grad.dtype == dtype and tgrad.abs().sum() > 0
     torch.testing.assert_close(grad, tgrad, rtol=1e-2, atol=1e-6)
+
+
+AOT = '''
+import torch
+from bench.aot.compiler import _compile_ahead
+from gtpo_kernels.kernels import logps_triton as L
+i64, i8, f32, b16 = torch.int64, torch.int8, torch.float32, torch.bfloat16
+for arch in (90, 80, 100):
+    for packed in (True, False):
+        assert _compile_ahead(L._prep_kernel, arch, dict(logp_ptr=b16, ent_ptr=b16, mask_ptr=torch.bool, cu_ptr=torch.int32,
+                              bad_out=i8, cu_out=i64), f32, dict(B=64, T=512, N=32768),
+                              dict(HAS_ENT=True, HAS_MASK=True, PACKED=packed, CHECK=True, BLOCK=1024,
+                                   num_warps=4)).asm.get("ptx")
+        assert _compile_ahead(L._flat_sets_kernel, arch, dict(mask_ptr=torch.bool, off_ptr=i64, cu_ptr=torch.int32,
+                              flat_out=i64, row_out=i64, grow_out=i64, cu_out=i64), f32,
+                              dict(B=64, T=512, N=32768, M_rec=30000, K=900000, logits_start=0, s0=1 << 27, s1=151936,
+                                   g0=1 << 27, g1=151936, tau_value=1.0),
+                              dict(HAS_MASK=True, PACKED=packed, TAU_MODE=1 if packed else 2, BLOCK=1024,
+                                   num_warps=4)).asm.get("ptx")
+    assert _compile_ahead(L._set_check_kernel, arch, dict(mask_ptr=torch.bool, flat_ptr=i64, ids_ptr=i64, flags_ptr=i8,
+                          cu_out=i64), f32, dict(B=64, N=32768), dict(HAS_MASK=True, DUP_BLOCK=64,
+                                                                      num_warps=4)).asm.get("ptx")
+    for per in (True, False):
+        assert _compile_ahead(L._scale_kernel, arch, dict(gc_ptr=b16, ge_ptr=b16), f32, dict(N=32768),
+                              dict(PER_TOKEN=per, HAS_E=True, BLOCK=1024, num_warps=4)).asm.get("ptx")
+print("compiled")
+'''
+
+
+def test_kernels_compile_for_the_gpus():
+    """The four kernels compiled ahead of time for sm_90, sm_80 and sm_100 by Triton's compiler (a process
+    without the interpreter): what the interpreter does not check fails here."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", AOT], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+
+
+def test_no_per_batch_size_is_a_constexpr():
+    """As tests/test_runtime.py asks of the other kernels: every per-batch size is a runtime argument that
+    is never specialized (no recompilation per step)."""
+    from test_runtime import _declared_do_not_specialize, _params
+    from gtpo_kernels.kernels import logps_triton as L
+    sizes = {"B", "T", "N", "M_rec", "K", "logits_start", "s0", "s1", "g0", "g1"}
+    for kernel in (L._prep_kernel, L._flat_sets_kernel, L._set_check_kernel, L._scale_kernel):
+        params, ann = _params(kernel)
+        constexpr = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+        assert constexpr <= {"HAS_ENT", "HAS_MASK", "PACKED", "CHECK", "BLOCK", "TAU_MODE", "DUP_BLOCK", "PER_TOKEN",
+                             "HAS_E"}, constexpr
+        assert sizes & set(params) <= set(_declared_do_not_specialize(kernel)), kernel
