@@ -282,3 +282,24 @@ def test_no_per_batch_size_is_a_constexpr():
         assert constexpr <= {"HAS_ENT", "HAS_MASK", "PACKED", "CHECK", "BLOCK", "TAU_MODE", "DUP_BLOCK", "PER_TOKEN",
                              "HAS_E"}, constexpr
         assert sizes & set(params) <= set(_declared_do_not_specialize(kernel)), kernel
+
+
+@pytest.mark.parametrize("upstream", ["strided", "expanded"])
+def test_per_token_upstream_gradient_of_any_stride(upstream):
+    """loss_agg='none': the upstream gradient as a strided view, or expanded from one element (sum()'s
+    backward): the twin's gradient."""
+    z, ids, mask, adv, noise = _tokens(12)
+    lp, H = (x.float() for x in ref.token_logprobs(z, ids, 1.0, mask))
+    up = _upstream(mask)
+    grads = {}
+    for backend in ("triton", "torch"):
+        x = lp.clone().requires_grad_()
+        out = gtpo_loss_from_logps(x, ids, adv, mask, entropy=H, config=GTPOConfig(loss_agg="none", entropy_threshold=None), group_size=2,
+                                   backend=backend, **_extras(lp, noise))
+        if upstream == "strided":
+            out.loss.backward(torch.stack([up, up * 0], -1)[..., 0])
+        else:
+            out.loss.sum().backward()
+        grads[backend] = x.grad
+    assert grads["torch"].abs().sum() > 0
+    assert_grad_close("grad", grads["triton"], grads["torch"].double(), TOL)

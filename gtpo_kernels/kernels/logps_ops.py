@@ -47,11 +47,12 @@ def scale(grad, c, e, dtypes):
     (one element, or one per token, any stride)."""
     n = c.numel()
     g = grad.reshape(-1)
-    per_token = g.numel() > 1 and g.stride(0) != 0
+    per_token = g.numel() > 1 and g.stride(0) != 0  # (an expanded one, as sum()'s backward gives: one element)
+    g = g.contiguous() if per_token else g[:1]
     gc = torch.empty(n, dtype=dtypes[0], device=c.device)
     ge = None if e is None else torch.empty(n, dtype=dtypes[1], device=c.device)
     if n:
-        _scale_kernel[(triton.cdiv(n, BLOCK),)](g if per_token else g[:1], c, c if e is None else e, gc,
+        _scale_kernel[(triton.cdiv(n, BLOCK),)](g, c, c if e is None else e, gc,
                                                 gc if ge is None else ge, n, PER_TOKEN=per_token,
                                                 HAS_E=e is not None, BLOCK=BLOCK, num_warps=4)
     return gc, ge
