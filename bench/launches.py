@@ -220,6 +220,30 @@ def _rows(device="cpu"):
                                             backend="triton", memory_budget=budget,
                                             schedule=schedule).loss.backward()
         return prepare
+    def from_logps(validate):
+        def prepare():
+            from gtpo_kernels import gtpo_loss_from_logps
+            logits, ids, adv, mask, extra = batch(8, 6, 0, False, device=device)
+            extra.pop("ref_logps")
+            logp_all = torch.log_softmax(logits, -1)
+            lp = logp_all.gather(-1, ids[..., None])[..., 0].requires_grad_()
+            H = -(logp_all.exp() * logp_all).sum(-1)
+            return lambda: gtpo_loss_from_logps(lp, ids, adv, mask, entropy=H, validate=validate, backend="triton",
+                                                **extra).loss.backward()
+        return prepare
+
+    def recorded_sets(validate):
+        def prepare():
+            logits, ids, adv, mask, extra = batch(8, 6, 0, False, device=device)
+            extra.pop("ref_logps")
+            top = logits[mask].topk(5, -1).indices  # each counted row's top 5 ids and its sampled id
+            sets = [sorted(set(r.tolist()) | {int(y)}) for r, y in zip(top, ids[mask])]
+            offsets = torch.tensor([0] + [len(k) for k in sets]).cumsum(0).to(logits.device)
+            kept = (torch.tensor([v for k in sets for v in k], device=logits.device), offsets)
+            x = logits.requires_grad_()
+            return lambda: gtpo_loss(x, ids, adv, mask, sampling_mask=kept, validate=validate, backend="triton",
+                                     **extra).loss.backward()
+        return prepare
     no_ref = ("ref_logps",)
     return [("gtpo_loss, gtpo, lam given, validate=False", loss(validate=False, drop=no_ref)),
             ("the same, validate=True", loss(validate=True, drop=no_ref)),
@@ -240,7 +264,11 @@ def _rows(device="cpu"):
             ("linear_gtpo_loss, fused schedule, 4 tiles", head("fused", 4)),
             ("the same, 16 tiles", head("fused", 16)),
             ("linear_gtpo_loss, recompute schedule, 4 tiles", head("recompute", 4)),
-            ("the same, 16 tiles", head("recompute", 16))]
+            ("the same, 16 tiles", head("recompute", 16)),
+            ("gtpo_loss_from_logps, validate=False", from_logps(False)),
+            ("the same, validate=True", from_logps(True)),
+            ("sampling_mask replay (recorded sets), validate=False", recorded_sets(False)),
+            ("the same, validate=True", recorded_sets(True))]
 
 
 def main(argv=None):

@@ -182,3 +182,78 @@ def test_head_runs_the_loss_math_once_and_at_most_ten_launches_a_tile(schedule, 
         assert rf + rb == (3 if schedule == "fused" else 4) + (schedule == "fused" and packed), (rf, rb)
     per_fwd = [_head_counts(schedule, k, preset, packed, bias)[0][0] for k in (2, 4, 8)]
     assert per_fwd[1] - per_fwd[0] == (per_fwd[2] - per_fwd[1]) / 2 <= 2 * 10, per_fwd  # linear in tiles
+
+
+def _from_logps_counts(preset, packed, validate, entropy=True, sizes=SIZES):
+    """gtpo_loss_from_logps on Triton: counts of the call alone (the log-probs and entropies made before)."""
+    from gtpo_kernels import gtpo_loss_from_logps
+    counts = []
+    for k, (B, T) in enumerate(sizes):
+        logits, ids, adv, mask, kw = _batch(B, T, k, packed)
+        logp_all = torch.log_softmax(logits, -1)
+        lp = logp_all.gather(-1, ids[..., None])[..., 0].requires_grad_()
+        H = -(logp_all.exp() * logp_all).sum(-1)
+        cfg = GTPOConfig.preset(preset, beta=0.04, entropy_threshold=None) if preset in ("grpo", "dapo") \
+            else GTPOConfig.preset(preset)
+        with counting() as c:
+            out = gtpo_loss_from_logps(lp, ids, adv, mask, entropy=H if entropy else None, config=cfg,
+                                       validate=validate, backend="triton", **kw)
+            out.loss.backward()
+        assert torch.isfinite(out.loss) and lp.grad.abs().sum() > 0
+        counts.append((c.launches, c.host_reads, c.creations, dict(c.triton_names)))
+    return counts
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("preset", FAST)
+def test_from_logps_at_most_four_launches(preset, packed):
+    """gtpo_loss_from_logps (spec 8): the prep kernel (float32 log-probs and entropies, the epilogue's
+    cu_seqlens), the epilogue, the seed, the backward's c g; no host read, no tensor from host data."""
+    counts = _from_logps_counts(preset, packed, validate=False)
+    assert counts[0] == counts[1], counts  # flat in tokens and completions
+    launches, reads, creations, kernels = counts[0]
+    assert reads == 0 and creations == 0 and launches <= 4, counts
+    assert kernels == {"_prep_kernel": 1, "_epilogue_kernel": 1, "_scale_kernel": 1}, kernels
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_from_logps_without_entropy_and_validating(packed):
+    """No entropies (a config that needs none): the same 4 launches; validating, the input checks and the
+    status word in one host read."""
+    counts = _from_logps_counts("grpo", packed, validate=False, entropy=False)
+    assert counts[0] == counts[1] and counts[0][0] <= 4 and counts[0][1:3] == (0, 0), counts
+    counts = _from_logps_counts("gtpo", packed, validate=True)
+    assert counts[0] == counts[1] and counts[0][1] == 1, counts
+
+
+def _sampling_mask(logits, ids, mask, k=5):
+    """Kept sets as an engine records them: each counted row's top k ids, with its sampled id."""
+    rows, y = (logits, ids) if mask is None else (logits[mask], ids[mask])
+    top = rows.topk(k, -1).indices
+    sets = [sorted(set(top[r].tolist()) | {int(y[r])}) for r in range(rows.shape[0])]
+    offsets = torch.tensor([0] + [len(s) for s in sets]).cumsum(0)
+    return torch.tensor([v for s in sets for v in s]), offsets
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_recorded_kept_sets_at_most_eight_launches(packed):
+    """gtpo_loss with sampling_mask (spec 8: at most 8 for replay): the sets' flat layout, the replay, the
+    sets' checks, the epilogue; the seed, c g and e g, the gradient's zeros, the replay's gradient kernel.
+    No host read and no tensor from host data unvalidated; the same counts at two sizes."""
+    counts = []
+    for k, (B, T) in enumerate(SIZES):
+        logits, ids, adv, mask, kw = _batch(B, T, k, packed)
+        kw.pop("ref_logps")
+        sets = _sampling_mask(logits, ids, mask)
+        x = logits.requires_grad_()
+        with counting() as c:
+            out = gtpo_loss(x, ids, adv, mask, sampling_mask=sets, config="gtpo", validate=False, backend="triton",
+                            **kw)
+            out.loss.backward()
+        assert torch.isfinite(out.loss) and x.grad.abs().sum() > 0
+        counts.append((c.launches, c.host_reads, c.creations, dict(c.triton_names)))
+    assert counts[0] == counts[1], counts
+    launches, reads, creations, kernels = counts[0]
+    assert reads == 0 and creations == 0 and launches <= 8, counts
+    assert kernels == {"_flat_sets_kernel": 1, "_replay_fwd_kernel": 1, "_set_check_kernel": 1,
+                       "_epilogue_kernel": 1, "_scale_kernel": 1, "_replay_bwd_kernel": 1}, kernels

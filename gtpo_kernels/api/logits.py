@@ -15,7 +15,7 @@ from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..distributed import vocab_replay
 from ..kernels import dispatch, ops
-from ..pipeline import epilogue, reference, replay
+from ..pipeline import epilogue, logps_epilogue, reference, replay
 from ..pipeline.loss import (call_temperature, check_loss_args, conflicts_for, forward, fused_loss, logps_loss,
                              make_output, vocab_parallel, vocab_summary)
 
@@ -102,7 +102,10 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             checks.check_inplace(inplace, logits)
             dt = float_dtype_for(logits)
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
-            num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not fast, raw=fast)
+            # the sampler's kept sets with the loss math in the epilogue kernel (recorded sets: 8 launches, spec 8)
+            fast_replay = replay.requested(sampling_mask, top_k, top_p, min_p) and logps_epilogue.uses_epilogue(
+                cfg, backend, logits.dtype, process_group, rollout_is_weights)
+            num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not fast, raw=fast or fast_replay)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32, host,
                                    in_kernels=fast)
@@ -125,14 +128,18 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             out = reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau, keep)
             out.metrics.update({k: v.to(out.loss.dtype) for k, v in metrics.items()})
             return out
-        conflicts_for(b, cfg, group_size, dt, backend)
+        conflicts_for(b, cfg, group_size, dt, backend, epilogue=fast_replay)
         vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch),  # by value (spec 12)
                       (sampling_mask, top_k, top_p, min_p))
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
+    if fast_replay and sampling_mask is not None:
+        return logps_epilogue.recorded_sets(b, cfg, tau, sampling_mask, num_items, host)
     if rules is not None:  # the sampler's kept sets
         logp, ent, metrics = _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp)
+        if fast_replay:
+            return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, host, metrics, stacklevel=8)
         loss, res = logps_loss(b, cfg, logp, ent, num_items, dt, host)
         res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
         return make_output(b, cfg, loss, res, dt, host)

@@ -9,13 +9,14 @@ from ..core.layout import float_dtype_for
 from ..core.output import GTPOOutput
 from ..kernels import dispatch
 from ..objective.conflict import ID_LIMIT
+from ..pipeline import logps_epilogue
 from ..pipeline.loss import check_loss_args, conflicts_for, logps_loss, make_output
 
 
 def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None, *, entropy=None,
                          group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
                          n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,
-                         rollout_is_weights=None, rollout_logps=None, validate=True) -> GTPOOutput:
+                         rollout_is_weights=None, rollout_logps=None, validate=True, backend="auto") -> GTPOOutput:
     """`gtpo_loss` from per-token log-probs computed elsewhere (spec 10): TRL's fused LM head, verl's or
     Megatron's vocabulary-parallel log-probs, an inference engine.
 
@@ -30,11 +31,16 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
     completion_ids serve the conflict weights only (counted ids in [0, 2**31)). Every other argument is
     gtpo_loss's (rollout_is_weights: (B, T) / packed (N,) per token, (B, 1) per completion, (B,) padded
     only). It equals gtpo_loss on the logits that gave these log-probs and entropies, outputs included.
+    backend  'auto' (Triton on CUDA, the eager surrogate elsewhere and for float64 log-probs), 'triton' or
+             'torch': on Triton, one process, the configs of gtpo_loss's four-launch path and no
+             rollout_is_weights, the loss math is one kernel (pipeline/logps_epilogue.py), else eager.
     """
     cfg = as_config(config)
     checks.require_advantages(advantages)
     checks.check_float_tensor("logps", logps)
     host = checks.host_checks(validate)
+    backend = _backend(backend, logps)
+    fast = logps_epilogue.uses_epilogue(cfg, backend, logps.dtype, rollout_w=rollout_is_weights)
     with checks.one_host_read():  # the checks' values read on the host once
         b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
                                   max_seqlen=max_seqlen, device=logps.device, validate=host)
@@ -54,7 +60,20 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
         batch.add_extras(b, logps.device, old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                           rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps, validate=host)
         dt = float_dtype_for(logps)
-        num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host)
+        num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host, raw=fast)
+        if fast:  # validating, the kernel's status word is read with the checks above: one host read
+            conflicts_for(b, cfg, group_size, dt, backend, epilogue=True)
+            return logps_epilogue.logps_loss(b, cfg, logps, entropy, num_items, host)
     conflicts_for(b, cfg, group_size, dt, dispatch.resolve_backend("auto", logps.device))
     loss, res = logps_loss(b, cfg, logps, entropy, num_items, dt, host)
     return make_output(b, cfg, loss, res, dt, host)
+
+
+def _backend(backend, logps):
+    """The backend by gtpo_loss's rules ('reference': the eager surrogate, as 'torch'); 'triton' does not
+    take float64 log-probs (it accumulates in float32)."""
+    if backend == "triton" and logps.dtype == torch.float64:
+        raise TypeError("backend='triton' accumulates in float32 and does not take float64 logps: use "
+                        "backend='torch' (float64 accumulation) or 'auto', or cast the log-probs")
+    backend = dispatch.resolve_backend(backend, logps.device, logps.dtype)
+    return "torch" if backend == "reference" else backend

@@ -4,6 +4,8 @@ with the call's temperature. The values are differentiable w.r.t. the logits (ex
 and feed the loss as log-probs computed elsewhere do (loss.logps_loss)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..core import checks
@@ -27,8 +29,10 @@ def check_rules(b, top_k, top_p, min_p, validate, dtype=None):
     if dtype is None:
         dtype = torch.float32 if b.logits3 is None else float_dtype_for(b.logits3)
     T = None if b.packed else b.tok_shape[1]
-    n = b.counted.numel()
-    out = [check_rule(name, x, b.B, T, n, b.counted.device, b.cu_seqlens, b.counted, validate, dtype)
+    n = math.prod(b.tok_shape)
+    # (recorded sets only: no rule, and none of the batch's derived fields formed for them)
+    out = [(None, None) if x is None else
+           check_rule(name, x, b.B, T, n, b.counted.device, b.cu_seqlens, b.counted, validate, dtype)
            for name, x in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p))]
     return [v for v, _ in out], [bad for _, bad in out]
 

@@ -1,0 +1,91 @@
+"""The loss from per-token log-probs and entropies computed elsewhere, with its O(B) / O(N) steps in the
+epilogue kernel (spec 8) instead of the eager surrogate (loss.logps_loss, its twin in tests):
+gtpo_loss_from_logps on the caller's log-probs, and gtpo_loss over the sampler's kept sets (spec 13).
+
+    from the caller's log-probs    2 launches (kernels/logps_ops.logps_epilogue), 1 in backward
+    recorded kept sets             4 launches (logps_ops.replay_epilogue: the sets' layout, the replay, their
+                                   checks, the epilogue), 2 in backward (and the gradient's zeros)
+    kept sets rebuilt by rules     the replay's own (pipeline/replay.py), then logps_epilogue
+
+plus autograd's seed of a scalar loss. It takes the Triton backend on one process, a config the epilogue
+covers (epilogue.covers), no rollout weights, and log-probs that are not float64; whatever else keeps the
+eager path. Unvalidated invalid input gives what the eager path gives (spec 6): a non-finite entropy, or a
+kept set or row that is invalid, at a counted token makes every output NaN, malformed cu_seqlens too.
+Validating, the kernel's status word joins the call's pending checks (the flags of a row that is not
+finite, and the entropy filter's all-dropped warning).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core import checks
+from ..core.sampling import unpack_mask
+from ..kernels import logps_ops, loss_ops
+from . import epilogue
+
+
+def uses_epilogue(cfg, backend, dtype, group=None, rollout_w=None):
+    """Whether the epilogue computes the loss of a call on log-probs of `dtype` (see the docstring)."""
+    return (backend == "triton" and group is None and rollout_w is None and dtype != torch.float64
+            and epilogue.covers(cfg))
+
+
+def _arguments(b, cfg, num_items):
+    """The epilogue's (floats, flags): the packed form on the cu_seqlens the first kernel writes, no input
+    checks in the kernel (the call made them on the host when validating)."""
+    floats, flags = epilogue.arguments(b, cfg, num_items, 1.0, False)
+    flags[loss_ops.FLAGS.index("PACKED")] = 1
+    flags[loss_ops.FLAGS.index("MAX_SEQLEN")] = -1
+    return floats, flags
+
+
+def _common(b, cfg, num_items):
+    floats, flags = _arguments(b, cfg, num_items)
+    mask, adv, old, ref, lam, n_conf, cu, roll = epilogue.tensors(b)
+    n_items = num_items if isinstance(num_items, torch.Tensor) else None
+    T = 0 if b.packed else b.tok_shape[1]
+    return dict(mask=mask, cu=cu, adv=adv, old=old, ref=ref, lam=lam, n_conf=n_conf, num_items=n_items,
+                roll=roll, floats=floats, flags=flags, B=b.B, T=T)
+
+
+def _with_metrics(out, replay_metrics):
+    """spec 13's replay metrics after the loss's own, before spec 14's rollout ones (the eager order)."""
+    if replay_metrics:
+        m = out.metrics
+        own = ("clip_frac", "filtered_frac", "conflict_frac", "mean_entropy")
+        out.metrics = {**{k: m[k] for k in own}, **replay_metrics, **{k: v for k, v in m.items() if k not in own}}
+    return out
+
+
+def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, stacklevel=7):
+    """GTPOOutput of the loss on differentiable per-token logps (and entropies, or None: zeros and no
+    entropy terms) of the tokens' shape or flat; validating, their checks were made on the host."""
+    kw = _common(b, cfg, num_items)
+    outs = logps_ops.logps_epilogue(logps, entropy, check=not host and entropy is not None, **kw)
+    out = epilogue.output(outs[:12], outs[12], b, cfg, host, stacklevel=stacklevel)
+    return _with_metrics(out, {k: v.to(out.loss.dtype) for k, v in (replay_metrics or {}).items()})
+
+
+def recorded_sets(b, cfg, tau, sampling_mask, num_items, host, stacklevel=8):
+    """GTPOOutput of gtpo_loss over the kept sets the engine recorded (spec 13), differentiable w.r.t. the
+    logits. tau: the call's per-token temperature (n,), or None for the config's. Validating, the sets are
+    checked on the host first (check_sampling_mask's errors), and a row that is not finite raises with
+    the status word."""
+    device = b.logits3.device
+    if host:
+        from ..core.sampling import check_sampling_mask_flat
+        with checks.one_host_read():
+            check_sampling_mask_flat(sampling_mask, b.ids, b.counted, b.logits3.shape[-1], True)
+    token_ids, offsets = unpack_mask(sampling_mask, None, device)
+    tau = cfg.temperature if tau is None else tau
+    tau_value = 1.0
+    if not isinstance(tau, torch.Tensor):
+        tau, tau_value = None, float(tau)
+    elif tau.numel() == 1 and tau.device != device:  # a host schedule: read without a device sync
+        tau, tau_value = None, float(tau)
+    kw = _common(b, cfg, num_items)
+    outs = logps_ops.replay_epilogue(b.logits3, b.given["ids"], token_ids, offsets,
+                                     None if tau is None else tau.reshape(-1), tau_value, b.logits_start, **kw)
+    out = epilogue.output(outs[:12], outs[12], b, cfg, host, stacklevel=stacklevel)
+    met = outs[18]
+    return _with_metrics(out, {"mean_kept_size": met[0], "replay_restored_frac": met[1]})
