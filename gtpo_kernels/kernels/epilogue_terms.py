@@ -1,6 +1,8 @@
 """The per-token and per-block terms of the epilogue kernel (epilogue_triton.py), as Triton functions:
-the span of a completion, the counted mask, the PPO-clip term (policy.ppo_parts), a block's loss terms
-before the aggregation weights (surrogate.py), and validation's input checks."""
+the span of a completion, the counted mask, the PPO-clip term (policy.ppo_parts), the other token-level
+policy terms (POLICY, epilogue_triton.POLICIES: policy.py's cispo and sapo, verl_modes' gpg, verl_cispo, dro,
+dppo tv / kl), a block's loss terms before the aggregation weights (surrogate.py), and validation's input
+checks."""
 from __future__ import annotations
 
 import triton
@@ -65,23 +67,91 @@ def _ppo(r, A, lo, hi, delta, dual_c, CLIP: tl.constexpr, HAS_DELTA: tl.constexp
 
 
 @triton.jit
+def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro_beta, POLICY: tl.constexpr,
+            CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
+    """(pg, d pg / d log r, d pg / d logp directly, clipped) of the token-level policy term POLICY
+    (epilogue_triton.POLICIES), as policy.py / verl_modes.py compute it; r = exp(log_r), lp the token's
+    logp, old its old log-prob (logp on-policy). lo, hi: ppo and verl_cispo 1 - eps_low, 1 + eps_high;
+    cispo hi = eps_high (the ratio's absolute bound); dppo eps_low, eps_high."""
+    zero = tl.zeros_like(lp)
+    if POLICY == 0:  # ppo (policy.ppo_parts)
+        pg, d_logr, clipped = _ppo(r, A, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
+        d_logp = tl.zeros_like(lp)
+    elif POLICY == 1:  # cispo: -sg(min(r, eps_high)) A logp
+        coef = tl.minimum(r, hi, propagate_nan=tl.PropagateNan.ALL)
+        pg = -coef * A * lp
+        d_logr = tl.zeros_like(lp)
+        d_logp = -coef * A
+        clipped = (r != r).to(tl.int32) * 0
+    elif POLICY == 2:  # sapo: -(4 / tau) sigmoid(tau (r - 1)) A, tau by the sign of A
+        tau = tl.where(A > 0.0, sapo_pos + zero, sapo_neg + zero)
+        sig = tl.sigmoid(tau * (r - 1.0))
+        pg = -(4.0 / tau) * sig * A
+        d_logr = -4.0 * sig * (1.0 - sig) * r * A
+        d_logp = tl.zeros_like(lp)
+        clipped = (r != r).to(tl.int32) * 0
+    elif POLICY == 3:  # gpg: -A logp
+        pg = -A * lp
+        d_logr = tl.zeros_like(lp)
+        d_logp = -A + zero
+        clipped = (r != r).to(tl.int32) * 0
+    elif POLICY == 4:  # verl_cispo: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp, log r clamped to [-20, 20]
+        rc = tl.exp(tl.minimum(tl.maximum(log_r, -20.0, propagate_nan=tl.PropagateNan.ALL), 20.0,
+                               propagate_nan=tl.PropagateNan.ALL))
+        coef = tl.minimum(tl.maximum(rc, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+        pg = -coef * A * lp
+        d_logr = tl.zeros_like(lp)
+        d_logp = -coef * A
+        clipped = (r != r).to(tl.int32) * 0
+    elif POLICY == 5:  # dro: -(logp A - dro_beta / 2 (logp - old)^2)
+        pg = -(lp * A - 0.5 * dro_beta * log_r * log_r)
+        d_logr = dro_beta * log_r
+        d_logp = -A + zero
+        clipped = (r != r).to(tl.int32) * 0
+    else:  # dppo tv (6) / kl (7): -A sg(min(r, c)) logp on the tokens inside the binary trust region
+        rc = tl.exp(tl.minimum(tl.maximum(log_r, -20.0, propagate_nan=tl.PropagateNan.ALL), 20.0,
+                               propagate_nan=tl.PropagateNan.ALL))
+        if HAS_DUAL:
+            rc = tl.minimum(rc, dual_c, propagate_nan=tl.PropagateNan.ALL)
+        p = tl.exp(lp)
+        p_old = tl.exp(old)
+        if POLICY == 6:
+            up_ok = (p - p_old) <= hi
+            down_ok = (p - p_old) >= -lo
+        else:  # the binary KL between Bernoulli(p_old) and Bernoulli(p), with verl's 1e-8
+            kl = p_old * (old - lp) + (1.0 - p_old) * tl.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+            up_ok = (kl <= hi) | (p <= p_old)
+            down_ok = (kl <= lo) | (p >= p_old)
+        valid = tl.where(A > 0.0, up_ok, down_ok)
+        coef = tl.where(valid, rc, 0.0)
+        pg = -A * coef * lp
+        d_logr = tl.zeros_like(lp)
+        d_logp = -A * coef
+        clipped = ((valid.to(tl.int32) == 0) & (A != 0.0)).to(tl.int32)
+    return pg, d_logr, d_logp, clipped  # clipped: int32 0 / 1
+
+
+@triton.jit
 def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr,
-           lo, hi, delta, dual_c, beta, ent_coef, BLOCK: tl.constexpr,
+           lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, BLOCK: tl.constexpr,
            HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr,
            HAS_E: tl.constexpr, SEQ: tl.constexpr, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr,
-           HAS_DUAL: tl.constexpr):
+           HAS_DUAL: tl.constexpr, POLICY: tl.constexpr):
     """Per token of a block: (loss_tok, d_logp, d_logr, clipped, lam) before the aggregation weights."""
     lp = tl.load(logp_out + o, mask=inb, other=0.0)
     en = tl.load(ent_out + o, mask=inb, other=0.0)
-    if SEQ:
+    if SEQ:  # (ppo only: `old` unused)
         log_r = lp * 0.0 + lr_seq
+        old = lp
     elif HAS_OLD:
         old = _finite_or_nan(tl.where(m, tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
         log_r = lp - old
     else:
-        log_r = lp - lp  # on-policy: 0, NaN at a NaN logp
+        old = lp  # on-policy: the sampling policy is the current one
+        log_r = lp - lp  # 0, NaN at a NaN logp
     r = tl.exp(log_r)
-    pg, d_logr, clipped = _ppo(r, a_hat, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
+    pg, d_logr, d_logp, clipped = _policy(r, log_r, lp, old, a_hat, lo, hi, delta, dual_c, sapo_pos, sapo_neg,
+                                          dro_beta, POLICY, CLIP, HAS_DELTA, HAS_DUAL)
     if HAS_LAM:
         lam = tl.where(m, tl.load(lam_ptr + o, mask=inb, other=1.0).to(tl.float32), 1.0)
         mult = _finite_or_nan(lam)
@@ -90,7 +160,7 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         mult = 1.0
     loss_tok = mult * pg
     d_logr = mult * d_logr
-    d_logp = tl.zeros([BLOCK], tl.float32)
+    d_logp = mult * d_logp
     if HAS_KL:
         ref = _finite_or_nan(tl.where(m, tl.load(ref_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
         d = ref - lp
@@ -99,11 +169,11 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         dk3 = -em
         if BIAS_KL:
             loss_tok = loss_tok + beta * k3 * r
-            d_logp = beta * dk3 * r
+            d_logp = d_logp + beta * dk3 * r
             d_logr = d_logr + beta * k3 * r
         else:
             loss_tok = loss_tok + beta * k3
-            d_logp = beta * dk3
+            d_logp = d_logp + beta * dk3
     if HAS_E:
         loss_tok = loss_tok + (-ent_coef) * en
     loss_tok = tl.where(m, loss_tok, 0.0)

@@ -1,7 +1,8 @@
 """The epilogue (Triton): every O(B) / O(N) step of the loss between the two vocabulary passes in one launch.
 
 From the forward kernel's per-token (logp, H, flags) it computes what objective/surrogate.py computes with
-~100 small torch ops (spec 2, 4, 9 for the PPO-clip policy term at the token or the sequence level):
+~100 small torch ops (spec 2, 4, 9 for the PPO-clip policy term at the token or the sequence level, and
+the token-level terms of POLICIES: cispo, sapo, verl's gpg, verl_cispo, dro, dppo_tv and dppo_kl):
 the entropy control (Hbar, the filter delta, Ahat), the ratio, the clip, delta and the dual clip, the
 conflict weights' multiplier, the KL term (with its bias correction), the entropy bonus, the aggregation
 weights, the per-token coefficients c = dL/dlogp and e = dL/dH the backward kernel reads, the loss value
@@ -32,6 +33,8 @@ import triton.language as tl
 
 from .epilogue_terms import _counted, _finite_or_nan, _invalid_inputs, _k3, _span, _terms
 
+# policy_loss as the kernel's POLICY (the token-level terms it computes; epilogue_terms._policy)
+POLICIES = ("ppo", "cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl")
 # loss_agg as the kernel's AGG
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "gtpo-official",
         "none")
@@ -46,6 +49,7 @@ def _epilogue_kernel(
     B, T, N, max_seqlen,  # completions; tokens per completion (padded form); tokens; the packed max_seqlen or -1
     g_lo, g_hi,  # pass 2 over completions [g_lo, g_hi) only (0, B: the call; the LM head's fused tile: its own)
     lo, hi, delta, dual_c, beta, ent_coef, penalty, thr, max_len_cfg, nitems_val,  # hyper-parameters (floats)
+    sapo_pos, sapo_neg, dro_beta,  # sapo's temperatures, dro's beta (floats; read by those terms only)
     PACKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
     BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr, HAS_NCONF: tl.constexpr, NITEMS: tl.constexpr,
     CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_E: tl.constexpr,
@@ -54,6 +58,7 @@ def _epilogue_kernel(
     MASK_VALUES: tl.constexpr = False,  # the mask is not bool: its values must be 0 or 1
     HAS_REF: tl.constexpr = False,  # ref_logps given (checked when validating, used with HAS_KL)
     HAS_ROLL: tl.constexpr = False,  # rollout_logps given: spec 14's mismatch metrics (met[4:9])
+    POLICY: tl.constexpr = 0,  # the policy term, POLICIES' index (0: ppo)
 ):
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     M = tl.zeros((), tl.int32)
@@ -208,8 +213,9 @@ def _epilogue_kernel(
                 inb = o < end
                 m = _counted(mask_ptr, o, inb, HAS_MASK)
                 _, _, d_logr, _, _ = _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr,
-                                            lo, hi, delta, dual_c, beta, ent_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL,
-                                            HAS_LAM, HAS_E, SEQ, CLIP, HAS_DELTA, HAS_DUAL)
+                                            lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta,
+                                            BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ, CLIP, HAS_DELTA,
+                                            HAS_DUAL, POLICY)
                 w = tl.where(m, 1.0, 0.0) / denom
                 g_acc += tl.where(m, w * d_logr, 0.0)
             g_seq = tl.sum(g_acc, axis=0) / n_safe
@@ -219,7 +225,8 @@ def _epilogue_kernel(
             m = _counted(mask_ptr, o, inb, HAS_MASK)
             loss_tok, d_logp, d_logr, clipped, lam = _terms(
                 o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, lo, hi, delta, dual_c,
-                beta, ent_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ, CLIP, HAS_DELTA, HAS_DUAL)
+                beta, ent_coef, sapo_pos, sapo_neg, dro_beta, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ,
+                CLIP, HAS_DELTA, HAS_DUAL, POLICY)
             if AGG == 5:
                 w = tl.where(m, 1.0, 0.0)
             else:

@@ -20,10 +20,11 @@ import torch
 from . import ops, vocab_triton
 from .epilogue_triton import _epilogue_kernel
 
-FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "thr", "max_len", "nitems")
+FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "thr", "max_len", "nitems",
+          "sapo_pos", "sapo_neg", "dro_beta")
 FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
          "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE", "VALIDATE", "MASK_VALUES", "HAS_REF",
-         "MAX_SEQLEN")
+         "POLICY", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
 EPILOGUE_BLOCK = 1024  # tokens per step of the epilogue's one program
 
 
@@ -53,7 +54,7 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
     scratch = torch.empty(3 * B, device=logp.device, dtype=torch.float32)
     cu_fix = torch.empty(B + 1, device=logp.device, dtype=torch.int64)
     any_ = bad  # a tensor for the pointers that are not read
-    sw = {k: bool(v) if k not in ("NITEMS", "AGG") else int(v) for k, v in fg.items()
+    sw = {k: bool(v) if k not in ("NITEMS", "AGG", "POLICY") else int(v) for k, v in fg.items()
           if k not in ("TEMP_BY_VALUE", "MAX_SEQLEN")}
     _epilogue_kernel[(1,)](
         logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
@@ -61,8 +62,8 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
         value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, scratch, cu_fix, met, status,
         B, n // B if (B and not fg["PACKED"]) else 0, n, fg["MAX_SEQLEN"], g_lo, B if g_hi is None else g_hi,
         fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
-        fl["max_len"], fl["nitems"], HAS_MASK=mask is not None, HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK,
-        num_warps=4, **sw)
+        fl["max_len"], fl["nitems"], fl["sapo_pos"], fl["sapo_neg"], fl["dro_beta"], HAS_MASK=mask is not None,
+        HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK, num_warps=4, **sw)
     return outs
 
 

@@ -21,7 +21,7 @@ import torch
 from ..core import checks
 from ..core.output import GTPOOutput
 from ..kernels import loss_ops, ops
-from ..kernels.epilogue_triton import AGGS
+from ..kernels.epilogue_triton import AGGS, POLICIES
 from ..objective import mismatch
 from .loss import warn_all_dropped
 
@@ -70,15 +70,27 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
     gate = thr is not None and init is not None and init > thr  # the paper's gate: the filter off
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     has_kl = b.ref is not None and cfg.beta != 0
-    floats = [tau_value, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, 0.0 if cfg.delta is None else float(cfg.delta),
+    pl = cfg.policy_loss
+    ppo = pl == "ppo"  # the clip, delta: the PPO term's options (the dual clip: ppo's, or dppo's cap)
+    if pl == "cispo":  # (lo, hi): cispo's bound on the ratio is eps_high itself; dppo's trust region the eps
+        lo, hi = 0.0, float(cfg.eps_high)
+    elif pl in ("dppo-tv", "dppo-kl"):
+        lo, hi = float(cfg.eps_low), float(cfg.eps_high)
+    else:
+        lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    sapo = pl == "sapo"
+    floats = [tau_value, lo, hi, 0.0 if cfg.delta is None else float(cfg.delta),
               0.0 if cfg.dual_clip_c is None else float(cfg.dual_clip_c), float(cfg.beta), float(cfg.entropy_coef),
               float(cfg.entropy_penalty), 0.0 if thr is None else float(thr),
-              float(cfg.max_completion_length or 0), float(num_items) if isinstance(num_items, float) else 1.0]
+              float(cfg.max_completion_length or 0), float(num_items) if isinstance(num_items, float) else 1.0,
+              float(cfg.sapo_temperature_pos) if sapo else 1.0, float(cfg.sapo_temperature_neg) if sapo else 1.0,
+              float(cfg.dro_beta) if pl == "dro" else 0.0]
     flags = [b.packed, b.old is not None, has_kl, has_kl and cfg.use_bias_correction_kl, b.lam is not None,
-             b.n_conf is not None, 0 if num_items is None else (2 if n_items is not None else 1), cfg.clip,
-             cfg.delta is not None, cfg.dual_clip_c is not None, cfg.entropy_coef != 0, thr is not None and not gate,
-             cfg.entropy_penalty != 0, cfg.importance_sampling_level == "sequence", AGGS.index(cfg.loss_agg),
-             not has_temperature, host, host and b.mask is not None and b.mask.dtype != torch.bool, b.ref is not None,
+             b.n_conf is not None, 0 if num_items is None else (2 if n_items is not None else 1), cfg.clip and ppo,
+             cfg.delta is not None and ppo, cfg.dual_clip_c is not None, cfg.entropy_coef != 0,
+             thr is not None and not gate, cfg.entropy_penalty != 0, cfg.importance_sampling_level == "sequence",
+             AGGS.index(cfg.loss_agg), not has_temperature, host,
+             host and b.mask is not None and b.mask.dtype != torch.bool, b.ref is not None, POLICIES.index(pl),
              -1 if b.max_seqlen is None else b.max_seqlen]
     return floats, [int(f) for f in flags]
 
