@@ -127,7 +127,7 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
         pg = -A * coef * lp
         d_logr = tl.zeros_like(lp)
         d_logp = -A * coef
-        clipped = ((valid.to(tl.int32) == 0) & (A != 0.0)).to(tl.int32)
+        clipped = (valid.to(tl.int32) == 0).to(tl.int32) * (A != 0.0).to(tl.int32)
     return pg, d_logr, d_logp, clipped  # clipped: int32 0 / 1
 
 
