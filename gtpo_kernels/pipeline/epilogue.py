@@ -47,11 +47,20 @@ def eligible(logits, cfg, backend, inplace, kept_sets, process_group, rollout_is
             and rollout_is_weights is None and covers(cfg))
 
 
+# hyper-parameters of one policy term only (read, and required to be numbers, with that term)
+_TERM_NUMBERS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro": ("dro_beta",)}
+
+
 def covers(cfg):
-    """Whether the epilogue kernel computes this config's loss: the PPO-clip policy term, hyper-parameters
-    as numbers, no off-policy or top-entropy mask (the fused LM head asks too)."""
-    return (cfg.policy_loss == "ppo" and cfg.off_policy_mask_threshold is None
-            and all(_number(getattr(cfg, k)) for k in _NUMBERS) and cfg.top_entropy_quantile == 1.0)
+    """Whether the epilogue kernel computes this config's loss: a policy term of POLICIES (the PPO clip at
+    the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl at the token
+    level, the only one the config admits for them), hyper-parameters as numbers, no off-policy or
+    top-entropy mask (the fused LM head asks too)."""
+    pl = cfg.policy_loss
+    return (pl in POLICIES and (pl == "ppo" or cfg.importance_sampling_level == "token")
+            and cfg.off_policy_mask_threshold is None
+            and all(_number(getattr(cfg, k)) for k in _NUMBERS + _TERM_NUMBERS.get(pl, ()))
+            and cfg.top_entropy_quantile == 1.0)
 
 
 def _tau(t, like):
