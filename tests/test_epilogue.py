@@ -21,18 +21,39 @@ FAST = ["gtpo", "gtpo-official", "grpo", "dapo", "dr-grpo", "bnpo", "gspo", "lus
 AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "gtpo-official",
         "none"]
 TOL = 1e-5
+# the other token-level policy terms of the kernel (POLICY != 0, epilogue_triton.POLICIES)
+OTHER = ["cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl"]
+
+
+def _term_options(draw, preset):
+    """The policy term's own hyper-parameters, drawn so that its cuts are met by the inputs' ratios (log r
+    ~ 0.1 N(0, 1)): cispo's bound, verl_cispo's clip, dppo's trust region; sapo's temperatures, dro's beta."""
+    if preset == "cispo":
+        return dict(eps_high=draw(st.sampled_from([5.0, 1.05])))
+    if preset == "sapo":
+        pos, neg = draw(st.sampled_from([(1.0, 1.05), (3.0, 0.5)]))
+        return dict(sapo_temperature_pos=pos, sapo_temperature_neg=neg)
+    if preset == "verl-cispo":
+        lo, hi = draw(st.sampled_from([(0.2, 0.28), (0.05, 0.03)]))
+        return dict(eps_low=lo, eps_high=hi)
+    if preset == "dro":
+        return dict(dro_beta=draw(st.sampled_from([0.1, 2.0])))
+    if preset in ("dppo-tv", "dppo-kl"):
+        lo, hi = draw(st.sampled_from([(0.2, 0.2), (0.01, 0.02), (0.001, 0.002)]))
+        return dict(eps_low=lo, eps_high=hi)
+    return {}
 
 
 @st.composite
-def calls(draw):
+def calls(draw, presets=FAST):
     G = 2
     B = G * draw(st.integers(1, 3))
     T = draw(st.integers(1, 6))
     V = draw(st.integers(4, 40))
     seed = draw(st.integers(0, 2**31 - 1))
-    preset = draw(st.sampled_from(FAST))
+    preset = draw(st.sampled_from(presets))
     over = {}
-    cfg = GTPOConfig.preset(preset)
+    cfg = GTPOConfig.preset(preset, **(_term_options(draw, preset) if preset in OTHER else {}))
     if draw(st.booleans()):
         over["loss_agg"] = draw(st.sampled_from([a for a in AGGS if not (a == "none" and cfg.sequence_term)]))
     if draw(st.booleans()):
@@ -41,8 +62,8 @@ def calls(draw):
         over["entropy_coef"] = 0.01
     if draw(st.booleans()):
         over["delta"] = draw(st.sampled_from([1.1, 1.5]))
-    if draw(st.booleans()):
-        over["dual_clip_c"] = 3.0
+    if draw(st.booleans()) and cfg.policy_loss in ("ppo", "dppo-tv", "dppo-kl"):  # dppo's preset caps at 3
+        over["dual_clip_c"] = 3.0 if cfg.policy_loss == "ppo" else None
     if draw(st.booleans()):
         over["clip"] = False
     if draw(st.booleans()):
@@ -122,6 +143,32 @@ def _compare(name, out, grad, ref_out, ref_grad, counted):
 @settings(max_examples=examples(60), deadline=None)
 @given(c=calls())
 def test_epilogue_matches_reference_and_its_twin(c):
+    _check(c)
+
+
+def _cuts(cfg, lp, old):
+    """(quantity, value) pairs per counted token at which the policy term decides (a clip, a cap, a trust
+    region's bound), from float64 log-probs: an example with a token on a cut is not drawn."""
+    r = torch.exp(lp - old)
+    pl = cfg.policy_loss
+    if pl == "ppo":
+        return [(r, e) for e in (1 - cfg.eps_low, 1 + cfg.eps_high) + ((cfg.delta,) if cfg.delta else ())]
+    if pl == "cispo":
+        return [(r, cfg.eps_high)]
+    if pl == "verl-cispo":
+        return [(r, 1 - cfg.eps_low), (r, 1 + cfg.eps_high)]
+    if pl in ("dppo-tv", "dppo-kl"):
+        p, p_old = torch.exp(lp), torch.exp(old)
+        cuts = [(lp - old, 0.0)] + ([(r, cfg.dual_clip_c)] if cfg.dual_clip_c else [])
+        if pl == "dppo-tv":
+            return cuts + [(p - p_old, cfg.eps_high), (p - p_old, -cfg.eps_low)]
+        kl = p_old * (old - lp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        return cuts + [(kl, cfg.eps_high), (kl, cfg.eps_low)]
+    return []  # sapo, gpg, dro: smooth in r and logp
+
+
+def _check(c):
+    """One drawn call: the 4-launch path against the float64 reference and against its eager twin."""
     logits, ids, mask, adv, old, ref, tau = _inputs(c)
     counted = mask if c["mask"] != "none" else torch.ones_like(mask)
     # entropy filter: off, keeping all, or a threshold between two completions' mean entropies
@@ -141,9 +188,14 @@ def test_epilogue_matches_reference_and_its_twin(c):
         cfg = cfg.replace(entropy_threshold=0.5, initial_entropy=5.0)
     c = dict(c, cfg=cfg)
     lp = torch.log_softmax(logits.double() / (tau[:, None, None].double() if c["tau"] else 1.0), -1)
-    r = torch.exp(lp.gather(-1, ids[..., None])[..., 0] - old.double())[counted]
-    for edge in (1 - cfg.eps_low, 1 + cfg.eps_high) + ((cfg.delta,) if cfg.delta else ()):  # no decision on a cut
-        assume(not c["old"] or r.numel() == 0 or (r - edge).abs().min() > 1e-4)
+    lp_tok = lp.gather(-1, ids[..., None])[..., 0][counted]
+    for x, edge in _cuts(cfg, lp_tok, old.double()[counted]):  # no decision on a cut
+        assume(not c["old"] or x.numel() == 0 or (x - edge).abs().min() > 1e-4)
+    if cfg.policy_loss in ("dppo-tv", "dppo-kl") and cfg.dual_clip_c is None and c["old"] and lp_tok.numel():
+        # dppo without its cap: -A r logp, r up to e^4 here (old log-probs drawn at temperature 1, the call's
+        # tau per completion): terms of ~300 summing to ~1 carry float32's log-prob rounding past 1e-5 of the
+        # loss (the eager twin as much as the kernel); r below the preset's cap keeps it conditioned
+        assume(float(torch.exp(lp_tok - old.double()[counted]).max()) < 3.0)
     c["weights"] = tuple(w.to(logits.dtype) for w in conflict_weights(ids, mask, adv, c["G"]))  # outside the count
     upstream = torch.where(counted, torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) + 0.5,
                            torch.full(ids.shape, float("inf")))
@@ -169,6 +221,57 @@ def test_reference_gradient_is_not_zero_on_a_fixed_case():
                               "reference", torch.ones(4, 5))
     assert ref_grad.abs().sum() > 0
     _compare("fixed", out, grad, ref_out, ref_grad, mask)
+
+
+@pytest.mark.parametrize("policy", OTHER)
+@settings(max_examples=examples(12), deadline=None)
+@given(data=st.data())
+def test_other_policy_terms_match_reference_and_twin(policy, data):
+    """cispo, sapo and verl's gpg, verl_cispo, dro, dppo_tv / dppo_kl on the 4-launch path (the kernel's
+    POLICY), with the options of the preset test drawn with them (the PPO clip's, delta: ignored by these
+    terms; the dual clip: dppo's cap), against the float64 reference and the eager twin: values, outputs,
+    clip_frac (dppo's tokens outside the trust region; 0 for the others) and the gradient."""
+    _check(data.draw(calls(presets=[policy])))
+
+
+# per policy: options whose cut the fixed case's ratios meet on both sides (cispo's bound, verl_cispo's
+# clip, dppo's trust region), sapo's temperatures apart, dro's beta
+_FIXED = {"cispo": dict(eps_high=1.05), "sapo": dict(sapo_temperature_pos=3.0, sapo_temperature_neg=0.5),
+          "gpg": {}, "verl-cispo": dict(eps_low=0.05, eps_high=0.03), "dro": dict(dro_beta=2.0),
+          "dppo-tv": dict(eps_low=0.001, eps_high=0.002), "dppo-kl": dict(eps_low=0.001, eps_high=0.002)}
+_FIXED_SEED = {"dppo-kl": 4}  # (seed 3 leaves every token inside the KL trust region)
+
+
+@pytest.mark.parametrize("policy", OTHER)
+def test_other_policy_terms_on_a_fixed_case(policy):
+    """A fixed case per policy term: the 4-launch path ran (the epilogue kernel, at most 4 launches), the
+    reference gradient is not zero, the term's cut is met on both sides (some tokens capped or clipped,
+    some not), and the outputs match the reference."""
+    cfg = GTPOConfig.preset(policy, entropy_threshold=None, **_FIXED[policy])
+    c = dict(B=4, T=5, V=16, G=2, seed=_FIXED_SEED.get(policy, 3), cfg=cfg, filt="off", packed=False, mask="bool",
+             old=True, lam="given", items=None, tau=None)
+    logits, ids, mask, adv, old, ref, tau = _inputs(c)
+    out, grad, k = _call(c, logits, ids, mask, adv, old, ref, tau, "triton", torch.ones(4, 5))
+    assert k.triton_names.get("_epilogue_kernel") == 1 and k.launches <= 4, (k.launches, dict(k.triton_names))
+    ref_out, ref_grad, _ = _call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(),
+                                 "reference", torch.ones(4, 5))
+    assert ref_grad.abs().sum() > 0
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[..., None])[..., 0][mask]
+    r = torch.exp(lp - old.double()[mask])
+    for x, edge in _cuts(cfg, lp, old.double()[mask]):
+        assert (x - edge).abs().min() > 1e-4  # no token on a cut
+    if policy == "cispo":
+        assert (r > cfg.eps_high).any() and (r < cfg.eps_high).any(), r
+    elif policy == "verl-cispo":
+        assert ((r < 1 - cfg.eps_low) | (r > 1 + cfg.eps_high)).any() and \
+            ((r > 1 - cfg.eps_low) & (r < 1 + cfg.eps_high)).any(), r
+    elif policy in ("dppo-tv", "dppo-kl"):
+        assert 0 < float(ref_out.metrics["clip_frac"]) < 1, ref_out.metrics
+    elif policy == "sapo":
+        assert (adv > 0).any() and (adv < 0).any(), adv  # both temperatures
+    _compare("fixed", out, grad, ref_out, ref_grad, mask)
+    twin, twin_grad, _ = _call(c, logits, ids, mask, adv, old, ref, tau, "torch", torch.ones(4, 5))
+    _compare("fixed vs torch", out, grad, twin, twin_grad.double(), mask)
 
 
 @pytest.mark.parametrize("bad", ["adv", "old", "lam", "n_conf", "num_items"])
@@ -228,13 +331,15 @@ def test_unvalidated_malformed_cu_seqlens_matches_the_eager_path(cu):
 
 def test_epilogue_compiles_for_the_gpus():
     """The epilogue compiled ahead of time for sm_90, sm_80 and sm_100 (no GPU needed; Triton's compiler in
-    a process without the interpreter): what the interpreter does not check (a loop-carried variable that
+    a process without the interpreter), every policy term (POLICY) among its cases: what the interpreter does not check (a loop-carried variable that
     changes type, a global NaN that differs from itself between inner functions) fails here."""
     import subprocess
     import sys
     code = ("from bench.aot.compiler import compile_epilogue\n"
             "for arch, sw in [(90, {}), (90, dict(PACKED=True, SEQ=True, AGG=4)), (90, dict(AGG=5, HAS_LAM=False, HAS_ROLL=False)),\n"
-            "                 (80, dict(PACKED=True, AGG=1, NITEMS=2)), (100, dict(SEQ=True, AGG=3, HAS_KL=False))]:\n"
+            "                 (80, dict(PACKED=True, AGG=1, NITEMS=2)), (100, dict(SEQ=True, AGG=3, HAS_KL=False))]\n"
+            "          + [(90, dict(POLICY=p, PACKED=p % 2 == 1, HAS_DUAL=p != 7, AGG=p % 6)) for p in range(1, 8)]\n"
+            "          + [(80, dict(POLICY=6)), (100, dict(POLICY=2, HAS_OLD=False, HAS_LAM=False))]:\n"
             "    assert compile_epilogue(arch, **sw).asm.get('ptx'), (arch, sw)\n"
             "print('compiled')\n")
     env = dict(os.environ, TRITON_INTERPRET="0")

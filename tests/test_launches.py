@@ -128,7 +128,7 @@ def test_counter_sees_launches_and_reads():
     assert c.aten >= 3 and c.host_reads == 0  # bool() here is the test's own, not the package's
     logits, ids, adv, mask, kw = _batch(4, 5, 0, False)
     with counting() as c:
-        gtpo_loss(logits.requires_grad_(), ids, adv, mask, config="cispo", backend="triton", validate=False,
+        gtpo_loss(logits.requires_grad_(), ids, adv, mask, config="vespo", backend="triton", validate=False,
                   **kw).loss.backward()
     assert c.launches > 20  # the eager path of another policy term
 
@@ -257,3 +257,17 @@ def test_recorded_kept_sets_at_most_eight_launches(packed):
     assert reads == 0 and creations == 0 and launches <= 8, counts
     assert kernels == {"_flat_sets_kernel": 1, "_replay_fwd_kernel": 1, "_set_check_kernel": 1,
                        "_epilogue_kernel": 1, "_scale_kernel": 1, "_replay_bwd_kernel": 1}, kernels
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("policy", ["cispo", "sapo", "gpg", "verl-cispo", "dppo-tv", "dppo-kl"])
+def test_other_token_level_policy_terms_take_at_most_four(policy, packed):
+    """cispo, sapo and verl's token-level terms (their presets) on the 4-launch path, as the PPO clip: the
+    epilogue kernel computes them (its POLICY switch), no host read, no tensor from host data, the same
+    counts at two sizes (the eager path of these terms was ~95 launches)."""
+    counts = _loss_counts(policy, packed, validate=False)
+    assert counts[0] == counts[1], counts  # flat in tokens and completions
+    launches, reads, creations, kernels = counts[0]
+    assert reads == 0 and creations == 0, counts
+    assert launches <= 4, counts
+    assert kernels == {"_vocab_fwd_kernel": 1, "_epilogue_kernel": 1, "_vocab_bwd_kernel": 1}, kernels
