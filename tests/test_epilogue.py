@@ -337,15 +337,17 @@ def test_epilogue_compiles_for_the_gpus():
     import sys
     code = ("from bench.aot.compiler import compile_epilogue\n"
             "for arch, sw in [(90, {}), (90, dict(PACKED=True, SEQ=True, AGG=4)), (90, dict(AGG=5, HAS_LAM=False, HAS_ROLL=False)),\n"
-            "                 (80, dict(PACKED=True, AGG=1, NITEMS=2)), (100, dict(SEQ=True, AGG=3, HAS_KL=False))]\n"
-            "          + [(90, dict(POLICY=p, PACKED=p % 2 == 1, HAS_DUAL=p != 7, AGG=p % 6)) for p in range(1, 8)]\n"
-            "          + [(80, dict(POLICY=6)), (100, dict(POLICY=2, HAS_OLD=False, HAS_LAM=False))]:\n"
+            "                 (80, dict(PACKED=True, AGG=1, NITEMS=2)), (100, dict(SEQ=True, AGG=3, HAS_KL=False)),\n"
+            "                 *[(90, dict(POLICY=p, PACKED=p % 2 == 1, HAS_DUAL=p != 7, AGG=p % 6)) for p in range(1, 8)],\n"
+            "                 (80, dict(POLICY=6)), (100, dict(POLICY=2, HAS_OLD=False, HAS_LAM=False))]:\n"
+            "    print(arch, sw)\n"
             "    assert compile_epilogue(arch, **sw).asm.get('ptx'), (arch, sw)\n"
             "print('compiled')\n")
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+    assert p.stdout.count("'POLICY'") == 9, p.stdout  # every policy term of the kernel compiled
 
 
 @pytest.mark.parametrize("bad", ["adv", "old", "ref", "lam", "n_conf", "num_items", "mask", "ids", "cu_seqlens",
