@@ -331,8 +331,9 @@ def test_unvalidated_malformed_cu_seqlens_matches_the_eager_path(cu):
 
 def test_epilogue_compiles_for_the_gpus():
     """The epilogue compiled ahead of time for sm_90, sm_80 and sm_100 (no GPU needed; Triton's compiler in
-    a process without the interpreter), every policy term (POLICY) among its cases: what the interpreter does not check (a loop-carried variable that
-    changes type, a global NaN that differs from itself between inner functions) fails here."""
+    a process without the interpreter), every policy term (POLICY) among its cases: what the interpreter
+    does not check (a loop-carried variable that changes type, a global NaN that differs from itself between
+    inner functions) fails here."""
     import subprocess
     import sys
     code = ("from bench.aot.compiler import compile_epilogue\n"

@@ -6,11 +6,11 @@ scalar loss (`ones_like`) is the fourth launch of a forward + backward.
 It takes the Triton backend on one process, for the PPO-clip policy term at the token or the sequence
 level (GTPO and the TRL-family presets grpo, dapo, dr_grpo, bnpo, gspo, luspo, gtpo-official, and verl's
 vanilla) and the token-level terms cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl, with any
-aggregation, conflict weights given or computed, old / ref log-probs, the KL (and its
-bias correction), the entropy filter, gate, penalty and bonus, num_items_in_batch (number or tensor), a
-temperature (number, schedule tensor, per completion or per token). Whatever else (the policy terms vespo,
-geo_mean, clip_cov and kl_cov, the off-policy and top-entropy masks, rollout weights, kept sets, vocabulary-parallel, inplace,
-hyper-parameters given as tensors) takes the eager path of loss.fused_loss, which is also this kernel's
+aggregation, conflict weights given or computed, old / ref log-probs, the KL (and its bias correction),
+the entropy filter, gate, penalty and bonus, num_items_in_batch (number or tensor), a temperature
+(number, schedule tensor, per completion or per token). Whatever else (the policy terms vespo, geo_mean,
+clip_cov and kl_cov, the off-policy and top-entropy masks, rollout weights, kept sets, vocabulary-parallel,
+inplace, hyper-parameters given as tensors) takes the eager path of loss.fused_loss, which is also this kernel's
 twin in tests. Validating, the status word is read with the call's input checks: one host read.
 """
 from __future__ import annotations
