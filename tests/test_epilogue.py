@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from bench.launches import counting
 from conftest import assert_grad_close, assert_value_close, examples
-from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
+from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss, gtpo_loss_from_logps
 
 FAST = ["gtpo", "gtpo-official", "grpo", "dapo", "dr-grpo", "bnpo", "gspo", "luspo", "vanilla"]
 AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "gtpo-official",
@@ -272,6 +272,46 @@ def test_other_policy_terms_on_a_fixed_case(policy):
     _compare("fixed", out, grad, ref_out, ref_grad, mask)
     twin, twin_grad, _ = _call(c, logits, ids, mask, adv, old, ref, tau, "torch", torch.ones(4, 5))
     _compare("fixed vs torch", out, grad, twin, twin_grad.double(), mask)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("policy", OTHER)
+def test_other_policy_terms_from_logps_match_the_twin(policy, packed):
+    """gtpo_loss_from_logps takes the same epilogue for these terms (pipeline/logps_epilogue.py): against its
+    eager twin (the torch backend), with entropies (the bonus), old and ref log-probs and lam: values,
+    outputs, clip_frac and the gradient w.r.t. the log-probs and the entropies."""
+    cfg = GTPOConfig.preset(policy, entropy_threshold=None, beta=0.04, entropy_coef=0.01, **_FIXED[policy])
+    c = dict(B=4, T=5, V=16, G=2, seed=_FIXED_SEED.get(policy, 3))
+    logits, ids, mask, adv, old, ref, _ = _inputs(c)
+    logp_all = torch.log_softmax(logits, -1)
+    lp = logp_all.gather(-1, ids[..., None])[..., 0]
+    H = -(logp_all.exp() * logp_all).sum(-1)
+    lam, n_conf = conflict_weights(ids, mask, adv, 2)
+    kw = dict(old_logps=old, ref_logps=ref, lam=lam, n_conf=n_conf)
+    args = [lp, ids, adv, mask]
+    if packed:
+        kw = {k: v[mask] if v.shape == mask.shape else v for k, v in kw.items()}
+        kw.update(cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)]),
+                  max_seqlen=ids.shape[1])
+        args, H = [lp[mask], ids[mask], adv, None], H[mask]
+    outs = {}
+    for backend in ("triton", "torch"):
+        x, h = args[0].clone().requires_grad_(), H.clone().requires_grad_()
+        with counting() as k:
+            out = gtpo_loss_from_logps(x, *args[1:], entropy=h, config=cfg, backend=backend, validate=False, **kw)
+            out.loss.backward()
+        outs[backend] = (out, x.grad, h.grad, k)
+    (o, gx, gh, k), (t, tx, th, _) = outs["triton"], outs["torch"]
+    assert k.triton_names.get("_epilogue_kernel") == 1, dict(k.triton_names)
+    counted = mask[mask] if packed else mask
+    assert tx.abs().sum() > 0
+    assert_value_close("loss", o.loss, t.loss, TOL)
+    for f in ("logps", "per_token_loss", "lam"):
+        assert_value_close(f, getattr(o, f), getattr(t, f), TOL, where=counted)
+    for name in ("clip_frac", "filtered_frac", "conflict_frac", "mean_entropy"):
+        assert_value_close(name, o.metrics[name], t.metrics[name], TOL)
+    assert_grad_close("grad logps", gx[..., None], tx[..., None].double(), TOL)
+    assert_grad_close("grad entropy", gh[..., None], th[..., None].double(), TOL)
 
 
 @pytest.mark.parametrize("bad", ["adv", "old", "lam", "n_conf", "num_items"])

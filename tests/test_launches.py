@@ -271,3 +271,16 @@ def test_other_token_level_policy_terms_take_at_most_four(policy, packed):
     assert reads == 0 and creations == 0, counts
     assert launches <= 4, counts
     assert kernels == {"_vocab_fwd_kernel": 1, "_epilogue_kernel": 1, "_vocab_bwd_kernel": 1}, kernels
+
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("policy", ["cispo", "sapo"])
+def test_other_policy_terms_from_logps_at_most_four_launches(policy, packed):
+    """gtpo_loss_from_logps with cispo and sapo: the same 4 launches as the PPO clip's (the epilogue computes
+    them there too), no host read, no tensor from host data, flat in tokens and completions."""
+    counts = _from_logps_counts(policy, packed, validate=False)
+    assert counts[0] == counts[1], counts
+    launches, reads, creations, kernels = counts[0]
+    assert reads == 0 and creations == 0 and launches <= 4, counts
+    assert kernels == {"_prep_kernel": 1, "_epilogue_kernel": 1, "_scale_kernel": 1}, kernels
