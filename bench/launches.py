@@ -257,7 +257,7 @@ def _rows(device="cpu"):
             ("packed, validate=True", loss(packed=True, validate=True, drop=no_ref)),
             ("per-completion temperature, validate=False",
              loss(validate=False, drop=no_ref, temperature=torch.full((8, 1), 0.7, device=device))),
-            ("cispo (eager path)", loss(validate=False, config="cispo", drop=no_ref)),
+            ("cispo", loss(validate=False, config="cispo", drop=no_ref)),
             ("top_k replay, validate=True", loss(validate=True, top_k=5, drop=no_ref)),
             ("token_logprobs, validate=False", logps(False)),
             ("token_logprobs, validate=True", logps(True)),
