@@ -74,8 +74,8 @@ def _run(c):
         pk, m = {}, mask
     if entry == "logits-fused":
         out = gtpo_loss(logits, ids, adv, m, backend="triton", **kw, **pk)
-    elif entry == "logits-eager":  # another policy term: the eager surrogate on the Triton backend
-        out = gtpo_loss(logits, ids, adv, m, backend="triton", **dict(kw, config=cfg.replace(policy_loss="cispo")),
+    elif entry == "logits-eager":  # a policy term the epilogue does not compute: the eager surrogate on Triton
+        out = gtpo_loss(logits, ids, adv, m, backend="triton", **dict(kw, config=cfg.replace(policy_loss="vespo")),
                         **pk)
     elif entry == "logits-torch":
         out = gtpo_loss(logits, ids, adv, m, backend="torch", **kw, **pk)
