@@ -25,13 +25,18 @@ SIZES = ((4, 5), (16, 9))  # (B, T): completions and tokens per completion
 _batch = batch
 
 
+def _config(preset):
+    """The preset as the counts run it: grpo and dapo with a KL term and no entropy filter."""
+    return GTPOConfig.preset(preset, beta=0.04, entropy_threshold=None) if preset in ("grpo", "dapo") \
+        else GTPOConfig.preset(preset)
+
+
 def _loss_counts(preset, packed, validate, sizes=SIZES, **extra):
     counts = []
     for k, (B, T) in enumerate(sizes):
         logits, ids, adv, mask, kw = _batch(B, T, k, packed)
         x = logits.requires_grad_()
-        cfg = GTPOConfig.preset(preset, beta=0.04, entropy_threshold=None) if preset in ("grpo", "dapo") \
-            else GTPOConfig.preset(preset)
+        cfg = _config(preset)
         with counting() as c:
             out = gtpo_loss(x, ids, adv, mask, config=cfg, validate=validate, backend="triton", **kw, **extra)
             out.loss.backward()
@@ -193,8 +198,7 @@ def _from_logps_counts(preset, packed, validate, entropy=True, sizes=SIZES):
         logp_all = torch.log_softmax(logits, -1)
         lp = logp_all.gather(-1, ids[..., None])[..., 0].requires_grad_()
         H = -(logp_all.exp() * logp_all).sum(-1)
-        cfg = GTPOConfig.preset(preset, beta=0.04, entropy_threshold=None) if preset in ("grpo", "dapo") \
-            else GTPOConfig.preset(preset)
+        cfg = _config(preset)
         with counting() as c:
             out = gtpo_loss_from_logps(lp, ids, adv, mask, entropy=H if entropy else None, config=cfg,
                                        validate=validate, backend="triton", **kw)
