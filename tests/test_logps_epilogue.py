@@ -211,6 +211,74 @@ def test_validating_raises_the_twins_errors_and_warns_at_the_caller():
     assert errors["triton"] == errors["torch"] and "entropy" in errors["triton"], errors
 
 
+BREAKS = ("entropy", "ids_negative", "ids_2_31", "old", "ref", "lam", "n_conf", "mask", "adv", "num_items",
+          "cu_seqlens", "max_seqlen")
+
+
+@pytest.mark.parametrize("bad", BREAKS)
+def test_validating_in_the_kernels_raises_each_check_of_the_twin(bad):
+    """Validating, the Triton path makes the value checks in its kernels (one host read: the status word) and
+    on a failure raises the torch path's error, for every check the call makes; a valid call reads once and
+    launches at most 4 kernels, and the entropy filter's all-dropped warning still reaches the caller."""
+    z, ids, mask, adv, noise = _tokens(9)
+    lp, H = (x.float() for x in ref.token_logprobs(z, ids, 1.0, mask))
+    lam = torch.rand(ids.shape, dtype=torch.float32) + 0.5
+    packed = bad in ("cu_seqlens", "max_seqlen")
+    kw = dict(_extras(lp.double(), noise), lam=lam, n_conf=torch.full((4,), 2.0), group_size=2,
+              config=GTPOConfig.preset("gtpo", beta=0.04, loss_agg="token-mean", entropy_threshold=5.0),
+              num_items_in_batch=torch.tensor(float(mask.sum())))
+    args = [lp, ids.clone(), adv.clone(), mask.float()]
+    if packed:
+        kw = {k: _pack(v, mask) if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in kw.items()}
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])
+        kw.update(cu_seqlens=cu, max_seqlen=int(mask.sum(1).max()))
+        args = [lp[mask], ids[mask], adv.clone(), None]
+        H = H[mask]
+    pos = (1, 2) if not packed else (3,)
+    if bad == "entropy":
+        H = H.clone()
+        H[pos] = float("inf")
+    elif bad.startswith("ids"):
+        args[1][pos] = -3 if bad == "ids_negative" else 2 ** 31
+    elif bad in ("old", "ref", "lam"):
+        key = {"old": "old_logps", "ref": "ref_logps", "lam": "lam"}[bad]
+        kw[key] = kw[key].clone()
+        kw[key][pos] = float("nan")
+    elif bad == "n_conf":
+        kw["n_conf"][2] = 0.5
+    elif bad == "mask":
+        args[3][0, 3] = 0.5
+    elif bad == "adv":
+        args[2][1] = float("-inf")
+    elif bad == "num_items":
+        kw["num_items_in_batch"] = torch.tensor(0.0)
+    elif bad == "cu_seqlens":
+        kw["cu_seqlens"] = kw["cu_seqlens"].clone()
+        kw["cu_seqlens"][2] = kw["cu_seqlens"][1] - 1
+    else:
+        kw["max_seqlen"] = int(mask.sum(1).max()) - 1
+    errors = {}
+    for backend in ("triton", "torch"):
+        with counting() as c, pytest.raises(ValueError) as e:
+            gtpo_loss_from_logps(*args, entropy=H, backend=backend, **kw)
+        errors[backend] = str(e.value)
+        if backend == "triton":  # the kernels' path (then the host checks, to name the error)
+            assert c.triton_names.get("_epilogue_kernel") == 1, dict(c.triton_names)
+    assert errors["triton"] == errors["torch"], errors
+
+
+def test_validating_a_valid_call_reads_once():
+    z, ids, mask, adv, noise = _tokens(10)
+    lp, H = (x.float() for x in ref.token_logprobs(z, ids, 1.0, mask))
+    x, kw, m = lp.clone().requires_grad_(), _extras(lp.double(), noise), mask.float()
+    with counting() as c:
+        out = gtpo_loss_from_logps(x, ids, adv, m, entropy=H, group_size=2, backend="triton", **kw,
+                                   config=GTPOConfig(entropy_threshold=5.0))
+        out.loss.backward()
+    assert (c.launches, c.host_reads, c.creations) == (5, 1, 0), (c.launches, dict(c.reads), dict(c.ops))
+    assert x.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_from_logps_half_precision_and_strided(dtype):
     """bfloat16 / float16 log-probs and entropies, given as strided views: float32 inside, the gradients in
@@ -239,9 +307,9 @@ i64, i8, f32, b16 = torch.int64, torch.int8, torch.float32, torch.bfloat16
 for arch in (90, 80, 100):
     for packed in (True, False):
         assert _compile_ahead(L._prep_kernel, arch, dict(logp_ptr=b16, ent_ptr=b16, mask_ptr=torch.bool,
-                              cu_ptr=torch.int32, bad_out=i8, cu_out=i64), f32, dict(B=64, T=512, N=32768),
-                              dict(HAS_ENT=True, HAS_MASK=True, PACKED=packed, CHECK=True, BLOCK=1024,
-                                   num_warps=4)).asm.get("ptx")
+                              cu_ptr=torch.int32, ids_ptr=i64, bad_out=i8, cu_out=i64), f32, dict(B=64, T=512, N=32768),
+                              dict(HAS_ENT=True, HAS_MASK=True, PACKED=packed, CHECK=not packed, BLOCK=1024,
+                                   VALIDATE=packed, num_warps=4)).asm.get("ptx")
         assert _compile_ahead(L._flat_sets_kernel, arch, dict(mask_ptr=torch.bool, off_ptr=i64, cu_ptr=torch.int32,
                               flat_out=i64, row_out=i64, grow_out=i64, cu_out=i64), f32,
                               dict(B=64, T=512, N=32768, M_rec=30000, K=900000, logits_start=0, s0=1 << 27, s1=151936,
@@ -280,7 +348,7 @@ def test_no_per_batch_size_is_a_constexpr():
         params, ann = _params(kernel)
         constexpr = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
         assert constexpr <= {"HAS_ENT", "HAS_MASK", "PACKED", "CHECK", "BLOCK", "TAU_MODE", "DUP_BLOCK", "PER_TOKEN",
-                             "HAS_E"}, constexpr
+                             "HAS_E", "VALIDATE"}, constexpr
         assert sizes & set(params) <= set(_declared_do_not_specialize(kernel)), kernel
 
 

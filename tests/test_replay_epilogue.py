@@ -134,6 +134,48 @@ def test_invalid_kept_sets_unvalidated_nan_validated_the_twins_error(bad):
     assert errors["triton"] == errors["torch"], errors
 
 
+@pytest.mark.parametrize("bad", ["none", "adv", "old", "mask", "id", "max_seqlen"])
+def test_recorded_sets_validate_in_the_kernels(bad):
+    """Validating, the recorded sets' path makes its value checks in the kernels (the batch's and the sets'):
+    a valid call makes 8 launches and one host read (the status word); an invalid input raises the torch
+    path's error (the host checks run after the status word, to name it)."""
+    packed = bad == "max_seqlen"
+    z, ids, adv, mask, _, (tok, off), kw = _sets(7, packed)
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(ids.shape, generator=g) * 0.1 - 2.0
+    mask = None if mask is None else mask.float()
+    ids, adv = ids.clone(), adv.clone()
+    if packed:
+        kw["max_seqlen"] = int((kw["cu_seqlens"][1:] - kw["cu_seqlens"][:-1]).max()) - 1
+    elif bad == "adv":
+        adv[2] = float("nan")
+    at = tuple(mask.nonzero()[2].tolist()) if mask is not None else None  # a counted token
+    if bad == "old":
+        old[at] = float("inf")
+    elif bad == "mask":
+        mask[at] = 2.0
+    elif bad == "id":
+        ids[at] = z.shape[-1]
+    for backend in ("triton", "torch"):
+        x = z.clone().requires_grad_()
+        call = lambda: gtpo_loss(x, ids, adv, mask, sampling_mask=(tok, off), old_logps=old,  # noqa: E731
+                                 config="grpo", backend=backend, **kw)
+        if bad == "none":
+            with counting() as c:
+                call().loss.backward()
+            if backend == "triton":
+                assert (c.launches, c.host_reads, c.creations) == (8, 1, 0), (c.launches, dict(c.reads), dict(c.ops))
+            assert x.grad.abs().sum() > 0
+            continue
+        with counting() as c, pytest.raises(ValueError) as e:
+            call()
+        if backend == "triton":
+            assert c.triton_names.get("_epilogue_kernel") == 1, dict(c.triton_names)
+            error = str(e.value)
+        else:
+            assert str(e.value) == error
+
+
 def test_calls_trace_whole_under_torch_compile():
     """torch.compile(fullgraph=True) traces both calls on Triton (custom ops: no graph break) and gives the
     eager call's numbers."""

@@ -94,10 +94,14 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
         fast = epilogue.eligible(logits, cfg, backend, inplace, replay.requested(sampling_mask, top_k, top_p, min_p),
                                  process_group, rollout_is_weights)  # the 4-launch path checks in its kernel
+        # the recorded kept sets' 8-launch path checks in its kernels too (the sets included)
+        sets_in_kernels = sampling_mask is not None and epilogue.eligible(logits, cfg, backend, inplace, False,
+                                                                          process_group, rollout_is_weights)
+        in_kernels = fast or sets_in_kernels
         prep = dict(advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, logits_start=logits_start,
                     vocab_size=_local_vocab(process_group), **extras)
         with checks.one_host_read():  # the checks' values read on the host once
-            b = batch.prepare(logits, completion_ids, completion_mask, validate=host and not fast, **prep)
+            b = batch.prepare(logits, completion_ids, completion_mask, validate=host and not in_kernels, **prep)
             checks.check_unused_group_size(group_size, b.B, cfg, config)
             checks.check_inplace(inplace, logits)
             dt = float_dtype_for(logits)
@@ -105,19 +109,20 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             # the sampler's kept sets with the loss math in the epilogue kernel (recorded sets: 8 launches, spec 8)
             fast_replay = replay.requested(sampling_mask, top_k, top_p, min_p) and logps_epilogue.uses_epilogue(
                 cfg, backend, logits.dtype, process_group, rollout_is_weights)
-            num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not fast, raw=fast or fast_replay)
+            num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not in_kernels, raw=fast or fast_replay)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32, host,
                                    in_kernels=fast)
             b.tau = tau  # compared across the ranks of a vocabulary split (agree.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace)
+
+
+            def revalidate():  # an input check failed in the kernel: the host checks name it
+                with checks.one_host_read():
+                    check_loss_args(batch.prepare(logits, completion_ids, completion_mask, validate=True, **prep),
+                                    cfg, num_items_in_batch, dt, True)
             if fast:  # three launches (spec 8)
                 conflicts_for(b, cfg, group_size, dt, backend, epilogue=True)
-
-                def revalidate():  # an input check failed in the kernel: the host checks name it
-                    with checks.one_host_read():
-                        check_loss_args(batch.prepare(logits, completion_ids, completion_mask, validate=True, **prep),
-                                        cfg, num_items_in_batch, dt, True)
                 return epilogue.loss(b, cfg, num_items, tau, host, revalidate)  # validating: one read
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
@@ -134,8 +139,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")
     if vp is not None:
         vp.ids = parallel.local_ids(b.ids, vp.start)
-    if fast_replay and sampling_mask is not None:
-        return logps_epilogue.recorded_sets(b, cfg, tau, sampling_mask, num_items, host)
+    if fast_replay and sampling_mask is not None:  # (sets_in_kernels: validating, the kernels check)
+        return logps_epilogue.recorded_sets(b, cfg, tau, sampling_mask, num_items, host, revalidate)
     if rules is not None:  # the sampler's kept sets
         logp, ent, metrics = _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp)
         if fast_replay:

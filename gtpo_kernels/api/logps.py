@@ -1,6 +1,8 @@
 """gtpo_loss_from_logps: the loss from per-token log-probs computed elsewhere (spec 10)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..core import batch, checks
@@ -41,32 +43,52 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
     host = checks.host_checks(validate)
     backend = _backend(backend, logps)
     fast = logps_epilogue.uses_epilogue(cfg, backend, logps.dtype, rollout_w=rollout_is_weights)
+    args = (logps, completion_ids, completion_mask, advantages, entropy, group_size, config, cfg,
+            dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf, rollout_is_weights=rollout_is_weights,
+                 rollout_logps=rollout_logps), cu_seqlens, max_seqlen, num_items_in_batch)
     with checks.one_host_read():  # the checks' values read on the host once
-        b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
-                                  max_seqlen=max_seqlen, device=logps.device, validate=host)
-        checks.check_same_shape("logps", logps, b.tok_shape)
-        checks.check_unused_group_size(group_size, b.B, cfg, config)
-        if host:  # the conflict weights' ids (unvalidated: lam = NaN for a completion holding another id)
-            checks.check_ids_in_range(b.ids, b.counted, ID_LIMIT)
-        if entropy is None and cfg.needs_entropy:
-            raise ValueError("entropy (per-token entropies, shape of completion_ids) is required by this config: its "
-                             "entropy filter, shaping (entropy_penalty), entropy bonus or top_entropy_quantile use "
-                             "it; pass it, or turn those off (e.g. GTPOConfig.preset('grpo'))")
-        if entropy is not None:
-            checks.check_float_tensor("entropy", entropy)
-            checks.check_same_shape("entropy", entropy, b.tok_shape)
-            if host:
-                checks.check_finite("entropy", entropy, b.counted)
-        batch.add_extras(b, logps.device, old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
-                          rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps, validate=host)
-        dt = float_dtype_for(logps)
-        num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host, raw=fast)
-        if fast:  # validating, the kernel's status word is read with the checks above: one host read
+        # on the epilogue's path the kernels make the value checks (the status word: one host read)
+        b, dt, num_items = _prepare(*args, validate=host and not fast, raw=fast)
+        if fast:
             conflicts_for(b, cfg, group_size, dt, backend, epilogue=True)
-            return logps_epilogue.logps_loss(b, cfg, logps, entropy, num_items, host)
+            return logps_epilogue.logps_loss(b, cfg, logps, entropy, num_items, host,
+                                             revalidate=(lambda: _revalidate(*args)) if host else None)
     conflicts_for(b, cfg, group_size, dt, dispatch.resolve_backend("auto", logps.device))
     loss, res = logps_loss(b, cfg, logps, entropy, num_items, dt, host)
     return make_output(b, cfg, loss, res, dt, host)
+
+
+def _prepare(logps, completion_ids, completion_mask, advantages, entropy, group_size, config, cfg, extras, cu_seqlens,
+             max_seqlen, num_items_in_batch, validate, raw):
+    """(Batch, loss dtype, num_items) from the call's arguments, with the value checks when validating."""
+    b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
+                             max_seqlen=max_seqlen, device=logps.device, validate=validate)
+    checks.check_same_shape("logps", logps, b.tok_shape)
+    checks.check_unused_group_size(group_size, b.B, cfg, config)
+    if validate:  # the conflict weights' ids (unvalidated: lam = NaN for a completion holding another id)
+        checks.check_ids_in_range(b.ids, b.counted, ID_LIMIT)
+    if entropy is None and cfg.needs_entropy:
+        raise ValueError("entropy (per-token entropies, shape of completion_ids) is required by this config: its "
+                         "entropy filter, shaping (entropy_penalty), entropy bonus or top_entropy_quantile use "
+                         "it; pass it, or turn those off (e.g. GTPOConfig.preset('grpo'))")
+    if entropy is not None:
+        checks.check_float_tensor("entropy", entropy)
+        checks.check_same_shape("entropy", entropy, b.tok_shape)
+        if validate:
+            checks.check_finite("entropy", entropy, b.counted)
+    batch.add_extras(b, logps.device, validate=validate, **extras)
+    dt = float_dtype_for(logps)
+    return b, dt, check_loss_args(b, cfg, num_items_in_batch, dt, validate, raw=raw)
+
+
+def _revalidate(*args):
+    """A value check failed in the kernels (the status word): the host checks run to raise the error that
+    names the argument, as the eager path's."""
+    with checks.one_host_read(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the call's own warnings were given already)
+        _prepare(*args, validate=True, raw=False)
+    raise ValueError("gtpo_loss_from_logps: an input check failed in the kernel that the host checks did not "
+                     "reproduce (a non-finite or out-of-range value at a counted token); please report it")
 
 
 def _backend(backend, logps):

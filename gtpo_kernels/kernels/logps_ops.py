@@ -62,22 +62,25 @@ def scale(grad, c, e, dtypes):
 def logps_epilogue(logp: Tensor, ent: Optional[Tensor], mask: Optional[Tensor], cu: Optional[Tensor], adv: Tensor,
                    old: Optional[Tensor], ref: Optional[Tensor], lam: Optional[Tensor], n_conf: Optional[Tensor],
                    num_items: Optional[Tensor], roll: Optional[Tensor], floats: List[float], flags: List[int],
-                   B: int, T: int, check: bool) -> List[Tensor]:
+                   B: int, T: int, check: bool, ids: Optional[Tensor]) -> List[Tensor]:
+    """ids (n,): validating, the tokens' ids (the prep kernel flags a counted one outside [0, 2**31) and a
+    non-finite counted entropy, for the status word); None: no such checks."""
     n = logp.numel()
     outs = loss_ops.epilogue_outputs(logp, n, B, flags)
     bad = torch.empty(n, dtype=torch.int8, device=logp.device)
     cu_out = torch.empty(B + 1, dtype=torch.int64, device=logp.device)
     lp, en = _flat(logp), _flat(ent)
     _prep_kernel[(1,)](lp, lp if en is None else en, lp if mask is None else mask, cu_out if cu is None else cu,
-                       outs[1], outs[2], bad, cu_out, B, T, n, HAS_ENT=en is not None, HAS_MASK=mask is not None,
-                       PACKED=cu is not None, CHECK=check and en is not None, BLOCK=BLOCK, num_warps=4)
+                       bad if ids is None else ids, outs[1], outs[2], bad, cu_out, B, T, n, HAS_ENT=en is not None,
+                       HAS_MASK=mask is not None, PACKED=cu is not None, CHECK=check and en is not None, BLOCK=BLOCK,
+                       VALIDATE=ids is not None, num_warps=4)
     loss_ops.epilogue(outs[1], outs[2], bad, mask, cu_out, adv, old, ref, lam, n_conf, num_items, floats, flags, B,
                       roll, outs)
     return outs + [bad]
 
 
 @logps_epilogue.register_fake
-def _(logp, ent, mask, cu, adv, old, ref, lam, n_conf, num_items, roll, floats, flags, B, T, check):
+def _(logp, ent, mask, cu, adv, old, ref, lam, n_conf, num_items, roll, floats, flags, B, T, check, ids):
     n = logp.numel()
     return loss_ops.epilogue_outputs(logp, n, B, flags) + [logp.new_empty(n, dtype=torch.int8)]
 
@@ -108,10 +111,10 @@ def _logps_backward(ctx, grads):
     (shape, dtype, ent_meta), grad = ctx.meta, grads[0]
     need_lp, need_ent = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and e is not None
     if grad is None or not (need_lp or need_ent):
-        return (None,) * 16
+        return (None,) * 17
     gc, ge = logps_epilogue_bwd(grad, c, e if need_ent else None, dtype,
                                 dtype if ent_meta is None else ent_meta[1])
-    return (gc.view(shape) if need_lp else None, ge.view(ent_meta[0]) if need_ent else None) + (None,) * 14
+    return (gc.view(shape) if need_lp else None, ge.view(ent_meta[0]) if need_ent else None) + (None,) * 15
 
 
 logps_epilogue.register_autograd(_logps_backward, setup_context=_logps_setup)

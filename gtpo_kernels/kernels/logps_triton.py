@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .epilogue_terms import _counted
-from .vocab_jit import BAD_ID
+from .vocab_jit import BAD_ID, BAD_NONFINITE
 
 BLOCK = 1024  # tokens per step of the one-program kernels and per program of _scale_kernel
 DUP_BLOCK = 64  # kept ids per block of the repeated-id test (a DUP_BLOCK x DUP_BLOCK comparison)
@@ -44,12 +44,14 @@ def _cu_out(cu_ptr, cu_out, B, T, N, poison, BLOCK: tl.constexpr, PACKED: tl.con
 
 
 @triton.jit(do_not_specialize=["B", "T", "N"])
-def _prep_kernel(logp_ptr, ent_ptr, mask_ptr, cu_ptr,  # the caller's (N,) log-probs, entropies, mask; cu_seqlens
-                 logp_out, ent_out, bad_out, cu_out,  # (N,) float32, float32, int8; (B + 1,) int64
+def _prep_kernel(logp_ptr, ent_ptr, mask_ptr, cu_ptr, ids_ptr,  # the caller's (N,) log-probs, entropies, mask,
+                 logp_out, ent_out, bad_out, cu_out,  # ids; cu_seqlens. Out: (N,) float32, float32, int8; (B + 1,)
                  B, T, N,  # completions, tokens per completion (padded form), tokens
                  HAS_ENT: tl.constexpr, HAS_MASK: tl.constexpr, PACKED: tl.constexpr, CHECK: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """CHECK (unvalidated, entropies given): a non-finite entropy at a counted token poisons cu_out."""
+                 BLOCK: tl.constexpr, VALIDATE: tl.constexpr = False):
+    """CHECK (unvalidated, entropies given): a non-finite entropy at a counted token poisons cu_out.
+    VALIDATE: a counted token whose entropy is not finite (BAD_NONFINITE) or whose id is outside
+    [0, 2**31) (BAD_ID: the conflict weights' range) is flagged, for the epilogue's status word."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     poison = tl.zeros((), tl.int32)
     for t0 in range(0, N, BLOCK):
@@ -61,7 +63,14 @@ def _prep_kernel(logp_ptr, ent_ptr, mask_ptr, cu_ptr,  # the caller's (N,) log-p
         else:
             en = tl.zeros([BLOCK], tl.float32)
         tl.store(ent_out + o, en, mask=inb)
-        tl.store(bad_out + o, tl.zeros([BLOCK], tl.int8), mask=inb)
+        flag = tl.zeros([BLOCK], tl.int32)
+        if VALIDATE:
+            m = _counted(mask_ptr, o, inb, HAS_MASK)
+            y = tl.load(ids_ptr + o, mask=inb, other=0).to(tl.int64)
+            flag = tl.where(m & ((y < 0) | (y >= 2147483648)), BAD_ID, flag)
+            if HAS_ENT:
+                flag = tl.where(m & ((tl.abs(en) < float("inf")) == 0), flag | BAD_NONFINITE, flag)
+        tl.store(bad_out + o, flag.to(tl.int8), mask=inb)
         if CHECK:
             m = _counted(mask_ptr, o, inb, HAS_MASK)
             poison = poison | tl.max((m & ((tl.abs(en) < float("inf")) == 0)).to(tl.int32), axis=0)

@@ -11,8 +11,9 @@ plus autograd's seed of a scalar loss. It takes the Triton backend on one proces
 covers (epilogue.covers), no rollout weights, and log-probs that are not float64; whatever else keeps the
 eager path. Unvalidated invalid input gives what the eager path gives (spec 6): a non-finite entropy, or a
 kept set or row that is invalid, at a counted token makes every output NaN, malformed cu_seqlens too.
-Validating, the kernel's status word joins the call's pending checks (the flags of a row that is not
-finite, and the entropy filter's all-dropped warning).
+Validating, the kernels make the value checks (the caller's log-probs and recorded sets: the batch is then
+prepared without them; the sets rebuilt by rules were checked by the replay) and the status word is the call's
+one host read; a failure runs the host checks to raise the error that names the argument (the eager path's).
 """
 from __future__ import annotations
 
@@ -30,17 +31,18 @@ def uses_epilogue(cfg, backend, dtype, group=None, rollout_w=None):
             and epilogue.covers(cfg))
 
 
-def _arguments(b, cfg, num_items):
-    """The epilogue's (floats, flags): the packed form on the cu_seqlens the first kernel writes, no input
-    checks in the kernel (the call made them on the host when validating)."""
-    floats, flags = epilogue.arguments(b, cfg, num_items, 1.0, False)
+def _arguments(b, cfg, num_items, kernel_checks=False):
+    """The epilogue's (floats, flags): the packed form on the cu_seqlens the first kernel writes; the input
+    checks in the kernel when `kernel_checks` (else the call made them on the host when validating)."""
+    floats, flags = epilogue.arguments(b, cfg, num_items, 1.0, kernel_checks)
     flags[loss_ops.FLAGS.index("PACKED")] = 1
-    flags[loss_ops.FLAGS.index("MAX_SEQLEN")] = -1
+    if not kernel_checks:  # (the kernel reads max_seqlen only to check it)
+        flags[loss_ops.FLAGS.index("MAX_SEQLEN")] = -1
     return floats, flags
 
 
-def _common(b, cfg, num_items):
-    floats, flags = _arguments(b, cfg, num_items)
+def _common(b, cfg, num_items, kernel_checks=False):
+    floats, flags = _arguments(b, cfg, num_items, kernel_checks)
     mask, adv, old, ref, lam, n_conf, cu, roll = epilogue.tensors(b)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     T = 0 if b.packed else b.tok_shape[1]
@@ -57,25 +59,32 @@ def _with_metrics(out, replay_metrics):
     return out
 
 
-def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, stacklevel=7):
+def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, stacklevel=7, revalidate=None):
     """GTPOOutput of the loss on differentiable per-token logps (and entropies, or None: zeros and no
-    entropy terms) of the tokens' shape or flat; validating, their checks were made on the host."""
-    kw = _common(b, cfg, num_items)
-    outs = logps_ops.logps_epilogue(logps, entropy, check=not host and entropy is not None, **kw)
-    out = epilogue.output(outs[:12], outs[12], b, cfg, host, stacklevel=stacklevel)
+    entropy terms) of the tokens' shape or flat. Validating: with `revalidate` the value checks are the
+    kernels' (the batch was prepared without them; a failure runs revalidate() to raise the error that names
+    the argument), else they were made on the host."""
+    in_kernel = host and revalidate is not None
+    kw = _common(b, cfg, num_items, in_kernel)
+    ids = b.given["ids"].reshape(-1) if in_kernel else None
+    outs = logps_ops.logps_epilogue(logps, entropy, check=not host and entropy is not None, ids=ids, **kw)
+    out = epilogue.output(outs[:12], outs[12], b, cfg, host, revalidate, stacklevel=stacklevel)
     return _with_metrics(out, {k: v.to(out.loss.dtype) for k, v in (replay_metrics or {}).items()})
 
 
-def recorded_sets(b, cfg, tau, sampling_mask, num_items, host, stacklevel=8):
+def recorded_sets(b, cfg, tau, sampling_mask, num_items, host, revalidate=None, stacklevel=8):
     """GTPOOutput of gtpo_loss over the kept sets the engine recorded (spec 13), differentiable w.r.t. the
-    logits. tau: the call's per-token temperature (n,), or None for the config's. Validating, the sets are
-    checked on the host first (check_sampling_mask's errors), and a row that is not finite raises with
-    the status word."""
+    logits. tau: the call's per-token temperature (n,), or None for the config's. Validating, the kernels
+    check the sets and the inputs (the batch was prepared without its value checks): a nonzero status word
+    (one host read) runs revalidate() (the call's input checks), then check_sampling_mask's on the host,
+    to raise the error that names the argument, and a row that is not finite raises with the flags."""
     device = b.logits3.device
     if host:
-        from ..core.sampling import check_sampling_mask_flat
-        with checks.one_host_read():
-            check_sampling_mask_flat(sampling_mask, b.ids, b.counted, b.logits3.shape[-1], True)
+        def recheck():
+            revalidate()
+            from ..core.sampling import check_sampling_mask_flat
+            with checks.one_host_read():
+                check_sampling_mask_flat(sampling_mask, b.ids, b.counted, b.logits3.shape[-1], True)
     token_ids, offsets = unpack_mask(sampling_mask, None, device)
     tau = cfg.temperature if tau is None else tau
     tau_value = 1.0
@@ -83,9 +92,9 @@ def recorded_sets(b, cfg, tau, sampling_mask, num_items, host, stacklevel=8):
         tau, tau_value = None, float(tau)
     elif tau.numel() == 1 and tau.device != device:  # a host schedule: read without a device sync
         tau, tau_value = None, float(tau)
-    kw = _common(b, cfg, num_items)
+    kw = _common(b, cfg, num_items, host)
     outs = logps_ops.replay_epilogue(b.logits3, b.given["ids"], token_ids, offsets,
                                      None if tau is None else tau.reshape(-1), tau_value, b.logits_start, **kw)
-    out = epilogue.output(outs[:12], outs[12], b, cfg, host, stacklevel=stacklevel)
+    out = epilogue.output(outs[:12], outs[12], b, cfg, host, recheck if host else None, stacklevel=stacklevel)
     met = outs[18]
     return _with_metrics(out, {"mean_kept_size": met[0], "replay_restored_frac": met[1]})
