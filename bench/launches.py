@@ -268,7 +268,22 @@ def _rows(device="cpu"):
             ("gtpo_loss_from_logps, validate=False", from_logps(False)),
             ("the same, validate=True", from_logps(True)),
             ("sampling_mask replay (recorded sets), validate=False", recorded_sets(False)),
-            ("the same, validate=True", recorded_sets(True))]
+            ("the same, validate=True", recorded_sets(True)),
+            ("top_k replay, validate=False", loss(validate=False, top_k=5, drop=no_ref)),
+            ("rollout_is_weights per token, validate=False",
+             loss(validate=False, drop=no_ref, rollout_is_weights=torch.rand(8, 6, device=device) + 0.5)),
+            ("off-policy mask (off_policy_mask_threshold), validate=False",
+             loss(validate=False, drop=no_ref, config=GTPOConfig(off_policy_mask_threshold=0.05))),
+            ("top-entropy mask (top_entropy_quantile=0.2), validate=False",
+             loss(validate=False, drop=no_ref, config=GTPOConfig(top_entropy_quantile=0.2))),
+            ("beta as a tensor (a schedule), validate=False",
+             loss(validate=False, drop=("lam", "n_conf"),
+                  config=GTPOConfig.preset("grpo", beta=torch.tensor(0.04, device=device)))),
+            ("vespo", loss(validate=False, config="vespo", drop=no_ref)),
+            ("geo_mean (verl's GMPO)", loss(validate=False, drop=no_ref,
+                                            config=GTPOConfig.preset("geo-mean", loss_agg="seq-mean-token-mean"))),
+            ("clip_cov (verl)", loss(validate=False, config="clip-cov", drop=no_ref)),
+            ("kl_cov (verl)", loss(validate=False, config="kl-cov", drop=no_ref))]
 
 
 def main(argv=None):
