@@ -201,10 +201,9 @@ def _vocab_fwd_kernel(
     rows_ptr=None,  # ROWS: the token of each logits row, int64 (the LM head's tile of gathered rows)
     ROWS: tl.constexpr = False,  # True: program p reads logits row p (B = 1, T = the tile's rows) and the
     # per-token tensors (ids, tau, mask, outputs) at token rows_ptr[p]; no gather or scatter around it
-    status_ptr=None,  # HAS_STATUS: (1,) int32, the tokens that failed a check (_fold_status), set by the launch
-    work_ptr=None,  # HAS_STATUS: (1,) int64 counter, 0 before the launch and left 0 by it
-    HAS_STATUS: tl.constexpr = False,  # True: the status word is written (one program per token: not with ROWS)
-    MASK_VALUES: tl.constexpr = False,  # HAS_STATUS: a mask value other than 0 and 1 fails too (a mask not bool)
+    status_ptr=None, work_ptr=None,  # HAS_STATUS: (1,) int32 the tokens that failed; (1,) int64 counter, 0
+    HAS_STATUS: tl.constexpr = False,  # True: the status word is written (_fold_status; not with ROWS)
+    MASK_VALUES: tl.constexpr = False,  # HAS_STATUS: a mask value other than 0 and 1 fails too
 ):
     pid = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
     if ROWS:
@@ -257,13 +256,10 @@ def _vocab_fwd_kernel(
 
 @triton.jit
 def _fold_status(status_ptr, work_ptr, bad, mask_ptr, tok, MASK_VALUES: tl.constexpr):
-    """This token into the launch's status word, with no zero-filled output (no launch before this one):
-    each program adds 1 + (2**32 if the token failed a check) to the counter at work_ptr in one atomic,
-    so the low 32 bits count the programs done (a grid has fewer than 2**31) and the high bits the tokens
-    that failed. The program that completes the count is the last: it writes the failures to status_ptr and
-    sets the counter back to 0 for the next launch (one counter per stream: launches on it are ordered).
-    A token fails on its flags (id out of range, a non-finite row, a target logit of -inf) or, with
-    MASK_VALUES, on a mask value other than 0 and 1, counted or not (NaN included, as on the host)."""
+    """This token into the launch's status word, no zero-fill launch before: one atomic adds 1, plus 2**32
+    if the token fails (its flags; with MASK_VALUES a mask value other than 0 and 1, NaN included), to the
+    counter at work_ptr; the program that completes the count (low 32 bits) writes the failures (high bits)
+    to status_ptr and sets the counter back to 0 (one counter per stream: its launches are ordered)."""
     fail = bad != 0
     if MASK_VALUES:
         mv = tl.load(mask_ptr + tok)
