@@ -1,7 +1,8 @@
 """Validation reads the device on the host in few places, not once per check: a validating gtpo_loss
 on the 4-launch path reads once (the epilogue kernel's status word: the input checks, the forward
-kernel's flags and the entropy filter's all-dropped test), gtpo_loss_from_logps and token_logprobs at
-most twice (their input checks together, then the flags), and an unvalidated call never. The Triton path (in Triton's interpreter here), the one a GPU runs. Counted on the CPU by the tensor methods that read values on the host, called
+kernel's flags and the entropy filter's all-dropped test), token_logprobs once (the forward kernel's
+status word: the mask values, the ids and its flags), gtpo_loss_from_logps at most twice (its input checks
+together, then the flags), and an unvalidated call never. The Triton path (in Triton's interpreter here), the one a GPU runs. Counted on the CPU by the tensor methods that read values on the host, called
 from the package's code; on a GPU each such read is a sync that stops the host queueing ahead."""
 import contextlib
 import os
@@ -67,7 +68,7 @@ def test_from_logps_and_token_logprobs_read_little(validate, most):
     logits, ids, mask, adv, old = _inputs(3)
     with host_reads() as seen:
         lp, ent = token_logprobs(logits, ids, 1.0, mask, validate=validate, backend="triton")
-    assert sum(seen.values()) <= 2 if validate else sum(seen.values()) == 0, seen
+    assert sum(seen.values()) == (1 if validate else 0), seen  # the status word
     with host_reads() as seen:
         gtpo_loss_from_logps(lp.requires_grad_(), ids, adv, mask, entropy=ent, old_logps=old, group_size=4,
                              config=GTPOConfig(entropy_threshold=None), validate=validate)
@@ -95,3 +96,52 @@ def test_each_check_still_raises_its_own_error(what):
         mask[4, 0] = 1
     with pytest.raises(ValueError, match=want):
         gtpo_loss(logits, ids, adv, mask, old_logps=old, group_size=4, backend="torch")
+
+
+@pytest.mark.parametrize("what", ["mask", "ids", "negative id", "flags", "target -inf", "mask and ids"])
+def test_token_logprobs_checks_in_the_kernel_raise_their_own_errors(what):
+    """token_logprobs validating on the Triton backend checks in its one launch; a failed check gives the
+    host checks' error, as the torch backend raises it (the mask's before the ids', both before the flags)."""
+    logits, ids, mask, _, _ = _inputs(7, B=4, T=3)
+    mask = mask.float()
+    want = {"mask": "completion_mask must hold only 0 and 1", "ids": "completion_ids must lie in .*position 4 holds 40",
+            "negative id": "completion_ids must lie in .*position 11 holds -1", "flags": "token \\(2, 0\\) contains NaN",
+            "target -inf": "token \\(3, 1\\) gives its own target token a logit of -inf",
+            "mask and ids": "completion_mask must hold only 0 and 1"}[what]
+    if what in ("mask", "mask and ids"):
+        mask[3, 2] = 2.0
+    if what in ("ids", "mask and ids"):
+        ids[1, 1], mask[1, 1] = 40, 1
+    if what == "negative id":
+        ids[3, 2], mask[3, 2] = -1, 1
+    if what == "flags":
+        logits[2, 0, 7], mask[2, 0] = float("nan"), 1
+    if what == "target -inf":
+        logits[3, 1, ids[3, 1]], mask[3, 1] = float("-inf"), 1
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match=want):
+            token_logprobs(logits, ids, 0.7, mask, backend=backend)
+    # the kernel's counter is left ready: the same call with the inputs fixed passes, with the float64 values
+    fixed = (mask != 0).float()
+    ids = ids.clamp(0, 39)
+    logits = torch.nan_to_num(logits, nan=0.0, neginf=-30.0)
+    with host_reads() as seen:
+        lp, ent = token_logprobs(logits, ids, 0.7, fixed, backend="triton")
+    assert sum(seen.values()) == 1, seen
+    ref = torch.log_softmax(logits.double() / 0.7, -1)
+    want_lp = ref.gather(-1, ids[..., None])[..., 0] * fixed
+    want_ent = -(ref.exp() * ref).sum(-1) * fixed
+    torch.testing.assert_close(lp.double(), want_lp, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(ent.double(), want_ent, atol=2e-5, rtol=2e-5)
+
+
+def test_token_logprobs_masked_out_invalid_ids_pass():
+    """A masked-out id out of range, a 0 / 1 mask of any dtype: nothing to raise, one read, the values."""
+    logits, ids, mask, _, _ = _inputs(8, B=3, T=4)
+    ids[0, 2], mask[0, 2] = 99, False
+    for m in (mask, mask.float(), mask.to(torch.int32)):
+        with host_reads() as seen:
+            lp, _ = token_logprobs(logits, ids, 1.0, m, backend="triton")
+        assert sum(seen.values()) == 1, seen
+        ref = torch.log_softmax(logits.double(), -1).gather(-1, ids.clamp(max=39)[..., None])[..., 0] * mask
+        torch.testing.assert_close(lp.double(), ref, atol=2e-5, rtol=2e-5)

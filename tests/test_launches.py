@@ -5,7 +5,7 @@ ops that launch a device kernel; autograd's seed of a scalar loss, `ones_like`, 
 On the Triton backend (run by Triton's interpreter here), with validate=False: gtpo_loss on logits at most
 4 launches for GTPO and the TRL-family presets (the forward vocabulary kernel, the epilogue, the seed, the
 backward vocabulary kernel), padded and packed, conflict weights given (one launch more computed in the
-call); token_logprobs 1; no host read
+call); token_logprobs 1, validating or not; no host read
 and no tensor made from host data; validate=True exactly one host read. Every count is the same at two
 batch sizes (it grows with neither tokens nor completions).
 """
@@ -109,19 +109,21 @@ def test_a_temperature_per_completion_or_token_takes_at_most_eight(per, packed):
     assert counts[0][0] <= 8 and counts[0][1:] == (0, 0, 1), counts
 
 
-@pytest.mark.parametrize("validate,reads", [(False, 0), (True, 1)])
-def test_token_logprobs_one_launch(validate, reads):
+@pytest.mark.parametrize("validate,reads,mask_dtype", [(False, 0, torch.bool), (True, 1, torch.float32)])
+def test_token_logprobs_one_launch(validate, reads, mask_dtype):
+    """One launch, validating or not: the forward kernel checks the mask values and ids too and writes the
+    status word, the one host read (a float mask: its values checked there too). The first validating call
+    of a thread on a stream makes the kernel's counter, one launch more, once: the warm-up call."""
+    token_logprobs(*_batch(4, 2, 9, False)[:2], 0.7, validate=validate, backend="triton")
     counts = []
     for k, (B, T) in enumerate(SIZES):
         logits, ids, _, mask, _ = _batch(B, T, k, False)
+        mask = mask.to(mask_dtype)
         with counting() as c:
             token_logprobs(logits, ids, 0.7, mask, validate=validate, backend="triton")
-        counts.append((c.launches, c.host_reads, c.creations))
+        counts.append((c.launches, c.host_reads, c.creations, dict(c.triton_names)))
     assert counts[0] == counts[1], counts
-    launches, got_reads, creations = counts[0]
-    assert got_reads == reads and creations == 0, counts
-    if not validate:
-        assert launches == 1, counts
+    assert counts[0] == (1, reads, 0, {"_vocab_fwd_kernel": 1}), counts
 
 
 def test_counter_sees_launches_and_reads():

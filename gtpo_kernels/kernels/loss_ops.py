@@ -13,6 +13,7 @@ FLAGS name them (pipeline/epilogue.py builds them); nothing here reads the devic
 """
 from __future__ import annotations
 
+import threading
 from typing import List, Optional
 
 import torch
@@ -117,22 +118,52 @@ def _backward(ctx, grads):
 fused_loss.register_autograd(_backward, setup_context=_setup_context)
 
 
+_COUNTERS = threading.local()  # per thread: {(device, stream): the status word's launch counter}
+
+
+def _counter(device):
+    """(counter, key): the int64 counter the forward kernel's status word needs (vocab_fwd_triton._fold_status),
+    one per thread and stream of the device, zeroed once when made (one launch, on the first validating
+    call) and left 0 by every launch after."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
+    table = _COUNTERS.__dict__.setdefault("table", {})
+    if key not in table:
+        table[key] = torch.zeros(1, device=device, dtype=torch.int64)
+    return table[key], key
+
+
 @torch.library.custom_op("gtpo_kernels::token_logps", mutates_args=())
 def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Tensor],
-                temperature: Optional[torch.Tensor], tau_value: float, logits_start: int) -> List[torch.Tensor]:
-    """token_logprobs in one launch: [logp, H, flags], 0 where not counted, NaN at a flagged token."""
+                temperature: Optional[torch.Tensor], tau_value: float, logits_start: int, status: bool = False,
+                mask_values: bool = False) -> List[torch.Tensor]:
+    """token_logprobs in one launch: [logp, H, flags, status word], 0 where not counted, NaN at a flagged
+    token. status: the launch writes the word, (1,) int32, the number of tokens that failed a check (their
+    flags, and with mask_values a mask value other than 0 and 1); else it is left unset."""
     n = ids.numel()
     f32 = dict(device=logits3.device, dtype=torch.float32)
     outs = (torch.empty(n, **f32), torch.empty(n, **f32), torch.empty((n, 3), **f32),
             torch.empty(n, device=logits3.device, dtype=torch.int8))
-    if n:
-        vocab_triton.vocab_fwd(logits3, ids, mask, tau_value if temperature is None else temperature, logits_start,
-                               outs=outs, nan_flagged=True)
-    return [outs[0], outs[1], outs[3]]
+    word = torch.empty(1, device=logits3.device, dtype=torch.int32)
+    if n == 0:
+        return [outs[0], outs[1], outs[3], word.zero_() if status else word]
+    meta = {}
+    if status:
+        work, key = _counter(logits3.device)
+        meta = dict(status_ptr=word, work_ptr=work, HAS_STATUS=True, MASK_VALUES=mask_values and mask is not None)
+    B, _, V = logits3.shape
+    try:
+        vocab_triton._launch(logits3, ids, mask, outs, n // B, V, logits_start,
+                             tau_value if temperature is None else temperature, 1.0, None,
+                             vocab_triton.fwd_block_v(V), NAN_FLAGGED=True, **meta)
+    except BaseException:
+        if status:  # a launch cut short may leave the counter nonzero: the next call makes a new one
+            _COUNTERS.table.pop(key, None)
+        raise
+    return [outs[0], outs[1], outs[3], word]
 
 
 @token_logps.register_fake
-def _(logits3, ids, mask, temperature, tau_value, logits_start):
+def _(logits3, ids, mask, temperature, tau_value, logits_start, status=False, mask_values=False):
     n = ids.numel()
     return [logits3.new_empty(n, dtype=torch.float32), logits3.new_empty(n, dtype=torch.float32),
-            logits3.new_empty(n, dtype=torch.int8)]
+            logits3.new_empty(n, dtype=torch.int8), logits3.new_empty(1, dtype=torch.int32)]

@@ -201,6 +201,9 @@ def _vocab_fwd_kernel(
     rows_ptr=None,  # ROWS: the token of each logits row, int64 (the LM head's tile of gathered rows)
     ROWS: tl.constexpr = False,  # True: program p reads logits row p (B = 1, T = the tile's rows) and the
     # per-token tensors (ids, tau, mask, outputs) at token rows_ptr[p]; no gather or scatter around it
+    status_ptr=None, work_ptr=None,  # HAS_STATUS: (1,) int32 the tokens that failed; (1,) int64 counter, 0
+    HAS_STATUS: tl.constexpr = False,  # True: the status word is written (_fold_status; not with ROWS)
+    MASK_VALUES: tl.constexpr = False,  # HAS_STATUS: a mask value other than 0 and 1 fails too
 ):
     pid = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
     if ROWS:
@@ -247,6 +250,25 @@ def _vocab_fwd_kernel(
             logp = tl.where(bad != 0, float("nan"), logp)
             ent = tl.where(bad != 0, float("nan"), ent)
         _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad)
+        if HAS_STATUS:
+            _fold_status(status_ptr, work_ptr, bad, mask_ptr, tok, MASK_VALUES)
+
+
+@triton.jit
+def _fold_status(status_ptr, work_ptr, bad, mask_ptr, tok, MASK_VALUES: tl.constexpr):
+    """This token into the launch's status word, no zero-fill launch before: one atomic adds 1, plus 2**32
+    if the token fails (its flags; with MASK_VALUES a mask value other than 0 and 1, NaN included), to the
+    counter at work_ptr; the program that completes the count (low 32 bits) writes the failures (high bits)
+    to status_ptr and sets the counter back to 0 (one counter per stream: its launches are ordered)."""
+    fail = bad != 0
+    if MASK_VALUES:
+        mv = tl.load(mask_ptr + tok)
+        fail = fail | ((mv != 0) & (mv != 1))
+    inc = tl.where(fail, tl.full((), 4294967297, tl.int64), tl.full((), 1, tl.int64))  # 2**32 + 1, or 1
+    tot = tl.atomic_add(work_ptr, inc) + inc
+    if (tot & 4294967295) == tl.num_programs(0):  # the last program of the grid
+        tl.store(status_ptr, (tot >> 32).to(tl.int32))
+        tl.store(work_ptr, tl.zeros((), tl.int64))
 
 
 @triton.jit(do_not_specialize=["NB", "V", "temp_stride"])

@@ -156,11 +156,25 @@ def _report(status, bad, b, thr, revalidate, stacklevel):
         warn_all_dropped(thr, stacklevel=stacklevel)
 
 
-def token_logps(b, temperature, host):
-    """token_logprobs on the Triton backend in one launch: (logps, entropy) of the tokens' shape."""
+def token_logps(b, temperature, host, revalidate=None):
+    """token_logprobs on the Triton backend in one launch: (logps, entropy) of the tokens' shape. Validating,
+    the kernel also writes a status word, read with the call's pending checks (one host read): the tokens'
+    flags and, with `revalidate` (the batch was prepared without the device-side checks), the mask values
+    and ids checked in the kernel; nonzero, _report_tokens raises the error the host checks give."""
     tau, tau_value = _tau(temperature, b.logits3)
     mask = None if b.mask is None else b.mask.contiguous()
-    logp, ent, bad = loss_ops.token_logps(b.logits3, b.ids, mask, tau, tau_value, b.logits_start)
+    values = revalidate is not None and mask is not None and mask.dtype != torch.bool
+    logp, ent, bad, status = loss_ops.token_logps(b.logits3, b.ids, mask, tau, tau_value, b.logits_start, host,
+                                                  values)
     if host:
-        checks.check_on_device((bad != 0).any(), lambda: checks.raise_on_flags(bad, b.tok_shape))
+        checks.check_on_device(status, lambda: _report_tokens(bad, b, revalidate))
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
+
+
+def _report_tokens(bad, b, revalidate):
+    """token_logprobs' nonzero status word: the input checks run on the host (revalidate) and raise the first
+    that fails (a mask value, an id out of range), else the first flagged counted row raises
+    (checks.raise_on_flags names it)."""
+    if revalidate is not None:
+        revalidate()
+    checks.raise_on_flags(bad, b.tok_shape)
