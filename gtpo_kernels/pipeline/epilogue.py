@@ -94,14 +94,16 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
               float(cfg.entropy_penalty), 0.0 if thr is None else float(thr),
               float(cfg.max_completion_length or 0), float(num_items) if isinstance(num_items, float) else 1.0,
               float(cfg.sapo_temperature_pos) if sapo else 1.0, float(cfg.sapo_temperature_neg) if sapo else 1.0,
-              float(cfg.dro_beta) if pl == "dro" else 0.0]
+              float(cfg.dro_beta) if pl == "dro" else 0.0,
+              0.0 if cfg.off_policy_mask_threshold is None else float(cfg.off_policy_mask_threshold)]
     flags = [b.packed, b.old is not None, has_kl, has_kl and cfg.use_bias_correction_kl, b.lam is not None,
              b.n_conf is not None, 0 if num_items is None else (2 if n_items is not None else 1), cfg.clip and ppo,
              cfg.delta is not None and ppo, cfg.dual_clip_c is not None, cfg.entropy_coef != 0,
              thr is not None and not gate, cfg.entropy_penalty != 0, cfg.importance_sampling_level == "sequence",
              AGGS.index(cfg.loss_agg), not has_temperature, host,
              host and b.mask is not None and b.mask.dtype != torch.bool, b.ref is not None, POLICIES.index(pl),
-             -1 if b.max_seqlen is None else b.max_seqlen]
+             2 if b.rollout_w_seq is not None else int(b.rollout_w is not None),
+             cfg.off_policy_mask_threshold is not None, -1 if b.max_seqlen is None else b.max_seqlen]
     return floats, [int(f) for f in flags]
 
 
@@ -114,6 +116,13 @@ def tensors(b):
                                                             given["cu_seqlens"], b.rollout_logps)]
 
 
+def weights(b):
+    """The rollout weights as the epilogue reads them (flags' RW): per completion (B,), per token (N,), or
+    None; stride 1."""
+    w = b.rollout_w_seq if b.rollout_w_seq is not None else b.rollout_w
+    return None if w is None else w.contiguous()
+
+
 def loss(b, cfg, num_items, tau, host, revalidate=None):
     """GTPOOutput of the call; validating, the status word joins the call's pending checks (one host read):
     the kernel makes the input checks too (the batch was prepared without them), and when one fails
@@ -123,7 +132,7 @@ def loss(b, cfg, num_items, tau, host, revalidate=None):
     mask, adv, old, ref, lam, n_conf, cu, roll = tensors(b)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
-                               temperature, floats, flags, b.logits_start, b.B, roll)
+                               temperature, floats, flags, b.logits_start, b.B, roll, weights(b))
     return output(outs[:12], outs[13], b, cfg, host, revalidate)
 
 
