@@ -93,7 +93,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
         fast = epilogue.eligible(logits, cfg, backend, inplace, replay.requested(sampling_mask, top_k, top_p, min_p),
-                                 process_group, rollout_is_weights)  # the 4-launch path checks in its kernel
+                                 process_group)  # the 4-launch path checks in its kernel
         prep = dict(advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, logits_start=logits_start,
                     vocab_size=_local_vocab(process_group), **extras)
         with checks.one_host_read():  # the checks' values read on the host once

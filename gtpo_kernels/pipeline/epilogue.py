@@ -7,11 +7,12 @@ It takes the Triton backend on one process, for the PPO-clip policy term at the 
 level (GTPO and the TRL-family presets grpo, dapo, dr_grpo, bnpo, gspo, luspo, gtpo-official, and verl's
 vanilla) and the token-level terms cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl, with any
 aggregation, conflict weights given or computed, old / ref log-probs, the KL (and its bias correction),
-the entropy filter, gate, penalty and bonus, num_items_in_batch (number or tensor), a temperature
-(number, schedule tensor, per completion or per token). Whatever else (the policy terms vespo, geo_mean,
-clip_cov and kl_cov, the off-policy and top-entropy masks, rollout weights, kept sets, vocabulary-parallel,
-inplace, hyper-parameters given as tensors) takes the eager path of loss.fused_loss, which is also this kernel's
-twin in tests. Validating, the status word is read with the call's input checks: one host read.
+the entropy filter, gate, penalty and bonus, the off-policy sequence mask (spec 9), rollout weights per token
+or per completion, num_items_in_batch (number or tensor), a temperature (number, schedule tensor, per
+completion or per token). Whatever else (the policy terms vespo, geo_mean, clip_cov and kl_cov, the
+top-entropy mask, kept sets, vocabulary-parallel, inplace, hyper-parameters given as tensors) takes the eager
+path of loss.fused_loss, which is also this kernel's twin in tests. Validating, the status word is read with
+the call's input checks: one host read.
 """
 from __future__ import annotations
 
@@ -27,14 +28,15 @@ from ..objective import mismatch
 from .loss import warn_all_dropped
 
 _NUMBERS = ("eps_low", "eps_high", "delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty",
-            "entropy_threshold", "initial_entropy", "max_completion_length", "top_entropy_quantile")
+            "entropy_threshold", "initial_entropy", "max_completion_length", "top_entropy_quantile",
+            "off_policy_mask_threshold")
 
 
 def _number(x):
     return x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
-def eligible(logits, cfg, backend, inplace, kept_sets, process_group, rollout_is_weights):
+def eligible(logits, cfg, backend, inplace, kept_sets, process_group):
     """Whether the call takes the three-launch path (see the module docstring), from its arguments (before
     the batch is prepared: the path prepares it without the device-side checks, which the kernel makes)."""
     if not isinstance(logits, torch.Tensor) or logits.dtype == torch.float64:
@@ -44,8 +46,7 @@ def eligible(logits, cfg, backend, inplace, kept_sets, process_group, rollout_is
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
     except (ValueError, TypeError, RuntimeError):  # raised where the call resolves it
         return False
-    return (backend == "triton" and process_group is None and not kept_sets and not inplace
-            and rollout_is_weights is None and covers(cfg))
+    return backend == "triton" and process_group is None and not kept_sets and not inplace and covers(cfg)
 
 
 # hyper-parameters of one policy term only (read, and required to be numbers, with that term)
@@ -55,11 +56,11 @@ _TERM_NUMBERS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro"
 def covers(cfg):
     """Whether the epilogue kernel computes this config's loss: a policy term of POLICIES (the PPO clip at
     the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl at the token
-    level, the only one the config admits for them), hyper-parameters as numbers, no off-policy or
-    top-entropy mask (the fused LM head asks too)."""
+    level, the only one the config admits for them), hyper-parameters as numbers (the off-policy mask's
+    threshold included), no top-entropy mask (the fused LM head asks too). Rollout weights multiply each of
+    these terms (vespo and geo_mean, which fold them in, are not among them)."""
     pl = cfg.policy_loss
     return (pl in POLICIES and (pl == "ppo" or cfg.importance_sampling_level == "token")
-            and cfg.off_policy_mask_threshold is None
             and all(_number(getattr(cfg, k)) for k in _NUMBERS + _TERM_NUMBERS.get(pl, ()))
             and cfg.top_entropy_quantile == 1.0)
 
