@@ -90,11 +90,12 @@ def _rollout(c, mask):
     B, T = mask.shape
     w = torch.rand(B, T if c.get("rw") == "token" else 1, generator=g) * 1.5 + 0.25
     roll = torch.randn(B, T, generator=g) * 0.1
-    if c.get("roll") == "nan":  # at a drawn counted token, or at the first one of completion c["nan_at"]
+    if c.get("roll") == "nan":  # at a drawn counted token, or at the first one of each completion in c["nan_at"]
         k = int(torch.randint(0, int(mask.sum()), (1,), generator=g))
-        at = mask.reshape(-1).nonzero()[k, 0] if c.get("nan_at") is None else \
-            c["nan_at"] * T + mask[c["nan_at"]].nonzero()[0, 0]
-        roll.view(-1)[at] = float("nan")
+        at = [mask.reshape(-1).nonzero()[k, 0]] if c.get("nan_at") is None else \
+            [i * T + mask[i].nonzero()[0, 0] for i in c["nan_at"]]
+        for j in at:
+            roll.view(-1)[j] = float("nan")
     return w, roll
 
 

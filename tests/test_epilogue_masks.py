@@ -10,10 +10,11 @@ import torch
 from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
 from test_epilogue import _check, _inputs, _off_policy_threshold, _rollout
 
-# (preset and options, seed, old, rollout log-probs, weights, packed, the NaN's completion)
+# (preset and options, seed, old, rollout log-probs, weights, packed, the NaNs' completions: one the mask
+# keeps, one it drops)
 CASES = {
     "old-token-weights": (dict(preset="gtpo"), 4, True, None, "token", False, None),
-    "rollout-nan-completion-weights-packed": (dict(preset="gtpo"), 3, True, "nan", "completion", True, 2),
+    "rollout-nan-completion-weights-packed": (dict(preset="gtpo"), 3, True, "nan", "completion", True, (3, 1)),
     "on-policy-kl": (dict(preset="grpo", beta=0.04), 3, False, None, None, False, None),
     "gspo-token-weights-packed": (dict(preset="gspo"), 4, True, None, "token", True, None),
     "cispo-rollout-completion-weights": (dict(preset="cispo", eps_high=1.05), 3, True, "given", "completion",
@@ -43,8 +44,9 @@ def test_off_policy_mask_and_rollout_weights_on_fixed_cases(name):
     assert drop.any(), (adv, mean, thr)  # the mask decides: a completion dropped...
     if samp is not None:
         assert ((adv < 0) & ~drop).any(), (adv, mean, thr)  # ... and one with A < 0 kept
-    if c["nan_at"] is not None:  # the NaN's completion is kept only because the NaN counts as 0
-        assert adv[c["nan_at"]] < 0 and not drop[c["nan_at"]], (adv, mean, thr)
+    if c["nan_at"] is not None:  # a NaN counts as 0: neither keeps (as -inf would) nor drops (as NaN would)
+        kept, dropped = c["nan_at"]
+        assert adv[kept] < 0 and adv[dropped] < 0 and not drop[kept] and drop[dropped], (adv, mean, thr)
     _check(c)  # the 4-launch path against the reference and the twin: loss, outputs, metrics, gradient
 
 
