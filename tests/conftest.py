@@ -129,3 +129,28 @@ def assert_grad_close(name, g, ref, tol):
     else:
         assert (g == 0).all(), f"{name}: reference gradient is zero but ours is not"
 
+# the rollout weights and the off-policy mask on the epilogue (tests/test_launches.py, tests/test_epilogue_masks.py;
+# ~1 s a case in the interpreter): ci keeps the mask with rollout log-probs and per-token weights packed, the
+# validated read, from log-probs padded; two fixed cases (per-completion weights with a NaN rollout log-prob,
+# the sequence level), a validated per-token and per-completion weight, an unvalidated one, the fused head
+NIGHTLY_ONLY |= {f"tests/test_launches.py::{t}" for t in (
+    "test_rollout_weights_and_off_policy_mask_take_at_most_four[token-weights-padded]",
+    "test_rollout_weights_and_off_policy_mask_take_at_most_four[token-weights-packed]",
+    "test_rollout_weights_and_off_policy_mask_take_at_most_four[off-policy-old-padded]",
+    "test_rollout_weights_and_off_policy_mask_take_at_most_four[off-policy-old-packed]",
+    "test_rollout_weights_and_off_policy_mask_take_at_most_four[off-policy-rollout-token-weights-padded]",
+    "test_validated_rollout_weights_take_four_launches_and_one_read[padded]",
+    "test_per_completion_rollout_weights_take_at_most_eight[padded]",
+    "test_per_completion_rollout_weights_take_at_most_eight[packed]",
+    "test_from_logps_off_policy_mask_at_most_four_launches[packed]")}
+NIGHTLY_ONLY |= {f"tests/test_epilogue_masks.py::{t}" for t in (
+    "test_off_policy_mask_and_rollout_weights_on_fixed_cases[old-token-weights]",
+    "test_off_policy_mask_and_rollout_weights_on_fixed_cases[on-policy-kl]",
+    "test_off_policy_mask_and_rollout_weights_on_fixed_cases[cispo-rollout-completion-weights]",
+    "test_validating_an_invalid_rollout_weight_raises_the_eager_error[token-nan]",
+    "test_validating_an_invalid_rollout_weight_raises_the_eager_error[token-inf]",
+    "test_validating_an_invalid_rollout_weight_raises_the_eager_error[completion--1.0]",
+    "test_unvalidated_invalid_rollout_weight_gives_nan[token--0.5]",
+    "test_unvalidated_invalid_rollout_weight_gives_nan[completion--1.0]",
+    "test_head_with_the_off_policy_mask_matches_the_eager_path[recompute-True]",
+    "test_the_masks_compile_for_the_gpus")}

@@ -5,7 +5,9 @@ old and ref log-probs, the KL and its bias correction, delta and verl's dual cli
 threshold drawn among the completions' entropies), gate, penalty and bonus, every aggregation ('none'
 with a per-token upstream gradient that is inf where a token is not counted), num_items_in_batch as a
 number or a tensor, max_completion_length, a temperature per completion, conflict weights given or
-computed. Tolerances: spec 7 (float32: 1e-5)."""
+computed, rollout weights per token or per completion, rollout log-probs (one NaN among them drawn) and the
+off-policy sequence mask (its threshold drawn among the completions' mean log-ratios). Tolerances: spec 7
+(float32: 1e-5)."""
 import os
 
 import pytest
@@ -74,7 +76,27 @@ def calls(draw, presets=FAST):
     return dict(B=B, T=T, V=V, G=G, seed=seed, cfg=cfg.replace(**over), filt=filt,
                 packed=draw(st.booleans()), mask=draw(st.sampled_from(["none", "bool", "float"])),
                 old=draw(st.booleans()), lam=draw(st.sampled_from(["given", "computed", "off"])),
-                items=draw(st.sampled_from([None, "number", "tensor"])), tau=draw(st.sampled_from([None, "seq"])))
+                items=draw(st.sampled_from([None, "number", "tensor"])), tau=draw(st.sampled_from([None, "seq"])),
+                rw=draw(st.sampled_from([None, "token", "completion"])),
+                roll=draw(st.sampled_from([None, "given", "nan"])),
+                off=draw(st.booleans()))
+
+
+def _rollout(c, mask):
+    """(rollout weights, rollout log-probs, the off-policy mask's sampling log-probs' differences source) of
+    a drawn call: weights in [0.25, 1.75) per token (B, T) or per completion (B, 1); rollout log-probs near
+    the old ones, with one NaN at a counted token ("nan": spec 9 counts it as 0)."""
+    g = torch.Generator().manual_seed(c["seed"] + 1)
+    B, T = mask.shape
+    w = torch.rand(B, T if c.get("rw") == "token" else 1, generator=g) * 1.5 + 0.25
+    roll = torch.randn(B, T, generator=g) * 0.1
+    if c.get("roll") == "nan":  # at a drawn counted token, or at the first one of each completion in c["nan_at"]
+        k = int(torch.randint(0, int(mask.sum()), (1,), generator=g))
+        at = [mask.reshape(-1).nonzero()[k, 0]] if c.get("nan_at") is None else \
+            [i * T + mask[i].nonzero()[0, 0] for i in c["nan_at"]]
+        for j in at:
+            roll.view(-1)[j] = float("nan")
+    return w, roll
 
 
 def _inputs(c):
@@ -113,6 +135,12 @@ def _call(c, logits, ids, mask, adv, old, ref, tau, backend, upstream):
         kw["num_items_in_batch"] = n if c["items"] == "number" else torch.tensor(n)
     if c["tau"] == "seq":
         kw["temperature"] = tau[:, None]  # (B, 1): per completion in both forms
+    if c.get("rw") or c.get("roll"):
+        w, roll = _rollout(c, mask)
+        if c.get("rw"):
+            kw["rollout_is_weights"] = w.to(logits.dtype)
+        if c.get("roll"):
+            kw["rollout_logps"] = (old + roll).to(logits.dtype)  # near the old log-probs, one NaN with "nan"
     m = None if c["mask"] == "none" else (mask if c["mask"] == "bool" else mask.float())
     x = logits.clone().requires_grad_()
     args = (x, ids, adv, m)
@@ -167,6 +195,19 @@ def _cuts(cfg, lp, old):
     return []  # sapo, gpg, dro: smooth in r and logp
 
 
+def _off_policy_threshold(c, lp, ids, mask, counted, old):
+    """A threshold between two completions' mean (sampling logp - logp) (float64 log-probs; rollout log-probs
+    when given, else old ones, NaN as 0), none of them within 1e-4 of it; -1e-3 with neither (0 for each)."""
+    if not (c["old"] or c.get("roll")):  # on-policy: every completion with A < 0 dropped
+        return -1e-3
+    samp = (old + _rollout(c, mask)[1]).double() if c.get("roll") else old.double()
+    d = torch.nan_to_num(samp - lp.gather(-1, ids[..., None])[..., 0], nan=0.0)
+    mean = (d * counted).sum(1) / counted.sum(1).clamp(min=1)
+    thr = float(mean.sort().values[len(mean) // 2]) + 1e-3
+    assume((mean - thr).abs().min() > 1e-4)
+    return thr
+
+
 def _check(c):
     """One drawn call: the 4-launch path against the float64 reference and against its eager twin."""
     logits, ids, mask, adv, old, ref, tau = _inputs(c)
@@ -186,9 +227,11 @@ def _check(c):
         assume((hbar - cfg.entropy_threshold).abs().min() > 1e-4)
     else:
         cfg = cfg.replace(entropy_threshold=0.5, initial_entropy=5.0)
-    c = dict(c, cfg=cfg)
     lp = torch.log_softmax(logits.double() / (tau[:, None, None].double() if c["tau"] else 1.0), -1)
     lp_tok = lp.gather(-1, ids[..., None])[..., 0][counted]
+    if c.get("off"):  # the off-policy mask's threshold between two completions' means
+        cfg = cfg.replace(off_policy_mask_threshold=_off_policy_threshold(c, lp, ids, mask, counted, old))
+    c = dict(c, cfg=cfg)
     for x, edge in _cuts(cfg, lp_tok, old.double()[counted]):  # no decision on a cut
         assume(not c["old"] or x.numel() == 0 or (x - edge).abs().min() > 1e-4)
     if cfg.policy_loss in ("dppo-tv", "dppo-kl") and cfg.dual_clip_c is None and c["old"] and lp_tok.numel():
@@ -201,7 +244,8 @@ def _check(c):
                            torch.full(ids.shape, float("inf")))
     out, grad, k = _call(c, logits, ids, mask, adv, old, ref, tau, "triton", upstream)
     assert k.triton_names.get("_epilogue_kernel") == 1, dict(k.triton_names)  # the three-launch path ran
-    if c["tau"] is None:  # the three-launch path's bound (spec 8), the seed included; computed weights: one more
+    if c["tau"] is None and c.get("rw") != "completion":  # the three-launch path's bound (spec 8), the seed
+        # included; computed weights: one more (per-completion rollout weights: tests/test_launches.py)
         assert k.launches <= 4 + (c["lam"] == "computed"), (k.launches, k.ops)
     ref_out, ref_grad, _ = _call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(),
                                  "reference", torch.where(counted, upstream, 0.0).double())  # no inf gradient

@@ -290,3 +290,79 @@ def test_other_policy_terms_from_logps_at_most_four_launches(policy, packed):
     launches, reads, creations, kernels = counts[0]
     assert reads == 0 and creations == 0 and launches <= 4, counts
     assert kernels == {"_prep_kernel": 1, "_epilogue_kernel": 1, "_scale_kernel": 1}, kernels
+
+
+def _roll_counts(packed, cfg, validate=False, weights=None, rollout=False, from_logps=False, sizes=((4, 3), (8, 4))):
+    """Counts of gtpo_loss (or gtpo_loss_from_logps) with rollout weights ("token": per token, "completion":
+    (B, 1)) and / or rollout log-probs, config `cfg` (the off-policy mask's threshold in it)."""
+    from gtpo_kernels import gtpo_loss_from_logps
+    counts = []
+    for k, (B, T) in enumerate(sizes):
+        logits, ids, adv, mask, kw = _batch(B, T, k, packed)
+        kw.pop("ref_logps")
+        g = torch.Generator().manual_seed(k)
+        if weights:
+            kw["rollout_is_weights"] = torch.rand(ids.shape if weights == "token" else (B, 1), generator=g) + 0.5
+        if rollout:
+            kw["rollout_logps"] = kw["old_logps"] + 0.1 * torch.randn(ids.shape, generator=g)
+        if from_logps:
+            logp_all = torch.log_softmax(logits, -1)
+            x = logp_all.gather(-1, ids[..., None])[..., 0].requires_grad_()
+            H = -(logp_all.exp() * logp_all).sum(-1)
+            call = lambda: gtpo_loss_from_logps(x, ids, adv, mask, entropy=H, config=cfg, validate=validate,  # noqa
+                                                backend="triton", **kw)
+        else:
+            x = logits.requires_grad_()
+            call = lambda: gtpo_loss(x, ids, adv, mask, config=cfg, validate=validate, backend="triton", **kw)  # noqa
+        with counting() as c:
+            out = call()
+            out.loss.backward()
+        assert torch.isfinite(out.loss) and x.grad.abs().sum() > 0
+        counts.append((c.launches, c.host_reads, c.creations, dict(c.triton_names)))
+    assert counts[0] == counts[1], counts  # flat in tokens and completions
+    return counts[0]
+
+
+_KERNELS = {"_vocab_fwd_kernel": 1, "_epilogue_kernel": 1, "_vocab_bwd_kernel": 1}
+_OFF = GTPOConfig.preset("gtpo", off_policy_mask_threshold=0.01)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("case", ["token-weights", "off-policy-old", "off-policy-rollout-token-weights"])
+def test_rollout_weights_and_off_policy_mask_take_at_most_four(case, packed):
+    """Rollout weights per token and the off-policy mask (its sampling log-probs the old ones, or the rollout
+    ones) on the 4-launch path (the epilogue kernel computes them; the eager path took ~130-150 launches): no
+    host read, no tensor from host data, the same counts at two sizes."""
+    cfg = GTPOConfig.preset("gtpo") if case == "token-weights" else _OFF
+    launches, reads, creations, kernels = _roll_counts(packed, cfg, weights="token" if "token" in case else None,
+                                                       rollout="rollout" in case)
+    assert reads == 0 and creations == 0 and launches <= 4, (launches, reads, creations)
+    assert kernels == _KERNELS, kernels
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_validated_rollout_weights_take_four_launches_and_one_read(packed):
+    launches, reads, creations, kernels = _roll_counts(packed, _OFF, validate=True, weights="token")
+    assert reads == 1 and launches <= 4 and kernels == _KERNELS, (launches, reads, kernels)
+
+
+_SEQ_W = pytest.mark.xfail(strict=True, reason="core/batch.rollout_weights repeats per-completion weights on the "
+                           "tokens (seq[b.seg]) when the batch is prepared: b.seg and the index, 10 launches packed")
+
+
+@pytest.mark.parametrize("packed", [pytest.param(False, id="padded"), pytest.param(True, id="packed", marks=_SEQ_W)])
+def test_per_completion_rollout_weights_take_at_most_eight(packed):
+    """Per-completion weights (B, 1): the epilogue reads them per completion; the batch's preparation still
+    repeats them on the tokens (3 launches padded), so the bound is spec 8's 8 for an option."""
+    launches, reads, creations, kernels = _roll_counts(packed, _OFF, weights="completion")
+    assert kernels == _KERNELS, kernels
+    assert reads == 0 and creations == 0 and launches <= 8, (launches, reads, creations)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_from_logps_off_policy_mask_at_most_four_launches(packed):
+    """gtpo_loss_from_logps with the off-policy mask (rollout log-probs as its sampling policy): the same 4
+    launches as without it."""
+    launches, reads, creations, kernels = _roll_counts(packed, _OFF, rollout=True, from_logps=True)
+    assert reads == 0 and creations == 0 and launches <= 4, (launches, reads, creations)
+    assert kernels == {"_prep_kernel": 1, "_epilogue_kernel": 1, "_scale_kernel": 1}, kernels

@@ -93,10 +93,10 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
         fast = epilogue.eligible(logits, cfg, backend, inplace, replay.requested(sampling_mask, top_k, top_p, min_p),
-                                 process_group, rollout_is_weights)  # the 4-launch path checks in its kernel
+                                 process_group)  # the 4-launch path checks in its kernel
         # the recorded kept sets' 8-launch path checks in its kernels too (the sets included)
-        sets_in_kernels = sampling_mask is not None and epilogue.eligible(logits, cfg, backend, inplace, False,
-                                                                          process_group, rollout_is_weights)
+        sets_in_kernels = sampling_mask is not None and rollout_is_weights is None and epilogue.eligible(
+            logits, cfg, backend, inplace, False, process_group)
         in_kernels = fast or sets_in_kernels
         prep = dict(advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, logits_start=logits_start,
                     vocab_size=_local_vocab(process_group), **extras)

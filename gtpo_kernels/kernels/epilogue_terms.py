@@ -132,12 +132,13 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
 
 
 @triton.jit
-def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr,
+def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pmult,
            lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, BLOCK: tl.constexpr,
            HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr,
            HAS_E: tl.constexpr, SEQ: tl.constexpr, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr,
            HAS_DUAL: tl.constexpr, POLICY: tl.constexpr):
-    """Per token of a block: (loss_tok, d_logp, d_logr, clipped, lam) before the aggregation weights."""
+    """Per token of a block: (loss_tok, d_logp, d_logr, clipped, lam) before the aggregation weights;
+    pmult: the policy term's multiplier after lam (_policy_weight: the off-policy mask, the rollout weight)."""
     lp = tl.load(logp_out + o, mask=inb, other=0.0)
     en = tl.load(ent_out + o, mask=inb, other=0.0)
     if SEQ:  # (ppo only: `old` unused)
@@ -157,7 +158,8 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         mult = _finite_or_nan(lam)
     else:
         lam = tl.full([BLOCK], 1.0, tl.float32)
-        mult = 1.0
+        mult = tl.full([BLOCK], 1.0, tl.float32)
+    mult = mult * pmult  # spec 9's order: lam, the off-policy mask, the rollout weight
     loss_tok = mult * pg
     d_logr = mult * d_logr
     d_logp = mult * d_logp
@@ -197,10 +199,11 @@ def _expm1(d):
 
 
 @triton.jit
-def _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, MASK_VALUES: tl.constexpr, HAS_OLD: tl.constexpr,
-                    HAS_REF: tl.constexpr, HAS_LAM: tl.constexpr):
+def _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, rw_ptr, MASK_VALUES: tl.constexpr,
+                    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_LAM: tl.constexpr, RW: tl.constexpr):
     """1 when a token of the block fails an input check of validation: a mask value other than 0 and 1,
-    or a non-finite old / ref log-prob or lam at a counted token."""
+    or a non-finite old / ref log-prob or lam, or a per-token rollout weight not finite and >= 0 (RW 1), at a
+    counted token."""
     bad = (o < 0).to(tl.int32)  # zeros, of the block's shape
     if MASK_VALUES:
         v = tl.load(mask_ptr + o, mask=inb, other=0).to(tl.float32)
@@ -213,7 +216,49 @@ def _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, MASK_VALUES: tl.
         bad = bad | (m & ((tl.abs(x) < float("inf")) == 0)).to(tl.int32)
     if HAS_LAM:
         bad = bad | (m & ((tl.abs(lam) < float("inf")) == 0)).to(tl.int32)
+    if RW == 1:
+        bad = bad | (m & (_rollout_ok(tl.load(rw_ptr + o, mask=inb, other=1.0).to(tl.float32)) == 0)).to(tl.int32)
     return tl.max(bad, axis=0)
+
+
+@triton.jit
+def _rollout_ok(w):
+    """A rollout weight validation takes: finite and >= 0 (core/batch.py add_extras)."""
+    return (w >= 0.0) & (w < float("inf"))
+
+
+@triton.jit
+def _rollout_w(w):
+    """A counted rollout weight as the eager path multiplies it (surrogate.surrogate): NaN unless finite and
+    >= 0."""
+    return tl.where(_rollout_ok(w), w, float("nan"))
+
+
+@triton.jit
+def _off_policy_sum(o, inb, m, lp, old_ptr, roll_ptr, HAS_OLD: tl.constexpr, HAS_ROLL: tl.constexpr):
+    """Spec 9's off-policy mask (surrogate.off_policy_keep): the block's sum over counted tokens of
+    (sampling logp - logp), in float64, the sampling policy's log-probs rollout_logps when given, else the
+    old ones; a NaN difference counts as 0, an infinite one as +-float32 max (torch.nan_to_num). Without
+    either the sampling policy is the current one: 0."""
+    if HAS_ROLL:
+        d = tl.load(roll_ptr + o, mask=inb, other=0.0).to(tl.float32) - lp
+    elif HAS_OLD:
+        d = _finite_or_nan(tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32)) - lp
+    else:
+        d = lp * 0.0
+    big = 3.4028234663852886e38
+    d = tl.where(m & (d == d), tl.minimum(tl.maximum(d, -big), big), 0.0)
+    return tl.sum(d.to(tl.float64), axis=0)
+
+
+@triton.jit
+def _policy_weight(rw_ptr, o, inb, m, keep_w, BLOCK: tl.constexpr, RW: tl.constexpr):
+    """The policy term's multiplier after lam per token of a block: keep_w (the completion's off-policy mask
+    0 / 1, times its rollout weight with RW 2), times the token's rollout weight with RW 1."""
+    if RW == 1:
+        w = tl.where(m, _rollout_w(tl.load(rw_ptr + o, mask=inb, other=1.0).to(tl.float32)), 1.0)
+        return keep_w * w
+    return tl.full([BLOCK], 1.0, tl.float32) * keep_w
 
 
 @triton.jit

@@ -4,7 +4,8 @@ From the forward kernel's per-token (logp, H, flags) it computes what objective/
 ~100 small torch ops (spec 2, 4, 9 for the PPO-clip policy term at the token or the sequence level, and
 the token-level terms of POLICIES: cispo, sapo, verl's gpg, verl_cispo, dro, dppo_tv and dppo_kl):
 the entropy control (Hbar, the filter delta, Ahat), the ratio, the clip, delta and the dual clip, the
-conflict weights' multiplier, the KL term (with its bias correction), the entropy bonus, the aggregation
+policy term's multipliers in spec 9's order (the conflict weights' lam, the off-policy sequence mask, the
+rollout weights per token or per completion), the KL term (with its bias correction), the entropy bonus, the aggregation
 weights, the per-token coefficients c = dL/dlogp and e = dL/dH the backward kernel reads, the loss value
 (its sum, or per token with loss_agg='none'), the outputs (lam and n_conf included) and the metrics, and a
 status word that validation reads once (bit 0: a counted row was flagged; bit 1: the entropy filter
@@ -17,21 +18,24 @@ from the mask and cu_seqlens alone), the rest of what it writes is rewritten by 
 
 One program walks the completions in order (padded: completion i owns tokens [i T, (i + 1) T); packed:
 [cu[i], cu[i + 1])), in blocks of BLOCK tokens, twice: pass 1 forms the per-completion sums (counted
-tokens, entropy, and the sequence-level log-ratio) and the batch's, pass 2 the per-token terms, behind a
+tokens, entropy, the sequence-level log-ratio, the off-policy mask's mean (sampling logp - logp), summed in
+float64 as the eager seg_sum) and the batch's, pass 2 the per-token terms, behind a
 barrier. At the sequence level pass 2 reads each completion twice (d loss / d log r summed over it first).
 A per-completion sum is the block sums added in order: nothing depends on the device or the grid. In
 the packed form cu_seqlens is read as the caller gave it: a malformed one (not from 0 to N, or
 decreasing) is replaced by the stand-in the eager code uses and makes every counted token's outputs NaN.
 Unvalidated invalid input gives NaN where it reaches, as the eager code: a flagged token's logp and H,
-non-finite advantages, old / ref log-probs and lam at counted tokens, an n_conf that is not finite and
->= 1, a num_items_in_batch tensor that is not finite and > 0.
+non-finite advantages, old / ref log-probs and lam at counted tokens, a counted rollout weight that is not
+finite and >= 0, an n_conf that is not finite and >= 1, a num_items_in_batch tensor that is not finite and > 0.
+The off-policy mask is a constant multiplier (no gradient through its mean), as in the eager path.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .epilogue_terms import _counted, _finite_or_nan, _invalid_inputs, _k3, _span, _terms
+from .epilogue_terms import (_counted, _finite_or_nan, _invalid_inputs, _k3, _off_policy_sum, _policy_weight,
+                             _rollout_ok, _rollout_w, _span, _terms)
 
 # policy_loss as the kernel's POLICY (the token-level terms it computes; epilogue_terms._policy)
 POLICIES = ("ppo", "cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl")
@@ -44,12 +48,14 @@ AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-tok
 def _epilogue_kernel(
     logp_ptr, ent_ptr, bad_ptr, mask_ptr, cu_ptr,  # the forward kernel's outputs; the caller's mask; cu_seqlens
     adv_ptr, old_ptr, ref_ptr, lam_ptr, nconf_ptr, nitems_ptr, roll_ptr,  # inputs (unused ones: any tensor)
+    rw_ptr,  # rollout_is_weights: per token (RW 1) or per completion (RW 2)
     value_ptr, logp_out, ent_out, ltok_out, c_out, e_out, lam_out, nconf_out, kept_out, hbar_out,  # outputs
-    scratch_ptr, cu_fix, met_ptr, status_ptr,  # (3B,) float32, (B + 1,) int64 scratch; (9,) metrics; (1,) int32
+    scratch_ptr, cu_fix, met_ptr, status_ptr,  # (4B,) float32, (B + 1,) int64 scratch; (9,) metrics; (1,) int32
     B, T, N, max_seqlen,  # completions; tokens per completion (padded form); tokens; the packed max_seqlen or -1
     g_lo, g_hi,  # pass 2 over completions [g_lo, g_hi) only (0, B: the call; the LM head's fused tile: its own)
     lo, hi, delta, dual_c, beta, ent_coef, penalty, thr, max_len_cfg, nitems_val,  # hyper-parameters (floats)
     sapo_pos, sapo_neg, dro_beta,  # sapo's temperatures, dro's beta (floats; read by those terms only)
+    off_thr,  # off_policy_mask_threshold (float; read with OFF_POLICY only)
     PACKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
     BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr, HAS_NCONF: tl.constexpr, NITEMS: tl.constexpr,
     CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_E: tl.constexpr,
@@ -59,6 +65,8 @@ def _epilogue_kernel(
     HAS_REF: tl.constexpr = False,  # ref_logps given (checked when validating, used with HAS_KL)
     HAS_ROLL: tl.constexpr = False,  # rollout_logps given: spec 14's mismatch metrics (met[4:9])
     POLICY: tl.constexpr = 0,  # the policy term, POLICIES' index (0: ppo)
+    RW: tl.constexpr = 0,  # rollout weights: 0 none, 1 per token, 2 per completion (they multiply the policy term)
+    OFF_POLICY: tl.constexpr = False,  # spec 9's off-policy sequence mask (threshold off_thr)
 ):
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     M = tl.zeros((), tl.int32)
@@ -94,6 +102,7 @@ def _epilogue_kernel(
         n_i = tl.zeros((), tl.int32)
         h_i = tl.zeros((), tl.float32)
         lr_i = tl.zeros((), tl.float32)
+        off_i = tl.zeros((), tl.float64)  # sum of (sampling logp - logp) over the counted tokens
         for t0 in range(start, end, BLOCK):
             o = t0 + lanes
             inb = o < end
@@ -122,8 +131,10 @@ def _epilogue_kernel(
                 roll_nan += isnan.to(tl.int32)
                 roll_ok += ok.to(tl.int32)
             if VALIDATE:
-                invalid = invalid | _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, MASK_VALUES, HAS_OLD,
-                                                    HAS_REF, HAS_LAM)
+                invalid = invalid | _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, rw_ptr, MASK_VALUES,
+                                                    HAS_OLD, HAS_REF, HAS_LAM, RW)
+            if OFF_POLICY:
+                off_i += _off_policy_sum(o, inb, m, lp, old_ptr, roll_ptr, HAS_OLD, HAS_ROLL)
             n_i += tl.sum(m.to(tl.int32), axis=0)
             h_i += tl.sum(en, axis=0)
             if SEQ:
@@ -141,7 +152,15 @@ def _epilogue_kernel(
             if HAS_NCONF:
                 nc_i = tl.load(nconf_ptr + i).to(tl.float32)
                 invalid = invalid | (((tl.abs(nc_i) < float("inf")) & (nc_i >= 1.0)) == 0).to(tl.int32)
+            if RW == 2:  # a completion's weight is checked where it has a counted token
+                invalid = invalid | ((n_i > 0) & (_rollout_ok(tl.load(rw_ptr + i).to(tl.float32)) == 0)).to(tl.int32)
         adv = tl.where(malformed != 0, float("nan"), adv)
+        if OFF_POLICY:  # spec 9: the completion keeps its policy term if A >= 0 or its mean <= the threshold
+            keep_w = ((adv >= 0.0) | (off_i.to(tl.float32) / n_safe <= off_thr)).to(tl.float32)
+        else:
+            keep_w = tl.full((), 1.0, tl.float32)
+        if RW == 2:  # the completion's rollout weight (its tokens' multiplier with the mask)
+            keep_w = keep_w * _rollout_w(tl.load(rw_ptr + i).to(tl.float32))
         if FILTER:
             kept = hbar <= thr
         else:
@@ -155,6 +174,7 @@ def _epilogue_kernel(
         tl.store(scratch_ptr + i, tl.where(kept, shaped, shaped * 0.0))
         tl.store(scratch_ptr + B + i, lr_i / n_safe)
         tl.store(scratch_ptr + 2 * B + i, n_safe)
+        tl.store(scratch_ptr + 3 * B + i, keep_w)
         if HAS_NCONF:
             tl.store(nconf_out + i, tl.load(nconf_ptr + i).to(tl.float32))
         else:
@@ -185,6 +205,7 @@ def _epilogue_kernel(
         a_hat = tl.load(scratch_ptr + i)
         lr_seq = tl.load(scratch_ptr + B + i)
         n_safe = tl.load(scratch_ptr + 2 * B + i)
+        keep_w = tl.load(scratch_ptr + 3 * B + i)
         if AGG == 0:
             denom = Bf * n_safe
         elif AGG == 1:
@@ -212,7 +233,8 @@ def _epilogue_kernel(
                 o = t0 + lanes
                 inb = o < end
                 m = _counted(mask_ptr, o, inb, HAS_MASK)
-                _, _, d_logr, _, _ = _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr,
+                pw = _policy_weight(rw_ptr, o, inb, m, keep_w, BLOCK, RW)
+                _, _, d_logr, _, _ = _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw,
                                             lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta,
                                             BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ, CLIP, HAS_DELTA,
                                             HAS_DUAL, POLICY)
@@ -223,8 +245,9 @@ def _epilogue_kernel(
             o = t0 + lanes
             inb = o < end
             m = _counted(mask_ptr, o, inb, HAS_MASK)
+            pw = _policy_weight(rw_ptr, o, inb, m, keep_w, BLOCK, RW)
             loss_tok, d_logp, d_logr, clipped, lam = _terms(
-                o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, lo, hi, delta, dual_c,
+                o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, lo, hi, delta, dual_c,
                 beta, ent_coef, sapo_pos, sapo_neg, dro_beta, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ,
                 CLIP, HAS_DELTA, HAS_DUAL, POLICY)
             if AGG == 5:

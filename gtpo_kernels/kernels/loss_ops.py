@@ -22,10 +22,10 @@ from . import ops, vocab_triton
 from .epilogue_triton import _epilogue_kernel
 
 FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "thr", "max_len", "nitems",
-          "sapo_pos", "sapo_neg", "dro_beta")
+          "sapo_pos", "sapo_neg", "dro_beta", "off_thr")
 FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
          "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE", "VALIDATE", "MASK_VALUES", "HAS_REF",
-         "POLICY", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
+         "POLICY", "RW", "OFF_POLICY", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
 EPILOGUE_BLOCK = 1024  # tokens per step of the epilogue's one program
 
 
@@ -45,25 +45,29 @@ def epilogue_outputs(like, n, B, flags):
 
 
 def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs,
-             g_lo=0, g_hi=None):
+             g_lo=0, g_hi=None, rw=None):
     """The epilogue kernel (one launch) on the forward pass's per-token logp, H and flags, writing `outs`
     (epilogue_outputs; its logp and H may be the inputs themselves); pass 2 over completions [g_lo, g_hi)
-    (default: all of them)."""
+    (default: all of them). rw: the rollout weights, (n,) per token or (B,) per completion as flags' RW says
+    (1, 2; 0: None)."""
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
+    if (rw is None) != (fg["RW"] == 0):
+        raise ValueError(f"the epilogue's RW = {fg['RW']} and its rollout weights ({rw is not None}) disagree")
     n = logp.numel()
     value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status = outs
-    scratch = torch.empty(3 * B, device=logp.device, dtype=torch.float32)
+    scratch = torch.empty(4 * B, device=logp.device, dtype=torch.float32)
     cu_fix = torch.empty(B + 1, device=logp.device, dtype=torch.int64)
     any_ = bad  # a tensor for the pointers that are not read
-    sw = {k: bool(v) if k not in ("NITEMS", "AGG", "POLICY") else int(v) for k, v in fg.items()
+    sw = {k: bool(v) if k not in ("NITEMS", "AGG", "POLICY", "RW") else int(v) for k, v in fg.items()
           if k not in ("TEMP_BY_VALUE", "MAX_SEQLEN")}
     _epilogue_kernel[(1,)](
         logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
-        adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items, roll)),
+        adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items, roll, rw)),
         value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, scratch, cu_fix, met, status,
         B, n // B if (B and not fg["PACKED"]) else 0, n, fg["MAX_SEQLEN"], g_lo, B if g_hi is None else g_hi,
         fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
-        fl["max_len"], fl["nitems"], fl["sapo_pos"], fl["sapo_neg"], fl["dro_beta"], HAS_MASK=mask is not None,
+        fl["max_len"], fl["nitems"], fl["sapo_pos"], fl["sapo_neg"], fl["dro_beta"], fl["off_thr"],
+        HAS_MASK=mask is not None,
         HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK, num_warps=4, **sw)
     return outs
 
@@ -73,7 +77,7 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
                adv: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
                lam: Optional[torch.Tensor], n_conf: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
                temperature: Optional[torch.Tensor], floats: List[float], flags: List[int], logits_start: int,
-               B: int, roll: Optional[torch.Tensor]) -> List[torch.Tensor]:
+               B: int, roll: Optional[torch.Tensor], rw: Optional[torch.Tensor]) -> List[torch.Tensor]:
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     n = ids.numel()
     outs = _outputs(logits3, n, B, fg["AGG"] == 5)
@@ -81,13 +85,14 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
     tau = fl["tau"] if fg["TEMP_BY_VALUE"] else temperature
     if n:
         vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad))
-    epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs[:12])
+    epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs[:12],
+             rw=rw)
     return outs
 
 
 @fused_loss.register_fake
 def _(logits3, ids, mask, cu, adv, old, ref, lam, n_conf, num_items, temperature, floats, flags, logits_start, B,
-      roll):
+      roll, rw):
     return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5)
 
 
@@ -106,13 +111,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     grad = grads[0]  # the loss value's; the other outputs are not differentiable
     if grad is None:
-        return (None,) * 16
+        return (None,) * 17
     logits3, ids, stats, ent, c, e, temperature = ctx.saved_tensors
     logits_start, tau_value = ctx.meta
     g = grad.reshape(-1)
     grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, backend="triton", g=g,
                           tau_value=tau_value)
-    return (grad3,) + (None,) * 15
+    return (grad3,) + (None,) * 16
 
 
 fused_loss.register_autograd(_backward, setup_context=_setup_context)

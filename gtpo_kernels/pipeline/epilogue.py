@@ -7,11 +7,12 @@ It takes the Triton backend on one process, for the PPO-clip policy term at the 
 level (GTPO and the TRL-family presets grpo, dapo, dr_grpo, bnpo, gspo, luspo, gtpo-official, and verl's
 vanilla) and the token-level terms cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl, with any
 aggregation, conflict weights given or computed, old / ref log-probs, the KL (and its bias correction),
-the entropy filter, gate, penalty and bonus, num_items_in_batch (number or tensor), a temperature
-(number, schedule tensor, per completion or per token). Whatever else (the policy terms vespo, geo_mean,
-clip_cov and kl_cov, the off-policy and top-entropy masks, rollout weights, kept sets, vocabulary-parallel,
-inplace, hyper-parameters given as tensors) takes the eager path of loss.fused_loss, which is also this kernel's
-twin in tests. Validating, the status word is read with the call's input checks: one host read.
+the entropy filter, gate, penalty and bonus, the off-policy sequence mask (spec 9), rollout weights per token
+or per completion, num_items_in_batch (number or tensor), a temperature (number, schedule tensor, per
+completion or per token). Whatever else (the policy terms vespo, geo_mean, clip_cov and kl_cov, the
+top-entropy mask, kept sets, vocabulary-parallel, inplace, hyper-parameters given as tensors) takes the eager
+path of loss.fused_loss, which is also this kernel's twin in tests. Validating, the status word is read with
+the call's input checks: one host read.
 """
 from __future__ import annotations
 
@@ -27,14 +28,15 @@ from ..objective import mismatch
 from .loss import warn_all_dropped
 
 _NUMBERS = ("eps_low", "eps_high", "delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty",
-            "entropy_threshold", "initial_entropy", "max_completion_length", "top_entropy_quantile")
+            "entropy_threshold", "initial_entropy", "max_completion_length", "top_entropy_quantile",
+            "off_policy_mask_threshold")
 
 
 def _number(x):
     return x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
-def eligible(logits, cfg, backend, inplace, kept_sets, process_group, rollout_is_weights):
+def eligible(logits, cfg, backend, inplace, kept_sets, process_group):
     """Whether the call takes the three-launch path (see the module docstring), from its arguments (before
     the batch is prepared: the path prepares it without the device-side checks, which the kernel makes)."""
     if not isinstance(logits, torch.Tensor) or logits.dtype == torch.float64:
@@ -44,8 +46,7 @@ def eligible(logits, cfg, backend, inplace, kept_sets, process_group, rollout_is
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
     except (ValueError, TypeError, RuntimeError):  # raised where the call resolves it
         return False
-    return (backend == "triton" and process_group is None and not kept_sets and not inplace
-            and rollout_is_weights is None and covers(cfg))
+    return backend == "triton" and process_group is None and not kept_sets and not inplace and covers(cfg)
 
 
 # hyper-parameters of one policy term only (read, and required to be numbers, with that term)
@@ -55,11 +56,11 @@ _TERM_NUMBERS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro"
 def covers(cfg):
     """Whether the epilogue kernel computes this config's loss: a policy term of POLICIES (the PPO clip at
     the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl at the token
-    level, the only one the config admits for them), hyper-parameters as numbers, no off-policy or
-    top-entropy mask (the fused LM head asks too)."""
+    level, the only one the config admits for them), hyper-parameters as numbers (the off-policy mask's
+    threshold included), no top-entropy mask (the fused LM head asks too). Rollout weights multiply each of
+    these terms (vespo and geo_mean, which fold them in, are not among them)."""
     pl = cfg.policy_loss
     return (pl in POLICIES and (pl == "ppo" or cfg.importance_sampling_level == "token")
-            and cfg.off_policy_mask_threshold is None
             and all(_number(getattr(cfg, k)) for k in _NUMBERS + _TERM_NUMBERS.get(pl, ()))
             and cfg.top_entropy_quantile == 1.0)
 
@@ -94,14 +95,16 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
               float(cfg.entropy_penalty), 0.0 if thr is None else float(thr),
               float(cfg.max_completion_length or 0), float(num_items) if isinstance(num_items, float) else 1.0,
               float(cfg.sapo_temperature_pos) if sapo else 1.0, float(cfg.sapo_temperature_neg) if sapo else 1.0,
-              float(cfg.dro_beta) if pl == "dro" else 0.0]
+              float(cfg.dro_beta) if pl == "dro" else 0.0,
+              0.0 if cfg.off_policy_mask_threshold is None else float(cfg.off_policy_mask_threshold)]
     flags = [b.packed, b.old is not None, has_kl, has_kl and cfg.use_bias_correction_kl, b.lam is not None,
              b.n_conf is not None, 0 if num_items is None else (2 if n_items is not None else 1), cfg.clip and ppo,
              cfg.delta is not None and ppo, cfg.dual_clip_c is not None, cfg.entropy_coef != 0,
              thr is not None and not gate, cfg.entropy_penalty != 0, cfg.importance_sampling_level == "sequence",
              AGGS.index(cfg.loss_agg), not has_temperature, host,
              host and b.mask is not None and b.mask.dtype != torch.bool, b.ref is not None, POLICIES.index(pl),
-             -1 if b.max_seqlen is None else b.max_seqlen]
+             2 if b.rollout_w_seq is not None else int(b.rollout_w is not None),
+             cfg.off_policy_mask_threshold is not None, -1 if b.max_seqlen is None else b.max_seqlen]
     return floats, [int(f) for f in flags]
 
 
@@ -114,6 +117,13 @@ def tensors(b):
                                                             given["cu_seqlens"], b.rollout_logps)]
 
 
+def weights(b):
+    """The rollout weights as the epilogue reads them (flags' RW): per completion (B,), per token (N,), or
+    None; stride 1."""
+    w = b.rollout_w_seq if b.rollout_w_seq is not None else b.rollout_w
+    return None if w is None else w.contiguous()
+
+
 def loss(b, cfg, num_items, tau, host, revalidate=None):
     """GTPOOutput of the call; validating, the status word joins the call's pending checks (one host read):
     the kernel makes the input checks too (the batch was prepared without them), and when one fails
@@ -123,7 +133,7 @@ def loss(b, cfg, num_items, tau, host, revalidate=None):
     mask, adv, old, ref, lam, n_conf, cu, roll = tensors(b)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
-                               temperature, floats, flags, b.logits_start, b.B, roll)
+                               temperature, floats, flags, b.logits_start, b.B, roll, weights(b))
     return output(outs[:12], outs[13], b, cfg, host, revalidate)
 
 

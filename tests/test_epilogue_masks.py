@@ -1,0 +1,197 @@
+"""The epilogue kernel's off-policy sequence mask and rollout weights (spec 9) on fixed cases, beside the
+drawn ones of tests/test_epilogue.py: each case's mask drops a completion and keeps another whose advantage
+is negative (so that the mask decides), a NaN rollout log-prob counts as 0 in a kept completion, weights per
+token and per completion, the sequence level and another policy term; against the float64 reference and the
+eager twin (spec 7: float32 1e-5). Validating, an invalid counted rollout weight raises the eager path's
+error; unvalidated it gives NaN on both paths."""
+import pytest
+import torch
+
+from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
+from test_epilogue import _check, _inputs, _off_policy_threshold, _rollout
+
+# (preset and options, seed, old, rollout log-probs, weights, packed, the NaNs' completions: one the mask
+# keeps, one it drops)
+CASES = {
+    "old-token-weights": (dict(preset="gtpo"), 4, True, None, "token", False, None),
+    "rollout-nan-completion-weights-packed": (dict(preset="gtpo"), 3, True, "nan", "completion", True, (3, 1)),
+    "on-policy-kl": (dict(preset="grpo", beta=0.04), 3, False, None, None, False, None),
+    "gspo-token-weights-packed": (dict(preset="gspo"), 4, True, None, "token", True, None),
+    "cispo-rollout-completion-weights": (dict(preset="cispo", eps_high=1.05), 3, True, "given", "completion",
+                                         False, None),
+}
+
+
+def _case(name):
+    opts, seed, old, roll, rw, packed, nan_at = CASES[name]
+    opts = dict(opts)
+    cfg = GTPOConfig.preset(opts.pop("preset"), entropy_threshold=None, **opts)
+    return dict(B=4, T=5, V=16, G=2, seed=seed, cfg=cfg, filt="off", packed=packed, mask="bool", old=old,
+                lam="given", items=None, tau=None, rw=rw, roll=roll, off=True, nan_at=nan_at)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_off_policy_mask_and_rollout_weights_on_fixed_cases(name):
+    c = _case(name)
+    logits, ids, mask, adv, old, ref, _ = _inputs(c)
+    lp = torch.log_softmax(logits.double(), -1)
+    thr = _off_policy_threshold(c, lp, ids, mask, mask, old)
+    samp = None if not (c["old"] or c["roll"]) else old.double() + (_rollout(c, mask)[1].double() if c["roll"] else 0)
+    d = torch.zeros_like(lp[..., 0]) if samp is None else \
+        torch.nan_to_num(samp - lp.gather(-1, ids[..., None])[..., 0], nan=0.0)
+    mean = (d * mask).sum(1) / mask.sum(1).clamp(min=1)
+    drop = (adv < 0) & (mean > thr)
+    assert drop.any(), (adv, mean, thr)  # the mask decides: a completion dropped...
+    if samp is not None:
+        assert ((adv < 0) & ~drop).any(), (adv, mean, thr)  # ... and one with A < 0 kept
+    if c["nan_at"] is not None:  # a NaN counts as 0: neither keeps (as -inf would) nor drops (as NaN would)
+        kept, dropped = c["nan_at"]
+        assert adv[kept] < 0 and adv[dropped] < 0 and not drop[kept] and drop[dropped], (adv, mean, thr)
+    _check(c)  # the 4-launch path against the reference and the twin: loss, outputs, metrics, gradient
+
+
+def test_reference_gradient_is_not_zero_with_the_mask():
+    from test_epilogue import _call
+    c = dict(_case("old-token-weights"))
+    logits, ids, mask, adv, old, ref, tau = _inputs(c)
+    c["cfg"] = c["cfg"].replace(off_policy_mask_threshold=_off_policy_threshold(
+        c, torch.log_softmax(logits.double(), -1), ids, mask, mask, old))
+    _, ref_grad, _ = _call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(), "reference",
+                           torch.ones(4, 5))
+    assert ref_grad.abs().sum() > 0
+
+
+def _batch(seed=6):
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = 4, 5, 16
+    logits = torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 4] = False
+    adv = torch.randn(B, generator=g)
+    lam, n_conf = conflict_weights(ids, mask, adv, 2)
+    return logits, ids, mask, adv, dict(old_logps=torch.randn(B, T, generator=g) - 2, lam=lam, n_conf=n_conf)
+
+
+# (per token, or per completion; the bad value; where: a counted token, or the completion)
+BAD = [("token", -0.5), ("token", float("nan")), ("token", float("inf")), ("completion", -1.0),
+       ("completion", float("nan"))]
+
+
+@pytest.mark.parametrize("per,value", BAD, ids=[f"{p}-{v}" for p, v in BAD])
+def test_validating_an_invalid_rollout_weight_raises_the_eager_error(per, value):
+    """validate=True on the 4-launch path: the kernel checks the counted weights (bit 2 of its status word) and
+    the host checks then raise the eager path's error, message unchanged; a bad weight at a token that is not
+    counted is ignored."""
+    logits, ids, mask, adv, kw = _batch()
+    w = torch.rand(4, 5 if per == "token" else 1) + 0.5
+    w[2, 3 if per == "token" else 0] = value
+    ok = torch.rand(4, 5) + 0.5
+    ok[1, 4] = -1.0  # not counted
+    out = gtpo_loss(logits, ids, adv, mask, group_size=2, rollout_is_weights=ok, backend="triton", validate=True,
+                    config=GTPOConfig.preset("gtpo", entropy_threshold=None, off_policy_mask_threshold=0.0), **kw)
+    assert torch.isfinite(out.loss)
+    errors = {}
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError) as e:
+            gtpo_loss(logits, ids, adv, mask, group_size=2, rollout_is_weights=w, backend=backend, validate=True,
+                      **kw)
+        errors[backend] = str(e.value)
+    assert errors["triton"] == errors["torch"], errors
+    assert errors["triton"] == ("rollout_is_weights must be >= 0 and finite at counted positions (see "
+                                "rollout_is_weights() for TRL's modes)"), errors
+
+
+@pytest.mark.parametrize("per,value", BAD[:2] + BAD[3:4], ids=[f"{p}-{v}" for p, v in BAD[:2] + BAD[3:4]])
+def test_unvalidated_invalid_rollout_weight_gives_nan(per, value):
+    """validate=False: an invalid counted weight makes the loss NaN on the 4-launch path, as on the eager path."""
+    logits, ids, mask, adv, kw = _batch()
+    w = torch.rand(4, 5 if per == "token" else 1) + 0.5
+    w[2, 3 if per == "token" else 0] = value
+    for backend in ("triton", "torch"):
+        out = gtpo_loss(logits, ids, adv, mask, group_size=2, rollout_is_weights=w, backend=backend, validate=False,
+                        **kw)
+        assert torch.isnan(out.loss), (backend, out.loss)
+
+
+@pytest.mark.parametrize("schedule,packed", [("fused", False), ("recompute", True)])
+def test_head_with_the_off_policy_mask_matches_the_eager_path(schedule, packed):
+    """linear_gtpo_loss with the off-policy mask (covers() admits it): the epilogue kernel computes the loss
+    (once per call, and on each fused tile for its completions), equal to the torch backend's eager path:
+    loss, outputs and the gradients of hidden and weight; the mask drops a completion and keeps one with
+    A < 0. Rollout weights keep the head's eager path (pipeline/tiles.py does not pass them to the kernel)."""
+    from bench.launches import counting
+    from conftest import assert_grad_close, assert_value_close
+    from gtpo_kernels import linear_gtpo_loss
+    from gtpo_kernels.pipeline.head import row_bytes
+    g = torch.Generator().manual_seed(8)
+    B, T, D, V = 4, 5, 8, 24
+    h = torch.randn(B, T, D, generator=g)
+    w = torch.randn(V, D, generator=g) * 0.5
+    ids = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.tensor([-0.8, -0.6, 0.7, -0.3])
+    lp = torch.log_softmax((h @ w.T).double(), -1).gather(-1, ids[..., None])[..., 0]
+    shift = torch.tensor([0.3, -0.2, 0.1, 0.05], dtype=torch.float64)[:, None]  # mean (old - logp) per completion
+    old = (lp + shift + 0.05 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    cfg = GTPOConfig.preset("grpo", beta=0.04, off_policy_mask_threshold=0.07)
+    mean = (old.double() - lp).mean(1)
+    assert (mean - 0.07).abs().min() > 1e-3 and (mean > 0.07)[0] and (mean < 0.07)[1], mean  # drops 0, keeps 1
+    kw = dict(old_logps=old, ref_logps=old - 0.1, group_size=2, config=cfg, validate=False,
+              memory_budget=2 * T * row_bytes(V, torch.float32, h.device), schedule=schedule)
+    args = [h, w, ids, adv]
+    if packed:
+        kw.update(old_logps=old.reshape(-1), ref_logps=(old - 0.1).reshape(-1),
+                  cu_seqlens=torch.arange(0, B * T + 1, T), max_seqlen=T)
+        args = [h.reshape(B * T, D), w, ids.reshape(-1), adv]
+    outs = {}
+    for backend in ("triton", "torch"):
+        hh, ww = args[0].clone().requires_grad_(), w.clone().requires_grad_()
+        with counting() as k:
+            out = linear_gtpo_loss(hh, ww, *args[2:], backend=backend, **kw)
+            out.loss.backward()
+        outs[backend] = (out, hh.grad, ww.grad, k)
+    (o, gh, gw, k), (t, th, tw, _) = outs["triton"], outs["torch"]
+    assert k.triton_names.get("_epilogue_kernel", 0) >= 1, dict(k.triton_names)
+    assert float(o.metrics["grad_in_forward"]) == (schedule == "fused")
+    assert th.abs().sum() > 0
+    assert_value_close("loss", o.loss, t.loss, 1e-5)
+    for f in ("logps", "per_token_loss"):
+        assert_value_close(f, getattr(o, f), getattr(t, f), 1e-5)
+    assert_grad_close("grad hidden", gh, th.double(), 1e-5)
+    assert_grad_close("grad weight", gw, tw.double(), 1e-5)
+    # the mask decided: a dropped completion keeps only its KL term
+    eager_off = linear_gtpo_loss(args[0], w, *args[2:], backend="torch", **dict(kw, config=cfg.replace(
+        off_policy_mask_threshold=None)))
+    assert not torch.allclose(eager_off.loss, t.loss)
+
+
+def test_the_masks_compile_for_the_gpus():
+    """The epilogue with rollout weights (RW 1, 2) and the off-policy mask (OFF_POLICY, its threshold off_thr a
+    float) compiled ahead of time for sm_90, sm_80 and sm_100 (Triton's compiler in a process without the
+    interpreter; bench.aot.compiler.compile_epilogue's arguments, off_thr added)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch\n"
+            "from bench.aot import compiler as C\n"
+            "from gtpo_kernels.kernels.epilogue_triton import _epilogue_kernel as k\n"
+            "scal = dict(B=64, T=512, N=32768, max_seqlen=-1, g_lo=0, g_hi=64, lo=0.8, hi=1.2, delta=1.5,\n"
+            "            dual_c=3.0, beta=0.04, ent_coef=0.01, penalty=0.1, thr=0.69, max_len_cfg=0.0,\n"
+            "            nitems_val=1.0, sapo_pos=1.0, sapo_neg=1.05, dro_beta=0.1, off_thr=0.01)\n"
+            "ptrs = {'bad_ptr': torch.int8, 'mask_ptr': torch.bool, 'cu_ptr': torch.int64,\n"
+            "        'kept_out': torch.uint8, 'cu_fix': torch.int64, 'status_ptr': torch.int32}\n"
+            "for arch, sw in [(90, {}), (80, dict(RW=2, PACKED=True, SEQ=True)),\n"
+            "                 (100, dict(RW=2, HAS_ROLL=False, POLICY=1)),\n"
+            "                 (90, dict(HAS_ROLL=False, HAS_OLD=False, RW=0))]:\n"
+            "    meta = dict(PACKED=False, HAS_MASK=True, HAS_OLD=True, HAS_KL=True, BIAS_KL=True,\n"
+            "                HAS_LAM=True, HAS_NCONF=True, NITEMS=0, CLIP=True, HAS_DELTA=True, HAS_DUAL=True,\n"
+            "                HAS_E=True, FILTER=True, PENALTY=True, SEQ=False, AGG=0, BLOCK=1024, VALIDATE=True,\n"
+            "                MASK_VALUES=True, HAS_REF=True, HAS_ROLL=True, RW=1, OFF_POLICY=True, num_warps=4)\n"
+            "    meta.update(sw)\n"
+            "    assert C._compile_ahead(k, arch, ptrs, torch.float32, scal, meta).asm.get('ptx'), (arch, sw)\n"
+            "    print(arch, sw)\n"
+            "print('compiled')\n")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
