@@ -415,7 +415,8 @@ def test_unvalidated_malformed_cu_seqlens_matches_the_eager_path(cu):
 
 def test_epilogue_compiles_for_the_gpus():
     """The epilogue compiled ahead of time for sm_90, sm_80 and sm_100 (no GPU needed; Triton's compiler in
-    a process without the interpreter), every policy term (POLICY) among its cases: what the interpreter
+    a process without the interpreter), every policy term (POLICY), the rollout weights (RW) and the off-policy
+    mask among its cases: what the interpreter
     does not check (a loop-carried variable that changes type, a global NaN that differs from itself between
     inner functions) fails here."""
     import subprocess
@@ -424,7 +425,9 @@ def test_epilogue_compiles_for_the_gpus():
             "for arch, sw in [(90, {}), (90, dict(PACKED=True, SEQ=True, AGG=4)), (90, dict(AGG=5, HAS_LAM=False, HAS_ROLL=False)),\n"
             "                 (80, dict(PACKED=True, AGG=1, NITEMS=2)), (100, dict(SEQ=True, AGG=3, HAS_KL=False)),\n"
             "                 *[(90, dict(POLICY=p, PACKED=p % 2 == 1, HAS_DUAL=p != 7, AGG=p % 6)) for p in range(1, 8)],\n"
-            "                 (80, dict(POLICY=6)), (100, dict(POLICY=2, HAS_OLD=False, HAS_LAM=False))]:\n"
+            "                 (80, dict(POLICY=6)), (100, dict(POLICY=2, HAS_OLD=False, HAS_LAM=False)),\n"
+            "                 (80, dict(RW=2, OFF_POLICY=True, PACKED=True, SEQ=True)),\n"
+            "                 (100, dict(RW=1, OFF_POLICY=True, HAS_ROLL=False, HAS_OLD=False))]:\n"
             "    print(arch, sw)\n"
             "    assert compile_epilogue(arch, **sw).asm.get('ptx'), (arch, sw)\n"
             "print('compiled')\n")

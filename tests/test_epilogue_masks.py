@@ -163,35 +163,3 @@ def test_head_with_the_off_policy_mask_matches_the_eager_path(schedule, packed):
     eager_off = linear_gtpo_loss(args[0], w, *args[2:], backend="torch", **dict(kw, config=cfg.replace(
         off_policy_mask_threshold=None)))
     assert not torch.allclose(eager_off.loss, t.loss)
-
-
-def test_the_masks_compile_for_the_gpus():
-    """The epilogue with rollout weights (RW 1, 2) and the off-policy mask (OFF_POLICY, its threshold off_thr a
-    float) compiled ahead of time for sm_90, sm_80 and sm_100 (Triton's compiler in a process without the
-    interpreter; bench.aot.compiler.compile_epilogue's arguments, off_thr added)."""
-    import os
-    import subprocess
-    import sys
-    code = ("import torch\n"
-            "from bench.aot import compiler as C\n"
-            "from gtpo_kernels.kernels.epilogue_triton import _epilogue_kernel as k\n"
-            "scal = dict(B=64, T=512, N=32768, max_seqlen=-1, g_lo=0, g_hi=64, lo=0.8, hi=1.2, delta=1.5,\n"
-            "            dual_c=3.0, beta=0.04, ent_coef=0.01, penalty=0.1, thr=0.69, max_len_cfg=0.0,\n"
-            "            nitems_val=1.0, sapo_pos=1.0, sapo_neg=1.05, dro_beta=0.1, off_thr=0.01)\n"
-            "ptrs = {'bad_ptr': torch.int8, 'mask_ptr': torch.bool, 'cu_ptr': torch.int64,\n"
-            "        'kept_out': torch.uint8, 'cu_fix': torch.int64, 'status_ptr': torch.int32}\n"
-            "for arch, sw in [(90, {}), (80, dict(RW=2, PACKED=True, SEQ=True)),\n"
-            "                 (100, dict(RW=2, HAS_ROLL=False, POLICY=1)),\n"
-            "                 (90, dict(HAS_ROLL=False, HAS_OLD=False, RW=0))]:\n"
-            "    meta = dict(PACKED=False, HAS_MASK=True, HAS_OLD=True, HAS_KL=True, BIAS_KL=True,\n"
-            "                HAS_LAM=True, HAS_NCONF=True, NITEMS=0, CLIP=True, HAS_DELTA=True, HAS_DUAL=True,\n"
-            "                HAS_E=True, FILTER=True, PENALTY=True, SEQ=False, AGG=0, BLOCK=1024, VALIDATE=True,\n"
-            "                MASK_VALUES=True, HAS_REF=True, HAS_ROLL=True, RW=1, OFF_POLICY=True, num_warps=4)\n"
-            "    meta.update(sw)\n"
-            "    assert C._compile_ahead(k, arch, ptrs, torch.float32, scal, meta).asm.get('ptx'), (arch, sw)\n"
-            "    print(arch, sw)\n"
-            "print('compiled')\n")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
