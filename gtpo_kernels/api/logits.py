@@ -94,9 +94,10 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
         fast = epilogue.eligible(logits, cfg, backend, inplace, replay.requested(sampling_mask, top_k, top_p, min_p),
                                  process_group)  # the 4-launch path checks in its kernel
-        # the recorded kept sets' 8-launch path checks in its kernels too (the sets included)
-        sets_in_kernels = sampling_mask is not None and rollout_is_weights is None and epilogue.eligible(
-            logits, cfg, backend, inplace, False, process_group)
+        # the recorded kept sets' 8-launch path checks in its kernels too (the sets: their status, then the host)
+        # (not with a per-token temperature: its host check must come after the batch's, as on the eager path)
+        sets_in_kernels = sampling_mask is not None and rollout_is_weights is None and not _per_token_tau(
+            temperature) and epilogue.eligible(logits, cfg, backend, inplace, False, process_group)
         in_kernels = fast or sets_in_kernels
         prep = dict(advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, logits_start=logits_start,
                     vocab_size=_local_vocab(process_group), **extras)
@@ -115,7 +116,6 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                                    in_kernels=fast)
             b.tau = tau  # compared across the ranks of a vocabulary split (agree.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace)
-
 
             def revalidate():  # an input check failed in the kernel: the host checks name it
                 with checks.one_host_read():

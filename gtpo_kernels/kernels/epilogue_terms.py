@@ -206,8 +206,8 @@ def _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, rw_ptr, MASK_VAL
     counted token."""
     bad = (o < 0).to(tl.int32)  # zeros, of the block's shape
     if MASK_VALUES:
-        v = tl.load(mask_ptr + o, mask=inb, other=0).to(tl.float32)
-        bad = bad | (inb & (v != 0.0) & (v != 1.0)).to(tl.int32)
+        v = tl.load(mask_ptr + o, mask=inb, other=0)  # in its own dtype: float64's 1 + 1e-12 is not 1
+        bad = bad | (inb & (v != 0) & (v != 1)).to(tl.int32)
     if HAS_OLD:
         x = tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32)
         bad = bad | (m & ((tl.abs(x) < float("inf")) == 0)).to(tl.int32)

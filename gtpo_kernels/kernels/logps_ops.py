@@ -144,7 +144,8 @@ def replay_epilogue(logits3: Tensor, ids: Tensor, token_ids: Tensor, offsets: Te
                             tau_n if tau is None else tau, flat, rows, grows, tau_n, cu_out, met, B, T, n,
                             offsets.numel() - 1, token_ids.numel(), logits_start, logits3.stride(0),
                             logits3.stride(1), logits3.shape[1] * V, V, tau_value, HAS_MASK=mask is not None,
-                            PACKED=cu is not None, TAU_MODE=mode, BLOCK=BLOCK, num_warps=4)
+                            PACKED=cu is not None, TAU_MODE=mode, BLOCK=BLOCK,
+                            VALIDATE=bool(flags[loss_ops.FLAGS.index("VALIDATE")]), num_warps=4)
     kept = token_ids if token_ids.numel() else flat  # (an empty set list: never read)
     if n:
         _replay_fwd_kernel[(n,)](logits3, rows, ids, tau_n, kept, flat, outs[1], outs[2], stats, flags_t, V, 1.0, 1.0,

@@ -83,11 +83,13 @@ def _flat_sets_kernel(mask_ptr, off_ptr, cu_ptr, tau_ptr,  # the caller's mask, 
                       cu_out, met_out,  # (B + 1,) int64, (2,) float32
                       B, T, N, M_rec, K,  # completions, T (padded), tokens, recorded sets, kept ids
                       logits_start, s0, s1, g0, g1, tau_value,  # rows: the strides of logits3, of its gradient
-                      HAS_MASK: tl.constexpr, PACKED: tl.constexpr, TAU_MODE: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_MASK: tl.constexpr, PACKED: tl.constexpr, TAU_MODE: tl.constexpr, BLOCK: tl.constexpr,
+                      VALIDATE: tl.constexpr = False):
     """Pass 1: the counted tokens M and whether the recorded offsets are malformed (not non-decreasing from
     0 to K) or not M + 1: then every set is empty here and the epilogue's outputs NaN (when M > 0).
     Pass 2: flat token j's set is the recorded set of the counted tokens before it (empty if uncounted).
-    TAU_MODE: 0 tau_value, 1 per token (N,), 2 one element."""
+    TAU_MODE: 0 tau_value, 1 per token (N,), 2 one element. VALIDATE: malformed offsets poison the
+    cu_seqlens even without a counted token (the status word then makes the call check them on the host)."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     M = tl.zeros((), tl.int64)
     for t0 in range(0, N, BLOCK):
@@ -132,7 +134,8 @@ def _flat_sets_kernel(mask_ptr, off_ptr, cu_ptr, tau_ptr,  # the caller's mask, 
     # spec 13's metrics as replay_metrics gives them (from the offsets as recorded, malformed or not)
     tl.store(met_out, ((end - first).to(tl.float64) / tl.maximum(M, 1).to(tl.float64)).to(tl.float32))
     tl.store(met_out + 1, 0.0)  # replay_restored_frac: a recorded set restores nothing
-    _cu_out(cu_ptr, cu_out, B, T, N, bad * (M > 0).to(tl.int32), BLOCK, PACKED)
+    # malformed offsets poison the epilogue where a token counts; validating, always (the call raises)
+    _cu_out(cu_ptr, cu_out, B, T, N, bad * ((M > 0) | VALIDATE).to(tl.int32), BLOCK, PACKED)
 
 
 @triton.jit(do_not_specialize=["B", "N"])

@@ -155,12 +155,14 @@ def output(outs, bad, b, cfg, host, revalidate=None, stacklevel=7):
 
 def _report(status, bad, b, thr, revalidate, stacklevel):
     """A nonzero status word: the input checks run again on the host and raise the first that fails (an
-    id out of range included), then a flagged counted row raises (checks.raise_on_flags names it); the
-    entropy filter having dropped every completion warns."""
+    id out of range included), then a flagged counted row raises (checks.raise_on_flags names it; bad None:
+    the flags were input checks); the entropy filter having dropped every completion warns. Where the host
+    checks pass (a float64 value the kernels saw overflow float32, which the eager path takes too), the
+    outputs are the NaN the eager path gives."""
     word = int(status[0])
     if word & 5 and revalidate is not None:
         revalidate()
-    if word & 1:
+    if word & 1 and bad is not None:
         checks.raise_on_flags(bad, b.tok_shape)
     if word & 2:
         warn_all_dropped(thr, stacklevel=stacklevel)

@@ -68,7 +68,8 @@ def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, sta
     kw = _common(b, cfg, num_items, in_kernel)
     ids = b.given["ids"].reshape(-1) if in_kernel else None
     outs = logps_ops.logps_epilogue(logps, entropy, check=not host and entropy is not None, ids=ids, **kw)
-    out = epilogue.output(outs[:12], outs[12], b, cfg, host, revalidate, stacklevel=stacklevel)
+    # (checked in the kernels, the prep kernel's flags are input checks that revalidate() names, not rows)
+    out = epilogue.output(outs[:12], None if in_kernel else outs[12], b, cfg, host, revalidate, stacklevel=stacklevel)
     return _with_metrics(out, {k: v.to(out.loss.dtype) for k, v in (replay_metrics or {}).items()})
 
 
