@@ -84,3 +84,99 @@ def test_kernel_validation_edges_match_the_eager_path(case):
         assert eager[0] == "loss" and (eager[1].isnan() or case.startswith("entropy")), eager
         return
     assert ours == eager if ours[0] == "error" else False, (ours, eager)
+
+
+TOKEN_CASES = ["packed", "packed_max_seqlen", "packed_max_seqlen_short", "packed_decreasing", "packed_wrong_end",
+               "tau_per_completion", "tau_per_token", "tau_negative", "tau_zero_counted", "tau_nan_uncounted",
+               "id_then_tau", "packed_malformed_then_tau"]
+
+
+@pytest.mark.parametrize("case", TOKEN_CASES)
+def test_token_logprobs_packed_and_per_token_temperature_check_in_the_kernel(case):
+    """token_logprobs validating, packed or with a temperature per completion / token: the forward kernel's
+    status word holds the cu_seqlens, max_seqlen and temperature checks too (one host read, at most 5
+    launches: a per-completion tau's spread to the tokens), and a failure raises the torch path's error
+    (the batch's, then the temperature's); valid calls equal the torch path's log-probs and entropies."""
+    from bench.launches import counting
+    from gtpo_kernels import token_logprobs
+    g = torch.Generator().manual_seed(4)
+    z, ids = torch.randn(4, 5, 16, generator=g), torch.randint(0, 16, (4, 5), generator=g)
+    mask = torch.rand(4, 5, generator=g) > 0.3
+    mask[:, 0] = True
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])
+    tau_c = torch.tensor([0.7, 1.0, 1.3, 0.9])
+    tau_t = torch.rand(4, 5, generator=g) + 0.5
+    if case.startswith("packed") or case == "id_then_tau":
+        kw = dict(logits=z[mask], completion_ids=ids[mask].clone(), cu_seqlens=cu.clone())
+    else:
+        kw = dict(logits=z, completion_ids=ids.clone(), completion_mask=mask)
+    if "max_seqlen" in case:
+        kw["max_seqlen"] = int(mask.sum(1).max()) - case.endswith("short")
+    if case == "packed_decreasing" or case == "packed_malformed_then_tau":
+        kw["cu_seqlens"][2] = cu[1] - 1
+    if case == "packed_wrong_end":
+        kw["cu_seqlens"][-1] -= 1
+    if case in ("tau_per_completion", "tau_negative", "id_then_tau", "packed_malformed_then_tau"):
+        kw["temperature"] = tau_c.clone() if "packed" not in case and case != "id_then_tau" else tau_c[:, None].clone()
+    if case in ("tau_per_token", "tau_zero_counted", "tau_nan_uncounted"):
+        kw["temperature"] = tau_t.clone()
+    if case in ("tau_negative", "id_then_tau", "packed_malformed_then_tau"):
+        kw["temperature"][1] = -1.0
+    if case == "tau_zero_counted":
+        kw["temperature"][0, 0] = 0.0
+    if case == "tau_nan_uncounted":
+        kw["temperature"][~mask] = float("nan")
+    if case == "id_then_tau":
+        kw["completion_ids"][3] = 16
+    out = {}
+    for backend in ("triton", "torch"):
+        token_logprobs(**dict(kw, logits=z[:1, :1], completion_ids=ids[:1, :1], completion_mask=None,
+                              cu_seqlens=None, max_seqlen=None, temperature=1.0), backend="triton")  # (the counter)
+        with counting() as c:
+            try:
+                out[backend] = token_logprobs(backend=backend, **kw)
+            except ValueError as e:
+                out[backend] = str(e)
+        if backend == "triton":
+            assert c.triton_names.get("_vocab_fwd_kernel") == 1, dict(c.triton_names)
+            if not isinstance(out["triton"], str):
+                assert c.host_reads == 1 and c.launches <= (5 if case.endswith("completion") else 1), \
+                    (c.launches, dict(c.reads), dict(c.ops))
+    if isinstance(out["torch"], str):
+        assert out["triton"] == out["torch"]
+        return
+    for a, b in zip(out["triton"], out["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+STATUS_AOT = '''
+import torch
+from bench.aot.compiler import _compile_ahead
+from gtpo_kernels.kernels import vocab_fwd_triton as F
+from gtpo_kernels.kernels.vocab_triton import fwd_block_v
+i64, i32 = torch.int64, torch.int32
+for arch, dt, cu in ((90, torch.bfloat16, True), (80, torch.float32, False), (100, torch.float16, True)):
+    ck = _compile_ahead(F._vocab_fwd_kernel, arch, dict(logits_ptr=dt, ids_ptr=i64, mask_ptr=torch.float32,
+                        bad_ptr=torch.int8, status_ptr=i32, work_ptr=i64, cu_ptr=i64, rows_ptr=i64),
+                        torch.float32, dict(stride_lb=151936 * 512, stride_lt=151936, T=512, V=151936,
+                        logits_start=0, temp_ptr=0.7, temp_stride=0, scale=1.0, softcap=0.0, NB=1,
+                        n_seq=64, max_seqlen=-1),
+                        dict(HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_V=fwd_block_v(151936), TEMP_BY_VALUE=True,
+                             NAN_FLAGGED=True, HAS_STATUS=True, MASK_VALUES=True, CU_CHECK=cu, num_warps=8))
+    assert "atom" in ck.asm["ptx"], arch
+print("compiled")
+'''
+
+
+def test_the_status_word_compiles_for_the_gpus():
+    """The forward kernel with token_logprobs' status word (its counter's atomic, the mask values, the packed
+    form's cu_seqlens check) compiled ahead of time for sm_90, sm_80 and sm_100 (Triton's compiler in a process
+    without the interpreter)."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", STATUS_AOT], env=env, cwd=root, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]

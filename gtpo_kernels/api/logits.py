@@ -167,9 +167,9 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             temperature = _with_temperature(GTPOConfig(), temperature).temperature
         host = checks.host_checks(validate)
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
-        try:  # validating in one launch (padded, one temperature): the kernel checks the mask values and ids
-            fast = (host and cu_seqlens is None and process_group is None and not _per_token_tau(temperature)
-                    and not replay.requested(sampling_mask, top_k, top_p, min_p) and isinstance(logits, torch.Tensor)
+        try:  # validating in one launch: the kernel checks the mask values, ids, cu_seqlens and temperatures
+            fast = (host and process_group is None and not replay.requested(sampling_mask, top_k, top_p, min_p)
+                    and isinstance(logits, torch.Tensor)
                     and dispatch.resolve_backend(backend, logits.device, logits.dtype) == "triton")
         except (ValueError, TypeError, RuntimeError):  # raised where the call resolves the backend
             fast = False
@@ -177,14 +177,19 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             b = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                logits_start=logits_start, validate=host and not fast,
                                vocab_size=_local_vocab(process_group))
-            if _per_token_tau(temperature):
-                temperature = b.tau = call_temperature(temperature, b, torch.float64 if logits.dtype == torch.float64
-                                                       else torch.float32, host)
+            given_tau = temperature
+            tau_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+            if _per_token_tau(temperature):  # (fast: checked in the kernel)
+                temperature = b.tau = call_temperature(temperature, b, tau_dtype, host and not fast, in_kernels=fast)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, False)
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
             if backend == "triton" and process_group is None and rules is None:  # one launch (spec 8)
-                def revalidate():  # a check failed in the kernel: the host checks name it
-                    batch.prepare(logits, completion_ids, completion_mask, logits_start=logits_start, validate=True)
+                def revalidate():  # a check failed in the kernel: the host checks name it, in the eager order
+                    with checks.one_host_read():
+                        b2 = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens,
+                                           max_seqlen=max_seqlen, logits_start=logits_start, validate=True)
+                        if _per_token_tau(given_tau):
+                            call_temperature(given_tau, b2, tau_dtype, True)
                 return epilogue.token_logps(b, temperature, host, revalidate if fast else None)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)

@@ -140,10 +140,13 @@ def _counter(device):
 @torch.library.custom_op("gtpo_kernels::token_logps", mutates_args=())
 def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Tensor],
                 temperature: Optional[torch.Tensor], tau_value: float, logits_start: int, status: bool = False,
-                mask_values: bool = False) -> List[torch.Tensor]:
+                mask_values: bool = False, cu: Optional[torch.Tensor] = None,
+                max_seqlen: int = -1) -> List[torch.Tensor]:
     """token_logprobs in one launch: [logp, H, flags, status word], 0 where not counted, NaN at a flagged
     token. status: the launch writes the word, (1,) int32, the number of tokens that failed a check (their
-    flags, and with mask_values a mask value other than 0 and 1); else it is left unset."""
+    flags, a counted token's tau not finite and > 0 among them; with mask_values a mask value other than 0
+    and 1; given cu, the packed form's cu_seqlens malformed or longer than max_seqlen >= 0:
+    kernels/vocab_status.py); else it is left unset."""
     n = ids.numel()
     f32 = dict(device=logits3.device, dtype=torch.float32)
     outs = (torch.empty(n, **f32), torch.empty(n, **f32), torch.empty((n, 3), **f32),
@@ -154,7 +157,10 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
     meta = {}
     if status:
         work, key = _counter(logits3.device)
-        meta = dict(status_ptr=word, work_ptr=work, HAS_STATUS=True, MASK_VALUES=mask_values and mask is not None)
+        meta = dict(status_ptr=word, work_ptr=work, HAS_STATUS=True, MASK_VALUES=mask_values and mask is not None,
+                    CU_CHECK=cu is not None)
+        if cu is not None:
+            meta.update(cu_ptr=cu, n_seq=cu.numel() - 1, max_seqlen=max_seqlen)
     B, _, V = logits3.shape
     try:
         vocab_triton._launch(logits3, ids, mask, outs, n // B, V, logits_start,
@@ -168,7 +174,8 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
 
 
 @token_logps.register_fake
-def _(logits3, ids, mask, temperature, tau_value, logits_start, status=False, mask_values=False):
+def _(logits3, ids, mask, temperature, tau_value, logits_start, status=False, mask_values=False, cu=None,
+      max_seqlen=-1):
     n = ids.numel()
     return [logits3.new_empty(n, dtype=torch.float32), logits3.new_empty(n, dtype=torch.float32),
             logits3.new_empty(n, dtype=torch.int8), logits3.new_empty(1, dtype=torch.int32)]

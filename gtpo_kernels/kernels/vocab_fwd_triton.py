@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ..core.vocab_block import VOCAB_BLOCK as _VOCAB_BLOCK
+from .vocab_status import _fold_status
 from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E, NEG_SENTINEL, _inv_cap,
                         _inv_tau, _log1p, _store_token, _transform)
 
@@ -173,7 +174,7 @@ def _uncounted():
     return zero, zero, tl.full((), float("-inf"), tl.float32), zero, zero, tl.zeros((), tl.int32)
 
 
-@triton.jit(do_not_specialize=["T", "logits_start", "temp_stride"])
+@triton.jit(do_not_specialize=["T", "logits_start", "temp_stride", "n_seq", "max_seqlen"])
 def _vocab_fwd_kernel(
     # pointers
     logits_ptr, ids_ptr, mask_ptr,  # inputs: (B, T_l, V) strided rows; (B*T,) ids; (B*T,) counted flag
@@ -202,8 +203,10 @@ def _vocab_fwd_kernel(
     ROWS: tl.constexpr = False,  # True: program p reads logits row p (B = 1, T = the tile's rows) and the
     # per-token tensors (ids, tau, mask, outputs) at token rows_ptr[p]; no gather or scatter around it
     status_ptr=None, work_ptr=None,  # HAS_STATUS: (1,) int32 the tokens that failed; (1,) int64 counter, 0
-    HAS_STATUS: tl.constexpr = False,  # True: the status word is written (_fold_status; not with ROWS)
+    cu_ptr=None, n_seq=0, max_seqlen=-1,  # CU_CHECK: the packed form's cu_seqlens, completions, max_seqlen or -1
+    HAS_STATUS: tl.constexpr = False,  # True: the status word is written (vocab_status; not with ROWS)
     MASK_VALUES: tl.constexpr = False,  # HAS_STATUS: a mask value other than 0 and 1 fails too
+    CU_CHECK: tl.constexpr = False,  # HAS_STATUS: malformed cu_seqlens (or longer than max_seqlen) fail
 ):
     pid = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
     if ROWS:
@@ -251,24 +254,7 @@ def _vocab_fwd_kernel(
             ent = tl.where(bad != 0, float("nan"), ent)
         _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad)
         if HAS_STATUS:
-            _fold_status(status_ptr, work_ptr, bad, mask_ptr, tok, MASK_VALUES)
-
-
-@triton.jit
-def _fold_status(status_ptr, work_ptr, bad, mask_ptr, tok, MASK_VALUES: tl.constexpr):
-    """This token into the launch's status word, no zero-fill launch before: one atomic adds 1, plus 2**32
-    if the token fails (its flags; with MASK_VALUES a mask value other than 0 and 1, NaN included), to the
-    counter at work_ptr; the program that completes the count (low 32 bits) writes the failures (high bits)
-    to status_ptr and sets the counter back to 0 (one counter per stream: its launches are ordered)."""
-    fail = bad != 0
-    if MASK_VALUES:
-        mv = tl.load(mask_ptr + tok)
-        fail = fail | ((mv != 0) & (mv != 1))
-    inc = tl.where(fail, tl.full((), 4294967297, tl.int64), tl.full((), 1, tl.int64))  # 2**32 + 1, or 1
-    tot = tl.atomic_add(work_ptr, inc) + inc
-    if (tot & 4294967295) == tl.num_programs(0):  # the last program of the grid
-        tl.store(status_ptr, (tot >> 32).to(tl.int32))
-        tl.store(work_ptr, tl.zeros((), tl.int64))
+            _fold_status(status_ptr, work_ptr, bad, mask_ptr, tok, cu_ptr, n_seq, max_seqlen, MASK_VALUES, CU_CHECK)
 
 
 @triton.jit(do_not_specialize=["NB", "V", "temp_stride"])

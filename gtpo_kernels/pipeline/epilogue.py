@@ -175,9 +175,12 @@ def token_logps(b, temperature, host, revalidate=None):
     and ids checked in the kernel; nonzero, _report_tokens raises the error the host checks give."""
     tau, tau_value = _tau(temperature, b.logits3)
     mask = None if b.mask is None else b.mask.contiguous()
-    values = revalidate is not None and mask is not None and mask.dtype != torch.bool
-    logp, ent, bad, status = loss_ops.token_logps(b.logits3, b.ids, mask, tau, tau_value, b.logits_start, host,
-                                                  values)
+    in_kernel = revalidate is not None  # the batch's checks too (prepared without them): the given tensors
+    values = in_kernel and mask is not None and mask.dtype != torch.bool
+    cu = b.given["cu_seqlens"].contiguous() if in_kernel and b.packed else None
+    ids = b.given["ids"] if in_kernel else b.ids
+    logp, ent, bad, status = loss_ops.token_logps(b.logits3, ids, mask, tau, tau_value, b.logits_start, host,
+                                                  values, cu, -1 if b.max_seqlen is None else b.max_seqlen)
     if host:
         checks.check_on_device(status, lambda: _report_tokens(bad, b, revalidate))
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
