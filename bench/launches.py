@@ -200,10 +200,13 @@ def _rows(device="cpu"):
             return lambda: gtpo_loss(x, ids, adv, mask, backend="triton", **extra, **kw).loss.backward()
         return prepare
 
-    def logps(validate):
+    def logps(validate, packed=False, per_token_tau=False):
         def prepare():
-            logits, ids, _, mask, _ = batch(8, 6, 0, False, device=device)
-            return lambda: token_logprobs(logits, ids, 0.7, mask, validate=validate, backend="triton")
+            logits, ids, _, mask, extra = batch(8, 6, 0, packed, device=device)
+            kw = dict(cu_seqlens=extra["cu_seqlens"]) if packed else dict(completion_mask=mask)
+            tau = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)).to(device) + 0.5 \
+                if per_token_tau else 0.7
+            return lambda: token_logprobs(logits, ids, tau, validate=validate, backend="triton", **kw)
         return prepare
     def head(schedule, tiles):
         def prepare():
@@ -270,6 +273,8 @@ def _rows(device="cpu"):
             ("sampling_mask replay (recorded sets), validate=False", recorded_sets(False)),
             ("the same, validate=True", recorded_sets(True)),
             ("top_k replay, validate=False", loss(validate=False, top_k=5, drop=no_ref)),
+            ("token_logprobs packed, validate=True", logps(True, packed=True)),
+            ("token_logprobs, a temperature per token, validate=True", logps(True, per_token_tau=True)),
             ("rollout_is_weights per token, validate=False",
              loss(validate=False, drop=no_ref, rollout_is_weights=torch.rand(8, 6, device=device) + 0.5)),
             ("rollout_is_weights per completion (B, 1), validate=False",
