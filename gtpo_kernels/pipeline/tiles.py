@@ -227,7 +227,7 @@ def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
     sub = Batch(logits3=None, ids_=t.ids[idx], counted_=ones[:n],
                 seg_=t.seg[idx] - k.g0, B=k.g1 + 1 - k.g0, logits_start=0, tok_shape=(n,), adv_=sl(x.adv, g),
                 old=sl(x.old, idx), ref=sl(x.ref, idx), lam=sl(x.lam, idx), n_conf=sl(x.n_conf, g),
-                rollout_w=sl(x.rollout_w, idx), rollout_w_seq=sl(x.rollout_w_seq, g),
+                rollout_w_=sl(x.rollout_w, idx), rollout_w_seq=sl(x.rollout_w_seq, g),
                 rollout_logps=sl(x.rollout_logps, idx), max_len_=x.max_len)
     counts, M = totals
     if sub.n_conf is None and opts.cfg.loss_agg == "gtpo-official":  # n_conf = 1 for the tile's completions
