@@ -245,11 +245,14 @@ def _sampling_mask(logits, ids, mask, k=5):
 def test_recorded_kept_sets_at_most_eight_launches(packed):
     """gtpo_loss with sampling_mask (spec 8: at most 8 for replay): the sets' flat layout, the replay, the
     sets' checks, the epilogue; the seed, c g and e g, the gradient's zeros, the replay's gradient kernel.
-    No host read and no tensor from host data unvalidated; the same counts at two sizes."""
+    No host read and no tensor from host data unvalidated; the same counts at two sizes. Packed, with rollout
+    weights per completion (B, 1) (the epilogue reads them: no launch more)."""
     counts = []
     for k, (B, T) in enumerate(SIZES):
         logits, ids, adv, mask, kw = _batch(B, T, k, packed)
         kw.pop("ref_logps")
+        if packed:
+            kw["rollout_is_weights"] = torch.rand(B, 1, generator=torch.Generator().manual_seed(k)) + 0.5
         sets = _sampling_mask(logits, ids, mask)
         x = logits.requires_grad_()
         with counting() as c:
@@ -358,8 +361,10 @@ def test_per_completion_rollout_weights_take_at_most_four(packed):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_from_logps_off_policy_mask_at_most_four_launches(packed):
-    """gtpo_loss_from_logps with the off-policy mask (rollout log-probs as its sampling policy): the same 4
-    launches as without it."""
-    launches, reads, creations, kernels = _roll_counts(packed, _OFF, rollout=True, from_logps=True)
+    """gtpo_loss_from_logps with the off-policy mask (rollout log-probs as its sampling policy) and rollout
+    weights (per token padded, per completion packed: the epilogue reads them): the same 4 launches as
+    without them (the eager path took ~140-170)."""
+    launches, reads, creations, kernels = _roll_counts(packed, _OFF, rollout=True, from_logps=True,
+                                                       weights="completion" if packed else "token")
     assert reads == 0 and creations == 0 and launches <= 4, (launches, reads, creations)
     assert kernels == {"_prep_kernel": 1, "_epilogue_kernel": 1, "_scale_kernel": 1}, kernels
