@@ -210,11 +210,13 @@ def forward_tiles(opts, t, need, epi_args=None):
 
 def run_epilogue(opts, t, epi_args, logp, ent, bad, outs, g_lo=0, g_hi=None):
     """The epilogue kernel on the forward's per-token logp, H and flags (pass 2 over completions [g_lo,
-    g_hi): a fused tile's own; default the call's), writing `outs`."""
+    g_hi): a fused tile's own; default the call's), writing `outs`; the rollout weights as the kernel reads
+    them (per completion (B,), else per token (N,), or None: flags' RW)."""
     x = t.extras
     floats, flags = epi_args
+    rw = x.rollout_w_seq if x.rollout_w_seq is not None else x.rollout_w
     loss_ops.epilogue(logp, ent, bad, x.mask, x.cu, x.adv_given, x.old, x.ref, x.lam, x.n_conf, x.num_items,
-                      list(floats), list(flags), opts.B, x.rollout_logps, outs, g_lo, g_hi)
+                      list(floats), list(flags), opts.B, x.rollout_logps, outs, g_lo, g_hi, rw=rw)
 
 
 def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
