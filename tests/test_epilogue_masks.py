@@ -104,14 +104,24 @@ def test_validating_an_invalid_rollout_weight_raises_the_eager_error(per, value)
 
 @pytest.mark.parametrize("per,value", BAD[:2] + BAD[3:4], ids=[f"{p}-{v}" for p, v in BAD[:2] + BAD[3:4]])
 def test_unvalidated_invalid_rollout_weight_gives_nan(per, value):
-    """validate=False: an invalid counted weight makes the loss NaN on the 4-launch path, as on the eager path."""
+    """validate=False: an invalid counted weight makes the loss NaN on the 4-launch path, as on the eager path;
+    from log-probs and over recorded kept sets too (their epilogue paths)."""
+    from gtpo_kernels import gtpo_loss_from_logps
+    from test_launches import _sampling_mask
     logits, ids, mask, adv, kw = _batch()
     w = torch.rand(4, 5 if per == "token" else 1) + 0.5
     w[2, 3 if per == "token" else 0] = value
+    la = torch.log_softmax(logits, -1)
+    lp, H = la.gather(-1, ids[..., None])[..., 0], -(la.exp() * la).sum(-1)
+    sets = _sampling_mask(logits, ids, mask)
     for backend in ("triton", "torch"):
-        out = gtpo_loss(logits, ids, adv, mask, group_size=2, rollout_is_weights=w, backend=backend, validate=False,
-                        **kw)
-        assert torch.isnan(out.loss), (backend, out.loss)
+        for call in ("logits", "logps", "sets"):
+            common = dict(group_size=2, rollout_is_weights=w, backend=backend, validate=False, **kw)
+            if call == "logps":
+                out = gtpo_loss_from_logps(lp, ids, adv, mask, entropy=H, **common)
+            else:
+                out = gtpo_loss(logits, ids, adv, mask, sampling_mask=sets if call == "sets" else None, **common)
+            assert torch.isnan(out.loss), (backend, call, out.loss)
 
 
 @pytest.mark.parametrize("schedule,packed", [("fused", False), ("recompute", True)])
