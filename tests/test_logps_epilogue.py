@@ -282,7 +282,7 @@ def test_validating_in_the_kernels_raises_each_check_of_the_twin(bad):
     elif bad == "cu_seqlens":
         kw["cu_seqlens"] = kw["cu_seqlens"].clone()
         kw["cu_seqlens"][2] = kw["cu_seqlens"][1] - 1
-    else:
+    elif bad == "max_seqlen":
         kw["max_seqlen"] = int(mask.sum(1).max()) - 1
     errors = {}
     for backend in ("triton", "torch"):
