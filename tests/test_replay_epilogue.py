@@ -88,14 +88,16 @@ def test_recorded_sets_match_twin_and_reference(agg, packed, tau, layout):
 
 
 def test_rules_replay_takes_the_epilogue():
-    """Kept sets rebuilt by top_k: the replay's own launches, then the same epilogue as the twin's surrogate."""
+    """Kept sets rebuilt by top_k: the replay's own launches, then the same epilogue as the twin's surrogate,
+    with rollout weights per completion ((B,), padded)."""
     z, ids, adv, mask, taus, sets, kw = _sets(4, False)
+    w = torch.rand(adv.shape, generator=torch.Generator().manual_seed(4)) + 0.5
     runs = {}
     for backend in ("triton", "torch"):
         x = z.clone().requires_grad_()
         with counting() as c:
             out = gtpo_loss(x, ids, adv, mask, top_k=5, temperature=0.7, config="gtpo", group_size=2,
-                            validate=False, backend=backend)
+                            rollout_is_weights=w, validate=False, backend=backend)
             out.loss.backward()
         runs[backend] = (out, x.grad, c)
     (out, grad, c), (twin, tgrad, _) = runs["triton"], runs["torch"]
