@@ -140,8 +140,7 @@ NIGHTLY_ONLY |= {f"tests/test_launches.py::{t}" for t in (
     "test_rollout_weights_and_off_policy_mask_take_at_most_four[off-policy-old-packed]",
     "test_rollout_weights_and_off_policy_mask_take_at_most_four[off-policy-rollout-token-weights-padded]",
     "test_validated_rollout_weights_take_four_launches_and_one_read[padded]",
-    "test_per_completion_rollout_weights_take_at_most_eight[padded]",
-    "test_per_completion_rollout_weights_take_at_most_eight[packed]",
+    "test_per_completion_rollout_weights_take_at_most_four[padded]",
     "test_from_logps_off_policy_mask_at_most_four_launches[packed]")}
 NIGHTLY_ONLY |= {f"tests/test_epilogue_masks.py::{t}" for t in (
     "test_off_policy_mask_and_rollout_weights_on_fixed_cases[old-token-weights]",

@@ -104,26 +104,38 @@ def test_validating_an_invalid_rollout_weight_raises_the_eager_error(per, value)
 
 @pytest.mark.parametrize("per,value", BAD[:2] + BAD[3:4], ids=[f"{p}-{v}" for p, v in BAD[:2] + BAD[3:4]])
 def test_unvalidated_invalid_rollout_weight_gives_nan(per, value):
-    """validate=False: an invalid counted weight makes the loss NaN on the 4-launch path, as on the eager path."""
+    """validate=False: an invalid counted weight makes the loss NaN on the 4-launch path, as on the eager path;
+    from log-probs and over recorded kept sets too (their epilogue paths)."""
+    from gtpo_kernels import gtpo_loss_from_logps
+    from test_launches import _sampling_mask
     logits, ids, mask, adv, kw = _batch()
     w = torch.rand(4, 5 if per == "token" else 1) + 0.5
     w[2, 3 if per == "token" else 0] = value
+    la = torch.log_softmax(logits, -1)
+    lp, H = la.gather(-1, ids[..., None])[..., 0], -(la.exp() * la).sum(-1)
+    sets = _sampling_mask(logits, ids, mask)
     for backend in ("triton", "torch"):
-        out = gtpo_loss(logits, ids, adv, mask, group_size=2, rollout_is_weights=w, backend=backend, validate=False,
-                        **kw)
-        assert torch.isnan(out.loss), (backend, out.loss)
+        for call in ("logits", "logps", "sets"):
+            common = dict(group_size=2, rollout_is_weights=w, backend=backend, validate=False, **kw)
+            if call == "logps":
+                out = gtpo_loss_from_logps(lp, ids, adv, mask, entropy=H, **common)
+            else:
+                out = gtpo_loss(logits, ids, adv, mask, sampling_mask=sets if call == "sets" else None, **common)
+            assert torch.isnan(out.loss), (backend, call, out.loss)
 
 
 @pytest.mark.parametrize("schedule,packed", [("fused", False), ("recompute", True)])
 def test_head_with_the_off_policy_mask_matches_the_eager_path(schedule, packed):
     """linear_gtpo_loss with the off-policy mask (covers() admits it): the epilogue kernel computes the loss
     (once per call, and on each fused tile for its completions), equal to the torch backend's eager path:
-    loss, outputs and the gradients of hidden and weight; the mask drops a completion and keeps one with
-    A < 0. Rollout weights keep the head's eager path (pipeline/tiles.py does not pass them to the kernel)."""
+    loss, outputs and the gradients of hidden and weight, and to the float64 reference on the logits; the mask
+    drops a completion and keeps one with A < 0. With rollout weights (the kernel reads them: per completion
+    (B,) on the fused schedule padded, per token (N,) on the recompute one packed), no launch more."""
     from bench.launches import counting
     from conftest import assert_grad_close, assert_value_close
     from gtpo_kernels import linear_gtpo_loss
     from gtpo_kernels.pipeline.head import row_bytes
+    import gtpo_reference as ref
     g = torch.Generator().manual_seed(8)
     B, T, D, V = 4, 5, 8, 24
     h = torch.randn(B, T, D, generator=g)
@@ -136,11 +148,12 @@ def test_head_with_the_off_policy_mask_matches_the_eager_path(schedule, packed):
     cfg = GTPOConfig.preset("grpo", beta=0.04, off_policy_mask_threshold=0.07)
     mean = (old.double() - lp).mean(1)
     assert (mean - 0.07).abs().min() > 1e-3 and (mean > 0.07)[0] and (mean < 0.07)[1], mean  # drops 0, keeps 1
-    kw = dict(old_logps=old, ref_logps=old - 0.1, group_size=2, config=cfg, validate=False,
+    rw = torch.rand(B, T, generator=g) + 0.5 if packed else torch.rand(B, generator=g) + 0.5
+    kw = dict(old_logps=old, ref_logps=old - 0.1, group_size=2, config=cfg, validate=False, rollout_is_weights=rw,
               memory_budget=2 * T * row_bytes(V, torch.float32, h.device), schedule=schedule)
     args = [h, w, ids, adv]
     if packed:
-        kw.update(old_logps=old.reshape(-1), ref_logps=(old - 0.1).reshape(-1),
+        kw.update(old_logps=old.reshape(-1), ref_logps=(old - 0.1).reshape(-1), rollout_is_weights=rw.reshape(-1),
                   cu_seqlens=torch.arange(0, B * T + 1, T), max_seqlen=T)
         args = [h.reshape(B * T, D), w, ids.reshape(-1), adv]
     outs = {}
@@ -159,6 +172,23 @@ def test_head_with_the_off_policy_mask_matches_the_eager_path(schedule, packed):
         assert_value_close(f, getattr(o, f), getattr(t, f), 1e-5)
     assert_grad_close("grad hidden", gh, th.double(), 1e-5)
     assert_grad_close("grad weight", gw, tw.double(), 1e-5)
+    # the float64 reference on the logits h W^T (the gradients through them)
+    hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+    r = ref.gtpo_loss(hr @ wr.T, ids, adv.double(), None, group_size=2, old_logps=old.double(),
+                      ref_logps=(old - 0.1).double(), rollout_is_weights=rw.double(), beta=0.04,
+                      use_conflict_mask=False, entropy_threshold=None, entropy_penalty=0.0,
+                      off_policy_mask_threshold=0.07, loss_agg=cfg.loss_agg)
+    r["loss"].backward()
+    assert hr.grad.abs().sum() > 0
+    assert_value_close("loss vs reference", o.loss.detach(), r["loss"].detach(), 1e-5)
+    assert_grad_close("grad hidden vs reference", gh.reshape(B, T, D), hr.grad, 1e-5)
+    assert_grad_close("grad weight vs reference", gw, wr.grad, 1e-5)
+    n_epi = k.triton_names["_epilogue_kernel"]
+    hh, ww = args[0].clone().requires_grad_(), w.clone().requires_grad_()
+    with counting() as k0:  # the same launches without the weights
+        out = linear_gtpo_loss(hh, ww, *args[2:], backend="triton", **dict(kw, rollout_is_weights=None))
+        out.loss.backward()
+    assert (k0.launches, k0.host_reads, k0.triton_names["_epilogue_kernel"]) == (k.launches, k.host_reads, n_epi)
     # the mask decided: a dropped completion keeps only its KL term
     eager_off = linear_gtpo_loss(args[0], w, *args[2:], backend="torch", **dict(kw, config=cfg.replace(
         off_policy_mask_threshold=None)))

@@ -94,21 +94,41 @@ CASES = [("seq-mean-token-mean", False, True), ("token-mean", True, True), ("seq
 
 
 CASE_IDS = [f"{a}-{'packed' if p else 'padded'}-{'entropy' if e else 'no-entropy'}" for a, p, e in CASES]
+# each case's rollout weights (drawn; the epilogue reads them): per token (-1 where not counted: ignored), per
+# completion (B, 1), or (B,) in the padded form; or none
+WEIGHTS = ["token", "completion", None, "token", "completion-flat", "completion", "token"]
+
+
+def _weights(kind, mask, seed):
+    """Rollout weights in [0.5, 1.5) of `kind` (WEIGHTS) for the padded (B, T) batch, or None."""
+    if kind is None:
+        return None
+    g = torch.Generator().manual_seed(100 + seed)
+    B, T = mask.shape
+    if kind == "token":
+        return torch.where(mask, torch.rand(B, T, generator=g) + 0.5, torch.full((B, T), -1.0))
+    w = torch.rand(B, 1, generator=g) + 0.5
+    return w.reshape(B) if kind == "completion-flat" else w
 
 
 @pytest.mark.parametrize("agg,packed,entropy", CASES, ids=CASE_IDS)
 def test_from_logps_matches_twin_and_reference(agg, packed, entropy):
-    z, ids, mask, adv, noise = _tokens(CASES.index((agg, packed, entropy)))
+    case = CASES.index((agg, packed, entropy))
+    z, ids, mask, adv, noise = _tokens(case)
+    rw = _weights(WEIGHTS[case], mask, case)
     zr = z.clone().requires_grad_()
     lp64, H64 = ref.token_logprobs(zr, ids, 1.0, mask)
     hbar = (H64.detach() * mask).sum(1) / mask.sum(1)
     cfg = _config(agg, entropy, hbar)
     kw = dict(_extras(lp64.detach(), noise), group_size=2, config=cfg, validate=False,
               rollout_logps=(lp64.detach() + 0.2 * noise[1]).float())
+    if rw is not None:
+        kw["rollout_is_weights"] = rw
     up = _upstream(mask)
     args, upstream = (ids, adv, mask), (_pack(up, mask) if packed else up)
     if packed:
-        kw = {k: _pack(v, mask) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        kw = {k: _pack(v, mask) if isinstance(v, torch.Tensor) and v.shape == mask.shape else v
+              for k, v in kw.items()}
         kw.update(cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)]),
                   max_seqlen=int(mask.sum(1).max()))
         args = (ids[mask], adv, None)
@@ -132,7 +152,8 @@ def test_from_logps_matches_twin_and_reference(agg, packed, entropy):
     # against the float64 reference on the logits that gave the log-probs (chained back to them)
     ref_kw = {k: v.double() for k, v in _extras(lp64.detach(), noise).items()}
     zref = z.clone().requires_grad_()
-    r = ref.gtpo_loss(zref, ids, adv.double(), mask, group_size=2, **ref_kw, **_ref_config(cfg))
+    r = ref.gtpo_loss(zref, ids, adv.double(), mask, group_size=2, **ref_kw, **_ref_config(cfg),
+                      rollout_is_weights=None if rw is None else rw.double())
     (r["loss"] if r["loss"].dim() == 0 else (r["loss"] * torch.where(mask, up, 0.0).double()).sum()).backward()
     assert zref.grad.abs().sum() > 0
     grads = [_padded(gx, mask).double()] + ([_padded(gh, mask).double()] if gh is not None else [])
@@ -212,7 +233,7 @@ def test_validating_raises_the_twins_errors_and_warns_at_the_caller():
 
 
 BREAKS = ("entropy", "ids_negative", "ids_2_31", "old", "ref", "lam", "n_conf", "mask", "adv", "num_items",
-          "cu_seqlens", "max_seqlen")
+          "cu_seqlens", "max_seqlen", "weight_token", "weight_completion")
 
 
 @pytest.mark.parametrize("bad", BREAKS)
@@ -227,6 +248,12 @@ def test_validating_in_the_kernels_raises_each_check_of_the_twin(bad):
     kw = dict(_extras(lp.double(), noise), lam=lam, n_conf=torch.full((4,), 2.0), group_size=2,
               config=GTPOConfig.preset("gtpo", beta=0.04, loss_agg="token-mean", entropy_threshold=5.0),
               num_items_in_batch=torch.tensor(float(mask.sum())))
+    if bad == "weight_token":  # rollout weights per token (-1 where not counted: ignored), NaN at a counted one
+        kw["rollout_is_weights"] = torch.where(mask, torch.rand(mask.shape) + 0.5, -1.0)
+        kw["rollout_is_weights"][1, 2] = float("nan")
+    elif bad == "weight_completion":  # per completion (B, 1), one negative
+        kw["rollout_is_weights"] = torch.rand(4, 1) + 0.5
+        kw["rollout_is_weights"][1, 0] = -0.5
     args = [lp, ids.clone(), adv.clone(), mask.float()]
     if packed:
         kw = {k: _pack(v, mask) if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in kw.items()}
@@ -255,7 +282,7 @@ def test_validating_in_the_kernels_raises_each_check_of_the_twin(bad):
     elif bad == "cu_seqlens":
         kw["cu_seqlens"] = kw["cu_seqlens"].clone()
         kw["cu_seqlens"][2] = kw["cu_seqlens"][1] - 1
-    else:
+    elif bad == "max_seqlen":
         kw["max_seqlen"] = int(mask.sum(1).max()) - 1
     errors = {}
     for backend in ("triton", "torch"):
@@ -271,6 +298,7 @@ def test_validating_a_valid_call_reads_once():
     z, ids, mask, adv, noise = _tokens(10)
     lp, H = (x.float() for x in ref.token_logprobs(z, ids, 1.0, mask))
     x, kw, m = lp.clone().requires_grad_(), _extras(lp.double(), noise), mask.float()
+    kw["rollout_is_weights"] = torch.rand(4, 1, generator=torch.Generator().manual_seed(10)) + 0.5
     with counting() as c:
         out = gtpo_loss_from_logps(x, ids, adv, m, entropy=H, group_size=2, backend="triton", **kw,
                                    config=GTPOConfig(entropy_threshold=5.0))

@@ -29,13 +29,17 @@ def _sets(seed, packed, B=4, T=4, V=60, start=0):
 
 RECORDED = [("seq-mean-token-mean", False, "token", "start"), ("none", True, "number", "plain"),
             ("token-mean", True, "config", "plain"), ("gtpo-official", False, "number", "sliced")]
+# each case's drawn rollout weights: per token, per completion (B, 1), per token, per completion (B,) padded
+RECORDED_WEIGHTS = ["token", "completion", "token", "completion-flat"]
 
 
 @pytest.mark.parametrize("agg,packed,tau,layout", RECORDED)
 def test_recorded_sets_match_twin_and_reference(agg, packed, tau, layout):
     """Logits with logits_start, or a view with rows of stride more than T V (a model's logits sliced), or
-    packed; tau per token, a number, the config's tensor; rollout log-probs (spec 14's metrics) once."""
+    packed; tau per token, a number, the config's tensor; rollout log-probs (spec 14's metrics) once; rollout
+    weights per token or per completion (RECORDED_WEIGHTS)."""
     z, ids, adv, mask, taus, sets, kw = _sets(3, packed, start=int(layout == "start"))
+    weights = RECORDED_WEIGHTS[RECORDED.index((agg, packed, tau, layout))]
     if layout == "sliced":  # logits[:, :T] of (B, T + 2, V) logits
         z = torch.cat([z, torch.randn(z.shape[0], 2, z.shape[2], generator=torch.Generator().manual_seed(2))], 1)
     view = (lambda x: x[:, :ids.shape[1]]) if layout == "sliced" else (lambda x: x)
@@ -49,6 +53,9 @@ def test_recorded_sets_match_twin_and_reference(agg, packed, tau, layout):
     gap = torch.randn(base.shape, generator=g, dtype=torch.float64)
     kw.update(old_logps=(base + 0.3 * torch.randn(base.shape, generator=g, dtype=torch.float64)).float(),
               ref_logps=(base + 0.1 * torch.sign(gap) * (0.5 + gap.abs())).float())
+    B = adv.shape[0]
+    kw["rollout_is_weights"] = torch.rand(ids.shape if weights == "token" else (B, 1) if weights == "completion"
+                                          else (B,), generator=g) + 0.5
     if tau == "config":
         kw["rollout_logps"] = (base + 0.2 * torch.randn(base.shape, generator=g, dtype=torch.float64)).float()
     counted = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask
@@ -81,14 +88,16 @@ def test_recorded_sets_match_twin_and_reference(agg, packed, tau, layout):
 
 
 def test_rules_replay_takes_the_epilogue():
-    """Kept sets rebuilt by top_k: the replay's own launches, then the same epilogue as the twin's surrogate."""
+    """Kept sets rebuilt by top_k: the replay's own launches, then the same epilogue as the twin's surrogate,
+    with rollout weights per completion ((B,), padded)."""
     z, ids, adv, mask, taus, sets, kw = _sets(4, False)
+    w = torch.rand(adv.shape, generator=torch.Generator().manual_seed(4)) + 0.5
     runs = {}
     for backend in ("triton", "torch"):
         x = z.clone().requires_grad_()
         with counting() as c:
             out = gtpo_loss(x, ids, adv, mask, top_k=5, temperature=0.7, config="gtpo", group_size=2,
-                            validate=False, backend=backend)
+                            rollout_is_weights=w, validate=False, backend=backend)
             out.loss.backward()
         runs[backend] = (out, x.grad, c)
     (out, grad, c), (twin, tgrad, _) = runs["triton"], runs["torch"]
@@ -134,11 +143,12 @@ def test_invalid_kept_sets_unvalidated_nan_validated_the_twins_error(bad):
     assert errors["triton"] == errors["torch"], errors
 
 
-@pytest.mark.parametrize("bad", ["none", "adv", "old", "mask", "id", "max_seqlen"])
+@pytest.mark.parametrize("bad", ["none", "adv", "old", "mask", "id", "max_seqlen", "weight"])
 def test_recorded_sets_validate_in_the_kernels(bad):
     """Validating, the recorded sets' path makes its value checks in the kernels (the batch's and the sets'):
     a valid call makes 8 launches and one host read (the status word); an invalid input raises the torch
-    path's error (the host checks run after the status word, to name it)."""
+    path's error (the host checks run after the status word, to name it). Rollout weights in every call (per
+    token padded, per completion packed; "weight": a NaN one at a counted token)."""
     packed = bad == "max_seqlen"
     z, ids, adv, mask, _, (tok, off), kw = _sets(7, packed)
     g = torch.Generator().manual_seed(3)
@@ -156,10 +166,13 @@ def test_recorded_sets_validate_in_the_kernels(bad):
         mask[at] = 2.0
     elif bad == "id":
         ids[at] = z.shape[-1]
+    w = torch.rand(ids.shape if not packed else (adv.shape[0], 1), generator=g) + 0.5
+    if bad == "weight":
+        w[at] = float("nan")
     for backend in ("triton", "torch"):
         x = z.clone().requires_grad_()
         call = lambda: gtpo_loss(x, ids, adv, mask, sampling_mask=(tok, off), old_logps=old,  # noqa: E731
-                                 config="grpo", backend=backend, **kw)
+                                 rollout_is_weights=w, config="grpo", backend=backend, **kw)
         if bad == "none":
             with counting() as c:
                 call().loss.backward()

@@ -96,8 +96,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                                  process_group)  # the 4-launch path checks in its kernel
         # the recorded kept sets' 8-launch path checks in its kernels too (the sets: their status, then the host)
         # (not with a per-token temperature: its host check must come after the batch's, as on the eager path)
-        sets_in_kernels = sampling_mask is not None and rollout_is_weights is None and not _per_token_tau(
-            temperature) and epilogue.eligible(logits, cfg, backend, inplace, False, process_group)
+        sets_in_kernels = sampling_mask is not None and not _per_token_tau(temperature) and epilogue.eligible(
+            logits, cfg, backend, inplace, False, process_group)
         in_kernels = fast or sets_in_kernels
         prep = dict(advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, logits_start=logits_start,
                     vocab_size=_local_vocab(process_group), **extras)
@@ -109,7 +109,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
             # the sampler's kept sets with the loss math in the epilogue kernel (recorded sets: 8 launches, spec 8)
             fast_replay = replay.requested(sampling_mask, top_k, top_p, min_p) and logps_epilogue.uses_epilogue(
-                cfg, backend, logits.dtype, process_group, rollout_is_weights)
+                cfg, backend, logits.dtype, process_group)
             num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not in_kernels, raw=fast or fast_replay)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32, host,

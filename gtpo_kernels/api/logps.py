@@ -34,15 +34,15 @@ def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None
     gtpo_loss's (rollout_is_weights: (B, T) / packed (N,) per token, (B, 1) per completion, (B,) padded
     only). It equals gtpo_loss on the logits that gave these log-probs and entropies, outputs included.
     backend  'auto' (Triton on CUDA, the eager surrogate elsewhere and for float64 log-probs), 'triton' or
-             'torch': on Triton, one process, the configs of gtpo_loss's four-launch path and no
-             rollout_is_weights, the loss math is one kernel (pipeline/logps_epilogue.py), else eager.
+             'torch': on Triton, one process and the configs of gtpo_loss's four-launch path (rollout
+             weights included), the loss math is one kernel (pipeline/logps_epilogue.py), else eager.
     """
     cfg = as_config(config)
     checks.require_advantages(advantages)
     checks.check_float_tensor("logps", logps)
     host = checks.host_checks(validate)
     backend = _backend(backend, logps)
-    fast = logps_epilogue.uses_epilogue(cfg, backend, logps.dtype, rollout_w=rollout_is_weights)
+    fast = logps_epilogue.uses_epilogue(cfg, backend, logps.dtype)
     args = (logps, completion_ids, completion_mask, advantages, entropy, group_size, config, cfg,
             dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf, rollout_is_weights=rollout_is_weights,
                  rollout_logps=rollout_logps), cu_seqlens, max_seqlen, num_items_in_batch)

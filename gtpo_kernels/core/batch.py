@@ -213,7 +213,8 @@ def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, cu
 def rollout_weights(b, w, device):
     """rollout_is_weights -> (per token (N,), per completion (B,) or None). Per token: completion_ids'
     shape; per completion: (B, 1), or (B,) in the padded form only (packed, (B,) could be read as (N,)
-    per-token weights when N == B: refused)."""
+    per-token weights when N == B: refused); their spread on the tokens is then a Lazy, made on first use
+    (the epilogue kernel reads the (B,) weights and never makes it: no launch)."""
     checks.check_float_tensor("rollout_is_weights", w)
     checks.check_device("rollout_is_weights", w, device)
     shape = tuple(w.shape)
@@ -221,7 +222,7 @@ def rollout_weights(b, w, device):
         return w.reshape(-1), None
     if shape == (b.B, 1) or (shape == (b.B,) and not b.packed):
         seq = w.reshape(b.B)
-        return seq[b.seg], seq
+        return Lazy(lambda: seq[b.seg]), seq
     if b.packed and shape == (b.B,):
         raise ValueError(f"rollout_is_weights of shape ({b.B},) is ambiguous in the packed form: per-token "
                          f"weights are (N,) = {tuple(b.tok_shape)}; pass per-completion weights as "
@@ -263,7 +264,7 @@ def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=No
             checks.check_on_device(bad.any(), fail)
         b.n_conf = n_conf
     if rollout_is_weights is not None:
-        b.rollout_w, b.rollout_w_seq = rollout_weights(b, rollout_is_weights, device)
+        b.rollout_w_, b.rollout_w_seq = rollout_weights(b, rollout_is_weights, device)
         if validate:
             def fail():
                 raise ValueError("rollout_is_weights must be >= 0 and finite at counted positions "

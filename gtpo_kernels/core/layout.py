@@ -49,7 +49,7 @@ class Batch:
     ref: Optional[torch.Tensor] = None  # (N,)
     lam: Optional[torch.Tensor] = None  # (N,)
     n_conf: Optional[torch.Tensor] = None  # (B,)
-    rollout_w: Optional[torch.Tensor] = None  # (N,) rollout importance weights
+    rollout_w_: object = None  # (N,) rollout importance weights (per completion: a Lazy of them on the tokens): `rollout_w`
     rollout_w_seq: Optional[torch.Tensor] = None  # (B,) when they were given per completion
     rollout_logps: Optional[torch.Tensor] = None  # (N,) the inference engine's log-probs
     cu_seqlens_: object = None
@@ -68,6 +68,7 @@ class Batch:
     malformed = _lazy("malformed_")
     seg = _lazy("seg_")
     max_len = _lazy("max_len_")
+    rollout_w = _lazy("rollout_w_")
 
     @property
     def packed(self) -> bool:

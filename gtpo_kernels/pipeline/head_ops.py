@@ -218,8 +218,9 @@ def _forward(b, head, hidden, key, temperature, vp, extras, need, host, epi=([],
 
 def uses_epilogue(b, cfg, backend, group):
     """Whether the epilogue kernel computes this call's loss: the Triton backend on one process (group:
-    the process group, or the vocabulary-parallel layout, None), no rollout weights, a config it covers."""
-    return backend == "triton" and group is None and b.rollout_w is None and epilogue.covers(cfg)
+    the process group, or the vocabulary-parallel layout, None), a config it covers (rollout weights, per
+    token or per completion, go to the kernel as it reads them: epilogue.weights)."""
+    return backend == "triton" and group is None and epilogue.covers(cfg)
 
 
 def _epilogue_args(b, cfg, backend, vp, num_items):
@@ -249,7 +250,9 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
     if epi is not None:
         mask, adv, old, ref, lam, n_conf, cu, roll = epilogue.tensors(b)
         num = num_items if isinstance(num_items, Tensor) else None
-        extras = [b.adv, old, ref, lam, n_conf, None, None, roll, num, None, mask, cu, adv]
+        rw, per_seq = epilogue.weights(b), b.rollout_w_seq is not None  # (B,) per completion: never spread
+        extras = [b.adv, old, ref, lam, n_conf, None if per_seq else rw, rw if per_seq else None, roll, num, None,
+                  mask, cu, adv]
         out = _forward(b, head, hidden, key, temperature, vp, extras, need, False, epi)
         logp, ent, stats, bad, dh, dw, db = out[:7]
         value, _, _, ltok, c, e, *rest = out[7:]

@@ -8,9 +8,11 @@ gtpo_loss_from_logps on the caller's log-probs, and gtpo_loss over the sampler's
     kept sets rebuilt by rules     the replay's own (pipeline/replay.py), then logps_epilogue
 
 plus autograd's seed of a scalar loss. It takes the Triton backend on one process, a config the epilogue
-covers (epilogue.covers), no rollout weights, and log-probs that are not float64; whatever else keeps the
-eager path. Unvalidated invalid input gives what the eager path gives (spec 6): a non-finite entropy, or a
-kept set or row that is invalid, at a counted token makes every output NaN, malformed cu_seqlens too.
+covers (epilogue.covers) and log-probs that are not float64; whatever else keeps the eager path. Rollout
+weights go to the epilogue as it reads them, per token (N,) or per completion (B,) (never spread on the
+tokens: core/batch.rollout_weights). Unvalidated invalid input gives what the eager path gives (spec 6): a
+non-finite entropy, or a kept set or row that is invalid, at a counted token makes every output NaN,
+malformed cu_seqlens too; an invalid rollout weight at a counted token makes the policy term NaN.
 Validating, the kernels make the value checks (the caller's log-probs and recorded sets: the batch is then
 prepared without them; the sets rebuilt by rules were checked by the replay) and the status word is the call's
 one host read; a failure runs the host checks to raise the error that names the argument (the eager path's).
@@ -25,10 +27,9 @@ from ..kernels import logps_ops, loss_ops
 from . import epilogue
 
 
-def uses_epilogue(cfg, backend, dtype, group=None, rollout_w=None):
+def uses_epilogue(cfg, backend, dtype, group=None):
     """Whether the epilogue computes the loss of a call on log-probs of `dtype` (see the docstring)."""
-    return (backend == "triton" and group is None and rollout_w is None and dtype != torch.float64
-            and epilogue.covers(cfg))
+    return backend == "triton" and group is None and dtype != torch.float64 and epilogue.covers(cfg)
 
 
 def _arguments(b, cfg, num_items, kernel_checks=False):
@@ -47,7 +48,7 @@ def _common(b, cfg, num_items, kernel_checks=False):
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     T = 0 if b.packed else b.tok_shape[1]
     return dict(mask=mask, cu=cu, adv=adv, old=old, ref=ref, lam=lam, n_conf=n_conf, num_items=n_items,
-                roll=roll, floats=floats, flags=flags, B=b.B, T=T)
+                roll=roll, floats=floats, flags=flags, B=b.B, T=T, rw=epilogue.weights(b))
 
 
 def _with_metrics(out, replay_metrics):

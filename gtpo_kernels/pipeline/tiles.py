@@ -210,11 +210,13 @@ def forward_tiles(opts, t, need, epi_args=None):
 
 def run_epilogue(opts, t, epi_args, logp, ent, bad, outs, g_lo=0, g_hi=None):
     """The epilogue kernel on the forward's per-token logp, H and flags (pass 2 over completions [g_lo,
-    g_hi): a fused tile's own; default the call's), writing `outs`."""
+    g_hi): a fused tile's own; default the call's), writing `outs`; the rollout weights as the kernel reads
+    them (per completion (B,), else per token (N,), or None: flags' RW)."""
     x = t.extras
     floats, flags = epi_args
+    rw = x.rollout_w_seq if x.rollout_w_seq is not None else x.rollout_w
     loss_ops.epilogue(logp, ent, bad, x.mask, x.cu, x.adv_given, x.old, x.ref, x.lam, x.n_conf, x.num_items,
-                      list(floats), list(flags), opts.B, x.rollout_logps, outs, g_lo, g_hi)
+                      list(floats), list(flags), opts.B, x.rollout_logps, outs, g_lo, g_hi, rw=rw)
 
 
 def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
@@ -227,7 +229,7 @@ def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
     sub = Batch(logits3=None, ids_=t.ids[idx], counted_=ones[:n],
                 seg_=t.seg[idx] - k.g0, B=k.g1 + 1 - k.g0, logits_start=0, tok_shape=(n,), adv_=sl(x.adv, g),
                 old=sl(x.old, idx), ref=sl(x.ref, idx), lam=sl(x.lam, idx), n_conf=sl(x.n_conf, g),
-                rollout_w=sl(x.rollout_w, idx), rollout_w_seq=sl(x.rollout_w_seq, g),
+                rollout_w_=sl(x.rollout_w, idx), rollout_w_seq=sl(x.rollout_w_seq, g),
                 rollout_logps=sl(x.rollout_logps, idx), max_len_=x.max_len)
     counts, M = totals
     if sub.n_conf is None and opts.cfg.loss_agg == "gtpo-official":  # n_conf = 1 for the tile's completions
