@@ -36,25 +36,27 @@ def _tied_batch(seed=7):
     return logits, ids, mask, adv, old, ref
 
 
-# rho -> (position of the threshold among the 18 sorted entropies, what it keeps): 1 - rho = 0.3: pos 5.1,
-# between 0's largest and the ties (ties and 1 kept); 0.5: pos 8.5, on the ties (v_lo == v_hi: ties kept);
-# 0.65: pos 11.05, between the ties and 1 (ties dropped)
-_KEPT = {0.7: 12, 0.5: 12, 0.35: 6}
+# rho -> (counted tokens kept, completion 0 dropped whole); q = 1 - rho, the threshold at pos = 17 q among the
+# 18 sorted entropies (0's six at 0..5, the ties at 6..11, 1's six at 12..17): 0.81: pos 3.23, inside 0's
+# (its two largest kept); 0.7: pos 5.1, between 0's largest and the ties (ties and 1 kept); 0.5: pos 8.5, on
+# the ties (v_lo == v_hi: every tie kept); 0.35: pos 11.05 and 0.31: pos 11.73, between the ties and 1 (ties
+# dropped; at 0.31 a position off by one, M q, would drop 1's smallest too)
+_KEPT = {0.81: (14, False), 0.7: (12, True), 0.5: (12, True), 0.35: (6, True), 0.31: (6, True)}
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("rho", sorted(_KEPT))
 def test_ties_at_the_threshold_and_masked_completions(rho, packed):
     """The mask keeps the tied entropies together (all kept when the threshold is theirs), drops completion 0
-    whole, and ignores completion 3 (not counted: +inf in the sort key, sorted after the counted ones): the
-    outputs and the gradient equal the float64 reference's and the eager twin's; the dropped tokens carry no
-    policy term, bonus nor gradient of either (only their KL term)."""
+    whole (but at 0.81), and ignores completion 3 (not counted: +inf in the sort key, sorted after the counted
+    ones): the outputs and the gradient equal the float64 reference's and the eager twin's; the dropped tokens
+    carry no policy term, bonus nor gradient of either (only their KL term)."""
     logits, ids, mask, adv, old, ref = _tied_batch()
     H = torch.special.entr(torch.softmax(logits.double(), -1)).sum(-1)
     assert torch.equal(H[2], H[2, :1].expand(6)) and H[0].max() < H[2, 0] < H[1].min()
     cfg = GTPOConfig.preset("grpo", top_entropy_quantile=rho, entropy_coef=0.01, beta=0.04, entropy_threshold=None)
     keep = gtpo_family.top_entropy_mask(H, mask, rho)
-    assert int(keep.sum()) == _KEPT[rho] and not keep[0].any() and not keep[3].any(), keep
+    assert (int(keep.sum()), not keep[0].any()) == _KEPT[rho] and not keep[3].any(), keep
     c = dict(G=2, cfg=cfg, packed=packed, mask="bool", old=True, lam="off", items=None, tau=None)
     up = torch.ones(4, 6)
     out, grad, k = _call(c, logits, ids, mask, adv, old, ref, None, "triton", up)
@@ -72,6 +74,28 @@ def test_ties_at_the_threshold_and_masked_completions(rho, packed):
     ltok = out.per_token_loss.reshape(4, 6)
     assert_value_close("dropped tokens", ltok, kl_only.per_token_loss, TOL, where=drop)
     assert (ltok - kl_only.per_token_loss).abs()[keep].min() > 1e-4  # the kept ones carry more
+
+
+def test_unvalidated_flagged_token_sorts_last_as_on_the_eager_path():
+    """validate=False, a counted token flagged (its id out of range: its row's entropy is finite): its entropy
+    is NaN in the sort key (sorted after the uncounted tokens' +inf, as the eager sort puts it), which moves the
+    threshold of the others: the per-token outputs and the gradient equal the eager twin's, NaN where it gives
+    NaN."""
+    logits, ids, mask, adv, old, ref = _tied_batch()
+    ids[0, 2] = 16 + 3  # a low entropy: without it the threshold falls between the ties and 1 (pos 11.05 of
+    # 17 sorted finite keys: 1's smallest dropped); counted as its own entropy, below the ties (1's six kept)
+    cfg = GTPOConfig.preset("grpo", top_entropy_quantile=0.35, entropy_coef=0.01, entropy_threshold=None,
+                            loss_agg="none")
+    outs = {}
+    for backend in ("triton", "torch"):
+        x = logits.clone().requires_grad_()
+        out = gtpo_loss(x, ids, adv, mask, old_logps=old, config=cfg, backend=backend, validate=False)
+        out.loss.backward(torch.where(mask, 1.0, 0.0))
+        outs[backend] = (out.per_token_loss, x.grad)
+    torch.testing.assert_close(outs["triton"][0], outs["torch"][0], equal_nan=True, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(outs["triton"][1], outs["torch"][1], equal_nan=True, rtol=TOL, atol=TOL)
+    ltok = outs["torch"][0]
+    assert torch.isnan(ltok[0, 2]) and (ltok[0, [0, 1, 3, 4, 5]] == 0).all() and int((ltok[1] != 0).sum()) == 5
 
 
 def test_no_counted_token_and_an_empty_batch():
