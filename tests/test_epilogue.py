@@ -5,8 +5,9 @@ old and ref log-probs, the KL and its bias correction, delta and verl's dual cli
 threshold drawn among the completions' entropies), gate, penalty and bonus, every aggregation ('none'
 with a per-token upstream gradient that is inf where a token is not counted), num_items_in_batch as a
 number or a tensor, max_completion_length, a temperature per completion, conflict weights given or
-computed, rollout weights per token or per completion, rollout log-probs (one NaN among them drawn) and the
-off-policy sequence mask (its threshold drawn among the completions' mean log-ratios). Tolerances: spec 7
+computed, rollout weights per token or per completion, rollout log-probs (one NaN among them drawn), the
+off-policy sequence mask (its threshold drawn among the completions' mean log-ratios) and the top-entropy mask
+(top_entropy_quantile drawn; tests/test_top_entropy.py holds its fixed cases). Tolerances: spec 7
 (float32: 1e-5)."""
 import os
 
@@ -79,7 +80,7 @@ def calls(draw, presets=FAST):
                 items=draw(st.sampled_from([None, "number", "tensor"])), tau=draw(st.sampled_from([None, "seq"])),
                 rw=draw(st.sampled_from([None, "token", "completion"])),
                 roll=draw(st.sampled_from([None, "given", "nan"])),
-                off=draw(st.booleans()))
+                off=draw(st.booleans()), top=draw(st.sampled_from([1.0, 1.0, 0.2, 0.5, 0.7])))
 
 
 def _rollout(c, mask):
@@ -231,6 +232,10 @@ def _check(c):
     lp_tok = lp.gather(-1, ids[..., None])[..., 0][counted]
     if c.get("off"):  # the off-policy mask's threshold between two completions' means
         cfg = cfg.replace(off_policy_mask_threshold=_off_policy_threshold(c, lp, ids, mask, counted, old))
+    if c.get("top", 1.0) < 1.0:  # the top-entropy mask: the counted entropies apart (the float32 quantile's
+        gaps = H[counted].sort().values.diff()  # decisions as the float64 reference's)
+        assume(gaps.numel() == 0 or gaps.min() > 1e-4)
+        cfg = cfg.replace(top_entropy_quantile=c["top"])
     c = dict(c, cfg=cfg)
     for x, edge in _cuts(cfg, lp_tok, old.double()[counted]):  # no decision on a cut
         assume(not c["old"] or x.numel() == 0 or (x - edge).abs().min() > 1e-4)
@@ -245,8 +250,9 @@ def _check(c):
     out, grad, k = _call(c, logits, ids, mask, adv, old, ref, tau, "triton", upstream)
     assert k.triton_names.get("_epilogue_kernel") == 1, dict(k.triton_names)  # the three-launch path ran
     if c["tau"] is None and c.get("rw") != "completion":  # the three-launch path's bound (spec 8), the seed
-        # included; computed weights: one more (per-completion rollout weights: tests/test_launches.py)
-        assert k.launches <= 4 + (c["lam"] == "computed"), (k.launches, k.ops)
+        # included; computed weights: one more (per-completion rollout weights: tests/test_launches.py); the
+        # top-entropy mask: two more (its sort key and the sort)
+        assert k.launches <= 4 + (c["lam"] == "computed") + 2 * (cfg.top_entropy_quantile < 1.0), (k.launches, k.ops)
     ref_out, ref_grad, _ = _call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(),
                                  "reference", torch.where(counted, upstream, 0.0).double())  # no inf gradient
     assume(torch.isfinite(ref_out.loss).all())
@@ -416,7 +422,7 @@ def test_unvalidated_malformed_cu_seqlens_matches_the_eager_path(cu):
 def test_epilogue_compiles_for_the_gpus():
     """The epilogue compiled ahead of time for sm_90, sm_80 and sm_100 (no GPU needed; Triton's compiler in
     a process without the interpreter), every policy term (POLICY), the rollout weights (RW) and the off-policy
-    mask among its cases: what the interpreter
+    mask, the top-entropy mask (TOP_ENT) and its sort key's kernel among its cases: what the interpreter
     does not check (a loop-carried variable that changes type, a global NaN that differs from itself between
     inner functions) fails here."""
     import subprocess
@@ -427,15 +433,24 @@ def test_epilogue_compiles_for_the_gpus():
             "                 *[(90, dict(POLICY=p, PACKED=p % 2 == 1, HAS_DUAL=p != 7, AGG=p % 6)) for p in range(1, 8)],\n"
             "                 (80, dict(POLICY=6)), (100, dict(POLICY=2, HAS_OLD=False, HAS_LAM=False)),\n"
             "                 (80, dict(RW=2, OFF_POLICY=True, PACKED=True, SEQ=True)),\n"
-            "                 (100, dict(RW=1, OFF_POLICY=True, HAS_ROLL=False, HAS_OLD=False))]:\n"
+            "                 (100, dict(RW=1, OFF_POLICY=True, HAS_ROLL=False, HAS_OLD=False)),\n"
+            "                 (90, dict(TOP_ENT=True, enable_fp_fusion=False, RW=1, OFF_POLICY=True)),\n"
+            "                 (80, dict(TOP_ENT=True, enable_fp_fusion=False, PACKED=True, SEQ=True, AGG=1))]:\n"
             "    print(arch, sw)\n"
             "    assert compile_epilogue(arch, **sw).asm.get('ptx'), (arch, sw)\n"
+            "import torch\n"
+            "from bench.aot.compiler import _compile_ahead\n"
+            "from gtpo_kernels.kernels.top_entropy import _entropy_key_kernel as k\n"
+            "for arch in (90, 80, 100):\n"
+            "    assert _compile_ahead(k, arch, {'bad_ptr': torch.int8, 'mask_ptr': torch.bool}, torch.float32,\n"
+            "                          dict(N=32768), dict(HAS_MASK=True, BLOCK=1024, num_warps=4)).asm.get('ptx')\n"
             "print('compiled')\n")
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
     assert p.stdout.count("'POLICY'") == 9, p.stdout  # every policy term of the kernel compiled
+    assert p.stdout.count("'TOP_ENT'") == 2, p.stdout  # the top-entropy mask (and its key kernel) compiled
 
 
 @pytest.mark.parametrize("bad", ["adv", "old", "ref", "lam", "n_conf", "num_items", "mask", "ids", "cu_seqlens",

@@ -368,3 +368,26 @@ def test_from_logps_off_policy_mask_at_most_four_launches(packed):
                                                        weights="completion" if packed else "token")
     assert reads == 0 and creations == 0 and launches <= 4, (launches, reads, creations)
     assert kernels == {"_prep_kernel": 1, "_epilogue_kernel": 1, "_scale_kernel": 1}, kernels
+
+
+_TOP = GTPOConfig.preset("gtpo", top_entropy_quantile=0.2)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("validate", [False, True], ids=["unvalidated", "validating"])
+def test_top_entropy_mask_takes_at_most_eight(validate, packed):
+    """The top-entropy mask (spec 9) on the epilogue path: two launches more than the 4 (the entropies' sort key
+    and torch.sort; the eager path took 143), none reading the host unvalidated and the status word the one
+    read validating, no tensor from host data, the same counts at two sizes."""
+    launches, reads, creations, kernels = _roll_counts(packed, _TOP, validate=validate)
+    assert reads == int(validate) and creations == 0 and launches <= 8, (launches, reads, creations)
+    assert kernels == dict(_KERNELS, _entropy_key_kernel=1), kernels
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_from_logps_top_entropy_mask_at_most_six_launches(packed):
+    """gtpo_loss_from_logps with the top-entropy mask (entropies given): its 4 launches and the two of the
+    sort."""
+    launches, reads, creations, kernels = _roll_counts(packed, _TOP, from_logps=True)
+    assert reads == 0 and creations == 0 and launches <= 6, (launches, reads, creations)
+    assert kernels == {"_prep_kernel": 1, "_entropy_key_kernel": 1, "_epilogue_kernel": 1, "_scale_kernel": 1}, kernels

@@ -27,6 +27,25 @@ def _span(cu_ptr, i, T, PACKED: tl.constexpr):
 
 
 @triton.jit
+def _fix_cu(cu_ptr, cu_fix, B, N):
+    """The packed form's cu_seqlens as given -> cu_fix, the stand-in the eager code uses (clamped into [0, N],
+    non-decreasing, from 0 to N); returns 1 when it was malformed (not from 0 to N, or decreasing), else 0."""
+    prev_raw = tl.load(cu_ptr).to(tl.int64)
+    malformed = ((prev_raw != 0) | (tl.load(cu_ptr + B).to(tl.int64) != N)).to(tl.int32)
+    run = tl.minimum(tl.maximum(prev_raw, 0), N)
+    start = tl.zeros((), tl.int64)
+    for i in range(B):
+        raw = tl.load(cu_ptr + i + 1).to(tl.int64)
+        malformed = malformed | (raw < prev_raw).to(tl.int32)
+        prev_raw = raw
+        run = tl.maximum(run, tl.minimum(tl.maximum(raw, 0), N))
+        tl.store(cu_fix + i, start)
+        start = tl.where(i + 1 == B, N * 1, run)
+    tl.store(cu_fix + B, start * 0 + N)
+    return malformed
+
+
+@triton.jit
 def _counted(mask_ptr, o, inb, HAS_MASK: tl.constexpr):
     if HAS_MASK:
         return (tl.load(mask_ptr + o, mask=inb, other=0) != 0) & inb
@@ -132,13 +151,14 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
 
 
 @triton.jit
-def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pmult,
+def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pmult, emult,
            lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, BLOCK: tl.constexpr,
            HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr,
            HAS_E: tl.constexpr, SEQ: tl.constexpr, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr,
            HAS_DUAL: tl.constexpr, POLICY: tl.constexpr):
     """Per token of a block: (loss_tok, d_logp, d_logr, clipped, lam) before the aggregation weights;
-    pmult: the policy term's multiplier after lam (_policy_weight: the off-policy mask, the rollout weight)."""
+    pmult: the policy term's multiplier after lam (_policy_weight: the off-policy mask, the top-entropy mask, the
+    rollout weight); emult: the entropy bonus' (the top-entropy mask, 1 without it)."""
     lp = tl.load(logp_out + o, mask=inb, other=0.0)
     en = tl.load(ent_out + o, mask=inb, other=0.0)
     if SEQ:  # (ppo only: `old` unused)
@@ -177,7 +197,7 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
             loss_tok = loss_tok + beta * k3
             d_logp = d_logp + beta * dk3
     if HAS_E:
-        loss_tok = loss_tok + (-ent_coef) * en
+        loss_tok = loss_tok + (-ent_coef * emult) * en
     loss_tok = tl.where(m, loss_tok, 0.0)
     return loss_tok, d_logp, d_logr, clipped, lam
 

@@ -34,8 +34,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .epilogue_terms import (_counted, _finite_or_nan, _invalid_inputs, _k3, _off_policy_sum, _policy_weight,
-                             _rollout_ok, _rollout_w, _span, _terms)
+from .epilogue_terms import (_counted, _finite_or_nan, _fix_cu, _invalid_inputs, _k3, _off_policy_sum,
+                             _policy_weight, _rollout_ok, _rollout_w, _span, _terms)
+from .top_entropy import _top_entropy_thr, _top_entropy_w
 
 # policy_loss as the kernel's POLICY (the token-level terms it computes; epilogue_terms._policy)
 POLICIES = ("ppo", "cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl")
@@ -49,13 +50,14 @@ def _epilogue_kernel(
     logp_ptr, ent_ptr, bad_ptr, mask_ptr, cu_ptr,  # the forward kernel's outputs; the caller's mask; cu_seqlens
     adv_ptr, old_ptr, ref_ptr, lam_ptr, nconf_ptr, nitems_ptr, roll_ptr,  # inputs (unused ones: any tensor)
     rw_ptr,  # rollout_is_weights: per token (RW 1) or per completion (RW 2)
+    srt_ptr,  # TOP_ENT: the sorted entropy keys (top_entropy.sorted_key)
     value_ptr, logp_out, ent_out, ltok_out, c_out, e_out, lam_out, nconf_out, kept_out, hbar_out,  # outputs
     scratch_ptr, cu_fix, met_ptr, status_ptr,  # (4B,) float32, (B + 1,) int64 scratch; (9,) metrics; (1,) int32
     B, T, N, max_seqlen,  # completions; tokens per completion (padded form); tokens; the packed max_seqlen or -1
     g_lo, g_hi,  # pass 2 over completions [g_lo, g_hi) only (0, B: the call; the LM head's fused tile: its own)
     lo, hi, delta, dual_c, beta, ent_coef, penalty, thr, max_len_cfg, nitems_val,  # hyper-parameters (floats)
     sapo_pos, sapo_neg, dro_beta,  # sapo's temperatures, dro's beta (floats; read by those terms only)
-    off_thr,  # off_policy_mask_threshold (float; read with OFF_POLICY only)
+    off_thr, top_q,  # off_policy_mask_threshold (OFF_POLICY), 1 - top_entropy_quantile (TOP_ENT) (floats)
     PACKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
     BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr, HAS_NCONF: tl.constexpr, NITEMS: tl.constexpr,
     CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_E: tl.constexpr,
@@ -67,6 +69,7 @@ def _epilogue_kernel(
     POLICY: tl.constexpr = 0,  # the policy term, POLICIES' index (0: ppo)
     RW: tl.constexpr = 0,  # rollout weights: 0 none, 1 per token, 2 per completion (they multiply the policy term)
     OFF_POLICY: tl.constexpr = False,  # spec 9's off-policy sequence mask (threshold off_thr)
+    TOP_ENT: tl.constexpr = False,  # spec 9's top-entropy mask (the 1 - rho = top_q quantile; top_entropy.py)
 ):
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     M = tl.zeros((), tl.int32)
@@ -83,18 +86,7 @@ def _epilogue_kernel(
     roll_nan = tl.zeros([BLOCK], tl.int32)
     roll_ok = tl.zeros([BLOCK], tl.int32)
     if PACKED:  # cu_seqlens as given: the stand-in (clamped into [0, N], non-decreasing, from 0 to N) and a flag
-        prev_raw = tl.load(cu_ptr).to(tl.int64)
-        malformed = ((prev_raw != 0) | (tl.load(cu_ptr + B).to(tl.int64) != N)).to(tl.int32)
-        run = tl.minimum(tl.maximum(prev_raw, 0), N)
-        start = tl.zeros((), tl.int64)
-        for i in range(B):
-            raw = tl.load(cu_ptr + i + 1).to(tl.int64)
-            malformed = malformed | (raw < prev_raw).to(tl.int32)
-            prev_raw = raw
-            run = tl.maximum(run, tl.minimum(tl.maximum(raw, 0), N))
-            tl.store(cu_fix + i, start)
-            start = tl.where(i + 1 == B, N * 1, run)
-        tl.store(cu_fix + B, start * 0 + N)
+        malformed = _fix_cu(cu_ptr, cu_fix, B, N)
         tl.debug_barrier()
     # pass 1: per completion, its counted tokens, Hbar, delta, Ahat and (sequence level) mean log r
     for i in range(B):
@@ -195,6 +187,9 @@ def _epilogue_kernel(
         max_len = tl.where(max_len_cfg > 0.0, max_len_cfg, tl.maximum(longest, 1).to(tl.float32))
     else:
         max_len = tl.where(max_len_cfg > 0.0, max_len_cfg, T * 1.0)
+    ent_thr = 0.0
+    if TOP_ENT:
+        ent_thr = _top_entropy_thr(srt_ptr, M, N, top_q)
     loss_acc = tl.zeros([BLOCK], tl.float32)
     clip_n = tl.zeros((), tl.int32)
     conf_n = tl.zeros((), tl.int32)
@@ -233,9 +228,10 @@ def _epilogue_kernel(
                 o = t0 + lanes
                 inb = o < end
                 m = _counted(mask_ptr, o, inb, HAS_MASK)
-                pw = _policy_weight(rw_ptr, o, inb, m, keep_w, BLOCK, RW)
+                em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
+                pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW)
                 _, _, d_logr, _, _ = _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw,
-                                            lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta,
+                                            em, lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta,
                                             BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ, CLIP, HAS_DELTA,
                                             HAS_DUAL, POLICY)
                 w = tl.where(m, 1.0, 0.0) / denom
@@ -245,9 +241,10 @@ def _epilogue_kernel(
             o = t0 + lanes
             inb = o < end
             m = _counted(mask_ptr, o, inb, HAS_MASK)
-            pw = _policy_weight(rw_ptr, o, inb, m, keep_w, BLOCK, RW)
+            em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
+            pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW)
             loss_tok, d_logp, d_logr, clipped, lam = _terms(
-                o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, lo, hi, delta, dual_c,
+                o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, em, lo, hi, delta, dual_c,
                 beta, ent_coef, sapo_pos, sapo_neg, dro_beta, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ,
                 CLIP, HAS_DELTA, HAS_DUAL, POLICY)
             if AGG == 5:
@@ -261,7 +258,7 @@ def _epilogue_kernel(
             tl.store(ltok_out + o, loss_tok, mask=inb)
             tl.store(c_out + o, c, mask=inb)
             if HAS_E:
-                tl.store(e_out + o, tl.where(m, w * (-ent_coef) + a_hat * 0.0, 0.0), mask=inb)
+                tl.store(e_out + o, tl.where(m, w * (-ent_coef * em) + a_hat * 0.0, 0.0), mask=inb)
             if AGG == 5:
                 tl.store(value_ptr + o, w * loss_tok, mask=inb)
             else:

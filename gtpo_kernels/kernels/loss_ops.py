@@ -18,14 +18,14 @@ from typing import List, Optional
 
 import torch
 
-from . import ops, vocab_triton
+from . import ops, top_entropy, vocab_triton
 from .epilogue_triton import _epilogue_kernel
 
 FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "thr", "max_len", "nitems",
-          "sapo_pos", "sapo_neg", "dro_beta", "off_thr")
+          "sapo_pos", "sapo_neg", "dro_beta", "off_thr", "top_q")
 FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
          "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE", "VALIDATE", "MASK_VALUES", "HAS_REF",
-         "POLICY", "RW", "OFF_POLICY", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
+         "POLICY", "RW", "OFF_POLICY", "TOP_ENT", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
 EPILOGUE_BLOCK = 1024  # tokens per step of the epilogue's one program
 
 
@@ -49,11 +49,15 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
     """The epilogue kernel (one launch) on the forward pass's per-token logp, H and flags, writing `outs`
     (epilogue_outputs; its logp and H may be the inputs themselves); pass 2 over completions [g_lo, g_hi)
     (default: all of them). rw: the rollout weights, (n,) per token or (B,) per completion as flags' RW says
-    (1, 2; 0: None)."""
+    (1, 2; 0: None). TOP_ENT (the top-entropy mask): two launches before it, the sort key and its sort
+    (top_entropy.sorted_key), on the call's whole batch only (the quantile spans every counted token)."""
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     if (rw is None) != (fg["RW"] == 0):
         raise ValueError(f"the epilogue's RW = {fg['RW']} and its rollout weights ({rw is not None}) disagree")
+    if fg["TOP_ENT"] and (g_lo != 0 or g_hi not in (None, B)):
+        raise ValueError("the top-entropy mask's quantile spans the whole batch: no epilogue on a tile alone")
     n = logp.numel()
+    srt = top_entropy.sorted_key(ent, bad, mask) if fg["TOP_ENT"] else bad
     value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status = outs
     scratch = torch.empty(4 * B, device=logp.device, dtype=torch.float32)
     cu_fix = torch.empty(B + 1, device=logp.device, dtype=torch.int64)
@@ -62,13 +66,13 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
           if k not in ("TEMP_BY_VALUE", "MAX_SEQLEN")}
     _epilogue_kernel[(1,)](
         logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
-        adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items, roll, rw)),
+        adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items, roll, rw)), srt,
         value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, scratch, cu_fix, met, status,
         B, n // B if (B and not fg["PACKED"]) else 0, n, fg["MAX_SEQLEN"], g_lo, B if g_hi is None else g_hi,
         fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
-        fl["max_len"], fl["nitems"], fl["sapo_pos"], fl["sapo_neg"], fl["dro_beta"], fl["off_thr"],
-        HAS_MASK=mask is not None,
-        HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK, num_warps=4, **sw)
+        fl["max_len"], fl["nitems"], fl["sapo_pos"], fl["sapo_neg"], fl["dro_beta"], fl["off_thr"], fl["top_q"],
+        HAS_MASK=mask is not None, HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK, num_warps=4,
+        enable_fp_fusion=not fg["TOP_ENT"], **sw)  # the quantile's products rounded as eager (top_entropy.py)
     return outs
 
 

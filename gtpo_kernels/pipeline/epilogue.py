@@ -7,10 +7,11 @@ It takes the Triton backend on one process, for the PPO-clip policy term at the 
 level (GTPO and the TRL-family presets grpo, dapo, dr_grpo, bnpo, gspo, luspo, gtpo-official, and verl's
 vanilla) and the token-level terms cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl, with any
 aggregation, conflict weights given or computed, old / ref log-probs, the KL (and its bias correction),
-the entropy filter, gate, penalty and bonus, the off-policy sequence mask (spec 9), rollout weights per token
-or per completion, num_items_in_batch (number or tensor), a temperature (number, schedule tensor, per
-completion or per token). Whatever else (the policy terms vespo, geo_mean, clip_cov and kl_cov, the
-top-entropy mask, kept sets, vocabulary-parallel, inplace, hyper-parameters given as tensors) takes the eager
+the entropy filter, gate, penalty and bonus, the off-policy sequence mask (spec 9), the top-entropy mask
+(spec 9: two launches more, the entropies' sort key and torch.sort; kernels/top_entropy.py), rollout weights
+per token or per completion, num_items_in_batch (number or tensor), a temperature (number, schedule tensor,
+per completion or per token). Whatever else (the policy terms vespo, geo_mean, clip_cov and kl_cov, kept
+sets, vocabulary-parallel, inplace, hyper-parameters given as tensors) takes the eager
 path of loss.fused_loss, which is also this kernel's twin in tests. Validating, the status word is read with
 the call's input checks: one host read.
 """
@@ -57,12 +58,11 @@ def covers(cfg):
     """Whether the epilogue kernel computes this config's loss: a policy term of POLICIES (the PPO clip at
     the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl at the token
     level, the only one the config admits for them), hyper-parameters as numbers (the off-policy mask's
-    threshold included), no top-entropy mask (the fused LM head asks too). Rollout weights multiply each of
-    these terms (vespo and geo_mean, which fold them in, are not among them)."""
+    threshold and the top-entropy mask's quantile included; the fused LM head asks too). Rollout weights
+    multiply each of these terms (vespo and geo_mean, which fold them in, are not among them)."""
     pl = cfg.policy_loss
     return (pl in POLICIES and (pl == "ppo" or cfg.importance_sampling_level == "token")
-            and all(_number(getattr(cfg, k)) for k in _NUMBERS + _TERM_NUMBERS.get(pl, ()))
-            and cfg.top_entropy_quantile == 1.0)
+            and all(_number(getattr(cfg, k)) for k in _NUMBERS + _TERM_NUMBERS.get(pl, ())))
 
 
 def _tau(t, like):
@@ -96,7 +96,8 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
               float(cfg.max_completion_length or 0), float(num_items) if isinstance(num_items, float) else 1.0,
               float(cfg.sapo_temperature_pos) if sapo else 1.0, float(cfg.sapo_temperature_neg) if sapo else 1.0,
               float(cfg.dro_beta) if pl == "dro" else 0.0,
-              0.0 if cfg.off_policy_mask_threshold is None else float(cfg.off_policy_mask_threshold)]
+              0.0 if cfg.off_policy_mask_threshold is None else float(cfg.off_policy_mask_threshold),
+              1.0 - cfg.top_entropy_quantile]
     flags = [b.packed, b.old is not None, has_kl, has_kl and cfg.use_bias_correction_kl, b.lam is not None,
              b.n_conf is not None, 0 if num_items is None else (2 if n_items is not None else 1), cfg.clip and ppo,
              cfg.delta is not None and ppo, cfg.dual_clip_c is not None, cfg.entropy_coef != 0,
@@ -104,7 +105,8 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
              AGGS.index(cfg.loss_agg), not has_temperature, host,
              host and b.mask is not None and b.mask.dtype != torch.bool, b.ref is not None, POLICIES.index(pl),
              2 if b.rollout_w_seq is not None else int(b.rollout_w is not None),
-             cfg.off_policy_mask_threshold is not None, -1 if b.max_seqlen is None else b.max_seqlen]
+             cfg.off_policy_mask_threshold is not None, cfg.top_entropy_quantile != 1.0,
+             -1 if b.max_seqlen is None else b.max_seqlen]
     return floats, [int(f) for f in flags]
 
 
