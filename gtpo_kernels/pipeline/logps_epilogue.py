@@ -7,7 +7,8 @@ gtpo_loss_from_logps on the caller's log-probs, and gtpo_loss over the sampler's
                                    checks, the epilogue), 2 in backward (and the gradient's zeros)
     kept sets rebuilt by rules     the replay's own (pipeline/replay.py), then logps_epilogue
 
-plus autograd's seed of a scalar loss. It takes the Triton backend on one process, a config the epilogue
+plus autograd's seed of a scalar loss (and the top-entropy mask's key and sort, two more forward:
+kernels/top_entropy.py). It takes the Triton backend on one process, a config the epilogue
 covers (epilogue.covers) and log-probs that are not float64; whatever else keeps the eager path. Rollout
 weights go to the epilogue as it reads them, per token (N,) or per completion (B,) (never spread on the
 tokens: core/batch.rollout_weights). Unvalidated invalid input gives what the eager path gives (spec 6): a
