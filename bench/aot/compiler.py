@@ -67,7 +67,8 @@ def _arg_for(name, dtype, V, T, has_e):
                      **dict.fromkeys(_INT64_PTRS, torch.int64)}.get(name, torch.float32))
     table = {"stride_lb": T_l * V, "stride_gb": T_l * V, "stride_lt": V, "stride_gt": V, "T": T, "T_l": T_l,
              "V": V, "logits_start": 0, "temp_stride": 0, "g_stride": 0, "scale": 0.5,
-             "softcap": 30.0, "NB": 19, "id_start": 0}  # floats: never specialized; NB: blocks per token (the merge)
+             "softcap": 30.0, "NB": 19, "id_start": 0,  # floats: never specialized; NB: blocks per token (the merge)
+             "n_seq": 64, "max_seqlen": -1}  # the status word's cu_seqlens check (off unless CU_CHECK)
     if name in table:
         return table[name]
     raise KeyError(f"aot: no stand-in for kernel parameter {name!r}; teach bench/aot/compiler.py its value")
