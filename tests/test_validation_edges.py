@@ -86,6 +86,19 @@ def test_kernel_validation_edges_match_the_eager_path(case):
     assert ours == eager if ours[0] == "error" else False, (ours, eager)
 
 
+def test_token_logprobs_without_tokens_still_checks_cu_seqlens():
+    """No token: no program of the forward kernel runs to check the packed form's cu_seqlens, so validating
+    takes the host checks (the torch path's error)."""
+    from gtpo_kernels import token_logprobs
+    errors = []
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError) as e:
+            token_logprobs(torch.randn(0, 16), torch.zeros(0, dtype=torch.long), cu_seqlens=torch.tensor([0, 2]),
+                           backend=backend)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "cu_seqlens must start at 0" in errors[0], errors
+
+
 TOKEN_CASES = ["packed", "packed_max_seqlen", "packed_max_seqlen_short", "packed_decreasing", "packed_wrong_end",
                "tau_per_completion", "tau_per_token", "tau_negative", "tau_zero_counted", "tau_nan_uncounted",
                "id_then_tau", "packed_malformed_then_tau"]

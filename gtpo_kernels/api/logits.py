@@ -169,7 +169,8 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
         try:  # validating in one launch: the kernel checks the mask values, ids, cu_seqlens and temperatures
             fast = (host and process_group is None and not replay.requested(sampling_mask, top_k, top_p, min_p)
-                    and isinstance(logits, torch.Tensor)
+                    and isinstance(logits, torch.Tensor) and isinstance(completion_ids, torch.Tensor)
+                    and completion_ids.numel() > 0  # (no token, no program: nothing would check cu_seqlens)
                     and dispatch.resolve_backend(backend, logits.device, logits.dtype) == "triton")
         except (ValueError, TypeError, RuntimeError):  # raised where the call resolves the backend
             fast = False
