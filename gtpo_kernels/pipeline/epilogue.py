@@ -113,17 +113,12 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
 def tensors(b):
     """The tensors the epilogue reads, with stride 1 (a copy only if they are not): the caller's mask, the
     advantages and cu_seqlens as given (a malformed cu_seqlens is the kernel's to flag), old / ref
-    log-probs, lam, n_conf, the rollout log-probs."""
+    log-probs, lam, n_conf, the rollout log-probs, and the rollout weights as flags' RW says: per completion
+    (B,) (never spread on the tokens), per token (N,), or None."""
     given = b.given
+    rw = b.rollout_w_seq if b.rollout_w_seq is not None else b.rollout_w
     return [None if x is None else x.contiguous() for x in (b.mask, given["adv"], b.old, b.ref, b.lam, b.n_conf,
-                                                            given["cu_seqlens"], b.rollout_logps)]
-
-
-def weights(b):
-    """The rollout weights as the epilogue reads them (flags' RW): per completion (B,), per token (N,), or
-    None; stride 1."""
-    w = b.rollout_w_seq if b.rollout_w_seq is not None else b.rollout_w
-    return None if w is None else w.contiguous()
+                                                            given["cu_seqlens"], b.rollout_logps, rw)]
 
 
 def loss(b, cfg, num_items, tau, host, revalidate=None):
@@ -132,10 +127,10 @@ def loss(b, cfg, num_items, tau, host, revalidate=None):
     `revalidate()` runs them on the host to raise the error that names the argument."""
     temperature, tau_value = _tau(cfg.temperature if tau is None else tau, b.logits3)
     floats, flags = arguments(b, cfg, num_items, tau_value, host, temperature is not None)
-    mask, adv, old, ref, lam, n_conf, cu, roll = tensors(b)
+    mask, adv, old, ref, lam, n_conf, cu, roll, rw = tensors(b)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
-                               temperature, floats, flags, b.logits_start, b.B, roll, weights(b))
+                               temperature, floats, flags, b.logits_start, b.B, roll, rw)
     return output(outs[:12], outs[13], b, cfg, host, revalidate)
 
 

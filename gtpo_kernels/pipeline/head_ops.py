@@ -219,7 +219,7 @@ def _forward(b, head, hidden, key, temperature, vp, extras, need, host, epi=([],
 def uses_epilogue(b, cfg, backend, group):
     """Whether the epilogue kernel computes this call's loss: the Triton backend on one process (group:
     the process group, or the vocabulary-parallel layout, None), a config it covers (rollout weights, per
-    token or per completion, go to the kernel as it reads them: epilogue.weights)."""
+    token or per completion, go to the kernel as it reads them: epilogue.tensors)."""
     return backend == "triton" and group is None and epilogue.covers(cfg)
 
 
@@ -248,9 +248,9 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
     epi = _epilogue_args(b, cfg, backend, vp, num_items)
     grad_in_forward = torch.full((), 1.0 if fused else 0.0, dtype=dt, device=dev)
     if epi is not None:
-        mask, adv, old, ref, lam, n_conf, cu, roll = epilogue.tensors(b)
+        mask, adv, old, ref, lam, n_conf, cu, roll, rw = epilogue.tensors(b)
         num = num_items if isinstance(num_items, Tensor) else None
-        rw, per_seq = epilogue.weights(b), b.rollout_w_seq is not None  # (B,) per completion: never spread
+        per_seq = b.rollout_w_seq is not None  # rw (B,) per completion: never spread
         extras = [b.adv, old, ref, lam, n_conf, None if per_seq else rw, rw if per_seq else None, roll, num, None,
                   mask, cu, adv]
         out = _forward(b, head, hidden, key, temperature, vp, extras, need, False, epi)
