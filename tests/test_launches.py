@@ -31,18 +31,34 @@ def _config(preset):
         else GTPOConfig.preset(preset)
 
 
-def _loss_counts(preset, packed, validate, sizes=SIZES, **extra):
+def _counts(prepare, packed, sizes=SIZES):
+    """[(launches, host reads, tensors from host data, {Triton kernel: launches})] of one call per size:
+    prepare(k, B, T, logits, ids, adv, mask, kw) makes the call's inputs outside the count from _batch's and
+    returns (call, leaf); call() runs the forward, whose loss is then backpropagated inside the count. The
+    loss must be finite and the leaf's gradient not all zero."""
     counts = []
     for k, (B, T) in enumerate(sizes):
-        logits, ids, adv, mask, kw = _batch(B, T, k, packed)
-        x = logits.requires_grad_()
-        cfg = _config(preset)
+        call, leaf = prepare(k, B, T, *_batch(B, T, k, packed))
         with counting() as c:
-            out = gtpo_loss(x, ids, adv, mask, config=cfg, validate=validate, backend="triton", **kw, **extra)
+            out = call()
             out.loss.backward()
-        assert torch.isfinite(out.loss) and x.grad.abs().sum() > 0
+        assert torch.isfinite(out.loss) and leaf.grad.abs().sum() > 0
         counts.append((c.launches, c.host_reads, c.creations, dict(c.triton_names)))
     return counts
+
+
+def _logps_of(logits, ids):
+    """(differentiable log-probs of ids, entropies) from logits, made before a count."""
+    logp_all = torch.log_softmax(logits, -1)
+    return logp_all.gather(-1, ids[..., None])[..., 0].requires_grad_(), -(logp_all.exp() * logp_all).sum(-1)
+
+
+def _loss_counts(preset, packed, validate, sizes=SIZES, **extra):
+    def prepare(k, B, T, logits, ids, adv, mask, kw):
+        x = logits.requires_grad_()
+        return lambda: gtpo_loss(x, ids, adv, mask, config=_config(preset), validate=validate, backend="triton",
+                                 **kw, **extra), x
+    return _counts(prepare, packed, sizes)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -68,16 +84,12 @@ def test_validating_reads_the_host_once(packed):
 def test_conflict_weights_computed_in_the_call_take_one_kernel(packed):
     """group_size instead of lam / n_conf: the conflict weights are one more launch (spec 8), from the
     call's tensors as given (no derived batch field formed), flat in tokens."""
-    counts = []
-    for k, (B, T) in enumerate(SIZES):
-        logits, ids, adv, mask, kw = _batch(B, T, k, packed)
+    def prepare(k, B, T, logits, ids, adv, mask, kw):
         kw = {key: v for key, v in kw.items() if key not in ("lam", "n_conf")}
         x = logits.requires_grad_()
-        with counting() as c:
-            out = gtpo_loss(x, ids, adv, mask, group_size=2, config="gtpo", validate=False, backend="triton", **kw)
-            out.loss.backward()
-        assert torch.isfinite(out.loss) and x.grad.abs().sum() > 0
-        counts.append((c.launches, c.host_reads, c.creations, dict(c.triton_names)))
+        return lambda: gtpo_loss(x, ids, adv, mask, group_size=2, config="gtpo", validate=False, backend="triton",
+                                 **kw), x
+    counts = _counts(prepare, packed)
     assert counts[0] == counts[1], counts
     launches, reads, creations, kernels = counts[0]
     assert reads == 0 and creations == 0 and launches <= 5, counts
@@ -95,18 +107,14 @@ def test_num_items_tensor_and_per_token_temperature_stay_on_the_path():
 def test_a_temperature_per_completion_or_token_takes_at_most_eight(per, packed):
     """A temperature tensor on the 3-launch path (spec 8: at most 8 for any other option): its expansion
     to the tokens, no check launched (the vocabulary kernels read a tau that is not finite and > 0 as NaN)."""
-    counts = []
-    for k, (B, T) in enumerate(SIZES):
-        logits, ids, adv, mask, kw = _batch(B, T, k, packed)
+    def prepare(k, B, T, logits, ids, adv, mask, kw):
         tau = torch.full((B, 1), 0.7) if per == "completion" else torch.full(ids.shape, 0.7)
         x = logits.requires_grad_()
-        with counting() as c:
-            out = gtpo_loss(x, ids, adv, mask, config="gtpo", temperature=tau, validate=False, backend="triton", **kw)
-            out.loss.backward()
-        assert torch.isfinite(out.loss) and x.grad.abs().sum() > 0
-        counts.append((c.launches, c.host_reads, c.creations, c.triton_names.get("_epilogue_kernel")))
+        return lambda: gtpo_loss(x, ids, adv, mask, config="gtpo", temperature=tau, validate=False,
+                                 backend="triton", **kw), x
+    counts = _counts(prepare, packed)
     assert counts[0] == counts[1], counts
-    assert counts[0][0] <= 8 and counts[0][1:] == (0, 0, 1), counts
+    assert counts[0][0] <= 8 and counts[0][1:3] == (0, 0) and counts[0][3].get("_epilogue_kernel") == 1, counts
 
 
 @pytest.mark.parametrize("validate,reads,mask_dtype", [(False, 0, torch.bool), (True, 1, torch.float32)])
@@ -194,20 +202,12 @@ def test_head_runs_the_loss_math_once_and_at_most_ten_launches_a_tile(schedule, 
 def _from_logps_counts(preset, packed, validate, entropy=True, sizes=SIZES):
     """gtpo_loss_from_logps on Triton: counts of the call alone (the log-probs and entropies made before)."""
     from gtpo_kernels import gtpo_loss_from_logps
-    counts = []
-    for k, (B, T) in enumerate(sizes):
-        logits, ids, adv, mask, kw = _batch(B, T, k, packed)
-        logp_all = torch.log_softmax(logits, -1)
-        lp = logp_all.gather(-1, ids[..., None])[..., 0].requires_grad_()
-        H = -(logp_all.exp() * logp_all).sum(-1)
-        cfg = _config(preset)
-        with counting() as c:
-            out = gtpo_loss_from_logps(lp, ids, adv, mask, entropy=H if entropy else None, config=cfg,
-                                       validate=validate, backend="triton", **kw)
-            out.loss.backward()
-        assert torch.isfinite(out.loss) and lp.grad.abs().sum() > 0
-        counts.append((c.launches, c.host_reads, c.creations, dict(c.triton_names)))
-    return counts
+
+    def prepare(k, B, T, logits, ids, adv, mask, kw):
+        lp, H = _logps_of(logits, ids)
+        return lambda: gtpo_loss_from_logps(lp, ids, adv, mask, entropy=H if entropy else None, config=_config(preset),
+                                            validate=validate, backend="triton", **kw), lp
+    return _counts(prepare, packed, sizes)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -247,20 +247,15 @@ def test_recorded_kept_sets_at_most_eight_launches(packed):
     sets' checks, the epilogue; the seed, c g and e g, the gradient's zeros, the replay's gradient kernel.
     No host read and no tensor from host data unvalidated; the same counts at two sizes. Packed, with rollout
     weights per completion (B, 1) (the epilogue reads them: no launch more)."""
-    counts = []
-    for k, (B, T) in enumerate(SIZES):
-        logits, ids, adv, mask, kw = _batch(B, T, k, packed)
+    def prepare(k, B, T, logits, ids, adv, mask, kw):
         kw.pop("ref_logps")
         if packed:
             kw["rollout_is_weights"] = torch.rand(B, 1, generator=torch.Generator().manual_seed(k)) + 0.5
         sets = _sampling_mask(logits, ids, mask)
         x = logits.requires_grad_()
-        with counting() as c:
-            out = gtpo_loss(x, ids, adv, mask, sampling_mask=sets, config="gtpo", validate=False, backend="triton",
-                            **kw)
-            out.loss.backward()
-        assert torch.isfinite(out.loss) and x.grad.abs().sum() > 0
-        counts.append((c.launches, c.host_reads, c.creations, dict(c.triton_names)))
+        return lambda: gtpo_loss(x, ids, adv, mask, sampling_mask=sets, config="gtpo", validate=False,
+                                 backend="triton", **kw), x
+    counts = _counts(prepare, packed)
     assert counts[0] == counts[1], counts
     launches, reads, creations, kernels = counts[0]
     assert reads == 0 and creations == 0 and launches <= 8, counts
@@ -299,9 +294,8 @@ def _roll_counts(packed, cfg, validate=False, weights=None, rollout=False, from_
     """Counts of gtpo_loss (or gtpo_loss_from_logps) with rollout weights ("token": per token, "completion":
     (B, 1)) and / or rollout log-probs, config `cfg` (the off-policy mask's threshold in it)."""
     from gtpo_kernels import gtpo_loss_from_logps
-    counts = []
-    for k, (B, T) in enumerate(sizes):
-        logits, ids, adv, mask, kw = _batch(B, T, k, packed)
+
+    def prepare(k, B, T, logits, ids, adv, mask, kw):
         kw.pop("ref_logps")
         g = torch.Generator().manual_seed(k)
         if weights:
@@ -309,19 +303,12 @@ def _roll_counts(packed, cfg, validate=False, weights=None, rollout=False, from_
         if rollout:
             kw["rollout_logps"] = kw["old_logps"] + 0.1 * torch.randn(ids.shape, generator=g)
         if from_logps:
-            logp_all = torch.log_softmax(logits, -1)
-            x = logp_all.gather(-1, ids[..., None])[..., 0].requires_grad_()
-            H = -(logp_all.exp() * logp_all).sum(-1)
-            call = lambda: gtpo_loss_from_logps(x, ids, adv, mask, entropy=H, config=cfg, validate=validate,  # noqa
-                                                backend="triton", **kw)
-        else:
-            x = logits.requires_grad_()
-            call = lambda: gtpo_loss(x, ids, adv, mask, config=cfg, validate=validate, backend="triton", **kw)  # noqa
-        with counting() as c:
-            out = call()
-            out.loss.backward()
-        assert torch.isfinite(out.loss) and x.grad.abs().sum() > 0
-        counts.append((c.launches, c.host_reads, c.creations, dict(c.triton_names)))
+            x, H = _logps_of(logits, ids)
+            return lambda: gtpo_loss_from_logps(x, ids, adv, mask, entropy=H, config=cfg, validate=validate,
+                                                backend="triton", **kw), x
+        x = logits.requires_grad_()
+        return lambda: gtpo_loss(x, ids, adv, mask, config=cfg, validate=validate, backend="triton", **kw), x
+    counts = _counts(prepare, packed, sizes)
     assert counts[0] == counts[1], counts  # flat in tokens and completions
     return counts[0]
 
