@@ -92,12 +92,13 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
         extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
-        fast = epilogue.eligible(logits, cfg, backend, inplace, replay.requested(sampling_mask, top_k, top_p, min_p),
-                                 process_group)  # the 4-launch path checks in its kernel
-        # the recorded kept sets' 8-launch path checks in its kernels too (the sets: their status, then the host)
-        # (not with a per-token temperature: its host check must come after the batch's, as on the eager path)
-        sets_in_kernels = sampling_mask is not None and not _per_token_tau(temperature) and epilogue.eligible(
-            logits, cfg, backend, inplace, False, process_group)
+        replaying = replay.requested(sampling_mask, top_k, top_p, min_p)
+        fast = epilogue.eligible(logits, cfg, backend, inplace, replaying, process_group)  # checks in its kernel
+        # the sampler's kept sets with the loss math in the epilogue kernel (recorded sets: 8 launches, spec 8)
+        fast_replay = replaying and epilogue.eligible(logits, cfg, backend, inplace, False, process_group)
+        # the recorded sets' path checks in its kernels too (the sets: their status, then the host); not with a
+        # per-token temperature: its host check must come after the batch's, as on the eager path
+        sets_in_kernels = fast_replay and sampling_mask is not None and not _per_token_tau(temperature)
         in_kernels = fast or sets_in_kernels
         prep = dict(advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, logits_start=logits_start,
                     vocab_size=_local_vocab(process_group), **extras)
@@ -107,9 +108,6 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             checks.check_inplace(inplace, logits)
             dt = float_dtype_for(logits)
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
-            # the sampler's kept sets with the loss math in the epilogue kernel (recorded sets: 8 launches, spec 8)
-            fast_replay = replay.requested(sampling_mask, top_k, top_p, min_p) and logps_epilogue.uses_epilogue(
-                cfg, backend, logits.dtype, process_group)
             num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not in_kernels, raw=fast or fast_replay)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32, host,
