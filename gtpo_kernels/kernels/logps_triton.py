@@ -23,6 +23,7 @@ import triton.language as tl
 
 from .epilogue_terms import _counted
 from .vocab_jit import BAD_ID, BAD_NONFINITE
+from .vocab_status import _offsets_bad
 
 BLOCK = 1024  # tokens per step of the one-program kernels and per program of _scale_kernel
 DUP_BLOCK = 64  # kept ids per block of the repeated-id test (a DUP_BLOCK x DUP_BLOCK comparison)
@@ -96,14 +97,7 @@ def _flat_sets_kernel(mask_ptr, off_ptr, cu_ptr, tau_ptr,  # the caller's mask, 
         o = t0 + lanes
         M += tl.sum(_counted(mask_ptr, o, o < N, HAS_MASK).to(tl.int64), axis=0)
     first = tl.load(off_ptr).to(tl.int64)
-    last = tl.load(off_ptr + M_rec).to(tl.int64)
-    bad = ((first != 0) | (last != K) | (M != M_rec)).to(tl.int32)
-    for k0 in range(0, M_rec, BLOCK):
-        k = k0 + lanes
-        inb = k < M_rec
-        lo = tl.load(off_ptr + k, mask=inb, other=0).to(tl.int64)
-        hi = tl.load(off_ptr + k + 1, mask=inb, other=0).to(tl.int64)
-        bad = bad | tl.max((inb & (hi < lo)).to(tl.int32), axis=0)
+    bad = _offsets_bad(off_ptr, M_rec, K, -1, BLOCK) | (M != M_rec).to(tl.int32)
     tl.debug_barrier()
     before = tl.zeros((), tl.int64)  # counted tokens before the block
     for t0 in range(0, N, BLOCK):

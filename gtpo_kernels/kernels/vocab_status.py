@@ -18,17 +18,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _cu_bad(cu_ptr, n_seq, N, max_seqlen, BLOCK: tl.constexpr):
-    """1 when cu_seqlens (n_seq + 1,) does not run from 0 to N without decreasing, or a completion is longer
-    than max_seqlen (when >= 0)."""
+def _offsets_bad(off_ptr, n, total, max_len, BLOCK: tl.constexpr):
+    """1 when offsets (n + 1,) (cu_seqlens, a sampling mask's) do not run from 0 to total without decreasing,
+    or a span is longer than max_len (when >= 0)."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
-    bad = ((tl.load(cu_ptr).to(tl.int64) != 0) | (tl.load(cu_ptr + n_seq).to(tl.int64) != N)).to(tl.int32)
-    for i0 in range(0, n_seq, BLOCK):
+    bad = ((tl.load(off_ptr).to(tl.int64) != 0) | (tl.load(off_ptr + n).to(tl.int64) != total)).to(tl.int32)
+    for i0 in range(0, n, BLOCK):
         i = i0 + lanes
-        inb = i < n_seq
-        lo = tl.load(cu_ptr + i, mask=inb, other=0).to(tl.int64)
-        hi = tl.load(cu_ptr + i + 1, mask=inb, other=0).to(tl.int64)
-        bad = bad | tl.max((inb & ((hi < lo) | ((max_seqlen >= 0) & (hi - lo > max_seqlen)))).to(tl.int32), axis=0)
+        inb = i < n
+        lo = tl.load(off_ptr + i, mask=inb, other=0).to(tl.int64)
+        hi = tl.load(off_ptr + i + 1, mask=inb, other=0).to(tl.int64)
+        bad = bad | tl.max((inb & ((hi < lo) | ((max_len >= 0) & (hi - lo > max_len)))).to(tl.int32), axis=0)
     return bad
 
 
@@ -41,7 +41,7 @@ def _fold_status(status_ptr, work_ptr, bad, mask_ptr, tok, cu_ptr, n_seq, max_se
         mv = tl.load(mask_ptr + tok)
         fail = fail | ((mv != 0) & (mv != 1)).to(tl.int32)
     if CU_CHECK:
-        cu_fail = _cu_bad(cu_ptr, n_seq, tl.num_programs(0).to(tl.int64), max_seqlen, 1024)
+        cu_fail = _offsets_bad(cu_ptr, n_seq, tl.num_programs(0).to(tl.int64), max_seqlen, 1024)
         fail = fail | (cu_fail * (tok == 0).to(tl.int32))
     inc = tl.where(fail != 0, tl.full((), 4294967297, tl.int64), tl.full((), 1, tl.int64))  # 2**32 + 1, or 1
     tot = tl.atomic_add(work_ptr, inc) + inc
