@@ -8,7 +8,7 @@ os.environ.setdefault("GTPO_HEAD_MIN_COLS", "16")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 # one thread per pytest-xdist worker (`-n auto` starts one worker per core): no oversubscription
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -23,6 +23,9 @@ settings.register_profile("dev", max_examples=15, deadline=None,
 settings.register_profile(
     "nightly", max_examples=500, derandomize=False, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# ci's examples without shrinking: a sweep of deliberate breaks wants to know that a test fails, fast
+settings.register_profile("mutation", parent=settings.get_profile("ci"),
+                          phases=(Phase.explicit, Phase.reuse, Phase.generate))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Per-test example counts for tests that set their own max_examples (tests/test_joint.py): `examples(n)`
@@ -69,6 +72,9 @@ NIGHTLY_ONLY |= {f"tests/test_epilogue.py::test_other_policy_terms_match_referen
 NIGHTLY_ONLY |= {f"tests/test_top_entropy.py::test_ties_at_the_threshold_and_masked_completions[{rho}-packed]"
                  for rho in (0.31, 0.35, 0.7, 0.81)}
 NIGHTLY_ONLY.add("tests/test_top_entropy.py::test_ties_at_the_threshold_and_masked_completions[0.35-padded]")
+# the other token-level policy terms' launch counts: ci keeps every term padded and cispo and dppo_kl packed
+NIGHTLY_ONLY |= {f"tests/test_launches.py::test_other_token_level_policy_terms_take_at_most_four[{p}-packed]"
+                 for p in ("sapo", "gpg", "verl-cispo", "dppo-tv")}
 NIGHTLY_ONLY |= {f"tests/test_launches.py::{t}" for t in (
     "test_top_entropy_mask_takes_at_most_eight[validating-padded]",
     "test_top_entropy_mask_takes_at_most_eight[unvalidated-packed]",

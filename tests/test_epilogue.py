@@ -419,12 +419,16 @@ def test_unvalidated_malformed_cu_seqlens_matches_the_eager_path(cu):
     torch.testing.assert_close(gr, tg, equal_nan=True)
 
 
+# the epilogue's HP code with every float slot read by pointer (pipeline/epilogue.py hyper) and the PPO bounds
+_HP_ALL = sum((k + 1) << (4 * k) for k in range(12)) | 1 << 48
+
+
 def test_epilogue_compiles_for_the_gpus():
     """The epilogue compiled ahead of time for sm_90, sm_80 and sm_100 (no GPU needed; Triton's compiler in
     a process without the interpreter), every policy term (POLICY), the rollout weights (RW) and the off-policy
-    mask, the top-entropy mask (TOP_ENT) and its sort key's kernel among its cases: what the interpreter
-    does not check (a loop-carried variable that changes type, a global NaN that differs from itself between
-    inner functions) fails here."""
+    mask, the top-entropy mask (TOP_ENT) and its sort key's kernel, every hyper-parameter read by pointer (HP)
+    among its cases: what the interpreter does not check (a loop-carried variable that changes type, a global
+    NaN that differs from itself between inner functions) fails here."""
     import subprocess
     import sys
     code = ("from bench.aot.compiler import compile_epilogue\n"
@@ -435,7 +439,8 @@ def test_epilogue_compiles_for_the_gpus():
             "                 (80, dict(RW=2, OFF_POLICY=True, PACKED=True, SEQ=True)),\n"
             "                 (100, dict(RW=1, OFF_POLICY=True, HAS_ROLL=False, HAS_OLD=False)),\n"
             "                 (90, dict(TOP_ENT=True, enable_fp_fusion=False, RW=1, OFF_POLICY=True)),\n"
-            "                 (80, dict(TOP_ENT=True, enable_fp_fusion=False, PACKED=True, SEQ=True, AGG=1))]:\n"
+            "                 (80, dict(TOP_ENT=True, enable_fp_fusion=False, PACKED=True, SEQ=True, AGG=1)),\n"
+            f"                 (90, dict(HP={_HP_ALL})), (100, dict(HP={_HP_ALL}, POLICY=2, TOP_ENT=True, enable_fp_fusion=False))]:\n"
             "    print(arch, sw)\n"
             "    assert compile_epilogue(arch, **sw).asm.get('ptx'), (arch, sw)\n"
             "import torch\n"
@@ -449,8 +454,9 @@ def test_epilogue_compiles_for_the_gpus():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
-    assert p.stdout.count("'POLICY'") == 9, p.stdout  # every policy term of the kernel compiled
-    assert p.stdout.count("'TOP_ENT'") == 2, p.stdout  # the top-entropy mask (and its key kernel) compiled
+    assert p.stdout.count("'POLICY'") == 10, p.stdout  # every policy term of the kernel compiled
+    assert p.stdout.count("'TOP_ENT'") == 3, p.stdout  # the top-entropy mask (and its key kernel) compiled
+    assert p.stdout.count(f"'HP': {_HP_ALL}") == 2, p.stdout  # every hyper-parameter read by pointer
 
 
 @pytest.mark.parametrize("bad", ["adv", "old", "ref", "lam", "n_conf", "num_items", "mask", "ids", "cu_seqlens",

@@ -26,7 +26,9 @@ _batch = batch
 
 
 def _config(preset):
-    """The preset as the counts run it: grpo and dapo with a KL term and no entropy filter."""
+    """The preset as the counts run it: grpo and dapo with a KL term and no entropy filter (a config as given)."""
+    if isinstance(preset, GTPOConfig):
+        return preset
     return GTPOConfig.preset(preset, beta=0.04, entropy_threshold=None) if preset in ("grpo", "dapo") \
         else GTPOConfig.preset(preset)
 
@@ -95,6 +97,21 @@ def test_conflict_weights_computed_in_the_call_take_one_kernel(packed):
     assert reads == 0 and creations == 0 and launches <= 5, counts
     assert kernels == {"_conflict_weights_kernel": 1, "_vocab_fwd_kernel": 1, "_epilogue_kernel": 1,
                        "_vocab_bwd_kernel": 1}, kernels
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_tensor_hyper_parameters_stay_on_the_path(packed):
+    """Hyper-parameters as 0-d tensors (a schedule) are read by the epilogue by pointer: a tensor beta costs no
+    launch; beta, eps_low (float64), eps_high and entropy_coef together one (their cat). No host read."""
+    one = GTPOConfig.preset("grpo", beta=torch.tensor(0.04), entropy_threshold=None)
+    four = one.replace(eps_low=torch.tensor(0.2, dtype=torch.float64), eps_high=torch.tensor(0.28),
+                       entropy_coef=torch.tensor(0.01))
+    for cfg, most in ((one, 4), (four, 5)):
+        counts = _loss_counts(cfg, packed, validate=False)
+        assert counts[0] == counts[1], counts
+        launches, reads, creations, kernels = counts[0]
+        assert reads == 0 and creations == 0 and launches == most, counts
+        assert kernels == {"_vocab_fwd_kernel": 1, "_epilogue_kernel": 1, "_vocab_bwd_kernel": 1}, kernels
 
 
 def test_num_items_tensor_and_per_token_temperature_stay_on_the_path():

@@ -223,6 +223,12 @@ class GTPOConfig:
                       "completion, so a per-token upstream gradient has no per-token meaning)")
 
     @property
+    def top_entropy_on(self) -> bool:
+        """The top-entropy mask is on: a quantile below 1, or a tensor (never assumed 1: no launch to compare)."""
+        q = self.top_entropy_quantile
+        return isinstance(q, torch.Tensor) or q != 1.0
+
+    @property
     def sequence_term(self) -> bool:
         """A token's policy term depends on its whole completion (GSPO's ratio, GMPO's mean)."""
         return self.importance_sampling_level == "sequence" or self.policy_loss == "geo-mean"

@@ -15,6 +15,22 @@ def _finite_or_nan(x):
 
 
 @triton.jit
+def _hp(x, hp_ptr, HP: tl.constexpr, K: tl.constexpr, F: tl.constexpr):
+    """Float argument K of the epilogue: x by value, or where HP's bits 4K..4K+3 hold j > 0 the hyper-parameter
+    hp[j - 1] given as a device tensor (pipeline/epilogue.hyper), in the form F (0: itself, 1: 1 - it, 2: 1 +
+    it) formed in float64 and rounded to float32, as the eager path's float32 or float64 tensor."""
+    J: tl.constexpr = (HP >> (4 * K)) & 15
+    if J != 0:
+        v = tl.load(hp_ptr + (J - 1)).to(tl.float64)
+        if F == 1:
+            v = 1.0 - v
+        elif F == 2:
+            v = 1.0 + v
+        x = v.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _span(cu_ptr, i, T, PACKED: tl.constexpr):
     """Tokens [start, end) of completion i."""
     if PACKED:

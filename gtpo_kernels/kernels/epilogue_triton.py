@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .epilogue_terms import (_counted, _finite_or_nan, _fix_cu, _invalid_inputs, _k3, _off_policy_sum,
+from .epilogue_terms import (_counted, _finite_or_nan, _fix_cu, _hp, _invalid_inputs, _k3, _off_policy_sum,
                              _policy_weight, _rollout_ok, _rollout_w, _span, _terms)
 from .top_entropy import _top_entropy_thr, _top_entropy_w
 
@@ -51,6 +51,7 @@ def _epilogue_kernel(
     adv_ptr, old_ptr, ref_ptr, lam_ptr, nconf_ptr, nitems_ptr, roll_ptr,  # inputs (unused ones: any tensor)
     rw_ptr,  # rollout_is_weights: per token (RW 1) or per completion (RW 2)
     srt_ptr,  # TOP_ENT: the sorted entropy keys (top_entropy.sorted_key)
+    hp_ptr,  # the hyper-parameters given as device tensors (HP: which float argument each replaces)
     value_ptr, logp_out, ent_out, ltok_out, c_out, e_out, lam_out, nconf_out, kept_out, hbar_out,  # outputs
     scratch_ptr, cu_fix, met_ptr, status_ptr,  # (4B,) float32, (B + 1,) int64 scratch; (9,) metrics; (1,) int32
     B, T, N, max_seqlen,  # completions; tokens per completion (padded form); tokens; the packed max_seqlen or -1
@@ -70,7 +71,21 @@ def _epilogue_kernel(
     RW: tl.constexpr = 0,  # rollout weights: 0 none, 1 per token, 2 per completion (they multiply the policy term)
     OFF_POLICY: tl.constexpr = False,  # spec 9's off-policy sequence mask (threshold off_thr)
     TOP_ENT: tl.constexpr = False,  # spec 9's top-entropy mask (the 1 - rho = top_q quantile; top_entropy.py)
+    HP: tl.constexpr = 0,  # 4 bits a float argument lo .. top_q (pipeline/epilogue.HP_SLOTS): 0 by value, j: hp[j - 1]
 ):
+    BOUNDS: tl.constexpr = (HP >> 48) & 1  # lo, hi as 1 - eps_low, 1 + eps_high (the PPO clip's)
+    lo = _hp(lo, hp_ptr, HP, 0, BOUNDS)
+    hi = _hp(hi, hp_ptr, HP, 1, 2 * BOUNDS)
+    delta = _hp(delta, hp_ptr, HP, 2, 0)
+    dual_c = _hp(dual_c, hp_ptr, HP, 3, 0)
+    beta = _hp(beta, hp_ptr, HP, 4, 0)
+    ent_coef = _hp(ent_coef, hp_ptr, HP, 5, 0)
+    penalty = _hp(penalty, hp_ptr, HP, 6, 0)
+    sapo_pos = _hp(sapo_pos, hp_ptr, HP, 7, 0)
+    sapo_neg = _hp(sapo_neg, hp_ptr, HP, 8, 0)
+    dro_beta = _hp(dro_beta, hp_ptr, HP, 9, 0)
+    off_thr = _hp(off_thr, hp_ptr, HP, 10, 0)
+    top_q = _hp(top_q, hp_ptr, HP, 11, 1)
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     M = tl.zeros((), tl.int32)
     n_kept = tl.zeros((), tl.int32)

@@ -25,7 +25,7 @@ FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "
           "sapo_pos", "sapo_neg", "dro_beta", "off_thr", "top_q")
 FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
          "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE", "VALIDATE", "MASK_VALUES", "HAS_REF",
-         "POLICY", "RW", "OFF_POLICY", "TOP_ENT", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
+         "POLICY", "RW", "OFF_POLICY", "TOP_ENT", "HP", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
 EPILOGUE_BLOCK = 1024  # tokens per step of the epilogue's one program
 
 
@@ -45,15 +45,18 @@ def epilogue_outputs(like, n, B, flags):
 
 
 def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs,
-             g_lo=0, g_hi=None, rw=None):
+             g_lo=0, g_hi=None, rw=None, hp=None):
     """The epilogue kernel (one launch) on the forward pass's per-token logp, H and flags, writing `outs`
     (epilogue_outputs; its logp and H may be the inputs themselves); pass 2 over completions [g_lo, g_hi)
     (default: all of them). rw: the rollout weights, (n,) per token or (B,) per completion as flags' RW says
-    (1, 2; 0: None). TOP_ENT (the top-entropy mask): two launches before it, the sort key and its sort
+    (1, 2; 0: None). hp: the hyper-parameters read by pointer, as flags' HP code says (pipeline/epilogue.py
+    hyper; None with HP 0). TOP_ENT (the top-entropy mask): two launches before it, the sort key and its sort
     (top_entropy.sorted_key), on the call's whole batch only (the quantile spans every counted token)."""
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     if (rw is None) != (fg["RW"] == 0):
         raise ValueError(f"the epilogue's RW = {fg['RW']} and its rollout weights ({rw is not None}) disagree")
+    if (hp is None) != (fg["HP"] == 0):
+        raise ValueError(f"the epilogue's HP = {fg['HP']} and its hyper-parameter vector ({hp is not None}) disagree")
     if fg["TOP_ENT"] and (g_lo != 0 or g_hi not in (None, B)):
         raise ValueError("the top-entropy mask's quantile spans the whole batch: no epilogue on a tile alone")
     n = logp.numel()
@@ -62,11 +65,12 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
     scratch = torch.empty(4 * B, device=logp.device, dtype=torch.float32)
     cu_fix = torch.empty(B + 1, device=logp.device, dtype=torch.int64)
     any_ = bad  # a tensor for the pointers that are not read
-    sw = {k: bool(v) if k not in ("NITEMS", "AGG", "POLICY", "RW") else int(v) for k, v in fg.items()
+    sw = {k: bool(v) if k not in ("NITEMS", "AGG", "POLICY", "RW", "HP") else int(v) for k, v in fg.items()
           if k not in ("TEMP_BY_VALUE", "MAX_SEQLEN")}
     _epilogue_kernel[(1,)](
         logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
         adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items, roll, rw)), srt,
+        any_ if hp is None else hp,
         value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, scratch, cu_fix, met, status,
         B, n // B if (B and not fg["PACKED"]) else 0, n, fg["MAX_SEQLEN"], g_lo, B if g_hi is None else g_hi,
         fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
@@ -81,7 +85,8 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
                adv: torch.Tensor, old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
                lam: Optional[torch.Tensor], n_conf: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
                temperature: Optional[torch.Tensor], floats: List[float], flags: List[int], logits_start: int,
-               B: int, roll: Optional[torch.Tensor], rw: Optional[torch.Tensor]) -> List[torch.Tensor]:
+               B: int, roll: Optional[torch.Tensor], rw: Optional[torch.Tensor],
+               hp: Optional[torch.Tensor]) -> List[torch.Tensor]:
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     n = ids.numel()
     outs = _outputs(logits3, n, B, fg["AGG"] == 5)
@@ -90,13 +95,13 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
     if n:
         vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad))
     epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs[:12],
-             rw=rw)
+             rw=rw, hp=hp)
     return outs
 
 
 @fused_loss.register_fake
 def _(logits3, ids, mask, cu, adv, old, ref, lam, n_conf, num_items, temperature, floats, flags, logits_start, B,
-      roll, rw):
+      roll, rw, hp):
     return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5)
 
 
@@ -115,13 +120,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     grad = grads[0]  # the loss value's; the other outputs are not differentiable
     if grad is None:
-        return (None,) * 17
+        return (None,) * 18
     logits3, ids, stats, ent, c, e, temperature = ctx.saved_tensors
     logits_start, tau_value = ctx.meta
     g = grad.reshape(-1)
     grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, backend="triton", g=g,
                           tau_value=tau_value)
-    return (grad3,) + (None,) * 16
+    return (grad3,) + (None,) * 17
 
 
 fused_loss.register_autograd(_backward, setup_context=_setup_context)

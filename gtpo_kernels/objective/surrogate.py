@@ -174,7 +174,7 @@ def multipliers(logp, ent, m, seg, B, n_safe, M, adv, cfg, lam, old, rollout_w, 
         mult = mult * off_policy_keep(logp, sampling, m, seg, B, n_safe, adv,
                                       cfg.off_policy_mask_threshold)[seg].to(dt)
     emask = None
-    if not is_zero(cfg.top_entropy_quantile - 1.0):
+    if cfg.top_entropy_on:
         emask = top_entropy_mask(ent, m, M, cfg.top_entropy_quantile).to(dt)
         mult = mult * emask
     if rollout_w is not None and cfg.policy_loss not in ("vespo", "geo-mean"):  # they fold them in

@@ -10,9 +10,10 @@ aggregation, conflict weights given or computed, old / ref log-probs, the KL (an
 the entropy filter, gate, penalty and bonus, the off-policy sequence mask (spec 9), the top-entropy mask
 (spec 9: two launches more, the entropies' sort key and torch.sort; kernels/top_entropy.py), rollout weights
 per token or per completion, num_items_in_batch (number or tensor), a temperature (number, schedule tensor,
-per completion or per token). Whatever else (the policy terms vespo, geo_mean, clip_cov and kl_cov, kept
-sets, vocabulary-parallel, inplace, hyper-parameters given as tensors) takes the eager
-path of loss.fused_loss, which is also this kernel's twin in tests. Validating, the status word is read with
+per completion or per token), the hyper-parameters a schedule may give as 0-d tensors (HP_SLOTS: read by
+pointer, see hyper). Whatever else (the policy terms vespo, geo_mean, clip_cov and kl_cov, kept sets,
+vocabulary-parallel, inplace) takes the eager path of loss.fused_loss, which is also this kernel's twin in
+tests. Validating, the status word is read with
 the call's input checks: one host read.
 """
 from __future__ import annotations
@@ -22,18 +23,28 @@ import numbers
 import torch
 
 from ..core import checks
+from ..core.config import is_zero
 from ..core.output import GTPOOutput
 from ..kernels import loss_ops, ops
 from ..kernels.epilogue_triton import AGGS, POLICIES
 from ..objective import mismatch
 from .loss import warn_all_dropped
 
-_NUMBERS = ("eps_low", "eps_high", "delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty",
-            "entropy_threshold", "initial_entropy", "max_completion_length", "top_entropy_quantile",
-            "off_policy_mask_threshold")
+_NUMBERS = ("entropy_threshold", "initial_entropy", "max_completion_length")  # numbers (or None) only
+# the hyper-parameters the kernel also takes as 0-d floating tensors (GTPOConfig: a schedule the trainer
+# updates in place): see hyper
+_TENSOR_OK = ("eps_low", "eps_high", "delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty",
+              "off_policy_mask_threshold", "top_entropy_quantile")
+# hyper-parameters of one policy term only (read, and required to be numbers or 0-d tensors, with that term)
+_TERM_NUMBERS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro": ("dro_beta",)}
+# the kernel's float slots the hyper-parameters fill (_slots), in the order of its HP code (4 bits a slot)
+HP_SLOTS = ("lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "sapo_pos", "sapo_neg", "dro_beta",
+            "off_thr", "top_q")
 
 
-def _number(x):
+def _number(x, tensor_ok=False):
+    if tensor_ok and isinstance(x, torch.Tensor):  # (the kernel forms it as float32 or float64: _slots)
+        return x.dim() == 0 and x.dtype in (torch.float32, torch.float64)
     return x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
@@ -50,19 +61,76 @@ def eligible(logits, cfg, backend, inplace, kept_sets, process_group):
     return backend == "triton" and process_group is None and not kept_sets and not inplace and covers(cfg)
 
 
-# hyper-parameters of one policy term only (read, and required to be numbers, with that term)
-_TERM_NUMBERS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro": ("dro_beta",)}
-
-
 def covers(cfg):
     """Whether the epilogue kernel computes this config's loss: a policy term of POLICIES (the PPO clip at
     the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl at the token
-    level, the only one the config admits for them), hyper-parameters as numbers (the off-policy mask's
-    threshold and the top-entropy mask's quantile included; the fused LM head asks too). Rollout weights
-    multiply each of these terms (vespo and geo_mean, which fold them in, are not among them)."""
+    level, the only one the config admits for them), the entropy filter's numbers as numbers, the other
+    hyper-parameters as numbers or 0-d tensors (the fused LM head asks too). Rollout weights multiply each
+    of these terms (vespo and geo_mean, which fold them in, are not among them)."""
     pl = cfg.policy_loss
     return (pl in POLICIES and (pl == "ppo" or cfg.importance_sampling_level == "token")
-            and all(_number(getattr(cfg, k)) for k in _NUMBERS + _TERM_NUMBERS.get(pl, ())))
+            and all(_number(getattr(cfg, k)) for k in _NUMBERS)
+            and all(_number(getattr(cfg, k), True) for k in _TENSOR_OK + _TERM_NUMBERS.get(pl, ())))
+
+
+# HP_SLOTS' forms: the eager path uses the hyper-parameter x itself, or 1 - x (the PPO clip's lower bound,
+# the top-entropy mask's quantile), or 1 + x (the clip's upper bound): in x's own dtype, then cast to float32
+SAME, ONE_MINUS, ONE_PLUS = 0, 1, 2
+PPO_BOUNDS = 1 << 48  # HP's bit for lo and hi as 1 - eps_low, 1 + eps_high (ppo, verl_cispo)
+
+
+def _form(x, f):
+    return x if f == SAME else (1.0 - x if f == ONE_MINUS else 1.0 + x)
+
+
+def _slots(cfg):
+    """HP_SLOTS' values as (x, f): the hyper-parameter x (a number or a 0-d tensor) and f, the form the eager
+    path uses (policy.ppo's operand(1.0 - cfg.eps_low, r)). The kernel forms a tensor's in float64 and
+    rounds it to float32, which for a float32 or float64 x is the eager value (1 +- x of a float32 x is
+    exact in float64, or rounds to 1 both ways); a half-precision one stays eager (covers)."""
+    pl = cfg.policy_loss
+    lo, hi = (0.0, SAME), (0.0, SAME)  # (lo, hi) unused by sapo, gpg and dro
+    if pl == "cispo":  # cispo's bound on the ratio is eps_high itself; dppo's trust region the eps
+        hi = (cfg.eps_high, SAME)
+    elif pl in ("dppo-tv", "dppo-kl"):
+        lo, hi = (cfg.eps_low, SAME), (cfg.eps_high, SAME)
+    elif pl in ("ppo", "verl-cispo"):
+        lo, hi = (cfg.eps_low, ONE_MINUS), (cfg.eps_high, ONE_PLUS)
+    sapo = pl == "sapo"
+    given = (cfg.delta, cfg.dual_clip_c, cfg.beta, cfg.entropy_coef, cfg.entropy_penalty,
+             cfg.sapo_temperature_pos if sapo else 1.0, cfg.sapo_temperature_neg if sapo else 1.0,
+             cfg.dro_beta if pl == "dro" else 0.0, cfg.off_policy_mask_threshold)
+    return (lo, hi, *((0.0 if x is None else x, SAME) for x in given), (cfg.top_entropy_quantile, ONE_MINUS))
+
+
+def _on_device(x, like):
+    """A 0-d tensor hyper-parameter the kernel reads by pointer: on `like`'s device, or on another GPU (moved
+    there); a host tensor with device inputs goes by value (read without a device sync, as torch takes a
+    CPU scalar)."""
+    return isinstance(x, torch.Tensor) and not (x.device.type == "cpu" and like.device.type != "cpu")
+
+
+def hyper(cfg, like):
+    """hp: the hyper-parameters the kernel reads by pointer (_on_device) as given, one vector in HP_SLOTS'
+    order (no launch for one tensor; else one cat, in the widest dtype), or None."""
+    dev = [x.to(like.device).reshape(1) for x, _ in _slots(cfg) if _on_device(x, like)]
+    return None if not dev else (dev[0] if len(dev) == 1 else torch.cat(dev))
+
+
+def _slot_values(cfg, like):
+    """(values, code): HP_SLOTS' values for the kernel's float arguments (0.0 where read by pointer), and its
+    HP code: slot k at bits 4k..4k+3 (0 by value, else its index in hyper's vector + 1), and PPO_BOUNDS (with
+    a slot read by pointer: HP 0 is no hp)."""
+    values, code, j = [], 0, 0
+    slots = _slots(cfg)
+    for k, (x, f) in enumerate(slots):
+        if _on_device(x, like):
+            j += 1
+            code |= j << (4 * k)
+            values.append(0.0)
+        else:
+            values.append(float(_form(x, f)))
+    return values, code | (PPO_BOUNDS if code and slots[0][1] == ONE_MINUS else 0)
 
 
 def _tau(t, like):
@@ -80,45 +148,35 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
     thr, init = cfg.entropy_threshold, cfg.initial_entropy
     gate = thr is not None and init is not None and init > thr  # the paper's gate: the filter off
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
-    has_kl = b.ref is not None and cfg.beta != 0
+    has_kl = b.ref is not None and not is_zero(cfg.beta)  # (a tensor is never assumed 0)
     pl = cfg.policy_loss
     ppo = pl == "ppo"  # the clip, delta: the PPO term's options (the dual clip: ppo's, or dppo's cap)
-    if pl == "cispo":  # (lo, hi): cispo's bound on the ratio is eps_high itself; dppo's trust region the eps
-        lo, hi = 0.0, float(cfg.eps_high)
-    elif pl in ("dppo-tv", "dppo-kl"):
-        lo, hi = float(cfg.eps_low), float(cfg.eps_high)
-    else:
-        lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
-    sapo = pl == "sapo"
-    floats = [tau_value, lo, hi, 0.0 if cfg.delta is None else float(cfg.delta),
-              0.0 if cfg.dual_clip_c is None else float(cfg.dual_clip_c), float(cfg.beta), float(cfg.entropy_coef),
-              float(cfg.entropy_penalty), 0.0 if thr is None else float(thr),
-              float(cfg.max_completion_length or 0), float(num_items) if isinstance(num_items, float) else 1.0,
-              float(cfg.sapo_temperature_pos) if sapo else 1.0, float(cfg.sapo_temperature_neg) if sapo else 1.0,
-              float(cfg.dro_beta) if pl == "dro" else 0.0,
-              0.0 if cfg.off_policy_mask_threshold is None else float(cfg.off_policy_mask_threshold),
-              1.0 - cfg.top_entropy_quantile]
+    v, code = _slot_values(cfg, b.given["adv"])  # HP_SLOTS: FLOATS' lo .. penalty, then sapo_pos .. top_q
+    floats = [tau_value, *v[:7], 0.0 if thr is None else float(thr), float(cfg.max_completion_length or 0),
+              float(num_items) if isinstance(num_items, float) else 1.0, *v[7:]]
     flags = [b.packed, b.old is not None, has_kl, has_kl and cfg.use_bias_correction_kl, b.lam is not None,
              b.n_conf is not None, 0 if num_items is None else (2 if n_items is not None else 1), cfg.clip and ppo,
-             cfg.delta is not None and ppo, cfg.dual_clip_c is not None, cfg.entropy_coef != 0,
-             thr is not None and not gate, cfg.entropy_penalty != 0, cfg.importance_sampling_level == "sequence",
+             cfg.delta is not None and ppo, cfg.dual_clip_c is not None, not is_zero(cfg.entropy_coef),
+             thr is not None and not gate, not is_zero(cfg.entropy_penalty), cfg.importance_sampling_level == "sequence",
              AGGS.index(cfg.loss_agg), not has_temperature, host,
              host and b.mask is not None and b.mask.dtype != torch.bool, b.ref is not None, POLICIES.index(pl),
              2 if b.rollout_w_seq is not None else int(b.rollout_w is not None),
-             cfg.off_policy_mask_threshold is not None, cfg.top_entropy_quantile != 1.0,
+             cfg.off_policy_mask_threshold is not None, cfg.top_entropy_on, code,
              -1 if b.max_seqlen is None else b.max_seqlen]
     return floats, [int(f) for f in flags]
 
 
-def tensors(b):
+def tensors(b, cfg):
     """The tensors the epilogue reads, with stride 1 (a copy only if they are not): the caller's mask, the
     advantages and cu_seqlens as given (a malformed cu_seqlens is the kernel's to flag), old / ref
-    log-probs, lam, n_conf, the rollout log-probs, and the rollout weights as flags' RW says: per completion
-    (B,) (never spread on the tokens), per token (N,), or None."""
+    log-probs, lam, n_conf, the rollout log-probs, the rollout weights as flags' RW says: per completion
+    (B,) (never spread on the tokens), per token (N,), or None, and the hyper-parameters read by pointer
+    (hyper; flags' HP code)."""
     given = b.given
     rw = b.rollout_w_seq if b.rollout_w_seq is not None else b.rollout_w
     return [None if x is None else x.contiguous() for x in (b.mask, given["adv"], b.old, b.ref, b.lam, b.n_conf,
-                                                            given["cu_seqlens"], b.rollout_logps, rw)]
+                                                            given["cu_seqlens"], b.rollout_logps, rw)] + [
+        hyper(cfg, given["adv"])]
 
 
 def loss(b, cfg, num_items, tau, host, revalidate=None):
@@ -127,10 +185,10 @@ def loss(b, cfg, num_items, tau, host, revalidate=None):
     `revalidate()` runs them on the host to raise the error that names the argument."""
     temperature, tau_value = _tau(cfg.temperature if tau is None else tau, b.logits3)
     floats, flags = arguments(b, cfg, num_items, tau_value, host, temperature is not None)
-    mask, adv, old, ref, lam, n_conf, cu, roll, rw = tensors(b)
+    mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp = tensors(b, cfg)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
-                               temperature, floats, flags, b.logits_start, b.B, roll, rw)
+                               temperature, floats, flags, b.logits_start, b.B, roll, rw, hp)
     return output(outs[:12], outs[13], b, cfg, host, revalidate)
 
 
