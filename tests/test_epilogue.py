@@ -25,7 +25,7 @@ AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-tok
         "none"]
 TOL = 1e-5
 # the other token-level policy terms of the kernel (POLICY != 0, epilogue_triton.POLICIES)
-OTHER = ["cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl"]
+OTHER = ["cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl", "geo-mean"]
 
 
 def _term_options(draw, preset):
@@ -43,6 +43,9 @@ def _term_options(draw, preset):
         return dict(dro_beta=draw(st.sampled_from([0.1, 2.0])))
     if preset in ("dppo-tv", "dppo-kl"):
         lo, hi = draw(st.sampled_from([(0.2, 0.2), (0.01, 0.02), (0.001, 0.002)]))
+        return dict(eps_low=lo, eps_high=hi)
+    if preset == "geo-mean":  # the clip of log r: off or met by the ratios
+        lo, hi = draw(st.sampled_from([(0.4, 0.4), (0.03, 0.12), (0.12, 0.03)]))
         return dict(eps_low=lo, eps_high=hi)
     return {}
 
@@ -193,6 +196,8 @@ def _cuts(cfg, lp, old):
             return cuts + [(p - p_old, cfg.eps_high), (p - p_old, -cfg.eps_low)]
         kl = p_old * (old - lp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
         return cuts + [(kl, cfg.eps_high), (kl, cfg.eps_low)]
+    if pl == "geo-mean":
+        return [(lp - old, -cfg.eps_low), (lp - old, cfg.eps_high)]
     return []  # sapo, gpg, dro: smooth in r and logp
 
 
@@ -288,7 +293,8 @@ def test_other_policy_terms_match_reference_and_twin(policy, data):
 # clip, dppo's trust region), sapo's temperatures apart, dro's beta
 _FIXED = {"cispo": dict(eps_high=1.05), "sapo": dict(sapo_temperature_pos=3.0, sapo_temperature_neg=0.5),
           "gpg": {}, "verl-cispo": dict(eps_low=0.05, eps_high=0.03), "dro": dict(dro_beta=2.0),
-          "dppo-tv": dict(eps_low=0.001, eps_high=0.002), "dppo-kl": dict(eps_low=0.001, eps_high=0.002)}
+          "dppo-tv": dict(eps_low=0.001, eps_high=0.002), "dppo-kl": dict(eps_low=0.001, eps_high=0.002),
+          "geo-mean": dict(eps_low=0.03, eps_high=0.12)}
 _FIXED_SEED = {"dppo-kl": 4}  # (seed 3 leaves every token inside the KL trust region)
 
 
@@ -319,6 +325,10 @@ def test_other_policy_terms_on_a_fixed_case(policy):
         assert 0 < float(ref_out.metrics["clip_frac"]) < 1, ref_out.metrics
     elif policy == "sapo":
         assert (adv > 0).any() and (adv < 0).any(), adv  # both temperatures
+    elif policy == "geo-mean":  # log r clipped on both sides, and not; some between -eps_high and -eps_low
+        lr = lp - old.double()[mask]
+        assert 0 < float(ref_out.metrics["clip_frac"]) < 1 and (lr > cfg.eps_high).any() and \
+            (lr < -cfg.eps_low).any() and ((lr > -cfg.eps_high) & (lr < -cfg.eps_low)).any(), ref_out.metrics
     _compare("fixed", out, grad, ref_out, ref_grad, mask)
     twin, twin_grad, _ = _call(c, logits, ids, mask, adv, old, ref, tau, "torch", torch.ones(4, 5))
     _compare("fixed vs torch", out, grad, twin, twin_grad.double(), mask)

@@ -21,7 +21,8 @@ _FIELDS = ("delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty", "o
            "top_entropy_quantile")
 _TERM = {"ppo": ("eps_low", "eps_high"), "verl-cispo": ("eps_low", "eps_high"), "cispo": ("eps_high",),
          "dppo-tv": ("eps_low", "eps_high"), "dppo-kl": ("eps_low", "eps_high"),
-         "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro": ("dro_beta",), "gpg": ()}
+         "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro": ("dro_beta",), "gpg": (),
+         "geo-mean": ("eps_low", "eps_high")}
 
 
 def _as_tensors(cfg, fields, dtypes):

@@ -15,22 +15,6 @@ def _finite_or_nan(x):
 
 
 @triton.jit
-def _hp(x, hp_ptr, HP: tl.constexpr, K: tl.constexpr, F: tl.constexpr):
-    """Float argument K of the epilogue: x by value, or where HP's bits 4K..4K+3 hold j > 0 the hyper-parameter
-    hp[j - 1] given as a device tensor (pipeline/epilogue.hyper), in the form F (0: itself, 1: 1 - it, 2: 1 +
-    it) formed in float64 and rounded to float32, as the eager path's float32 or float64 tensor."""
-    J: tl.constexpr = (HP >> (4 * K)) & 15
-    if J != 0:
-        v = tl.load(hp_ptr + (J - 1)).to(tl.float64)
-        if F == 1:
-            v = 1.0 - v
-        elif F == 2:
-            v = 1.0 + v
-        x = v.to(tl.float32)
-    return x
-
-
-@triton.jit
 def _span(cu_ptr, i, T, PACKED: tl.constexpr):
     """Tokens [start, end) of completion i."""
     if PACKED:
@@ -102,12 +86,13 @@ def _ppo(r, A, lo, hi, delta, dual_c, CLIP: tl.constexpr, HAS_DELTA: tl.constexp
 
 
 @triton.jit
-def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro_beta, POLICY: tl.constexpr,
+def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro_beta, lr_seq, POLICY: tl.constexpr,
             CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
     """(pg, d pg / d log r, d pg / d logp directly, clipped) of the token-level policy term POLICY
     (epilogue_triton.POLICIES), as policy.py / verl_modes.py compute it; r = exp(log_r), lp the token's
     logp, old its old log-prob (logp on-policy). lo, hi: ppo and verl_cispo 1 - eps_low, 1 + eps_high;
-    cispo hi = eps_high (the ratio's absolute bound); dppo eps_low, eps_high."""
+    cispo hi = eps_high (the ratio's absolute bound); dppo and geo_mean eps_low, eps_high; lr_seq: geo_mean's
+    log R, the completion's (epilogue_geo)."""
     zero = tl.zeros_like(lp)
     if POLICY == 0:  # ppo (policy.ppo_parts)
         pg, d_logr, clipped = _ppo(r, A, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
@@ -143,6 +128,16 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
         d_logr = dro_beta * log_r
         d_logp = -A + zero
         clipped = (r != r).to(tl.int32) * 0
+    elif POLICY == 8:  # geo_mean (verl_modes.geo_mean): -A R, d / d log R; log R moves with the tokens whose
+        # y = sgn(A) min(sgn(A) log r, sgn(A) clip(log r, -eps_low, eps_high)) is log r, where A != 0
+        sgn = tl.where(A > 0.0, 1.0, tl.where(A < 0.0, -1.0, 0.0)) + zero
+        xc = tl.minimum(tl.maximum(log_r, -lo, propagate_nan=tl.PropagateNan.ALL), hi,
+                        propagate_nan=tl.PropagateNan.ALL)
+        spread = (sgn * log_r <= sgn * xc) & (sgn != 0.0)
+        pg = -A * tl.exp(lr_seq) + zero
+        d_logr = pg
+        d_logp = tl.zeros_like(lp)
+        clipped = (spread.to(tl.int32) == 0).to(tl.int32) * (A != 0.0).to(tl.int32)
     else:  # dppo tv (6) / kl (7): -A sg(min(r, c)) logp on the tokens inside the binary trust region
         rc = tl.exp(tl.minimum(tl.maximum(log_r, -20.0, propagate_nan=tl.PropagateNan.ALL), 20.0,
                                propagate_nan=tl.PropagateNan.ALL))
@@ -188,7 +183,7 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         log_r = lp - lp  # 0, NaN at a NaN logp
     r = tl.exp(log_r)
     pg, d_logr, d_logp, clipped = _policy(r, log_r, lp, old, a_hat, lo, hi, delta, dual_c, sapo_pos, sapo_neg,
-                                          dro_beta, POLICY, CLIP, HAS_DELTA, HAS_DUAL)
+                                          dro_beta, lr_seq, POLICY, CLIP, HAS_DELTA, HAS_DUAL)
     if HAS_LAM:
         lam = tl.where(m, tl.load(lam_ptr + o, mask=inb, other=1.0).to(tl.float32), 1.0)
         mult = _finite_or_nan(lam)
@@ -205,10 +200,13 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         em = _expm1(d)  # surrogate.kl_term: 1 - exp(d) keeps its digits near d = 0
         k3 = em - d
         dk3 = -em
-        if BIAS_KL:
+        if BIAS_KL:  # (geo_mean: its d_logr is d / d log R; the KL's ratio is the token's, into d_logp)
             loss_tok = loss_tok + beta * k3 * r
             d_logp = d_logp + beta * dk3 * r
-            d_logr = d_logr + beta * k3 * r
+            if POLICY == 8:
+                d_logp = d_logp + beta * k3 * r
+            else:
+                d_logr = d_logr + beta * k3 * r
         else:
             loss_tok = loss_tok + beta * k3
             d_logp = d_logp + beta * dk3

@@ -34,12 +34,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .epilogue_terms import (_counted, _finite_or_nan, _fix_cu, _hp, _invalid_inputs, _k3, _off_policy_sum,
+from .epilogue_geo import _geo_log_w, _geo_sums
+from .epilogue_hyper import _hyper
+from .epilogue_terms import (_counted, _finite_or_nan, _fix_cu, _invalid_inputs, _k3, _off_policy_sum,
                              _policy_weight, _rollout_ok, _rollout_w, _span, _terms)
 from .top_entropy import _top_entropy_thr, _top_entropy_w
 
 # policy_loss as the kernel's POLICY (the token-level terms it computes; epilogue_terms._policy)
-POLICIES = ("ppo", "cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl")
+POLICIES = ("ppo", "cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl", "geo-mean")
+GEO_MEAN = POLICIES.index("geo-mean")  # verl's GMPO: a completion's clipped geometric-mean ratio
 # loss_agg as the kernel's AGG
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "gtpo-official",
         "none")
@@ -73,19 +76,8 @@ def _epilogue_kernel(
     TOP_ENT: tl.constexpr = False,  # spec 9's top-entropy mask (the 1 - rho = top_q quantile; top_entropy.py)
     HP: tl.constexpr = 0,  # 4 bits a float argument lo .. top_q (pipeline/epilogue.HP_SLOTS): 0 by value, j: hp[j - 1]
 ):
-    BOUNDS: tl.constexpr = (HP >> 48) & 1  # lo, hi as 1 - eps_low, 1 + eps_high (the PPO clip's)
-    lo = _hp(lo, hp_ptr, HP, 0, BOUNDS)
-    hi = _hp(hi, hp_ptr, HP, 1, 2 * BOUNDS)
-    delta = _hp(delta, hp_ptr, HP, 2, 0)
-    dual_c = _hp(dual_c, hp_ptr, HP, 3, 0)
-    beta = _hp(beta, hp_ptr, HP, 4, 0)
-    ent_coef = _hp(ent_coef, hp_ptr, HP, 5, 0)
-    penalty = _hp(penalty, hp_ptr, HP, 6, 0)
-    sapo_pos = _hp(sapo_pos, hp_ptr, HP, 7, 0)
-    sapo_neg = _hp(sapo_neg, hp_ptr, HP, 8, 0)
-    dro_beta = _hp(dro_beta, hp_ptr, HP, 9, 0)
-    off_thr = _hp(off_thr, hp_ptr, HP, 10, 0)
-    top_q = _hp(top_q, hp_ptr, HP, 11, 1)
+    lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q = _hyper(
+        hp_ptr, lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, HP)
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     M = tl.zeros((), tl.int32)
     n_kept = tl.zeros((), tl.int32)
@@ -110,6 +102,9 @@ def _epilogue_kernel(
         h_i = tl.zeros((), tl.float32)
         lr_i = tl.zeros((), tl.float32)
         off_i = tl.zeros((), tl.float64)  # sum of (sampling logp - logp) over the counted tokens
+        geo_i = tl.zeros((), tl.float64)  # geo_mean: the sums of min and max (log r, its clip), of log w
+        geo_hi = tl.zeros((), tl.float64)
+        geo_w = tl.zeros((), tl.float64)
         for t0 in range(start, end, BLOCK):
             o = t0 + lanes
             inb = o < end
@@ -142,6 +137,11 @@ def _epilogue_kernel(
                                                     HAS_OLD, HAS_REF, HAS_LAM, RW)
             if OFF_POLICY:
                 off_i += _off_policy_sum(o, inb, m, lp, old_ptr, roll_ptr, HAS_OLD, HAS_ROLL)
+            if POLICY == 8:
+                y_lo, y_hi, lw = _geo_sums(o, inb, m, lp, old_ptr, rw_ptr, lo, hi, HAS_OLD, RW)
+                geo_i += y_lo
+                geo_hi += y_hi
+                geo_w += lw
             n_i += tl.sum(m.to(tl.int32), axis=0)
             h_i += tl.sum(en, axis=0)
             if SEQ:
@@ -166,8 +166,9 @@ def _epilogue_kernel(
             keep_w = ((adv >= 0.0) | (off_i.to(tl.float32) / n_safe <= off_thr)).to(tl.float32)
         else:
             keep_w = tl.full((), 1.0, tl.float32)
-        if RW == 2:  # the completion's rollout weight (its tokens' multiplier with the mask)
-            keep_w = keep_w * _rollout_w(tl.load(rw_ptr + i).to(tl.float32))
+        if RW == 2:  # the completion's rollout weight (its tokens' multiplier with the mask; geo_mean's log R)
+            if POLICY != 8:
+                keep_w = keep_w * _rollout_w(tl.load(rw_ptr + i).to(tl.float32))
         if FILTER:
             kept = hbar <= thr
         else:
@@ -179,7 +180,12 @@ def _epilogue_kernel(
         tl.store(hbar_out + i, hbar)
         tl.store(kept_out + i, kept.to(tl.uint8))
         tl.store(scratch_ptr + i, tl.where(kept, shaped, shaped * 0.0))
-        tl.store(scratch_ptr + B + i, lr_i / n_safe)
+        if POLICY == 8:  # log R: the mean of y (min or max of log r and its clip by the sign of Ahat), + log w
+            a_i = tl.where(kept, shaped, shaped * 0.0)
+            y = tl.where(a_i > 0.0, geo_i, tl.where(a_i < 0.0, geo_hi, geo_i * 0.0)).to(tl.float32)
+            tl.store(scratch_ptr + B + i, y / n_safe + _geo_log_w(geo_w, rw_ptr, i, n_safe, RW))
+        else:
+            tl.store(scratch_ptr + B + i, lr_i / n_safe)
         tl.store(scratch_ptr + 2 * B + i, n_safe)
         tl.store(scratch_ptr + 3 * B + i, keep_w)
         if HAS_NCONF:
@@ -237,14 +243,14 @@ def _epilogue_kernel(
         else:
             denom = 1.0
         g_seq = 0.0
-        if SEQ:  # d loss / d log r summed over the completion, spread back on its counted tokens
+        if SEQ or POLICY == 8:  # d loss / d log r (geo_mean: log R) over the completion, spread back on its tokens
             g_acc = tl.zeros([BLOCK], tl.float32)
             for t0 in range(start, end, BLOCK):
                 o = t0 + lanes
                 inb = o < end
                 m = _counted(mask_ptr, o, inb, HAS_MASK)
                 em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
-                pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW)
+                pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * (POLICY != 8))
                 _, _, d_logr, _, _ = _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw,
                                             em, lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta,
                                             BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ, CLIP, HAS_DELTA,
@@ -257,7 +263,7 @@ def _epilogue_kernel(
             inb = o < end
             m = _counted(mask_ptr, o, inb, HAS_MASK)
             em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
-            pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW)
+            pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * (POLICY != 8))
             loss_tok, d_logp, d_logr, clipped, lam = _terms(
                 o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, em, lo, hi, delta, dual_c,
                 beta, ent_coef, sapo_pos, sapo_neg, dro_beta, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ,
@@ -268,6 +274,8 @@ def _epilogue_kernel(
                 w = tl.where(m, 1.0, 0.0) / denom
             if SEQ:
                 c = tl.where(m, w * d_logp + g_seq, 0.0)
+            elif POLICY == 8:  # log R moves with the tokens its clip did not stop (Ahat != 0)
+                c = tl.where(m, w * d_logp + g_seq * (clipped == 0).to(tl.float32) * (a_hat != 0.0).to(tl.float32), 0.0)
             else:
                 c = tl.where(m, w * d_logp + w * d_logr, 0.0)
             tl.store(ltok_out + o, loss_tok, mask=inb)

@@ -5,16 +5,16 @@ scalar loss (`ones_like`) is the fourth launch of a forward + backward.
 
 It takes the Triton backend on one process, for the PPO-clip policy term at the token or the sequence
 level (GTPO and the TRL-family presets grpo, dapo, dr_grpo, bnpo, gspo, luspo, gtpo-official, and verl's
-vanilla) and the token-level terms cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl, with any
+vanilla), the token-level terms cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl, and verl's
+geo_mean (its completion's log R formed in pass 1: kernels/epilogue_geo.py), with any
 aggregation, conflict weights given or computed, old / ref log-probs, the KL (and its bias correction),
 the entropy filter, gate, penalty and bonus, the off-policy sequence mask (spec 9), the top-entropy mask
 (spec 9: two launches more, the entropies' sort key and torch.sort; kernels/top_entropy.py), rollout weights
 per token or per completion, num_items_in_batch (number or tensor), a temperature (number, schedule tensor,
 per completion or per token), the hyper-parameters a schedule may give as 0-d tensors (HP_SLOTS: read by
-pointer, see hyper). Whatever else (the policy terms vespo, geo_mean, clip_cov and kl_cov, kept sets,
+pointer, see hyper). Whatever else (the policy terms vespo, clip_cov and kl_cov, kept sets,
 vocabulary-parallel, inplace) takes the eager path of loss.fused_loss, which is also this kernel's twin in
-tests. Validating, the status word is read with
-the call's input checks: one host read.
+tests. Validating, the status word is read with the call's input checks: one host read.
 """
 from __future__ import annotations
 
@@ -63,10 +63,11 @@ def eligible(logits, cfg, backend, inplace, kept_sets, process_group):
 
 def covers(cfg):
     """Whether the epilogue kernel computes this config's loss: a policy term of POLICIES (the PPO clip at
-    the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl at the token
-    level, the only one the config admits for them), the entropy filter's numbers as numbers, the other
+    the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv, dppo_kl and geo_mean at the
+    token level, the only one the config admits for them), the entropy filter's numbers as numbers, the other
     hyper-parameters as numbers or 0-d tensors (the fused LM head asks too). Rollout weights multiply each
-    of these terms (vespo and geo_mean, which fold them in, are not among them)."""
+    of these terms but geo_mean, which folds their geometric mean into its ratio (vespo, which folds them
+    into its weights, is not among them)."""
     pl = cfg.policy_loss
     return (pl in POLICIES and (pl == "ppo" or cfg.importance_sampling_level == "token")
             and all(_number(getattr(cfg, k)) for k in _NUMBERS)
@@ -92,7 +93,7 @@ def _slots(cfg):
     lo, hi = (0.0, SAME), (0.0, SAME)  # (lo, hi) unused by sapo, gpg and dro
     if pl == "cispo":  # cispo's bound on the ratio is eps_high itself; dppo's trust region the eps
         hi = (cfg.eps_high, SAME)
-    elif pl in ("dppo-tv", "dppo-kl"):
+    elif pl in ("dppo-tv", "dppo-kl", "geo-mean"):  # (geo_mean: log r clipped to [-eps_low, eps_high])
         lo, hi = (cfg.eps_low, SAME), (cfg.eps_high, SAME)
     elif pl in ("ppo", "verl-cispo"):
         lo, hi = (cfg.eps_low, ONE_MINUS), (cfg.eps_high, ONE_PLUS)
