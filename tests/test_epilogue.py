@@ -25,7 +25,7 @@ AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-tok
         "none"]
 TOL = 1e-5
 # the other token-level policy terms of the kernel (POLICY != 0, epilogue_triton.POLICIES)
-OTHER = ["cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl", "geo-mean"]
+OTHER = ["cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl", "geo-mean", "vespo"]
 
 
 def _term_options(draw, preset):
@@ -44,6 +44,9 @@ def _term_options(draw, preset):
     if preset in ("dppo-tv", "dppo-kl"):
         lo, hi = draw(st.sampled_from([(0.2, 0.2), (0.01, 0.02), (0.001, 0.002)]))
         return dict(eps_low=lo, eps_high=hi)
+    if preset == "vespo":  # TRL's defaults, or weights that let phi vary with L
+        kl = draw(st.sampled_from([(2.0, 3.0, 3.0, 2.0), (1.0, 0.5, 0.5, 1.5)]))
+        return dict(zip(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), kl))
     if preset == "geo-mean":  # the clip of log r: off or met by the ratios
         lo, hi = draw(st.sampled_from([(0.4, 0.4), (0.03, 0.12), (0.12, 0.03)]))
         return dict(eps_low=lo, eps_high=hi)
@@ -294,7 +297,7 @@ def test_other_policy_terms_match_reference_and_twin(policy, data):
 _FIXED = {"cispo": dict(eps_high=1.05), "sapo": dict(sapo_temperature_pos=3.0, sapo_temperature_neg=0.5),
           "gpg": {}, "verl-cispo": dict(eps_low=0.05, eps_high=0.03), "dro": dict(dro_beta=2.0),
           "dppo-tv": dict(eps_low=0.001, eps_high=0.002), "dppo-kl": dict(eps_low=0.001, eps_high=0.002),
-          "geo-mean": dict(eps_low=0.03, eps_high=0.12)}
+          "geo-mean": dict(eps_low=0.03, eps_high=0.12), "vespo": dict(vespo_k_pos=1.0, vespo_lambda_pos=0.5)}
 _FIXED_SEED = {"dppo-kl": 4}  # (seed 3 leaves every token inside the KL trust region)
 
 
@@ -444,7 +447,7 @@ def test_epilogue_compiles_for_the_gpus():
     code = ("from bench.aot.compiler import compile_epilogue\n"
             "for arch, sw in [(90, {}), (90, dict(PACKED=True, SEQ=True, AGG=4)), (90, dict(AGG=5, HAS_LAM=False, HAS_ROLL=False)),\n"
             "                 (80, dict(PACKED=True, AGG=1, NITEMS=2)), (100, dict(SEQ=True, AGG=3, HAS_KL=False)),\n"
-            "                 *[(90, dict(POLICY=p, PACKED=p % 2 == 1, HAS_DUAL=p != 7, AGG=p % 6)) for p in range(1, 8)],\n"
+            "                 *[(90, dict(POLICY=p, PACKED=p % 2 == 1, HAS_DUAL=p != 7, AGG=p % 6)) for p in range(1, 10)],\n"
             "                 (80, dict(POLICY=6)), (100, dict(POLICY=2, HAS_OLD=False, HAS_LAM=False)),\n"
             "                 (80, dict(RW=2, OFF_POLICY=True, PACKED=True, SEQ=True)),\n"
             "                 (100, dict(RW=1, OFF_POLICY=True, HAS_ROLL=False, HAS_OLD=False)),\n"
@@ -464,7 +467,7 @@ def test_epilogue_compiles_for_the_gpus():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
-    assert p.stdout.count("'POLICY'") == 10, p.stdout  # every policy term of the kernel compiled
+    assert p.stdout.count("'POLICY'") == 12, p.stdout  # every policy term of the kernel compiled
     assert p.stdout.count("'TOP_ENT'") == 3, p.stdout  # the top-entropy mask (and its key kernel) compiled
     assert p.stdout.count(f"'HP': {_HP_ALL}") == 2, p.stdout  # every hyper-parameter read by pointer
 

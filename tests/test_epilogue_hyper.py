@@ -22,7 +22,7 @@ _FIELDS = ("delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty", "o
 _TERM = {"ppo": ("eps_low", "eps_high"), "verl-cispo": ("eps_low", "eps_high"), "cispo": ("eps_high",),
          "dppo-tv": ("eps_low", "eps_high"), "dppo-kl": ("eps_low", "eps_high"),
          "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro": ("dro_beta",), "gpg": (),
-         "geo-mean": ("eps_low", "eps_high")}
+         "geo-mean": ("eps_low", "eps_high"), "vespo": ()}
 
 
 def _as_tensors(cfg, fields, dtypes):

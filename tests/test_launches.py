@@ -281,12 +281,12 @@ def test_recorded_kept_sets_at_most_eight_launches(packed):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("policy", ["cispo", "sapo", "gpg", "verl-cispo", "dppo-tv", "dppo-kl", "geo-mean"])
+@pytest.mark.parametrize("policy", ["cispo", "sapo", "gpg", "verl-cispo", "dppo-tv", "dppo-kl", "geo-mean", "vespo"])
 def test_other_token_level_policy_terms_take_at_most_four(policy, packed):
     """cispo, sapo and verl's token-level terms (their presets; geo_mean, verl's GMPO, at the completion
     level through its log R) on the 4-launch path, as the PPO clip: the epilogue kernel computes them (its
     POLICY switch), no host read, no tensor from host data, the same counts at two sizes (the eager path of
-    these terms was ~95 launches, geo_mean's 127)."""
+    these terms was ~95 launches, geo_mean's 127, vespo's 121)."""
     counts = _loss_counts(policy, packed, validate=False)
     assert counts[0] == counts[1], counts  # flat in tokens and completions
     launches, reads, creations, kernels = counts[0]

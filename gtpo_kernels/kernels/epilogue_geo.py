@@ -1,7 +1,8 @@
-"""geo_mean (verl's GMPO) in the epilogue kernel's pass 1: per completion, the sums that make its log R
-(objective/verl_modes.geo_mean, surrogate.geo_mean_log_w). The token terms are epilogue_terms._policy's
-(POLICY 8); pass 2 spreads d loss / d log R over the tokens the clip did not stop, as the sequence level
-spreads d loss / d log r."""
+"""The per-completion policy terms in the epilogue kernel's pass 1: geo_mean's (verl's GMPO) sums that make
+its log R (objective/verl_modes.geo_mean, surrogate.geo_mean_log_w), and vespo's phi (policy.vespo_phi,
+surrogate.rollout_log_w). The token terms are epilogue_terms._policy's (POLICY 8, 9); for geo_mean pass 2
+spreads d loss / d log R over the tokens the clip did not stop, as the sequence level spreads d loss / d log r;
+vespo's phi is a constant weight (no gradient through it)."""
 from __future__ import annotations
 
 import triton
@@ -41,3 +42,47 @@ def _geo_log_w(lw_sum, rw_ptr, i, n_safe, RW: tl.constexpr):
     elif RW == 2:
         return tl.log(_rollout_w(tl.load(rw_ptr + i).to(tl.float32)) + 1e-10)
     return n_safe * 0.0
+
+
+@triton.jit
+def _vespo_sums(o, inb, m, lp, old_ptr, rw_ptr, HAS_OLD: tl.constexpr, RW: tl.constexpr):
+    """A block's float64 sums over its counted tokens of clamp(log r, -20, 20) and, with per-token rollout
+    weights (RW 1), of clamp(log w, log 1e-8, 20) (NaN for a weight not finite and >= 0)."""
+    if HAS_OLD:
+        old = _finite_or_nan(tl.where(m, tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
+        lr = lp - old
+    else:
+        lr = lp - lp
+    lr = tl.minimum(tl.maximum(lr, -20.0, propagate_nan=tl.PropagateNan.ALL), 20.0, propagate_nan=tl.PropagateNan.ALL)
+    l_sum = tl.sum(tl.where(m, lr, 0.0).to(tl.float64), axis=0)
+    if RW == 1:
+        lw = _clamped_log(_rollout_w(tl.load(rw_ptr + o, mask=inb, other=1.0).to(tl.float32)))
+        return l_sum, tl.sum(tl.where(m, lw, 0.0).to(tl.float64), axis=0)
+    return l_sum, l_sum * 0.0
+
+
+@triton.jit
+def _clamped_log(w):
+    """log(w) clamped to [log 1e-8, 20] (NaN stays NaN), as surrogate.rollout_log_w."""
+    return tl.minimum(tl.maximum(tl.log(w), -18.420680743952367, propagate_nan=tl.PropagateNan.ALL), 20.0,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _vespo_phi(l_sum, lw_sum, rw_ptr, i, adv, k_pos, lam_pos, k_neg, lam_neg, RW: tl.constexpr):
+    """Completion i's phi: L = clamp(sum clamp(log r) + sum log w, log 1e-8, 20), k and lambda by the sign of
+    its advantage (>= 0: the positive pair; lambda at least 1e-4), phi = exp(lambda + k L - lambda e^L) with
+    non-finite values 0, NaN where L is NaN (NaN input)."""
+    L = l_sum.to(tl.float32)
+    if RW == 1:
+        L = L + lw_sum.to(tl.float32)
+    elif RW == 2:
+        L = L + _clamped_log(_rollout_w(tl.load(rw_ptr + i).to(tl.float32)))
+    invalid = L != L
+    L = tl.minimum(tl.maximum(L, -18.420680743952367), 20.0)
+    pos = adv >= 0.0
+    k = tl.where(pos, k_pos, k_neg)
+    lam = tl.maximum(tl.where(pos, lam_pos, lam_neg), 1e-4)
+    phi = tl.exp(lam + k * L - lam * tl.exp(L))
+    phi = tl.where(tl.abs(phi) < float("inf"), phi, 0.0)
+    return tl.where(invalid, float("nan"), phi)

@@ -92,7 +92,7 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
     (epilogue_triton.POLICIES), as policy.py / verl_modes.py compute it; r = exp(log_r), lp the token's
     logp, old its old log-prob (logp on-policy). lo, hi: ppo and verl_cispo 1 - eps_low, 1 + eps_high;
     cispo hi = eps_high (the ratio's absolute bound); dppo and geo_mean eps_low, eps_high; lr_seq: geo_mean's
-    log R, the completion's (epilogue_geo)."""
+    log R, vespo's phi, the completion's (epilogue_geo)."""
     zero = tl.zeros_like(lp)
     if POLICY == 0:  # ppo (policy.ppo_parts)
         pg, d_logr, clipped = _ppo(r, A, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
@@ -138,6 +138,11 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
         d_logr = pg
         d_logp = tl.zeros_like(lp)
         clipped = (spread.to(tl.int32) == 0).to(tl.int32) * (A != 0.0).to(tl.int32)
+    elif POLICY == 9:  # vespo (policy.vespo): -sg(phi) A logp, phi = lr_seq the completion's (epilogue_geo)
+        pg = -lr_seq * A * lp
+        d_logr = tl.zeros_like(lp)
+        d_logp = -lr_seq * A + zero
+        clipped = (r != r).to(tl.int32) * 0
     else:  # dppo tv (6) / kl (7): -A sg(min(r, c)) logp on the tokens inside the binary trust region
         rc = tl.exp(tl.minimum(tl.maximum(log_r, -20.0, propagate_nan=tl.PropagateNan.ALL), 20.0,
                                propagate_nan=tl.PropagateNan.ALL))

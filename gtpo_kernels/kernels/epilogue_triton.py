@@ -34,15 +34,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .epilogue_geo import _geo_log_w, _geo_sums
+from .epilogue_geo import _geo_log_w, _geo_sums, _vespo_phi, _vespo_sums
 from .epilogue_hyper import _hyper
 from .epilogue_terms import (_counted, _finite_or_nan, _fix_cu, _invalid_inputs, _k3, _off_policy_sum,
                              _policy_weight, _rollout_ok, _rollout_w, _span, _terms)
 from .top_entropy import _top_entropy_thr, _top_entropy_w
 
 # policy_loss as the kernel's POLICY (the token-level terms it computes; epilogue_terms._policy)
-POLICIES = ("ppo", "cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl", "geo-mean")
-GEO_MEAN = POLICIES.index("geo-mean")  # verl's GMPO: a completion's clipped geometric-mean ratio
+POLICIES = ("ppo", "cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl", "geo-mean", "vespo")
 # loss_agg as the kernel's AGG
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "gtpo-official",
         "none")
@@ -62,6 +61,7 @@ def _epilogue_kernel(
     lo, hi, delta, dual_c, beta, ent_coef, penalty, thr, max_len_cfg, nitems_val,  # hyper-parameters (floats)
     sapo_pos, sapo_neg, dro_beta,  # sapo's temperatures, dro's beta (floats; read by those terms only)
     off_thr, top_q,  # off_policy_mask_threshold (OFF_POLICY), 1 - top_entropy_quantile (TOP_ENT) (floats)
+    k_pos, lam_pos, k_neg, lam_neg,  # vespo's gamma weights (A >= 0, else) (floats; read by vespo only)
     PACKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
     BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr, HAS_NCONF: tl.constexpr, NITEMS: tl.constexpr,
     CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_E: tl.constexpr,
@@ -142,6 +142,10 @@ def _epilogue_kernel(
                 geo_i += y_lo
                 geo_hi += y_hi
                 geo_w += lw
+            if POLICY == 9:
+                l_sum, lw = _vespo_sums(o, inb, m, lp, old_ptr, rw_ptr, HAS_OLD, RW)
+                geo_i += l_sum
+                geo_w += lw
             n_i += tl.sum(m.to(tl.int32), axis=0)
             h_i += tl.sum(en, axis=0)
             if SEQ:
@@ -166,8 +170,8 @@ def _epilogue_kernel(
             keep_w = ((adv >= 0.0) | (off_i.to(tl.float32) / n_safe <= off_thr)).to(tl.float32)
         else:
             keep_w = tl.full((), 1.0, tl.float32)
-        if RW == 2:  # the completion's rollout weight (its tokens' multiplier with the mask; geo_mean's log R)
-            if POLICY != 8:
+        if RW == 2:  # the completion's rollout weight (its tokens' multiplier; geo_mean's log R, vespo's L)
+            if POLICY < 8:
                 keep_w = keep_w * _rollout_w(tl.load(rw_ptr + i).to(tl.float32))
         if FILTER:
             kept = hbar <= thr
@@ -184,6 +188,8 @@ def _epilogue_kernel(
             a_i = tl.where(kept, shaped, shaped * 0.0)
             y = tl.where(a_i > 0.0, geo_i, tl.where(a_i < 0.0, geo_hi, geo_i * 0.0)).to(tl.float32)
             tl.store(scratch_ptr + B + i, y / n_safe + _geo_log_w(geo_w, rw_ptr, i, n_safe, RW))
+        elif POLICY == 9:  # vespo's phi (its weight on the completion's tokens)
+            tl.store(scratch_ptr + B + i, _vespo_phi(geo_i, geo_w, rw_ptr, i, adv, k_pos, lam_pos, k_neg, lam_neg, RW))
         else:
             tl.store(scratch_ptr + B + i, lr_i / n_safe)
         tl.store(scratch_ptr + 2 * B + i, n_safe)
@@ -250,7 +256,7 @@ def _epilogue_kernel(
                 inb = o < end
                 m = _counted(mask_ptr, o, inb, HAS_MASK)
                 em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
-                pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * (POLICY != 8))
+                pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * (POLICY < 8))
                 _, _, d_logr, _, _ = _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw,
                                             em, lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta,
                                             BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ, CLIP, HAS_DELTA,
@@ -263,7 +269,7 @@ def _epilogue_kernel(
             inb = o < end
             m = _counted(mask_ptr, o, inb, HAS_MASK)
             em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
-            pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * (POLICY != 8))
+            pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * (POLICY < 8))
             loss_tok, d_logp, d_logr, clipped, lam = _terms(
                 o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, em, lo, hi, delta, dual_c,
                 beta, ent_coef, sapo_pos, sapo_neg, dro_beta, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ,

@@ -22,7 +22,7 @@ from . import ops, top_entropy, vocab_triton
 from .epilogue_triton import _epilogue_kernel
 
 FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "thr", "max_len", "nitems",
-          "sapo_pos", "sapo_neg", "dro_beta", "off_thr", "top_q")
+          "sapo_pos", "sapo_neg", "dro_beta", "off_thr", "top_q", "k_pos", "lam_pos", "k_neg", "lam_neg")
 FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
          "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE", "VALIDATE", "MASK_VALUES", "HAS_REF",
          "POLICY", "RW", "OFF_POLICY", "TOP_ENT", "HP", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
@@ -75,6 +75,7 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
         B, n // B if (B and not fg["PACKED"]) else 0, n, fg["MAX_SEQLEN"], g_lo, B if g_hi is None else g_hi,
         fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
         fl["max_len"], fl["nitems"], fl["sapo_pos"], fl["sapo_neg"], fl["dro_beta"], fl["off_thr"], fl["top_q"],
+        fl["k_pos"], fl["lam_pos"], fl["k_neg"], fl["lam_neg"],
         HAS_MASK=mask is not None, HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK, num_warps=4,
         enable_fp_fusion=not fg["TOP_ENT"], **sw)  # the quantile's products rounded as eager (top_entropy.py)
     return outs

@@ -5,14 +5,14 @@ scalar loss (`ones_like`) is the fourth launch of a forward + backward.
 
 It takes the Triton backend on one process, for the PPO-clip policy term at the token or the sequence
 level (GTPO and the TRL-family presets grpo, dapo, dr_grpo, bnpo, gspo, luspo, gtpo-official, and verl's
-vanilla), the token-level terms cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl, and verl's
-geo_mean (its completion's log R formed in pass 1: kernels/epilogue_geo.py), with any
+vanilla), the token-level terms cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl, verl's geo_mean
+and TRL's vespo (a completion's log R, its phi, formed in pass 1: kernels/epilogue_geo.py), with any
 aggregation, conflict weights given or computed, old / ref log-probs, the KL (and its bias correction),
 the entropy filter, gate, penalty and bonus, the off-policy sequence mask (spec 9), the top-entropy mask
 (spec 9: two launches more, the entropies' sort key and torch.sort; kernels/top_entropy.py), rollout weights
 per token or per completion, num_items_in_batch (number or tensor), a temperature (number, schedule tensor,
 per completion or per token), the hyper-parameters a schedule may give as 0-d tensors (HP_SLOTS: read by
-pointer, see hyper). Whatever else (the policy terms vespo, clip_cov and kl_cov, kept sets,
+pointer, see hyper). Whatever else (the policy terms clip_cov and kl_cov, kept sets,
 vocabulary-parallel, inplace) takes the eager path of loss.fused_loss, which is also this kernel's twin in
 tests. Validating, the status word is read with the call's input checks: one host read.
 """
@@ -33,10 +33,13 @@ from .loss import warn_all_dropped
 _NUMBERS = ("entropy_threshold", "initial_entropy", "max_completion_length")  # numbers (or None) only
 # the hyper-parameters the kernel also takes as 0-d floating tensors (GTPOConfig: a schedule the trainer
 # updates in place): see hyper
-_TENSOR_OK = ("eps_low", "eps_high", "delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty",
-              "off_policy_mask_threshold", "top_entropy_quantile")
-# hyper-parameters of one policy term only (read, and required to be numbers or 0-d tensors, with that term)
-_TERM_NUMBERS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro": ("dro_beta",)}
+_GENERAL = ("eps_low", "eps_high", "delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty",
+            "off_policy_mask_threshold", "top_entropy_quantile")
+# hyper-parameters of one policy term only (read, and checked, with that term: sapo's and dro's may be 0-d
+# tensors too, vespo's are numbers)
+_TERM_NUMBERS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro": ("dro_beta",),
+                 "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
+_TENSOR_OK = _GENERAL + _TERM_NUMBERS["sapo"] + _TERM_NUMBERS["dro"]
 # the kernel's float slots the hyper-parameters fill (_slots), in the order of its HP code (4 bits a slot)
 HP_SLOTS = ("lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "sapo_pos", "sapo_neg", "dro_beta",
             "off_thr", "top_q")
@@ -63,15 +66,13 @@ def eligible(logits, cfg, backend, inplace, kept_sets, process_group):
 
 def covers(cfg):
     """Whether the epilogue kernel computes this config's loss: a policy term of POLICIES (the PPO clip at
-    the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv, dppo_kl and geo_mean at the
-    token level, the only one the config admits for them), the entropy filter's numbers as numbers, the other
-    hyper-parameters as numbers or 0-d tensors (the fused LM head asks too). Rollout weights multiply each
-    of these terms but geo_mean, which folds their geometric mean into its ratio (vespo, which folds them
-    into its weights, is not among them)."""
+    the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv, dppo_kl, geo_mean and vespo
+    at the token level, the only one the config admits for them), the entropy filter's numbers and vespo's
+    as numbers, the other hyper-parameters as numbers or 0-d tensors (the fused LM head asks too). Rollout
+    weights multiply each of these terms but geo_mean and vespo, which fold them into their ratio and weight."""
     pl = cfg.policy_loss
     return (pl in POLICIES and (pl == "ppo" or cfg.importance_sampling_level == "token")
-            and all(_number(getattr(cfg, k)) for k in _NUMBERS)
-            and all(_number(getattr(cfg, k), True) for k in _TENSOR_OK + _TERM_NUMBERS.get(pl, ())))
+            and all(_number(getattr(cfg, k), k in _TENSOR_OK) for k in _NUMBERS + _GENERAL + _TERM_NUMBERS.get(pl, ())))
 
 
 # HP_SLOTS' forms: the eager path uses the hyper-parameter x itself, or 1 - x (the PPO clip's lower bound,
@@ -153,8 +154,9 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
     pl = cfg.policy_loss
     ppo = pl == "ppo"  # the clip, delta: the PPO term's options (the dual clip: ppo's, or dppo's cap)
     v, code = _slot_values(cfg, b.given["adv"])  # HP_SLOTS: FLOATS' lo .. penalty, then sapo_pos .. top_q
+    vespo = [cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg] if pl == "vespo" else [0] * 4
     floats = [tau_value, *v[:7], 0.0 if thr is None else float(thr), float(cfg.max_completion_length or 0),
-              float(num_items) if isinstance(num_items, float) else 1.0, *v[7:]]
+              float(num_items) if isinstance(num_items, float) else 1.0, *v[7:], *(float(x) for x in vespo)]
     flags = [b.packed, b.old is not None, has_kl, has_kl and cfg.use_bias_correction_kl, b.lam is not None,
              b.n_conf is not None, 0 if num_items is None else (2 if n_items is not None else 1), cfg.clip and ppo,
              cfg.delta is not None and ppo, cfg.dual_clip_c is not None, not is_zero(cfg.entropy_coef),
