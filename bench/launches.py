@@ -223,6 +223,23 @@ def _rows(device="cpu"):
                                             backend="triton", memory_budget=budget,
                                             schedule=schedule).loss.backward()
         return prepare
+    def head_sets(validate):
+        def prepare():
+            from gtpo_kernels import linear_gtpo_loss
+            g = torch.Generator().manual_seed(0)
+            B, T, D, V = 16, 8, 16, 64
+            h = torch.randn(B, T, D, generator=g).to(device).requires_grad_()
+            w = torch.randn(V, D, generator=g).to(device).requires_grad_()
+            ids = torch.randint(0, V, (B, T), generator=g).to(device)
+            adv = torch.randn(B, generator=g).to(device)
+            top = (h.detach() @ w.detach().t()).topk(5, -1).indices.reshape(B * T, 5).tolist()
+            sets = [sorted(set(k) | {int(y)}) for k, y in zip(top, ids.reshape(-1).tolist())]
+            offsets = torch.tensor([0] + [len(k) for k in sets]).cumsum(0).to(device)
+            kept = (torch.tensor([v for k in sets for v in k], device=device), offsets)
+            return lambda: linear_gtpo_loss(h, w, ids, adv, group_size=4, config="grpo", validate=validate,
+                                            backend="triton", sampling_mask=kept).loss.backward()
+        return prepare
+
     def from_logps(validate):
         def prepare():
             from gtpo_kernels import gtpo_loss_from_logps
@@ -268,6 +285,8 @@ def _rows(device="cpu"):
             ("the same, 16 tiles", head("fused", 16)),
             ("linear_gtpo_loss, recompute schedule, 4 tiles", head("recompute", 4)),
             ("the same, 16 tiles", head("recompute", 16)),
+            ("linear_gtpo_loss over recorded kept sets, validate=False", head_sets(False)),
+            ("the same, validate=True", head_sets(True)),
             ("gtpo_loss_from_logps, validate=False", from_logps(False)),
             ("the same, validate=True", from_logps(True)),
             ("sampling_mask replay (recorded sets), validate=False", recorded_sets(False)),

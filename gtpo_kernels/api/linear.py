@@ -13,7 +13,7 @@ from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch
 from ..pipeline import head as linear
-from ..pipeline import head_ops, head_replay_ops, loss, replay
+from ..pipeline import head_ops, head_replay_ops, logps_epilogue, loss, replay
 from . import logits as api
 
 SCHEDULES = ("auto", "fused", "recompute")
@@ -112,6 +112,10 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         if rules is not None:  # the sampler's kept sets: only the union of a tile's sets is projected
             logp, ent, metrics = head_replay_ops.replayed(b, head, hidden, _one_tau(cfg, b), sampling_mask, rules,
                                                       budget, backend, host, vp)
+            if logps_epilogue.uses_epilogue(cfg, backend, logp.dtype, vp):  # the loss math in one kernel
+                # (its status word read only for the entropy filter's warning: replayed raised on the flags)
+                return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, host and cfg.entropy_threshold is not None,
+                                                 replay_metrics=metrics)
             value, res = loss.logps_loss(b, cfg, logp, ent, num_items, dt, host)
             res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
             return loss.make_output(b, cfg, value, res, dt, host)
