@@ -82,3 +82,27 @@ def test_vespo_edges_match_the_twin():
         old[2, 0] = float("nan")
     (o, _), (t, _) = _vespo_call("triton", nan, False), _vespo_call("torch", nan, False)
     assert torch.isnan(t.loss) and torch.isnan(o.loss)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fused_head_keeps_the_gradient_of_tokens_with_lam_zero_under_geo_mean(backend):
+    """geo_mean's log R spreads d loss / d log R over the completion's unclipped tokens, a token with lam = 0
+    (a conflict token of a negative completion) included: the fused schedule may not skip such a row's
+    gradient GEMMs (tile_plan.prior_live); its gradients equal the recompute schedule's."""
+    g = torch.Generator().manual_seed(1)
+    B, T, D, V = 6, 5, 8, 40
+    h, w = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g) / 2
+    ids, adv = torch.randint(0, V, (B, T), generator=g), torch.randn(B, generator=g)
+    old = torch.log_softmax(h @ w.T, -1).gather(-1, ids[..., None])[..., 0] + 0.1 * torch.randn(B, T, generator=g)
+    lam = torch.ones(B, T)
+    lam[0, 1] = lam[2, 2] = 0.0
+    cfg = GTPOConfig.preset("geo-mean", eps_low=0.03, eps_high=0.12)
+    grads = {}
+    for schedule in ("fused", "recompute"):
+        x, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        linear_gtpo_loss(x, ww, ids, adv, old_logps=old, lam=lam, config=cfg, backend=backend,
+                         schedule=schedule).loss.backward()
+        grads[schedule] = (x.grad, ww.grad)
+    assert grads["recompute"][0][0, 1].abs().sum() > 0 and grads["recompute"][0][2, 2].abs().sum() > 0
+    assert_grad_close("hidden grad", grads["fused"][0], grads["recompute"][0], TOL)
+    assert_grad_close("weight grad", grads["fused"][1], grads["recompute"][1], TOL)

@@ -177,3 +177,26 @@ def test_host_tensors_with_device_inputs_go_by_value():
     assert code == epilogue.PPO_BOUNDS | 1 | 2 << 16 | 3 << 44
     assert epilogue._slot_values(cfg.replace(beta=0.04, eps_low=0.2, top_entropy_quantile=0.3), torch.empty(0))[1] == 0
     assert not epilogue.covers(cfg.replace(beta=torch.tensor(0.04, dtype=torch.bfloat16)))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_zero_beta_tensor_is_no_kl_term(backend, bias):
+    """A KL schedule at 0 (a tensor beta of 0, never assumed 0 on the host, so the term is formed) adds
+    nothing, as the number 0, where the KL itself overflows float32 (ref - logp = 95): a finite loss and
+    gradient equal to the number's, and to the float64 reference's."""
+    lp = torch.tensor([[-0.5, -95.0, -1.0], [-0.2, -0.3, -2.0]])
+    ref = torch.tensor([[-0.4, -0.01, -1.1], [-0.25, -0.3, -1.9]])
+    ids, adv = torch.zeros(2, 3, dtype=torch.long), torch.tensor([1.0, -1.0])
+    old = lp - 0.05
+    outs = []
+    for beta, be in ((torch.tensor(0.0), backend), (0.0, backend), (0.0, "reference")):
+        x = (lp.double() if be == "reference" else lp).clone().requires_grad_()
+        cfg = GTPOConfig.preset("grpo", beta=beta, use_bias_correction_kl=bias)
+        out = gtpo_loss_from_logps(x, ids, adv, ref_logps=ref, old_logps=old, config=cfg, backend=be)
+        out.loss.backward()
+        outs.append((out.loss.detach(), x.grad))
+    assert torch.isfinite(outs[0][0]) and torch.isfinite(outs[0][1]).all() and outs[2][1].abs().sum() > 0
+    assert_value_close("loss", outs[0][0], outs[1][0], TOL)
+    assert_grad_close("grad", outs[0][1], outs[1][1], TOL)
+    assert_grad_close("grad vs reference", outs[0][1], outs[2][1], TOL)

@@ -205,16 +205,17 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         em = _expm1(d)  # surrogate.kl_term: 1 - exp(d) keeps its digits near d = 0
         k3 = em - d
         dk3 = -em
+        # (a beta of 0, a schedule's tensor there: no KL term, as the number 0, where k3 overflowed too)
         if BIAS_KL:  # (geo_mean: its d_logr is d / d log R; the KL's ratio is the token's, into d_logp)
-            loss_tok = loss_tok + beta * k3 * r
-            d_logp = d_logp + beta * dk3 * r
+            loss_tok = loss_tok + tl.where(beta != 0.0, beta * k3 * r, 0.0)
+            d_logp = d_logp + tl.where(beta != 0.0, beta * dk3 * r, 0.0)
             if POLICY == 8:
-                d_logp = d_logp + beta * k3 * r
+                d_logp = d_logp + tl.where(beta != 0.0, beta * k3 * r, 0.0)
             else:
-                d_logr = d_logr + beta * k3 * r
+                d_logr = d_logr + tl.where(beta != 0.0, beta * k3 * r, 0.0)
         else:
-            loss_tok = loss_tok + beta * k3
-            d_logp = d_logp + beta * dk3
+            loss_tok = loss_tok + tl.where(beta != 0.0, beta * k3, 0.0)
+            d_logp = d_logp + tl.where(beta != 0.0, beta * dk3, 0.0)
     if HAS_E:
         loss_tok = loss_tok + (-ent_coef * emult) * en
     loss_tok = tl.where(m, loss_tok, 0.0)

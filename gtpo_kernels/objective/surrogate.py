@@ -192,9 +192,18 @@ def kl_term(logp, ref, log_r, cfg):
     k3 = em - d  # exp(d) - d - 1
     dk3 = -em  # d k3 / d logp = 1 - exp(d)
     if not cfg.use_bias_correction_kl:
-        return cfg.beta * k3, cfg.beta * dk3, None
+        return _times_beta(cfg.beta, k3), _times_beta(cfg.beta, dk3), None
     r = torch.exp(log_r)
-    return cfg.beta * k3 * r, cfg.beta * dk3 * r, cfg.beta * k3 * r
+    return _times_beta(cfg.beta, k3, r), _times_beta(cfg.beta, dk3, r), _times_beta(cfg.beta, k3, r)
+
+
+def _times_beta(beta, x, r=None):
+    """beta * x (* r); a tensor beta of 0 (a schedule there) gives 0, as the number 0 turns the term off,
+    where x overflowed float32 too."""
+    y = beta * x if r is None else beta * x * r
+    if not isinstance(beta, torch.Tensor):
+        return y
+    return torch.where(beta != 0, y, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def coefficients(w, d_logp, d_logr, m, mf, seg, B, n_safe, spread):

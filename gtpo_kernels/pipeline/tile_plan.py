@@ -83,8 +83,8 @@ def prior_live(opts, t, rows, seg):
     read (None: all). c is the policy term's unless a KL term or an entropy bonus adds to it, and every
     policy multiplies it by lambda_j and, but dro and kl_cov (NOT_PROPORTIONAL_TO_A), by Ahat_i: Ahat_i = 0
     when A_i = 0 without shaping (gamma = 0);
-    lambda_j = 0 on a conflict token of a negative completion with w_neg = 0, at the token level (a
-    sequence-level ratio spreads over the completion's tokens). Options are taken by value (a 0-d tensor
+    lambda_j = 0 on a conflict token of a negative completion with w_neg = 0, for a token-level term (a
+    sequence-level ratio, or geo_mean's log R, spreads over the completion's tokens). Options are taken by value (a 0-d tensor
     0 is 0: the mask is then formed on the device, the same rows as with the number 0), so ranks with
     equal options order their rows alike. Rows whose gradient depends on the logits (the entropy filter,
     clipping, masks) still go through the fused schedule's GEMMs: it cannot read them before its tile's
@@ -95,7 +95,7 @@ def prior_live(opts, t, rows, seg):
     live = None
     if not _nonzero(cfg.entropy_penalty) and cfg.policy_loss not in NOT_PROPORTIONAL_TO_A:
         live = _or(x.adv[seg] != 0, cfg.entropy_penalty)  # NaN counts as live
-    if x.lam is not None and cfg.importance_sampling_level == "token":
+    if x.lam is not None and not cfg.sequence_term:  # (GSPO's ratio, geo_mean's mean: over the completion)
         on = x.lam[rows] != 0
         live = on if live is None else live & on
     if live is None:
