@@ -208,31 +208,30 @@ def _rows(device="cpu"):
                 if per_token_tau else 0.7
             return lambda: token_logprobs(logits, ids, tau, validate=validate, backend="triton", **kw)
         return prepare
+    def head_inputs():
+        """The head rows' batch: 16 completions x 8 tokens, D = 16, V = 64 (h and w require grad)."""
+        g = torch.Generator().manual_seed(0)
+        B, T, D, V = 16, 8, 16, 64
+        h = torch.randn(B, T, D, generator=g).to(device).requires_grad_()
+        w = torch.randn(V, D, generator=g).to(device).requires_grad_()
+        return h, w, torch.randint(0, V, (B, T), generator=g).to(device), torch.randn(B, generator=g).to(device)
+
     def head(schedule, tiles):
         def prepare():
             from gtpo_kernels import linear_gtpo_loss
             from gtpo_kernels.pipeline.head import row_bytes
-            g = torch.Generator().manual_seed(0)
-            B, T, D, V = 16, 8, 16, 64
-            h = torch.randn(B, T, D, generator=g).to(device).requires_grad_()
-            w = torch.randn(V, D, generator=g).to(device).requires_grad_()
-            ids = torch.randint(0, V, (B, T), generator=g).to(device)
-            adv = torch.randn(B, generator=g).to(device)
-            budget = (B * T // tiles) * row_bytes(V, torch.float32, h.device)
+            h, w, ids, adv = head_inputs()
+            budget = (ids.numel() // tiles) * row_bytes(w.shape[0], torch.float32, h.device)
             return lambda: linear_gtpo_loss(h, w, ids, adv, group_size=4, config="grpo", validate=False,
                                             backend="triton", memory_budget=budget,
                                             schedule=schedule).loss.backward()
         return prepare
+
     def head_sets(validate):
         def prepare():
             from gtpo_kernels import linear_gtpo_loss
-            g = torch.Generator().manual_seed(0)
-            B, T, D, V = 16, 8, 16, 64
-            h = torch.randn(B, T, D, generator=g).to(device).requires_grad_()
-            w = torch.randn(V, D, generator=g).to(device).requires_grad_()
-            ids = torch.randint(0, V, (B, T), generator=g).to(device)
-            adv = torch.randn(B, generator=g).to(device)
-            top = (h.detach() @ w.detach().t()).topk(5, -1).indices.reshape(B * T, 5).tolist()
+            h, w, ids, adv = head_inputs()
+            top = (h.detach() @ w.detach().t()).topk(5, -1).indices.reshape(ids.numel(), 5).tolist()
             sets = [sorted(set(k) | {int(y)}) for k, y in zip(top, ids.reshape(-1).tolist())]
             offsets = torch.tensor([0] + [len(k) for k in sets]).cumsum(0).to(device)
             kept = (torch.tensor([v for k in sets for v in k], device=device), offsets)
