@@ -8,7 +8,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .epilogue_terms import _finite_or_nan, _rollout_w
+from .epilogue_terms import _rollout_w, _token_log_r
+
+LOG_1E8 = tl.constexpr(-18.420680743952367)  # log(1e-8): TRL's floor of vespo's L and of a log rollout weight
 
 
 @triton.jit
@@ -16,11 +18,7 @@ def _geo_sums(o, inb, m, lp, old_ptr, rw_ptr, lo, hi, HAS_OLD: tl.constexpr, RW:
     """A block's float64 sums over its counted tokens of min(log r, xc) and max(log r, xc), xc = clip(log r,
     -eps_low, eps_high) (y for Ahat > 0 and Ahat < 0), and with per-token rollout weights (RW 1) of
     log(w + 1e-10) (NaN for a weight not finite and >= 0); lp: the tokens' logp (NaN where flagged)."""
-    if HAS_OLD:
-        old = _finite_or_nan(tl.where(m, tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
-        lr = lp - old
-    else:
-        lr = lp - lp
+    _, lr = _token_log_r(o, inb, m, lp, old_ptr, HAS_OLD)
     xc = tl.minimum(tl.maximum(lr, -lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
     y_lo = tl.where(m, tl.minimum(lr, xc, propagate_nan=tl.PropagateNan.ALL), 0.0)
     y_hi = tl.where(m, tl.maximum(lr, xc, propagate_nan=tl.PropagateNan.ALL), 0.0)
@@ -48,11 +46,7 @@ def _geo_log_w(lw_sum, rw_ptr, i, n_safe, RW: tl.constexpr):
 def _vespo_sums(o, inb, m, lp, old_ptr, rw_ptr, HAS_OLD: tl.constexpr, RW: tl.constexpr):
     """A block's float64 sums over its counted tokens of clamp(log r, -20, 20) and, with per-token rollout
     weights (RW 1), of clamp(log w, log 1e-8, 20) (NaN for a weight not finite and >= 0)."""
-    if HAS_OLD:
-        old = _finite_or_nan(tl.where(m, tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
-        lr = lp - old
-    else:
-        lr = lp - lp
+    _, lr = _token_log_r(o, inb, m, lp, old_ptr, HAS_OLD)
     lr = tl.minimum(tl.maximum(lr, -20.0, propagate_nan=tl.PropagateNan.ALL), 20.0, propagate_nan=tl.PropagateNan.ALL)
     l_sum = tl.sum(tl.where(m, lr, 0.0).to(tl.float64), axis=0)
     if RW == 1:
@@ -64,7 +58,7 @@ def _vespo_sums(o, inb, m, lp, old_ptr, rw_ptr, HAS_OLD: tl.constexpr, RW: tl.co
 @triton.jit
 def _clamped_log(w):
     """log(w) clamped to [log 1e-8, 20] (NaN stays NaN), as surrogate.rollout_log_w."""
-    return tl.minimum(tl.maximum(tl.log(w), -18.420680743952367, propagate_nan=tl.PropagateNan.ALL), 20.0,
+    return tl.minimum(tl.maximum(tl.log(w), LOG_1E8, propagate_nan=tl.PropagateNan.ALL), 20.0,
                       propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -79,7 +73,7 @@ def _vespo_phi(l_sum, lw_sum, rw_ptr, i, adv, k_pos, lam_pos, k_neg, lam_neg, RW
     elif RW == 2:
         L = L + _clamped_log(_rollout_w(tl.load(rw_ptr + i).to(tl.float32)))
     invalid = L != L
-    L = tl.minimum(tl.maximum(L, -18.420680743952367), 20.0)
+    L = tl.minimum(tl.maximum(L, LOG_1E8), 20.0)
     pos = adv >= 0.0
     k = tl.where(pos, k_pos, k_neg)
     lam = tl.maximum(tl.where(pos, lam_pos, lam_neg), 1e-4)

@@ -15,6 +15,17 @@ def _finite_or_nan(x):
 
 
 @triton.jit
+def _token_log_r(o, inb, m, lp, old_ptr, HAS_OLD: tl.constexpr):
+    """(old, log r) of a block's tokens at the token level: the old log-prob where counted (NaN where not
+    finite) and logp - old; on-policy old is logp itself (log r 0, NaN at a NaN logp)."""
+    if HAS_OLD:
+        old = _finite_or_nan(tl.where(m, tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
+    else:
+        old = lp  # on-policy: the sampling policy is the current one
+    return old, lp - old
+
+
+@triton.jit
 def _span(cu_ptr, i, T, PACKED: tl.constexpr):
     """Tokens [start, end) of completion i."""
     if PACKED:
@@ -180,12 +191,8 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
     if SEQ:  # (ppo only: `old` unused)
         log_r = lp * 0.0 + lr_seq
         old = lp
-    elif HAS_OLD:
-        old = _finite_or_nan(tl.where(m, tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
-        log_r = lp - old
     else:
-        old = lp  # on-policy: the sampling policy is the current one
-        log_r = lp - lp  # 0, NaN at a NaN logp
+        old, log_r = _token_log_r(o, inb, m, lp, old_ptr, HAS_OLD)
     r = tl.exp(log_r)
     pg, d_logr, d_logp, clipped = _policy(r, log_r, lp, old, a_hat, lo, hi, delta, dual_c, sapo_pos, sapo_neg,
                                           dro_beta, lr_seq, POLICY, CLIP, HAS_DELTA, HAS_DUAL)
@@ -207,12 +214,13 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         dk3 = -em
         # (a beta of 0, a schedule's tensor there: no KL term, as the number 0, where k3 overflowed too)
         if BIAS_KL:  # (geo_mean: its d_logr is d / d log R; the KL's ratio is the token's, into d_logp)
-            loss_tok = loss_tok + tl.where(beta != 0.0, beta * k3 * r, 0.0)
+            kl = tl.where(beta != 0.0, beta * k3 * r, 0.0)
+            loss_tok = loss_tok + kl
             d_logp = d_logp + tl.where(beta != 0.0, beta * dk3 * r, 0.0)
             if POLICY == 8:
-                d_logp = d_logp + tl.where(beta != 0.0, beta * k3 * r, 0.0)
+                d_logp = d_logp + kl
             else:
-                d_logr = d_logr + tl.where(beta != 0.0, beta * k3 * r, 0.0)
+                d_logr = d_logr + kl
         else:
             loss_tok = loss_tok + tl.where(beta != 0.0, beta * k3, 0.0)
             d_logp = d_logp + tl.where(beta != 0.0, beta * dk3, 0.0)

@@ -37,7 +37,7 @@ import triton.language as tl
 from .epilogue_geo import _geo_log_w, _geo_sums, _vespo_phi, _vespo_sums
 from .epilogue_hyper import _hyper
 from .epilogue_terms import (_counted, _finite_or_nan, _fix_cu, _invalid_inputs, _k3, _off_policy_sum,
-                             _policy_weight, _rollout_ok, _rollout_w, _span, _terms)
+                             _policy_weight, _rollout_ok, _rollout_w, _span, _terms, _token_log_r)
 from .top_entropy import _top_entropy_thr, _top_entropy_w
 
 # policy_loss as the kernel's POLICY (the token-level terms it computes; epilogue_terms._policy)
@@ -102,9 +102,11 @@ def _epilogue_kernel(
         h_i = tl.zeros((), tl.float32)
         lr_i = tl.zeros((), tl.float32)
         off_i = tl.zeros((), tl.float64)  # sum of (sampling logp - logp) over the counted tokens
-        geo_i = tl.zeros((), tl.float64)  # geo_mean: the sums of min and max (log r, its clip), of log w
-        geo_hi = tl.zeros((), tl.float64)
-        geo_w = tl.zeros((), tl.float64)
+        # the completion's sums for geo_mean (of min and max of log r and its clip, of log w) and vespo (of
+        # the clamped log r, of the clamped log w): epilogue_geo
+        sum_lo = tl.zeros((), tl.float64)
+        sum_hi = tl.zeros((), tl.float64)
+        sum_w = tl.zeros((), tl.float64)
         for t0 in range(start, end, BLOCK):
             o = t0 + lanes
             inb = o < end
@@ -139,21 +141,17 @@ def _epilogue_kernel(
                 off_i += _off_policy_sum(o, inb, m, lp, old_ptr, roll_ptr, HAS_OLD, HAS_ROLL)
             if POLICY == 8:
                 y_lo, y_hi, lw = _geo_sums(o, inb, m, lp, old_ptr, rw_ptr, lo, hi, HAS_OLD, RW)
-                geo_i += y_lo
-                geo_hi += y_hi
-                geo_w += lw
+                sum_lo += y_lo
+                sum_hi += y_hi
+                sum_w += lw
             if POLICY == 9:
                 l_sum, lw = _vespo_sums(o, inb, m, lp, old_ptr, rw_ptr, HAS_OLD, RW)
-                geo_i += l_sum
-                geo_w += lw
+                sum_lo += l_sum
+                sum_w += lw
             n_i += tl.sum(m.to(tl.int32), axis=0)
             h_i += tl.sum(en, axis=0)
             if SEQ:
-                if HAS_OLD:
-                    old = _finite_or_nan(tl.where(m, tl.load(old_ptr + o, mask=inb, other=0.0).to(tl.float32), 0.0))
-                    lr = lp - old
-                else:
-                    lr = lp - lp
+                _, lr = _token_log_r(o, inb, m, lp, old_ptr, HAS_OLD)
                 lr_i += tl.sum(tl.where(m, lr, 0.0), axis=0)
         n_safe = tl.maximum(n_i, 1).to(tl.float32)
         hbar = h_i / n_safe
@@ -183,13 +181,13 @@ def _epilogue_kernel(
             shaped = adv
         tl.store(hbar_out + i, hbar)
         tl.store(kept_out + i, kept.to(tl.uint8))
-        tl.store(scratch_ptr + i, tl.where(kept, shaped, shaped * 0.0))
+        a_i = tl.where(kept, shaped, shaped * 0.0)  # Ahat
+        tl.store(scratch_ptr + i, a_i)
         if POLICY == 8:  # log R: the mean of y (min or max of log r and its clip by the sign of Ahat), + log w
-            a_i = tl.where(kept, shaped, shaped * 0.0)
-            y = tl.where(a_i > 0.0, geo_i, tl.where(a_i < 0.0, geo_hi, geo_i * 0.0)).to(tl.float32)
-            tl.store(scratch_ptr + B + i, y / n_safe + _geo_log_w(geo_w, rw_ptr, i, n_safe, RW))
+            y = tl.where(a_i > 0.0, sum_lo, tl.where(a_i < 0.0, sum_hi, sum_lo * 0.0)).to(tl.float32)
+            tl.store(scratch_ptr + B + i, y / n_safe + _geo_log_w(sum_w, rw_ptr, i, n_safe, RW))
         elif POLICY == 9:  # vespo's phi (its weight on the completion's tokens)
-            tl.store(scratch_ptr + B + i, _vespo_phi(geo_i, geo_w, rw_ptr, i, adv, k_pos, lam_pos, k_neg, lam_neg, RW))
+            tl.store(scratch_ptr + B + i, _vespo_phi(sum_lo, sum_w, rw_ptr, i, adv, k_pos, lam_pos, k_neg, lam_neg, RW))
         else:
             tl.store(scratch_ptr + B + i, lr_i / n_safe)
         tl.store(scratch_ptr + 2 * B + i, n_safe)
