@@ -114,8 +114,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                                                       budget, backend, host, vp)
             if logps_epilogue.uses_epilogue(cfg, backend, logp.dtype, vp):  # the loss math in one kernel
                 # (its status word read only for the entropy filter's warning: replayed raised on the flags)
-                return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, host and cfg.entropy_threshold is not None,
-                                                 replay_metrics=metrics)
+                warns = host and cfg.entropy_threshold is not None
+                return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, warns, replay_metrics=metrics)
             value, res = loss.logps_loss(b, cfg, logp, ent, num_items, dt, host)
             res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
             return loss.make_output(b, cfg, value, res, dt, host)

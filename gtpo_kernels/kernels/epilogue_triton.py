@@ -10,7 +10,8 @@ weights, the per-token coefficients c = dL/dlogp and e = dL/dH the backward kern
 (its sum, or per token with loss_agg='none'), the outputs (lam and n_conf included) and the metrics, and a
 status word that validation reads once (bit 0: a counted row was flagged; bit 1: the entropy filter
 dropped every completion; bit 2, validating: an input check failed, the caller then runs the checks
-again on the host to raise the error that names the argument). The eager code stays the torch backend's path and this kernel's twin in tests.
+again on the host to raise the error that names the argument). The eager code stays the torch backend's path
+and this kernel's twin in tests.
 
 A tile of the LM head's fused schedule runs it with pass 2 over the tile's completions only (g_lo, g_hi):
 their c and e are then final (pass 1's batch totals, the counted tokens and the longest completion, come

@@ -84,8 +84,8 @@ def prior_live(opts, t, rows, seg):
     policy multiplies it by lambda_j and, but dro and kl_cov (NOT_PROPORTIONAL_TO_A), by Ahat_i: Ahat_i = 0
     when A_i = 0 without shaping (gamma = 0);
     lambda_j = 0 on a conflict token of a negative completion with w_neg = 0, for a token-level term (a
-    sequence-level ratio, or geo_mean's log R, spreads over the completion's tokens). Options are taken by value (a 0-d tensor
-    0 is 0: the mask is then formed on the device, the same rows as with the number 0), so ranks with
+    sequence-level ratio, or geo_mean's log R, spreads over the completion's tokens). Options are taken by
+    value (a 0-d tensor 0 is 0: the mask is then formed on the device, the same rows as with the number 0), so ranks with
     equal options order their rows alike. Rows whose gradient depends on the logits (the entropy filter,
     clipping, masks) still go through the fused schedule's GEMMs: it cannot read them before its tile's
     GEMMs without a sync per tile (the recompute schedule skips them)."""
