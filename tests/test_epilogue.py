@@ -50,6 +50,12 @@ def _term_options(draw, preset):
     if preset == "geo-mean":  # the clip of log r: off or met by the ratios
         lo, hi = draw(st.sampled_from([(0.4, 0.4), (0.03, 0.12), (0.12, 0.03)]))
         return dict(eps_low=lo, eps_high=hi)
+    if preset == "clip-cov":  # bounds within the covariances' range (A ~ N(0, 1), logp ~ -3) or around all
+        lb, ub = draw(st.sampled_from([(-0.5, 0.5), (0.0, 2.0), (-100.0, 100.0)]))
+        return dict(clip_cov_lb=lb, clip_cov_ub=ub, clip_cov_ratio=draw(st.sampled_from([0.2, 0.5, 1.0])),
+                    generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    if preset == "kl-cov":
+        return dict(kl_cov_ratio=draw(st.sampled_from([0.1, 0.4, 1.0])), ppo_kl_coef=draw(st.sampled_from([0.5, 2.0])))
     return {}
 
 
@@ -62,7 +68,7 @@ def calls(draw, presets=FAST):
     seed = draw(st.integers(0, 2**31 - 1))
     preset = draw(st.sampled_from(presets))
     over = {}
-    cfg = GTPOConfig.preset(preset, **(_term_options(draw, preset) if preset in OTHER else {}))
+    cfg = GTPOConfig.preset(preset, **_term_options(draw, preset))
     if draw(st.booleans()):
         over["loss_agg"] = draw(st.sampled_from([a for a in AGGS if not (a == "none" and cfg.sequence_term)]))
     if draw(st.booleans()):
@@ -71,8 +77,8 @@ def calls(draw, presets=FAST):
         over["entropy_coef"] = 0.01
     if draw(st.booleans()):
         over["delta"] = draw(st.sampled_from([1.1, 1.5]))
-    if draw(st.booleans()) and cfg.policy_loss in ("ppo", "dppo-tv", "dppo-kl"):  # dppo's preset caps at 3
-        over["dual_clip_c"] = 3.0 if cfg.policy_loss == "ppo" else None
+    if draw(st.booleans()) and cfg.policy_loss in ("ppo", "clip-cov", "dppo-tv", "dppo-kl"):  # dppo's caps at 3
+        over["dual_clip_c"] = 3.0 if cfg.policy_loss in ("ppo", "clip-cov") else None
     if draw(st.booleans()):
         over["clip"] = False
     if draw(st.booleans()):
@@ -127,6 +133,8 @@ def _inputs(c):
 
 def _call(c, logits, ids, mask, adv, old, ref, tau, backend, upstream):
     cfg = c["cfg"]
+    if cfg.generator is not None:  # clip_cov: each call draws from the same state
+        cfg = cfg.replace(generator=torch.Generator().manual_seed(cfg.generator.initial_seed()))
     B, T = ids.shape
     kw = dict(config=cfg, backend=backend, validate=False, group_size=c["G"])
     if c["old"]:
@@ -186,7 +194,7 @@ def _cuts(cfg, lp, old):
     region's bound), from float64 log-probs: an example with a token on a cut is not drawn."""
     r = torch.exp(lp - old)
     pl = cfg.policy_loss
-    if pl == "ppo":
+    if pl in ("ppo", "clip-cov"):
         return [(r, e) for e in (1 - cfg.eps_low, 1 + cfg.eps_high) + ((cfg.delta,) if cfg.delta else ())]
     if pl == "cispo":
         return [(r, cfg.eps_high)]
@@ -202,6 +210,21 @@ def _cuts(cfg, lp, old):
     if pl == "geo-mean":
         return [(lp - old, -cfg.eps_low), (lp - old, cfg.eps_high)]
     return []  # sapo, gpg, dro: smooth in r and logp
+
+
+def _cov_margin(cfg, ref_out, adv, counted):
+    """The float64 covariances' distance from clip_cov's bounds, or kl_cov's gap at its k-th largest."""
+    a_hat = torch.where(ref_out.kept, adv.double() - cfg.entropy_penalty * ref_out.seq_entropy, 0.0)
+    A = a_hat[:, None].expand(counted.shape)[counted]
+    lp = ref_out.logps.reshape(counted.shape)[counted]
+    if lp.numel() == 0:
+        return 1.0
+    cov = (A - A.mean()) * (lp - lp.mean())
+    if cfg.policy_loss == "clip-cov":
+        return float(torch.minimum((cov - cfg.clip_cov_lb).abs(), (cov - cfg.clip_cov_ub).abs()).min())
+    k = max(1, int(cfg.kl_cov_ratio * lp.numel()))
+    srt = cov.sort(descending=True).values
+    return float(srt[k - 1] - srt[k]) if srt.numel() > k else 1.0
 
 
 def _off_policy_threshold(c, lp, ids, mask, counted, old):
@@ -256,14 +279,18 @@ def _check(c):
     upstream = torch.where(counted, torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) + 0.5,
                            torch.full(ids.shape, float("inf")))
     out, grad, k = _call(c, logits, ids, mask, adv, old, ref, tau, "triton", upstream)
-    assert k.triton_names.get("_epilogue_kernel") == 1, dict(k.triton_names)  # the three-launch path ran
+    cov = {"clip-cov": 3, "kl-cov": 2}.get(cfg.policy_loss, 0)  # the keys' launch and their sort (clip_cov's draw)
+    assert k.triton_names.get("_epilogue_kernel") == 1 + (cov > 0), dict(k.triton_names)  # the epilogue path ran
     if c["tau"] is None and c.get("rw") != "completion":  # the three-launch path's bound (spec 8), the seed
         # included; computed weights: one more (per-completion rollout weights: tests/test_launches.py); the
-        # top-entropy mask: two more (its sort key and the sort)
-        assert k.launches <= 4 + (c["lam"] == "computed") + 2 * (cfg.top_entropy_quantile < 1.0), (k.launches, k.ops)
+        # top-entropy mask: two more (its sort key and the sort); clip_cov, kl_cov: epilogue_cov's
+        assert k.launches <= 4 + (c["lam"] == "computed") + 2 * (cfg.top_entropy_quantile < 1.0) + cov, \
+            (k.launches, k.ops)
     ref_out, ref_grad, _ = _call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(),
                                  "reference", torch.where(counted, upstream, 0.0).double())  # no inf gradient
     assume(torch.isfinite(ref_out.loss).all())
+    if cov:  # no covariance within 1e-4 of clip_cov's bounds, nor kl_cov's k-th and (k+1)-th apart by less
+        assume(_cov_margin(cfg, ref_out, adv, counted) > 1e-4)
     _compare("triton vs reference", out, grad, ref_out, ref_grad, counted)
     twin, twin_grad, _ = _call(c, logits, ids, mask, adv, old, ref, tau, "torch", upstream)
     _compare("triton vs torch", out, grad, twin, twin_grad.double(), counted)
@@ -343,8 +370,17 @@ def test_other_policy_terms_from_logps_match_the_twin(policy, packed):
     """gtpo_loss_from_logps takes the same epilogue for these terms (pipeline/logps_epilogue.py): against its
     eager twin (the torch backend), with entropies (the bonus), old and ref log-probs and lam: values,
     outputs, clip_frac and the gradient w.r.t. the log-probs and the entropies."""
-    cfg = GTPOConfig.preset(policy, entropy_threshold=None, beta=0.04, entropy_coef=0.01, **_FIXED[policy])
-    c = dict(B=4, T=5, V=16, G=2, seed=_FIXED_SEED.get(policy, 3))
+    cfg = lambda: GTPOConfig.preset(policy, entropy_threshold=None, beta=0.04, entropy_coef=0.01,  # noqa: E731
+                                    **_FIXED[policy])
+    from_logps_vs_twin(cfg, packed, _FIXED_SEED.get(policy, 3), {"_prep_kernel": 1, "_epilogue_kernel": 1,
+                                                                 "_scale_kernel": 1})
+
+
+def from_logps_vs_twin(make_cfg, packed, seed, kernels):
+    """gtpo_loss_from_logps on the fixed batch of `seed` (entropies, old and ref log-probs, lam), padded or
+    packed, each backend with a config from make_cfg(): the Triton kernels launched are `kernels`, and the
+    values, outputs, metrics and gradients w.r.t. the log-probs and entropies equal the eager twin's."""
+    c = dict(B=4, T=5, V=16, G=2, seed=seed)
     logits, ids, mask, adv, old, ref, _ = _inputs(c)
     logp_all = torch.log_softmax(logits, -1)
     lp = logp_all.gather(-1, ids[..., None])[..., 0]
@@ -361,11 +397,12 @@ def test_other_policy_terms_from_logps_match_the_twin(policy, packed):
     for backend in ("triton", "torch"):
         x, h = args[0].clone().requires_grad_(), H.clone().requires_grad_()
         with counting() as k:
-            out = gtpo_loss_from_logps(x, *args[1:], entropy=h, config=cfg, backend=backend, validate=False, **kw)
+            out = gtpo_loss_from_logps(x, *args[1:], entropy=h, config=make_cfg(), backend=backend, validate=False,
+                                       **kw)
             out.loss.backward()
         outs[backend] = (out, x.grad, h.grad, k)
     (o, gx, gh, k), (t, tx, th, _) = outs["triton"], outs["torch"]
-    assert k.triton_names.get("_epilogue_kernel") == 1, dict(k.triton_names)
+    assert k.triton_names == kernels, dict(k.triton_names)
     counted = mask[mask] if packed else mask
     assert tx.abs().sum() > 0
     assert_value_close("loss", o.loss, t.loss, TOL)
@@ -438,7 +475,8 @@ _HP_ALL = sum((k + 1) << (4 * k) for k in range(12)) | 1 << 48
 
 def test_epilogue_compiles_for_the_gpus():
     """The epilogue compiled ahead of time for sm_90, sm_80 and sm_100 (no GPU needed; Triton's compiler in
-    a process without the interpreter), every policy term (POLICY), the rollout weights (RW) and the off-policy
+    a process without the interpreter), every policy term (POLICY; clip_cov's and kl_cov's key launch, PHASE 1
+    too), the rollout weights (RW) and the off-policy
     mask, the top-entropy mask (TOP_ENT) and its sort key's kernel, every hyper-parameter read by pointer (HP)
     among its cases: what the interpreter does not check (a loop-carried variable that changes type, a global
     NaN that differs from itself between inner functions) fails here."""
@@ -447,7 +485,8 @@ def test_epilogue_compiles_for_the_gpus():
     code = ("from bench.aot.compiler import compile_epilogue\n"
             "for arch, sw in [(90, {}), (90, dict(PACKED=True, SEQ=True, AGG=4)), (90, dict(AGG=5, HAS_LAM=False, HAS_ROLL=False)),\n"
             "                 (80, dict(PACKED=True, AGG=1, NITEMS=2)), (100, dict(SEQ=True, AGG=3, HAS_KL=False)),\n"
-            "                 *[(90, dict(POLICY=p, PACKED=p % 2 == 1, HAS_DUAL=p != 7, AGG=p % 6)) for p in range(1, 10)],\n"
+            "                 *[(90, dict(POLICY=p, PACKED=p % 2 == 1, HAS_DUAL=p != 7, AGG=p % 6)) for p in range(1, 12)],\n"
+            "                 (90, dict(POLICY=10, PHASE=1)), (80, dict(POLICY=11, PHASE=1, PACKED=True, HAS_DUAL=False)),\n"
             "                 (80, dict(POLICY=6)), (100, dict(POLICY=2, HAS_OLD=False, HAS_LAM=False)),\n"
             "                 (80, dict(RW=2, OFF_POLICY=True, PACKED=True, SEQ=True)),\n"
             "                 (100, dict(RW=1, OFF_POLICY=True, HAS_ROLL=False, HAS_OLD=False)),\n"
@@ -467,7 +506,8 @@ def test_epilogue_compiles_for_the_gpus():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
-    assert p.stdout.count("'POLICY'") == 12, p.stdout  # every policy term of the kernel compiled
+    assert p.stdout.count("'POLICY'") == 16, p.stdout  # every policy term of the kernel compiled
+    assert p.stdout.count("'PHASE': 1") == 2, p.stdout  # clip_cov's and kl_cov's keys (epilogue_cov)
     assert p.stdout.count("'TOP_ENT'") == 3, p.stdout  # the top-entropy mask (and its key kernel) compiled
     assert p.stdout.count(f"'HP': {_HP_ALL}") == 2, p.stdout  # every hyper-parameter read by pointer
 

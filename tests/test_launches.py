@@ -160,9 +160,9 @@ def test_counter_sees_launches_and_reads():
     assert c.aten >= 3 and c.host_reads == 0  # bool() here is the test's own, not the package's
     logits, ids, adv, mask, kw = _batch(4, 5, 0, False)
     with counting() as c:
-        gtpo_loss(logits.requires_grad_(), ids, adv, mask, config="kl-cov", backend="triton", validate=False,
-                  **kw).loss.backward()
-    assert c.launches > 20  # the eager path of a policy term the epilogue does not cover (kl_cov)
+        gtpo_loss(logits.requires_grad_(), ids, adv, mask, backend="triton", validate=False,
+                  config=GTPOConfig.preset("gtpo", entropy_threshold=torch.tensor(0.7)), **kw).loss.backward()
+    assert c.launches > 20  # the eager path of what the epilogue does not cover (a tensor entropy threshold)
 
 
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):  # pragma: no cover - conftest sets it
@@ -396,3 +396,15 @@ def test_from_logps_top_entropy_mask_at_most_six_launches(packed):
     launches, reads, creations, kernels = _roll_counts(packed, _TOP, from_logps=True)
     assert reads == 0 and creations == 0 and launches <= 6, (launches, reads, creations)
     assert kernels == {"_prep_kernel": 1, "_entropy_key_kernel": 1, "_epilogue_kernel": 1, "_scale_kernel": 1}, kernels
+
+
+@pytest.mark.parametrize("validate", [False, True], ids=["unvalidated", "validating"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("policy", ["clip-cov", "kl-cov"])
+def test_cov_terms_take_at_most_eight(policy, packed, validate):
+    """verl's clip_cov and kl_cov on the epilogue (kernels/epilogue_cov.py): the 4 launches, the epilogue's
+    key launch and the keys' sort, and clip_cov's draw (7 and 6; the eager path took 144 and 126), no host
+    read unvalidated and the status word validating, no tensor from host data, the same at two sizes."""
+    launches, reads, creations, kernels = _roll_counts(packed, GTPOConfig.preset(policy), validate=validate)
+    assert reads == int(validate) and creations == 0 and launches <= 6 + (policy == "clip-cov"), (launches, reads)
+    assert kernels == dict(_KERNELS, _epilogue_kernel=2), kernels

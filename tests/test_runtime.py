@@ -25,6 +25,7 @@ ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", 
                      "HAS_DUAL", "FILTER", "PENALTY", "SEQ", "AGG", "VALIDATE", "MASK_VALUES", "HAS_REF", "HAS_ROLL",
                      "POLICY", "RW", "OFF_POLICY", "HAS_STATUS", "CU_CHECK",  # policy term, weights, mask, status
                      "TOP_ENT",  # the top-entropy mask: a switch
+                     "PHASE",  # the epilogue's key launch (clip_cov, kl_cov) or the loss: a mode
                      "HP"}  # which hyper-parameters are read by pointer (a config's, fixed across steps; no value)
 PER_BATCH_SIZES = {"T", "T_l", "logits_start", "n_t_blocks", "B", "N"}  # vary every step
 

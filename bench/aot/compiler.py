@@ -337,13 +337,16 @@ def compile_epilogue(arch, **switches):
     from gtpo_kernels.kernels.epilogue_triton import _epilogue_kernel as k
     scal = dict(B=64, T=512, N=32768, max_seqlen=-1, g_lo=0, g_hi=64, lo=0.8, hi=1.2, delta=1.5, dual_c=3.0,
                 beta=0.04, ent_coef=0.01, penalty=0.1, thr=0.69, max_len_cfg=0.0, nitems_val=1.0, sapo_pos=1.0,
-                sapo_neg=1.05, dro_beta=0.1, off_thr=0.01, top_q=0.8, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0)
+                sapo_neg=1.05, dro_beta=0.1, off_thr=0.01, top_q=0.8, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0,
+                cov_lb=1.0, cov_ub=5.0, kl_coef=0.1, ratio_bits=4551510721646314285)  # (the bits of 2e-4)
     meta = dict(PACKED=False, HAS_MASK=True, HAS_OLD=True, HAS_KL=True, BIAS_KL=True, HAS_LAM=True, HAS_NCONF=True,
                 NITEMS=0, CLIP=True, HAS_DELTA=True, HAS_DUAL=True, HAS_E=True, FILTER=True, PENALTY=True, SEQ=False,
                 AGG=0, BLOCK=1024, VALIDATE=True, MASK_VALUES=True, HAS_REF=True, HAS_ROLL=True, num_warps=4)
     meta.update(switches)
     return _compile_ahead(k, arch, {"bad_ptr": torch.int8, "mask_ptr": torch.bool, "cu_ptr": torch.int64,
-                                    "kept_out": torch.uint8, "cu_fix": torch.int64, "status_ptr": torch.int32},
+                                    "kept_out": torch.uint8, "cu_fix": torch.int64, "status_ptr": torch.int32,
+                                    "draws_ptr": torch.float64, "key_ptr": torch.float64, "cval_ptr": torch.float64,
+                                    "cidx_ptr": torch.int64},
                           torch.float32, scal, meta)
 
 

@@ -1,12 +1,13 @@
 """The per-token and per-block terms of the epilogue kernel (epilogue_triton.py), as Triton functions:
-the span of a completion, the counted mask, the PPO-clip term (policy.ppo_parts), the other token-level
-policy terms (POLICY, epilogue_triton.POLICIES: policy.py's cispo and sapo, verl_modes' gpg, verl_cispo, dro,
-dppo tv / kl), a block's loss terms before the aggregation weights (surrogate.py), and validation's input
-checks."""
+the span of a completion, the counted mask, a block's loss terms before the aggregation weights
+(surrogate.py; its policy term: epilogue_policy._policy), the rollout weights, the off-policy mask's sums,
+and validation's input checks."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .epilogue_policy import _policy
 
 
 @triton.jit
@@ -64,128 +65,15 @@ def _counted(mask_ptr, o, inb, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _ppo(r, A, lo, hi, delta, dual_c, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
-    """(pg, d pg / d log r, clipped) of policy.ppo_parts."""
-    if HAS_DELTA:
-        r1 = tl.minimum(r, delta, propagate_nan=tl.PropagateNan.ALL)
-        capped = (r > delta).to(tl.int32)
-        dr1 = tl.where(r > delta, 0.0, r)
-    else:
-        r1 = r
-        dr1 = r
-        capped = (r != r).to(tl.int32) * 0
-    u1 = r1 * A
-    if CLIP:
-        u2 = tl.minimum(tl.maximum(r, lo, propagate_nan=tl.PropagateNan.ALL), hi,
-                        propagate_nan=tl.PropagateNan.ALL) * A
-        on_clip = u1 > u2
-        outside = (r < lo) | (r > hi)
-        d_logr = tl.where(on_clip, tl.where(outside, 0.0, -r * A), -dr1 * A)
-        clipped = tl.where(on_clip, outside.to(tl.int32), capped) * (A != 0.0).to(tl.int32)
-        pg = -tl.minimum(u1, u2, propagate_nan=tl.PropagateNan.ALL)
-    else:
-        pg = -u1
-        d_logr = -dr1 * A
-        clipped = capped * (A != 0.0).to(tl.int32)
-    if HAS_DUAL:
-        cap = -A * dual_c
-        dual = ((pg > cap).to(tl.int32) * (A < 0.0).to(tl.int32)) != 0
-        pg = tl.where(dual, cap, pg)
-        d_logr = tl.where(dual, 0.0, d_logr)
-        clipped = tl.maximum(clipped, dual.to(tl.int32))
-    return pg, d_logr, clipped  # clipped: int32 0 / 1
-
-
-@triton.jit
-def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro_beta, lr_seq, POLICY: tl.constexpr,
-            CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
-    """(pg, d pg / d log r, d pg / d logp directly, clipped) of the token-level policy term POLICY
-    (epilogue_triton.POLICIES), as policy.py / verl_modes.py compute it; r = exp(log_r), lp the token's
-    logp, old its old log-prob (logp on-policy). lo, hi: ppo and verl_cispo 1 - eps_low, 1 + eps_high;
-    cispo hi = eps_high (the ratio's absolute bound); dppo and geo_mean eps_low, eps_high; lr_seq: geo_mean's
-    log R, vespo's phi, the completion's (epilogue_geo)."""
-    zero = tl.zeros_like(lp)
-    if POLICY == 0:  # ppo (policy.ppo_parts)
-        pg, d_logr, clipped = _ppo(r, A, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
-        d_logp = tl.zeros_like(lp)
-    elif POLICY == 1:  # cispo: -sg(min(r, eps_high)) A logp
-        coef = tl.minimum(r, hi, propagate_nan=tl.PropagateNan.ALL)
-        pg = -coef * A * lp
-        d_logr = tl.zeros_like(lp)
-        d_logp = -coef * A
-        clipped = (r != r).to(tl.int32) * 0
-    elif POLICY == 2:  # sapo: -(4 / tau) sigmoid(tau (r - 1)) A, tau by the sign of A
-        tau = tl.where(A > 0.0, sapo_pos + zero, sapo_neg + zero)
-        sig = tl.sigmoid(tau * (r - 1.0))
-        pg = -(4.0 / tau) * sig * A
-        d_logr = -4.0 * sig * (1.0 - sig) * r * A
-        d_logp = tl.zeros_like(lp)
-        clipped = (r != r).to(tl.int32) * 0
-    elif POLICY == 3:  # gpg: -A logp
-        pg = -A * lp
-        d_logr = tl.zeros_like(lp)
-        d_logp = -A + zero
-        clipped = (r != r).to(tl.int32) * 0
-    elif POLICY == 4:  # verl_cispo: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp, log r clamped to [-20, 20]
-        rc = tl.exp(tl.minimum(tl.maximum(log_r, -20.0, propagate_nan=tl.PropagateNan.ALL), 20.0,
-                               propagate_nan=tl.PropagateNan.ALL))
-        coef = tl.minimum(tl.maximum(rc, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
-        pg = -coef * A * lp
-        d_logr = tl.zeros_like(lp)
-        d_logp = -coef * A
-        clipped = (r != r).to(tl.int32) * 0
-    elif POLICY == 5:  # dro: -(logp A - dro_beta / 2 (logp - old)^2)
-        pg = -(lp * A - 0.5 * dro_beta * log_r * log_r)
-        d_logr = dro_beta * log_r
-        d_logp = -A + zero
-        clipped = (r != r).to(tl.int32) * 0
-    elif POLICY == 8:  # geo_mean (verl_modes.geo_mean): -A R, d / d log R; log R moves with the tokens whose
-        # y = sgn(A) min(sgn(A) log r, sgn(A) clip(log r, -eps_low, eps_high)) is log r, where A != 0
-        sgn = tl.where(A > 0.0, 1.0, tl.where(A < 0.0, -1.0, 0.0)) + zero
-        xc = tl.minimum(tl.maximum(log_r, -lo, propagate_nan=tl.PropagateNan.ALL), hi,
-                        propagate_nan=tl.PropagateNan.ALL)
-        spread = (sgn * log_r <= sgn * xc) & (sgn != 0.0)
-        pg = -A * tl.exp(lr_seq) + zero
-        d_logr = pg
-        d_logp = tl.zeros_like(lp)
-        clipped = (spread.to(tl.int32) == 0).to(tl.int32) * (A != 0.0).to(tl.int32)
-    elif POLICY == 9:  # vespo (policy.vespo): -sg(phi) A logp, phi = lr_seq the completion's (epilogue_geo)
-        pg = -lr_seq * A * lp
-        d_logr = tl.zeros_like(lp)
-        d_logp = -lr_seq * A + zero
-        clipped = (r != r).to(tl.int32) * 0
-    else:  # dppo tv (6) / kl (7): -A sg(min(r, c)) logp on the tokens inside the binary trust region
-        rc = tl.exp(tl.minimum(tl.maximum(log_r, -20.0, propagate_nan=tl.PropagateNan.ALL), 20.0,
-                               propagate_nan=tl.PropagateNan.ALL))
-        if HAS_DUAL:
-            rc = tl.minimum(rc, dual_c, propagate_nan=tl.PropagateNan.ALL)
-        p = tl.exp(lp)
-        p_old = tl.exp(old)
-        if POLICY == 6:
-            up_ok = (p - p_old) <= hi
-            down_ok = (p - p_old) >= -lo
-        else:  # the binary KL between Bernoulli(p_old) and Bernoulli(p), with verl's 1e-8
-            kl = p_old * (old - lp) + (1.0 - p_old) * tl.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
-            up_ok = (kl <= hi) | (p <= p_old)
-            down_ok = (kl <= lo) | (p >= p_old)
-        valid = tl.where(A > 0.0, up_ok, down_ok)
-        coef = tl.where(valid, rc, 0.0)
-        pg = -A * coef * lp
-        d_logr = tl.zeros_like(lp)
-        d_logp = -A * coef
-        clipped = (valid.to(tl.int32) == 0).to(tl.int32) * (A != 0.0).to(tl.int32)
-    return pg, d_logr, d_logp, clipped  # clipped: int32 0 / 1
-
-
-@triton.jit
-def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pmult, emult,
-           lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, BLOCK: tl.constexpr,
+def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pmult, emult, sel,
+           lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, kl_coef, BLOCK: tl.constexpr,
            HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr,
            HAS_E: tl.constexpr, SEQ: tl.constexpr, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr,
            HAS_DUAL: tl.constexpr, POLICY: tl.constexpr):
     """Per token of a block: (loss_tok, d_logp, d_logr, clipped, lam) before the aggregation weights;
     pmult: the policy term's multiplier after lam (_policy_weight: the off-policy mask, the top-entropy mask, the
-    rollout weight); emult: the entropy bonus' (the top-entropy mask, 1 without it)."""
+    rollout weight); emult: the entropy bonus' (the top-entropy mask, 1 without it); sel: clip_cov's and
+    kl_cov's chosen tokens (epilogue_cov._cov_sel)."""
     lp = tl.load(logp_out + o, mask=inb, other=0.0)
     en = tl.load(ent_out + o, mask=inb, other=0.0)
     if SEQ:  # (ppo only: `old` unused)
@@ -195,7 +83,7 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         old, log_r = _token_log_r(o, inb, m, lp, old_ptr, HAS_OLD)
     r = tl.exp(log_r)
     pg, d_logr, d_logp, clipped = _policy(r, log_r, lp, old, a_hat, lo, hi, delta, dual_c, sapo_pos, sapo_neg,
-                                          dro_beta, lr_seq, POLICY, CLIP, HAS_DELTA, HAS_DUAL)
+                                          dro_beta, lr_seq, sel, kl_coef, POLICY, CLIP, HAS_DELTA, HAS_DUAL)
     if HAS_LAM:
         lam = tl.where(m, tl.load(lam_ptr + o, mask=inb, other=1.0).to(tl.float32), 1.0)
         mult = _finite_or_nan(lam)
@@ -322,3 +210,57 @@ def _k3(d):
     series = s * d * d
     direct = tl.where(d == float("inf"), float("inf"), tl.exp(d) - 1.0 - d)
     return tl.where(tl.abs(d) < 0.5, series, direct)
+
+
+@triton.jit
+def _denom(nconf_ptr, i, n_safe, Bf, M_safe, ni, max_len, AGG: tl.constexpr, NITEMS: tl.constexpr,
+           HAS_NCONF: tl.constexpr):
+    """Completion i's aggregation denominator (surrogate.aggregation_weights, epilogue_triton.AGGS): B n_i,
+    the counted tokens M or num_items_in_batch, B, B max_len, n_i n_conf_i (NaN unless finite and >= 1), 1."""
+    if AGG == 0:
+        denom = Bf * n_safe
+    elif AGG == 1:
+        if NITEMS == 0:
+            denom = M_safe
+        else:
+            denom = ni * 1.0
+    elif AGG == 2:
+        denom = Bf
+    elif AGG == 3:
+        denom = Bf * max_len
+    elif AGG == 4:
+        if HAS_NCONF:
+            nc = tl.load(nconf_ptr + i).to(tl.float32)
+            nc = tl.where((tl.abs(nc) < float("inf")) & (nc >= 1.0), nc, float("nan"))
+        else:
+            nc = 1.0
+        denom = n_safe * nc
+    else:
+        denom = 1.0
+    return denom
+
+
+@triton.jit
+def _roll_add(lp, roll_ptr, o, inb, m, sums, abs_d, max_d, outside, nans, oks):
+    """Spec 14's per-lane sums over a block (objective/mismatch.py): d = logp - rollout logp at the counted
+    tokens; k3(d) and |d| summed and |d|'s max where d is not NaN, r = e^d outside [0.9, 1.1], NaN and
+    not-NaN counts."""
+    d = (lp.to(tl.float64) - tl.load(roll_ptr + o, mask=inb, other=0.0).to(tl.float64)).to(tl.float32)
+    isnan = m & (d != d)
+    ok = m & (d == d)
+    d = tl.where(ok, d, 0.0)
+    r = tl.exp(d)
+    return (sums + tl.where(ok, _k3(d), 0.0), abs_d + tl.abs(d), tl.maximum(max_d, tl.abs(d)),
+            outside + (ok & ((r < 0.9) | (r > 1.1))).to(tl.int32), nans + isnan.to(tl.int32), oks + ok.to(tl.int32))
+
+
+@triton.jit
+def _roll_store(met_ptr, sums, abs_d, max_d, outside, nans, oks, M_safe):
+    """metrics[4:9]: rollout_k3, rollout_abs_diff, rollout_max_abs_diff (over the tokens whose d is not NaN),
+    rollout_outside_frac, rollout_nan_frac (over the counted tokens)."""
+    n_ok = tl.maximum(tl.sum(oks, axis=0), 1).to(tl.float32)
+    tl.store(met_ptr + 4, tl.sum(sums, axis=0) / n_ok)
+    tl.store(met_ptr + 5, tl.sum(abs_d, axis=0) / n_ok)
+    tl.store(met_ptr + 6, tl.max(max_d, axis=0))
+    tl.store(met_ptr + 7, tl.sum(outside, axis=0).to(tl.float32) / n_ok)
+    tl.store(met_ptr + 8, tl.sum(nans, axis=0).to(tl.float32) / M_safe)

@@ -2,7 +2,8 @@
 
 From the forward kernel's per-token (logp, H, flags) it computes what objective/surrogate.py computes with
 ~100 small torch ops (spec 2, 4, 9 for the PPO-clip policy term at the token or the sequence level, and
-the token-level terms of POLICIES: cispo, sapo, verl's gpg, verl_cispo, dro, dppo_tv and dppo_kl):
+the token-level terms of POLICIES: cispo, sapo, verl's gpg, verl_cispo, dro, dppo_tv, dppo_kl, geo_mean,
+clip_cov and kl_cov, TRL's vespo; clip_cov and kl_cov in two launches around a sort: epilogue_cov.py):
 the entropy control (Hbar, the filter delta, Ahat), the ratio, the clip, delta and the dual clip, the
 policy term's multipliers in spec 9's order (the conflict weights' lam, the off-policy sequence mask, the
 rollout weights per token or per completion), the KL term (with its bias correction), the entropy bonus, the aggregation
@@ -35,26 +36,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .epilogue_cov import _cov_keys, _cov_kth, _cov_sel
 from .epilogue_geo import _geo_log_w, _geo_sums, _vespo_phi, _vespo_sums
 from .epilogue_hyper import _hyper
-from .epilogue_terms import (_counted, _finite_or_nan, _fix_cu, _invalid_inputs, _k3, _off_policy_sum,
-                             _policy_weight, _rollout_ok, _rollout_w, _span, _terms, _token_log_r)
+from .epilogue_terms import (_counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _off_policy_sum,
+                             _policy_weight, _roll_add, _roll_store, _rollout_ok, _rollout_w, _span, _terms,
+                             _token_log_r)
 from .top_entropy import _top_entropy_thr, _top_entropy_w
 
 # policy_loss as the kernel's POLICY (the token-level terms it computes; epilogue_terms._policy)
-POLICIES = ("ppo", "cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl", "geo-mean", "vespo")
+POLICIES = ("ppo", "cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl", "geo-mean", "vespo", "clip-cov",
+            "kl-cov")
 # loss_agg as the kernel's AGG
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "gtpo-official",
         "none")
 
 
-@triton.jit(do_not_specialize=["B", "T", "N", "max_seqlen", "g_lo", "g_hi"])
+@triton.jit(do_not_specialize=["B", "T", "N", "max_seqlen", "g_lo", "g_hi", "ratio_bits"])
 def _epilogue_kernel(
     logp_ptr, ent_ptr, bad_ptr, mask_ptr, cu_ptr,  # the forward kernel's outputs; the caller's mask; cu_seqlens
     adv_ptr, old_ptr, ref_ptr, lam_ptr, nconf_ptr, nitems_ptr, roll_ptr,  # inputs (unused ones: any tensor)
     rw_ptr,  # rollout_is_weights: per token (RW 1) or per completion (RW 2)
     srt_ptr,  # TOP_ENT: the sorted entropy keys (top_entropy.sorted_key)
     hp_ptr,  # the hyper-parameters given as device tensors (HP: which float argument each replaces)
+    draws_ptr, key_ptr, cval_ptr, cidx_ptr,  # clip_cov's uniform draws; clip_cov / kl_cov's keys, sorted, their order
     value_ptr, logp_out, ent_out, ltok_out, c_out, e_out, lam_out, nconf_out, kept_out, hbar_out,  # outputs
     scratch_ptr, cu_fix, met_ptr, status_ptr,  # (4B,) float32, (B + 1,) int64 scratch; (9,) metrics; (1,) int32
     B, T, N, max_seqlen,  # completions; tokens per completion (padded form); tokens; the packed max_seqlen or -1
@@ -63,6 +68,7 @@ def _epilogue_kernel(
     sapo_pos, sapo_neg, dro_beta,  # sapo's temperatures, dro's beta (floats; read by those terms only)
     off_thr, top_q,  # off_policy_mask_threshold (OFF_POLICY), 1 - top_entropy_quantile (TOP_ENT) (floats)
     k_pos, lam_pos, k_neg, lam_neg,  # vespo's gamma weights (A >= 0, else) (floats; read by vespo only)
+    cov_lb, cov_ub, kl_coef, ratio_bits,  # clip_cov's bounds, kl_cov's coefficient, their ratio's float64 bits
     PACKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
     BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr, HAS_NCONF: tl.constexpr, NITEMS: tl.constexpr,
     CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_E: tl.constexpr,
@@ -76,6 +82,7 @@ def _epilogue_kernel(
     OFF_POLICY: tl.constexpr = False,  # spec 9's off-policy sequence mask (threshold off_thr)
     TOP_ENT: tl.constexpr = False,  # spec 9's top-entropy mask (the 1 - rho = top_q quantile; top_entropy.py)
     HP: tl.constexpr = 0,  # 4 bits a float argument lo .. top_q (pipeline/epilogue.HP_SLOTS): 0 by value, j: hp[j - 1]
+    PHASE: tl.constexpr = 0,  # 0: the epilogue; 1 (clip_cov, kl_cov): pass 1 and the sort keys only (epilogue_cov)
 ):
     lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q = _hyper(
         hp_ptr, lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, HP)
@@ -84,6 +91,8 @@ def _epilogue_kernel(
     n_kept = tl.zeros((), tl.int32)
     longest = tl.zeros((), tl.int64)
     h_tot = tl.zeros((), tl.float32)
+    a_tot = tl.zeros((), tl.float64)  # clip_cov, kl_cov: the counted tokens' sums of A and of logp
+    lp_tot = tl.zeros((), tl.float64)
     flagged = tl.zeros((), tl.int32)
     invalid = tl.zeros((), tl.int32)  # validating: any input check failed (bit 2 of the status)
     malformed = tl.zeros((), tl.int32)
@@ -124,17 +133,8 @@ def _epilogue_kernel(
                 lam = tl.full([BLOCK], 1.0, tl.float32)
             tl.store(lam_out + o, lam, mask=inb)
             if HAS_ROLL:
-                d = (lp.to(tl.float64) - tl.load(roll_ptr + o, mask=inb, other=0.0).to(tl.float64)).to(tl.float32)
-                isnan = m & (d != d)
-                ok = m & (d == d)
-                d = tl.where(ok, d, 0.0)
-                r = tl.exp(d)
-                roll_sums += tl.where(ok, _k3(d), 0.0)
-                roll_abs += tl.abs(d)
-                roll_max = tl.maximum(roll_max, tl.abs(d))
-                roll_out += (ok & ((r < 0.9) | (r > 1.1))).to(tl.int32)
-                roll_nan += isnan.to(tl.int32)
-                roll_ok += ok.to(tl.int32)
+                roll_sums, roll_abs, roll_max, roll_out, roll_nan, roll_ok = _roll_add(
+                    lp, roll_ptr, o, inb, m, roll_sums, roll_abs, roll_max, roll_out, roll_nan, roll_ok)
             if VALIDATE:
                 invalid = invalid | _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, rw_ptr, MASK_VALUES,
                                                     HAS_OLD, HAS_REF, HAS_LAM, RW)
@@ -151,6 +151,8 @@ def _epilogue_kernel(
                 sum_w += lw
             n_i += tl.sum(m.to(tl.int32), axis=0)
             h_i += tl.sum(en, axis=0)
+            if POLICY >= 10:
+                lp_tot += tl.sum(lp.to(tl.float64), axis=0)
             if SEQ:
                 _, lr = _token_log_r(o, inb, m, lp, old_ptr, HAS_OLD)
                 lr_i += tl.sum(tl.where(m, lr, 0.0), axis=0)
@@ -170,7 +172,7 @@ def _epilogue_kernel(
         else:
             keep_w = tl.full((), 1.0, tl.float32)
         if RW == 2:  # the completion's rollout weight (its tokens' multiplier; geo_mean's log R, vespo's L)
-            if POLICY < 8:
+            if (POLICY < 8) | (POLICY >= 10):  # (geo_mean and vespo fold it into their term)
                 keep_w = keep_w * _rollout_w(tl.load(rw_ptr + i).to(tl.float32))
         if FILTER:
             kept = hbar <= thr
@@ -197,6 +199,8 @@ def _epilogue_kernel(
             tl.store(nconf_out + i, tl.load(nconf_ptr + i).to(tl.float32))
         else:
             tl.store(nconf_out + i, 1.0)
+        if POLICY >= 10:
+            a_tot += tl.where(n_i > 0, n_i.to(tl.float64) * a_i.to(tl.float64), 0.0)
         M += n_i
         n_kept += kept.to(tl.int32)
         longest = tl.maximum(longest, end - start)
@@ -213,6 +217,15 @@ def _epilogue_kernel(
         max_len = tl.where(max_len_cfg > 0.0, max_len_cfg, tl.maximum(longest, 1).to(tl.float32))
     else:
         max_len = tl.where(max_len_cfg > 0.0, max_len_cfg, T * 1.0)
+    kv = 0.0
+    ki = -1
+    if POLICY >= 10:  # the batch's covariances: the keys (PHASE 1), or the k-th of their order (epilogue_cov)
+        if PHASE == 1:
+            _cov_keys(key_ptr, draws_ptr, logp_out, old_ptr, mask_ptr, scratch_ptr, cu_fix, B, T,
+                      a_tot.to(tl.float32) / M_safe, lp_tot.to(tl.float32) / M_safe, cov_lb, cov_ub, lo, hi, delta,
+                      dual_c, BLOCK, PACKED, HAS_MASK, HAS_OLD, CLIP, HAS_DELTA, HAS_DUAL, POLICY)
+            return
+        kv, ki = _cov_kth(cval_ptr, cidx_ptr, M, N, ratio_bits)
     ent_thr = 0.0
     if TOP_ENT:
         ent_thr = _top_entropy_thr(srt_ptr, M, N, top_q)
@@ -227,26 +240,7 @@ def _epilogue_kernel(
         lr_seq = tl.load(scratch_ptr + B + i)
         n_safe = tl.load(scratch_ptr + 2 * B + i)
         keep_w = tl.load(scratch_ptr + 3 * B + i)
-        if AGG == 0:
-            denom = Bf * n_safe
-        elif AGG == 1:
-            if NITEMS == 0:
-                denom = M_safe
-            else:
-                denom = ni * 1.0
-        elif AGG == 2:
-            denom = Bf
-        elif AGG == 3:
-            denom = Bf * max_len
-        elif AGG == 4:
-            if HAS_NCONF:
-                nc = tl.load(nconf_ptr + i).to(tl.float32)
-                nc = tl.where((tl.abs(nc) < float("inf")) & (nc >= 1.0), nc, float("nan"))
-            else:
-                nc = 1.0
-            denom = n_safe * nc
-        else:
-            denom = 1.0
+        denom = _denom(nconf_ptr, i, n_safe, Bf, M_safe, ni, max_len, AGG, NITEMS, HAS_NCONF)
         g_seq = 0.0
         if SEQ or POLICY == 8:  # d loss / d log r (geo_mean: log R) over the completion, spread back on its tokens
             g_acc = tl.zeros([BLOCK], tl.float32)
@@ -255,11 +249,11 @@ def _epilogue_kernel(
                 inb = o < end
                 m = _counted(mask_ptr, o, inb, HAS_MASK)
                 em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
-                pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * (POLICY < 8))
+                pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * ((POLICY < 8) | (POLICY >= 10)))
                 _, _, d_logr, _, _ = _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw,
-                                            em, lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta,
-                                            BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ, CLIP, HAS_DELTA,
-                                            HAS_DUAL, POLICY)
+                                            em, o < 0, lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg,
+                                            dro_beta, kl_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ,
+                                            CLIP, HAS_DELTA, HAS_DUAL, POLICY)
                 w = tl.where(m, 1.0, 0.0) / denom
                 g_acc += tl.where(m, w * d_logr, 0.0)
             g_seq = tl.sum(g_acc, axis=0) / n_safe
@@ -268,11 +262,12 @@ def _epilogue_kernel(
             inb = o < end
             m = _counted(mask_ptr, o, inb, HAS_MASK)
             em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
-            pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * (POLICY < 8))
+            pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * ((POLICY < 8) | (POLICY >= 10)))
+            sel = _cov_sel(key_ptr, o, inb, m, kv, ki, POLICY)
             loss_tok, d_logp, d_logr, clipped, lam = _terms(
-                o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, em, lo, hi, delta, dual_c,
-                beta, ent_coef, sapo_pos, sapo_neg, dro_beta, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ,
-                CLIP, HAS_DELTA, HAS_DUAL, POLICY)
+                o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, em, sel, lo, hi, delta,
+                dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, kl_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM,
+                HAS_E, SEQ, CLIP, HAS_DELTA, HAS_DUAL, POLICY)
             if AGG == 5:
                 w = tl.where(m, 1.0, 0.0)
             else:
@@ -305,12 +300,7 @@ def _epilogue_kernel(
         tl.store(met_ptr + 2, 0.0)
     tl.store(met_ptr + 3, h_tot / M_safe)
     if HAS_ROLL:
-        n_ok = tl.maximum(tl.sum(roll_ok, axis=0), 1).to(tl.float32)
-        tl.store(met_ptr + 4, tl.sum(roll_sums, axis=0) / n_ok)
-        tl.store(met_ptr + 5, tl.sum(roll_abs, axis=0) / n_ok)
-        tl.store(met_ptr + 6, tl.max(roll_max, axis=0))
-        tl.store(met_ptr + 7, tl.sum(roll_out, axis=0).to(tl.float32) / n_ok)
-        tl.store(met_ptr + 8, tl.sum(roll_nan, axis=0).to(tl.float32) / M_safe)
+        _roll_store(met_ptr, roll_sums, roll_abs, roll_max, roll_out, roll_nan, roll_ok, M_safe)
     if FILTER:
         flagged = flagged | (((n_kept == 0) & (M > 0)).to(tl.int32) * 2)
     if VALIDATE:

@@ -63,10 +63,11 @@ def logps_epilogue(logp: Tensor, ent: Optional[Tensor], mask: Optional[Tensor], 
                    old: Optional[Tensor], ref: Optional[Tensor], lam: Optional[Tensor], n_conf: Optional[Tensor],
                    num_items: Optional[Tensor], roll: Optional[Tensor], floats: List[float], flags: List[int],
                    B: int, T: int, check: bool, ids: Optional[Tensor], rw: Optional[Tensor],
-                   hp: Optional[Tensor]) -> List[Tensor]:
+                   hp: Optional[Tensor], draws: Optional[Tensor]) -> List[Tensor]:
     """ids (n,): validating, the tokens' ids (the prep kernel flags a counted one outside [0, 2**31) and a
     non-finite counted entropy, for the status word); None: no such checks. rw: the rollout weights as the
-    epilogue reads them (flags' RW); hp: the hyper-parameters it reads by pointer (flags' HP)."""
+    epilogue reads them (flags' RW); hp: the hyper-parameters it reads by pointer (flags' HP); draws: clip_cov's
+    uniform draws (n,)."""
     n = logp.numel()
     outs = loss_ops.epilogue_outputs(logp, n, B, flags)
     bad = torch.empty(n, dtype=torch.int8, device=logp.device)
@@ -77,12 +78,13 @@ def logps_epilogue(logp: Tensor, ent: Optional[Tensor], mask: Optional[Tensor], 
                        HAS_MASK=mask is not None, PACKED=cu is not None, CHECK=check and en is not None, BLOCK=BLOCK,
                        VALIDATE=ids is not None, num_warps=4)
     loss_ops.epilogue(outs[1], outs[2], bad, mask, cu_out, adv, old, ref, lam, n_conf, num_items, floats, flags, B,
-                      roll, outs, rw=rw, hp=hp)
+                      roll, outs, rw=rw, hp=hp, draws=draws)
     return outs + [bad]
 
 
 @logps_epilogue.register_fake
-def _(logp, ent, mask, cu, adv, old, ref, lam, n_conf, num_items, roll, floats, flags, B, T, check, ids, rw, hp):
+def _(logp, ent, mask, cu, adv, old, ref, lam, n_conf, num_items, roll, floats, flags, B, T, check, ids, rw, hp,
+      draws):
     n = logp.numel()
     return loss_ops.epilogue_outputs(logp, n, B, flags) + [logp.new_empty(n, dtype=torch.int8)]
 
@@ -113,10 +115,10 @@ def _logps_backward(ctx, grads):
     (shape, dtype, ent_meta), grad = ctx.meta, grads[0]
     need_lp, need_ent = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and e is not None
     if grad is None or not (need_lp or need_ent):
-        return (None,) * 19
+        return (None,) * 20
     gc, ge = logps_epilogue_bwd(grad, c, e if need_ent else None, dtype,
                                 dtype if ent_meta is None else ent_meta[1])
-    return (gc.view(shape) if need_lp else None, ge.view(ent_meta[0]) if need_ent else None) + (None,) * 17
+    return (gc.view(shape) if need_lp else None, ge.view(ent_meta[0]) if need_ent else None) + (None,) * 18
 
 
 logps_epilogue.register_autograd(_logps_backward, setup_context=_logps_setup)
@@ -134,10 +136,12 @@ def replay_epilogue(logits3: Tensor, ids: Tensor, token_ids: Tensor, offsets: Te
                     tau_value: float, logits_start: int, mask: Optional[Tensor], cu: Optional[Tensor], adv: Tensor,
                     old: Optional[Tensor], ref: Optional[Tensor], lam: Optional[Tensor], n_conf: Optional[Tensor],
                     num_items: Optional[Tensor], roll: Optional[Tensor], floats: List[float], flags: List[int],
-                    B: int, T: int, rw: Optional[Tensor], hp: Optional[Tensor]) -> List[Tensor]:
+                    B: int, T: int, rw: Optional[Tensor], hp: Optional[Tensor],
+                    draws: Optional[Tensor]) -> List[Tensor]:
     """tau: None (tau_value), one element or one per token (n,); logits3 (B, T_l, V) (packed: (1, N_l, V))
     with vocabulary stride 1; ids (n,) the sampled ids; token_ids, offsets the recorded sets (M + 1,); rw: the
-    rollout weights as the epilogue reads them (flags' RW); hp: the hyper-parameters it reads by pointer (flags' HP)."""
+    rollout weights as the epilogue reads them (flags' RW); hp: the hyper-parameters it reads by pointer (flags' HP);
+    draws: clip_cov's uniform draws (n,)."""
     n, V = ids.numel(), logits3.shape[-1]
     outs = _replay_outputs(logits3, n, B, flags)
     flags_t, stats, flat, rows, grows, tau_n, met = outs[12:]
@@ -156,13 +160,13 @@ def replay_epilogue(logits3: Tensor, ids: Tensor, token_ids: Tensor, offsets: Te
         _set_check_kernel[(n,)](flat if mask is None else mask, flat, kept, flags_t, outs[2], cu_out, B, n,
                                 HAS_MASK=mask is not None, DUP_BLOCK=DUP_BLOCK)
     loss_ops.epilogue(outs[1], outs[2], flags_t, mask, cu_out, adv, old, ref, lam, n_conf, num_items, floats, flags,
-                      B, roll, outs[:12], rw=rw, hp=hp)
+                      B, roll, outs[:12], rw=rw, hp=hp, draws=draws)
     return outs
 
 
 @replay_epilogue.register_fake
 def _(logits3, ids, token_ids, offsets, tau, tau_value, logits_start, mask, cu, adv, old, ref, lam, n_conf,
-      num_items, roll, floats, flags, B, T, rw, hp):
+      num_items, roll, floats, flags, B, T, rw, hp, draws):
     return _replay_outputs(logits3, ids.numel(), B, flags)
 
 
@@ -197,8 +201,8 @@ def _(grad, logits3, ids, token_ids, stats, flat, rows, grows, tau_n, ent, c, e)
 
 def _replay_backward(ctx, grads):
     if grads[0] is None or not ctx.needs_input_grad[0]:
-        return (None,) * 22
-    return (replay_epilogue_bwd(grads[0], *ctx.saved_tensors),) + (None,) * 21
+        return (None,) * 23
+    return (replay_epilogue_bwd(grads[0], *ctx.saved_tensors),) + (None,) * 22
 
 
 replay_epilogue.register_autograd(_replay_backward, setup_context=_replay_setup)

@@ -13,6 +13,7 @@ FLAGS name them (pipeline/epilogue.py builds them); nothing here reads the devic
 """
 from __future__ import annotations
 
+import struct
 import threading
 from typing import List, Optional
 
@@ -22,7 +23,8 @@ from . import ops, top_entropy, vocab_triton
 from .epilogue_triton import _epilogue_kernel
 
 FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "thr", "max_len", "nitems",
-          "sapo_pos", "sapo_neg", "dro_beta", "off_thr", "top_q", "k_pos", "lam_pos", "k_neg", "lam_neg")
+          "sapo_pos", "sapo_neg", "dro_beta", "off_thr", "top_q", "k_pos", "lam_pos", "k_neg", "lam_neg", "cov_lb",
+          "cov_ub", "kl_coef", "cov_ratio")
 FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
          "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE", "VALIDATE", "MASK_VALUES", "HAS_REF",
          "POLICY", "RW", "OFF_POLICY", "TOP_ENT", "HP", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
@@ -44,21 +46,32 @@ def epilogue_outputs(like, n, B, flags):
     return _outputs(like, n, B, dict(zip(FLAGS, flags))["AGG"] == 5)[:12]
 
 
+def _bits(x):
+    """A float's float64 bits as an int (the kernel reads clip_cov's, kl_cov's ratio so, exactly)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
 def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs,
-             g_lo=0, g_hi=None, rw=None, hp=None):
+             g_lo=0, g_hi=None, rw=None, hp=None, draws=None):
     """The epilogue kernel (one launch) on the forward pass's per-token logp, H and flags, writing `outs`
     (epilogue_outputs; its logp and H may be the inputs themselves); pass 2 over completions [g_lo, g_hi)
     (default: all of them). rw: the rollout weights, (n,) per token or (B,) per completion as flags' RW says
     (1, 2; 0: None). hp: the hyper-parameters read by pointer, as flags' HP code says (pipeline/epilogue.py
     hyper; None with HP 0). TOP_ENT (the top-entropy mask): two launches before it, the sort key and its sort
-    (top_entropy.sorted_key), on the call's whole batch only (the quantile spans every counted token)."""
+    (top_entropy.sorted_key), on the call's whole batch only (the quantile spans every counted token).
+    clip_cov and kl_cov (POLICY 10, 11; kernels/epilogue_cov.py): a launch of the kernel that writes the sort
+    keys, their sort, then the epilogue, on the whole batch only; draws: clip_cov's uniform draws (n,) float64."""
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     if (rw is None) != (fg["RW"] == 0):
         raise ValueError(f"the epilogue's RW = {fg['RW']} and its rollout weights ({rw is not None}) disagree")
     if (hp is None) != (fg["HP"] == 0):
         raise ValueError(f"the epilogue's HP = {fg['HP']} and its hyper-parameter vector ({hp is not None}) disagree")
-    if fg["TOP_ENT"] and (g_lo != 0 or g_hi not in (None, B)):
-        raise ValueError("the top-entropy mask's quantile spans the whole batch: no epilogue on a tile alone")
+    cov = fg["POLICY"] >= 10
+    if (fg["TOP_ENT"] or cov) and (g_lo != 0 or g_hi not in (None, B)):
+        raise ValueError("the top-entropy mask's quantile (clip_cov's, kl_cov's choice) spans the whole batch: "
+                         "no epilogue on a tile alone")
+    if (draws is None) != (fg["POLICY"] != 10):
+        raise ValueError(f"the epilogue's POLICY = {fg['POLICY']} and its draws ({draws is not None}) disagree")
     n = logp.numel()
     srt = top_entropy.sorted_key(ent, bad, mask) if fg["TOP_ENT"] else bad
     value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status = outs
@@ -67,17 +80,30 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
     any_ = bad  # a tensor for the pointers that are not read
     sw = {k: bool(v) if k not in ("NITEMS", "AGG", "POLICY", "RW", "HP") else int(v) for k, v in fg.items()
           if k not in ("TEMP_BY_VALUE", "MAX_SEQLEN")}
-    _epilogue_kernel[(1,)](
-        logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
-        adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items, roll, rw)), srt,
-        any_ if hp is None else hp,
-        value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, scratch, cu_fix, met, status,
-        B, n // B if (B and not fg["PACKED"]) else 0, n, fg["MAX_SEQLEN"], g_lo, B if g_hi is None else g_hi,
-        fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
-        fl["max_len"], fl["nitems"], fl["sapo_pos"], fl["sapo_neg"], fl["dro_beta"], fl["off_thr"], fl["top_q"],
-        fl["k_pos"], fl["lam_pos"], fl["k_neg"], fl["lam_neg"],
-        HAS_MASK=mask is not None, HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK, num_warps=4,
-        enable_fp_fusion=not fg["TOP_ENT"], **sw)  # the quantile's products rounded as eager (top_entropy.py)
+
+    def launch(phase, key, vals, order):
+        _epilogue_kernel[(1,)](
+            logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
+            adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items, roll, rw)), srt,
+            any_ if hp is None else hp, any_ if draws is None else draws, key, vals, order,
+            value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, scratch, cu_fix, met, status,
+            B, n // B if (B and not fg["PACKED"]) else 0, n, fg["MAX_SEQLEN"], g_lo, B if g_hi is None else g_hi,
+            fl["lo"], fl["hi"], fl["delta"], fl["dual_c"], fl["beta"], fl["ent_coef"], fl["penalty"], fl["thr"],
+            fl["max_len"], fl["nitems"], fl["sapo_pos"], fl["sapo_neg"], fl["dro_beta"], fl["off_thr"], fl["top_q"],
+            fl["k_pos"], fl["lam_pos"], fl["k_neg"], fl["lam_neg"], fl["cov_lb"], fl["cov_ub"], fl["kl_coef"],
+            _bits(fl["cov_ratio"]), HAS_MASK=mask is not None, HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK,
+            num_warps=4, enable_fp_fusion=not fg["TOP_ENT"], PHASE=phase, **sw)  # (TOP_ENT: top_entropy.py)
+
+    if not cov:
+        launch(0, any_, any_, any_)
+        return outs
+    key = torch.empty(n, device=logp.device, dtype=torch.float64)
+    launch(1, key, any_, any_)
+    if n:
+        vals, order = torch.sort(key, stable=True, descending=fg["POLICY"] == 11)
+    else:  # (nothing is read)
+        vals, order = key, torch.empty(0, device=logp.device, dtype=torch.int64)
+    launch(0, key, vals, order)
     return outs
 
 
@@ -87,7 +113,7 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
                lam: Optional[torch.Tensor], n_conf: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
                temperature: Optional[torch.Tensor], floats: List[float], flags: List[int], logits_start: int,
                B: int, roll: Optional[torch.Tensor], rw: Optional[torch.Tensor],
-               hp: Optional[torch.Tensor]) -> List[torch.Tensor]:
+               hp: Optional[torch.Tensor], draws: Optional[torch.Tensor]) -> List[torch.Tensor]:
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     n = ids.numel()
     outs = _outputs(logits3, n, B, fg["AGG"] == 5)
@@ -96,13 +122,13 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
     if n:
         vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad))
     epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs[:12],
-             rw=rw, hp=hp)
+             rw=rw, hp=hp, draws=draws)
     return outs
 
 
 @fused_loss.register_fake
 def _(logits3, ids, mask, cu, adv, old, ref, lam, n_conf, num_items, temperature, floats, flags, logits_start, B,
-      roll, rw, hp):
+      roll, rw, hp, draws):
     return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5)
 
 
@@ -121,13 +147,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     grad = grads[0]  # the loss value's; the other outputs are not differentiable
     if grad is None:
-        return (None,) * 18
+        return (None,) * 19
     logits3, ids, stats, ent, c, e, temperature = ctx.saved_tensors
     logits_start, tau_value = ctx.meta
     g = grad.reshape(-1)
     grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, backend="triton", g=g,
                           tau_value=tau_value)
-    return (grad3,) + (None,) * 17
+    return (grad3,) + (None,) * 18
 
 
 fused_loss.register_autograd(_backward, setup_context=_setup_context)

@@ -95,6 +95,16 @@ def select_count(ratio, M):
     return torch.clamp(torch.floor(r * M.to(torch.float64)), min=1.0)
 
 
+def uniform_draws(cfg, n, device):
+    """clip_cov's n uniform draws in [0, 1), float64, from cfg.generator (None: the device's default), on the
+    tokens' device (the epilogue kernel's path draws the same ones: pipeline/epilogue.tensors)."""
+    gen = cfg.generator
+    if gen is not None and gen.device.type != device.type:
+        raise ValueError(f"GTPOConfig.generator is on {gen.device}, the tokens on {device}: clip_cov draws "
+                         "on the tokens' device; pass a generator of that device")
+    return torch.rand(n, dtype=torch.float64, device=device, generator=gen)
+
+
 def clip_cov(pg, d_logr, dual, on_clip, A, logp, m, M, M_safe, cfg):
     """clip_cov on the PPO term (pg, d_logr from policy.ppo_parts; on_clip: verl's clip_by_origin; dual:
     the tokens its dual clip capped, or None): a uniformly random choice (cfg.generator) of
@@ -103,11 +113,7 @@ def clip_cov(pg, d_logr, dual, on_clip, A, logp, m, M, M_safe, cfg):
     the chosen ones (and the dual clip's), not those the PPO clip stopped."""
     cov = covariance(A, logp, m, M_safe)
     cand = m & ~on_clip & (cov > operand(cfg.clip_cov_lb, cov)) & (cov < operand(cfg.clip_cov_ub, cov))
-    gen = cfg.generator
-    if gen is not None and gen.device.type != logp.device.type:
-        raise ValueError(f"GTPOConfig.generator is on {gen.device}, the tokens on {logp.device}: clip_cov draws "
-                         "on the tokens' device; pass a generator of that device")
-    u = torch.rand(logp.shape, dtype=torch.float64, device=logp.device, generator=gen)
+    u = uniform_draws(cfg, logp.numel(), logp.device).reshape(logp.shape)
     sel = first_k(torch.where(cand, u, 2.0), cand, select_count(cfg.clip_cov_ratio, M))
     zero = torch.zeros((), dtype=pg.dtype, device=pg.device)
     chosen = sel & (A != 0)

@@ -6,15 +6,17 @@ scalar loss (`ones_like`) is the fourth launch of a forward + backward.
 It takes the Triton backend on one process, for the PPO-clip policy term at the token or the sequence
 level (GTPO and the TRL-family presets grpo, dapo, dr_grpo, bnpo, gspo, luspo, gtpo-official, and verl's
 vanilla), the token-level terms cispo, sapo, gpg, verl_cispo, dro, dppo_tv and dppo_kl, verl's geo_mean
-and TRL's vespo (a completion's log R, its phi, formed in pass 1: kernels/epilogue_geo.py), with any
+and TRL's vespo (a completion's log R, its phi, formed in pass 1: kernels/epilogue_geo.py), verl's clip_cov
+and kl_cov (a choice over the batch's covariances: a key launch of the kernel and a sort before it, and
+clip_cov's uniform draws: kernels/epilogue_cov.py), with any
 aggregation, conflict weights given or computed, old / ref log-probs, the KL (and its bias correction),
 the entropy filter, gate, penalty and bonus, the off-policy sequence mask (spec 9), the top-entropy mask
 (spec 9: two launches more, the entropies' sort key and torch.sort; kernels/top_entropy.py), rollout weights
 per token or per completion, num_items_in_batch (number or tensor), a temperature (number, schedule tensor,
 per completion or per token), the hyper-parameters a schedule may give as 0-d tensors (HP_SLOTS: read by
-pointer, see hyper). Whatever else (the policy terms clip_cov and kl_cov, kept sets,
-vocabulary-parallel, inplace) takes the eager path of loss.fused_loss, which is also this kernel's twin in
-tests. Validating, the status word is read with the call's input checks: one host read.
+pointer, see hyper). Whatever else (kept sets, vocabulary-parallel, inplace, the entropy filter's numbers
+and vespo's, clip_cov's and kl_cov's as tensors) takes the eager path of loss.fused_loss, which is also this
+kernel's twin in tests. Validating, the status word is read with the call's input checks: one host read.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ..core.config import is_zero
 from ..core.output import GTPOOutput
 from ..kernels import loss_ops, ops
 from ..kernels.epilogue_triton import AGGS, POLICIES
-from ..objective import mismatch
+from ..objective import mismatch, verl_modes
 from .loss import warn_all_dropped
 
 _NUMBERS = ("entropy_threshold", "initial_entropy", "max_completion_length")  # numbers (or None) only
@@ -38,7 +40,9 @@ _GENERAL = ("eps_low", "eps_high", "delta", "dual_clip_c", "beta", "entropy_coef
 # hyper-parameters of one policy term only (read, and checked, with that term: sapo's and dro's may be 0-d
 # tensors too, vespo's are numbers)
 _TERM_NUMBERS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro": ("dro_beta",),
-                 "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
+                 "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+                 "clip-cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+                 "kl-cov": ("kl_cov_ratio", "ppo_kl_coef")}
 _TENSOR_OK = _GENERAL + _TERM_NUMBERS["sapo"] + _TERM_NUMBERS["dro"]
 # the kernel's float slots the hyper-parameters fill (_slots), in the order of its HP code (4 bits a slot)
 HP_SLOTS = ("lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "sapo_pos", "sapo_neg", "dro_beta",
@@ -66,9 +70,10 @@ def eligible(logits, cfg, backend, inplace, kept_sets, process_group):
 
 def covers(cfg):
     """Whether the epilogue kernel computes this config's loss: a policy term of POLICIES (the PPO clip at
-    the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv, dppo_kl, geo_mean and vespo
-    at the token level, the only one the config admits for them), the entropy filter's numbers and vespo's
-    as numbers, the other hyper-parameters as numbers or 0-d tensors (the fused LM head asks too). Rollout
+    the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv, dppo_kl, geo_mean, vespo,
+    clip_cov and kl_cov at the token level, the only one the config admits for them), the entropy filter's
+    numbers and vespo's, clip_cov's and kl_cov's as numbers, the other hyper-parameters as numbers or 0-d
+    tensors (the fused LM head asks too). Rollout
     weights multiply each of these terms but geo_mean and vespo, which fold them into their ratio and weight."""
     pl = cfg.policy_loss
     return (pl in POLICIES and (pl == "ppo" or cfg.importance_sampling_level == "token")
@@ -96,7 +101,7 @@ def _slots(cfg):
         hi = (cfg.eps_high, SAME)
     elif pl in ("dppo-tv", "dppo-kl", "geo-mean"):  # (geo_mean: log r clipped to [-eps_low, eps_high])
         lo, hi = (cfg.eps_low, SAME), (cfg.eps_high, SAME)
-    elif pl in ("ppo", "verl-cispo"):
+    elif pl in ("ppo", "verl-cispo", "clip-cov"):
         lo, hi = (cfg.eps_low, ONE_MINUS), (cfg.eps_high, ONE_PLUS)
     sapo = pl == "sapo"
     given = (cfg.delta, cfg.dual_clip_c, cfg.beta, cfg.entropy_coef, cfg.entropy_penalty,
@@ -152,11 +157,13 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     has_kl = b.ref is not None and not is_zero(cfg.beta)  # (a tensor is never assumed 0)
     pl = cfg.policy_loss
-    ppo = pl == "ppo"  # the clip, delta: the PPO term's options (the dual clip: ppo's, or dppo's cap)
+    ppo = pl in ("ppo", "clip-cov")  # the clip, delta: the PPO term's options (the dual clip: theirs, dppo's cap)
     v, code = _slot_values(cfg, b.given["adv"])  # HP_SLOTS: FLOATS' lo .. penalty, then sapo_pos .. top_q
     vespo = [cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg] if pl == "vespo" else [0] * 4
     floats = [tau_value, *v[:7], 0.0 if thr is None else float(thr), float(cfg.max_completion_length or 0),
-              float(num_items) if isinstance(num_items, float) else 1.0, *v[7:], *(float(x) for x in vespo)]
+              float(num_items) if isinstance(num_items, float) else 1.0, *v[7:], *(float(x) for x in vespo),
+              float(cfg.clip_cov_lb), float(cfg.clip_cov_ub), float(cfg.ppo_kl_coef),
+              float(cfg.kl_cov_ratio if pl == "kl-cov" else cfg.clip_cov_ratio)]
     flags = [b.packed, b.old is not None, has_kl, has_kl and cfg.use_bias_correction_kl, b.lam is not None,
              b.n_conf is not None, 0 if num_items is None else (2 if n_items is not None else 1), cfg.clip and ppo,
              cfg.delta is not None and ppo, cfg.dual_clip_c is not None, not is_zero(cfg.entropy_coef),
@@ -174,13 +181,18 @@ def tensors(b, cfg):
     """The tensors the epilogue reads, with stride 1 (a copy only if they are not): the caller's mask, the
     advantages and cu_seqlens as given (a malformed cu_seqlens is the kernel's to flag), old / ref
     log-probs, lam, n_conf, the rollout log-probs, the rollout weights as flags' RW says: per completion
-    (B,) (never spread on the tokens), per token (N,), or None, and the hyper-parameters read by pointer
-    (hyper; flags' HP code)."""
+    (B,) (never spread on the tokens), per token (N,), or None, the hyper-parameters read by pointer
+    (hyper; flags' HP code), and clip_cov's uniform draws (N,) (verl_modes.uniform_draws: one launch) or None."""
     given = b.given
     rw = b.rollout_w_seq if b.rollout_w_seq is not None else b.rollout_w
     return [None if x is None else x.contiguous() for x in (b.mask, given["adv"], b.old, b.ref, b.lam, b.n_conf,
                                                             given["cu_seqlens"], b.rollout_logps, rw)] + [
-        hyper(cfg, given["adv"])]
+        hyper(cfg, given["adv"]), draws(cfg, given["ids"].numel(), given["adv"].device)]
+
+
+def draws(cfg, n, device):
+    """clip_cov's uniform draws for n tokens, drawn as its eager path draws them, or None."""
+    return verl_modes.uniform_draws(cfg, n, device) if cfg.policy_loss == "clip-cov" else None
 
 
 def loss(b, cfg, num_items, tau, host, revalidate=None):
@@ -189,10 +201,10 @@ def loss(b, cfg, num_items, tau, host, revalidate=None):
     `revalidate()` runs them on the host to raise the error that names the argument."""
     temperature, tau_value = _tau(cfg.temperature if tau is None else tau, b.logits3)
     floats, flags = arguments(b, cfg, num_items, tau_value, host, temperature is not None)
-    mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp = tensors(b, cfg)
+    mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = tensors(b, cfg)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
-                               temperature, floats, flags, b.logits_start, b.B, roll, rw, hp)
+                               temperature, floats, flags, b.logits_start, b.B, roll, rw, hp, u)
     return output(outs[:12], outs[13], b, cfg, host, revalidate)
 
 

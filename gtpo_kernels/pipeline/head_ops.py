@@ -26,7 +26,7 @@ from . import epilogue, head_backward, loss, tiles
 from . import schedule as sched
 
 EXTRAS = ("adv", "old", "ref", "lam", "n_conf", "rollout_w", "rollout_w_seq", "rollout_logps", "num_items",
-          "max_len", "mask", "cu", "adv_given", "hp")  # the last four: what the epilogue kernel reads as given
+          "max_len", "mask", "cu", "adv_given", "hp", "draws")  # the last five: what the epilogue kernel reads
 Tensor = torch.Tensor
 
 
@@ -247,11 +247,11 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
     epi = _epilogue_args(b, cfg, backend, vp, num_items)
     grad_in_forward = torch.full((), 1.0 if fused else 0.0, dtype=dt, device=dev)
     if epi is not None:
-        mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp = epilogue.tensors(b, cfg)
+        mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, draws = epilogue.tensors(b, cfg)
         num = num_items if isinstance(num_items, Tensor) else None
         per_seq = b.rollout_w_seq is not None  # rw (B,) per completion: never spread
         extras = [b.adv, old, ref, lam, n_conf, None if per_seq else rw, rw if per_seq else None, roll, num, None,
-                  mask, cu, adv, hp]
+                  mask, cu, adv, hp, draws]
         out = _forward(b, head, hidden, key, temperature, vp, extras, need, False, epi)
         logp, ent, stats, bad, dh, dw, db = out[:7]
         value, _, _, ltok, c, e, *rest = out[7:]
@@ -264,7 +264,7 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
     num = num_items if num_items is None or isinstance(num_items, Tensor) else \
         torch.full((), float(num_items), dtype=torch.float32, device=dev)
     extras = [b.adv, b.old, b.ref, b.lam, b.n_conf, b.rollout_w, b.rollout_w_seq, b.rollout_logps, num, max_len,
-              None, None, None, None]
+              None, None, None, None, None]
     logp, ent, stats, _, dh, dw, db = _forward(b, head, hidden, key, temperature, vp, extras, need, host)[:7]
     res, value, c, e = loss.value_and_coefficients(b, cfg, logp, ent, num_items, dt, stats.dtype)
     value = head_attach(value, *params, b.ids if vp is None else vp.ids, stats, ent, c, e, dh, dw, db,

@@ -216,7 +216,8 @@ def run_epilogue(opts, t, epi_args, logp, ent, bad, outs, g_lo=0, g_hi=None):
     floats, flags = epi_args
     rw = x.rollout_w_seq if x.rollout_w_seq is not None else x.rollout_w
     loss_ops.epilogue(logp, ent, bad, x.mask, x.cu, x.adv_given, x.old, x.ref, x.lam, x.n_conf, x.num_items,
-                      list(floats), list(flags), opts.B, x.rollout_logps, outs, g_lo, g_hi, rw=rw, hp=x.hp)
+                      list(floats), list(flags), opts.B, x.rollout_logps, outs, g_lo, g_hi, rw=rw, hp=x.hp,
+                      draws=x.draws)
 
 
 def tile_coefficients(opts, t, k, idx, logp, ent, totals, ones):
