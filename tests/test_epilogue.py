@@ -470,7 +470,7 @@ def test_unvalidated_malformed_cu_seqlens_matches_the_eager_path(cu):
 
 
 # the epilogue's HP code with every float slot read by pointer (pipeline/epilogue.py hyper) and the PPO bounds
-_HP_ALL = sum((k + 1) << (4 * k) for k in range(12)) | 1 << 48
+_HP_ALL = sum((k + 1) << (4 * k) for k in range(13)) | 1 << 52 | 14 << 56  # every slot, the bounds, the gate
 
 
 def test_epilogue_compiles_for_the_gpus():

@@ -3,7 +3,9 @@ path (pipeline/epilogue.py hyper, the kernel's HP code): the kernel reads them b
 eager path uses (1 - eps_low, 1 + eps_high, 1 - top_entropy_quantile), so a call with tensors is bitwise the
 call with the same values as numbers (float32 or float64 tensors, mixed), within spec 7's float32 tolerance
 of the eager twin (the torch backend with the same tensors), in at most one launch more (a cat, for two
-tensors or more), and a value changed in place reaches the next call on every entry point."""
+tensors or more), and a value changed in place reaches the next call on every entry point. The entropy
+filter's threshold and initial entropy as tensors: the paper's gate is the eager comparison itself, one
+launch, read by the kernel."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,7 +20,7 @@ from test_epilogue import FAST, OTHER, _inputs, calls
 TOL = 1e-5
 # the config fields the kernel reads by pointer when they are tensors, by the policy terms that read them
 _FIELDS = ("delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty", "off_policy_mask_threshold",
-           "top_entropy_quantile")
+           "top_entropy_quantile", "entropy_threshold")
 _TERM = {"ppo": ("eps_low", "eps_high"), "verl-cispo": ("eps_low", "eps_high"), "cispo": ("eps_high",),
          "dppo-tv": ("eps_low", "eps_high"), "dppo-kl": ("eps_low", "eps_high"),
          "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro": ("dro_beta",), "gpg": (),
@@ -200,3 +202,46 @@ def test_a_zero_beta_tensor_is_no_kl_term(backend, bias):
     assert_value_close("loss", outs[0][0], outs[1][0], TOL)
     assert_grad_close("grad", outs[0][1], outs[1][1], TOL)
     assert_grad_close("grad vs reference", outs[0][1], outs[2][1], TOL)
+
+
+# (entropy_threshold, initial_entropy): a number or a tensor of that dtype; "above": initial_entropy above the
+# threshold (the gate turns the filter off; "equal": not above, the filter on). A tensor threshold alone: the drawn test above (_FIELDS)
+_GATES = [("number", torch.float64, "above"), ("number", torch.float32, "below"),
+          (torch.float64, torch.float32, "above"), (torch.float32, torch.float64, "below"),
+          (torch.float32, "number", "below"), (torch.float32, torch.float32, "equal")]
+_NAME = {"number": "number", torch.float32: "f32", torch.float64: "f64"}
+
+
+@pytest.mark.parametrize("thr_kind,init_kind,side", [pytest.param(*g, id=f"{_NAME[g[0]]}-{_NAME[g[1]]}-{g[2]}")
+                                                     for g in _GATES])
+def test_the_entropy_filter_numbers_as_tensors(thr_kind, init_kind, side):
+    """entropy_threshold and initial_entropy as 0-d tensors (initial_entropy measured on the device, no
+    .item()) take the epilogue: bitwise the numbers' call, no host read, one launch more for the gate
+    (initial_entropy > entropy_threshold, formed as the eager path forms it) and one for the cat of two
+    tensors; the filter drops completions below the gate and none above it; the eager twin agrees."""
+    c = dict(B=6, T=5, V=16, G=2, seed=5, packed=False, old=True)
+    logits = _inputs(c)[0]
+    mask = _inputs(c)[2]
+    H = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    hbar = ((H * mask).sum(1) / mask.sum(1)).sort().values
+    thr = float(hbar[2] + hbar[3]) / 2  # between two completions' mean entropies
+    init = None if side is None else thr + {"above": 0.5, "below": -0.5, "equal": 0.0}[side]
+    as_kind = lambda v, k: v if k == "number" or v is None else torch.tensor(v, dtype=k)  # noqa: E731
+    cfg_t = GTPOConfig.preset("gtpo", entropy_threshold=as_kind(thr, thr_kind),
+                              initial_entropy=as_kind(init, init_kind))
+    cfg_n = GTPOConfig.preset("gtpo", entropy_threshold=float(cfg_t.entropy_threshold),
+                              initial_entropy=None if init is None else float(cfg_t.initial_entropy))
+    assert epilogue.covers(cfg_t)
+    on, g_n, n_n = _call(c, cfg_n, "triton", count=True)
+    ot, g_t, n_t = _call(c, cfg_t, "triton", count=True)
+    for k in ("loss", "per_token_loss", "seq_entropy", "kept"):
+        _equal(getattr(ot, k).detach(), getattr(on, k).detach(), k)
+    _equal(g_t, g_n, "grad")
+    assert bool(ot.kept.all()) == (side == "above"), ot.kept  # the gate, or the filter dropping some
+    gate = side is not None and not (thr_kind == "number" and init_kind == "number")
+    tensors = (thr_kind != "number") + gate
+    assert n_t[2].get("_epilogue_kernel") == 1 and n_t[1] == 0, n_t
+    assert n_t[0] == n_n[0] + gate + (tensors > 1), (n_t, n_n)
+    oe, g_e, _ = _call(c, cfg_t, "torch")
+    assert_value_close("loss", ot.loss.detach(), oe.loss.detach(), TOL)
+    assert_grad_close("grad", g_t, g_e, TOL)

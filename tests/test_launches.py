@@ -161,8 +161,8 @@ def test_counter_sees_launches_and_reads():
     logits, ids, adv, mask, kw = _batch(4, 5, 0, False)
     with counting() as c:
         gtpo_loss(logits.requires_grad_(), ids, adv, mask, backend="triton", validate=False,
-                  config=GTPOConfig.preset("gtpo", entropy_threshold=torch.tensor(0.7)), **kw).loss.backward()
-    assert c.launches > 20  # the eager path of what the epilogue does not cover (a tensor entropy threshold)
+                  config=GTPOConfig.preset("vespo", vespo_k_pos=torch.tensor(2.0)), **kw).loss.backward()
+    assert c.launches > 20  # the eager path of what the epilogue does not cover (vespo's numbers as tensors)
 
 
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):  # pragma: no cover - conftest sets it

@@ -24,11 +24,22 @@ def _hp(x, hp_ptr, HP: tl.constexpr, K: tl.constexpr, F: tl.constexpr):
 
 @triton.jit
 def _hyper(hp_ptr, lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q,
-           HP: tl.constexpr):
+           thr, HP: tl.constexpr):
     """The epilogue's float hyper-parameters (pipeline/epilogue.HP_SLOTS' order), each by value or read by
-    pointer as HP says; lo and hi as 1 - eps_low and 1 + eps_high where HP's bit 48 is set (the PPO clip's)."""
-    BOUNDS: tl.constexpr = (HP >> 48) & 1
+    pointer as HP says; lo and hi as 1 - eps_low and 1 + eps_high where HP's bit 52 is set (the PPO clip's)."""
+    BOUNDS: tl.constexpr = (HP >> 52) & 1
     return (_hp(lo, hp_ptr, HP, 0, BOUNDS), _hp(hi, hp_ptr, HP, 1, 2 * BOUNDS), _hp(delta, hp_ptr, HP, 2, 0),
             _hp(dual_c, hp_ptr, HP, 3, 0), _hp(beta, hp_ptr, HP, 4, 0), _hp(ent_coef, hp_ptr, HP, 5, 0),
             _hp(penalty, hp_ptr, HP, 6, 0), _hp(sapo_pos, hp_ptr, HP, 7, 0), _hp(sapo_neg, hp_ptr, HP, 8, 0),
-            _hp(dro_beta, hp_ptr, HP, 9, 0), _hp(off_thr, hp_ptr, HP, 10, 0), _hp(top_q, hp_ptr, HP, 11, 1))
+            _hp(dro_beta, hp_ptr, HP, 9, 0), _hp(off_thr, hp_ptr, HP, 10, 0), _hp(top_q, hp_ptr, HP, 11, 1),
+            _hp(thr, hp_ptr, HP, 12, 0))
+
+
+@triton.jit
+def _gate_on(hp_ptr, HP: tl.constexpr):
+    """The entropy filter's gate read by pointer (HP's bits 56..59: its index in hp + 1; pipeline/epilogue
+    _gate): 1 where initial_entropy > entropy_threshold (the filter off), else 0; 0 without one."""
+    J: tl.constexpr = (HP >> 56) & 15
+    if J != 0:
+        return (tl.load(hp_ptr + (J - 1)).to(tl.float32) != 0.0).to(tl.int32)
+    return tl.zeros((), tl.int32)

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .epilogue_cov import _cov_keys, _cov_kth, _cov_sel
 from .epilogue_geo import _geo_log_w, _geo_sums, _vespo_phi, _vespo_sums
-from .epilogue_hyper import _hyper
+from .epilogue_hyper import _gate_on, _hyper
 from .epilogue_terms import (_counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _off_policy_sum,
                              _policy_weight, _roll_add, _roll_store, _rollout_ok, _rollout_w, _span, _terms,
                              _token_log_r)
@@ -81,11 +81,12 @@ def _epilogue_kernel(
     RW: tl.constexpr = 0,  # rollout weights: 0 none, 1 per token, 2 per completion (they multiply the policy term)
     OFF_POLICY: tl.constexpr = False,  # spec 9's off-policy sequence mask (threshold off_thr)
     TOP_ENT: tl.constexpr = False,  # spec 9's top-entropy mask (the 1 - rho = top_q quantile; top_entropy.py)
-    HP: tl.constexpr = 0,  # 4 bits a float argument lo .. top_q (pipeline/epilogue.HP_SLOTS): 0 by value, j: hp[j - 1]
+    HP: tl.constexpr = 0,  # 4 bits a float argument lo .. thr (epilogue.HP_SLOTS; 0 by value, j: hp[j - 1]), the gate
     PHASE: tl.constexpr = 0,  # 0: the epilogue; 1 (clip_cov, kl_cov): pass 1 and the sort keys only (epilogue_cov)
 ):
-    lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q = _hyper(
-        hp_ptr, lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, HP)
+    lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, thr = _hyper(
+        hp_ptr, lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, thr, HP)
+    gate = _gate_on(hp_ptr, HP)  # the entropy filter off by the paper's gate, as a device tensor
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     M = tl.zeros((), tl.int32)
     n_kept = tl.zeros((), tl.int32)
@@ -175,7 +176,7 @@ def _epilogue_kernel(
             if (POLICY < 8) | (POLICY >= 10):  # (geo_mean and vespo fold it into their term)
                 keep_w = keep_w * _rollout_w(tl.load(rw_ptr + i).to(tl.float32))
         if FILTER:
-            kept = hbar <= thr
+            kept = (hbar <= thr) | (gate != 0)
         else:
             kept = n_i >= 0
         if PENALTY:

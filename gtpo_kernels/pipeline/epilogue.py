@@ -14,8 +14,9 @@ the entropy filter, gate, penalty and bonus, the off-policy sequence mask (spec 
 (spec 9: two launches more, the entropies' sort key and torch.sort; kernels/top_entropy.py), rollout weights
 per token or per completion, num_items_in_batch (number or tensor), a temperature (number, schedule tensor,
 per completion or per token), the hyper-parameters a schedule may give as 0-d tensors (HP_SLOTS: read by
-pointer, see hyper). Whatever else (kept sets, vocabulary-parallel, inplace, the entropy filter's numbers
-and vespo's, clip_cov's and kl_cov's as tensors) takes the eager path of loss.fused_loss, which is also this
+pointer, see hyper; the entropy filter's threshold too, and its gate formed on the device: _gate). Whatever
+else (kept sets, vocabulary-parallel, inplace, vespo's, clip_cov's and kl_cov's numbers as tensors) takes
+the eager path of loss.fused_loss, which is also this
 kernel's twin in tests. Validating, the status word is read with the call's input checks: one host read.
 """
 from __future__ import annotations
@@ -32,11 +33,11 @@ from ..kernels.epilogue_triton import AGGS, POLICIES
 from ..objective import mismatch, verl_modes
 from .loss import warn_all_dropped
 
-_NUMBERS = ("entropy_threshold", "initial_entropy", "max_completion_length")  # numbers (or None) only
+_NUMBERS = ("max_completion_length",)  # a number (or None) only
 # the hyper-parameters the kernel also takes as 0-d floating tensors (GTPOConfig: a schedule the trainer
-# updates in place): see hyper
+# updates in place, or initial_entropy measured on the device): see hyper
 _GENERAL = ("eps_low", "eps_high", "delta", "dual_clip_c", "beta", "entropy_coef", "entropy_penalty",
-            "off_policy_mask_threshold", "top_entropy_quantile")
+            "off_policy_mask_threshold", "top_entropy_quantile", "entropy_threshold", "initial_entropy")
 # hyper-parameters of one policy term only (read, and checked, with that term: sapo's and dro's may be 0-d
 # tensors too, vespo's are numbers)
 _TERM_NUMBERS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro": ("dro_beta",),
@@ -46,7 +47,7 @@ _TERM_NUMBERS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"), "dro"
 _TENSOR_OK = _GENERAL + _TERM_NUMBERS["sapo"] + _TERM_NUMBERS["dro"]
 # the kernel's float slots the hyper-parameters fill (_slots), in the order of its HP code (4 bits a slot)
 HP_SLOTS = ("lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "sapo_pos", "sapo_neg", "dro_beta",
-            "off_thr", "top_q")
+            "off_thr", "top_q", "thr")
 
 
 def _number(x, tensor_ok=False):
@@ -71,9 +72,9 @@ def eligible(logits, cfg, backend, inplace, kept_sets, process_group):
 def covers(cfg):
     """Whether the epilogue kernel computes this config's loss: a policy term of POLICIES (the PPO clip at
     the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv, dppo_kl, geo_mean, vespo,
-    clip_cov and kl_cov at the token level, the only one the config admits for them), the entropy filter's
-    numbers and vespo's, clip_cov's and kl_cov's as numbers, the other hyper-parameters as numbers or 0-d
-    tensors (the fused LM head asks too). Rollout
+    clip_cov and kl_cov at the token level, the only one the config admits for them), vespo's, clip_cov's
+    and kl_cov's numbers as numbers, the other hyper-parameters (the entropy filter's included) as numbers or
+    0-d tensors (the fused LM head asks too). Rollout
     weights multiply each of these terms but geo_mean and vespo, which fold them into their ratio and weight."""
     pl = cfg.policy_loss
     return (pl in POLICIES and (pl == "ppo" or cfg.importance_sampling_level == "token")
@@ -83,7 +84,8 @@ def covers(cfg):
 # HP_SLOTS' forms: the eager path uses the hyper-parameter x itself, or 1 - x (the PPO clip's lower bound,
 # the top-entropy mask's quantile), or 1 + x (the clip's upper bound): in x's own dtype, then cast to float32
 SAME, ONE_MINUS, ONE_PLUS = 0, 1, 2
-PPO_BOUNDS = 1 << 48  # HP's bit for lo and hi as 1 - eps_low, 1 + eps_high (ppo, verl_cispo)
+PPO_BOUNDS = 1 << 52  # HP's bit for lo and hi as 1 - eps_low, 1 + eps_high (ppo, verl_cispo)
+GATE_SHIFT = 56  # HP's bits 56..59: the entropy filter's gate as a device tensor, its index in hp + 1 (_gate)
 
 
 def _form(x, f):
@@ -107,7 +109,20 @@ def _slots(cfg):
     given = (cfg.delta, cfg.dual_clip_c, cfg.beta, cfg.entropy_coef, cfg.entropy_penalty,
              cfg.sapo_temperature_pos if sapo else 1.0, cfg.sapo_temperature_neg if sapo else 1.0,
              cfg.dro_beta if pl == "dro" else 0.0, cfg.off_policy_mask_threshold)
-    return (lo, hi, *((0.0 if x is None else x, SAME) for x in given), (cfg.top_entropy_quantile, ONE_MINUS))
+    thr = cfg.entropy_threshold
+    return (lo, hi, *((0.0 if x is None else x, SAME) for x in given), (cfg.top_entropy_quantile, ONE_MINUS),
+            (0.0 if thr is None else thr, SAME))
+
+
+def _gate(cfg, like):
+    """The paper's gate (the filter off when initial_entropy > entropy_threshold): None without one, else
+    True / False, read on the host from numbers or host tensors (no device sync), or "device" where either
+    is a tensor the kernel reads by pointer (_on_device): hyper then appends the eager path's comparison
+    itself, a 0-d bool tensor (one launch), and the kernel reads it."""
+    thr, init = cfg.entropy_threshold, cfg.initial_entropy
+    if thr is None or init is None:
+        return None
+    return "device" if _on_device(thr, like) or _on_device(init, like) else bool(init > thr)
 
 
 def _on_device(x, like):
@@ -119,15 +134,18 @@ def _on_device(x, like):
 
 def hyper(cfg, like):
     """hp: the hyper-parameters the kernel reads by pointer (_on_device) as given, one vector in HP_SLOTS'
-    order (no launch for one tensor; else one cat, in the widest dtype), or None."""
+    order, then the gate if a device tensor (_gate) (no launch for one tensor; else one cat, in the widest
+    dtype), or None."""
     dev = [x.to(like.device).reshape(1) for x, _ in _slots(cfg) if _on_device(x, like)]
+    if _gate(cfg, like) == "device":
+        dev.append((cfg.initial_entropy > cfg.entropy_threshold).to(like.device).reshape(1))
     return None if not dev else (dev[0] if len(dev) == 1 else torch.cat(dev))
 
 
 def _slot_values(cfg, like):
     """(values, code): HP_SLOTS' values for the kernel's float arguments (0.0 where read by pointer), and its
     HP code: slot k at bits 4k..4k+3 (0 by value, else its index in hyper's vector + 1), and PPO_BOUNDS (with
-    a slot read by pointer: HP 0 is no hp)."""
+    a slot read by pointer: HP 0 is no hp), and the gate's index + 1 at GATE_SHIFT."""
     values, code, j = [], 0, 0
     slots = _slots(cfg)
     for k, (x, f) in enumerate(slots):
@@ -137,6 +155,8 @@ def _slot_values(cfg, like):
             values.append(0.0)
         else:
             values.append(float(_form(x, f)))
+    if _gate(cfg, like) == "device":
+        code |= (j + 1) << GATE_SHIFT
     return values, code | (PPO_BOUNDS if code and slots[0][1] == ONE_MINUS else 0)
 
 
@@ -152,16 +172,16 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
     """The epilogue's (floats, flags) for this call, in the order loss_ops.FLOATS / FLAGS name them: the
     hyper-parameters by value and the kernel's switches. host: validating in the kernel (the input checks
     into the status word)."""
-    thr, init = cfg.entropy_threshold, cfg.initial_entropy
-    gate = thr is not None and init is not None and init > thr  # the paper's gate: the filter off
+    thr, gate = cfg.entropy_threshold, _gate(cfg, b.given["adv"])  # the paper's gate: the filter off
+    gate = gate is True  # ("device": the kernel reads it, FILTER stays on)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     has_kl = b.ref is not None and not is_zero(cfg.beta)  # (a tensor is never assumed 0)
     pl = cfg.policy_loss
     ppo = pl in ("ppo", "clip-cov")  # the clip, delta: the PPO term's options (the dual clip: theirs, dppo's cap)
     v, code = _slot_values(cfg, b.given["adv"])  # HP_SLOTS: FLOATS' lo .. penalty, then sapo_pos .. top_q
     vespo = [cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg] if pl == "vespo" else [0] * 4
-    floats = [tau_value, *v[:7], 0.0 if thr is None else float(thr), float(cfg.max_completion_length or 0),
-              float(num_items) if isinstance(num_items, float) else 1.0, *v[7:], *(float(x) for x in vespo),
+    floats = [tau_value, *v[:7], v[12], float(cfg.max_completion_length or 0),
+              float(num_items) if isinstance(num_items, float) else 1.0, *v[7:12], *(float(x) for x in vespo),
               float(cfg.clip_cov_lb), float(cfg.clip_cov_ub), float(cfg.ppo_kl_coef),
               float(cfg.kl_cov_ratio if pl == "kl-cov" else cfg.clip_cov_ratio)]
     flags = [b.packed, b.old is not None, has_kl, has_kl and cfg.use_bias_correction_kl, b.lam is not None,
