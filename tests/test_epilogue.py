@@ -283,9 +283,10 @@ def _check(c):
     assert k.triton_names.get("_epilogue_kernel") == 1 + (cov > 0), dict(k.triton_names)  # the epilogue path ran
     if c["tau"] is None and c.get("rw") != "completion":  # the three-launch path's bound (spec 8), the seed
         # included; computed weights: one more (per-completion rollout weights: tests/test_launches.py); the
-        # top-entropy mask: two more (its sort key and the sort); clip_cov, kl_cov: epilogue_cov's
-        assert k.launches <= 4 + (c["lam"] == "computed") + 2 * (cfg.top_entropy_quantile < 1.0) + cov, \
-            (k.launches, k.ops)
+        # top-entropy mask: two more (its sort key and the sort; with clip_cov or kl_cov the sort only, their
+        # key launch writes its keys); clip_cov, kl_cov: epilogue_cov's
+        top = cfg.top_entropy_quantile < 1.0
+        assert k.launches <= 4 + (c["lam"] == "computed") + (2 - (cov > 0)) * top + cov, (k.launches, k.ops)
     ref_out, ref_grad, _ = _call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(),
                                  "reference", torch.where(counted, upstream, 0.0).double())  # no inf gradient
     assume(torch.isfinite(ref_out.loss).all())
@@ -486,7 +487,8 @@ def test_epilogue_compiles_for_the_gpus():
             "for arch, sw in [(90, {}), (90, dict(PACKED=True, SEQ=True, AGG=4)), (90, dict(AGG=5, HAS_LAM=False, HAS_ROLL=False)),\n"
             "                 (80, dict(PACKED=True, AGG=1, NITEMS=2)), (100, dict(SEQ=True, AGG=3, HAS_KL=False)),\n"
             "                 *[(90, dict(POLICY=p, PACKED=p % 2 == 1, HAS_DUAL=p != 7, AGG=p % 6)) for p in range(1, 12)],\n"
-            "                 (90, dict(POLICY=10, PHASE=1)), (80, dict(POLICY=11, PHASE=1, PACKED=True, HAS_DUAL=False)),\n"
+            "                 (90, dict(POLICY=10, PHASE=1, TOP_ENT=True, enable_fp_fusion=False)),\n"
+            "                 (80, dict(POLICY=11, PHASE=1, PACKED=True, HAS_DUAL=False)),\n"
             "                 (80, dict(POLICY=6)), (100, dict(POLICY=2, HAS_OLD=False, HAS_LAM=False)),\n"
             "                 (80, dict(RW=2, OFF_POLICY=True, PACKED=True, SEQ=True)),\n"
             "                 (100, dict(RW=1, OFF_POLICY=True, HAS_ROLL=False, HAS_OLD=False)),\n"
@@ -508,7 +510,7 @@ def test_epilogue_compiles_for_the_gpus():
     assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
     assert p.stdout.count("'POLICY'") == 16, p.stdout  # every policy term of the kernel compiled
     assert p.stdout.count("'PHASE': 1") == 2, p.stdout  # clip_cov's and kl_cov's keys (epilogue_cov)
-    assert p.stdout.count("'TOP_ENT'") == 3, p.stdout  # the top-entropy mask (and its key kernel) compiled
+    assert p.stdout.count("'TOP_ENT'") == 4, p.stdout  # the top-entropy mask (and its key kernel) compiled
     assert p.stdout.count(f"'HP': {_HP_ALL}") == 2, p.stdout  # every hyper-parameter read by pointer
 
 

@@ -63,6 +63,27 @@ def test_cov_terms_on_a_fixed_case(policy):
     assert torch.equal(chosen(out), chosen(twin))
 
 
+@pytest.mark.parametrize("policy", COV)
+def test_cov_terms_with_the_top_entropy_mask(policy):
+    """With the top-entropy mask the key launch writes the entropies' sort keys too (no key kernel): 8 and 7
+    launches, the outputs of the reference and the twin, and the mask masking some tokens."""
+    cfg = _cfg(policy, top_entropy_quantile=0.5)
+    c = dict(B=4, T=5, V=16, G=2, seed=3, cfg=cfg, filt="off", packed=True, mask="bool", old=True, lam="given",
+             items=None, tau=None)
+    logits, ids, mask, adv, old, ref, tau = te._inputs(c)
+    out, grad, k = te._call(c, logits, ids, mask, adv, old, ref, tau, "triton", torch.ones(4, 5))
+    assert k.triton_names == {"_vocab_fwd_kernel": 1, "_epilogue_kernel": 2, "_vocab_bwd_kernel": 1}, k.triton_names
+    assert k.launches <= 8 - (policy == "kl-cov") and k.host_reads == 0, (k.launches, k.ops)
+    ref_out, ref_grad, _ = te._call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(),
+                                    "reference", torch.ones(4, 5))
+    plain = te._call(dict(c, cfg=cfg.replace(top_entropy_quantile=1.0)), logits.double(), ids, mask, adv,
+                     old.double(), ref.double(), tau.double(), "reference", torch.ones(4, 5))[0]
+    assert not torch.allclose(plain.per_token_loss, ref_out.per_token_loss)  # the mask changed some terms
+    te._compare("top", out, grad, ref_out, ref_grad, mask)
+    twin, twin_grad, _ = te._call(c, logits, ids, mask, adv, old, ref, tau, "torch", torch.ones(4, 5))
+    te._compare("top vs torch", out, grad, twin, twin_grad.double(), mask)
+
+
 def _logps_case(seed=3, B=4, T=5, V=16):
     logits, ids, mask, adv, old, ref, _ = te._inputs(dict(B=B, T=T, V=V, seed=seed))
     logp_all = torch.log_softmax(logits, -1)

@@ -57,7 +57,7 @@ def _epilogue_kernel(
     logp_ptr, ent_ptr, bad_ptr, mask_ptr, cu_ptr,  # the forward kernel's outputs; the caller's mask; cu_seqlens
     adv_ptr, old_ptr, ref_ptr, lam_ptr, nconf_ptr, nitems_ptr, roll_ptr,  # inputs (unused ones: any tensor)
     rw_ptr,  # rollout_is_weights: per token (RW 1) or per completion (RW 2)
-    srt_ptr,  # TOP_ENT: the sorted entropy keys (top_entropy.sorted_key)
+    srt_ptr,  # TOP_ENT: the sorted entropy keys (top_entropy.sorted_key); PHASE 1 writes the unsorted ones there
     hp_ptr,  # the hyper-parameters given as device tensors (HP: which float argument each replaces)
     draws_ptr, key_ptr, cval_ptr, cidx_ptr,  # clip_cov's uniform draws; clip_cov / kl_cov's keys, sorted, their order
     value_ptr, logp_out, ent_out, ltok_out, c_out, e_out, lam_out, nconf_out, kept_out, hbar_out,  # outputs
@@ -128,6 +128,8 @@ def _epilogue_kernel(
             en = tl.where(m, tl.where(bad, float("nan"), tl.load(ent_ptr + o, mask=inb, other=0.0)), 0.0)
             tl.store(logp_out + o, lp, mask=inb)
             tl.store(ent_out + o, en, mask=inb)
+            if TOP_ENT and PHASE == 1:  # the sort key of top_entropy._entropy_key_kernel, one launch fewer
+                tl.store(srt_ptr + o, tl.where(m, en, float("inf")), mask=inb)
             if HAS_LAM:
                 lam = tl.where(m, tl.load(lam_ptr + o, mask=inb, other=1.0).to(tl.float32), 1.0)
             else:

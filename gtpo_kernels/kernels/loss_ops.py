@@ -60,7 +60,8 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
     hyper; None with HP 0). TOP_ENT (the top-entropy mask): two launches before it, the sort key and its sort
     (top_entropy.sorted_key), on the call's whole batch only (the quantile spans every counted token).
     clip_cov and kl_cov (POLICY 10, 11; kernels/epilogue_cov.py): a launch of the kernel that writes the sort
-    keys, their sort, then the epilogue, on the whole batch only; draws: clip_cov's uniform draws (n,) float64."""
+    keys (and the top-entropy mask's, instead of its key kernel), their sort, then the epilogue, on the whole
+    batch only; draws: clip_cov's uniform draws (n,) float64."""
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     if (rw is None) != (fg["RW"] == 0):
         raise ValueError(f"the epilogue's RW = {fg['RW']} and its rollout weights ({rw is not None}) disagree")
@@ -73,7 +74,8 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
     if (draws is None) != (fg["POLICY"] != 10):
         raise ValueError(f"the epilogue's POLICY = {fg['POLICY']} and its draws ({draws is not None}) disagree")
     n = logp.numel()
-    srt = top_entropy.sorted_key(ent, bad, mask) if fg["TOP_ENT"] else bad
+    # the top-entropy mask's sorted keys (with clip_cov, kl_cov: the key launch writes them, then their sort)
+    srt = top_entropy.sorted_key(ent, bad, mask) if fg["TOP_ENT"] and not cov else bad
     value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status = outs
     scratch = torch.empty(4 * B, device=logp.device, dtype=torch.float32)
     cu_fix = torch.empty(B + 1, device=logp.device, dtype=torch.int64)
@@ -81,7 +83,7 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
     sw = {k: bool(v) if k not in ("NITEMS", "AGG", "POLICY", "RW", "HP") else int(v) for k, v in fg.items()
           if k not in ("TEMP_BY_VALUE", "MAX_SEQLEN")}
 
-    def launch(phase, key, vals, order):
+    def launch(phase, srt, key, vals, order):
         _epilogue_kernel[(1,)](
             logp, ent, bad, any_ if mask is None else mask, any_ if cu is None else cu,
             adv, *(any_ if x is None else x for x in (old, ref, lam, n_conf, num_items, roll, rw)), srt,
@@ -95,15 +97,17 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
             num_warps=4, enable_fp_fusion=not fg["TOP_ENT"], PHASE=phase, **sw)  # (TOP_ENT: top_entropy.py)
 
     if not cov:
-        launch(0, any_, any_, any_)
+        launch(0, srt, any_, any_, any_)
         return outs
     key = torch.empty(n, device=logp.device, dtype=torch.float64)
-    launch(1, key, any_, any_)
+    ent_key = torch.empty(n, device=logp.device, dtype=torch.float32) if fg["TOP_ENT"] else any_
+    launch(1, ent_key, key, any_, any_)
     if n:
         vals, order = torch.sort(key, stable=True, descending=fg["POLICY"] == 11)
+        srt = torch.sort(ent_key).values if fg["TOP_ENT"] else srt
     else:  # (nothing is read)
         vals, order = key, torch.empty(0, device=logp.device, dtype=torch.int64)
-    launch(0, key, vals, order)
+    launch(0, srt, key, vals, order)
     return outs
 
 
