@@ -101,9 +101,10 @@ def policy_term(policy, logp, old, A, m, rollout_w, *, eps_low, eps_high, clip, 
     # kl-cov: -A * ratio, plus ppo_kl_coef * |log ratio| on the top tokens by covariance
     pg = -A * ratio
     if m.any():
-        k = max(1, int(float(mf.sum()) * kl_cov_ratio))
+        k = max(1, int(float(mf.sum()) * kl_cov_ratio))  # (past the counted tokens: all of them)
         idx = torch.nonzero(m)
-        top = idx[torch.topk(cov[m], k, largest=True).indices]
+        # the k largest covariances, ties by token position (a stable sort of the row-major order), as the spec
+        top = idx[torch.argsort(cov[m], descending=True, stable=True)[:k]]
         extra = torch.zeros_like(pg)
         extra[top[:, 0], top[:, 1]] = 1.0
         pg = pg + extra * ppo_kl_coef * log_ratio.abs()

@@ -4,6 +4,8 @@ test_epilogue's options (every aggregation, masks, packed, filter, conflict weig
 top-entropy mask), a fixed case per term whose choice is neither empty nor everything, the same tokens chosen
 as the eager path's (clip_cov's draws from the same generator state, kl_cov's ties by index), gtpo_loss_from_logps
 and the LM head on the same path, and a batch with no counted token. Tolerances: spec 7 (float32: 1e-5)."""
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 import test_epilogue as te
 from bench.launches import counting
 from conftest import assert_grad_close, assert_value_close, examples
-from gtpo_kernels import GTPOConfig, gtpo_loss_from_logps, linear_gtpo_loss
+from gtpo_kernels import GTPOConfig, gtpo_loss, gtpo_loss_from_logps, linear_gtpo_loss
 
 COV = ["clip-cov", "kl-cov"]
 # options whose choice is partial on the fixed case: clip_cov's bounds around part of the covariances
@@ -22,7 +24,7 @@ _FIXED = {"clip-cov": dict(clip_cov_lb=-0.3, clip_cov_ub=0.6, clip_cov_ratio=0.5
 
 def _cfg(policy, **over):
     gen = dict(generator=torch.Generator().manual_seed(7)) if policy == "clip-cov" else {}
-    return GTPOConfig.preset(policy, entropy_threshold=None, **_FIXED[policy], **gen, **over)
+    return GTPOConfig.preset(policy, **{**dict(entropy_threshold=None, **_FIXED[policy], **gen), **over})
 
 
 @pytest.mark.parametrize("policy", COV)
@@ -229,3 +231,83 @@ def test_clip_cov_chooses_off_the_clip_and_reports_the_dual_clip(backend):
     assert_value_close("per_token_loss", out.per_token_loss, want, te.TOL)
     clip_frac = (((chosen & (A != 0)) | dual) & mask).sum() / mask.sum()
     assert_value_close("clip_frac", out.metrics["clip_frac"], clip_frac, te.TOL)
+
+
+@pytest.mark.parametrize("policy", COV)
+def test_one_advantage_for_every_token_chooses_alike(policy):
+    """One completion, or one advantage for every completion: A - mean A is the means' rounding alone, and
+    its sign orders the covariances; both backends sum in float64 and round alike, so they choose the same
+    tokens (the float32 sum of the eager path chose others)."""
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        B, T = (1, 6) if seed % 2 else (6, 3)
+        lp = -torch.rand(B, T, generator=g) * 3
+        old = lp + 0.05 * torch.randn(B, T, generator=g)
+        adv = torch.full((B,), 0.1) if B > 1 else torch.randn(B, generator=g)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        over = dict(clip_cov_lb=-1.0, clip_cov_ub=1.0, clip_cov_ratio=0.4) if policy == "clip-cov" else \
+            dict(kl_cov_ratio=0.4, ppo_kl_coef=1.0)
+        outs = [gtpo_loss_from_logps(lp, ids, adv, old_logps=old, backend=be, validate=False,
+                                     config=_cfg(policy, **over)).per_token_loss for be in ("triton", "torch")]
+        assert_value_close(f"per_token_loss, seed {seed}", outs[0], outs[1], te.TOL)  # a choice moves >= 0.01
+
+
+def test_clip_cov_keeps_a_chosen_nan():
+    """A NaN old log-prob (unvalidated) at a token clip_cov chooses stays NaN, as verl's pg * corr and the
+    float64 oracle give (a choice is a product by 0, not a 0 written over the term)."""
+    g = torch.Generator().manual_seed(1)
+    B, T, V = 2, 3, 8
+    logits, ids = torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)
+    adv = torch.tensor([1.0, -1.0])
+    old = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0] - 0.05
+    old[0, 1] = float("nan")
+    for be in ("triton", "torch", "reference"):
+        x = logits.double() if be == "reference" else logits
+        cfg = GTPOConfig.preset("clip-cov", clip_cov_ratio=1.0, clip_cov_lb=-100.0, clip_cov_ub=100.0,
+                                generator=torch.Generator().manual_seed(0))
+        out = gtpo_loss(x, ids, adv, old_logps=old.to(x.dtype), backend=be, validate=False, config=cfg)
+        assert torch.isnan(out.per_token_loss[0, 1]) and torch.isnan(out.loss), (be, out.per_token_loss)
+        assert torch.isfinite(out.per_token_loss[1]).all(), (be, out.per_token_loss)
+
+
+@pytest.mark.parametrize("ratio", [0.4, 1.5])
+def test_the_reference_kl_cov_breaks_ties_by_position(ratio):
+    """The float64 oracle chooses kl_cov's tokens as the kernel does: ties by token position (every
+    covariance 0: uniform logits), and a ratio past 1 chooses every counted token (torch.topk broke ties
+    otherwise and refused k past the count)."""
+    _, _, ids, adv, mask = _tie_case()
+    V = 8
+    logits = torch.zeros(*ids.shape, V)
+    old = torch.full(ids.shape, -math.log(V) - 0.1)
+    out = {be: gtpo_loss(logits.double() if be == "reference" else logits, ids, adv, mask,
+                         old_logps=(old.double() if be == "reference" else old), backend=be, validate=False,
+                         config=GTPOConfig.preset("kl-cov", kl_cov_ratio=ratio, ppo_kl_coef=1.0)).per_token_loss
+           for be in ("reference", "triton")}
+    assert_value_close("per_token_loss", out["triton"], out["reference"], te.TOL)
+
+
+@pytest.mark.parametrize("entry", ["logits", "logps"])
+def test_a_failed_validation_leaves_clip_cov_generator_as_the_eager_path(entry):
+    """Validating, the kernel checks the inputs after clip_cov drew its uniforms; when a check fails the
+    generator's state is put back, as the eager path (which checks first) leaves it: the same error, and
+    the next call chooses the same tokens on both backends."""
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 2, 3, 8
+    logits, ids = torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)
+    adv = torch.tensor([1.0, -1.0])
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    bad = lp.clone()
+    bad[0, 0] = float("nan")
+    states = {}
+    for be in ("triton", "torch"):
+        gen = torch.Generator().manual_seed(42)
+        cfg = GTPOConfig.preset("clip-cov", clip_cov_lb=-100.0, clip_cov_ub=100.0, clip_cov_ratio=0.5,
+                                generator=gen)
+        call = (lambda o: gtpo_loss(logits, ids, adv, old_logps=o, config=cfg, backend=be)) if entry == "logits" \
+            else (lambda o: gtpo_loss_from_logps(lp, ids, adv, old_logps=o, config=cfg, backend=be))
+        with pytest.raises(ValueError, match="old_logps must be finite"):
+            call(bad)
+        states[be] = (gen.get_state(), call(lp - 0.01).per_token_loss)
+    assert torch.equal(states["triton"][0], torch.Generator().manual_seed(42).get_state())
+    assert torch.equal(states["triton"][0], states["torch"][0])
+    assert_value_close("next call", states["triton"][1], states["torch"][1], te.TOL)

@@ -57,11 +57,12 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
     if POLICY == 0:  # ppo (policy.ppo_parts)
         pg, d_logr, clipped, _, _ = _ppo_parts(r, A, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
         d_logp = tl.zeros_like(lp)
-    elif POLICY == 10:  # clip_cov (verl_modes.clip_cov): the PPO term, 0 (value and gradient) where chosen;
-        # clipped: the chosen tokens (A != 0) and the dual clip's
+    elif POLICY == 10:  # clip_cov (verl_modes.clip_cov): the PPO term times 0 (value and gradient; NaN stays
+        # NaN, as verl's pg * corr) where chosen; clipped: the chosen tokens (A != 0) and the dual clip's
         pg, d_logr, _, _, dual = _ppo_parts(r, A, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
-        pg = tl.where(sel, 0.0, pg)
-        d_logr = tl.where(sel, 0.0, d_logr)
+        keep = tl.where(sel, 0.0, 1.0)
+        pg = pg * keep
+        d_logr = d_logr * keep
         d_logp = tl.zeros_like(lp)
         clipped = tl.maximum(sel.to(tl.int32) * (A != 0.0).to(tl.int32), dual)
     elif POLICY == 11:  # kl_cov (verl_modes.kl_cov): -A r, + ppo_kl_coef |log r| where chosen

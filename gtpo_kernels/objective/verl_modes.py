@@ -72,10 +72,13 @@ def geo_mean(A, log_r, m, seg_mean, log_w, cfg):
 
 
 def covariance(A, logp, m, M_safe):
-    """(A - mean A)(logp - mean logp), the means over the counted tokens."""
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    mean_a = torch.where(m, A, zero).sum() / M_safe
-    mean_lp = torch.where(m, logp, zero).sum() / M_safe
+    """(A - mean A)(logp - mean logp), the means over the counted tokens: their sums in float64, rounded to
+    logp's dtype, then divided (the epilogue kernel's order: with one advantage for every token A - mean A is
+    the rounding alone, and its sign orders the covariances)."""
+    dt = logp.dtype
+    zero = torch.zeros((), dtype=dt, device=logp.device)
+    mean_a = torch.where(m, A, zero).sum(dtype=torch.float64).to(dt) / M_safe
+    mean_lp = torch.where(m, logp, zero).sum(dtype=torch.float64).to(dt) / M_safe
     return (A - mean_a) * (logp - mean_lp)
 
 
@@ -109,15 +112,15 @@ def clip_cov(pg, d_logr, dual, on_clip, A, logp, m, M, M_safe, cfg):
     """clip_cov on the PPO term (pg, d_logr from policy.ppo_parts; on_clip: verl's clip_by_origin; dual:
     the tokens its dual clip capped, or None): a uniformly random choice (cfg.generator) of
     max(1, floor(clip_cov_ratio M)) counted, unclipped tokens whose covariance lies in (clip_cov_lb,
-    clip_cov_ub) get term 0 (value and gradient). The tokens it reports as clipped are verl's pg_clipfrac's:
-    the chosen ones (and the dual clip's), not those the PPO clip stopped."""
+    clip_cov_ub) get their term times 0 (value and gradient; NaN stays NaN). The tokens it reports as clipped
+    are verl's pg_clipfrac's: the chosen ones (and the dual clip's), not those the PPO clip stopped."""
     cov = covariance(A, logp, m, M_safe)
     cand = m & ~on_clip & (cov > operand(cfg.clip_cov_lb, cov)) & (cov < operand(cfg.clip_cov_ub, cov))
     u = uniform_draws(cfg, logp.numel(), logp.device).reshape(logp.shape)
     sel = first_k(torch.where(cand, u, 2.0), cand, select_count(cfg.clip_cov_ratio, M))
-    zero = torch.zeros((), dtype=pg.dtype, device=pg.device)
+    keep = (~sel).to(pg.dtype)  # a product, as verl's pg * corr: a chosen NaN term stays NaN
     chosen = sel & (A != 0)
-    return torch.where(sel, zero, pg), torch.where(sel, zero, d_logr), chosen if dual is None else chosen | dual
+    return pg * keep, d_logr * keep, chosen if dual is None else chosen | dual
 
 
 def kl_cov(A, logp, log_r, m, M, M_safe, cfg):

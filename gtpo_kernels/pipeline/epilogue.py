@@ -197,22 +197,33 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
     return floats, [int(f) for f in flags]
 
 
-def tensors(b, cfg):
+def tensors(b, cfg, host=False):
     """The tensors the epilogue reads, with stride 1 (a copy only if they are not): the caller's mask, the
     advantages and cu_seqlens as given (a malformed cu_seqlens is the kernel's to flag), old / ref
     log-probs, lam, n_conf, the rollout log-probs, the rollout weights as flags' RW says: per completion
     (B,) (never spread on the tokens), per token (N,), or None, the hyper-parameters read by pointer
-    (hyper; flags' HP code), and clip_cov's uniform draws (N,) (verl_modes.uniform_draws: one launch) or None."""
+    (hyper; flags' HP code), and clip_cov's uniform draws (N,) (verl_modes.uniform_draws: one launch) or None.
+    host: the kernel validates, so the generator's state before the draws is kept on b (draws)."""
     given = b.given
     rw = b.rollout_w_seq if b.rollout_w_seq is not None else b.rollout_w
     return [None if x is None else x.contiguous() for x in (b.mask, given["adv"], b.old, b.ref, b.lam, b.n_conf,
                                                             given["cu_seqlens"], b.rollout_logps, rw)] + [
-        hyper(cfg, given["adv"]), draws(cfg, given["ids"].numel(), given["adv"].device)]
+        hyper(cfg, given["adv"]), draws(b, cfg, given["ids"].numel(), given["adv"].device, host)]
 
 
-def draws(cfg, n, device):
-    """clip_cov's uniform draws for n tokens, drawn as its eager path draws them, or None."""
-    return verl_modes.uniform_draws(cfg, n, device) if cfg.policy_loss == "clip-cov" else None
+def draws(b, cfg, n, device, host=False):
+    """clip_cov's uniform draws for n tokens, drawn as its eager path draws them, or None. host (the kernel
+    validates): the generator's state before them is kept as b.undraw, which _report calls when the
+    inputs fail their checks, since the eager path checks its inputs before it draws."""
+    if cfg.policy_loss != "clip-cov":
+        return None
+    if host:
+        gen = cfg.generator if cfg.generator is not None else (
+            torch.default_generator if device.type == "cpu" else
+            torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()])
+        state = gen.get_state()
+        b.undraw = lambda: gen.set_state(state)
+    return verl_modes.uniform_draws(cfg, n, device)
 
 
 def loss(b, cfg, num_items, tau, host, revalidate=None):
@@ -221,7 +232,7 @@ def loss(b, cfg, num_items, tau, host, revalidate=None):
     `revalidate()` runs them on the host to raise the error that names the argument."""
     temperature, tau_value = _tau(cfg.temperature if tau is None else tau, b.logits3)
     floats, flags = arguments(b, cfg, num_items, tau_value, host, temperature is not None)
-    mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = tensors(b, cfg)
+    mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = tensors(b, cfg, host)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
                                temperature, floats, flags, b.logits_start, b.B, roll, rw, hp, u)
@@ -252,7 +263,11 @@ def _report(status, bad, b, thr, revalidate, stacklevel):
     outputs are the NaN the eager path gives."""
     word = int(status[0])
     if word & 5 and revalidate is not None:
-        revalidate()
+        try:
+            revalidate()
+        except BaseException:
+            getattr(b, "undraw", lambda: None)()  # clip_cov's draws undone: the eager path checks first
+            raise
     if word & 1 and bad is not None:
         checks.raise_on_flags(bad, b.tok_shape)
     if word & 2:

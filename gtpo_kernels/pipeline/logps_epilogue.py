@@ -45,7 +45,7 @@ def _arguments(b, cfg, num_items, kernel_checks=False):
 
 def _common(b, cfg, num_items, kernel_checks=False):
     floats, flags = _arguments(b, cfg, num_items, kernel_checks)
-    mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, draws = epilogue.tensors(b, cfg)
+    mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, draws = epilogue.tensors(b, cfg, kernel_checks)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     T = 0 if b.packed else b.tok_shape[1]
     return dict(mask=mask, cu=cu, adv=adv, old=old, ref=ref, lam=lam, n_conf=n_conf, num_items=n_items,
