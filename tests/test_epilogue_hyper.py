@@ -60,7 +60,7 @@ def _equal(a, b, what):
     assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), (what, (a - b).abs().max())
 
 
-@settings(max_examples=examples(12), deadline=None)
+@settings(max_examples=examples(9), deadline=None)
 @given(c=calls(FAST + OTHER), data=st.data())
 def test_tensor_hyper_parameters_are_bitwise_the_numbers(c, data):
     cfg = c["cfg"]
