@@ -36,30 +36,41 @@ def test_cov_terms_match_reference_and_twin(policy, data):
     te._check(data.draw(te.calls(presets=[policy])))
 
 
+def _fixed_case(cfg, packed, bound):
+    """test_epilogue's fixed batch (4 x 5, V = 16, seed 3) under cfg: (run(cfg, backend) -> (out, grad), the
+    Triton call's out and grad, the reference's, the mask, the advantages), the Triton call having launched the
+    forward kernel, the epilogue twice and the backward kernel, at most `bound` launches, no host read."""
+    c = dict(B=4, T=5, V=16, G=2, seed=3, cfg=cfg, filt="off", packed=packed, mask="bool", old=True, lam="given",
+             items=None, tau=None)
+    logits, ids, mask, adv, old, ref, tau = te._inputs(c)
+
+    def run(cfg, backend):
+        f64 = (lambda x: x.double()) if backend == "reference" else (lambda x: x)  # noqa: E731
+        return te._call(dict(c, cfg=cfg), f64(logits), ids, mask, adv, f64(old), f64(ref), f64(tau), backend,
+                        torch.ones(4, 5))
+    out, grad, k = run(cfg, "triton")
+    assert k.triton_names == {"_vocab_fwd_kernel": 1, "_epilogue_kernel": 2, "_vocab_bwd_kernel": 1}, k.triton_names
+    assert k.launches <= bound and k.host_reads == 0, (k.launches, k.ops)
+    ref_out, ref_grad, _ = run(cfg, "reference")
+    return run, out, grad, ref_out, ref_grad, mask, adv
+
+
 @pytest.mark.parametrize("policy", COV)
 def test_cov_terms_on_a_fixed_case(policy):
     """A fixed case: the epilogue ran twice (keys, then the loss) in at most 7 launches, the choice is partial
     (clip_frac strictly between 0 and 1 for clip_cov; for kl_cov some tokens' loss moved by the penalty), and
     the outputs match the reference and the twin, with the same tokens chosen (the per-token loss)."""
     cfg = _cfg(policy)
-    c = dict(B=4, T=5, V=16, G=2, seed=3, cfg=cfg, filt="off", packed=False, mask="bool", old=True, lam="given",
-             items=None, tau=None)
-    logits, ids, mask, adv, old, ref, tau = te._inputs(c)
-    out, grad, k = te._call(c, logits, ids, mask, adv, old, ref, tau, "triton", torch.ones(4, 5))
-    assert k.triton_names == {"_vocab_fwd_kernel": 1, "_epilogue_kernel": 2, "_vocab_bwd_kernel": 1}, k.triton_names
-    assert k.launches <= 7 - (policy == "kl-cov") and k.host_reads == 0, (k.launches, k.ops)
-    ref_out, ref_grad, _ = te._call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(),
-                                    "reference", torch.ones(4, 5))
+    run, out, grad, ref_out, ref_grad, mask, adv = _fixed_case(cfg, packed=False, bound=7 - (policy == "kl-cov"))
     assert ref_grad.abs().sum() > 0 and te._cov_margin(cfg, ref_out, adv, mask) > 1e-3
-    plain = te._call(dict(c, cfg=cfg.replace(policy_loss="ppo") if policy == "clip-cov" else
-                          cfg.replace(ppo_kl_coef=0.0)), logits.double(), ids, mask, adv, old.double(), ref.double(),
-                     tau.double(), "reference", torch.ones(4, 5))[0]
+    plain = run(cfg.replace(policy_loss="ppo") if policy == "clip-cov" else cfg.replace(ppo_kl_coef=0.0),
+                "reference")[0]
     moved = ((ref_out.per_token_loss - plain.per_token_loss).abs() > 1e-9) & mask
     assert 0 < int(moved.sum()) < int(mask.sum()), moved  # the choice changed some tokens' terms, not all
     if policy == "clip-cov":
         assert 0 < float(ref_out.metrics["clip_frac"]) < 1, ref_out.metrics
     te._compare("fixed", out, grad, ref_out, ref_grad, mask)
-    twin, twin_grad, _ = te._call(c, logits, ids, mask, adv, old, ref, tau, "torch", torch.ones(4, 5))
+    twin, twin_grad = run(cfg, "torch")[:2]
     te._compare("fixed vs torch", out, grad, twin, twin_grad.double(), mask)
     chosen = lambda o: ((o.per_token_loss - plain.per_token_loss).abs() > 1e-5) & mask  # noqa: E731
     assert torch.equal(chosen(out), chosen(twin))
@@ -70,19 +81,11 @@ def test_cov_terms_with_the_top_entropy_mask(policy):
     """With the top-entropy mask the key launch writes the entropies' sort keys too (no key kernel): 8 and 7
     launches, the outputs of the reference and the twin, and the mask masking some tokens."""
     cfg = _cfg(policy, top_entropy_quantile=0.5)
-    c = dict(B=4, T=5, V=16, G=2, seed=3, cfg=cfg, filt="off", packed=True, mask="bool", old=True, lam="given",
-             items=None, tau=None)
-    logits, ids, mask, adv, old, ref, tau = te._inputs(c)
-    out, grad, k = te._call(c, logits, ids, mask, adv, old, ref, tau, "triton", torch.ones(4, 5))
-    assert k.triton_names == {"_vocab_fwd_kernel": 1, "_epilogue_kernel": 2, "_vocab_bwd_kernel": 1}, k.triton_names
-    assert k.launches <= 8 - (policy == "kl-cov") and k.host_reads == 0, (k.launches, k.ops)
-    ref_out, ref_grad, _ = te._call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(),
-                                    "reference", torch.ones(4, 5))
-    plain = te._call(dict(c, cfg=cfg.replace(top_entropy_quantile=1.0)), logits.double(), ids, mask, adv,
-                     old.double(), ref.double(), tau.double(), "reference", torch.ones(4, 5))[0]
+    run, out, grad, ref_out, ref_grad, mask, _ = _fixed_case(cfg, packed=True, bound=8 - (policy == "kl-cov"))
+    plain = run(cfg.replace(top_entropy_quantile=1.0), "reference")[0]
     assert not torch.allclose(plain.per_token_loss, ref_out.per_token_loss)  # the mask changed some terms
     te._compare("top", out, grad, ref_out, ref_grad, mask)
-    twin, twin_grad, _ = te._call(c, logits, ids, mask, adv, old, ref, tau, "torch", torch.ones(4, 5))
+    twin, twin_grad = run(cfg, "torch")[:2]
     te._compare("top vs torch", out, grad, twin, twin_grad.double(), mask)
 
 

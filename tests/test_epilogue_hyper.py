@@ -212,8 +212,10 @@ _GATES = [("number", torch.float64, "above"), ("number", torch.float32, "below")
 _NAME = {"number": "number", torch.float32: "f32", torch.float64: "f64"}
 
 
-@pytest.mark.parametrize("thr_kind,init_kind,side", [pytest.param(*g, id=f"{_NAME[g[0]]}-{_NAME[g[1]]}-{g[2]}")
-                                                     for g in _GATES])
+_GATE_CASES = [pytest.param(*g, id=f"{_NAME[g[0]]}-{_NAME[g[1]]}-{g[2]}") for g in _GATES]
+
+
+@pytest.mark.parametrize("thr_kind,init_kind,side", _GATE_CASES)
 def test_the_entropy_filter_numbers_as_tensors(thr_kind, init_kind, side):
     """entropy_threshold and initial_entropy as 0-d tensors (initial_entropy measured on the device, no
     .item()) take the epilogue: bitwise the numbers' call, no host read, one launch more for the gate

@@ -87,6 +87,8 @@ def _epilogue_kernel(
     lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, thr = _hyper(
         hp_ptr, lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, thr, HP)
     gate = _gate_on(hp_ptr, HP)  # the entropy filter off by the paper's gate, as a device tensor
+    # the rollout weights as the policy term's multiplier: not geo_mean's and vespo's, which fold them in
+    RW_MULT: tl.constexpr = RW * ((POLICY != 8) & (POLICY != 9))
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     M = tl.zeros((), tl.int32)
     n_kept = tl.zeros((), tl.int32)
@@ -174,9 +176,8 @@ def _epilogue_kernel(
             keep_w = ((adv >= 0.0) | (off_i.to(tl.float32) / n_safe <= off_thr)).to(tl.float32)
         else:
             keep_w = tl.full((), 1.0, tl.float32)
-        if RW == 2:  # the completion's rollout weight (its tokens' multiplier; geo_mean's log R, vespo's L)
-            if (POLICY < 8) | (POLICY >= 10):  # (geo_mean and vespo fold it into their term)
-                keep_w = keep_w * _rollout_w(tl.load(rw_ptr + i).to(tl.float32))
+        if RW_MULT == 2:  # the completion's rollout weight, its tokens' multiplier
+            keep_w = keep_w * _rollout_w(tl.load(rw_ptr + i).to(tl.float32))
         if FILTER:
             kept = (hbar <= thr) | (gate != 0)
         else:
@@ -252,7 +253,7 @@ def _epilogue_kernel(
                 inb = o < end
                 m = _counted(mask_ptr, o, inb, HAS_MASK)
                 em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
-                pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * ((POLICY < 8) | (POLICY >= 10)))
+                pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW_MULT)
                 _, _, d_logr, _, _ = _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw,
                                             em, o < 0, lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg,
                                             dro_beta, kl_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ,
@@ -265,7 +266,7 @@ def _epilogue_kernel(
             inb = o < end
             m = _counted(mask_ptr, o, inb, HAS_MASK)
             em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
-            pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW * ((POLICY < 8) | (POLICY >= 10)))
+            pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW_MULT)
             sel = _cov_sel(key_ptr, o, inb, m, kv, ki, POLICY)
             loss_tok, d_logp, d_logr, clipped, lam = _terms(
                 o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, em, sel, lo, hi, delta,

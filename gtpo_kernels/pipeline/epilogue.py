@@ -16,8 +16,8 @@ per token or per completion, num_items_in_batch (number or tensor), a temperatur
 per completion or per token), the hyper-parameters a schedule may give as 0-d tensors (HP_SLOTS: read by
 pointer, see hyper; the entropy filter's threshold too, and its gate formed on the device: _gate). Whatever
 else (kept sets, vocabulary-parallel, inplace, vespo's, clip_cov's and kl_cov's numbers as tensors) takes
-the eager path of loss.fused_loss, which is also this
-kernel's twin in tests. Validating, the status word is read with the call's input checks: one host read.
+the eager path of loss.fused_loss, which is also this kernel's twin in tests. Validating, the status word is
+read with the call's input checks: one host read.
 """
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ def covers(cfg):
     the token or the sequence level; cispo, sapo, gpg, verl_cispo, dro, dppo_tv, dppo_kl, geo_mean, vespo,
     clip_cov and kl_cov at the token level, the only one the config admits for them), vespo's, clip_cov's
     and kl_cov's numbers as numbers, the other hyper-parameters (the entropy filter's included) as numbers or
-    0-d tensors (the fused LM head asks too). Rollout
-    weights multiply each of these terms but geo_mean and vespo, which fold them into their ratio and weight."""
+    0-d tensors (the fused LM head asks too). Rollout weights multiply each of these terms but geo_mean and
+    vespo, which fold them into their ratio and weight."""
     pl = cfg.policy_loss
     return (pl in POLICIES and (pl == "ppo" or cfg.importance_sampling_level == "token")
             and all(_number(getattr(cfg, k), k in _TENSOR_OK) for k in _NUMBERS + _GENERAL + _TERM_NUMBERS.get(pl, ())))
