@@ -490,7 +490,7 @@ def test_epilogue_compiles_for_the_gpus():
             "                 (90, dict(POLICY=10, PHASE=1, TOP_ENT=True, enable_fp_fusion=False)),\n"
             "                 (80, dict(POLICY=11, PHASE=1, PACKED=True, HAS_DUAL=False)),\n"
             "                 (80, dict(POLICY=6)), (100, dict(POLICY=2, HAS_OLD=False, HAS_LAM=False)),\n"
-            "                 (80, dict(RW=2, OFF_POLICY=True, PACKED=True, SEQ=True)),\n"
+            "                 (80, dict(RW=2, OFF_POLICY=True, PACKED=True, SEQ=True, KEPT=True)),\n"
             "                 (100, dict(RW=1, OFF_POLICY=True, HAS_ROLL=False, HAS_OLD=False)),\n"
             "                 (90, dict(TOP_ENT=True, enable_fp_fusion=False, RW=1, OFF_POLICY=True)),\n"
             "                 (80, dict(TOP_ENT=True, enable_fp_fusion=False, PACKED=True, SEQ=True, AGG=1)),\n"

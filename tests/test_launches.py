@@ -280,6 +280,28 @@ def test_recorded_kept_sets_at_most_eight_launches(packed):
                        "_epilogue_kernel": 1, "_scale_kernel": 1, "_replay_bwd_kernel": 1}, kernels
 
 
+@pytest.mark.parametrize("packed,validate", [(False, False), (True, True)], ids=["padded", "packed-validated"])
+def test_rules_rebuilt_sets_at_most_eight_launches(packed, validate):
+    """gtpo_loss with top_k, top_p and min_p (spec 8: at most 8 for replay; the rebuild was 160 launches and 5
+    host reads): the kernel writing each token's kept set as a threshold, the forward vocabulary kernel over it,
+    the epilogue (spec 13's metrics in it), the seed, the backward kernel. Numbers, and a per-token top_k tensor
+    (read by the kernel: no launch more); unvalidated no host read, validating one; the same counts at two
+    sizes."""
+    def prepare(k, B, T, logits, ids, adv, mask, kw):
+        kw.pop("ref_logps")
+        rules = dict(top_k=6, top_p=0.9, min_p=0.01) if packed else dict(
+            top_k=torch.randint(0, 8, ids.shape, generator=torch.Generator().manual_seed(k)), top_p=0.95)
+        x = logits.requires_grad_()
+        return lambda: gtpo_loss(x, ids, adv, mask, config="gtpo", validate=validate, backend="triton", **rules,
+                                 **kw), x
+    counts = _counts(prepare, packed, ((4, 3), (8, 4)))  # (small: the rebuild reads each row many times)
+    assert counts[0] == counts[1], counts
+    launches, reads, creations, kernels = counts[0]
+    assert reads == int(validate) and creations == 0 and launches <= 5, counts
+    assert kernels == {"_kept_rule_kernel": 1, "_vocab_fwd_kernel": 1, "_epilogue_kernel": 1,
+                       "_vocab_bwd_kernel": 1}, kernels
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("policy", ["cispo", "sapo", "gpg", "verl-cispo", "dppo-tv", "dppo-kl", "geo-mean", "vespo"])
 def test_other_token_level_policy_terms_take_at_most_four(policy, packed):

@@ -88,8 +88,9 @@ def test_recorded_sets_match_twin_and_reference(agg, packed, tau, layout):
 
 
 def test_rules_replay_takes_the_epilogue():
-    """Kept sets rebuilt by top_k: the replay's own launches, then the same epilogue as the twin's surrogate,
-    with rollout weights per completion ((B,), padded)."""
+    """Kept sets rebuilt by top_k: one launch writes them as thresholds, which the vocabulary kernels read,
+    around the same epilogue as the twin's surrogate, with rollout weights per completion ((B,), padded) and
+    conflict weights computed in the call: 6 launches, against the twin's kept sets listed and replayed."""
     z, ids, adv, mask, taus, sets, kw = _sets(4, False)
     w = torch.rand(adv.shape, generator=torch.Generator().manual_seed(4)) + 0.5
     runs = {}
@@ -101,7 +102,9 @@ def test_rules_replay_takes_the_epilogue():
             out.loss.backward()
         runs[backend] = (out, x.grad, c)
     (out, grad, c), (twin, tgrad, _) = runs["triton"], runs["torch"]
-    assert c.triton_names.get("_epilogue_kernel") == 1 and c.triton_names.get("_prep_kernel") == 1
+    assert dict(c.triton_names) == {"_conflict_weights_kernel": 1, "_kept_rule_kernel": 1, "_vocab_fwd_kernel": 1,
+                                    "_epilogue_kernel": 1, "_vocab_bwd_kernel": 1}, dict(c.triton_names)
+    assert c.launches == 6 and c.host_reads == 0, (c.launches, dict(c.ops), dict(c.reads))
     _compare("top_k", out, twin, mask, False)
     _metrics_equal(out, twin)
     assert tgrad.abs().sum() > 0

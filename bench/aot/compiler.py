@@ -350,6 +350,43 @@ def compile_epilogue(arch, **switches):
                           torch.float32, scal, meta)
 
 
+def compile_kept_rule(arch, **switches):
+    """kernels/kept_rule_triton.py's kernel of the sampler's kept sets compiled for `arch` (as compile_epilogue;
+    by default every rule read per token)."""
+    from gtpo_kernels.kernels.kept_rule_triton import _kept_rule_kernel as k
+    meta = dict(TOP_K=2, TOP_P=2, MIN_P=2, HAS_MASK=True, TEMP_BY_VALUE=False, BLOCK_V=2048, num_warps=4)
+    meta.update(switches)
+    scal = dict(stride_lb=512 * 151936, stride_lt=151936, T=512, V=151936, logits_start=0, temp_stride=1,
+                k_stride=1, k_val=50, p_stride=1, p_val=0.9, mp_stride=1, mp_val=0.05)
+    if meta["TEMP_BY_VALUE"]:
+        scal["temp_ptr"] = 0.7
+    return _compile_ahead(k, arch, {"logits_ptr": torch.bfloat16, "ids_ptr": torch.int64, "mask_ptr": torch.bool,
+                                    "tid_ptr": torch.int64, "k_ptr": torch.int64}, torch.float32, scal, meta)
+
+
+def compile_vocab_keep(arch, backward=False, **switches):
+    """The forward (or backward) vocabulary kernel with KEEP (each token's kept set as a threshold) compiled
+    for `arch`, bf16 logits, tau by value."""
+    from gtpo_kernels.kernels import vocab_triton as vt
+    k = vt._vocab_bwd_kernel if backward else vt._vocab_fwd_kernel
+    V = 151936
+    scal = dict(stride_lb=512 * V, stride_lt=V, T=512, V=V, logits_start=0, temp_ptr=0.7, temp_stride=0, scale=1.0,
+                softcap=1.0)
+    if backward:
+        scal.update(stride_gb=512 * V, stride_gt=V, T_l=512, g_stride=0, id_start=0)
+        meta = dict(HAS_E=True, HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_V=2048, TEMP_BY_VALUE=True, HAS_G=True,
+                    KEEP=True, num_warps=4)
+    else:
+        scal.update(NB=1, n_seq=0, max_seqlen=-1)
+        meta = dict(HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_V=vt.fwd_block_v(V), TEMP_BY_VALUE=True, KEEP=True,
+                    num_warps=4)
+    meta.update(switches)
+    return _compile_ahead(k, arch, {"logits_ptr": torch.bfloat16, "grad_ptr": torch.bfloat16, "ids_ptr": torch.int64,
+                                    "mask_ptr": torch.bool, "bad_ptr": torch.int8, "keep_id_ptr": torch.int64,
+                                    "rows_ptr": torch.int64, "status_ptr": torch.int32, "work_ptr": torch.int64,
+                                    "cu_ptr": torch.int64}, torch.float32, scal, meta)
+
+
 def compile_conflict_weights(arch, **switches):
     """kernels/conflict_triton.py's conflict-weights kernel compiled for `arch` (as compile_epilogue)."""
     from gtpo_kernels.kernels.conflict_triton import _conflict_weights_kernel as k

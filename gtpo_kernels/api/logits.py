@@ -99,7 +99,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         # the recorded sets' path checks in its kernels too (the sets: their status, then the host); not with a
         # per-token temperature: its host check must come after the batch's, as on the eager path
         sets_in_kernels = fast_replay and sampling_mask is not None and not _per_token_tau(temperature)
-        in_kernels = fast or sets_in_kernels
+        # sets rebuilt by the rules: one launch writes them as thresholds, the kernels read them (spec 8, 13)
+        rules_in_kernels = fast_replay and sampling_mask is None
+        in_kernels = fast or sets_in_kernels or rules_in_kernels
         prep = dict(advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, logits_start=logits_start,
                     vocab_size=_local_vocab(process_group), **extras)
         with checks.one_host_read():  # the checks' values read on the host once
@@ -111,17 +113,21 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not in_kernels, raw=fast or fast_replay)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32, host,
-                                   in_kernels=fast)
+                                   in_kernels=fast or rules_in_kernels)
             b.tau = tau  # compared across the ranks of a vocabulary split (agree.input_digests)
-            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace)
+            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace,
+                                  in_kernels=rules_in_kernels)
 
             def revalidate():  # an input check failed in the kernel: the host checks name it
                 with checks.one_host_read():
-                    check_loss_args(batch.prepare(logits, completion_ids, completion_mask, validate=True, **prep),
-                                    cfg, num_items_in_batch, dt, True)
-            if fast:  # three launches (spec 8)
+                    b2 = batch.prepare(logits, completion_ids, completion_mask, validate=True, **prep)
+                    check_loss_args(b2, cfg, num_items_in_batch, dt, True)
+                    if rules_in_kernels:  # (an invalid rule flags its token: named here)
+                        replay.check_rules(b2, top_k, top_p, min_p, True)
+            if fast or rules_in_kernels:  # three launches (spec 8), the rules' one more
                 conflicts_for(b, cfg, group_size, dt, backend, epilogue=True)
-                return epilogue.loss(b, cfg, num_items, tau, host, revalidate)  # validating: one read
+                return epilogue.loss(b, cfg, num_items, tau, host, revalidate,  # validating: one read
+                                     rules=rules[0] if rules_in_kernels else None)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
             if rules is None:
@@ -211,9 +217,9 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
 
 
-def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace):
-    """None when the call replays no kept set, else the checked rules (replay.check_rules); what replay
-    does not take yet is refused."""
+def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace, in_kernels=False):
+    """None when the call replays no kept set, else the checked rules (replay.check_rules; in_kernels: the
+    kernel of the kept sets flags invalid values); what replay does not take yet is refused."""
     if not replay.requested(sampling_mask, top_k, top_p, min_p):
         return None
     if process_group is not None and sampling_mask is None and top_k is None:
@@ -222,7 +228,7 @@ def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, in
     if inplace:
         raise ValueError("inplace=True is not taken with sampling_mask / top_k / top_p / min_p (the replay's "
                          "gradient is written to a buffer of its own)")
-    return replay.check_rules(b, top_k, top_p, min_p, host)
+    return replay.check_rules(b, top_k, top_p, min_p, host, in_kernels=in_kernels)
 
 
 def _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp=None):

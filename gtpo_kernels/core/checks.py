@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from .flags import BAD_NONFINITE, BAD_TARGET_NEG_INF
+from .flags import BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -243,6 +243,8 @@ def raise_on_flags(bad, tok_shape):
         what = "contains NaN or +inf"
     elif f & BAD_TARGET_NEG_INF:
         what = "gives its own target token a logit of -inf (log-prob -inf)"
+    elif f & BAD_RULE:
+        what = "has a top_k, top_p or min_p value out of its range"
     else:
         what = "has a target id outside [0, V)"
     raise ValueError(f"logits: the row predicting completion token {where} {what}; "

@@ -4,3 +4,4 @@ alike), defined once, below both the kernels and the checks that report them."""
 BAD_NONFINITE = 1  # NaN or +inf in the counted row
 BAD_TARGET_NEG_INF = 2  # the target's own logit is -inf
 BAD_ID = 4  # id outside [0, V) (never read)
+BAD_RULE = 8  # a truncation rule (top_k, top_p, min_p) of the token out of its range (unvalidated)

@@ -94,9 +94,11 @@ _RULES = {  # name: (test of a valid value, what is expected, integer?)
 }
 
 
-def check_rule(name, x, B, T, n, device, cu_seqlens=None, counted=None, validate=True, dtype=torch.float32):
+def check_rule(name, x, B, T, n, device, cu_seqlens=None, counted=None, validate=True, dtype=torch.float32,
+               flag=True):
     """One of top_k, top_p, min_p: None, a number, or a tensor per completion / per token.
-    Returns (None | number | (n,) tensor (int64 for top_k, `dtype` else), invalid None | (n,) bool)."""
+    Returns (None | number | (n,) tensor (int64 for top_k, `dtype` else), invalid None | (n,) bool; None too
+    when neither `validate` nor `flag`: the caller's kernel flags such a value)."""
     ok, want, integer = _RULES[name]
     if x is None:
         return None, None
@@ -113,6 +115,8 @@ def check_rule(name, x, B, T, n, device, cu_seqlens=None, counted=None, validate
         raise TypeError(f"{name} must be a number or a floating-point tensor, got {x.dtype}")
     v = per_token(name, x, B, T, n, device, cu_seqlens)
     v = v.long() if integer else v.to(dtype)  # the logits' dtype: a float64 cut is never rounded to float32
+    if not (validate or flag):
+        return v, None
     bad = ~ok(v) if integer else ~(torch.isfinite(v) & ok(v))
     if validate:
         _refuse(name, bad, v, want + " at counted tokens", counted)

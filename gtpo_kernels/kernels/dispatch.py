@@ -117,10 +117,11 @@ def scale_by(coef, g):
 
 
 def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None,
-              g=None):
+              g=None, keep=None):
     """dL/dz of the raw logits into grad3 (stats from vocab_fwd with the same scale and softcap). An
     empty vocabulary (a rank's empty slice, spec 12) has no entry to write. g: the upstream gradient
-    (one element, or one per token) that c and e are multiplied by (the Triton kernel reads it itself)."""
+    (one element, or one per token) that c and e are multiplied by (the Triton kernel reads it itself).
+    keep: each token's kept set as (t_s, t_id) (the Triton kernel's only)."""
     check_transforms(scale, softcap)
     if logits3.shape[-1] == 0:
         return grad3
@@ -128,8 +129,11 @@ def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logit
     if g is not None and backend != "triton":  # the torch path takes c and e already multiplied
         g = g.to(c.dtype)
         c, e, g = scale_by(c, g), scale_by(e, g), None
+    if keep is not None and backend != "triton":
+        raise ValueError("kept sets as thresholds are the Triton backend's")
     return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e, _temperature(backend, temperature),
-                                          logits_start, scale, softcap, **({} if g is None else dict(g=g)))
+                                          logits_start, scale, softcap, **({} if g is None else dict(g=g)),
+                                          **({} if keep is None else dict(keep=keep)))
 
 
 def raw_conflicts(backend, ids, m, pos, neg, group_size):

@@ -264,3 +264,12 @@ def _roll_store(met_ptr, sums, abs_d, max_d, outside, nans, oks, M_safe):
     tl.store(met_ptr + 6, tl.max(max_d, axis=0))
     tl.store(met_ptr + 7, tl.sum(outside, axis=0).to(tl.float32) / n_ok)
     tl.store(met_ptr + 8, tl.sum(nans, axis=0).to(tl.float32) / M_safe)
+
+
+@triton.jit
+def _kept_add(kst_ptr, o, inb, m):
+    """A block's sums of the counted tokens' (size, restored, mass) of their kept sets (kst (N, 3)), float64,
+    as a (4,) vector (the last 0)."""
+    col = tl.arange(0, 4)
+    x = tl.load(kst_ptr + o[:, None] * 3 + col[None, :], mask=(inb & m)[:, None] & (col < 3)[None, :], other=0.0)
+    return tl.sum(x.to(tl.float64), axis=0)

@@ -39,9 +39,9 @@ import triton.language as tl
 from .epilogue_cov import _cov_keys, _cov_kth, _cov_sel
 from .epilogue_geo import _geo_log_w, _geo_sums, _vespo_phi, _vespo_sums
 from .epilogue_hyper import _gate_on, _hyper
-from .epilogue_terms import (_counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _off_policy_sum,
-                             _policy_weight, _roll_add, _roll_store, _rollout_ok, _rollout_w, _span, _terms,
-                             _token_log_r)
+from .epilogue_terms import (_counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _kept_add,
+                             _off_policy_sum, _policy_weight, _roll_add, _roll_store, _rollout_ok, _rollout_w, _span,
+                             _terms, _token_log_r)
 from .top_entropy import _top_entropy_thr, _top_entropy_w
 
 # policy_loss as the kernel's POLICY (the token-level terms it computes; epilogue_terms._policy)
@@ -61,7 +61,7 @@ def _epilogue_kernel(
     hp_ptr,  # the hyper-parameters given as device tensors (HP: which float argument each replaces)
     draws_ptr, key_ptr, cval_ptr, cidx_ptr,  # clip_cov's uniform draws; clip_cov / kl_cov's keys, sorted, their order
     value_ptr, logp_out, ent_out, ltok_out, c_out, e_out, lam_out, nconf_out, kept_out, hbar_out,  # outputs
-    scratch_ptr, cu_fix, met_ptr, status_ptr,  # (4B,) float32, (B + 1,) int64 scratch; (9,) metrics; (1,) int32
+    scratch_ptr, cu_fix, met_ptr, status_ptr,  # (4B,) float32, (B + 1,) int64 scratch; (12,) metrics; (1,) int32
     B, T, N, max_seqlen,  # completions; tokens per completion (padded form); tokens; the packed max_seqlen or -1
     g_lo, g_hi,  # pass 2 over completions [g_lo, g_hi) only (0, B: the call; the LM head's fused tile: its own)
     lo, hi, delta, dual_c, beta, ent_coef, penalty, thr, max_len_cfg, nitems_val,  # hyper-parameters (floats)
@@ -83,6 +83,8 @@ def _epilogue_kernel(
     TOP_ENT: tl.constexpr = False,  # spec 9's top-entropy mask (the 1 - rho = top_q quantile; top_entropy.py)
     HP: tl.constexpr = 0,  # 4 bits a float argument lo .. thr (epilogue.HP_SLOTS; 0 by value, j: hp[j - 1]), the gate
     PHASE: tl.constexpr = 0,  # 0: the epilogue; 1 (clip_cov, kl_cov): pass 1 and the sort keys only (epilogue_cov)
+    kst_ptr=None,  # KEPT: (N, 3) each token's kept set's (size, restored, mass) (kept_rule_triton)
+    KEPT: tl.constexpr = False,  # True: spec 13's metrics of sets rebuilt by rules (met[9:12])
 ):
     lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, thr = _hyper(
         hp_ptr, lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, thr, HP)
@@ -105,6 +107,7 @@ def _epilogue_kernel(
     roll_out = tl.zeros([BLOCK], tl.int32)
     roll_nan = tl.zeros([BLOCK], tl.int32)
     roll_ok = tl.zeros([BLOCK], tl.int32)
+    kept_sums = tl.zeros([4], tl.float64)  # KEPT: the counted tokens' sums of kst (its 3 columns)
     if PACKED:  # cu_seqlens as given: the stand-in (clamped into [0, N], non-decreasing, from 0 to N) and a flag
         malformed = _fix_cu(cu_ptr, cu_fix, B, N)
         tl.debug_barrier()
@@ -137,6 +140,8 @@ def _epilogue_kernel(
             else:
                 lam = tl.full([BLOCK], 1.0, tl.float32)
             tl.store(lam_out + o, lam, mask=inb)
+            if KEPT:
+                kept_sums += _kept_add(kst_ptr, o, inb, m)
             if HAS_ROLL:
                 roll_sums, roll_abs, roll_max, roll_out, roll_nan, roll_ok = _roll_add(
                     lp, roll_ptr, o, inb, m, roll_sums, roll_abs, roll_max, roll_out, roll_nan, roll_ok)
@@ -305,6 +310,8 @@ def _epilogue_kernel(
     tl.store(met_ptr + 3, h_tot / M_safe)
     if HAS_ROLL:
         _roll_store(met_ptr, roll_sums, roll_abs, roll_max, roll_out, roll_nan, roll_ok, M_safe)
+    if KEPT:  # mean_kept_size, replay_restored_frac, kept_mass
+        tl.store(met_ptr + 9 + tl.arange(0, 4), (kept_sums / M_safe).to(tl.float32), mask=tl.arange(0, 4) < 3)
     if FILTER:
         flagged = flagged | (((n_kept == 0) & (M > 0)).to(tl.int32) * 2)
     if VALIDATE:

@@ -3,10 +3,16 @@
 gradient by pointer (one launch). Opaque to torch.compile, with a fake implementation.
 
     fused_loss(logits3, ...) -> [value, logp, H, loss_tok, c, e, lam, n_conf, kept (uint8), Hbar,
-                                 metrics (9,), status (1,), stats (n, 3), flags (n,)]
+                                 metrics (12,), status (1,), stats (n, 3), flags (n,), t_s, t_id]
 
 metrics: clip_frac, filtered_frac, conflict_frac, mean_entropy, then with `roll` (rollout_logps) spec 14's
-rollout_k3, rollout_abs_diff, rollout_max_abs_diff, rollout_outside_frac, rollout_nan_frac.
+rollout_k3, rollout_abs_diff, rollout_max_abs_diff, rollout_outside_frac, rollout_nan_frac, then with kept sets
+rebuilt by rules spec 13's mean_kept_size, replay_restored_frac, kept_mass (12 in all, the unused unset).
+
+With rules (`rules`: top_k, top_p, min_p, each None, a 0-d or (n,) tensor, or a number in `rule_values`;
+kernels/kept_rule_triton.py) one launch before the forward kernel writes each token's kept set as a
+threshold (t_s, t_id), which the forward and backward vocabulary kernels read (KEEP): 14 outputs, then t_s
+and t_id (n,) (empty without rules).
 
 `floats` and `flags` carry the hyper-parameters and the kernel's switches, in the order FLOATS and
 FLAGS name them (pipeline/epilogue.py builds them); nothing here reads the device on the host.
@@ -19,7 +25,7 @@ from typing import List, Optional
 
 import torch
 
-from . import ops, top_entropy, vocab_triton
+from . import kept_rule_triton, ops, top_entropy, vocab_triton
 from .epilogue_triton import _epilogue_kernel
 
 FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "thr", "max_len", "nitems",
@@ -36,13 +42,13 @@ def _outputs(like, n, B, none_agg):
     value = torch.empty(n if none_agg else (), **f32)
     per_tok = [torch.empty(n, **f32) for _ in range(6)]  # logp, H, loss_tok, c, e, lam
     return [value, *per_tok, torch.empty(B, **f32), torch.empty(B, device=like.device, dtype=torch.uint8),
-            torch.empty(B, **f32), torch.empty(9, **f32), torch.empty(1, device=like.device, dtype=torch.int32),
+            torch.empty(B, **f32), torch.empty(12, **f32), torch.empty(1, device=like.device, dtype=torch.int32),
             torch.empty((n, 3), **f32), torch.empty(n, device=like.device, dtype=torch.int8)]
 
 
 def epilogue_outputs(like, n, B, flags):
     """The epilogue's outputs for n tokens of B completions (epilogue() writes them): [value, logp, H,
-    loss_tok, c, e, lam, n_conf, kept (uint8), Hbar, metrics (9,), status (1,)]."""
+    loss_tok, c, e, lam, n_conf, kept (uint8), Hbar, metrics (12,), status (1,)]."""
     return _outputs(like, n, B, dict(zip(FLAGS, flags))["AGG"] == 5)[:12]
 
 
@@ -52,7 +58,7 @@ def _bits(x):
 
 
 def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs,
-             g_lo=0, g_hi=None, rw=None, hp=None, draws=None):
+             g_lo=0, g_hi=None, rw=None, hp=None, draws=None, kst=None):
     """The epilogue kernel (one launch) on the forward pass's per-token logp, H and flags, writing `outs`
     (epilogue_outputs; its logp and H may be the inputs themselves); pass 2 over completions [g_lo, g_hi)
     (default: all of them). rw: the rollout weights, (n,) per token or (B,) per completion as flags' RW says
@@ -61,7 +67,8 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
     (top_entropy.sorted_key), on the call's whole batch only (the quantile spans every counted token).
     clip_cov and kl_cov (POLICY 10, 11; kernels/epilogue_cov.py): a launch of the kernel that writes the sort
     keys (and the top-entropy mask's, instead of its key kernel), their sort, then the epilogue, on the whole
-    batch only; draws: clip_cov's uniform draws (n,) float64."""
+    batch only; draws: clip_cov's uniform draws (n,) float64. kst: (n, 3) the kept sets' (size, restored,
+    mass) that the rules rebuilt (kept_rule_triton), summed into metrics[9:12]."""
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     if (rw is None) != (fg["RW"] == 0):
         raise ValueError(f"the epilogue's RW = {fg['RW']} and its rollout weights ({rw is not None}) disagree")
@@ -94,7 +101,8 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
             fl["max_len"], fl["nitems"], fl["sapo_pos"], fl["sapo_neg"], fl["dro_beta"], fl["off_thr"], fl["top_q"],
             fl["k_pos"], fl["lam_pos"], fl["k_neg"], fl["lam_neg"], fl["cov_lb"], fl["cov_ub"], fl["kl_coef"],
             _bits(fl["cov_ratio"]), HAS_MASK=mask is not None, HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK,
-            num_warps=4, enable_fp_fusion=not fg["TOP_ENT"], PHASE=phase, **sw)  # (TOP_ENT: top_entropy.py)
+            num_warps=4, enable_fp_fusion=not fg["TOP_ENT"], PHASE=phase, kst_ptr=any_ if kst is None else kst,
+            KEPT=kst is not None, **sw)  # (TOP_ENT: top_entropy.py)
 
     if not cov:
         launch(0, srt, any_, any_, any_)
@@ -117,23 +125,44 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
                lam: Optional[torch.Tensor], n_conf: Optional[torch.Tensor], num_items: Optional[torch.Tensor],
                temperature: Optional[torch.Tensor], floats: List[float], flags: List[int], logits_start: int,
                B: int, roll: Optional[torch.Tensor], rw: Optional[torch.Tensor],
-               hp: Optional[torch.Tensor], draws: Optional[torch.Tensor]) -> List[torch.Tensor]:
+               hp: Optional[torch.Tensor], draws: Optional[torch.Tensor], rules: List[Optional[torch.Tensor]],
+               rule_values: List[float]) -> List[torch.Tensor]:
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     n = ids.numel()
-    outs = _outputs(logits3, n, B, fg["AGG"] == 5)
-    value, logp, ent, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status, stats, bad = outs
+    outs = _outputs(logits3, n, B, fg["AGG"] == 5) + _keep_outputs(logits3, n, rules, rule_values)
+    value, logp, ent, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status, stats, bad, t_s, t_id = outs
     tau = fl["tau"] if fg["TEMP_BY_VALUE"] else temperature
+    kst = keep = None
+    if _has_rules(rules, rule_values):
+        # the kept sets as thresholds: one launch (kernels/kept_rule_triton.py)
+        given = [x if x is not None else (None if v != v else v) for x, v in zip(rules, rule_values)]
+        t_s, t_id, kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *given,
+                                                          outs=(t_s, t_id))
+        keep = (t_s, t_id)
     if n:
-        vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad))
+        vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad), keep=keep)
     epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs[:12],
-             rw=rw, hp=hp, draws=draws)
+             rw=rw, hp=hp, draws=draws, kst=kst)
     return outs
+
+
+def _has_rules(rules, rule_values):
+    """Whether a call's rules are given: a tensor, or a number (NaN in rule_values: none)."""
+    return any(x is not None or v == v for x, v in zip(rules, rule_values))
+
+
+def _keep_outputs(like, n, rules, rule_values):
+    """fused_loss's t_s (n,) float32 and t_id (n,) int64, empty without rules."""
+    m = n if _has_rules(rules, rule_values) else 0
+    return [torch.empty(m, device=like.device, dtype=torch.float32), torch.empty(m, device=like.device,
+                                                                             dtype=torch.int64)]
 
 
 @fused_loss.register_fake
 def _(logits3, ids, mask, cu, adv, old, ref, lam, n_conf, num_items, temperature, floats, flags, logits_start, B,
-      roll, rw, hp, draws):
-    return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5)
+      roll, rw, hp, draws, rules, rule_values):
+    return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5) + _keep_outputs(
+        logits3, ids.numel(), rules, rule_values)
 
 
 def _setup_context(ctx, inputs, output):
@@ -142,7 +171,8 @@ def _setup_context(ctx, inputs, output):
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     _value, _logp, ent, _ltok, c, e, *_more = output
     stats = output[12]
-    ctx.save_for_backward(logits3, ids, stats, ent, c, e if fg["HAS_E"] else None, temperature)
+    keep = output[14:16] if output[14].numel() else (None, None)
+    ctx.save_for_backward(logits3, ids, stats, ent, c, e if fg["HAS_E"] else None, temperature, *keep)
     ctx.meta = (logits_start, fl["tau"] if fg["TEMP_BY_VALUE"] else 1.0)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zero gradients made for the outputs without one
@@ -151,13 +181,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     grad = grads[0]  # the loss value's; the other outputs are not differentiable
     if grad is None:
-        return (None,) * 19
-    logits3, ids, stats, ent, c, e, temperature = ctx.saved_tensors
+        return (None,) * 21
+    logits3, ids, stats, ent, c, e, temperature, t_s, t_id = ctx.saved_tensors
     logits_start, tau_value = ctx.meta
     g = grad.reshape(-1)
     grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, backend="triton", g=g,
-                          tau_value=tau_value)
-    return (grad3,) + (None,) * 18
+                          tau_value=tau_value, keep_s=t_s, keep_id=t_id)
+    return (grad3,) + (None,) * 20
 
 
 fused_loss.register_autograd(_backward, setup_context=_setup_context)

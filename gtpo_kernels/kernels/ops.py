@@ -75,18 +75,20 @@ def _(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None,
 def vocab_bwd(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent: torch.Tensor,
               c: torch.Tensor, e: Optional[torch.Tensor], temperature: Optional[torch.Tensor],
               logits_start: int, scale: float = 1.0, softcap: Optional[float] = None,
-              backend: str = "auto", g: Optional[torch.Tensor] = None, tau_value: float = 1.0) -> torch.Tensor:
+              backend: str = "auto", g: Optional[torch.Tensor] = None, tau_value: float = 1.0,
+              keep_s: Optional[torch.Tensor] = None, keep_id: Optional[torch.Tensor] = None) -> torch.Tensor:
     """g: the upstream gradient, multiplied into c and e by the pass (None: already in them); temperature
-    None: tau_value, passed by value."""
+    None: tau_value, passed by value. keep_s, keep_id: each token's kept set (kept_rule_triton; Triton)."""
     grad3 = torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
     dispatch.vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e,
-                       float(tau_value) if temperature is None else temperature, logits_start, scale, softcap, g)
+                       float(tau_value) if temperature is None else temperature, logits_start, scale, softcap, g,
+                       None if keep_s is None else (keep_s, keep_id))
     return grad3
 
 
 @vocab_bwd.register_fake
 def _(logits3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto", g=None,
-      tau_value=1.0):
+      tau_value=1.0, keep_s=None, keep_id=None):
     return torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
 
 

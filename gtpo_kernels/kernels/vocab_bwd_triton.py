@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .vocab_jit import LN2, LOG2E, _inv_cap, _inv_tau, _transform_grad
+from .vocab_jit import LN2, LOG2E, _inv_cap, _inv_tau, _kept, _transform_grad
 
 
 @triton.jit
@@ -64,6 +64,8 @@ def _vocab_bwd_kernel(
     # 0) and reads the per-token tensors at token rows_ptr[p]
     id_start=0,  # the vocabulary entry of the tile's column 0 (the LM head's backward by vocabulary blocks):
     # the target is y - id_start, written only where it lies in [0, V)
+    keep_s_ptr=None, keep_id_ptr=None,  # KEEP: each token's kept set as (t_s, t_id) (kept_rule_triton)
+    KEEP: tl.constexpr = False,  # True: exactly 0 outside the kept set
 ):
     row_id = tl.program_id(0).to(tl.int64)  # one program per logits row, int64 offsets
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
@@ -101,6 +103,9 @@ def _vocab_bwd_kernel(
         y_ok = (y >= 0) & (y < V)
         # the target's own logit, read before the loop: with inplace the loop overwrites it
         z_y = tl.load(row + y, mask=y_ok, other=float("-inf")).to(tl.float32)
+        if KEEP:
+            k_s = tl.load(keep_s_ptr + tok)
+            k_id = tl.load(keep_id_ptr + tok)
         c2 = inv_temp * LOG2E
         ls2 = log_s * LOG2E  # log2 p_v = (z_v - m) c2 - ls2
         # dL/dz_v off the target = p_v (a + b log2 p_v): a = -(c + e H) / tau, b = -e ln 2 / tau
@@ -114,6 +119,8 @@ def _vocab_bwd_kernel(
         for v0 in range(0, v_full, BLOCK_V):  # whole blocks: no mask
             z, dz = _transform_grad(tl.load(row + v0 + lanes).to(tl.float32), scale, softcap, inv_cap, HAS_SCALE,
                                     HAS_SOFTCAP)
+            if KEEP:
+                z = _kept(z, v0 + lanes, inv_temp, k_s, k_id, y)
             g = _bwd_grad(z, m, c2, ls2, a_co, b_co, HAS_E) * dz
             tl.store(grad_row + v0 + lanes, g.to(grad_ptr.dtype.element_ty))
         if v_full < V:  # the partial last block
@@ -121,6 +128,8 @@ def _vocab_bwd_kernel(
             in_v = offs < V
             z = tl.load(row + offs, mask=in_v, other=float("-inf")).to(tl.float32)
             z, dz = _transform_grad(z, scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP)
+            if KEEP:
+                z = _kept(z, offs, inv_temp, k_s, k_id, y)
             g = _bwd_grad(z, m, c2, ls2, a_co, b_co, HAS_E) * dz
             tl.store(grad_row + offs, g.to(grad_ptr.dtype.element_ty), mask=in_v)
         # the target entry, written once: (c (1 - p_y) - e p_y (log p_y + H)) / tau with 1 - p_y = q from

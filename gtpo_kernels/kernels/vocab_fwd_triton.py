@@ -44,8 +44,8 @@ import triton.language as tl
 
 from ..core.vocab_block import VOCAB_BLOCK as _VOCAB_BLOCK
 from .vocab_status import _fold_status
-from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E, NEG_SENTINEL, _inv_cap,
-                        _inv_tau, _log1p, _store_token, _transform)
+from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E, NEG_SENTINEL,
+                        _inv_cap, _inv_tau, _kept, _log1p, _store_token, _transform)
 
 
 @triton.jit
@@ -67,11 +67,14 @@ def _fwd_update(z, m_l, r_l, u_l, c2):
 
 @triton.jit
 def _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 BLOCK_V: tl.constexpr, VOCAB_BLOCK: tl.constexpr):
+                 BLOCK_V: tl.constexpr, VOCAB_BLOCK: tl.constexpr, k_tau=1.0, k_s=0.0, k_id=0, k_y=0,
+                 KEEP: tl.constexpr = False):
     """The statistics of the vocabulary block [s0, min(s0 + VOCAB_BLOCK, V)) of `row`, relative to its own
     maximum: (m_b, r_b = S_b - 1, u_b = sum e^d t), m_b = NEG_SENTINEL and r_b = u_b = 0 for a block with
     no finite entry. Lanes as in the module docstring, reduced across lanes once per block; a block's bits
-    depend only on its entries (and BLOCK_V), never on where the row or the slice around it ends."""
+    depend only on its entries (and BLOCK_V), never on where the row or the slice around it ends. KEEP: the
+    entries outside the token's kept set are -inf (k_tau = 1 / tau, k_s = t_s, k_id = t_id, k_y = y:
+    vocab_jit._kept)."""
     HALF: tl.constexpr = BLOCK_V // 2
     m_l = tl.full([HALF], NEG_SENTINEL, tl.float32)
     r_l = tl.zeros([HALF], tl.float32)
@@ -82,6 +85,9 @@ def _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE: tl.c
         z0 = _transform(tl.load(row + v0 + lanes).to(tl.float32), scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP)
         z1 = _transform(tl.load(row + v0 + HALF + lanes).to(tl.float32), scale, softcap, inv_cap, HAS_SCALE,
                         HAS_SOFTCAP)
+        if KEEP:
+            z0 = _kept(z0, v0 + lanes, k_tau, k_s, k_id, k_y)
+            z1 = _kept(z1, v0 + HALF + lanes, k_tau, k_s, k_id, k_y)
         m_l, r_l, u_l = _fwd_update(z0, m_l, r_l, u_l, c2)
         m_l, r_l, u_l = _fwd_update(z1, m_l, r_l, u_l, c2)
     if v_full < s_end:  # the partial last block of the row (an entry past V adds exactly nothing)
@@ -92,6 +98,9 @@ def _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE: tl.c
         z0 = tl.where(offs < V, _transform(z0, scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
         z1 = tl.where(offs + HALF < V, _transform(z1, scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP),
                       float("-inf"))
+        if KEEP:
+            z0 = _kept(z0, offs, k_tau, k_s, k_id, k_y)
+            z1 = _kept(z1, offs + HALF, k_tau, k_s, k_id, k_y)
         m_l, r_l, u_l = _fwd_update(z0, m_l, r_l, u_l, c2)
         m_l, r_l, u_l = _fwd_update(z1, m_l, r_l, u_l, c2)
     # re-base the lanes on the block's maximum and reduce
@@ -207,6 +216,8 @@ def _vocab_fwd_kernel(
     HAS_STATUS: tl.constexpr = False,  # True: the status word is written (vocab_status; not with ROWS)
     MASK_VALUES: tl.constexpr = False,  # HAS_STATUS: a mask value other than 0 and 1 fails too
     CU_CHECK: tl.constexpr = False,  # HAS_STATUS: malformed cu_seqlens (or longer than max_seqlen) fail
+    keep_s_ptr=None, keep_id_ptr=None,  # KEEP: each token's kept set as (t_s, t_id) (kept_rule_triton), (B*T,)
+    KEEP: tl.constexpr = False,  # True: the statistics over the kept set; t_s NaN (invalid rules): flagged
 ):
     pid = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
     if ROWS:
@@ -230,9 +241,15 @@ def _vocab_fwd_kernel(
         m_r = NEG_SENTINEL * 1.0
         r_r = 0.0
         u_r = 0.0
+        if KEEP:
+            k_s = tl.load(keep_s_ptr + tok)
+            k_id = tl.load(keep_id_ptr + tok)
+        else:
+            k_s = 0.0
+            k_id = 0
         for s0 in range(0, V, VOCAB_BLOCK):
             m_b, r_b, u_b = _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE, HAS_SOFTCAP,
-                                         BLOCK_V, VOCAB_BLOCK)
+                                         BLOCK_V, VOCAB_BLOCK, inv_temp, k_s, k_id, y, KEEP)
             if BLOCKS_OUT:
                 blk = stats_ptr + (tok * NB + s0 // VOCAB_BLOCK) * 3
                 tl.store(blk, m_b)
@@ -246,6 +263,8 @@ def _vocab_fwd_kernel(
             logp = z_y
         else:
             logp, ent, m, log_s, q, bad = _finalize(m_r, r_r, u_r, z_y, y_ok, inv_temp)
+            if KEEP:
+                bad = tl.where(k_s != k_s, bad | BAD_RULE, bad)
     if BLOCKS_OUT:
         tl.store(logp_ptr + tok, logp)
     else:

@@ -31,6 +31,7 @@ BIG = tl.constexpr(1.0e30)  # |t| clamp: exp2(-BIG) = 0 and 0 * BIG = 0, where 0
 BAD_NONFINITE = tl.constexpr(flags.BAD_NONFINITE)
 BAD_TARGET_NEG_INF = tl.constexpr(flags.BAD_TARGET_NEG_INF)
 BAD_ID = tl.constexpr(flags.BAD_ID)
+BAD_RULE = tl.constexpr(flags.BAD_RULE)
 TANH_SMALL = tl.constexpr(0.25)  # below: the Taylor polynomial; above: (1 - e) / (1 + e)
 
 
@@ -81,6 +82,16 @@ def _transform_grad(z, scale, cap, inv_cap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP
         else:
             d = dc
     return z, d
+
+
+@triton.jit
+def _kept(z, v, inv_temp, t_s, t_id, y):
+    """The transformed logits z of entries v with those outside the token's kept set (kept_rule_triton: s_v >
+    t_s, or s_v == t_s and v >= t_id, or v == y, with s_v = z_v * (1 / tau)) made -inf; a NaN stays NaN
+    (its row is flagged as without a kept set)."""
+    s = z * inv_temp
+    inside = (s > t_s) | ((s == t_s) & (v >= t_id)) | (v == y) | (z != z)
+    return tl.where(inside, z, float("-inf"))
 
 
 @triton.jit

@@ -82,14 +82,15 @@ def temperature_arg(temperature, device, n):
 
 
 def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, outs=None,
-              nan_flagged=False, rows=None):
+              nan_flagged=False, rows=None, keep=None):
     """logits3 (B, T_l, V) with stride(2) == 1, the raw z; ids (B*T,) int; counted (B*T,) bool.
     Returns float32 logp, entropy (B*T,), stats (B*T, 3) = (row max m, log S, q = 1 - p_y) for the
     backward, and int8 flags (0 = fine), all of the transformed z' (scale, softcap: see vocab_jit).
     counted may be None (every token counts) or the caller's mask of any dtype (nonzero counts);
     temperature a Python float (passed by value) or a tensor (temperature_arg); outs: the four outputs,
     allocated by the caller; nan_flagged: a flagged token's logp and H are NaN. rows: (n_rows,) int64, the
-    token of each row of logits3 = (1, n_rows, V) (the LM head's tile): only those tokens are written."""
+    token of each row of logits3 = (1, n_rows, V) (the LM head's tile): only those tokens are written.
+    keep: (t_s, t_id) (n,), each token's kept set (kept_rule_triton): the statistics over it."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -101,6 +102,8 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     if n == 0 or (rows is not None and rows.numel() == 0):
         return logp, ent, stats, bad
     meta = {} if rows is None else dict(rows_ptr=rows, ROWS=True)
+    if keep is not None:
+        meta.update(keep_s_ptr=keep[0], keep_id_ptr=keep[1], KEEP=True)
     _launch(logits3, ids, counted, (logp, ent, stats, bad), T if rows is None else T_l, V, logits_start, temperature,
             scale, softcap, fwd_block_v(V), grid=n if rows is None else rows.numel(), NAN_FLAGGED=nan_flagged, **meta)
     return logp, ent, stats, bad
@@ -166,14 +169,15 @@ def vocab_merge(blocks, zy, ids, counted, temperature, V_whole, nan_flagged=Fals
 
 
 def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, g=None,
-              rows=None, id_start=0):
+              rows=None, id_start=0, keep=None):
     """Writes dL/dz of the raw logits into grad3 (B, T_l, V), every row (zeros where no gradient);
     grad3 may be logits3 itself. c, e: float32 (B*T,) coefficients; e may be None (no entropy term);
     stats from vocab_fwd with the same scale and softcap. g: the loss's upstream gradient (float32, one
     element, or one per token), read by the kernel, which multiplies c and e by it; None: c and e are
     already multiplied. rows: (n_rows,) int64, the token of each row of logits3 = (1, n_rows, V) (the LM
     head's tile): the per-token tensors are read there. id_start: the vocabulary entry of logits3's column 0
-    (a block of the vocabulary: the target is written where ids - id_start lies in [0, V))."""
+    (a block of the vocabulary: the target is written where ids - id_start lies in [0, V)). keep: vocab_fwd's
+    (t_s, t_id): the gradient exactly 0 outside each token's kept set."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -191,6 +195,7 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, 
         HAS_E=e is not None, **has, BLOCK_V=bv, num_warps=num_warps_for(bv), TEMP_BY_VALUE=isinstance(tau, float),
         HAS_G=g is not None, g_ptr=c if g is None else g, g_stride=0 if g is None or g.numel() == 1 else g.stride(0),
         **({} if rows is None else dict(rows_ptr=rows, ROWS=True)), id_start=int(id_start),
+        **({} if keep is None else dict(keep_s_ptr=keep[0], keep_id_ptr=keep[1], KEEP=True)),
     )
     return grad3
 

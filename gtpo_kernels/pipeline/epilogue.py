@@ -14,9 +14,11 @@ the entropy filter, gate, penalty and bonus, the off-policy sequence mask (spec 
 (spec 9: two launches more, the entropies' sort key and torch.sort; kernels/top_entropy.py), rollout weights
 per token or per completion, num_items_in_batch (number or tensor), a temperature (number, schedule tensor,
 per completion or per token), the hyper-parameters a schedule may give as 0-d tensors (HP_SLOTS: read by
-pointer, see hyper; the entropy filter's threshold too, and its gate formed on the device: _gate). Whatever
-else (kept sets, vocabulary-parallel, inplace, vespo's, clip_cov's and kl_cov's numbers as tensors) takes
-the eager path of loss.fused_loss, which is also this kernel's twin in tests. Validating, the status word is
+pointer, see hyper; the entropy filter's threshold too, and its gate formed on the device: _gate), and the
+sampler's kept sets rebuilt by top_k / top_p / min_p (one launch more before the forward kernel writes each
+token's set as a threshold, which both vocabulary kernels read: kernels/kept_rule_triton.py). Whatever
+else (recorded kept sets: logps_epilogue; vocabulary-parallel, inplace, vespo's, clip_cov's and kl_cov's
+numbers as tensors) takes the eager path of loss.fused_loss, which is also this kernel's twin in tests. Validating, the status word is
 read with the call's input checks: one host read.
 """
 from __future__ import annotations
@@ -226,17 +228,34 @@ def draws(b, cfg, n, device, host=False):
     return verl_modes.uniform_draws(cfg, n, device)
 
 
-def loss(b, cfg, num_items, tau, host, revalidate=None):
+def loss(b, cfg, num_items, tau, host, revalidate=None, rules=None):
     """GTPOOutput of the call; validating, the status word joins the call's pending checks (one host read):
     the kernel makes the input checks too (the batch was prepared without them), and when one fails
-    `revalidate()` runs them on the host to raise the error that names the argument."""
+    `revalidate()` runs them on the host to raise the error that names the argument. rules: (top_k, top_p,
+    min_p) as replay.check_rules gives them (numbers or (n,) tensors, None off): the sampler's kept sets
+    rebuilt in one launch more (kernels/kept_rule_triton.py), spec 13's metrics with the loss's."""
     temperature, tau_value = _tau(cfg.temperature if tau is None else tau, b.logits3)
     floats, flags = arguments(b, cfg, num_items, tau_value, host, temperature is not None)
     mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = tensors(b, cfg, host)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
+    rule_t = [x if isinstance(x, torch.Tensor) else None for x in (rules or (None,) * 3)]
+    rule_v = [float("nan") if x is None or isinstance(x, torch.Tensor) else float(x) for x in (rules or (None,) * 3)]
     outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
-                               temperature, floats, flags, b.logits_start, b.B, roll, rw, hp, u)
-    return output(outs[:12], outs[13], b, cfg, host, revalidate)
+                               temperature, floats, flags, b.logits_start, b.B, roll, rw, hp, u, rule_t, rule_v)
+    out = output(outs[:12], outs[13], b, cfg, host, revalidate)
+    if rules is None:
+        return out
+    met = outs[10]
+    return with_metrics(out, dict(mean_kept_size=met[9], replay_restored_frac=met[10], kept_mass=met[11]))
+
+
+def with_metrics(out, replay_metrics):
+    """spec 13's replay metrics after the loss's own, before spec 14's rollout ones (the eager order)."""
+    if replay_metrics:
+        m = out.metrics
+        own = ("clip_frac", "filtered_frac", "conflict_frac", "mean_entropy")
+        out.metrics = {**{k: m[k] for k in own}, **replay_metrics, **{k: v for k, v in m.items() if k not in own}}
+    return out
 
 
 def output(outs, bad, b, cfg, host, revalidate=None, stacklevel=7):

@@ -5,7 +5,8 @@ gtpo_loss_from_logps on the caller's log-probs, and gtpo_loss over the sampler's
     from the caller's log-probs    2 launches (kernels/logps_ops.logps_epilogue), 1 in backward
     recorded kept sets             4 launches (logps_ops.replay_epilogue: the sets' layout, the replay, their
                                    checks, the epilogue), 2 in backward (and the gradient's zeros)
-    kept sets rebuilt by rules     the replay's own (pipeline/replay.py), then logps_epilogue
+    recorded sets with a           the replay's own (pipeline/replay.py), then logps_epilogue (kept sets
+    temperature per token          rebuilt by rules take epilogue.loss: kernels/kept_rule_triton.py)
 
 plus autograd's seed of a scalar loss (and the top-entropy mask's key and sort, two more forward:
 kernels/top_entropy.py). It takes the Triton backend on one process, a config the epilogue
@@ -52,15 +53,6 @@ def _common(b, cfg, num_items, kernel_checks=False):
                 roll=roll, floats=floats, flags=flags, B=b.B, T=T, rw=rw, hp=hp, draws=draws)
 
 
-def _with_metrics(out, replay_metrics):
-    """spec 13's replay metrics after the loss's own, before spec 14's rollout ones (the eager order)."""
-    if replay_metrics:
-        m = out.metrics
-        own = ("clip_frac", "filtered_frac", "conflict_frac", "mean_entropy")
-        out.metrics = {**{k: m[k] for k in own}, **replay_metrics, **{k: v for k, v in m.items() if k not in own}}
-    return out
-
-
 def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, stacklevel=7, revalidate=None):
     """GTPOOutput of the loss on differentiable per-token logps (and entropies, or None: zeros and no
     entropy terms) of the tokens' shape or flat. Validating: with `revalidate` the value checks are the
@@ -72,7 +64,7 @@ def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, sta
     outs = logps_ops.logps_epilogue(logps, entropy, check=not host and entropy is not None, ids=ids, **kw)
     # (checked in the kernels, the prep kernel's flags are input checks that revalidate() names, not rows)
     out = epilogue.output(outs[:12], None if in_kernel else outs[12], b, cfg, host, revalidate, stacklevel=stacklevel)
-    return _with_metrics(out, {k: v.to(out.loss.dtype) for k, v in (replay_metrics or {}).items()})
+    return epilogue.with_metrics(out, {k: v.to(out.loss.dtype) for k, v in (replay_metrics or {}).items()})
 
 
 def recorded_sets(b, cfg, tau, sampling_mask, num_items, host, revalidate=None, stacklevel=8):
@@ -100,4 +92,4 @@ def recorded_sets(b, cfg, tau, sampling_mask, num_items, host, revalidate=None, 
                                      None if tau is None else tau.reshape(-1), tau_value, b.logits_start, **kw)
     out = epilogue.output(outs[:12], outs[12], b, cfg, host, recheck if host else None, stacklevel=stacklevel)
     met = outs[18]
-    return _with_metrics(out, {"mean_kept_size": met[0], "replay_restored_frac": met[1]})
+    return epilogue.with_metrics(out, {"mean_kept_size": met[0], "replay_restored_frac": met[1]})

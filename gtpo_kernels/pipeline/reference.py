@@ -57,8 +57,14 @@ def _kept(b, lg, keep):
 
 def _scaled(b, lg, pad, tau):
     """A per-token temperature (n,) as the oracle takes it: the window's logits divided row by row (in
-    autograd: the gradient reaches the logits through the division), then temperature 1."""
-    return lg.double() / pad(tau.reshape(b.tok_shape)).double()[..., None]
+    autograd: the gradient reaches the logits through the division), then temperature 1. The packed form's
+    padding rows (copies of a real row, masked out) divide by 1: a 0 there would send NaN into that row's
+    gradient."""
+    if not b.packed:
+        return lg.double() / pad(tau.reshape(b.tok_shape)).double()[..., None]
+    from ..core.layout import pad as pad_rows, packed_layout
+    L, pos = packed_layout(b)
+    return lg.double() / pad_rows(b, tau.reshape(-1), L, pos, fill=1.0).double()[..., None]
 
 
 def token_logprobs(b, logits, temperature, keep=None):

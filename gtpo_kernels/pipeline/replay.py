@@ -22,18 +22,30 @@ def requested(sampling_mask, top_k, top_p, min_p):
     return sampling_mask is not None or any(x is not None for x in (top_k, top_p, min_p))
 
 
-def check_rules(b, top_k, top_p, min_p, validate, dtype=None):
+def check_rules(b, top_k, top_p, min_p, validate, dtype=None, in_kernels=False):
     """top_k, top_p, min_p as the rebuild takes them: None, a number or a per-token (n,) tensor, each
     with its invalid tokens (n,) or None (refused when validating: call inside checks.one_host_read).
-    Tensor thresholds in `dtype`, the logits' float dtype (default: b.logits3's), never rounded below it."""
+    Tensor thresholds in `dtype`, the logits' float dtype (default: b.logits3's), never rounded below it.
+    in_kernels: a tensor's values are not checked here and the batch's derived fields are not formed (the
+    kernel of the kept sets flags an invalid value, into the status word when validating, whose failure
+    runs these checks on the host to name it: kernels/kept_rule_triton.py)."""
     if dtype is None:
         dtype = torch.float32 if b.logits3 is None else float_dtype_for(b.logits3)
     T = None if b.packed else b.tok_shape[1]
     n = math.prod(b.tok_shape)
     # (recorded sets only: no rule, and none of the batch's derived fields formed for them)
-    out = [(None, None) if x is None else
-           check_rule(name, x, b.B, T, n, b.counted.device, b.cu_seqlens, b.counted, validate, dtype)
-           for name, x in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p))]
+    unchecked = in_kernels
+    dev = b.given["ids"].device
+
+    def rule(name, x):
+        if x is None:
+            return None, None
+        if not isinstance(x, torch.Tensor):  # a number: checked on the host alone
+            return check_rule(name, x, b.B, T, n, dev, validate=validate, dtype=dtype)
+        if unchecked:  # (malformed cu_seqlens: the kernels make everything NaN)
+            return check_rule(name, x, b.B, T, n, dev, b.given["cu_seqlens"], None, False, dtype, flag=False)
+        return check_rule(name, x, b.B, T, n, dev, b.cu_seqlens, b.counted, validate, dtype)
+    out = [rule(name, x) for name, x in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p))]
     return [v for v, _ in out], [bad for _, bad in out]
 
 

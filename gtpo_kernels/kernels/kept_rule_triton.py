@@ -1,0 +1,291 @@
+"""The sampler's kept set rebuilt by its rules (spec 13) as one threshold per token, in one launch with no host
+read: the kernel before the forward vocabulary kernel when top_k / top_p / min_p take the epilogue.
+
+For a counted token with row s = z' / tau (s_v = z'_v * (1 / tau), as the vocabulary kernels form it), vLLM's
+order (min-p on the full softmax, top-k with its ties kept, top-p on what remains sorted ascending with ties
+by ascending id, the largest always kept) leaves a set that is an upper set of the order (s_v, v): every kept
+entry is at or above the smallest kept one. So the set is written as that entry, (t_s, t_id), and the
+vocabulary kernels keep
+
+    v in K  <=>  s_v > t_s, or s_v == t_s and v >= t_id, or v == y     (vocab_jit._kept)
+
+(the sampled token y added back where the rules left it out). No set is listed, so nothing of unknown size is
+made. The threshold is found by bisection over the order-preserving integer key of s's float32 bits (_key):
+top-k's k-th largest value by counting passes over the row, top-p's cut by passes of the masses at or below a
+key, then, where several entries tie at the cut, by passes over their ids; each step halves the range left at
+least and moves its ends onto the nearest entries, so a search takes about log2 of the entries in it. The row
+of one program is read again on each pass (from L2 at real sizes); every other output is O(1) per token.
+Masses are e^(s_v - max s) in float32 summed in float64, compared as vLLM's cumulative sum is, so a cut that
+lands within a rounding of 1 - top_p may differ from a sort's (the sampled token is restored either way).
+Invalid rule values (top_k < 0, top_p outside (0, 1], min_p outside [0, 1), NaN) give t_s = NaN, which the
+forward kernel flags (BAD_RULE): that token's outputs NaN.
+
+Per token it also writes kst = (|K|, restored, the full softmax's mass on K) for spec 13's metrics, which the
+epilogue sums (0 at uncounted tokens).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .vocab_fwd_triton import _token
+
+KEY_BITS = tl.constexpr(32)  # bisection steps over a float32 key (each halves an int64 range of 2^32)
+ID_STEPS = tl.constexpr(32)  # over ids (V < 2^32)
+
+
+@triton.jit
+def _key(s):
+    """s's float32 bits as an int64 key in s's order (-0 and +0 the same key); NaN is never asked."""
+    b = s.to(tl.int32, bitcast=True)
+    k = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return tl.where(s == 0.0, 0, k).to(tl.int64)
+
+
+@triton.jit
+def _unkey(k):
+    """The float32 value of a key (_key's inverse)."""
+    b = k.to(tl.int32)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_block(row, v0, V, lanes, inv_temp):
+    """(ids, s) of the block at v0: s = z * (1 / tau), -inf past V."""
+    offs = v0 + lanes
+    z = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    return offs, z * inv_temp
+
+
+@triton.jit
+def _min_p_keep(s, mx, mp):
+    """The entries min-p keeps: finite (not NaN, not -inf) and e^(s - max) >= min_p."""
+    return (s == s) & (s > float("-inf")) & (tl.exp(s - mx) >= mp)
+
+
+@triton.jit
+def _above(row, V, lanes, inv_temp, mx, mp, t, BLOCK_V: tl.constexpr):
+    """Over the entries min-p keeps: (how many have key >= t, the smallest such key, the largest key < t)."""
+    cnt = tl.zeros((), tl.int64)
+    a = tl.full((), 2147483647, tl.int64)
+    b = tl.full((), -2147483648, tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        offs, s = _row_block(row, v0, V, lanes, inv_temp)
+        keep = _min_p_keep(s, mx, mp)
+        k = _key(s)
+        up = keep & (k >= t)
+        cnt += tl.sum(up.to(tl.int64), axis=0)
+        a = tl.minimum(a, tl.min(tl.where(up, k, 2147483647), axis=0))
+        b = tl.maximum(b, tl.max(tl.where(keep & (k < t), k, -2147483648), axis=0))
+    return cnt, a, b
+
+
+@triton.jit
+def _below(row, V, lanes, inv_temp, mx, mp, t_k, t, BLOCK_V: tl.constexpr):
+    """Over the entries top-k leaves (min-p's with key >= t_k): (the float64 sum of e^(s - max) of those with
+    key <= t, the largest such key, the smallest key > t)."""
+    acc = tl.zeros((), tl.float64)
+    a = tl.full((), -2147483648, tl.int64)
+    b = tl.full((), 2147483647, tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        offs, s = _row_block(row, v0, V, lanes, inv_temp)
+        k = _key(s)
+        keep = _min_p_keep(s, mx, mp) & (k >= t_k)
+        down = keep & (k <= t)
+        acc += tl.sum(tl.where(down, tl.exp(s - mx), 0.0).to(tl.float64), axis=0)
+        a = tl.maximum(a, tl.max(tl.where(down, k, -2147483648), axis=0))
+        b = tl.minimum(b, tl.min(tl.where(keep & (k > t), k, 2147483647), axis=0))
+    return acc, a, b
+
+
+@triton.jit
+def _tied(row, V, lanes, inv_temp, mx, mp, t, i, BLOCK_V: tl.constexpr):
+    """Over the entries min-p keeps at key t: (how many have id <= i, the largest such id (-1: none), the
+    smallest id > i (V: none))."""
+    cnt = tl.zeros((), tl.int64)
+    a = tl.full((), -1, tl.int64)
+    b = tl.zeros((), tl.int64) + V
+    for v0 in range(0, V, BLOCK_V):
+        offs, s = _row_block(row, v0, V, lanes, inv_temp)
+        tie = _min_p_keep(s, mx, mp) & (_key(s) == t)
+        cnt += tl.sum((tie & (offs <= i)).to(tl.int64), axis=0)
+        a = tl.maximum(a, tl.max(tl.where(tie & (offs <= i), offs, -1), axis=0))
+        b = tl.minimum(b, tl.min(tl.where(tie & (offs > i), offs, V), axis=0))
+    return cnt, a, b
+
+
+@triton.jit
+def _rule(ptr, stride, value, tok, MODE: tl.constexpr, off, dtype: tl.constexpr):
+    """A rule's value for token tok in `dtype`: MODE 0 off (`off`), 1 by value, 2 read at ptr + tok * stride."""
+    if MODE == 2:
+        x = tl.load(ptr + tok * stride).to(dtype)
+    elif MODE == 1:
+        x = tl.zeros((), dtype) + value
+    else:
+        x = tl.zeros((), dtype) + off
+    return x
+
+
+@triton.jit(do_not_specialize=["T", "V", "logits_start", "temp_stride", "k_stride", "p_stride", "mp_stride"])
+def _kept_rule_kernel(
+    logits_ptr, ids_ptr, mask_ptr,  # (B, T_l, V) rows (vocabulary stride 1); (B*T,) ids; (B*T,) counted flag
+    ts_ptr, tid_ptr, kst_ptr,  # outputs: (B*T,) float32 t_s, int64 t_id; (B*T, 3) float32 (|K|, restored, mass)
+    stride_lb, stride_lt, T, V, logits_start,
+    temp_ptr, temp_stride,  # tau as the forward kernel reads it
+    k_ptr, k_stride, k_val,  # top_k: int64 per token (MODE 2), or by value (1)
+    p_ptr, p_stride, p_val,  # top_p
+    mp_ptr, mp_stride, mp_val,  # min_p
+    TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,  # 0 off, 1 by value, 2 per token
+    HAS_MASK: tl.constexpr, TEMP_BY_VALUE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    inv_temp, counted = _token(pid, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
+    t_s = tl.zeros((), tl.float32)
+    t_id = tl.zeros((), tl.int64)
+    size = tl.zeros((), tl.float32)
+    restored = tl.zeros((), tl.float32)
+    mass = tl.zeros((), tl.float32)
+    if counted:
+        i = pid // T
+        row = logits_ptr + i * stride_lb + (pid - i * T + logits_start) * stride_lt
+        y = tl.load(ids_ptr + pid).to(tl.int64)
+        lanes = tl.arange(0, BLOCK_V)
+        k = _rule(k_ptr, k_stride, k_val, pid, TOP_K, 0, tl.int64)
+        p = _rule(p_ptr, p_stride, p_val, pid, TOP_P, 1.0, tl.float32)
+        mp = _rule(mp_ptr, mp_stride, mp_val, pid, MIN_P, 0.0, tl.float32)
+        bad = (k < 0) | ~((p > 0.0) & (p <= 1.0)) | ~((mp >= 0.0) & (mp < 1.0))
+        # pass: the row's maximum (NaN left out), then what min-p keeps: its count and keys' range
+        mx = tl.full((), float("-inf"), tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            offs, s = _row_block(row, v0, V, lanes, inv_temp)
+            mx = tl.maximum(mx, tl.max(tl.where(s == s, s, float("-inf")), axis=0))
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        n1 = tl.zeros((), tl.int64)
+        lo_k = tl.full((), 2147483647, tl.int64)
+        hi_k = tl.full((), -2147483648, tl.int64)
+        for v0 in range(0, V, BLOCK_V):
+            offs, s = _row_block(row, v0, V, lanes, inv_temp)
+            keep = _min_p_keep(s, mx_safe, mp)
+            kk = _key(s)
+            n1 += tl.sum(keep.to(tl.int64), axis=0)
+            lo_k = tl.minimum(lo_k, tl.min(tl.where(keep, kk, 2147483647), axis=0))
+            hi_k = tl.maximum(hi_k, tl.max(tl.where(keep, kk, -2147483648), axis=0))
+        # top-k: the largest key t with at least k kept entries at or above it (ties at it kept); each step
+        # halves the keys' range at least, and lands on the entries nearest its midpoint
+        t_k = lo_k
+        if TOP_K != 0:
+            if (k > 0) & (k < V) & (n1 > k):
+                lo = lo_k
+                hi = hi_k
+                for _it in range(KEY_BITS):
+                    if lo < hi:
+                        cnt, a, b = _above(row, V, lanes, inv_temp, mx_safe, mp, lo + (hi - lo + 1) // 2, BLOCK_V)
+                        if cnt >= k:
+                            lo = a
+                        else:
+                            hi = b
+                t_k = lo
+        t = t_k
+        tid = tl.zeros((), tl.int64)
+        if TOP_P != 0:
+            if (p < 1.0) & (n1 > 0):
+                cut = 1.0 - p  # vLLM drops the ascending prefix whose cumulative mass is <= 1 - top_p
+                z2, _a, _b = _below(row, V, lanes, inv_temp, mx_safe, mp, t_k, hi_k, BLOCK_V)
+                # the smallest key whose mass at or below it exceeds the cut (none: the largest alone is kept)
+                found = z2 / z2 > cut
+                lo = t_k
+                hi = hi_k
+                for _it in range(KEY_BITS):
+                    if found & (lo < hi):
+                        acc, a, b = _below(row, V, lanes, inv_temp, mx_safe, mp, t_k, lo + (hi - lo) // 2, BLOCK_V)
+                        if acc / z2 > cut:
+                            hi = a
+                        else:
+                            lo = b
+                t = tl.where(found, lo, hi_k)
+                # the entries tied at t by ascending id: the first whose cumulative mass exceeds the cut, or
+                # (none does, by rounding) the last
+                below, _a, _b = _below(row, V, lanes, inv_temp, mx_safe, mp, t_k, t - 1, BLOCK_V)
+                e_t = tl.exp(_unkey(t) - mx_safe).to(tl.float64)
+                n_t, last, _b = _tied(row, V, lanes, inv_temp, mx_safe, mp, t, V, BLOCK_V)
+                if n_t > 1:
+                    tid = last
+                    if (below + n_t.to(tl.float64) * e_t) / z2 > cut:
+                        _c, _a, lo = _tied(row, V, lanes, inv_temp, mx_safe, mp, t, -1, BLOCK_V)
+                        hi = last
+                        for _it in range(ID_STEPS):
+                            if lo < hi:
+                                cnt, a, b = _tied(row, V, lanes, inv_temp, mx_safe, mp, t, lo + (hi - lo) // 2,
+                                                  BLOCK_V)
+                                if (below + cnt.to(tl.float64) * e_t) / z2 > cut:
+                                    hi = a
+                                else:
+                                    lo = b
+                        tid = lo
+        # nothing kept by the rules (no finite entry): only the sampled token
+        empty = n1 == 0
+        t_s = tl.where(empty, float("inf"), _unkey(t))
+        t_id = tl.where(empty, V, tid)
+        # the set's size, the sampled token restored, the full softmax's mass on the set
+        y_in = tl.zeros((), tl.int32)
+        m_set = tl.zeros((), tl.float64)
+        m_all = tl.zeros((), tl.float64)
+        for v0 in range(0, V, BLOCK_V):
+            offs, s = _row_block(row, v0, V, lanes, inv_temp)
+            rule = _min_p_keep(s, mx_safe, mp) & ((s > t_s) | ((s == t_s) & (offs >= t_id)))
+            inside = rule | (offs == y)
+            e = tl.where(s == s, tl.exp(s - mx_safe), 0.0).to(tl.float64)
+            size += tl.sum(inside.to(tl.float32), axis=0)
+            y_in += tl.sum((rule & (offs == y)).to(tl.int32), axis=0)
+            m_set += tl.sum(tl.where(inside, e, 0.0), axis=0)
+            m_all += tl.sum(e, axis=0)
+        restored = tl.where((y >= 0) & (y < V) & (y_in == 0), 1.0, 0.0)
+        mass = (m_set / m_all).to(tl.float32)
+        t_s = tl.where(bad, float("nan"), t_s)
+    tl.store(ts_ptr + pid, t_s)
+    tl.store(tid_ptr + pid, t_id)
+    tl.store(kst_ptr + pid * 3, size)
+    tl.store(kst_ptr + pid * 3 + 1, restored)
+    tl.store(kst_ptr + pid * 3 + 2, mass)
+
+
+def _rule_arg(x, like, dtype):
+    """(MODE, pointer, stride, value) of a rule: None off; a number by value; a 0-d or (n,) tensor read."""
+    import torch
+    if x is None:
+        return 0, like, 0, 0
+    if isinstance(x, torch.Tensor):
+        x = x.reshape(-1)
+        if x.dtype != dtype:
+            x = x.to(dtype)
+        return 2, x, 0 if x.numel() == 1 else x.stride(0), 0
+    return 1, like, 0, x
+
+
+def kept_thresholds(logits3, ids, counted, temperature, logits_start, top_k=None, top_p=None, min_p=None,
+                    outs=None):
+    """The kept sets of the rules as thresholds (module docstring), one launch: (t_s (n,) float32, t_id (n,)
+    int64, kst (n, 3) float32). logits3 (B, T_l, V) with vocabulary stride 1; ids (B*T,); counted (B*T,) of
+    any dtype (nonzero counts) or None; temperature as vocab_triton.temperature_arg takes it; each rule None,
+    a number, or a 0-d or (n,) tensor (top_k integer, top_p and min_p float32). outs: (t_s, t_id) to write."""
+    import torch
+    from .vocab_triton import block_v_for, num_warps_for, temperature_arg
+    B, _T_l, V = logits3.shape
+    n = ids.numel()
+    dev = logits3.device
+    t_s, t_id = outs if outs is not None else (torch.empty(n, device=dev, dtype=torch.float32),
+                                               torch.empty(n, device=dev, dtype=torch.int64))
+    kst = torch.empty((n, 3), device=dev, dtype=torch.float32)
+    if n == 0:
+        return t_s, t_id, kst
+    tau, tau_stride = temperature_arg(temperature, dev, n)
+    km, kp, ks, kv = _rule_arg(top_k, ids, torch.int64)
+    pm, pp, ps, pv = _rule_arg(top_p, t_s, torch.float32)
+    mm, mpp, ms, mv = _rule_arg(min_p, t_s, torch.float32)
+    bv = block_v_for(V)
+    _kept_rule_kernel[(n,)](logits3, ids, ids if counted is None else counted, t_s, t_id, kst,
+                            logits3.stride(0), logits3.stride(1), n // B, V, logits_start, tau, tau_stride,
+                            kp, ks, int(kv), pp, ps, float(pv), mpp, ms, float(mv), TOP_K=km, TOP_P=pm, MIN_P=mm,
+                            HAS_MASK=counted is not None, TEMP_BY_VALUE=isinstance(tau, float), BLOCK_V=bv,
+                            num_warps=num_warps_for(bv))
+    return t_s, t_id, kst
