@@ -15,7 +15,7 @@ from test_logps_epilogue import TOL, _compare
 
 import gtpo_reference as ref
 from bench.launches import counting
-from gtpo_kernels import gtpo_loss
+from gtpo_kernels import gtpo_loss, token_logprobs
 from gtpo_kernels.kernels.kept_rule_triton import kept_thresholds
 from gtpo_kernels.kernels.kept_set import kept_sets
 
@@ -137,10 +137,29 @@ def test_loss_on_rebuilt_sets_matches_the_reference(packed):
     assert_grad_close("rules grad", grad.reshape(-1, V), rgrad.reshape(-1, V), TOL)
 
 
+@pytest.mark.parametrize("validate", [False, True])
+def test_token_logprobs_in_two_launches(validate):
+    """token_logprobs with top_k per token and top_p (the old-policy pass of a trainer that replays the
+    sampler): the kept sets' kernel and the forward kernel, no host read unvalidated and one validating (the
+    mask and ids checked in the kernel); the values of the float64 reference."""
+    g = torch.Generator().manual_seed(7)
+    B, T, V = 3, 4, 32
+    z, ids = torch.randn(B, T, V, generator=g) * 2, torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    rules = dict(top_k=torch.randint(0, 9, (B, T), generator=g), top_p=0.85)
+    with counting() as c:
+        lp, h = token_logprobs(z, ids, 0.7, mask, backend="triton", validate=validate, **rules)
+    assert (c.host_reads, dict(c.triton_names)) == (int(validate), {"_kept_rule_kernel": 1, "_vocab_fwd_kernel": 1})
+    assert c.launches <= 2 + validate, (c.launches, dict(c.ops))  # (validating: the status counter's zeros, once)
+    r_lp, r_h = token_logprobs(z.double(), ids, 0.7, mask, backend="reference", **rules)
+    torch.testing.assert_close(lp.double(), r_lp, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(h.double(), r_h, atol=TOL, rtol=TOL)
+
+
 def test_invalid_rule_nan_at_its_token_and_the_twins_error():
     """top_k -1 at a counted token, a NaN top_p of a completion, a NaN logit outside the kept set: unvalidated
     those tokens' outputs NaN (the loss NaN, the other tokens finite); validating, the error the torch path
-    gives, naming the argument (the row, for the logit)."""
+    gives, naming the argument (the row, for the logit); gtpo_loss and token_logprobs."""
     g = torch.Generator().manual_seed(2)
     B, T, V = 3, 4, 20
     z, ids = torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)
@@ -166,6 +185,13 @@ def test_invalid_rule_nan_at_its_token_and_the_twins_error():
                 gtpo_loss(x, ids, adv, config="grpo", backend=backend, **rules)
             errors.append(str(e.value))
         assert errors[0] == errors[1] and errors[0].startswith("logits" if x is z_nan else next(iter(rules))), errors
+        # token_logprobs alike (its kernels check the rules too, validating)
+        lp, h = token_logprobs(x, ids, 1.0, validate=False, backend="triton", **rules)
+        assert torch.equal(lp.isnan(), nan) and torch.equal(h.isnan(), nan)
+        for backend in ("triton", "torch"):
+            with pytest.raises(ValueError) as e:
+                token_logprobs(x, ids, 1.0, backend=backend, **rules)
+            assert str(e.value) == errors[0], (backend, str(e.value))
 
 
 def test_kernels_compile_for_the_gpus():

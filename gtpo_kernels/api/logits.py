@@ -172,7 +172,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
         host = checks.host_checks(validate)
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
         try:  # validating in one launch: the kernel checks the mask values, ids, cu_seqlens and temperatures
-            fast = (host and process_group is None and not replay.requested(sampling_mask, top_k, top_p, min_p)
+            fast = (host and process_group is None and sampling_mask is None  # (rules: checked in the kernels too)
                     and isinstance(logits, torch.Tensor) and isinstance(completion_ids, torch.Tensor)
                     and completion_ids.numel() > 0  # (no token, no program: nothing would check cu_seqlens)
                     and dispatch.resolve_backend(backend, logits.device, logits.dtype) == "triton")
@@ -186,16 +186,21 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             tau_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
             if _per_token_tau(temperature):  # (fast: checked in the kernel)
                 temperature = b.tau = call_temperature(temperature, b, tau_dtype, host and not fast, in_kernels=fast)
-            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, False)
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
-            if backend == "triton" and process_group is None and rules is None:  # one launch (spec 8)
+            one = backend == "triton" and process_group is None and sampling_mask is None  # one launch (spec 8)
+            # (rules: the kept sets' kernel one more; unvalidated it flags an invalid tensor value itself)
+            rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, False,
+                                  in_kernels=one and (fast or not host))
+            if one:
                 def revalidate():  # a check failed in the kernel: the host checks name it, in the eager order
                     with checks.one_host_read():
                         b2 = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens,
                                            max_seqlen=max_seqlen, logits_start=logits_start, validate=True)
                         if _per_token_tau(given_tau):
                             call_temperature(given_tau, b2, tau_dtype, True)
-                return epilogue.token_logps(b, temperature, host, revalidate if fast else None)
+                        replay.check_rules(b2, top_k, top_p, min_p, True)  # (no rule: nothing)
+                return epilogue.token_logps(b, temperature, host, revalidate if fast else None,
+                                            None if rules is None else rules[0])
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
             keep = None if rules is None else reference.kept_window(b, logits, temperature, sampling_mask, rules,

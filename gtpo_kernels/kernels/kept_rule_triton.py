@@ -30,88 +30,71 @@ import triton.language as tl
 
 from .vocab_fwd_triton import _token
 
-KEY_BITS = tl.constexpr(32)  # bisection steps over a float32 key (each halves an int64 range of 2^32)
-ID_STEPS = tl.constexpr(32)  # over ids (V < 2^32)
+# a bound on any search's steps: each at least halves a range of at most 2^32 keys (or ids), so 33 suffice;
+# the bound only guards the loops against what cannot happen
+MAX_STEPS = tl.constexpr(64)
 
 
-@triton.jit
-def _key(s):
-    """s's float32 bits as an int64 key in s's order (-0 and +0 the same key); NaN is never asked."""
-    b = s.to(tl.int32, bitcast=True)
-    k = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-    return tl.where(s == 0.0, 0, k).to(tl.int64)
+# A key: s's float32 bits b as an int64 in s's order, b ^ 0x7FFFFFFF where negative (-0 and +0 the same
+# key, 0; NaN is never asked), written out where used (_scan).
 
 
 @triton.jit
 def _unkey(k):
-    """The float32 value of a key (_key's inverse)."""
+    """The float32 value of a key."""
     b = k.to(tl.int32)
     return tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _row_block(row, v0, V, lanes, inv_temp):
-    """(ids, s) of the block at v0: s = z * (1 / tau), -inf past V."""
-    offs = v0 + lanes
-    z = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    return offs, z * inv_temp
-
-
-@triton.jit
-def _min_p_keep(s, mx, mp):
-    """The entries min-p keeps: finite (not NaN, not -inf) and e^(s - max) >= min_p."""
-    return (s == s) & (s > float("-inf")) & (tl.exp(s - mx) >= mp)
-
-
-@triton.jit
-def _above(row, V, lanes, inv_temp, mx, mp, t, BLOCK_V: tl.constexpr):
-    """Over the entries min-p keeps: (how many have key >= t, the smallest such key, the largest key < t)."""
-    cnt = tl.zeros((), tl.int64)
-    a = tl.full((), 2147483647, tl.int64)
-    b = tl.full((), -2147483648, tl.int64)
+def _scan(row, V, lanes, inv_temp, mx, mp, t_k, t, i, WHAT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One pass over the row, s = z * (1 / tau), over the entries min-p keeps (finite, e^(s - max) >= min_p)
+    with key >= t_k, in three forms (their values 0 / sentinels where nothing matches):
+        WHAT 0   (how many have key >= t, the smallest such key, the largest key < t)
+        WHAT 1   (the float64 sum of e^(s - max) of those with key <= t, the largest such key, the smallest
+                 key > t)
+        WHAT 2   of those at key t: (how many have id <= i, the largest such id (-1: none), the smallest id
+                 > i (V: none))
+    Written out, with no call inside the loop (_key's lines included): Triton's interpreter pays for each."""
+    if WHAT == 1:
+        acc = tl.full((), 0, tl.float64)
+    else:
+        cnt = tl.full((), 0, tl.int64)
+    if WHAT == 1:
+        a = tl.full((), -2147483648, tl.int64)
+        b = tl.full((), 2147483647, tl.int64)
+    elif WHAT == 0:
+        a = tl.full((), 2147483647, tl.int64)
+        b = tl.full((), -2147483648, tl.int64)
+    else:
+        a = tl.full((), -1, tl.int64)
+        b = tl.full((), 0, tl.int64) + V
     for v0 in range(0, V, BLOCK_V):
-        offs, s = _row_block(row, v0, V, lanes, inv_temp)
-        keep = _min_p_keep(s, mx, mp)
-        k = _key(s)
-        up = keep & (k >= t)
-        cnt += tl.sum(up.to(tl.int64), axis=0)
-        a = tl.minimum(a, tl.min(tl.where(up, k, 2147483647), axis=0))
-        b = tl.maximum(b, tl.max(tl.where(keep & (k < t), k, -2147483648), axis=0))
-    return cnt, a, b
-
-
-@triton.jit
-def _below(row, V, lanes, inv_temp, mx, mp, t_k, t, BLOCK_V: tl.constexpr):
-    """Over the entries top-k leaves (min-p's with key >= t_k): (the float64 sum of e^(s - max) of those with
-    key <= t, the largest such key, the smallest key > t)."""
-    acc = tl.zeros((), tl.float64)
-    a = tl.full((), -2147483648, tl.int64)
-    b = tl.full((), 2147483647, tl.int64)
-    for v0 in range(0, V, BLOCK_V):
-        offs, s = _row_block(row, v0, V, lanes, inv_temp)
-        k = _key(s)
-        keep = _min_p_keep(s, mx, mp) & (k >= t_k)
-        down = keep & (k <= t)
-        acc += tl.sum(tl.where(down, tl.exp(s - mx), 0.0).to(tl.float64), axis=0)
-        a = tl.maximum(a, tl.max(tl.where(down, k, -2147483648), axis=0))
-        b = tl.minimum(b, tl.min(tl.where(keep & (k > t), k, 2147483647), axis=0))
-    return acc, a, b
-
-
-@triton.jit
-def _tied(row, V, lanes, inv_temp, mx, mp, t, i, BLOCK_V: tl.constexpr):
-    """Over the entries min-p keeps at key t: (how many have id <= i, the largest such id (-1: none), the
-    smallest id > i (V: none))."""
-    cnt = tl.zeros((), tl.int64)
-    a = tl.full((), -1, tl.int64)
-    b = tl.zeros((), tl.int64) + V
-    for v0 in range(0, V, BLOCK_V):
-        offs, s = _row_block(row, v0, V, lanes, inv_temp)
-        tie = _min_p_keep(s, mx, mp) & (_key(s) == t)
-        cnt += tl.sum((tie & (offs <= i)).to(tl.int64), axis=0)
-        a = tl.maximum(a, tl.max(tl.where(tie & (offs <= i), offs, -1), axis=0))
-        b = tl.minimum(b, tl.min(tl.where(tie & (offs > i), offs, V), axis=0))
-    return cnt, a, b
+        offs = v0 + lanes
+        s = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
+        bits = s.to(tl.int32, bitcast=True)
+        k = tl.where(s == 0.0, 0, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)).to(tl.int64)
+        keep = (s == s) & (s > float("-inf")) & (tl.exp(s - mx) >= mp) & (k >= t_k)
+        if WHAT == 0:
+            up = keep & (k >= t)
+            cnt += tl.sum(up.to(tl.int64), axis=0)
+            a = tl.minimum(a, tl.min(tl.where(up, k, 2147483647), axis=0))
+            b = tl.maximum(b, tl.max(tl.where(keep & (k < t), k, -2147483648), axis=0))
+        elif WHAT == 1:
+            down = keep & (k <= t)
+            acc += tl.sum(tl.where(down, tl.exp(s - mx), 0.0).to(tl.float64), axis=0)
+            a = tl.maximum(a, tl.max(tl.where(down, k, -2147483648), axis=0))
+            b = tl.minimum(b, tl.min(tl.where(keep & (k > t), k, 2147483647), axis=0))
+        else:
+            tie = keep & (k == t)
+            cnt += tl.sum((tie & (offs <= i)).to(tl.int64), axis=0)
+            a = tl.maximum(a, tl.max(tl.where(tie & (offs <= i), offs, -1), axis=0))
+            b = tl.minimum(b, tl.min(tl.where(tie & (offs > i), offs, V), axis=0))
+    if WHAT == 1:
+        out = acc
+    else:
+        out = cnt
+    return out, a, b
 
 
 @triton.jit
@@ -120,9 +103,9 @@ def _rule(ptr, stride, value, tok, MODE: tl.constexpr, off, dtype: tl.constexpr)
     if MODE == 2:
         x = tl.load(ptr + tok * stride).to(dtype)
     elif MODE == 1:
-        x = tl.zeros((), dtype) + value
+        x = tl.full((), 0, dtype) + value
     else:
-        x = tl.zeros((), dtype) + off
+        x = tl.full((), 0, dtype) + off
     return x
 
 
@@ -140,11 +123,11 @@ def _kept_rule_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     inv_temp, counted = _token(pid, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
-    t_s = tl.zeros((), tl.float32)
-    t_id = tl.zeros((), tl.int64)
-    size = tl.zeros((), tl.float32)
-    restored = tl.zeros((), tl.float32)
-    mass = tl.zeros((), tl.float32)
+    t_s = tl.full((), 0, tl.float32)
+    t_id = tl.full((), 0, tl.int64)
+    size = tl.full((), 0, tl.float32)
+    restored = tl.full((), 0, tl.float32)
+    mass = tl.full((), 0, tl.float32)
     if counted:
         i = pid // T
         row = logits_ptr + i * stride_lb + (pid - i * T + logits_start) * stride_lt
@@ -157,19 +140,13 @@ def _kept_rule_kernel(
         # pass: the row's maximum (NaN left out), then what min-p keeps: its count and keys' range
         mx = tl.full((), float("-inf"), tl.float32)
         for v0 in range(0, V, BLOCK_V):
-            offs, s = _row_block(row, v0, V, lanes, inv_temp)
+            offs = v0 + lanes
+            s = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
             mx = tl.maximum(mx, tl.max(tl.where(s == s, s, float("-inf")), axis=0))
         mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-        n1 = tl.zeros((), tl.int64)
-        lo_k = tl.full((), 2147483647, tl.int64)
-        hi_k = tl.full((), -2147483648, tl.int64)
-        for v0 in range(0, V, BLOCK_V):
-            offs, s = _row_block(row, v0, V, lanes, inv_temp)
-            keep = _min_p_keep(s, mx_safe, mp)
-            kk = _key(s)
-            n1 += tl.sum(keep.to(tl.int64), axis=0)
-            lo_k = tl.minimum(lo_k, tl.min(tl.where(keep, kk, 2147483647), axis=0))
-            hi_k = tl.maximum(hi_k, tl.max(tl.where(keep, kk, -2147483648), axis=0))
+        lowest = tl.full((), -2147483648, tl.int64)
+        n1, lo_k, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, lowest, lowest, 0, 0, BLOCK_V)
+        z1, hi_k, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, lowest, 2147483647, 0, 1, BLOCK_V)
         # top-k: the largest key t with at least k kept entries at or above it (ties at it kept); each step
         # halves the keys' range at least, and lands on the entries nearest its midpoint
         t_k = lo_k
@@ -177,62 +154,68 @@ def _kept_rule_kernel(
             if (k > 0) & (k < V) & (n1 > k):
                 lo = lo_k
                 hi = hi_k
-                for _it in range(KEY_BITS):
-                    if lo < hi:
-                        cnt, a, b = _above(row, V, lanes, inv_temp, mx_safe, mp, lo + (hi - lo + 1) // 2, BLOCK_V)
-                        if cnt >= k:
-                            lo = a
-                        else:
-                            hi = b
+                it = 0
+                while (lo < hi) & (it < MAX_STEPS):
+                    mid = lo + (hi - lo + 1) // 2
+                    cnt, a, b = _scan(row, V, lanes, inv_temp, mx_safe, mp, lowest, mid, 0, 0, BLOCK_V)
+                    if cnt >= k:
+                        lo = a
+                    else:
+                        hi = b
+                    it += 1
                 t_k = lo
         t = t_k
-        tid = tl.zeros((), tl.int64)
+        tid = tl.full((), 0, tl.int64)
         if TOP_P != 0:
             if (p < 1.0) & (n1 > 0):
                 cut = 1.0 - p  # vLLM drops the ascending prefix whose cumulative mass is <= 1 - top_p
-                z2, _a, _b = _below(row, V, lanes, inv_temp, mx_safe, mp, t_k, hi_k, BLOCK_V)
+                z2, _a, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, hi_k, 0, 1, BLOCK_V)
                 # the smallest key whose mass at or below it exceeds the cut (none: the largest alone is kept)
                 found = z2 / z2 > cut
                 lo = t_k
-                hi = hi_k
-                for _it in range(KEY_BITS):
-                    if found & (lo < hi):
-                        acc, a, b = _below(row, V, lanes, inv_temp, mx_safe, mp, t_k, lo + (hi - lo) // 2, BLOCK_V)
-                        if acc / z2 > cut:
-                            hi = a
-                        else:
-                            lo = b
+                hi = tl.where(found, hi_k, t_k)
+                it = 0
+                while (lo < hi) & (it < MAX_STEPS):
+                    acc, a, b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, lo + (hi - lo) // 2, 0, 1, BLOCK_V)
+                    if acc / z2 > cut:
+                        hi = a
+                    else:
+                        lo = b
+                    it += 1
                 t = tl.where(found, lo, hi_k)
                 # the entries tied at t by ascending id: the first whose cumulative mass exceeds the cut, or
                 # (none does, by rounding) the last
-                below, _a, _b = _below(row, V, lanes, inv_temp, mx_safe, mp, t_k, t - 1, BLOCK_V)
+                below, _a, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, t - 1, 0, 1, BLOCK_V)
                 e_t = tl.exp(_unkey(t) - mx_safe).to(tl.float64)
-                n_t, last, _b = _tied(row, V, lanes, inv_temp, mx_safe, mp, t, V, BLOCK_V)
+                n_t, last, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, t, V, 2, BLOCK_V)
                 if n_t > 1:
                     tid = last
                     if (below + n_t.to(tl.float64) * e_t) / z2 > cut:
-                        _c, _a, lo = _tied(row, V, lanes, inv_temp, mx_safe, mp, t, -1, BLOCK_V)
+                        _c, _a, lo = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, t, -1, 2, BLOCK_V)
                         hi = last
-                        for _it in range(ID_STEPS):
-                            if lo < hi:
-                                cnt, a, b = _tied(row, V, lanes, inv_temp, mx_safe, mp, t, lo + (hi - lo) // 2,
-                                                  BLOCK_V)
-                                if (below + cnt.to(tl.float64) * e_t) / z2 > cut:
-                                    hi = a
-                                else:
-                                    lo = b
+                        it = 0
+                        while (lo < hi) & (it < MAX_STEPS):
+                            cnt, a, b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, t, lo + (hi - lo) // 2, 2,
+                                              BLOCK_V)
+                            if (below + cnt.to(tl.float64) * e_t) / z2 > cut:
+                                hi = a
+                            else:
+                                lo = b
+                            it += 1
                         tid = lo
         # nothing kept by the rules (no finite entry): only the sampled token
         empty = n1 == 0
         t_s = tl.where(empty, float("inf"), _unkey(t))
         t_id = tl.where(empty, V, tid)
         # the set's size, the sampled token restored, the full softmax's mass on the set
-        y_in = tl.zeros((), tl.int32)
-        m_set = tl.zeros((), tl.float64)
-        m_all = tl.zeros((), tl.float64)
+        y_in = tl.full((), 0, tl.int32)
+        m_set = tl.full((), 0, tl.float64)
+        m_all = tl.full((), 0, tl.float64)
         for v0 in range(0, V, BLOCK_V):
-            offs, s = _row_block(row, v0, V, lanes, inv_temp)
-            rule = _min_p_keep(s, mx_safe, mp) & ((s > t_s) | ((s == t_s) & (offs >= t_id)))
+            offs = v0 + lanes
+            s = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
+            rule = (s == s) & (s > float("-inf")) & (tl.exp(s - mx_safe) >= mp) & (
+                (s > t_s) | ((s == t_s) & (offs >= t_id)))
             inside = rule | (offs == y)
             e = tl.where(s == s, tl.exp(s - mx_safe), 0.0).to(tl.float64)
             size += tl.sum(inside.to(tl.float32), axis=0)

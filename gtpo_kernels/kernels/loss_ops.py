@@ -211,12 +211,15 @@ def _counter(device):
 def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Tensor],
                 temperature: Optional[torch.Tensor], tau_value: float, logits_start: int, status: bool = False,
                 mask_values: bool = False, cu: Optional[torch.Tensor] = None,
-                max_seqlen: int = -1) -> List[torch.Tensor]:
+                max_seqlen: int = -1, top_k: Optional[torch.Tensor] = None, top_p: Optional[torch.Tensor] = None,
+                min_p: Optional[torch.Tensor] = None, rule_values: Optional[List[float]] = None) -> List[torch.Tensor]:
     """token_logprobs in one launch: [logp, H, flags, status word], 0 where not counted, NaN at a flagged
     token. status: the launch writes the word, (1,) int32, the number of tokens that failed a check (their
     flags, a counted token's tau not finite and > 0 among them; with mask_values a mask value other than 0
     and 1; given cu, the packed form's cu_seqlens malformed or longer than max_seqlen >= 0:
-    kernels/vocab_status.py); else it is left unset."""
+    kernels/vocab_status.py); else it is left unset. top_k, top_p, min_p, rule_values: the kept sets rebuilt by
+    the rules as fused_loss takes them (one launch more: kernels/kept_rule_triton.py; an invalid rule flags its
+    token)."""
     n = ids.numel()
     f32 = dict(device=logits3.device, dtype=torch.float32)
     outs = (torch.empty(n, **f32), torch.empty(n, **f32), torch.empty((n, 3), **f32),
@@ -232,9 +235,14 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
         if cu is not None:
             meta.update(cu_ptr=cu, n_seq=cu.numel() - 1, max_seqlen=max_seqlen)
     B, _, V = logits3.shape
+    tau = tau_value if temperature is None else temperature
+    rules = (top_k, top_p, min_p)
+    if rule_values is not None and _has_rules(rules, rule_values):
+        given = [x if x is not None else (None if v != v else v) for x, v in zip(rules, rule_values)]
+        t_s, t_id, _kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *given)
+        meta.update(keep_s_ptr=t_s, keep_id_ptr=t_id, KEEP=True)
     try:
-        vocab_triton._launch(logits3, ids, mask, outs, n // B, V, logits_start,
-                             tau_value if temperature is None else temperature, 1.0, None,
+        vocab_triton._launch(logits3, ids, mask, outs, n // B, V, logits_start, tau, 1.0, None,
                              vocab_triton.fwd_block_v(V), NAN_FLAGGED=True, **meta)
     except BaseException:
         if status:  # a launch cut short may leave the counter nonzero: the next call makes a new one
@@ -245,7 +253,7 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
 
 @token_logps.register_fake
 def _(logits3, ids, mask, temperature, tau_value, logits_start, status=False, mask_values=False, cu=None,
-      max_seqlen=-1):
+      max_seqlen=-1, top_k=None, top_p=None, min_p=None, rule_values=None):
     n = ids.numel()
     return [logits3.new_empty(n, dtype=torch.float32), logits3.new_empty(n, dtype=torch.float32),
             logits3.new_empty(n, dtype=torch.int8), logits3.new_empty(1, dtype=torch.int32)]

@@ -238,8 +238,7 @@ def loss(b, cfg, num_items, tau, host, revalidate=None, rules=None):
     floats, flags = arguments(b, cfg, num_items, tau_value, host, temperature is not None)
     mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = tensors(b, cfg, host)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
-    rule_t = [x if isinstance(x, torch.Tensor) else None for x in (rules or (None,) * 3)]
-    rule_v = [float("nan") if x is None or isinstance(x, torch.Tensor) else float(x) for x in (rules or (None,) * 3)]
+    rule_t, rule_v = rule_args(rules)
     outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
                                temperature, floats, flags, b.logits_start, b.B, roll, rw, hp, u, rule_t, rule_v)
     out = output(outs[:12], outs[13], b, cfg, host, revalidate)
@@ -247,6 +246,14 @@ def loss(b, cfg, num_items, tau, host, revalidate=None, rules=None):
         return out
     met = outs[10]
     return with_metrics(out, dict(mean_kept_size=met[9], replay_restored_frac=met[10], kept_mass=met[11]))
+
+
+def rule_args(rules):
+    """(tensors, numbers): top_k, top_p, min_p as the custom ops take them, a tensor or None, and a number
+    by value or NaN (not given by value)."""
+    rules = rules or (None,) * 3
+    return ([x if isinstance(x, torch.Tensor) else None for x in rules],
+            [float("nan") if x is None or isinstance(x, torch.Tensor) else float(x) for x in rules])
 
 
 def with_metrics(out, replay_metrics):
@@ -293,19 +300,22 @@ def _report(status, bad, b, thr, revalidate, stacklevel):
         warn_all_dropped(thr, stacklevel=stacklevel)
 
 
-def token_logps(b, temperature, host, revalidate=None):
+def token_logps(b, temperature, host, revalidate=None, rules=None):
     """token_logprobs on the Triton backend in one launch: (logps, entropy) of the tokens' shape. Validating,
     the kernel also writes a status word, read with the call's pending checks (one host read): the tokens'
     flags and, with `revalidate` (the batch was prepared without the device-side checks), the mask values
-    and ids checked in the kernel; nonzero, _report_tokens raises the error the host checks give."""
+    and ids checked in the kernel; nonzero, _report_tokens raises the error the host checks give. rules: the
+    kept sets rebuilt by top_k, top_p, min_p (as loss takes them): one launch more."""
     tau, tau_value = _tau(temperature, b.logits3)
     mask = None if b.mask is None else b.mask.contiguous()
     in_kernel = revalidate is not None  # the batch's checks too (prepared without them): the given tensors
     values = in_kernel and mask is not None and mask.dtype != torch.bool
     cu = b.given["cu_seqlens"].contiguous() if in_kernel and b.packed else None
     ids = b.given["ids"] if in_kernel else b.ids
+    rule_t, rule_v = rule_args(rules)
     logp, ent, bad, status = loss_ops.token_logps(b.logits3, ids, mask, tau, tau_value, b.logits_start, host,
-                                                  values, cu, -1 if b.max_seqlen is None else b.max_seqlen)
+                                                  values, cu, -1 if b.max_seqlen is None else b.max_seqlen,
+                                                  *rule_t, rule_v)
     if host:
         checks.check_on_device(status, lambda: _report_tokens(bad, b, revalidate))
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
