@@ -17,7 +17,7 @@
 #      (cuda_graph_check.txt / .json)
 #   5  tests/cuda_bitwise_check.py: the vocabulary-parallel merge bitwise the single      30
 #      kernel, compiled (cuda_bitwise_check.txt)
-#   6  the grid: V in {32000, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16,    150
+#   6  the grid: V in {32000, 151936, 262144} x tokens in {4096, 16384, 32768}, bf16,    145
 #      fwd / bwd / fwd+bwd in interleaved rounds, % of the copy bandwidth measured in
 #      the same run over the bytes each implementation moves: ours validated (the
 #      default row: gtpo preset, entropies), ours with validate=False, ours doing
@@ -37,9 +37,11 @@
 #      of spec 13 (profile-cuda.json)
 #   9  python -m bench.launches --device cuda: launches and host reads of each call,      25
 #      the kernels compiled (launches.txt)
-#   10 replaying recorded kept sets at 16384 x 151936 (bench.timing.replay): gtpo_loss    20
-#      and token_logprobs against the full vocabulary, with the bytes each moves
-#      (latest-replay-cuda.json; after steps 4 and 8, which compiled the replay kernels)
+#   10 replaying recorded kept sets at 16384 x 151936 (bench.timing.replay): gtpo_loss    25
+#      and token_logprobs against the full vocabulary, with the bytes each moves, and
+#      the same sets rebuilt in the call from top_k and top_p (--rules: the kept sets'
+#      kernel, checked against the recorded sets first) (latest-replay-cuda.json; after
+#      steps 4 and 8, which compiled the replay kernels)
 #   11 python -m bench.gpu_report targets: every JSON names this tree and none is         15
 #      marked uncommitted; PASS / FAIL for each target (targets.txt, targets.json)
 #   total                                                                                540
@@ -116,10 +118,10 @@ timeout 30 python tests/cuda_bitwise_check.py 2>&1 | tee "$OUT_DIR/cuda_bitwise_
 done_step "5 bitwise merge" 30 "${PIPESTATUS[0]}"
 
 step "6. the grid against Liger-Kernel: ours validated, not validated, and doing Liger's work"
-timeout 150 python -m bench --device cuda --settle 0 --suite logits --tokens 4096,16384,32768 --vocab 32000,151936,262144 \
+timeout 145 python -m bench --device cuda --settle 0 --suite logits --tokens 4096,16384,32768 --vocab 32000,151936,262144 \
   --impls triton,triton-novalidate,triton-grpo,liger --no-aot --no-traffic --no-plots --warmup 2 --time-budget 120 \
   --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/grid.txt"
-done_step "6 grid" 150 "${PIPESTATUS[0]}"
+done_step "6 grid" 145 "${PIPESTATUS[0]}"
 
 step "7. the LM head at 4096 x 2048 and 8192 x 4096 x 151936 against TRL's and Liger's heads"
 timeout 75 python -m bench --device cuda --settle 0 --suite linear --linear-size 4096,2048,151936 \
@@ -136,10 +138,10 @@ step "9. launches and host reads of each call, the kernels compiled"
 timeout 25 python -m bench.launches --device cuda 2>&1 | tee "$OUT_DIR/launches.txt"
 done_step "9 launches" 25 "${PIPESTATUS[0]}"
 
-step "10. replaying recorded kept sets at 16384 x 151936: gtpo_loss and token_logprobs against the full vocabulary"
-timeout 20 python -m bench.timing.replay --device cuda --tokens 16384 --vocab 151936 --rounds 6 --warmup 1 --out "$OUT_DIR" 2>&1 \
-  | tee "$OUT_DIR/replay.txt"
-done_step "10 replay" 20 "${PIPESTATUS[0]}"
+step "10. replaying recorded kept sets at 16384 x 151936: gtpo_loss and token_logprobs against the full vocabulary, and the sets rebuilt by the rules"
+timeout 25 python -m bench.timing.replay --device cuda --tokens 16384 --vocab 151936 --rounds 6 --warmup 1 --rules \
+  --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/replay.txt"
+done_step "10 replay" 25 "${PIPESTATUS[0]}"
 
 step "11. the records (every JSON names this tree) and the targets, PASS / FAIL"
 timeout 15 python -m bench.gpu_report targets --out "$OUT_DIR" 2>&1

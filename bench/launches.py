@@ -200,14 +200,15 @@ def _rows(device="cpu"):
             return lambda: gtpo_loss(x, ids, adv, mask, backend="triton", **extra, **kw).loss.backward()
         return prepare
 
-    def logps(validate, packed=False, per_token_tau=False):
+    def logps(validate, packed=False, per_token_tau=False, **rules):
         def prepare():
             logits, ids, _, mask, extra = batch(8, 6, 0, packed, device=device)
             kw = dict(cu_seqlens=extra["cu_seqlens"]) if packed else dict(completion_mask=mask)
             tau = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)).to(device) + 0.5 \
                 if per_token_tau else 0.7
-            return lambda: token_logprobs(logits, ids, tau, validate=validate, backend="triton", **kw)
+            return lambda: token_logprobs(logits, ids, tau, validate=validate, backend="triton", **kw, **rules)
         return prepare
+
     def head_inputs():
         """The head rows' batch: 16 completions x 8 tokens, D = 16, V = 64 (h and w require grad)."""
         g = torch.Generator().manual_seed(0)
@@ -317,7 +318,11 @@ def _rows(device="cpu"):
             ("geo_mean (verl's GMPO)", loss(validate=False, drop=no_ref,
                                             config=GTPOConfig.preset("geo-mean", loss_agg="seq-mean-token-mean"))),
             ("clip_cov (verl)", loss(validate=False, config="clip-cov", drop=no_ref)),
-            ("kl_cov (verl)", loss(validate=False, config="kl-cov", drop=no_ref))]
+            ("kl_cov (verl)", loss(validate=False, config="kl-cov", drop=no_ref)),
+            ("top_k, top_p and min_p replay, validate=False",
+             loss(validate=False, top_k=5, top_p=0.9, min_p=0.01, drop=no_ref)),
+            ("token_logprobs with top_k and top_p, validate=False", logps(False, top_k=5, top_p=0.9)),
+            ("the same, validate=True", logps(True, top_k=5, top_p=0.9))]
 
 
 def main(argv=None):

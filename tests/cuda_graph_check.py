@@ -7,7 +7,8 @@ outputs; token_logprobs forward only):
     conflict weights computed in the call (group_size=4), padded and packed (cu_seqlens, max_seqlen);
   - grpo with beta and ref_logps; a per-completion temperature tensor; validate=True (its checks are
     skipped inside a capture); top_k = 5 rebuilt from the logits;
-  - replaying recorded kept sets (sampling_mask=(token_ids, offsets)), padded and packed;
+  - replaying recorded kept sets (sampling_mask=(token_ids, offsets)), padded and packed, and sets rebuilt by
+    top_k / top_p / min_p in the call (the kept sets' kernel);
   - token_logprobs, padded and packed, over the whole vocabulary and over the recorded sets.
 Each call: two warm-up calls on a side stream (they compile), one capture, then new values copied into the
 captured inputs (logits, advantages, old / ref log-probs, temperature: the same ids, mask and kept sets),
@@ -117,10 +118,10 @@ def loss_call(config, extras=(), **kw):
     return fn
 
 
-def logprobs_call(sets=False):
+def logprobs_call(sets=False, **rules):
     def fn(s, v):
         from gtpo_kernels import token_logprobs
-        a = dict(validate=False, backend="triton")
+        a = dict(validate=False, backend="triton", **rules)
         if sets:
             a["sampling_mask"] = s["sampling_mask"]
         if s["packed"]:
@@ -154,7 +155,11 @@ def calls():
                     ("gtpo_loss gtpo per-completion temperature, padded", False, False, loss_call("gtpo", ("tau",))),
                     ("gtpo_loss gtpo validate=True (checks skipped in a capture), padded", False, False,
                      loss_call("gtpo", validate=True)),
-                    ("gtpo_loss gtpo top_k=5 rebuilt, padded", False, False, loss_call("gtpo", top_k=5))]
+                    ("gtpo_loss gtpo top_k=5 rebuilt, padded", False, False, loss_call("gtpo", top_k=5)),
+                    ("gtpo_loss grpo top_k=8, top_p=0.9, min_p=0.02 rebuilt, packed", True, False,
+                     loss_call("grpo", top_k=8, top_p=0.9, min_p=0.02)),
+                    ("token_logprobs top_k=8, top_p=0.9 rebuilt, packed", True, False,
+                     logprobs_call(top_k=8, top_p=0.9))]
     return out
 
 

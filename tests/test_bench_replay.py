@@ -66,15 +66,17 @@ def test_int64_offsets_check():
 
 def test_replay_timing_smoke(tmp_path):
     """bench.timing.replay end to end at 8 tokens x V = 256 (interpreted: the times mean nothing): every
-    call timed, the replayed values checked against float64, the kept sets' sizes and the bytes model."""
+    call timed, the sets rebuilt in the call (--rules) among them, the replayed values checked against float64
+    and the rebuilt ones against the recorded sets, the kept sets' sizes and the bytes model."""
     from bench.timing import replay as timing
     assert timing.main(["--device", "cpu", "--tokens", "8", "--vocab", "256", "--rounds", "1", "--warmup", "0",
-                        "--out", str(tmp_path)]) == 0
+                        "--rules", "--out", str(tmp_path)]) == 0
     doc = json.load(open(tmp_path / "latest-replay-cpu.json"))
     rows = {r["label"]: r for r in doc["rows"]}
-    assert len(rows) == 6 and all(r["status"] == "ok" for r in rows.values()), rows
+    assert len(rows) == 8 and all(r["status"] == "ok" for r in rows.values()), rows
     assert doc["check"]["tokens"] == doc["counted"] > 0
     assert doc["check"]["logp"] < 1e-5 and doc["check"]["entropy"] < 1e-5, doc["check"]
+    assert doc["check"]["rules"]["logp"] < 1e-5 and doc["check"]["rules"]["entropy"] < 1e-5, doc["check"]
     s = doc["sets"]
     assert 1 <= s["p10"] <= s["p50"] <= s["p90"] <= s["max"] and s["kept_ids"] > doc["counted"], s
     e, M, V, K = 2, doc["counted"], doc["V"], s["kept_ids"]
@@ -84,7 +86,8 @@ def test_replay_timing_smoke(tmp_path):
     assert rows["token_logprobs replay"]["bytes"] == K * (8 + e)
     assert rows["gtpo_loss replay"]["bytes"] == 2 * K * (8 + e) + L * e + K * e
     assert rows["gtpo_loss replay"]["sector_bytes"] == 2 * K * (8 + 32) + L * e + K * 32
-    assert all("vs_full" in r for r in rows.values() if r["sets"] == "replay")
+    assert all("vs_full" in r for r in rows.values() if r["sets"] in ("replay", "rules"))
+    assert rows["gtpo_loss rules, validate=False"]["bytes"] == 3 * M * V * e + L * e
 
 
 def test_gpu_check_runs_the_replay_step_within_its_budget():

@@ -59,6 +59,7 @@ def test_thresholds_keep_the_reference_sets(dtype, ties):
         z = (z * 2).round() / 2
     z = z.to(dtype)
     z[0, 3, 5] = float("-inf")  # a banned entry: never kept unless sampled
+    z[0, 6] -= 40.0  # a row of negative logits only (its keys' order flips the bits)
     ids = torch.randint(0, V, (M,), generator=g)
     tau = torch.tensor([0.5, 1.0, 2.0])[torch.randint(0, 3, (M,), generator=g)]
     for case in RULES:
@@ -185,6 +186,8 @@ def test_invalid_rule_nan_at_its_token_and_the_twins_error():
                 gtpo_loss(x, ids, adv, config="grpo", backend=backend, **rules)
             errors.append(str(e.value))
         assert errors[0] == errors[1] and errors[0].startswith("logits" if x is z_nan else next(iter(rules))), errors
+        if "top_k" not in rules or x is z_nan:
+            continue
         # token_logprobs alike (its kernels check the rules too, validating)
         lp, h = token_logprobs(x, ids, 1.0, validate=False, backend="triton", **rules)
         assert torch.equal(lp.isnan(), nan) and torch.equal(h.isnan(), nan)
@@ -199,7 +202,7 @@ def test_kernels_compile_for_the_gpus():
     ahead of time for sm_90, sm_80 and sm_100 (no GPU needed): what the interpreter does not check fails here."""
     code = ("from bench.aot.compiler import compile_kept_rule, compile_vocab_keep\n"
             "for arch, sw in [(90, {}), (80, dict(TOP_K=1, TOP_P=0, MIN_P=1, HAS_MASK=False, TEMP_BY_VALUE=True)),\n"
-            "                 (100, dict(TOP_K=0, TOP_P=1, MIN_P=0))]:\n"
+            "                 (100, dict(TOP_K=0, TOP_P=1, MIN_P=0, STATS=False))]:\n"
             "    assert compile_kept_rule(arch, **sw).asm.get('ptx'), (arch, sw)\n"
             "for arch, backward in [(90, False), (90, True), (100, True)]:\n"
             "    assert compile_vocab_keep(arch, backward).asm.get('ptx'), (arch, backward)\n"

@@ -354,7 +354,7 @@ def compile_kept_rule(arch, **switches):
     """kernels/kept_rule_triton.py's kernel of the sampler's kept sets compiled for `arch` (as compile_epilogue;
     by default every rule read per token)."""
     from gtpo_kernels.kernels.kept_rule_triton import _kept_rule_kernel as k
-    meta = dict(TOP_K=2, TOP_P=2, MIN_P=2, HAS_MASK=True, TEMP_BY_VALUE=False, BLOCK_V=2048, num_warps=4)
+    meta = dict(TOP_K=2, TOP_P=2, MIN_P=2, HAS_MASK=True, TEMP_BY_VALUE=False, BLOCK_V=2048, STATS=True, num_warps=4)
     meta.update(switches)
     scal = dict(stride_lb=512 * 151936, stride_lt=151936, T=512, V=151936, logits_start=0, temp_stride=1,
                 k_stride=1, k_val=50, p_stride=1, p_val=0.9, mp_stride=1, mp_val=0.05)

@@ -43,6 +43,7 @@ from . import runner
 # .inputs imports gtpo_kernels (and so triton): imported in problem(), after main has set the interpreter
 
 TOP_K, TOP_P = 512, 0.95
+RULES = dict(top_k=TOP_K, top_p=TOP_P)  # the rows that rebuild the sets in the call (--rules)
 HEAD = (16, 512)  # head sizes, log-uniform
 HEAD_MASS = 0.97  # the head's share of each row's probability
 SECTOR = 32  # bytes a scattered global access moves
@@ -111,17 +112,21 @@ def check(inp, mask, n=CHECK_TOKENS):
 
 
 def traffic(inp, K):
-    """{call: (bytes, sector_bytes)}: what each timed call must move (the docstring's model)."""
+    """{call: (bytes, sector_bytes)}: what each timed call must move (the docstring's model; the rules: the
+    full vocabulary's bytes plus one read of the counted rows, a floor: the kept sets' kernel reads each row
+    once per step of its searches, from L2 where the rows stay there)."""
     e = inp.logits.element_size()
     M, V, L = int(inp.mask.sum()), inp.V, inp.logits.numel()
     fwd = (K * (8 + e), K * (8 + SECTOR))
     return {("loss", "full"): (2 * M * V * e + L * e,) * 2, ("logprobs", "full"): (M * V * e,) * 2,
             ("loss", "replay"): (2 * fwd[0] + L * e + K * e, 2 * fwd[1] + L * e + K * SECTOR),
-            ("logprobs", "replay"): fwd}
+            ("logprobs", "replay"): fwd, ("loss", "rules"): (3 * M * V * e + L * e,) * 2,
+            ("logprobs", "rules"): (2 * M * V * e,) * 2}
 
 
-def steps(inp, mask, cfg):
-    """{label: (call, sets, validate, fn)} of the timed calls."""
+def steps(inp, mask, cfg, rules=False):
+    """{label: (call, sets, validate, fn)} of the timed calls; rules: the same sets rebuilt by top_k and top_p
+    in the calls (kernels/kept_rule_triton.py) as well."""
     from gtpo_kernels import gtpo_loss, token_logprobs
     z = inp.logits
 
@@ -140,11 +145,29 @@ def steps(inp, mask, cfg):
             "token_logprobs full vocabulary": ("logprobs", "full", True, logprobs()),
             "token_logprobs replay": ("logprobs", "replay", True, logprobs(sampling_mask=mask)),
             "token_logprobs replay, validate=False": ("logprobs", "replay", False,
-                                                      logprobs(sampling_mask=mask, validate=False))}
+                                                      logprobs(sampling_mask=mask, validate=False)),
+            **({"gtpo_loss rules, validate=False": ("loss", "rules", False, loss(validate=False, **RULES)),
+                "token_logprobs rules, validate=False": ("logprobs", "rules", False,
+                                                         logprobs(validate=False, **RULES))} if rules else {})}
 
 
-def run(tokens, V, device, dtype=torch.bfloat16, rounds=10, warmup=2, seed=0, log=print):
-    """The measurement: a dict for record.write_json (rows, set sizes, check, load)."""
+def rules_check(inp, mask):
+    """Worst absolute difference of token_logprobs' log-probs and entropies with the sets rebuilt by the
+    rules in the call against the same sets recorded (rebuilt by torch's sort: kernels/kept_set.py), over the
+    counted tokens, and the number of tokens that differ at all."""
+    from gtpo_kernels import token_logprobs
+    kw = dict(completion_mask=inp.mask, logits_start=0, backend="triton")
+    with torch.no_grad():
+        a = token_logprobs(inp.logits, inp.ids, sampling_mask=mask, **kw)
+        b = token_logprobs(inp.logits, inp.ids, **RULES, **kw)
+    m = inp.mask
+    d_lp, d_h = (a[0] - b[0])[m].abs(), (a[1] - b[1])[m].abs()
+    return dict(logp=float(d_lp.max()), entropy=float(d_h.max()), tokens_differing=int(((d_lp > 0) | (d_h > 0)).sum()))
+
+
+def run(tokens, V, device, dtype=torch.bfloat16, rounds=10, warmup=2, seed=0, log=print, rules=False):
+    """The measurement: a dict for record.write_json (rows, set sizes, check, load); rules: the calls that
+    rebuild the sets by top_k and top_p too, and their check against the recorded sets."""
     from gtpo_kernels import GTPOConfig
     cfg = GTPOConfig(entropy_threshold=None)
     t0 = time.perf_counter()
@@ -163,7 +186,11 @@ def run(tokens, V, device, dtype=torch.bfloat16, rounds=10, warmup=2, seed=0, lo
     err = check(inp, mask)
     log(f"replayed log-probs / entropies against float64 on {err['tokens']} tokens: {err['logp']:.1e} / "
         f"{err['entropy']:.1e} (worst relative error)")
-    todo = steps(inp, mask, cfg)
+    if rules:
+        err["rules"] = rules_check(inp, mask)
+        log(f"the sets rebuilt in the call against the recorded ones: log-probs {err['rules']['logp']:.1e}, "
+            f"entropies {err['rules']['entropy']:.1e} apart at most, {err['rules']['tokens_differing']} tokens differ")
+    todo = steps(inp, mask, cfg, rules)
     before = runner.load_snapshot(settle=False)
     errors = {}
     times = runner.interleaved({k: v[3] for k, v in todo.items()}, rounds, warmup, device,
@@ -181,7 +208,7 @@ def run(tokens, V, device, dtype=torch.bfloat16, rounds=10, warmup=2, seed=0, lo
         row.update(status="ok", time_ms=s, bytes=b, sector_bytes=b_sec, gbps=b / s["median"] / 1e6,
                    sector_gbps=b_sec / s["median"] / 1e6)
         full = f"{'gtpo_loss' if call == 'loss' else 'token_logprobs'} full vocabulary"
-        if kind == "replay" and full in times:
+        if kind in ("replay", "rules") and full in times:
             row["vs_full"] = runner.per_round_ratio(times[label], times[full])
             row["vs_full"]["unreliable"] = runner.unreliable(row["vs_full"], load)
         rows.append(row)
@@ -207,6 +234,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rules", action="store_true", help="time the calls that rebuild the sets from top_k and "
+                                                           "top_p too, and check them against the recorded sets")
     ap.add_argument("--out", default=None, help="folder of the JSON (default bench/out/; bench/results/ only "
                                                  "from a clean tree)")
     a = ap.parse_args(argv)
@@ -214,7 +243,7 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     out = a.out or record.SCRATCH
     record.require_clean(out)
-    res = run(a.tokens, a.vocab, a.device, getattr(torch, a.dtype), a.rounds, a.warmup)
+    res = run(a.tokens, a.vocab, a.device, getattr(torch, a.dtype), a.rounds, a.warmup, rules=a.rules)
     path = record.write_json(res, out, prefix="replay-")
     print(f"written: {path}")
     return 0

@@ -79,15 +79,15 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         host = checks.host_checks(validate)
-        b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens,
-                                   max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
-                                   temperature, head_dtype, batch_invariant)
         extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
-        batch.add_extras(b, hidden.device, validate=host, **extras)
         dt = float_dtype_for(hidden)
-        num_items = loss.check_loss_args(b, cfg, num_items_in_batch, dt, host)
-        with checks.one_host_read():
+        with checks.one_host_read():  # the arguments' value checks read on the host together, once
+            b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens,
+                                       max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
+                                       temperature, head_dtype, batch_invariant)
+            batch.add_extras(b, hidden.device, validate=host, **extras)
+            num_items = loss.check_loss_args(b, cfg, num_items_in_batch, dt, host)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, float_dtype_for(hidden))
         replay_kw = dict(sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p)
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
@@ -136,10 +136,10 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
         if not api._per_token_tau(temperature):
             temperature = api._with_temperature(GTPOConfig(), temperature).temperature  # validates it
         host = checks.host_checks(validate)
-        b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
-                                   max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
-                                   temperature, head_dtype, batch_invariant)
-        with checks.one_host_read():
+        with checks.one_host_read():  # the arguments' value checks read on the host together, once
+            b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
+                                       max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
+                                       temperature, head_dtype, batch_invariant)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, float_dtype_for(hidden))
         backend = dispatch.resolve_backend(backend, hidden.device, hidden.dtype)
         linear.refuse_invariant(head, backend, rules, process_group)

@@ -47,7 +47,8 @@ def _unkey(k):
 
 
 @triton.jit
-def _scan(row, V, lanes, inv_temp, mx, mp, t_k, t, i, WHAT: tl.constexpr, BLOCK_V: tl.constexpr):
+def _scan(row, V, lanes, inv_temp, mx, mp, t_k, t, i, WHAT: tl.constexpr, BLOCK_V: tl.constexpr,
+          MIN_P: tl.constexpr):
     """One pass over the row, s = z * (1 / tau), over the entries min-p keeps (finite, e^(s - max) >= min_p)
     with key >= t_k, in three forms (their values 0 / sentinels where nothing matches):
         WHAT 0   (how many have key >= t, the smallest such key, the largest key < t)
@@ -55,7 +56,8 @@ def _scan(row, V, lanes, inv_temp, mx, mp, t_k, t, i, WHAT: tl.constexpr, BLOCK_
                  key > t)
         WHAT 2   of those at key t: (how many have id <= i, the largest such id (-1: none), the smallest id
                  > i (V: none))
-    Written out, with no call inside the loop (_key's lines included): Triton's interpreter pays for each."""
+    Written out, with no call inside the loop (_key's lines included): Triton's interpreter pays for each.
+    MIN_P 0 (min-p off): no exponential but for the masses."""
     if WHAT == 1:
         acc = tl.full((), 0, tl.float64)
     else:
@@ -74,7 +76,9 @@ def _scan(row, V, lanes, inv_temp, mx, mp, t_k, t, i, WHAT: tl.constexpr, BLOCK_
         s = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
         bits = s.to(tl.int32, bitcast=True)
         k = tl.where(s == 0.0, 0, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)).to(tl.int64)
-        keep = (s == s) & (s > float("-inf")) & (tl.exp(s - mx) >= mp) & (k >= t_k)
+        keep = (s == s) & (s > float("-inf")) & (k >= t_k)
+        if MIN_P != 0:
+            keep = keep & (tl.exp(s - mx) >= mp)
         if WHAT == 0:
             up = keep & (k >= t)
             cnt += tl.sum(up.to(tl.int64), axis=0)
@@ -120,6 +124,7 @@ def _kept_rule_kernel(
     mp_ptr, mp_stride, mp_val,  # min_p
     TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,  # 0 off, 1 by value, 2 per token
     HAS_MASK: tl.constexpr, TEMP_BY_VALUE: tl.constexpr, BLOCK_V: tl.constexpr,
+    STATS: tl.constexpr = True,  # False: kst is not written (token_logprobs: no metrics), one pass fewer
 ):
     pid = tl.program_id(0).to(tl.int64)
     inv_temp, counted = _token(pid, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
@@ -145,8 +150,10 @@ def _kept_rule_kernel(
             mx = tl.maximum(mx, tl.max(tl.where(s == s, s, float("-inf")), axis=0))
         mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
         lowest = tl.full((), -2147483648, tl.int64)
-        n1, lo_k, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, lowest, lowest, 0, 0, BLOCK_V)
-        z1, hi_k, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, lowest, 2147483647, 0, 1, BLOCK_V)
+        n1, lo_k, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, lowest, lowest, 0, 0, BLOCK_V, MIN_P)
+        # the largest key min-p keeps: the maximum's (e^0 = 1 >= min_p), as a key
+        mx_bits = mx_safe.to(tl.int32, bitcast=True)
+        hi_k = tl.where(mx_safe == 0.0, 0, tl.where(mx_bits < 0, mx_bits ^ 0x7FFFFFFF, mx_bits)).to(tl.int64)
         # top-k: the largest key t with at least k kept entries at or above it (ties at it kept); each step
         # halves the keys' range at least, and lands on the entries nearest its midpoint
         t_k = lo_k
@@ -157,7 +164,7 @@ def _kept_rule_kernel(
                 it = 0
                 while (lo < hi) & (it < MAX_STEPS):
                     mid = lo + (hi - lo + 1) // 2
-                    cnt, a, b = _scan(row, V, lanes, inv_temp, mx_safe, mp, lowest, mid, 0, 0, BLOCK_V)
+                    cnt, a, b = _scan(row, V, lanes, inv_temp, mx_safe, mp, lowest, mid, 0, 0, BLOCK_V, MIN_P)
                     if cnt >= k:
                         lo = a
                     else:
@@ -169,14 +176,15 @@ def _kept_rule_kernel(
         if TOP_P != 0:
             if (p < 1.0) & (n1 > 0):
                 cut = 1.0 - p  # vLLM drops the ascending prefix whose cumulative mass is <= 1 - top_p
-                z2, _a, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, hi_k, 0, 1, BLOCK_V)
+                z2, _a, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, hi_k, 0, 1, BLOCK_V, MIN_P)
                 # the smallest key whose mass at or below it exceeds the cut (none: the largest alone is kept)
                 found = z2 / z2 > cut
                 lo = t_k
                 hi = tl.where(found, hi_k, t_k)
                 it = 0
                 while (lo < hi) & (it < MAX_STEPS):
-                    acc, a, b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, lo + (hi - lo) // 2, 0, 1, BLOCK_V)
+                    acc, a, b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, lo + (hi - lo) // 2, 0, 1, BLOCK_V,
+                                      MIN_P)
                     if acc / z2 > cut:
                         hi = a
                     else:
@@ -185,18 +193,18 @@ def _kept_rule_kernel(
                 t = tl.where(found, lo, hi_k)
                 # the entries tied at t by ascending id: the first whose cumulative mass exceeds the cut, or
                 # (none does, by rounding) the last
-                below, _a, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, t - 1, 0, 1, BLOCK_V)
+                below, _a, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, t - 1, 0, 1, BLOCK_V, MIN_P)
                 e_t = tl.exp(_unkey(t) - mx_safe).to(tl.float64)
-                n_t, last, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, t, V, 2, BLOCK_V)
+                n_t, last, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, t, V, 2, BLOCK_V, MIN_P)
                 if n_t > 1:
                     tid = last
                     if (below + n_t.to(tl.float64) * e_t) / z2 > cut:
-                        _c, _a, lo = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, t, -1, 2, BLOCK_V)
+                        _c, _a, lo = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, t, -1, 2, BLOCK_V, MIN_P)
                         hi = last
                         it = 0
                         while (lo < hi) & (it < MAX_STEPS):
                             cnt, a, b = _scan(row, V, lanes, inv_temp, mx_safe, mp, t_k, t, lo + (hi - lo) // 2, 2,
-                                              BLOCK_V)
+                                              BLOCK_V, MIN_P)
                             if (below + cnt.to(tl.float64) * e_t) / z2 > cut:
                                 hi = a
                             else:
@@ -207,29 +215,30 @@ def _kept_rule_kernel(
         empty = n1 == 0
         t_s = tl.where(empty, float("inf"), _unkey(t))
         t_id = tl.where(empty, V, tid)
-        # the set's size, the sampled token restored, the full softmax's mass on the set
-        y_in = tl.full((), 0, tl.int32)
-        m_set = tl.full((), 0, tl.float64)
-        m_all = tl.full((), 0, tl.float64)
-        for v0 in range(0, V, BLOCK_V):
-            offs = v0 + lanes
-            s = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
-            rule = (s == s) & (s > float("-inf")) & (tl.exp(s - mx_safe) >= mp) & (
-                (s > t_s) | ((s == t_s) & (offs >= t_id)))
-            inside = rule | (offs == y)
-            e = tl.where(s == s, tl.exp(s - mx_safe), 0.0).to(tl.float64)
-            size += tl.sum(inside.to(tl.float32), axis=0)
-            y_in += tl.sum((rule & (offs == y)).to(tl.int32), axis=0)
-            m_set += tl.sum(tl.where(inside, e, 0.0), axis=0)
-            m_all += tl.sum(e, axis=0)
-        restored = tl.where((y >= 0) & (y < V) & (y_in == 0), 1.0, 0.0)
-        mass = (m_set / m_all).to(tl.float32)
+        if STATS:  # the set's size, the sampled token restored, the full softmax's mass on the set
+            y_in = tl.full((), 0, tl.int32)
+            m_set = tl.full((), 0, tl.float64)
+            m_all = tl.full((), 0, tl.float64)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + lanes
+                s = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
+                # (the vocabulary kernels' test, vocab_jit._kept: every entry at or above the threshold is min-p's)
+                rule = (s == s) & (s > float("-inf")) & ((s > t_s) | ((s == t_s) & (offs >= t_id)))
+                inside = rule | (offs == y)
+                e = tl.where(s == s, tl.exp(s - mx_safe), 0.0).to(tl.float64)
+                size += tl.sum(inside.to(tl.float32), axis=0)
+                y_in += tl.sum((rule & (offs == y)).to(tl.int32), axis=0)
+                m_set += tl.sum(tl.where(inside, e, 0.0), axis=0)
+                m_all += tl.sum(e, axis=0)
+            restored = tl.where((y >= 0) & (y < V) & (y_in == 0), 1.0, 0.0)
+            mass = (m_set / m_all).to(tl.float32)
         t_s = tl.where(bad, float("nan"), t_s)
     tl.store(ts_ptr + pid, t_s)
     tl.store(tid_ptr + pid, t_id)
-    tl.store(kst_ptr + pid * 3, size)
-    tl.store(kst_ptr + pid * 3 + 1, restored)
-    tl.store(kst_ptr + pid * 3 + 2, mass)
+    if STATS:
+        tl.store(kst_ptr + pid * 3, size)
+        tl.store(kst_ptr + pid * 3 + 1, restored)
+        tl.store(kst_ptr + pid * 3 + 2, mass)
 
 
 def _rule_arg(x, like, dtype):
@@ -246,11 +255,12 @@ def _rule_arg(x, like, dtype):
 
 
 def kept_thresholds(logits3, ids, counted, temperature, logits_start, top_k=None, top_p=None, min_p=None,
-                    outs=None):
+                    outs=None, stats=True):
     """The kept sets of the rules as thresholds (module docstring), one launch: (t_s (n,) float32, t_id (n,)
     int64, kst (n, 3) float32). logits3 (B, T_l, V) with vocabulary stride 1; ids (B*T,); counted (B*T,) of
     any dtype (nonzero counts) or None; temperature as vocab_triton.temperature_arg takes it; each rule None,
-    a number, or a 0-d or (n,) tensor (top_k integer, top_p and min_p float32). outs: (t_s, t_id) to write."""
+    a number, or a 0-d or (n,) tensor (top_k integer, top_p and min_p float32). outs: (t_s, t_id) to write.
+    stats=False: kst is left unset (one pass fewer)."""
     import torch
     from .vocab_triton import block_v_for, num_warps_for, temperature_arg
     B, _T_l, V = logits3.shape
@@ -270,5 +280,5 @@ def kept_thresholds(logits3, ids, counted, temperature, logits_start, top_k=None
                             logits3.stride(0), logits3.stride(1), n // B, V, logits_start, tau, tau_stride,
                             kp, ks, int(kv), pp, ps, float(pv), mpp, ms, float(mv), TOP_K=km, TOP_P=pm, MIN_P=mm,
                             HAS_MASK=counted is not None, TEMP_BY_VALUE=isinstance(tau, float), BLOCK_V=bv,
-                            num_warps=num_warps_for(bv))
+                            STATS=stats, num_warps=num_warps_for(bv))
     return t_s, t_id, kst

@@ -239,7 +239,8 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
     rules = (top_k, top_p, min_p)
     if rule_values is not None and _has_rules(rules, rule_values):
         given = [x if x is not None else (None if v != v else v) for x, v in zip(rules, rule_values)]
-        t_s, t_id, _kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *given)
+        t_s, t_id, _kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *given,
+                                                           stats=False)
         meta.update(keep_s_ptr=t_s, keep_id_ptr=t_id, KEEP=True)
     try:
         vocab_triton._launch(logits3, ids, mask, outs, n // B, V, logits_start, tau, 1.0, None,

@@ -87,10 +87,10 @@ def _transform_grad(z, scale, cap, inv_cap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP
 @triton.jit
 def _kept(z, v, inv_temp, t_s, t_id, y):
     """The transformed logits z of entries v with those outside the token's kept set (kept_rule_triton: s_v >
-    t_s, or s_v == t_s and v >= t_id, or v == y, with s_v = z_v * (1 / tau)) made -inf; a NaN stays NaN
-    (its row is flagged as without a kept set)."""
+    t_s, or s_v == t_s and v >= t_id, or v == y, with s_v = z_v * (1 / tau)) made -inf; NaN and +inf stay
+    (their row is flagged as without a kept set: a +inf that min-p's exp(s - inf) would drop included)."""
     s = z * inv_temp
-    inside = (s > t_s) | ((s == t_s) & (v >= t_id)) | (v == y) | (z != z)
+    inside = (s > t_s) | ((s == t_s) & (v >= t_id)) | (v == y) | ~(tl.abs(z) < float("inf"))
     return tl.where(inside, z, float("-inf"))
 
 
