@@ -157,6 +157,21 @@ def test_token_logprobs_in_two_launches(validate):
     torch.testing.assert_close(h.double(), r_h, atol=TOL, rtol=TOL)
 
 
+def test_numbers_that_float32_rounds_to_a_ranges_open_end():
+    """top_p = 1e-50 and min_p = 1 - 1e-9 are valid (checked in float64) but round to 0 and 1 in float32: both
+    backends keep what the rules keep there (the largest entry; the entries tied at the maximum) as the float64
+    statement does, never NaN and never the rule switched off."""
+    g = torch.Generator().manual_seed(8)
+    z = torch.randn(2, 3, 16, generator=g)
+    z[0, 1, [4, 9]] = 5.0  # a tie at the maximum
+    ids = torch.randint(0, 16, (2, 3), generator=g)
+    for rule in (dict(top_p=1e-50), dict(min_p=1 - 1e-9)):
+        want, _, _, _ = ref.gtpo_sampling.replay_token_logprobs(z.double(), ids, **rule)
+        for backend in ("triton", "torch"):
+            lp, _ = token_logprobs(z, ids, 1.0, backend=backend, **rule)
+            torch.testing.assert_close(lp.double(), want, atol=1e-5, rtol=0, msg=f"{rule} {backend}")
+
+
 def test_invalid_rule_nan_at_its_token_and_the_twins_error():
     """top_k -1 at a counted token, a NaN top_p of a completion, a NaN logit outside the kept set: unvalidated
     those tokens' outputs NaN (the loss NaN, the other tokens finite); validating, the error the torch path

@@ -27,7 +27,7 @@ ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", 
                      "TOP_ENT",  # the top-entropy mask: a switch
                      "PHASE",  # the epilogue's key launch (clip_cov, kl_cov) or the loss: a mode
                      "HP",  # which hyper-parameters are read by pointer (a config's, fixed across steps; no value)
-                     "KEEP", "KEPT", "TOP_K", "TOP_P", "MIN_P"}  # kept sets rebuilt by rules: switches, each rule's mode
+                     "KEEP", "KEPT", "TOP_K", "TOP_P", "MIN_P", "STATS"}  # kept sets rebuilt by rules: switches, modes
 PER_BATCH_SIZES = {"T", "T_l", "logits_start", "n_t_blocks", "B", "N"}  # vary every step
 
 

@@ -2,10 +2,10 @@
 read: the kernel before the forward vocabulary kernel when top_k / top_p / min_p take the epilogue.
 
 For a counted token with row s = z' / tau (s_v = z'_v * (1 / tau), as the vocabulary kernels form it), vLLM's
-order (min-p on the full softmax, top-k with its ties kept, top-p on what remains sorted ascending with ties
-by ascending id, the largest always kept) leaves a set that is an upper set of the order (s_v, v): every kept
-entry is at or above the smallest kept one. So the set is written as that entry, (t_s, t_id), and the
-vocabulary kernels keep
+order (min-p on the full softmax, top-k with its ties kept, top-p on what remains sorted ascending with ties by
+ascending id, the largest always kept) leaves a set that is an upper set of the order (s_v, v): every kept entry
+is at or above the smallest kept one. So the set is written as that entry, (t_s, t_id), and the vocabulary
+kernels keep
 
     v in K  <=>  s_v > t_s, or s_v == t_s and v >= t_id, or v == y     (vocab_jit._kept)
 
@@ -13,8 +13,8 @@ vocabulary kernels keep
 made. The threshold is found by bisection over the order-preserving integer key of s's float32 bits (_key):
 top-k's k-th largest value by counting passes over the row, top-p's cut by passes of the masses at or below a
 key, then, where several entries tie at the cut, by passes over their ids; each step halves the range left at
-least and moves its ends onto the nearest entries, so a search takes about log2 of the entries in it. The row
-of one program is read again on each pass (from L2 at real sizes); every other output is O(1) per token.
+least (at most about 32 steps a search) and moves its ends onto the nearest entries (fewer where it holds few).
+The row of one program is read again on each pass (from L2 at real sizes); every other output is O(1) per token.
 Masses are e^(s_v - max s) in float32 summed in float64, compared as vLLM's cumulative sum is, so a cut that
 lands within a rounding of 1 - top_p may differ from a sort's (the sampled token is restored either way).
 Invalid rule values (top_k < 0, top_p outside (0, 1], min_p outside [0, 1), NaN) give t_s = NaN, which the
@@ -29,6 +29,11 @@ import triton
 import triton.language as tl
 
 from .vocab_fwd_triton import _token
+
+# tl.sum's, tl.max's and tl.min's own reductions, called directly (operands of 32 or 64 bits, which those
+# would not promote: the same code compiled); Triton's interpreter then runs them without a jit wrapper's
+# call, which it pays for on every pass over a row
+_SUM, _MAX, _MIN = tl.standard._sum_combine, tl.standard._elementwise_max, tl.standard._elementwise_min
 
 # a bound on any search's steps: each at least halves a range of at most 2^32 keys (or ids), so 33 suffice;
 # the bound only guards the loops against what cannot happen
@@ -81,19 +86,19 @@ def _scan(row, V, lanes, inv_temp, mx, mp, t_k, t, i, WHAT: tl.constexpr, BLOCK_
             keep = keep & (tl.exp(s - mx) >= mp)
         if WHAT == 0:
             up = keep & (k >= t)
-            cnt += tl.sum(up.to(tl.int64), axis=0)
-            a = tl.minimum(a, tl.min(tl.where(up, k, 2147483647), axis=0))
-            b = tl.maximum(b, tl.max(tl.where(keep & (k < t), k, -2147483648), axis=0))
+            cnt += tl.reduce(up.to(tl.int64), 0, _SUM)
+            a = tl.minimum(a, tl.reduce(tl.where(up, k, 2147483647), 0, _MIN))
+            b = tl.maximum(b, tl.reduce(tl.where(keep & (k < t), k, -2147483648), 0, _MAX))
         elif WHAT == 1:
             down = keep & (k <= t)
-            acc += tl.sum(tl.where(down, tl.exp(s - mx), 0.0).to(tl.float64), axis=0)
-            a = tl.maximum(a, tl.max(tl.where(down, k, -2147483648), axis=0))
-            b = tl.minimum(b, tl.min(tl.where(keep & (k > t), k, 2147483647), axis=0))
+            acc += tl.reduce(tl.where(down, tl.exp(s - mx), 0.0).to(tl.float64), 0, _SUM)
+            a = tl.maximum(a, tl.reduce(tl.where(down, k, -2147483648), 0, _MAX))
+            b = tl.minimum(b, tl.reduce(tl.where(keep & (k > t), k, 2147483647), 0, _MIN))
         else:
             tie = keep & (k == t)
-            cnt += tl.sum((tie & (offs <= i)).to(tl.int64), axis=0)
-            a = tl.maximum(a, tl.max(tl.where(tie & (offs <= i), offs, -1), axis=0))
-            b = tl.minimum(b, tl.min(tl.where(tie & (offs > i), offs, V), axis=0))
+            cnt += tl.reduce((tie & (offs <= i)).to(tl.int64), 0, _SUM)
+            a = tl.maximum(a, tl.reduce(tl.where(tie & (offs <= i), offs, -1), 0, _MAX))
+            b = tl.minimum(b, tl.reduce(tl.where(tie & (offs > i), offs, V), 0, _MIN))
     if WHAT == 1:
         out = acc
     else:
@@ -113,7 +118,8 @@ def _rule(ptr, stride, value, tok, MODE: tl.constexpr, off, dtype: tl.constexpr)
     return x
 
 
-@triton.jit(do_not_specialize=["T", "V", "logits_start", "temp_stride", "k_stride", "p_stride", "mp_stride"])
+@triton.jit(do_not_specialize=["T", "V", "logits_start", "temp_stride", "k_stride", "k_val", "p_stride",
+                               "mp_stride"])
 def _kept_rule_kernel(
     logits_ptr, ids_ptr, mask_ptr,  # (B, T_l, V) rows (vocabulary stride 1); (B*T,) ids; (B*T,) counted flag
     ts_ptr, tid_ptr, kst_ptr,  # outputs: (B*T,) float32 t_s, int64 t_id; (B*T, 3) float32 (|K|, restored, mass)
@@ -141,13 +147,17 @@ def _kept_rule_kernel(
         k = _rule(k_ptr, k_stride, k_val, pid, TOP_K, 0, tl.int64)
         p = _rule(p_ptr, p_stride, p_val, pid, TOP_P, 1.0, tl.float32)
         mp = _rule(mp_ptr, mp_stride, mp_val, pid, MIN_P, 0.0, tl.float32)
-        bad = (k < 0) | ~((p > 0.0) & (p <= 1.0)) | ~((mp >= 0.0) & (mp < 1.0))
+        # a value read per token out of its range (a number was checked on the host, in float64: one that
+        # float32 rounds to the range's open end, top_p 1e-50 -> 0 or min_p 1 - 1e-9 -> 1, keeps what the
+        # rules keep there, the largest entry or the entries tied at the maximum)
+        bad = ((k < 0) & (TOP_K == 2)) | (~((p > 0.0) & (p <= 1.0)) & (TOP_P == 2)) \
+            | (~((mp >= 0.0) & (mp < 1.0)) & (MIN_P == 2))
         # pass: the row's maximum (NaN left out), then what min-p keeps: its count and keys' range
         mx = tl.full((), float("-inf"), tl.float32)
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + lanes
             s = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
-            mx = tl.maximum(mx, tl.max(tl.where(s == s, s, float("-inf")), axis=0))
+            mx = tl.maximum(mx, tl.reduce(tl.where(s == s, s, float("-inf")), 0, _MAX))
         mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
         lowest = tl.full((), -2147483648, tl.int64)
         n1, lo_k, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, lowest, lowest, 0, 0, BLOCK_V, MIN_P)
@@ -226,10 +236,10 @@ def _kept_rule_kernel(
                 rule = (s == s) & (s > float("-inf")) & ((s > t_s) | ((s == t_s) & (offs >= t_id)))
                 inside = rule | (offs == y)
                 e = tl.where(s == s, tl.exp(s - mx_safe), 0.0).to(tl.float64)
-                size += tl.sum(inside.to(tl.float32), axis=0)
-                y_in += tl.sum((rule & (offs == y)).to(tl.int32), axis=0)
-                m_set += tl.sum(tl.where(inside, e, 0.0), axis=0)
-                m_all += tl.sum(e, axis=0)
+                size += tl.reduce(inside.to(tl.float32), 0, _SUM)
+                y_in += tl.reduce((rule & (offs == y)).to(tl.int32), 0, _SUM)
+                m_set += tl.reduce(tl.where(inside, e, 0.0), 0, _SUM)
+                m_all += tl.reduce(e, 0, _SUM)
             restored = tl.where((y >= 0) & (y < V) & (y_in == 0), 1.0, 0.0)
             mass = (m_set / m_all).to(tl.float32)
         t_s = tl.where(bad, float("nan"), t_s)

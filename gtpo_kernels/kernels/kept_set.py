@@ -84,7 +84,8 @@ def _block(s, k, top_p, min_p):
 def kept_sets(logits3, rows_b, rows_t, y, tau, top_k=None, top_p=None, min_p=None, scale=1.0, softcap=None,
               block_rows=None):
     """The kept sets of the M counted tokens. tau, top_k, top_p, min_p: numbers or (M,) tensors (None:
-    off); invalid values (unvalidated input, flagged by core.sampling) are treated as off here.
+    off); an invalid value (unvalidated input, flagged by core.sampling: its token NaN) is used as it is (a
+    negative top_k as off).
     Returns token_ids (K,) int64, offsets (M + 1,) int64, restored (M,) bool (the sampled token was added
     back), nonfinite (M,) bool (the row holds NaN or +inf: its set means nothing, its outputs NaN) and
     kept_mass (M,) (the full softmax's mass on the set, for metrics["kept_mass"])."""
@@ -101,10 +102,10 @@ def kept_sets(logits3, rows_b, rows_t, y, tau, top_k=None, top_p=None, min_p=Non
         nf = (torch.isnan(s) | (s == float("inf"))).any(-1)
         s = torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), s)
         k = _param(top_k, sl, 0, torch.long, dev).clamp(min=0)
+        # top_p, min_p as they are: a number's float rounding at its range's open end (top_p 1e-50 -> 0, min_p
+        # 1 - 1e-9 -> 1) keeps what the rules keep there, and an invalid value's token is NaN (the caller's flags)
         tp = _param(top_p, sl, 1.0, acc, dev)
-        tp = torch.where((tp > 0) & (tp <= 1), tp, torch.ones_like(tp))
         mp = _param(min_p, sl, 0.0, acc, dev)
-        mp = torch.where((mp >= 0) & (mp < 1), mp, torch.zeros_like(mp))
         keep = _block(s, k, tp, mp)
         yc = y[sl].long().clamp(0, V - 1)[:, None]
         rest = ~keep.gather(1, yc).squeeze(1)

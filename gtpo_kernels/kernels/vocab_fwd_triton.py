@@ -44,6 +44,10 @@ import triton.language as tl
 
 from ..core.vocab_block import VOCAB_BLOCK as _VOCAB_BLOCK
 from .vocab_status import _fold_status
+
+# tl.sum's and tl.max's own reductions, called directly (float32 operands: the same code compiled); Triton's
+# interpreter then runs them without a jit wrapper's call, which it pays for on every block of every row
+_SUM, _MAX = tl.standard._sum_combine, tl.standard._elementwise_max
 from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E, NEG_SENTINEL,
                         _inv_cap, _inv_tau, _kept, _log1p, _store_token, _transform)
 
@@ -104,17 +108,17 @@ def _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE: tl.c
         m_l, r_l, u_l = _fwd_update(z0, m_l, r_l, u_l, c2)
         m_l, r_l, u_l = _fwd_update(z1, m_l, r_l, u_l, c2)
     # re-base the lanes on the block's maximum and reduce
-    mx = tl.max(m_l, axis=0)
+    mx = tl.reduce(m_l, 0, _MAX)  # (tl.max's own reduction; float32 throughout: see kept_rule_triton._SUM)
     empty = mx == NEG_SENTINEL  # no finite entry: every entry -inf (or NaN)
     live = m_l != NEG_SENTINEL
     sh = (m_l - mx) * c2
     alpha = tl.exp2(sh)
     # R = S - 1 without cancellation: the lanes' own sums, the maxima of lanes below the block maximum,
     # and the extra lanes at it (ties across lanes; ties inside a lane are already in r_l)
-    r_raw = tl.sum(alpha * r_l, axis=0) + tl.sum(tl.where(live & (m_l < mx), alpha, 0.0), axis=0) \
-        + (tl.sum((live & (m_l == mx)).to(tl.float32), axis=0) - 1.0)
+    r_raw = tl.reduce(alpha * r_l, 0, _SUM) + tl.reduce(tl.where(live & (m_l < mx), alpha, 0.0), 0, _SUM) \
+        + (tl.reduce((live & (m_l == mx)).to(tl.float32), 0, _SUM) - 1.0)
     r_b = tl.where(empty, 0.0 * r_raw, r_raw)  # keeps a NaN
-    u_b = tl.sum(tl.where(alpha > 0, alpha * (u_l + (1.0 + r_l) * sh), 0.0), axis=0)
+    u_b = tl.reduce(tl.where(alpha > 0, alpha * (u_l + (1.0 + r_l) * sh), 0.0), 0, _SUM)
     return mx, r_b, u_b
 
 
