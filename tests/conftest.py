@@ -184,3 +184,16 @@ NIGHTLY_ONLY |= {f"tests/test_epilogue_masks.py::{t}" for t in (
     "test_unvalidated_invalid_rollout_weight_gives_nan[token--0.5]",
     "test_unvalidated_invalid_rollout_weight_gives_nan[completion--1.0]",
     "test_head_with_the_off_policy_mask_matches_the_eager_path[recompute-True]")}
+
+
+def compiled_ahead(code):
+    """Runs `code` (Python that compiles kernels ahead of time with bench.aot, no GPU needed, and prints
+    'compiled' at its end) in a process of its own with Triton's interpreter off, from the repository's root;
+    asserts that it ran to the end and returns its stdout."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="0"), cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+    return p.stdout

@@ -3,16 +3,13 @@ fourth kernel when gtpo_loss computes lam and n_conf itself, spec 8) against the
 padded and packed, any mask dtype, groups of 1 to 5, small vocabularies (many shared ids), zero advantages,
 counted ids outside [0, 2**31) (their completion NaN, unvalidated) and malformed cu_seqlens (every weight
 NaN); and compiled for the GPUs."""
-import os
-import subprocess
-import sys
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gtpo_reference as ref
-from conftest import examples
+from conftest import compiled_ahead, examples
 from gtpo_kernels.kernels import ops
 
 
@@ -113,10 +110,7 @@ def test_conflict_kernel_compiles_for_the_gpus():
             "for arch, sw in [(90, {}), (80, dict(PACKED=False, HAS_MASK=False)), (100, dict(BLOCK_G=32, BLOCK_T=32))]:\n"
             "    assert compile_conflict_weights(arch, **sw).asm.get('ptx'), (arch, sw)\n"
             "print('compiled')\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="0"), cwd=root,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+    compiled_ahead(code)
 
 
 def test_runs_continue_across_blocks():

@@ -9,7 +9,6 @@ computed, rollout weights per token or per completion, rollout log-probs (one Na
 off-policy sequence mask (its threshold drawn among the completions' mean log-ratios) and the top-entropy mask
 (top_entropy_quantile drawn; tests/test_top_entropy.py holds its fixed cases). Tolerances: spec 7
 (float32: 1e-5)."""
-import os
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from bench.launches import counting
-from conftest import assert_grad_close, assert_value_close, examples
+from conftest import assert_grad_close, assert_value_close, compiled_ahead, examples
 from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss, gtpo_loss_from_logps
 
 FAST = ["gtpo", "gtpo-official", "grpo", "dapo", "dr-grpo", "bnpo", "gspo", "luspo", "vanilla"]
@@ -481,8 +480,6 @@ def test_epilogue_compiles_for_the_gpus():
     mask, the top-entropy mask (TOP_ENT) and its sort key's kernel, every hyper-parameter read by pointer (HP)
     among its cases: what the interpreter does not check (a loop-carried variable that changes type, a global
     NaN that differs from itself between inner functions) fails here."""
-    import subprocess
-    import sys
     code = ("from bench.aot.compiler import compile_epilogue\n"
             "for arch, sw in [(90, {}), (90, dict(PACKED=True, SEQ=True, AGG=4)), (90, dict(AGG=5, HAS_LAM=False, HAS_ROLL=False)),\n"
             "                 (80, dict(PACKED=True, AGG=1, NITEMS=2)), (100, dict(SEQ=True, AGG=3, HAS_KL=False)),\n"
@@ -504,14 +501,11 @@ def test_epilogue_compiles_for_the_gpus():
             "    assert _compile_ahead(k, arch, {'bad_ptr': torch.int8, 'mask_ptr': torch.bool}, torch.float32,\n"
             "                          dict(N=32768), dict(HAS_MASK=True, BLOCK=1024, num_warps=4)).asm.get('ptx')\n"
             "print('compiled')\n")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
-    assert p.stdout.count("'POLICY'") == 16, p.stdout  # every policy term of the kernel compiled
-    assert p.stdout.count("'PHASE': 1") == 2, p.stdout  # clip_cov's and kl_cov's keys (epilogue_cov)
-    assert p.stdout.count("'TOP_ENT'") == 4, p.stdout  # the top-entropy mask (and its key kernel) compiled
-    assert p.stdout.count(f"'HP': {_HP_ALL}") == 2, p.stdout  # every hyper-parameter read by pointer
+    out = compiled_ahead(code)
+    assert out.count("'POLICY'") == 16, out  # every policy term of the kernel compiled
+    assert out.count("'PHASE': 1") == 2, out  # clip_cov's and kl_cov's keys (epilogue_cov)
+    assert out.count("'TOP_ENT'") == 4, out  # the top-entropy mask (and its key kernel) compiled
+    assert out.count(f"'HP': {_HP_ALL}") == 2, out  # every hyper-parameter read by pointer
 
 
 @pytest.mark.parametrize("bad", ["adv", "old", "ref", "lam", "n_conf", "num_items", "mask", "ids", "cu_seqlens",

@@ -4,13 +4,9 @@ and of the torch rebuild (kernels/kept_set.kept_sets, the twin), ties at the k-t
 included, with the set's size, the sampled token restored and the kept mass; gtpo_loss on them against the
 reference (packed, tensors per completion and per token, validating); an invalid rule NaN unvalidated at its
 token and the twin's error validating. Tolerances: spec 7 (float32: 1e-5)."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import assert_grad_close
+from conftest import assert_grad_close, compiled_ahead
 from test_logps_epilogue import TOL, _compare
 
 import gtpo_reference as ref
@@ -222,7 +218,4 @@ def test_kernels_compile_for_the_gpus():
             "for arch, backward in [(90, False), (90, True), (100, True)]:\n"
             "    assert compile_vocab_keep(arch, backward).asm.get('ptx'), (arch, backward)\n"
             "print('compiled')\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="0"), cwd=root,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+    compiled_ahead(code)

@@ -17,8 +17,9 @@ least (at most about 32 steps a search) and moves its ends onto the nearest entr
 The row of one program is read again on each pass (from L2 at real sizes); every other output is O(1) per token.
 Masses are e^(s_v - max s) in float32 summed in float64, compared as vLLM's cumulative sum is, so a cut that
 lands within a rounding of 1 - top_p may differ from a sort's (the sampled token is restored either way).
-Invalid rule values (top_k < 0, top_p outside (0, 1], min_p outside [0, 1), NaN) give t_s = NaN, which the
-forward kernel flags (BAD_RULE): that token's outputs NaN.
+Invalid rule values read per token (top_k < 0, top_p outside (0, 1], min_p outside [0, 1), NaN) give t_s =
+NaN, which the forward kernel flags (BAD_RULE): that token's outputs NaN. A number was checked on the host, in
+float64: one that float32 rounds to its range's open end keeps what the rules keep there.
 
 Per token it also writes kst = (|K|, restored, the full softmax's mass on K) for spec 13's metrics, which the
 epilogue sums (0 at uncounted tokens).
@@ -29,19 +30,19 @@ import triton
 import triton.language as tl
 
 from .vocab_fwd_triton import _token
-
-# tl.sum's, tl.max's and tl.min's own reductions, called directly (operands of 32 or 64 bits, which those
-# would not promote: the same code compiled); Triton's interpreter then runs them without a jit wrapper's
-# call, which it pays for on every pass over a row
-_SUM, _MAX, _MIN = tl.standard._sum_combine, tl.standard._elementwise_max, tl.standard._elementwise_min
+from .vocab_jit import _MAX, _MIN, _SUM
 
 # a bound on any search's steps: each at least halves a range of at most 2^32 keys (or ids), so 33 suffice;
 # the bound only guards the loops against what cannot happen
 MAX_STEPS = tl.constexpr(64)
 
 
-# A key: s's float32 bits b as an int64 in s's order, b ^ 0x7FFFFFFF where negative (-0 and +0 the same
-# key, 0; NaN is never asked), written out where used (_scan).
+@triton.jit
+def _key(s):
+    """s's float32 bits b as an int64 in s's order: b ^ 0x7FFFFFFF where negative (-0 and +0 the same key, 0;
+    NaN is never asked). _scan writes these lines out in its loop (the interpreter pays for each call)."""
+    b = s.to(tl.int32, bitcast=True)
+    return tl.where(s == 0.0, 0, tl.where(b < 0, b ^ 0x7FFFFFFF, b)).to(tl.int64)
 
 
 @triton.jit
@@ -61,25 +62,24 @@ def _scan(row, V, lanes, inv_temp, mx, mp, t_k, t, i, WHAT: tl.constexpr, BLOCK_
                  key > t)
         WHAT 2   of those at key t: (how many have id <= i, the largest such id (-1: none), the smallest id
                  > i (V: none))
-    Written out, with no call inside the loop (_key's lines included): Triton's interpreter pays for each.
+    Written out, with no call inside the loop: Triton's interpreter pays for each.
     MIN_P 0 (min-p off): no exponential but for the masses."""
     if WHAT == 1:
         acc = tl.full((), 0, tl.float64)
-    else:
-        cnt = tl.full((), 0, tl.int64)
-    if WHAT == 1:
         a = tl.full((), -2147483648, tl.int64)
         b = tl.full((), 2147483647, tl.int64)
     elif WHAT == 0:
+        cnt = tl.full((), 0, tl.int64)
         a = tl.full((), 2147483647, tl.int64)
         b = tl.full((), -2147483648, tl.int64)
     else:
+        cnt = tl.full((), 0, tl.int64)
         a = tl.full((), -1, tl.int64)
         b = tl.full((), 0, tl.int64) + V
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + lanes
         s = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
-        bits = s.to(tl.int32, bitcast=True)
+        bits = s.to(tl.int32, bitcast=True)  # _key(s), written out
         k = tl.where(s == 0.0, 0, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)).to(tl.int64)
         keep = (s == s) & (s > float("-inf")) & (k >= t_k)
         if MIN_P != 0:
@@ -162,8 +162,7 @@ def _kept_rule_kernel(
         lowest = tl.full((), -2147483648, tl.int64)
         n1, lo_k, _b = _scan(row, V, lanes, inv_temp, mx_safe, mp, lowest, lowest, 0, 0, BLOCK_V, MIN_P)
         # the largest key min-p keeps: the maximum's (e^0 = 1 >= min_p), as a key
-        mx_bits = mx_safe.to(tl.int32, bitcast=True)
-        hi_k = tl.where(mx_safe == 0.0, 0, tl.where(mx_bits < 0, mx_bits ^ 0x7FFFFFFF, mx_bits)).to(tl.int64)
+        hi_k = _key(mx_safe)
         # top-k: the largest key t with at least k kept entries at or above it (ties at it kept); each step
         # halves the keys' range at least, and lands on the entries nearest its midpoint
         t_k = lo_k

@@ -133,9 +133,8 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
     value, logp, ent, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status, stats, bad, t_s, t_id = outs
     tau = fl["tau"] if fg["TEMP_BY_VALUE"] else temperature
     kst = keep = None
-    if _has_rules(rules, rule_values):
-        # the kept sets as thresholds: one launch (kernels/kept_rule_triton.py)
-        given = [x if x is not None else (None if v != v else v) for x, v in zip(rules, rule_values)]
+    given = _given_rules(rules, rule_values)
+    if given is not None:  # the kept sets as thresholds: one launch (kernels/kept_rule_triton.py)
         t_s, t_id, kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *given,
                                                           outs=(t_s, t_id))
         keep = (t_s, t_id)
@@ -146,14 +145,16 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
     return outs
 
 
-def _has_rules(rules, rule_values):
-    """Whether a call's rules are given: a tensor, or a number (NaN in rule_values: none)."""
-    return any(x is not None or v == v for x, v in zip(rules, rule_values))
+def _given_rules(rules, rule_values):
+    """top_k, top_p, min_p as kept_thresholds takes them, each its tensor, its number (rule_values: NaN where
+    none is given by value) or None; None when no rule is given."""
+    given = [x if x is not None else (None if v != v else v) for x, v in zip(rules, rule_values)]
+    return None if all(x is None for x in given) else given
 
 
 def _keep_outputs(like, n, rules, rule_values):
     """fused_loss's t_s (n,) float32 and t_id (n,) int64, empty without rules."""
-    m = n if _has_rules(rules, rule_values) else 0
+    m = n if _given_rules(rules, rule_values) is not None else 0
     return [torch.empty(m, device=like.device, dtype=torch.float32), torch.empty(m, device=like.device,
                                                                              dtype=torch.int64)]
 
@@ -236,9 +237,8 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
             meta.update(cu_ptr=cu, n_seq=cu.numel() - 1, max_seqlen=max_seqlen)
     B, _, V = logits3.shape
     tau = tau_value if temperature is None else temperature
-    rules = (top_k, top_p, min_p)
-    if rule_values is not None and _has_rules(rules, rule_values):
-        given = [x if x is not None else (None if v != v else v) for x, v in zip(rules, rule_values)]
+    given = None if rule_values is None else _given_rules((top_k, top_p, min_p), rule_values)
+    if given is not None:
         t_s, t_id, _kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *given,
                                                            stats=False)
         meta.update(keep_s_ptr=t_s, keep_id_ptr=t_id, KEEP=True)

@@ -44,12 +44,8 @@ import triton.language as tl
 
 from ..core.vocab_block import VOCAB_BLOCK as _VOCAB_BLOCK
 from .vocab_status import _fold_status
-
-# tl.sum's and tl.max's own reductions, called directly (float32 operands: the same code compiled); Triton's
-# interpreter then runs them without a jit wrapper's call, which it pays for on every block of every row
-_SUM, _MAX = tl.standard._sum_combine, tl.standard._elementwise_max
-from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E, NEG_SENTINEL,
-                        _inv_cap, _inv_tau, _kept, _log1p, _store_token, _transform)
+from .vocab_jit import (_MAX, _SUM, BAD_ID, BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E,
+                        NEG_SENTINEL, _inv_cap, _inv_tau, _kept, _log1p, _store_token, _transform)
 
 
 @triton.jit
@@ -108,7 +104,7 @@ def _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE: tl.c
         m_l, r_l, u_l = _fwd_update(z0, m_l, r_l, u_l, c2)
         m_l, r_l, u_l = _fwd_update(z1, m_l, r_l, u_l, c2)
     # re-base the lanes on the block's maximum and reduce
-    mx = tl.reduce(m_l, 0, _MAX)  # (tl.max's own reduction; float32 throughout: see kept_rule_triton._SUM)
+    mx = tl.reduce(m_l, 0, _MAX)  # (tl.max's own reduction, float32 throughout: vocab_jit._MAX)
     empty = mx == NEG_SENTINEL  # no finite entry: every entry -inf (or NaN)
     live = m_l != NEG_SENTINEL
     sh = (m_l - mx) * c2

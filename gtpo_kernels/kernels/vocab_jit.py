@@ -33,6 +33,10 @@ BAD_TARGET_NEG_INF = tl.constexpr(flags.BAD_TARGET_NEG_INF)
 BAD_ID = tl.constexpr(flags.BAD_ID)
 BAD_RULE = tl.constexpr(flags.BAD_RULE)
 TANH_SMALL = tl.constexpr(0.25)  # below: the Taylor polynomial; above: (1 - e) / (1 + e)
+# tl.sum's, tl.max's and tl.min's own reductions, called directly on operands of 32 or 64 bits (which those
+# would not promote: the same code compiled); Triton's interpreter then runs them without a jit wrapper's call,
+# which it pays for on every block of every row
+_SUM, _MAX, _MIN = tl.standard._sum_combine, tl.standard._elementwise_max, tl.standard._elementwise_min
 
 
 @triton.jit

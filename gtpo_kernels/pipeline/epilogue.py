@@ -18,8 +18,8 @@ pointer, see hyper; the entropy filter's threshold too, and its gate formed on t
 sampler's kept sets rebuilt by top_k / top_p / min_p (one launch more before the forward kernel writes each
 token's set as a threshold, which both vocabulary kernels read: kernels/kept_rule_triton.py). Whatever
 else (recorded kept sets: logps_epilogue; vocabulary-parallel, inplace, vespo's, clip_cov's and kl_cov's
-numbers as tensors) takes the eager path of loss.fused_loss, which is also this kernel's twin in tests. Validating, the status word is
-read with the call's input checks: one host read.
+numbers as tensors) takes the eager path of loss.fused_loss, which is also this kernel's twin in tests.
+Validating, the status word is read with the call's input checks: one host read.
 """
 from __future__ import annotations
 
