@@ -209,6 +209,26 @@ def _rows(device="cpu"):
             return lambda: token_logprobs(logits, ids, tau, validate=validate, backend="triton", **kw, **rules)
         return prepare
 
+    def token_mode(mode):
+        """verl's policy loss `gtpo_<mode>` (integrations/verl_modes.py) on per-token advantages; verl's
+        agg_loss stands as a plain sum, its clip fraction is read on the host (verl's metrics are floats)."""
+        def prepare():
+            import types
+
+            from gtpo_kernels.integrations.verl_modes import mode_loss
+            _, _, _, mask, extra = batch(8, 6, 0, False, device=device)
+            g = torch.Generator().manual_seed(2)
+            old = extra["old_logps"]
+            lp = (old + 0.1 * torch.randn(old.shape, generator=g).to(device)).requires_grad_()
+            adv = torch.randn(old.shape, generator=g).to(device)
+            pl = types.SimpleNamespace(clip_cov_ratio=0.2, clip_cov_lb=1.0, clip_cov_ub=5.0)
+            actor = type("Actor", (dict,), dict(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.28,
+                                                policy_loss=pl))()
+            agg = lambda loss_mat, loss_mask, loss_agg_mode: loss_mat.sum()  # noqa: E731
+            return lambda: mode_loss(mode, old, lp, adv, mask.long(), "token-mean", actor, None, agg,
+                                     backend="triton")[0].backward()
+        return prepare
+
     def head_inputs():
         """The head rows' batch: 16 completions x 8 tokens, D = 16, V = 64 (h and w require grad)."""
         g = torch.Generator().manual_seed(0)
@@ -322,7 +342,10 @@ def _rows(device="cpu"):
             ("top_k, top_p and min_p replay, validate=False",
              loss(validate=False, top_k=5, top_p=0.9, min_p=0.01, drop=no_ref)),
             ("token_logprobs with top_k and top_p, validate=False", logps(False, top_k=5, top_p=0.9)),
-            ("the same, validate=True", logps(True, top_k=5, top_p=0.9))]
+            ("the same, validate=True", logps(True, top_k=5, top_p=0.9)),
+            ("verl's gtpo_vanilla on token advantages (its agg_loss: a sum here)", token_mode("vanilla")),
+            ("verl's gtpo_clip_cov on token advantages (the same)", token_mode("clip_cov")),
+            ("verl's gtpo_geo_mean on token advantages (the eager surrogate)", token_mode("geo_mean"))]
 
 
 def main(argv=None):

@@ -477,8 +477,8 @@ def test_epilogue_compiles_for_the_gpus():
     """The epilogue compiled ahead of time for sm_90, sm_80 and sm_100 (no GPU needed; Triton's compiler in
     a process without the interpreter), every policy term (POLICY; clip_cov's and kl_cov's key launch, PHASE 1
     too), the rollout weights (RW) and the off-policy
-    mask, the top-entropy mask (TOP_ENT) and its sort key's kernel, every hyper-parameter read by pointer (HP)
-    among its cases: what the interpreter does not check (a loop-carried variable that changes type, a global
+    mask, the top-entropy mask (TOP_ENT) and its sort key's kernel, every hyper-parameter read by pointer (HP),
+    the advantages per token (TOK_ADV) among its cases: what the interpreter does not check (a loop-carried variable that changes type, a global
     NaN that differs from itself between inner functions) fails here."""
     code = ("from bench.aot.compiler import compile_epilogue\n"
             "for arch, sw in [(90, {}), (90, dict(PACKED=True, SEQ=True, AGG=4)), (90, dict(AGG=5, HAS_LAM=False, HAS_ROLL=False)),\n"
@@ -491,6 +491,8 @@ def test_epilogue_compiles_for_the_gpus():
             "                 (100, dict(RW=1, OFF_POLICY=True, HAS_ROLL=False, HAS_OLD=False)),\n"
             "                 (90, dict(TOP_ENT=True, enable_fp_fusion=False, RW=1, OFF_POLICY=True)),\n"
             "                 (80, dict(TOP_ENT=True, enable_fp_fusion=False, PACKED=True, SEQ=True, AGG=1)),\n"
+            "                 (90, dict(TOK_ADV=True, PENALTY=False, VALIDATE=False, POLICY=10, PHASE=1, RW=1)),\n"
+            "                 (80, dict(TOK_ADV=True, PENALTY=False, VALIDATE=False, AGG=5)),\n"
             f"                 (90, dict(HP={_HP_ALL})), (100, dict(HP={_HP_ALL}, POLICY=2, TOP_ENT=True, enable_fp_fusion=False))]:\n"
             "    print(arch, sw)\n"
             "    assert compile_epilogue(arch, **sw).asm.get('ptx'), (arch, sw)\n"
@@ -502,8 +504,9 @@ def test_epilogue_compiles_for_the_gpus():
             "                          dict(N=32768), dict(HAS_MASK=True, BLOCK=1024, num_warps=4)).asm.get('ptx')\n"
             "print('compiled')\n")
     out = compiled_ahead(code)
-    assert out.count("'POLICY'") == 16, out  # every policy term of the kernel compiled
-    assert out.count("'PHASE': 1") == 2, out  # clip_cov's and kl_cov's keys (epilogue_cov)
+    assert out.count("'POLICY'") == 17, out  # every policy term of the kernel compiled
+    assert out.count("'PHASE': 1") == 3, out  # clip_cov's and kl_cov's keys (epilogue_cov)
+    assert out.count("'TOK_ADV': True") == 2, out  # the advantages per token (pipeline/token_terms.py)
     assert out.count("'TOP_ENT'") == 4, out  # the top-entropy mask (and its key kernel) compiled
     assert out.count(f"'HP': {_HP_ALL}") == 2, out  # every hyper-parameter read by pointer
 

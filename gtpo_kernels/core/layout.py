@@ -58,6 +58,7 @@ class Batch:
     malformed_: object = None  # 0-d bool: an unvalidated cu_seqlens was malformed (NaN outputs)
     tau: Optional[torch.Tensor] = None  # (N,) the call's temperature per token, when it gave one (spec 13)
     mask: Optional[torch.Tensor] = None  # (N,) the caller's completion_mask as given (any dtype), None: all counted
+    token_adv: Optional[torch.Tensor] = None  # (N,) an advantage per token in place of Ahat (pipeline/token_terms.py)
 
     given: Optional[dict] = None  # ids, adv, cu_seqlens as the caller gave them (the epilogue kernel reads these)
 

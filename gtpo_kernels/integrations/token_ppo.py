@@ -4,8 +4,8 @@ old log-probs and token advantages but neither token ids, entropies nor groups (
 GTPO reaches such a loss through its advantages: `gtpo_token_advantages` folds the conflict weights
 and the entropy filter and shaping into `lambda[i, t] * Ahat[i]` at advantage time (exact for
 lambda >= 0). The policy loss is then the package's PPO term on those token advantages, computed by
-`gtpo_loss_from_logps` in the packed form with every token a completion of its own (so an advantage
-may vary along a completion), GTPO's own options off, and no aggregation: the trainer aggregates.
+`pipeline.token_terms` (each token's advantage in place of Ahat: the epilogue kernel on CUDA), GTPO's own
+options off, and no aggregation: the trainer aggregates.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from ..api.logps import gtpo_loss_from_logps
+from ..pipeline.token_terms import token_terms
 from ..core.config import GTPOConfig
 
 _HAS_DUAL_CLIP = "dual_clip_c" in {f.name for f in dataclasses.fields(GTPOConfig)}
@@ -41,14 +41,5 @@ def token_ppo_losses(logps, old_logps, token_advantages, mask, config: GTPOConfi
         if not isinstance(x, torch.Tensor) or x.shape != logps.shape or x.dim() != 2:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must be a (B, T) tensor like logps {tuple(logps.shape)}, got {got}")
-    B, T = logps.shape
-    N = B * T
-    dev = logps.device
-    counted = (mask != 0).reshape(-1)
-    cu = torch.arange(N + 1, device=dev, dtype=torch.int32)  # every token a completion of its own
-    ids = torch.zeros(N, dtype=torch.long, device=dev)        # not read: the conflict weights are off
-    adv = torch.where(counted, token_advantages.reshape(-1), torch.zeros((), dtype=token_advantages.dtype,
-                                                                         device=dev))
-    out = gtpo_loss_from_logps(logps.reshape(-1), ids, adv.detach(), counted, old_logps=old_logps.reshape(-1).detach(),
-                               config=config, cu_seqlens=cu, max_seqlen=1)
-    return out.loss.reshape(B, T)
+    loss, _ = token_terms(config, logps, old_logps, token_advantages, mask, validate=True)
+    return loss

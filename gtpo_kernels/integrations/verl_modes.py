@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from ..core.config import GTPOConfig
-from ..objective.surrogate import surrogate
+from ..pipeline.token_terms import token_terms
 
 # verl's mode -> this package's preset
 MODES = {"vanilla": "vanilla", "gpg": "gpg", "dppo_tv": "dppo-tv", "dppo_kl": "dppo-kl", "dro": "dro",
@@ -53,27 +53,17 @@ def mode_config(mode: str, config) -> GTPOConfig:
 
 
 def mode_loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-              agg_loss):
-    """verl's policy-loss signature -> (loss, metrics); see the module docstring."""
+              agg_loss, backend="auto"):
+    """verl's policy-loss signature -> (loss, metrics); see the module docstring. The terms on the token
+    advantages are pipeline.token_terms' (on CUDA the epilogue kernel for every mode but geo_mean)."""
     cfg = mode_config(mode, config)
-    B, T = log_prob.shape
-    dt = log_prob.dtype
-    m = response_mask.bool().reshape(-1)
-    seg = torch.arange(B * T, device=log_prob.device) // max(T, 1)
-    lp = log_prob.reshape(-1)
-    w = None if rollout_is_weights is None else rollout_is_weights.reshape(-1).to(dt)
-    with torch.no_grad():
-        res = surrogate(lp.detach(), torch.zeros_like(lp.detach()), m, seg, B, torch.zeros(B, dtype=dt,
-                        device=lp.device), cfg, old=old_log_prob.reshape(-1), rollout_w=w,
-                        token_adv=advantages.reshape(-1))
-    attach = res["c"] * (lp - lp.detach())  # the value, with d / d log_prob = c
+    w = None if rollout_is_weights is None else rollout_is_weights.to(log_prob.dtype)
+    loss, clip_frac = token_terms(cfg, log_prob, old_log_prob, advantages, response_mask, w, backend)
     if cfg.loss_agg == "none":  # token-level terms: verl's aggregation of the per-token terms
-        tok = (res["loss_tok"] + attach).reshape(B, T)
         info = dict(getattr(config, "global_batch_info", None) or {})
-        loss = agg_loss(loss_mat=tok, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **info)
-    else:  # geo_mean: the mean over the completions, whatever loss_agg_mode says (as verl)
-        loss = (res["weight"] * res["loss_tok"]).sum() + attach.sum()
-    return loss, {"actor/pg_clipfrac": float(res["metrics"]["clip_frac"])}
+        loss = agg_loss(loss_mat=loss, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **info)
+    # (geo_mean: the mean over the completions, whatever loss_agg_mode says, as verl)
+    return loss, {"actor/pg_clipfrac": float(clip_frac)}
 
 
 def register_modes(register_policy_loss, agg_loss):

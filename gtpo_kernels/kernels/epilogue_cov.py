@@ -18,16 +18,17 @@ import triton
 import triton.language as tl
 
 from .epilogue_policy import _ppo_parts
-from .epilogue_terms import _counted, _span, _token_log_r
+from .epilogue_terms import _adv_at, _counted, _span, _token_log_r
 
 
 @triton.jit
-def _cov_keys(key_ptr, draws_ptr, logp_out, old_ptr, mask_ptr, scratch_ptr, cu_fix, B, T, mean_a, mean_lp,
-              cov_lb, cov_ub, lo, hi, delta, dual_c, BLOCK: tl.constexpr, PACKED: tl.constexpr,
+def _cov_keys(key_ptr, draws_ptr, logp_out, old_ptr, mask_ptr, scratch_ptr, cu_fix, B, T, adv_ptr, malformed,
+              mean_a, mean_lp, cov_lb, cov_ub, lo, hi, delta, dual_c, BLOCK: tl.constexpr, PACKED: tl.constexpr,
               HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr,
-              HAS_DUAL: tl.constexpr, POLICY: tl.constexpr):
+              HAS_DUAL: tl.constexpr, POLICY: tl.constexpr, TOK_ADV: tl.constexpr):
     """The sort keys (float64, (N,)) of clip_cov (POLICY 10) or kl_cov (11), from pass 1's logp (logp_out)
-    and Ahat (scratch) and the batch's means (float32, as the eager covariance)."""
+    and Ahat (scratch; TOK_ADV: each token's advantage, adv_ptr) and the batch's means (float32, as the eager
+    covariance)."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     for i in range(B):
         start, end = _span(cu_fix, i, T, PACKED)
@@ -37,10 +38,11 @@ def _cov_keys(key_ptr, draws_ptr, logp_out, old_ptr, mask_ptr, scratch_ptr, cu_f
             inb = o < end
             m = _counted(mask_ptr, o, inb, HAS_MASK)
             lp = tl.load(logp_out + o, mask=inb, other=0.0)
-            cov = (a_i - mean_a) * (lp - mean_lp)
+            a_t = _adv_at(adv_ptr, a_i, o, inb, m, malformed, TOK_ADV)
+            cov = (a_t - mean_a) * (lp - mean_lp)
             if POLICY == 10:
                 _, lr = _token_log_r(o, inb, m, lp, old_ptr, HAS_OLD)
-                _, _, _, on_clip, _ = _ppo_parts(tl.exp(lr), a_i, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
+                _, _, _, on_clip, _ = _ppo_parts(tl.exp(lr), a_t, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
                 cand = m & (on_clip == 0) & (cov > cov_lb) & (cov < cov_ub)
                 key = tl.where(cand, tl.load(draws_ptr + o, mask=inb, other=2.0), 2.0)
             else:

@@ -39,7 +39,7 @@ import triton.language as tl
 from .epilogue_cov import _cov_keys, _cov_kth, _cov_sel
 from .epilogue_geo import _geo_log_w, _geo_sums, _vespo_phi, _vespo_sums
 from .epilogue_hyper import _gate_on, _hyper
-from .epilogue_terms import (_counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _kept_add,
+from .epilogue_terms import (_adv_at, _completion_adv, _counted, _denom, _fix_cu, _invalid_inputs, _kept_add,
                              _off_policy_sum, _policy_weight, _roll_add, _roll_store, _rollout_ok, _rollout_w, _span,
                              _terms, _token_log_r)
 from .top_entropy import _top_entropy_thr, _top_entropy_w
@@ -85,7 +85,10 @@ def _epilogue_kernel(
     PHASE: tl.constexpr = 0,  # 0: the epilogue; 1 (clip_cov, kl_cov): pass 1 and the sort keys only (epilogue_cov)
     kst_ptr=None,  # KEPT: (N, 3) each token's kept set's (size, restored, mass) (kept_rule_triton)
     KEPT: tl.constexpr = False,  # True: spec 13's metrics of sets rebuilt by rules (met[9:12])
+    TOK_ADV: tl.constexpr = False,  # adv_ptr holds an advantage per token (N,) in place of Ahat (token-level terms)
 ):
+    # TOK_ADV: in terms that read no completion's advantage, unvalidated (pipeline/token_terms.py checks them)
+    tl.static_assert(not TOK_ADV or not (PENALTY or OFF_POLICY or SEQ or VALIDATE or POLICY == 8 or POLICY == 9))
     lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, thr = _hyper(
         hp_ptr, lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, thr, HP)
     gate = _gate_on(hp_ptr, HP)  # the entropy filter off by the paper's gate, as a device tensor
@@ -148,6 +151,8 @@ def _epilogue_kernel(
             if VALIDATE:
                 invalid = invalid | _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, rw_ptr, MASK_VALUES,
                                                     HAS_OLD, HAS_REF, HAS_LAM, RW)
+            if TOK_ADV and POLICY >= 10:
+                a_tot += tl.sum(_adv_at(adv_ptr, 0.0, o, inb, m, malformed, TOK_ADV).to(tl.float64), axis=0)
             if OFF_POLICY:
                 off_i += _off_policy_sum(o, inb, m, lp, old_ptr, roll_ptr, HAS_OLD, HAS_ROLL)
             if POLICY == 8:
@@ -168,7 +173,7 @@ def _epilogue_kernel(
                 lr_i += tl.sum(tl.where(m, lr, 0.0), axis=0)
         n_safe = tl.maximum(n_i, 1).to(tl.float32)
         hbar = h_i / n_safe
-        adv = _finite_or_nan(tl.load(adv_ptr + i).to(tl.float32))
+        adv = _completion_adv(adv_ptr, i, TOK_ADV)
         if VALIDATE:
             invalid = invalid | (adv != adv).to(tl.int32)
             if HAS_NCONF:
@@ -208,7 +213,7 @@ def _epilogue_kernel(
             tl.store(nconf_out + i, tl.load(nconf_ptr + i).to(tl.float32))
         else:
             tl.store(nconf_out + i, 1.0)
-        if POLICY >= 10:
+        if POLICY >= 10:  # (TOK_ADV: a_i is 0, the tokens' own were summed per block)
             a_tot += tl.where(n_i > 0, n_i.to(tl.float64) * a_i.to(tl.float64), 0.0)
         M += n_i
         n_kept += kept.to(tl.int32)
@@ -230,9 +235,9 @@ def _epilogue_kernel(
     ki = -1
     if POLICY >= 10:  # the batch's covariances: the keys (PHASE 1), or the k-th of their order (epilogue_cov)
         if PHASE == 1:
-            _cov_keys(key_ptr, draws_ptr, logp_out, old_ptr, mask_ptr, scratch_ptr, cu_fix, B, T,
+            _cov_keys(key_ptr, draws_ptr, logp_out, old_ptr, mask_ptr, scratch_ptr, cu_fix, B, T, adv_ptr, malformed,
                       a_tot.to(tl.float32) / M_safe, lp_tot.to(tl.float32) / M_safe, cov_lb, cov_ub, lo, hi, delta,
-                      dual_c, BLOCK, PACKED, HAS_MASK, HAS_OLD, CLIP, HAS_DELTA, HAS_DUAL, POLICY)
+                      dual_c, BLOCK, PACKED, HAS_MASK, HAS_OLD, CLIP, HAS_DELTA, HAS_DUAL, POLICY, TOK_ADV)
             return
         kv, ki = _cov_kth(cval_ptr, cidx_ptr, M, N, ratio_bits)
     ent_thr = 0.0
@@ -273,8 +278,9 @@ def _epilogue_kernel(
             em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
             pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW_MULT)
             sel = _cov_sel(key_ptr, o, inb, m, kv, ki, POLICY)
+            a_t = _adv_at(adv_ptr, a_hat, o, inb, m, malformed, TOK_ADV)
             loss_tok, d_logp, d_logr, clipped, lam = _terms(
-                o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, em, sel, lo, hi, delta,
+                o, inb, m, a_t, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, em, sel, lo, hi, delta,
                 dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, kl_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM,
                 HAS_E, SEQ, CLIP, HAS_DELTA, HAS_DUAL, POLICY)
             if AGG == 5:
@@ -290,7 +296,7 @@ def _epilogue_kernel(
             tl.store(ltok_out + o, loss_tok, mask=inb)
             tl.store(c_out + o, c, mask=inb)
             if HAS_E:
-                tl.store(e_out + o, tl.where(m, w * (-ent_coef * em) + a_hat * 0.0, 0.0), mask=inb)
+                tl.store(e_out + o, tl.where(m, w * (-ent_coef * em) + a_t * 0.0, 0.0), mask=inb)
             if AGG == 5:
                 tl.store(value_ptr + o, w * loss_tok, mask=inb)
             else:

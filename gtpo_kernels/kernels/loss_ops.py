@@ -33,7 +33,7 @@ FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "
           "cov_ub", "kl_coef", "cov_ratio")
 FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
          "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE", "VALIDATE", "MASK_VALUES", "HAS_REF",
-         "POLICY", "RW", "OFF_POLICY", "TOP_ENT", "HP", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
+         "POLICY", "RW", "OFF_POLICY", "TOP_ENT", "HP", "TOK_ADV", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
 EPILOGUE_BLOCK = 1024  # tokens per step of the epilogue's one program
 
 

@@ -194,21 +194,21 @@ def arguments(b, cfg, num_items, tau_value, host, has_temperature=True):
              AGGS.index(cfg.loss_agg), not has_temperature, host,
              host and b.mask is not None and b.mask.dtype != torch.bool, b.ref is not None, POLICIES.index(pl),
              2 if b.rollout_w_seq is not None else int(b.rollout_w is not None),
-             cfg.off_policy_mask_threshold is not None, cfg.top_entropy_on, code,
+             cfg.off_policy_mask_threshold is not None, cfg.top_entropy_on, code, b.token_adv is not None,
              -1 if b.max_seqlen is None else b.max_seqlen]
     return floats, [int(f) for f in flags]
 
 
 def tensors(b, cfg, host=False):
     """The tensors the epilogue reads, with stride 1 (a copy only if they are not): the caller's mask, the
-    advantages and cu_seqlens as given (a malformed cu_seqlens is the kernel's to flag), old / ref
-    log-probs, lam, n_conf, the rollout log-probs, the rollout weights as flags' RW says: per completion
-    (B,) (never spread on the tokens), per token (N,), or None, the hyper-parameters read by pointer
-    (hyper; flags' HP code), and clip_cov's uniform draws (N,) (verl_modes.uniform_draws: one launch) or None.
-    host: the kernel validates, so the generator's state before the draws is kept on b (draws)."""
-    given = b.given
+    advantages (b.token_adv: one per token) and cu_seqlens as given (a malformed one is the kernel's to
+    flag), old / ref log-probs, lam, n_conf, the rollout log-probs, the rollout weights as flags' RW says:
+    per completion (B,) (never spread on the tokens), per token (N,), or None, the hyper-parameters read by
+    pointer (hyper; flags' HP code), and clip_cov's uniform draws (N,) (verl_modes.uniform_draws: one
+    launch) or None. host: the kernel validates, so the generator's state before the draws is kept on b."""
+    given, adv = b.given, b.given["adv"] if b.token_adv is None else b.token_adv
     rw = b.rollout_w_seq if b.rollout_w_seq is not None else b.rollout_w
-    return [None if x is None else x.contiguous() for x in (b.mask, given["adv"], b.old, b.ref, b.lam, b.n_conf,
+    return [None if x is None else x.contiguous() for x in (b.mask, adv, b.old, b.ref, b.lam, b.n_conf,
                                                             given["cu_seqlens"], b.rollout_logps, rw)] + [
         hyper(cfg, given["adv"]), draws(b, cfg, given["ids"].numel(), given["adv"].device, host)]
 

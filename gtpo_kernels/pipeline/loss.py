@@ -62,7 +62,7 @@ def run_surrogate(b, cfg, logp, ent, num_items, dt, totals=None):
     return surrogate(logp.to(dt), ent.to(dt), b.counted, b.seg, b.B, b.adv, cfg, old=b.old, ref=b.ref,
                      lam=b.lam, n_conf=b.n_conf, num_items=num_items, max_len=b.max_len,
                      rollout_w=b.rollout_w, rollout_w_seq=b.rollout_w_seq, rollout_logps=b.rollout_logps,
-                     totals=totals)
+                     totals=totals, token_adv=b.token_adv)
 
 
 def value_and_coefficients(b, cfg, logp, ent, num_items, dt, cdt):

@@ -1,0 +1,178 @@
+"""The verl plugin's token-level modes (integrations/verl_modes.py: every mode but geo_mean) on the
+token advantages verl hands the loss, against the float64 reference: each token is its own completion
+there (the reference's batch of N one-token completions), the per-token terms go through a stand-in of
+verl's agg_loss, value and gradient; on both backends (Triton's epilogue kernel, the eager surrogate), with
+verl's settings drawn and rollout weights per token or none; and the launch count, flat in tokens.
+Against verl's own functions: tests/test_verl_losses.py (verl's environment)."""
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import gtpo_reference as ref
+from conftest import TOL, assert_grad_close, assert_value_close, examples
+from gtpo_kernels.integrations import verl_modes as vm
+from test_verl_modes import margins
+
+TOKEN_MODES = [m for m in vm.MODES if m != "geo_mean"]
+
+
+class ActorConfig(dict):
+    """verl's actor config as the modes read it: attributes, and .get for clip_ratio_c."""
+
+    def __init__(self, **kw):
+        super().__init__(kw)
+        self.__dict__.update(kw)
+
+
+def token_mean(loss_mat, loss_mask, loss_agg_mode, **info):
+    """A stand-in of verl's agg_loss (token-mean): the per-token terms reach it as they are."""
+    assert loss_agg_mode == "token-mean" and not info
+    m = loss_mask.to(loss_mat.dtype)
+    return (loss_mat * m).sum() / m.sum().clamp(min=1)
+
+
+@st.composite
+def actor_configs(draw, mode):
+    u = lambda lo, hi: draw(st.floats(lo, hi))  # noqa: E731
+    pl = dict(dro_beta=u(0.05, 1.0), clip_cov_ratio=draw(st.sampled_from([0.2, 0.5])), clip_cov_lb=u(-0.6, 0.1),
+              kl_cov_ratio=draw(st.sampled_from([0.1, 0.4])), ppo_kl_coef=u(0.05, 1.0))
+    pl["clip_cov_ub"] = pl["clip_cov_lb"] + u(0.2, 1.0)
+    over = {} if mode not in ("vanilla", "dppo_tv", "dppo_kl") else dict(clip_ratio_c=u(1.05, 3.0))
+    return ActorConfig(clip_ratio=u(0.05, 0.3), clip_ratio_low=draw(st.sampled_from([None, u(0.05, 0.3)])),
+                       clip_ratio_high=u(0.05, 0.35), policy_loss=ActorConfig(**pl), **over)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("mode", TOKEN_MODES)
+@settings(max_examples=examples(3))
+@given(data=st.data(), B=st.integers(1, 3), T=st.integers(1, 5), rollout=st.booleans(), seed=st.integers(0, 10**6))
+def test_token_modes_match_reference(backend, mode, data, B, T, rollout, seed):
+    assume(check_mode(backend, mode, data.draw(actor_configs(mode)), B, T, rollout, seed, 0.3))
+
+
+def test_clip_cov_candidates_leave_the_clipped_tokens_out():
+    """clip_cov's candidates are the tokens its PPO clip does not stop, by the sign of each token's own
+    advantage: large steps (most tokens clipped), most candidates chosen."""
+    actor = ActorConfig(clip_ratio=0.1, clip_ratio_low=None, clip_ratio_high=0.1,
+                        policy_loss=ActorConfig(clip_cov_ratio=0.5, clip_cov_lb=-5.0, clip_cov_ub=5.0))
+    assert sum(check_mode("triton", "clip_cov", actor, 3, 5, False, seed, 1.0) for seed in range(6)) >= 3
+
+
+def check_mode(backend, mode, actor, B, T, rollout, seed, step):
+    """mode_loss on `backend` = the reference on N one-token completions, value and gradient (old log-probs
+    `step` away in log space); False (nothing checked) for inputs at a threshold or without a gradient."""
+    g = torch.Generator().manual_seed(seed)
+    V, N = 7, B * T
+    cfg = vm.mode_config(mode, actor)
+    x = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = (torch.rand(B, T, generator=g) < 0.8).long()
+    if not mask.any():
+        return False
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    rlp = torch.log_softmax(x, -1).gather(-1, ids[..., None])[..., 0]
+    old = (rlp + step * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    w = torch.rand(B, T, generator=g, dtype=torch.float64) * 1.5 + 0.25 if rollout else None
+    counted = mask.bool()
+    if margins(cfg, rlp.reshape(N, 1), old.reshape(N, 1), adv.reshape(N), counted.reshape(N, 1)) <= 1e-4:
+        return False
+
+    # the reference: N one-token completions, each with its token's advantage
+    xr = x.reshape(N, 1, V).clone().requires_grad_()
+    fields = dict(dataclasses.asdict(cfg), loss_agg="none")
+    torch.manual_seed(seed)  # clip_cov draws from the default generator
+    r = ref.gtpo_loss(xr, ids.reshape(N, 1), adv.reshape(N), counted.reshape(N, 1), old_logps=old.reshape(N, 1),
+                      rollout_is_weights=None if w is None else w.reshape(N, 1), **fields)
+    want = token_mean(r["loss"].reshape(B, T), mask, "token-mean")  # loss_agg="none": per token
+    want.backward()
+    if not xr.grad.abs().max() > 0:  # (clip_cov may choose every counted token)
+        return False
+
+    dt = torch.float32 if backend == "triton" else torch.float64  # (the epilogue kernel takes 16/32-bit log-probs)
+    xx = x.to(dt).requires_grad_()
+    lp = torch.log_softmax(xx, -1).gather(-1, ids[..., None])[..., 0]
+    torch.manual_seed(seed)
+    loss, metrics = vm.mode_loss(mode, old.to(dt), lp, adv.to(dt), mask, "token-mean", actor,
+                                 None if w is None else w.to(dt), token_mean, backend=backend)
+    loss.backward()
+    tol = TOL[dt]
+    assert_value_close("loss", loss.detach(), want.detach(), tol["loss"])
+    assert_grad_close("grad logits", xx.grad, xr.grad.reshape(B, T, V), tol["grad"])
+    assert isinstance(metrics["actor/pg_clipfrac"], float)
+    return True
+
+
+def test_token_modes_launch_count_is_flat_in_tokens():
+    """On Triton each token mode is gtpo_loss_from_logps' epilogue path plus a few ops: the same count
+    at 2 x 3 and 6 x 5 tokens, at most 10 of the package's (the stand-in agg_loss adds its own)."""
+    from bench.launches import counting
+
+    def count(mode, B, T):
+        g = torch.Generator().manual_seed(B)
+        lp = (-torch.rand(B, T, generator=g) * 2).requires_grad_()
+        old, adv = lp.detach() + 0.1 * torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+        mask = (torch.rand(B, T, generator=g) > 0.2).long()
+        actor = ActorConfig(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.28,
+                            policy_loss=ActorConfig(dro_beta=0.1, clip_cov_ratio=0.2, clip_cov_lb=1.0, clip_cov_ub=5.0,
+                                                    kl_cov_ratio=0.2, ppo_kl_coef=1.0))
+        call = lambda: vm.mode_loss(mode, old, lp, adv, mask, "token-mean", actor, None, token_mean,  # noqa: E731
+                                    backend="triton")[0].backward()
+        call()
+        with counting() as c:
+            call()
+        with counting() as agg:  # the stand-in's own forward and backward
+            token_mean(lp * 1.0, mask, "token-mean").backward()
+        return c.launches - agg.launches + 1, c.host_reads, c.triton  # (+1: the stand-in's product above)
+
+    for mode in ("vanilla", "clip_cov"):
+        small, large = count(mode, 2, 3), count(mode, 6, 5)
+        assert small == large, (mode, small, large)
+        assert small[0] <= 10 and small[1] == 1 and small[2] >= 3, (mode, small)  # the read: verl's clip fraction
+
+
+def test_token_ppo_validates_and_names_the_argument():
+    """SkyRL's and OpenRLHF's shared PPO term validates: a non-finite counted token advantage raises, naming
+    it; one at a token that does not count is ignored; any nonzero mask value counts."""
+    from gtpo_kernels.integrations.token_ppo import token_config, token_ppo_losses
+    g = torch.Generator().manual_seed(3)
+    lp = -torch.rand(2, 4, generator=g, dtype=torch.float64)
+    old, adv = lp + 0.1 * torch.randn(2, 4, generator=g, dtype=torch.float64), torch.randn(2, 4, generator=g,
+                                                                                          dtype=torch.float64)
+    mask = torch.ones(2, 4)
+    mask[1, 3] = 0
+    cfg = token_config(0.2, 0.28)
+    adv[1, 3] = float("nan")
+    out = token_ppo_losses(lp, old, adv, mask, cfg)
+    assert torch.isfinite(out).all() and out[1, 3] == 0
+    assert torch.equal(token_ppo_losses(lp, old, adv, mask * 2.5, cfg), out)  # nonzero: the token counts
+    adv[0, 1] = float("inf")
+    with pytest.raises(ValueError, match="token_advantages must be finite at counted positions; flat position 1"):
+        token_ppo_losses(lp, old, adv, mask, cfg)
+
+
+def test_geo_mean_keeps_the_eager_surrogate_on_every_backend():
+    """geo_mean's ratio is a product over each completion, which the token advantages' kernel does not form:
+    on Triton it is the eager surrogate (the same value as the torch backend's in float64, which
+    tests/test_verl_losses.py checks against verl's)."""
+    from gtpo_kernels.pipeline.token_terms import in_kernel
+    g = torch.Generator().manual_seed(5)
+    lp = -torch.rand(3, 4, generator=g, dtype=torch.float64)
+    old, adv = lp + 0.2 * torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(3, 4, generator=g,
+                                                                                          dtype=torch.float64)
+    actor = ActorConfig(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.3, policy_loss=None)
+    cfg = vm.mode_config("geo_mean", actor)
+    assert not in_kernel(cfg) and in_kernel(vm.mode_config("vanilla", actor))
+    assert not in_kernel(cfg.replace(policy_loss="ppo", importance_sampling_level="sequence"))
+    assert not in_kernel(vm.mode_config("vanilla", actor).replace(off_policy_mask_threshold=0.1))
+    mask = torch.ones(3, 4, dtype=torch.long)
+    x, y = lp.float().requires_grad_(), lp.clone().requires_grad_()
+    got, _ = vm.mode_loss("geo_mean", old.float(), x, adv.float(), mask, "token-mean", actor, None, token_mean,
+                          backend="triton")
+    want, _ = vm.mode_loss("geo_mean", old, y, adv, mask, "token-mean", actor, None, token_mean, backend="torch")
+    got.backward(), want.backward()
+    assert y.grad.abs().max() > 0
+    assert_value_close("loss", got.detach(), want.detach(), TOL[torch.float32]["loss"])
+    assert_grad_close("grad", x.grad, y.grad, TOL[torch.float32]["grad"])
