@@ -343,6 +343,8 @@ def _rows(device="cpu"):
              loss(validate=False, top_k=5, top_p=0.9, min_p=0.01, drop=no_ref)),
             ("token_logprobs with top_k and top_p, validate=False", logps(False, top_k=5, top_p=0.9)),
             ("the same, validate=True", logps(True, top_k=5, top_p=0.9)),
+            ("inplace=True (the gradient over the logits), validate=False", loss(validate=False, inplace=True,
+                                                                                  drop=no_ref)),
             ("verl's gtpo_vanilla on token advantages (its agg_loss: a sum here)", token_mode("vanilla")),
             ("verl's gtpo_clip_cov on token advantages (the same)", token_mode("clip_cov")),
             ("verl's gtpo_geo_mean on token advantages (the eager surrogate)", token_mode("geo_mean"))]

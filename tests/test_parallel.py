@@ -120,6 +120,20 @@ def _checks(rank, world, counter):
     out = gtpo_loss(x[..., sl], bad_id, adv, group_size=2, config="grpo", validate=False,
                     process_group=dist.group.WORLD)
     raised["nan_unvalidated"] = bool(torch.isnan(out.loss)) and bool(torch.isnan(out.logps[0, 0]))
+    nan_x = x.clone()
+    nan_x[2, 1, 0] = float("nan")  # in the first rank's slice only: every rank raises the same error
+    for backend in ("torch", "triton"):
+        try:
+            gtpo_loss(nan_x[..., sl], ids, adv, mask, group_size=2, config="grpo", backend=backend,
+                      process_group=dist.group.WORLD)
+        except ValueError as err:
+            raised[f"nan_row/{backend}"] = str(err)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:  # the filter drops every completion here: it warns,
+        warnings.simplefilter("always")  # pointing at the caller's line, on every rank
+        gtpo_loss(x[..., sl], ids, adv, mask, group_size=2, config="gtpo", backend="triton",
+                  process_group=dist.group.WORLD)
+    raised["warned_at"] = [w.filename for w in caught if "dropped every completion" in str(w.message)]
     return {"errs": errs, "raised": raised}
 
 
@@ -226,3 +240,7 @@ def test_vocabulary_parallel_equals_one_process(world):
         assert "disagree on the shapes" in res["raised"].get("shapes", ""), res["raised"]
         assert "completion_ids must lie in [0, V) = [0, 37)" in res["raised"].get("ids", ""), res["raised"]
         assert res["raised"]["nan_unvalidated"]
+        for backend in ("torch", "triton"):
+            assert "completion token (2, 1) contains NaN or +inf" in res["raised"].get(f"nan_row/{backend}", ""), \
+                (r, res["raised"])
+        assert res["raised"]["warned_at"] == [__file__], (r, res["raised"]["warned_at"])

@@ -15,7 +15,7 @@ from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..distributed import vocab_replay
 from ..kernels import dispatch, ops
-from ..pipeline import epilogue, logps_epilogue, reference, replay
+from ..pipeline import epilogue, epilogue_attached, logps_epilogue, reference, replay
 from ..pipeline.loss import (call_temperature, check_loss_args, conflicts_for, forward, fused_loss, logps_loss,
                              make_output, vocab_parallel, vocab_summary)
 
@@ -93,9 +93,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
         replaying = replay.requested(sampling_mask, top_k, top_p, min_p)
-        fast = epilogue.eligible(logits, cfg, backend, inplace, replaying, process_group)  # checks in its kernel
+        fast = epilogue.eligible(logits, cfg, backend, replaying, process_group)  # checks in its kernel
         # the sampler's kept sets with the loss math in the epilogue kernel (recorded sets: 8 launches, spec 8)
-        fast_replay = replaying and epilogue.eligible(logits, cfg, backend, inplace, False, process_group)
+        fast_replay = replaying and epilogue.eligible(logits, cfg, backend, False, process_group)
         # the recorded sets' path checks in its kernels too (the sets: their status, then the host); not with a
         # per-token temperature: its host check must come after the batch's, as on the eager path
         sets_in_kernels = fast_replay and sampling_mask is not None and not _per_token_tau(temperature)
@@ -127,7 +127,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             if fast or rules_in_kernels:  # three launches (spec 8), the rules' one more
                 conflicts_for(b, cfg, group_size, dt, backend, epilogue=True)
                 return epilogue.loss(b, cfg, num_items, tau, host, revalidate,  # validating: one read
-                                     rules=rules[0] if rules_in_kernels else None)
+                                     rules=rules[0] if rules_in_kernels else None, inplace=inplace)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
             if rules is None:
@@ -137,7 +137,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             out = reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau, keep)
             out.metrics.update({k: v.to(out.loss.dtype) for k, v in metrics.items()})
             return out
-        conflicts_for(b, cfg, group_size, dt, backend, epilogue=fast_replay)
+        # split over ranks: the epilogue kernel between the merged vocabulary passes (epilogue_attached)
+        attached = process_group is not None and rules is None and epilogue_attached.takes(b.logits3, cfg, backend)
+        conflicts_for(b, cfg, group_size, dt, backend, epilogue=fast_replay or attached)
         vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch),  # by value (spec 12)
                       (sampling_mask, top_k, top_p, min_p))
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")
@@ -152,6 +154,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         loss, res = logps_loss(b, cfg, logp, ent, num_items, dt, host)
         res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
         return make_output(b, cfg, loss, res, dt, host)
+    if attached:
+        return epilogue_attached.loss(b, cfg, backend, inplace, host, num_items, vp, tau)
     loss, res = fused_loss(b, cfg, backend, inplace, host, num_items, vp, tau)
     return make_output(b, cfg, loss, res, dt, host)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch, ops
+from . import ops
 
 
 def _setup_context(ctx, inputs, output):
@@ -27,10 +27,9 @@ def _backward(ctx, grad):
     logits3, ids, stats, ent, c, e, temperature = ctx.saved_tensors
     logits_start, scale, softcap, backend, inplace = ctx.meta
     g = grad.reshape(-1)  # scalar loss: (1,); loss_agg='none': one per token
-    if inplace:
-        g = g.to(c.dtype)
-        c, e = dispatch.scale_by(c, g), dispatch.scale_by(e, g)
-        ops.vocab_bwd_inplace(logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend)
+    if inplace:  # (the pass multiplies c and e by g too)
+        ops.vocab_bwd_inplace(logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend,
+                              g=g.to(c.dtype))
         grad3 = logits3.view(logits3.shape)  # a fresh view: autograd can take it as .grad without a copy
     else:  # the pass multiplies c and e by g itself
         grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend,

@@ -1,6 +1,7 @@
-"""The loss on logits in one custom op (and token_logprobs' forward in another): the forward vocabulary kernel, then the epilogue kernel
-(epilogue_triton), two launches; its autograd rule is the backward vocabulary kernel, reading the upstream
-gradient by pointer (one launch). Opaque to torch.compile, with a fake implementation.
+"""The loss on logits in one custom op (and token_logprobs' forward in another): the forward vocabulary
+kernel, then the epilogue kernel (epilogue_triton), two launches; its autograd rule is the backward
+vocabulary kernel, reading the upstream gradient by pointer (one launch; inplace=True: writing the gradient
+over the logits). Opaque to torch.compile, with a fake implementation.
 
     fused_loss(logits3, ...) -> [value, logp, H, loss_tok, c, e, lam, n_conf, kept (uint8), Hbar,
                                  metrics (12,), status (1,), stats (n, 3), flags (n,), t_s, t_id]
@@ -33,7 +34,8 @@ FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "
           "cov_ub", "kl_coef", "cov_ratio")
 FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
          "HAS_DUAL", "HAS_E", "FILTER", "PENALTY", "SEQ", "AGG", "TEMP_BY_VALUE", "VALIDATE", "MASK_VALUES", "HAS_REF",
-         "POLICY", "RW", "OFF_POLICY", "TOP_ENT", "HP", "TOK_ADV", "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
+         "POLICY", "RW", "OFF_POLICY", "TOP_ENT", "HP", "TOK_ADV",
+         "MAX_SEQLEN")  # MAX_SEQLEN last (head_ops sets flags[-1])
 EPILOGUE_BLOCK = 1024  # tokens per step of the epilogue's one program
 
 
@@ -126,7 +128,7 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
                temperature: Optional[torch.Tensor], floats: List[float], flags: List[int], logits_start: int,
                B: int, roll: Optional[torch.Tensor], rw: Optional[torch.Tensor],
                hp: Optional[torch.Tensor], draws: Optional[torch.Tensor], rules: List[Optional[torch.Tensor]],
-               rule_values: List[float]) -> List[torch.Tensor]:
+               rule_values: List[float], inplace: bool = False) -> List[torch.Tensor]:
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     n = ids.numel()
     outs = _outputs(logits3, n, B, fg["AGG"] == 5) + _keep_outputs(logits3, n, rules, rule_values)
@@ -161,7 +163,7 @@ def _keep_outputs(like, n, rules, rule_values):
 
 @fused_loss.register_fake
 def _(logits3, ids, mask, cu, adv, old, ref, lam, n_conf, num_items, temperature, floats, flags, logits_start, B,
-      roll, rw, hp, draws, rules, rule_values):
+      roll, rw, hp, draws, rules, rule_values, inplace=False):
     return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5) + _keep_outputs(
         logits3, ids.numel(), rules, rule_values)
 
@@ -174,21 +176,24 @@ def _setup_context(ctx, inputs, output):
     stats = output[12]
     keep = output[14:16] if output[14].numel() else (None, None)
     ctx.save_for_backward(logits3, ids, stats, ent, c, e if fg["HAS_E"] else None, temperature, *keep)
-    ctx.meta = (logits_start, fl["tau"] if fg["TEMP_BY_VALUE"] else 1.0)
+    ctx.meta = (logits_start, fl["tau"] if fg["TEMP_BY_VALUE"] else 1.0, len(inputs) > 21 and inputs[21])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zero gradients made for the outputs without one
 
 
 def _backward(ctx, grads):
     grad = grads[0]  # the loss value's; the other outputs are not differentiable
+    rest = (None,) * (len(ctx.needs_input_grad) - 1)  # (inplace, when left at its default, is not an input here)
     if grad is None:
-        return (None,) * 21
+        return (None,) + rest
     logits3, ids, stats, ent, c, e, temperature, t_s, t_id = ctx.saved_tensors
-    logits_start, tau_value = ctx.meta
+    logits_start, tau_value, inplace = ctx.meta
     g = grad.reshape(-1)
-    grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, backend="triton", g=g,
-                          tau_value=tau_value, keep_s=t_s, keep_id=t_id)
-    return (grad3,) + (None,) * 20
+    kw = dict(backend="triton", g=g, tau_value=tau_value, keep_s=t_s, keep_id=t_id)
+    if inplace:  # the gradient written over the logits (a fresh view: autograd takes it as .grad, no copy)
+        ops.vocab_bwd_inplace(logits3, ids, stats, ent, c, e, temperature, logits_start, **kw)
+        return (logits3.view(logits3.shape),) + rest
+    return (ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, **kw),) + rest
 
 
 fused_loss.register_autograd(_backward, setup_context=_setup_context)

@@ -94,14 +94,19 @@ def _(logits3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, soft
 
 @torch.library.custom_op("gtpo_kernels::vocab_bwd_inplace", mutates_args=("logits3",))
 def vocab_bwd_inplace(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent: torch.Tensor,
-                      c: torch.Tensor, e: Optional[torch.Tensor], temperature: torch.Tensor,
+                      c: torch.Tensor, e: Optional[torch.Tensor], temperature: Optional[torch.Tensor],
                       logits_start: int, scale: float = 1.0, softcap: Optional[float] = None,
-                      backend: str = "auto") -> None:
-    dispatch.vocab_bwd(backend, logits3, logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap)
+                      backend: str = "auto", g: Optional[torch.Tensor] = None, tau_value: float = 1.0,
+                      keep_s: Optional[torch.Tensor] = None, keep_id: Optional[torch.Tensor] = None) -> None:
+    """vocab_bwd written over logits3 itself (inplace=True); the same arguments."""
+    dispatch.vocab_bwd(backend, logits3, logits3, ids, stats, ent, c, e,
+                       float(tau_value) if temperature is None else temperature, logits_start, scale, softcap, g,
+                       None if keep_s is None else (keep_s, keep_id))
 
 
 @vocab_bwd_inplace.register_fake
-def _(logits3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto"):
+def _(logits3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto", g=None,
+      tau_value=1.0, keep_s=None, keep_id=None):
     return None
 
 

@@ -16,9 +16,9 @@ per token or per completion, num_items_in_batch (number or tensor), a temperatur
 per completion or per token), the hyper-parameters a schedule may give as 0-d tensors (HP_SLOTS: read by
 pointer, see hyper; the entropy filter's threshold too, and its gate formed on the device: _gate), and the
 sampler's kept sets rebuilt by top_k / top_p / min_p (one launch more before the forward kernel writes each
-token's set as a threshold, which both vocabulary kernels read: kernels/kept_rule_triton.py). Whatever
-else (recorded kept sets: logps_epilogue; vocabulary-parallel, inplace, vespo's, clip_cov's and kl_cov's
-numbers as tensors) takes the eager path of loss.fused_loss, which is also this kernel's twin in tests.
+token's set as a threshold, which both vocabulary kernels read: kernels/kept_rule_triton.py), inplace=True
+(the backward kernel writes over the logits). Recorded kept sets take logps_epilogue, vocabulary-parallel
+logits epilogue_attached; vespo's, clip_cov's and kl_cov's numbers as tensors the eager loss.fused_loss.
 Validating, the status word is read with the call's input checks: one host read.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _number(x, tensor_ok=False):
     return x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
-def eligible(logits, cfg, backend, inplace, kept_sets, process_group):
+def eligible(logits, cfg, backend, kept_sets, process_group):
     """Whether the call takes the three-launch path (see the module docstring), from its arguments (before
     the batch is prepared: the path prepares it without the device-side checks, which the kernel makes)."""
     if not isinstance(logits, torch.Tensor) or logits.dtype == torch.float64:
@@ -68,7 +68,7 @@ def eligible(logits, cfg, backend, inplace, kept_sets, process_group):
         backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
     except (ValueError, TypeError, RuntimeError):  # raised where the call resolves it
         return False
-    return backend == "triton" and process_group is None and not kept_sets and not inplace and covers(cfg)
+    return backend == "triton" and process_group is None and not kept_sets and covers(cfg)
 
 
 def covers(cfg):
@@ -228,19 +228,19 @@ def draws(b, cfg, n, device, host=False):
     return verl_modes.uniform_draws(cfg, n, device)
 
 
-def loss(b, cfg, num_items, tau, host, revalidate=None, rules=None):
+def loss(b, cfg, num_items, tau, host, revalidate=None, rules=None, inplace=False):
     """GTPOOutput of the call; validating, the status word joins the call's pending checks (one host read):
     the kernel makes the input checks too (the batch was prepared without them), and when one fails
     `revalidate()` runs them on the host to raise the error that names the argument. rules: (top_k, top_p,
     min_p) as replay.check_rules gives them (numbers or (n,) tensors, None off): the sampler's kept sets
-    rebuilt in one launch more (kernels/kept_rule_triton.py), spec 13's metrics with the loss's."""
+    rebuilt in one launch more (kernels/kept_rule_triton.py), spec 13's metrics with the loss's (inplace: above)."""
     temperature, tau_value = _tau(cfg.temperature if tau is None else tau, b.logits3)
     floats, flags = arguments(b, cfg, num_items, tau_value, host, temperature is not None)
     mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = tensors(b, cfg, host)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
-    rule_t, rule_v = rule_args(rules)
     outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
-                               temperature, floats, flags, b.logits_start, b.B, roll, rw, hp, u, rule_t, rule_v)
+                               temperature, floats, flags, b.logits_start, b.B, roll, rw, hp, u, *rule_args(rules),
+                               inplace)
     out = output(outs[:12], outs[13], b, cfg, host, revalidate)
     if rules is None:
         return out

@@ -1,0 +1,68 @@
+"""`python -m bench.launches_parallel`: bench.launches' count for vocabulary-parallel logits (spec 12):
+gtpo_loss(process_group=...) on `--ranks` gloo processes on the CPU (Triton's interpreter), forward +
+backward, as rank 0 launches them: 4 x 5 tokens, V = 37 split as evenly as the ranks allow. Launches,
+of them Triton, host reads, per config and validate."""
+import os
+import sys
+import tempfile
+
+import torch
+
+
+def _rank(rank, world, path, queue):
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        from bench.launches import counting
+        from gtpo_kernels import gtpo_loss
+        g = torch.Generator().manual_seed(7)
+        B, T, V = 4, 5, 37
+        x = torch.randn(B, T, V, generator=g) * 2
+        ids = torch.randint(0, V, (B, T), generator=g)
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        old = -torch.rand(B, T, generator=g) * 3 - 1.5
+        sizes = [V // world + (r < V % world) for r in range(world)]
+        start = sum(sizes[:rank])
+        rows = []
+        for cfg in ("grpo", "gtpo", "clip-cov"):
+            for validate in (False, True):
+                part = x[..., start:start + sizes[rank]].clone().requires_grad_()
+                call = lambda: gtpo_loss(part, ids, adv, group_size=2, old_logps=old, config=cfg,  # noqa: E731
+                                         backend="triton", validate=validate,
+                                         process_group=dist.group.WORLD).loss.backward()
+                call()
+                part.grad = None
+                with counting() as c:
+                    call()
+                rows.append((cfg, validate, c.launches, c.triton, c.host_reads))
+        if rank == 0:
+            queue.put(rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m bench.launches_parallel", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    args = ap.parse_args(argv)
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_rank, args=(r, args.ranks, os.path.join(d, "store"), queue))
+                 for r in range(args.ranks)]
+        for p in procs:
+            p.start()
+        rows = queue.get(timeout=600)
+        for p in procs:
+            p.join()
+    print(f"| gtpo_loss(process_group=...), {args.ranks} ranks, rank 0 | launches | of them Triton | host reads |")
+    print("|---|---|---|---|")
+    for cfg, validate, n, tr, reads in rows:
+        print(f"| {cfg}, validate={validate} | {n} | {tr} | {reads} |")
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""inplace=True on the Triton backend: the fused loss's path (pipeline/epilogue.py), its backward kernel
+writing the gradient over the logits. Against the float64 reference with drawn configs (tests/test_joint.py
+draws inplace among every option too); a flagged row raises when validating and gives NaN when not, as the
+eager path; spec 8's launches (4 for the TRL-family presets, at most 8 else), flat in tokens. The
+vocabulary-parallel path's epilogue (pipeline/epilogue_attached.py): tests/test_parallel.py."""
+import pytest
+import torch
+from hypothesis import given, settings
+
+import gtpo_reference as ref
+from batches import cases_and_configs
+from conftest import TOL, assert_grad_close, assert_value_close, examples
+from gtpo_kernels import gtpo_loss
+
+
+@settings(max_examples=examples(8))
+@given(cc=cases_and_configs(nonempty=True))
+def test_inplace_on_triton_matches_reference(cc):
+    case, cfg = cc
+    fields = dict(cfg.__dict__)
+    xr = case.logits.double().requires_grad_()
+    r = ref.gtpo_loss(xr, case.ids, case.adv, case.mask, group_size=case.G, logits_start=case.logits_start, **fields)
+    (r["loss"].sum() if cfg.loss_agg == "none" else r["loss"]).backward()
+    x = case.logits.clone().requires_grad_()
+    out = gtpo_loss(x, case.ids, case.adv, case.mask, group_size=case.G, logits_start=case.logits_start, config=cfg,
+                    backend="triton", inplace=True)
+    (out.loss.sum() if cfg.loss_agg == "none" else out.loss).backward()
+    tol = TOL[torch.float32]
+    assert_value_close("loss", out.loss.detach(), r["loss"].detach(), tol["loss"])
+    assert_value_close("per_token_loss", out.per_token_loss, r["per_token_loss"], tol["value"])
+    assert_grad_close("grad logits", x.grad, xr.grad, tol["grad"])
+
+
+def _batch(B=4, T=5, V=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, V, generator=g) * 3
+    ids = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.randn(B, generator=g)
+    old = torch.log_softmax(x, -1).gather(-1, ids[..., None])[..., 0] + 0.1 * torch.randn(B, T, generator=g)
+    return x, ids, adv, old
+
+
+def test_inplace_flagged_row_raises_validating_and_is_nan_unvalidated():
+    x, ids, adv, old = _batch()
+    x[2, 1, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"completion token \(2, 1\) contains NaN or \+inf"):
+        gtpo_loss(x.clone().requires_grad_(), ids, adv, group_size=2, old_logps=old, config="grpo", backend="triton",
+                  inplace=True)
+    out = gtpo_loss(x.clone().requires_grad_(), ids, adv, group_size=2, old_logps=old, config="grpo",
+                    backend="triton", inplace=True, validate=False)
+    assert torch.isnan(out.loss) and torch.isnan(out.logps[2, 1]) and torch.isfinite(out.logps[0]).all()
+
+
+@pytest.mark.parametrize("config,bound", [("grpo", 4), ("clip-cov", 8)])
+def test_inplace_takes_spec_8s_launches_flat_in_tokens(config, bound):
+    """Spec 8: the forward kernel, the epilogue (clip_cov: its key launch, draws and sort too), the backward
+    kernel over the logits in place, autograd's seed; the same count at 4 x 5 and 8 x 9 tokens, no host read."""
+    from bench.launches import counting
+
+    def count(B, T):
+        x, ids, adv, old = _batch(B, T)
+        leaf = x.requires_grad_()
+        call = lambda: gtpo_loss(leaf, ids, adv, group_size=2, old_logps=old, config=config,  # noqa: E731
+                                 backend="triton", inplace=True, validate=False).loss.backward()
+        call()
+        leaf.grad = None  # (no accumulation into a .grad from the call before)
+        with counting() as c:
+            call()
+        return c.launches, c.host_reads
+    small, large = count(4, 5), count(8, 9)
+    assert small == large and small[1] == 0, (small, large)
+    assert small[0] <= bound, small
