@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .epilogue_terms import _counted
+from .epilogue_terms import _counted, _finite_or_nan
 from .vocab_jit import BAD_ID, BAD_NONFINITE
 from .vocab_status import _offsets_bad
 
@@ -58,7 +58,8 @@ def _prep_kernel(logp_ptr, ent_ptr, mask_ptr, cu_ptr, ids_ptr,  # the caller's (
     for t0 in range(0, N, BLOCK):
         o = t0 + lanes
         inb = o < N
-        tl.store(logp_out + o, tl.load(logp_ptr + o, mask=inb, other=0.0).to(tl.float32), mask=inb)
+        # a log-prob that is not finite (-inf: the token had no mass) is NaN, as its eager twin's c (lp - lp) makes it
+        tl.store(logp_out + o, _finite_or_nan(tl.load(logp_ptr + o, mask=inb, other=0.0).to(tl.float32)), mask=inb)
         if HAS_ENT:
             en = tl.load(ent_ptr + o, mask=inb, other=0.0).to(tl.float32)
         else:

@@ -176,15 +176,16 @@ def _setup_context(ctx, inputs, output):
     stats = output[12]
     keep = output[14:16] if output[14].numel() else (None, None)
     ctx.save_for_backward(logits3, ids, stats, ent, c, e if fg["HAS_E"] else None, temperature, *keep)
-    ctx.meta = (logits_start, fl["tau"] if fg["TEMP_BY_VALUE"] else 1.0, len(inputs) > 21 and inputs[21])
+    ctx.meta = (logits_start, fl["tau"] if fg["TEMP_BY_VALUE"] else 1.0, inputs[21])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zero gradients made for the outputs without one
 
 
 def _backward(ctx, grads):
     grad = grads[0]  # the loss value's; the other outputs are not differentiable
-    rest = (None,) * (len(ctx.needs_input_grad) - 1)  # (inplace, when left at its default, is not an input here)
-    if grad is None:
+    # one None per other input as given (inplace at its default is none; a list of tensors, the rules, is a list)
+    rest = tuple([None] * len(n) if isinstance(n, (list, tuple)) else None for n in ctx.needs_input_grad[1:])
+    if grad is None or not ctx.needs_input_grad[0]:  # (frozen logits are never written over)
         return (None,) + rest
     logits3, ids, stats, ent, c, e, temperature, t_s, t_id = ctx.saved_tensors
     logits_start, tau_value, inplace = ctx.meta

@@ -40,13 +40,21 @@ def token_terms(cfg, logps, old_logps, token_adv, mask, rollout_w=None, backend=
     w.r.t. logps), and the clipped fraction of the counted tokens (0-d). logps (B, T); old_logps, token_adv
     (B, T) (not differentiated); mask (B, T) of any dtype (nonzero: counted); rollout_w (B, T) per token,
     (B, 1) per completion, or None."""
+    checks.check_float_tensor("logps", logps)
+    if logps.dim() != 2:
+        raise ValueError(f"logps must be (B, T), got shape {tuple(logps.shape)}")
+    for name, x in (("old_logps", old_logps), ("token_advantages", token_adv), ("mask", mask)):
+        if not isinstance(x, torch.Tensor) or x.shape != logps.shape or x.device != logps.device:
+            got = f"{tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a (B, T) tensor like logps, {tuple(logps.shape)} on {logps.device}; "
+                             f"got {got}")
     B, T = logps.shape
     dev = logps.device
     mask = mask if mask.dtype == torch.bool else mask != 0
     with checks.one_host_read():  # validating: the values read on the host together, once
         b = batch.prepare_tokens(torch.zeros((B, T), dtype=torch.long, device=dev), mask,
                                  torch.zeros(B, dtype=float_dtype_for(logps), device=dev), device=dev,
-                                 validate=validate)
+                                 validate=validate, allow_empty=True)
         batch.add_extras(b, dev, validate=validate, old_logps=old_logps.detach(), rollout_is_weights=rollout_w)
         b.token_adv = token_adv.detach().reshape(-1)
         if validate:
