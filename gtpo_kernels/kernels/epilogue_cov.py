@@ -38,7 +38,7 @@ def _cov_keys(key_ptr, draws_ptr, logp_out, old_ptr, mask_ptr, scratch_ptr, cu_f
             inb = o < end
             m = _counted(mask_ptr, o, inb, HAS_MASK)
             lp = tl.load(logp_out + o, mask=inb, other=0.0)
-            a_t = _adv_at(adv_ptr, a_i, o, inb, m, malformed, TOK_ADV)
+            a_t = _adv_at(adv_ptr, a_i, o, inb, m, malformed, TOK_ADV) if TOK_ADV else a_i
             cov = (a_t - mean_a) * (lp - mean_lp)
             if POLICY == 10:
                 _, lr = _token_log_r(o, inb, m, lp, old_ptr, HAS_OLD)

@@ -65,19 +65,11 @@ def _counted(mask_ptr, o, inb, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _completion_adv(adv_ptr, i, TOK_ADV: tl.constexpr):
-    """Completion i's advantage, NaN where not finite (TOK_ADV: 0, the tokens' own are read by _adv_at)."""
-    if TOK_ADV:
-        a = tl.zeros((), tl.float32)
-    else:
-        a = _finite_or_nan(tl.load(adv_ptr + i).to(tl.float32))
-    return a
-
-
-@triton.jit
 def _adv_at(adv_ptr, a_hat, o, inb, m, malformed, TOK_ADV: tl.constexpr):
     """The advantage at a block's tokens: the completion's Ahat, or (TOK_ADV) each token's own from adv_ptr, as
-    the eager surrogate's token_adv: 0 where not counted, NaN where not finite or cu_seqlens is malformed."""
+    the eager surrogate's token_adv: 0 where not counted, NaN where not finite or cu_seqlens is malformed.
+    Callers call it under `if TOK_ADV` (`... if TOK_ADV else a_hat`): each call of a jit helper costs Triton's
+    interpreter, per block of every completion, in every test on the CPU."""
     if TOK_ADV:  # (one return: the compiler unifies the types of every return, constexpr branches included)
         a = _finite_or_nan(tl.load(adv_ptr + o, mask=inb, other=0.0).to(tl.float32))
         a = tl.where(m, tl.where(malformed != 0, float("nan"), a), 0.0)

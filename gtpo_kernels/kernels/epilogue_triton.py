@@ -39,7 +39,7 @@ import triton.language as tl
 from .epilogue_cov import _cov_keys, _cov_kth, _cov_sel
 from .epilogue_geo import _geo_log_w, _geo_sums, _vespo_phi, _vespo_sums
 from .epilogue_hyper import _gate_on, _hyper
-from .epilogue_terms import (_adv_at, _completion_adv, _counted, _denom, _fix_cu, _invalid_inputs, _kept_add,
+from .epilogue_terms import (_adv_at, _counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _kept_add,
                              _off_policy_sum, _policy_weight, _roll_add, _roll_store, _rollout_ok, _rollout_w, _span,
                              _terms, _token_log_r)
 from .top_entropy import _top_entropy_thr, _top_entropy_w
@@ -173,7 +173,7 @@ def _epilogue_kernel(
                 lr_i += tl.sum(tl.where(m, lr, 0.0), axis=0)
         n_safe = tl.maximum(n_i, 1).to(tl.float32)
         hbar = h_i / n_safe
-        adv = _completion_adv(adv_ptr, i, TOK_ADV)
+        adv = tl.zeros((), tl.float32) if TOK_ADV else _finite_or_nan(tl.load(adv_ptr + i).to(tl.float32))
         if VALIDATE:
             invalid = invalid | (adv != adv).to(tl.int32)
             if HAS_NCONF:
@@ -278,7 +278,7 @@ def _epilogue_kernel(
             em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
             pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW_MULT)
             sel = _cov_sel(key_ptr, o, inb, m, kv, ki, POLICY)
-            a_t = _adv_at(adv_ptr, a_hat, o, inb, m, malformed, TOK_ADV)
+            a_t = _adv_at(adv_ptr, a_hat, o, inb, m, malformed, TOK_ADV) if TOK_ADV else a_hat
             loss_tok, d_logp, d_logr, clipped, lam = _terms(
                 o, inb, m, a_t, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, em, sel, lo, hi, delta,
                 dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, kl_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM,
