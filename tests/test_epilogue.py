@@ -182,7 +182,7 @@ def _compare(name, out, grad, ref_out, ref_grad, counted):
     assert_grad_close(f"{name} grad", grad.reshape(ref_grad.shape), ref_grad, TOL)
 
 
-@settings(max_examples=examples(21), deadline=None)  # CI time: nightly runs 210
+@settings(max_examples=examples(16), deadline=None)  # CI time: nightly runs 160
 @given(c=calls())
 def test_epilogue_matches_reference_and_its_twin(c):
     _check(c)
