@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from ..pipeline.token_terms import token_terms
 from ..core.config import GTPOConfig
 
@@ -34,12 +32,8 @@ def token_ppo_losses(logps, old_logps, token_advantages, mask, config: GTPOConfi
     """Per-token `-min(r a, clip(r) a)` (B, T) with `r = exp(logps - old_logps)`, 0 where `mask` is 0.
 
     logps (B, T) differentiable; old_logps, token_advantages (B, T); mask (B, T) of any dtype (nonzero =
-    the token counts); config from `token_config`. Float32 (float64 for float64 logps).
+    the token counts); config from `token_config`. Float32 (float64 for float64 logps). The arguments'
+    shapes are checked, by name, in pipeline.token_terms.
     """
-    for name, x in (("logps", logps), ("old_logps", old_logps), ("token_advantages", token_advantages),
-                    ("mask", mask)):
-        if not isinstance(x, torch.Tensor) or x.shape != logps.shape or x.dim() != 2:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name} must be a (B, T) tensor like logps {tuple(logps.shape)}, got {got}")
     loss, _ = token_terms(config, logps, old_logps, token_advantages, mask, validate=True)
     return loss

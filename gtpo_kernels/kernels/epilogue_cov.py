@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .epilogue_policy import _ppo_parts
-from .epilogue_terms import _adv_at, _counted, _span, _token_log_r
+from .epilogue_terms import _counted, _span, _token_adv, _token_log_r
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _cov_keys(key_ptr, draws_ptr, logp_out, old_ptr, mask_ptr, scratch_ptr, cu_f
             inb = o < end
             m = _counted(mask_ptr, o, inb, HAS_MASK)
             lp = tl.load(logp_out + o, mask=inb, other=0.0)
-            a_t = _adv_at(adv_ptr, a_i, o, inb, m, malformed, TOK_ADV) if TOK_ADV else a_i
+            a_t = _token_adv(adv_ptr, o, inb, m, malformed) if TOK_ADV else a_i
             cov = (a_t - mean_a) * (lp - mean_lp)
             if POLICY == 10:
                 _, lr = _token_log_r(o, inb, m, lp, old_ptr, HAS_OLD)

@@ -65,17 +65,13 @@ def _counted(mask_ptr, o, inb, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _adv_at(adv_ptr, a_hat, o, inb, m, malformed, TOK_ADV: tl.constexpr):
-    """The advantage at a block's tokens: the completion's Ahat, or (TOK_ADV) each token's own from adv_ptr, as
-    the eager surrogate's token_adv: 0 where not counted, NaN where not finite or cu_seqlens is malformed.
-    Callers call it under `if TOK_ADV` (`... if TOK_ADV else a_hat`): each call of a jit helper costs Triton's
-    interpreter, per block of every completion, in every test on the CPU."""
-    if TOK_ADV:  # (one return: the compiler unifies the types of every return, constexpr branches included)
-        a = _finite_or_nan(tl.load(adv_ptr + o, mask=inb, other=0.0).to(tl.float32))
-        a = tl.where(m, tl.where(malformed != 0, float("nan"), a), 0.0)
-    else:
-        a = a_hat
-    return a
+def _token_adv(adv_ptr, o, inb, m, malformed):
+    """TOK_ADV: each token's own advantage from adv_ptr in place of Ahat, as the eager surrogate's token_adv: 0
+    where not counted, NaN where not finite or cu_seqlens is malformed. Callers call it only under TOK_ADV
+    (`... if TOK_ADV else a_hat`): each call of a jit helper costs Triton's interpreter, per block of every
+    completion, in every test on the CPU."""
+    a = _finite_or_nan(tl.load(adv_ptr + o, mask=inb, other=0.0).to(tl.float32))
+    return tl.where(m, tl.where(malformed != 0, float("nan"), a), 0.0)
 
 
 @triton.jit

@@ -39,9 +39,9 @@ import triton.language as tl
 from .epilogue_cov import _cov_keys, _cov_kth, _cov_sel
 from .epilogue_geo import _geo_log_w, _geo_sums, _vespo_phi, _vespo_sums
 from .epilogue_hyper import _gate_on, _hyper
-from .epilogue_terms import (_adv_at, _counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _kept_add,
+from .epilogue_terms import (_counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _kept_add,
                              _off_policy_sum, _policy_weight, _roll_add, _roll_store, _rollout_ok, _rollout_w, _span,
-                             _terms, _token_log_r)
+                             _terms, _token_adv, _token_log_r)
 from .top_entropy import _top_entropy_thr, _top_entropy_w
 
 # policy_loss as the kernel's POLICY (the token-level terms it computes; epilogue_terms._policy)
@@ -152,7 +152,7 @@ def _epilogue_kernel(
                 invalid = invalid | _invalid_inputs(o, inb, m, mask_ptr, old_ptr, ref_ptr, lam, rw_ptr, MASK_VALUES,
                                                     HAS_OLD, HAS_REF, HAS_LAM, RW)
             if TOK_ADV and POLICY >= 10:
-                a_tot += tl.sum(_adv_at(adv_ptr, 0.0, o, inb, m, malformed, TOK_ADV).to(tl.float64), axis=0)
+                a_tot += tl.sum(_token_adv(adv_ptr, o, inb, m, malformed).to(tl.float64), axis=0)
             if OFF_POLICY:
                 off_i += _off_policy_sum(o, inb, m, lp, old_ptr, roll_ptr, HAS_OLD, HAS_ROLL)
             if POLICY == 8:
@@ -278,7 +278,7 @@ def _epilogue_kernel(
             em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
             pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW_MULT)
             sel = _cov_sel(key_ptr, o, inb, m, kv, ki, POLICY)
-            a_t = _adv_at(adv_ptr, a_hat, o, inb, m, malformed, TOK_ADV) if TOK_ADV else a_hat
+            a_t = _token_adv(adv_ptr, o, inb, m, malformed) if TOK_ADV else a_hat
             loss_tok, d_logp, d_logr, clipped, lam = _terms(
                 o, inb, m, a_t, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, em, sel, lo, hi, delta,
                 dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, kl_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..core import batch, checks
+from ..core.config import is_zero
 from ..core.layout import float_dtype_for
 from ..kernels import dispatch
 from . import logps_epilogue
@@ -28,11 +29,7 @@ from .loss import logps_loss
 def in_kernel(cfg):
     """Whether the epilogue kernel computes cfg's loss on token advantages (see the docstring)."""
     return (cfg.policy_loss not in ("geo-mean", "vespo") and cfg.importance_sampling_level == "token"
-            and cfg.off_policy_mask_threshold is None and not _nonzero(cfg.entropy_penalty))
-
-
-def _nonzero(x):
-    return isinstance(x, torch.Tensor) or x != 0
+            and cfg.off_policy_mask_threshold is None and is_zero(cfg.entropy_penalty))
 
 
 def token_terms(cfg, logps, old_logps, token_adv, mask, rollout_w=None, backend="auto", validate=False):
