@@ -11,6 +11,8 @@ import torch
 
 def _rank(rank, world, path, queue):
     os.environ["TRITON_INTERPRET"] = "1"
+    from bench import interpreter
+    interpreter.install()
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:

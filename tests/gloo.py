@@ -20,6 +20,8 @@ STARTUP_S = 120  # spawning and importing on a loaded 2-core machine, before the
 
 def _rank(rank, world, init_file, out_dir, fn):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from bench import interpreter
+    interpreter.install()
     os.environ["GLOO_TEST_DIR"] = out_dir
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
