@@ -347,7 +347,7 @@ def _rows(device="cpu"):
                                                                                   drop=no_ref)),
             ("verl's gtpo_vanilla on token advantages (its agg_loss: a sum here)", token_mode("vanilla")),
             ("verl's gtpo_clip_cov on token advantages (the same)", token_mode("clip_cov")),
-            ("verl's gtpo_geo_mean on token advantages (the eager surrogate)", token_mode("geo_mean"))]
+            ("verl's gtpo_geo_mean on token advantages (the same)", token_mode("geo_mean"))]
 
 
 def main(argv=None):

@@ -493,6 +493,7 @@ def test_epilogue_compiles_for_the_gpus():
             "                 (80, dict(TOP_ENT=True, enable_fp_fusion=False, PACKED=True, SEQ=True, AGG=1)),\n"
             "                 (90, dict(TOK_ADV=True, PENALTY=False, VALIDATE=False, POLICY=10, PHASE=1, RW=1)),\n"
             "                 (80, dict(TOK_ADV=True, PENALTY=False, VALIDATE=False, AGG=5)),\n"
+            "                 (100, dict(TOK_ADV=True, PENALTY=False, VALIDATE=False, POLICY=8, AGG=2, RW=1)),\n"
             f"                 (90, dict(HP={_HP_ALL})), (100, dict(HP={_HP_ALL}, POLICY=2, TOP_ENT=True, enable_fp_fusion=False))]:\n"
             "    print(arch, sw)\n"
             "    assert compile_epilogue(arch, **sw).asm.get('ptx'), (arch, sw)\n"
@@ -504,9 +505,9 @@ def test_epilogue_compiles_for_the_gpus():
             "                          dict(N=32768), dict(HAS_MASK=True, BLOCK=1024, num_warps=4)).asm.get('ptx')\n"
             "print('compiled')\n")
     out = compiled_ahead(code)
-    assert out.count("'POLICY'") == 17, out  # every policy term of the kernel compiled
+    assert out.count("'POLICY'") == 18, out  # every policy term of the kernel compiled
     assert out.count("'PHASE': 1") == 3, out  # clip_cov's and kl_cov's keys (epilogue_cov)
-    assert out.count("'TOK_ADV': True") == 2, out  # the advantages per token (pipeline/token_terms.py)
+    assert out.count("'TOK_ADV': True") == 3, out  # the advantages per token (pipeline/token_terms.py)
     assert out.count("'TOP_ENT'") == 4, out  # the top-entropy mask (and its key kernel) compiled
     assert out.count(f"'HP': {_HP_ALL}") == 2, out  # every hyper-parameter read by pointer
 

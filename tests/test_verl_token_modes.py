@@ -1,9 +1,9 @@
-"""The verl plugin's token-level modes (integrations/verl_modes.py: every mode but geo_mean) on the
-token advantages verl hands the loss, against the float64 reference: each token is its own completion
-there (the reference's batch of N one-token completions), the per-token terms go through a stand-in of
-verl's agg_loss, value and gradient; on both backends (Triton's epilogue kernel, the eager surrogate), with
-verl's settings drawn and rollout weights per token, per completion (B, 1) or none; and the launch count, flat in
-tokens.
+"""The verl plugin's modes (integrations/verl_modes.py) on the token advantages verl hands the loss, against
+the float64 reference: for the token-level modes each token is its own completion there (the reference's batch
+of N one-token completions), the per-token terms go through a stand-in of verl's agg_loss; geo_mean (its ratio
+per completion, each token's sign in its clip) against reference/gtpo_verl.py's term on the token advantages;
+value and gradient, on both backends (Triton's epilogue kernel, the eager surrogate), with verl's settings drawn
+and rollout weights per token, per completion (B, 1) or none; and the launch count, flat in tokens.
 Against verl's own functions: tests/test_verl_losses.py (verl's environment)."""
 import dataclasses
 
@@ -13,11 +13,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import gtpo_reference as ref
+from gtpo_reference import gtpo_verl as gv
 from conftest import TOL, assert_grad_close, assert_value_close, examples
 from gtpo_kernels.integrations import verl_modes as vm
 from test_verl_modes import margins
 
-TOKEN_MODES = [m for m in vm.MODES if m != "geo_mean"]
+TOKEN_MODES = [m for m in vm.MODES if m != "geo_mean"]  # (geo_mean: its own test below, its ratio per completion)
 
 
 class ActorConfig(dict):
@@ -130,7 +131,7 @@ def test_token_modes_launch_count_is_flat_in_tokens():
             token_mean(lp * 1.0, mask, "token-mean").backward()
         return c.launches - agg.launches + 1, c.host_reads, c.triton  # (+1: the stand-in's product above)
 
-    for mode in ("vanilla", "clip_cov"):
+    for mode in ("vanilla", "clip_cov", "geo_mean"):
         small, large = count(mode, 2, 3), count(mode, 6, 5)
         assert small == large, (mode, small, large)
         assert small[0] <= 10 and small[1] == 1 and small[2] >= 3, (mode, small)  # the read: verl's clip fraction
@@ -156,29 +157,82 @@ def test_token_ppo_validates_and_names_the_argument():
         token_ppo_losses(lp, old, adv, mask, cfg)
 
 
-def test_geo_mean_keeps_the_eager_surrogate_on_every_backend():
-    """geo_mean's ratio is a product over each completion, which the token advantages' kernel does not form:
-    on Triton it is the eager surrogate (the same value as the torch backend's in float64, which
-    tests/test_verl_losses.py checks against verl's)."""
+def geo_mean_reference(x, ids, old, adv, mask, actor, w):
+    """verl's geo_mean on token advantages in float64 (reference/gtpo_verl.py: each token's sign in the clip,
+    the completion's ratio the exp of the mean of y), as mode_loss aggregates it: the mean over the
+    completions of each one's mean of -A R over its counted tokens (verl's -mean_t(A) R, averaged)."""
+    lp = torch.log_softmax(x, -1).gather(-1, ids[..., None])[..., 0]
+    m = mask.bool()
+    lo = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
+    pg, _ = gv.policy_term("geo-mean", lp, old, adv, m, w, eps_low=lo, eps_high=actor.clip_ratio_high, clip=True,
+                           delta=None, dual_clip_c=None, dro_beta=None, clip_cov_ratio=None, clip_cov_lb=None,
+                           clip_cov_ub=None, kl_cov_ratio=None, ppo_kl_coef=None, generator=None)
+    n = m.sum(1).clamp(min=1)
+    return (torch.where(m, pg, 0.0).sum(1) / n).mean()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@settings(max_examples=examples(6))
+@given(B=st.integers(1, 3), T=st.integers(1, 6), rollout=st.sampled_from([None, "token", "completion"]),
+       low=st.sampled_from([None, 0.1]), zero_adv=st.booleans(), seed=st.integers(0, 10**6))
+def test_geo_mean_on_token_advantages_matches_reference(backend, B, T, rollout, low, zero_adv, seed):
+    """geo_mean (verl's GMPO) on token advantages: the sign of each token's advantage in the clip (some
+    advantages 0: their tokens neither move the ratio nor count), the ratio over each completion; on Triton
+    the epilogue kernel's TOK_ADV path (no eager surrogate), value and gradient against the float64
+    reference; steps large enough that the clip stops some tokens."""
     from gtpo_kernels.pipeline.token_terms import in_kernel
-    g = torch.Generator().manual_seed(5)
-    lp = -torch.rand(3, 4, generator=g, dtype=torch.float64)
-    old, adv = lp + 0.2 * torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(3, 4, generator=g,
-                                                                                          dtype=torch.float64)
-    actor = ActorConfig(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.3, policy_loss=None)
-    cfg = vm.mode_config("geo_mean", actor)
-    assert not in_kernel(cfg) and in_kernel(vm.mode_config("vanilla", actor))
-    assert not in_kernel(cfg.replace(policy_loss="ppo", importance_sampling_level="sequence"))
-    assert not in_kernel(vm.mode_config("vanilla", actor).replace(off_policy_mask_threshold=0.1))
-    mask = torch.ones(3, 4, dtype=torch.long)
-    x, y = lp.float().requires_grad_(), lp.clone().requires_grad_()
-    got, _ = vm.mode_loss("geo_mean", old.float(), x, adv.float(), mask, "token-mean", actor, None, token_mean,
-                          backend="triton")
-    want, _ = vm.mode_loss("geo_mean", old, y, adv, mask, "token-mean", actor, None, token_mean, backend="torch")
-    got.backward(), want.backward()
-    assert y.grad.abs().max() > 0
-    assert_value_close("loss", got.detach(), want.detach(), TOL[torch.float32]["loss"])
-    assert_grad_close("grad", x.grad, y.grad, TOL[torch.float32]["grad"])
+    actor = ActorConfig(clip_ratio=0.2, clip_ratio_low=low, clip_ratio_high=0.25, policy_loss=None)
+    assert in_kernel(vm.mode_config("geo_mean", actor))
+    g = torch.Generator().manual_seed(seed)
+    V = 6
+    x = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = (torch.rand(B, T, generator=g) < 0.8).long()
+    rlp = torch.log_softmax(x, -1).gather(-1, ids[..., None])[..., 0]
+    old = rlp + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    if zero_adv:
+        adv[torch.rand(B, T, generator=g) < 0.3] = 0.0
+    w = None if rollout is None else torch.rand(B, T if rollout == "token" else 1, generator=g,
+                                                 dtype=torch.float64) * 1.5 + 0.25
+    xr = x.clone().requires_grad_()
+    want = geo_mean_reference(xr, ids, old, adv, mask, actor, w)
+    want.backward()
+    assume(xr.grad.abs().max() > 0)
+    dt = torch.float32 if backend == "triton" else torch.float64
+    xx = x.to(dt).requires_grad_()
+    lp = torch.log_softmax(xx, -1).gather(-1, ids[..., None])[..., 0]
+    loss, metrics = vm.mode_loss("geo_mean", old.to(dt), lp, adv.to(dt), mask, "token-mean", actor,
+                                 None if w is None else w.to(dt), token_mean, backend=backend)
+    loss.backward()
+    assert_value_close("loss", loss.detach(), want.detach(), TOL[dt]["loss"])
+    assert_grad_close("grad logits", xx.grad, xr.grad, TOL[dt]["grad"])
+    assert 0.0 <= metrics["actor/pg_clipfrac"] <= 1.0
+
+
+def test_geo_mean_on_token_advantages_clips_and_runs_in_the_kernel():
+    """The drawn test's batches are not vacuous: on a fixed batch the clip stops some counted tokens (not
+    all), and on Triton the loss runs in the epilogue kernel (three Triton launches, no eager surrogate)."""
+    from bench.launches import counting
+    g = torch.Generator().manual_seed(11)
+    B, T = 3, 5
+    lp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    old = lp.detach() + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.long)
+    actor = ActorConfig(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.25, policy_loss=None)
+    _, metrics = vm.mode_loss("geo_mean", old, lp, adv, mask, "token-mean", actor, None, token_mean, backend="torch")
+    assert 0.0 < metrics["actor/pg_clipfrac"] < 1.0
+    x = lp.detach().float().requires_grad_()
+    with counting() as c:
+        vm.mode_loss("geo_mean", old.float(), x, adv.float(), mask, "token-mean", actor, None, token_mean,
+                     backend="triton")[0].backward()
+    assert c.triton >= 3 and c.launches <= 12, (c.launches, c.triton)
+    # what reads a completion's advantage stays on the eager surrogate: the sequence level, the off-policy mask
+    from gtpo_kernels.pipeline.token_terms import in_kernel
+    cfg = vm.mode_config("vanilla", actor)
+    assert in_kernel(cfg) and not in_kernel(cfg.replace(importance_sampling_level="sequence"))
+    assert not in_kernel(cfg.replace(off_policy_mask_threshold=0.1)) and not in_kernel(cfg.replace(policy_loss="vespo"))
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -194,9 +248,16 @@ def test_token_terms_refuse_misshapen_inputs_and_nan_invalid_ones(backend):
         vm.mode_loss("vanilla", old, lp, adv[:, :1], mask, "token-mean", actor, None, token_mean, backend=backend)
     with torch.no_grad():
         lp[0, 1] = float("-inf")
-    for mode in ("vanilla", "clip_cov", "gpg"):
+    for mode in ("vanilla", "clip_cov", "gpg", "geo_mean"):
         loss, _ = vm.mode_loss(mode, old, lp, adv, mask, "token-mean", actor, None, token_mean, backend=backend)
         assert torch.isnan(loss), (mode, loss)
+    # geo_mean: a NaN token advantage makes its completion's ratio NaN (its sign is NaN), so the loss
+    lp2, adv2 = lp.detach().clamp(min=-5.0).requires_grad_(), adv.clone()
+    adv2[1, 2] = float("nan")
+    loss, _ = vm.mode_loss("geo_mean", old, lp2, adv2, mask, "token-mean", actor, None, token_mean, backend=backend)
+    assert torch.isnan(loss), loss
+    loss.backward()  # every token of that completion moves its NaN ratio: NaN gradient; the other one's finite
+    assert torch.isnan(lp2.grad[1]).all() and torch.isfinite(lp2.grad[0]).all(), lp2.grad
     empty = torch.zeros(0, 4)
     loss, _ = vm.mode_loss("vanilla", empty, empty.requires_grad_(), empty, empty, "token-mean", actor, None,
                            token_mean, backend=backend)

@@ -55,7 +55,7 @@ def mode_config(mode: str, config) -> GTPOConfig:
 def mode_loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
               agg_loss, backend="auto"):
     """verl's policy-loss signature -> (loss, metrics); see the module docstring. The terms on the token
-    advantages are pipeline.token_terms' (on CUDA the epilogue kernel for every mode but geo_mean)."""
+    advantages are pipeline.token_terms' (on CUDA the epilogue kernel, for every mode)."""
     cfg = mode_config(mode, config)
     w = None if rollout_is_weights is None else rollout_is_weights.to(log_prob.dtype)
     loss, clip_frac = token_terms(cfg, log_prob, old_log_prob, advantages, response_mask, w, backend)

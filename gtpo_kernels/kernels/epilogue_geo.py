@@ -8,20 +8,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .epilogue_terms import _rollout_w, _token_log_r
+from .epilogue_terms import _rollout_w, _token_adv, _token_log_r
 
 LOG_1E8 = tl.constexpr(-18.420680743952367)  # log(1e-8): TRL's floor of vespo's L and of a log rollout weight
 
 
 @triton.jit
-def _geo_sums(o, inb, m, lp, old_ptr, rw_ptr, lo, hi, HAS_OLD: tl.constexpr, RW: tl.constexpr):
+def _geo_sums(o, inb, m, lp, old_ptr, rw_ptr, lo, hi, adv_ptr, malformed, HAS_OLD: tl.constexpr, RW: tl.constexpr,
+              TOK_ADV: tl.constexpr):
     """A block's float64 sums over its counted tokens of min(log r, xc) and max(log r, xc), xc = clip(log r,
     -eps_low, eps_high) (y for Ahat > 0 and Ahat < 0), and with per-token rollout weights (RW 1) of
-    log(w + 1e-10) (NaN for a weight not finite and >= 0); lp: the tokens' logp (NaN where flagged)."""
+    log(w + 1e-10) (NaN for a weight not finite and >= 0); lp: the tokens' logp (NaN where flagged).
+    TOK_ADV: the sign is each token's advantage's (adv_ptr), and both sums are of that y (0 where the
+    advantage is 0), as verl_modes.geo_mean on token advantages."""
     _, lr = _token_log_r(o, inb, m, lp, old_ptr, HAS_OLD)
     xc = tl.minimum(tl.maximum(lr, -lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
     y_lo = tl.where(m, tl.minimum(lr, xc, propagate_nan=tl.PropagateNan.ALL), 0.0)
     y_hi = tl.where(m, tl.maximum(lr, xc, propagate_nan=tl.PropagateNan.ALL), 0.0)
+    if TOK_ADV:
+        a = _token_adv(adv_ptr, o, inb, m, malformed)
+        y_lo = tl.where(a > 0.0, y_lo, tl.where(a < 0.0, y_hi, 0.0))  # (a NaN advantage: its own term is NaN)
+        y_hi = y_lo
     if RW == 1:
         w = _rollout_w(tl.load(rw_ptr + o, mask=inb, other=1.0).to(tl.float32))
         lw = tl.where(m, tl.log(w + 1e-10), 0.0)

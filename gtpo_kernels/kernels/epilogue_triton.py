@@ -88,7 +88,7 @@ def _epilogue_kernel(
     TOK_ADV: tl.constexpr = False,  # adv_ptr holds an advantage per token (N,) in place of Ahat (token-level terms)
 ):
     # TOK_ADV: in terms that read no completion's advantage, unvalidated (pipeline/token_terms.py checks them)
-    tl.static_assert(not TOK_ADV or not (PENALTY or OFF_POLICY or SEQ or VALIDATE or POLICY == 8 or POLICY == 9))
+    tl.static_assert(not TOK_ADV or not (PENALTY or OFF_POLICY or SEQ or VALIDATE or POLICY == 9))
     lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, thr = _hyper(
         hp_ptr, lo, hi, delta, dual_c, beta, ent_coef, penalty, sapo_pos, sapo_neg, dro_beta, off_thr, top_q, thr, HP)
     gate = _gate_on(hp_ptr, HP)  # the entropy filter off by the paper's gate, as a device tensor
@@ -156,7 +156,8 @@ def _epilogue_kernel(
             if OFF_POLICY:
                 off_i += _off_policy_sum(o, inb, m, lp, old_ptr, roll_ptr, HAS_OLD, HAS_ROLL)
             if POLICY == 8:
-                y_lo, y_hi, lw = _geo_sums(o, inb, m, lp, old_ptr, rw_ptr, lo, hi, HAS_OLD, RW)
+                y_lo, y_hi, lw = _geo_sums(o, inb, m, lp, old_ptr, rw_ptr, lo, hi, adv_ptr, malformed, HAS_OLD, RW,
+                                           TOK_ADV)
                 sum_lo += y_lo
                 sum_hi += y_hi
                 sum_w += lw
@@ -200,8 +201,12 @@ def _epilogue_kernel(
         tl.store(kept_out + i, kept.to(tl.uint8))
         a_i = tl.where(kept, shaped, shaped * 0.0)  # Ahat
         tl.store(scratch_ptr + i, a_i)
-        if POLICY == 8:  # log R: the mean of y (min or max of log r and its clip by the sign of Ahat), + log w
-            y = tl.where(a_i > 0.0, sum_lo, tl.where(a_i < 0.0, sum_hi, sum_lo * 0.0)).to(tl.float32)
+        if POLICY == 8:  # log R: the mean of y (min or max of log r and its clip by the sign of Ahat, TOK_ADV:
+            # of each token's advantage, summed so in pass 1), + log w
+            if TOK_ADV:
+                y = sum_lo.to(tl.float32)
+            else:
+                y = tl.where(a_i > 0.0, sum_lo, tl.where(a_i < 0.0, sum_hi, sum_lo * 0.0)).to(tl.float32)
             tl.store(scratch_ptr + B + i, y / n_safe + _geo_log_w(sum_w, rw_ptr, i, n_safe, RW))
         elif POLICY == 9:  # vespo's phi (its weight on the completion's tokens)
             tl.store(scratch_ptr + B + i, _vespo_phi(sum_lo, sum_w, rw_ptr, i, adv, k_pos, lam_pos, k_neg, lam_neg, RW))
@@ -264,7 +269,8 @@ def _epilogue_kernel(
                 m = _counted(mask_ptr, o, inb, HAS_MASK)
                 em = _top_entropy_w(ent_out, o, inb, m, ent_thr, M, BLOCK, TOP_ENT)
                 pw = _policy_weight(rw_ptr, o, inb, m, keep_w * em, BLOCK, RW_MULT)
-                _, _, d_logr, _, _ = _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw,
+                a_t = _token_adv(adv_ptr, o, inb, m, malformed) if TOK_ADV else a_hat
+                _, _, d_logr, _, _ = _terms(o, inb, m, a_t, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw,
                                             em, o < 0, lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg,
                                             dro_beta, kl_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ,
                                             CLIP, HAS_DELTA, HAS_DUAL, POLICY)
@@ -289,8 +295,8 @@ def _epilogue_kernel(
                 w = tl.where(m, 1.0, 0.0) / denom
             if SEQ:
                 c = tl.where(m, w * d_logp + g_seq, 0.0)
-            elif POLICY == 8:  # log R moves with the tokens its clip did not stop (Ahat != 0)
-                c = tl.where(m, w * d_logp + g_seq * (clipped == 0).to(tl.float32) * (a_hat != 0.0).to(tl.float32), 0.0)
+            elif POLICY == 8:  # log R moves with the tokens its clip did not stop (Ahat, TOK_ADV: the token's, != 0)
+                c = tl.where(m, w * d_logp + g_seq * (clipped == 0).to(tl.float32) * (a_t != 0.0).to(tl.float32), 0.0)
             else:
                 c = tl.where(m, w * d_logp + w * d_logr, 0.0)
             tl.store(ltok_out + o, loss_tok, mask=inb)

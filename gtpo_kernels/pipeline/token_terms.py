@@ -7,8 +7,9 @@ nor groups), with GTPO's conflict weights and entropy control folded into the ad
 
 Each token's advantage replaces Ahat in its term; the completions are the rows of the (B, T) batch, so a
 sequence-level term (geo_mean) and a per-completion aggregation see them. On Triton, for the token-level terms
-(nothing in them reads a completion's advantage: no entropy shaping, off-policy mask, sequence-level ratio,
-geo_mean or vespo), the epilogue kernel reads the advantages per token (its TOK_ADV switch): the loss in
+and geo_mean (nothing in them reads a completion's advantage: no entropy shaping, off-policy mask, sequence-level
+ratio or vespo; geo_mean's clip takes each token's sign), the epilogue kernel reads the advantages per token (its
+TOK_ADV switch): the loss in
 gtpo_loss_from_logps' launches, no host read; everything else, and the torch backend, runs the eager
 surrogate on the same batch (its token_adv), the kernel's twin. Unvalidated, as the trainers' own losses,
 non-finite inputs at counted tokens give NaN where they reach; validate=True checks them on the host first
@@ -28,7 +29,7 @@ from .loss import logps_loss
 
 def in_kernel(cfg):
     """Whether the epilogue kernel computes cfg's loss on token advantages (see the docstring)."""
-    return (cfg.policy_loss not in ("geo-mean", "vespo") and cfg.importance_sampling_level == "token"
+    return (cfg.policy_loss != "vespo" and cfg.importance_sampling_level == "token"
             and cfg.off_policy_mask_threshold is None and is_zero(cfg.entropy_penalty))
 
 
