@@ -21,7 +21,7 @@ import torch
 
 from ..core import batch, checks
 from ..core.config import is_zero
-from ..core.layout import float_dtype_for
+from ..core.layout import Lazy, float_dtype_for
 from ..kernels import dispatch
 from . import logps_epilogue
 from .loss import logps_loss
@@ -47,13 +47,19 @@ def token_terms(cfg, logps, old_logps, token_adv, mask, rollout_w=None, backend=
             raise ValueError(f"{name} must be a (B, T) tensor like logps, {tuple(logps.shape)} on {logps.device}; "
                              f"got {got}")
     B, T = logps.shape
-    dev = logps.device
-    mask = mask if mask.dtype == torch.bool else mask != 0
+    dev, dt = logps.device, float_dtype_for(logps)
+    # these batches have no token ids and no completion advantages: unvalidated, the batch holds storage of
+    # their shapes, never read (the epilogue kernel reads the mask as given, nonzero = counted, and the token
+    # advantages), and zeros made on first use (the eager surrogate's b.ids, b.adv): no launch
+    new = torch.zeros if validate else torch.empty
     with checks.one_host_read():  # validating: the values read on the host together, once
-        b = batch.prepare_tokens(torch.zeros((B, T), dtype=torch.long, device=dev), mask,
-                                 torch.zeros(B, dtype=float_dtype_for(logps), device=dev), device=dev,
-                                 validate=validate, allow_empty=True)
+        b = batch.prepare_tokens(new((B, T), dtype=torch.long, device=dev),
+                                 mask != 0 if validate and mask.dtype != torch.bool else mask,
+                                 new(B, dtype=dt, device=dev), device=dev, validate=validate, allow_empty=True)
         batch.add_extras(b, dev, validate=validate, old_logps=old_logps.detach(), rollout_is_weights=rollout_w)
+        if not validate:
+            b.ids_ = Lazy(lambda: torch.zeros(B * T, dtype=torch.long, device=dev))
+            b.adv_ = Lazy(lambda: torch.zeros(B, dtype=dt, device=dev))
         b.token_adv = token_adv.detach().reshape(-1)
         if validate:
             checks.check_finite("token_advantages", b.token_adv, b.counted)
