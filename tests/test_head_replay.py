@@ -126,19 +126,20 @@ def test_union_tiles_keep_the_budget():
         plan_union([3, 9], V=20, per_entry=8, budget=64)
 
 
-def test_head_replay_refusals_and_nan():
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # (triton: the sets checked on the device, unvalidated)
+def test_head_replay_refusals_and_nan(backend):
     h, w, bias, ids, mask, adv, tau = _batch(6)
     hc, wc = h.float(), w.float()
     z64 = _logits(h, w, None, 1.0, None)
     _, _, _, sm = rs.replay_token_logprobs(z64, ids, mask, top_k=5)
     with pytest.raises(ValueError, match="sampling_mask is given together with top_k"):
-        linear_gtpo_loss(hc, wc, ids, adv, mask, group_size=2, sampling_mask=sm, top_k=5, backend="torch")
+        linear_gtpo_loss(hc, wc, ids, adv, mask, group_size=2, sampling_mask=sm, top_k=5, backend=backend)
     with pytest.raises(ValueError, match="top_p must be in \\(0, 1\\]"):
-        linear_token_logprobs(hc, wc, ids, 1.0, mask, top_p=0.0, backend="torch")
+        linear_token_logprobs(hc, wc, ids, 1.0, mask, top_p=0.0, backend=backend)
     wrong = (sm[0], sm[1][:-1])
     with pytest.raises(ValueError, match="sampling_mask.offsets must have shape"):
-        linear_token_logprobs(hc, wc, ids, 1.0, mask, sampling_mask=wrong, backend="torch")
-    lp, _ = linear_token_logprobs(hc, wc, ids, 1.0, mask, sampling_mask=wrong, backend="torch", validate=False)
+        linear_token_logprobs(hc, wc, ids, 1.0, mask, sampling_mask=wrong, backend=backend)
+    lp, _ = linear_token_logprobs(hc, wc, ids, 1.0, mask, sampling_mask=wrong, backend=backend, validate=False)
     assert torch.isnan(lp[mask]).all()  # a wrong number of sets: every counted token NaN
     token_ids, offsets = sm
     first = int(ids[mask][0])
@@ -146,6 +147,6 @@ def test_head_replay_refusals_and_nan():
     bad = (torch.cat([out_of_set[0], token_ids[offsets[1]:]]), offsets)
     if torch.unique(bad[0][:offsets[1]]).numel() == int(offsets[1]):  # the set stays without repeats
         with pytest.raises(ValueError, match="sampling_mask: the kept set of counted token"):
-            linear_token_logprobs(hc, wc, ids, 1.0, mask, sampling_mask=bad, backend="torch")
-        lp, _ = linear_token_logprobs(hc, wc, ids, 1.0, mask, sampling_mask=bad, backend="torch", validate=False)
+            linear_token_logprobs(hc, wc, ids, 1.0, mask, sampling_mask=bad, backend=backend)
+        lp, _ = linear_token_logprobs(hc, wc, ids, 1.0, mask, sampling_mask=bad, backend=backend, validate=False)
         assert torch.isnan(lp[mask][0]) and torch.isfinite(lp[mask][1:]).all()

@@ -21,10 +21,11 @@ import torch
 
 from ..core import checks
 from ..core.layout import float_dtype_for
-from ..core.sampling import check_sampling_mask_flat
+from ..core.sampling import check_sampling_mask_flat, unpack_mask
 from ..distributed import vocab_replay
 from ..distributed.vocab_parallel import VocabParallel
 from ..kernels import replay as rp
+from ..kernels.set_check_triton import flat_set_checks
 from . import head as hd
 from . import head_replay as hr
 from .replay import _any, at
@@ -174,12 +175,16 @@ def replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host, 
     token_ids = flat = invalid = None
     rule_t, rule_n = (None,) * 3, (None,) * 3
     if sampling_mask is not None:
-        with checks.one_host_read():  # with a group every rank holds the same sets (agreed): the same error
-            token_ids, flat, invalid = check_sampling_mask_flat(sampling_mask, b.ids, b.counted, V, host)
         # a kept id outside [0, V) (unvalidated) makes its token invalid (NaN, spec 13); one process reads only
         # its weight's rows: such an id stands as 0 in the union (with a split, each rank keeps its own slice)
-        if vp is None:
-            token_ids = torch.where((token_ids >= 0) & (token_ids < V), token_ids, torch.zeros_like(token_ids))
+        if not host and backend == "triton":  # the checks in two launches (kernels/set_check_triton.py)
+            token_ids, offsets = unpack_mask(sampling_mask, None, b.ids.device)
+            flat, invalid, token_ids = flat_set_checks(token_ids, offsets, b.ids, b.counted, V, vp is None)
+        else:
+            with checks.one_host_read():  # with a group every rank holds the same sets (agreed): the same error
+                token_ids, flat, invalid = check_sampling_mask_flat(sampling_mask, b.ids, b.counted, V, host)
+            if vp is None:
+                token_ids = torch.where((token_ids >= 0) & (token_ids < V), token_ids, torch.zeros_like(token_ids))
     else:
         (top_k, top_p, min_p), rule_bad = rules
         rule_t, rule_n = zip(*(_tensor_or_number(x) for x in (top_k, top_p, min_p)))
