@@ -29,7 +29,7 @@ from ..kernels import replay as rp
 from ..kernels.kept_set import kept_sets
 from . import head as hd
 from .replay import at, nonfinite_flag
-from .tiles import rows_of
+from .tiles import flat_rows, rows_of
 
 
 TILE_ROWS = 256  # counted tokens a tile at most: the union, so the GEMM work per token, grows with the tile
@@ -119,7 +119,7 @@ def forward(hidden, p):
     """logp, H, flags (M,) of the counted tokens over their kept sets: rebuilt by p.rules, else p's sets."""
     if p.rules is not None:
         return _rebuild_forward(hidden, p)
-    out = [_replay(_project(rows_of(hidden, p.pos[m0:m1]), p.head, u), ids, off, ly, at(p.tau, slice(m0, m1)),
+    out = [_replay(_project(rows_of(hidden, p.pos[m0:m1], flat_rows(hidden)), p.head, u), ids, off, ly, at(p.tau, slice(m0, m1)),
                    None if p.invalid is None else p.invalid[m0:m1], p)
            for (m0, m1), (u, ids, off, ly) in zip(p.tiles, _unions(p))]
     return tuple(_cat([o[i] for o in out], p, dt) for i, dt in ((0, None), (1, None), (2, torch.int8)))
@@ -134,7 +134,7 @@ def backward(hidden, weight, bias, p, g_logp, g_ent, need):
     db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need[2] and bias is not None else None
     for (m0, m1), (u, ids, off, ly) in zip(p.tiles, _unions(p)):
         idx = p.pos[m0:m1]
-        h = rows_of(hidden, idx)
+        h = rows_of(hidden, idx, flat_rows(hidden))
         with torch.enable_grad():
             z = _project(h, p.head, u).detach().requires_grad_()
             lp, en, _ = _replay(z, ids, off, ly, at(p.tau, slice(m0, m1)),
@@ -195,7 +195,7 @@ def _rebuild_forward(hidden, p):
     full = p.head._replace(weight=hd.upcast(p.head.weight, p.head.proj), bias=hd.upcast(p.head.bias, p.head.proj))
     for m0 in range(0, M, step):
         sl = slice(m0, min(M, m0 + step))
-        z = _project(rows_of(hidden, p.pos[sl]), full, None)
+        z = _project(rows_of(hidden, p.pos[sl], flat_rows(hidden)), full, None)
         n = z.shape[0]
         rows_t = torch.arange(n, device=z.device)
         zero = torch.zeros_like(rows_t)

@@ -143,6 +143,7 @@ def _setup_context(ctx, inputs, output):
         token_ids, flat, invalid = output[3:6]
     ctx.save_for_backward(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid)
     ctx.key = key
+    ctx.set_materialize_grads(False)  # (the outputs without a gradient: no zeros made for them)
 
 
 def _backward(ctx, grads):
