@@ -1,7 +1,8 @@
 """The LM head over the sampler's kept sets (recorded, or rebuilt by top_k) computes its loss in the epilogue
 kernel from the replayed log-probs (pipeline/logps_epilogue.py; about 110 launches fewer than the eager
 surrogate): the same loss, outputs, metrics (in the same order) and gradients as the eager twin (the torch
-backend) within spec 7's float32 tolerance, validating with the same host reads."""
+backend) within spec 7's float32 tolerance, validating with no more host reads (on Triton the recorded sets
+are checked on the device, one read)."""
 import pytest
 import torch
 
@@ -36,7 +37,7 @@ def test_head_over_kept_sets_takes_the_epilogue(preset, rule):
         res[backend] = (out, x.grad, ww.grad, n)
     (o, gh, gw, n), (t, th, tw, nt) = res["triton"], res["torch"]
     assert n.triton_names.get("_epilogue_kernel") == 1 and n.triton_names.get("_prep_kernel") == 1, n.triton_names
-    assert n.host_reads == nt.host_reads, (dict(n.reads), dict(nt.reads))
+    assert n.host_reads <= nt.host_reads, (dict(n.reads), dict(nt.reads))  # (triton: the sets checked on the device)
     assert list(o.metrics) == list(t.metrics) and tw.abs().sum() > 0
     assert_value_close("loss", o.loss.detach(), t.loss.detach(), TOL)
     for k in ("logps", "entropy", "per_token_loss"):

@@ -39,6 +39,17 @@ def _geo_sums(o, inb, m, lp, old_ptr, rw_ptr, lo, hi, adv_ptr, malformed, HAS_OL
 
 
 @triton.jit
+def _geo_log_R(sum_lo, sum_hi, sum_w, a_i, rw_ptr, i, n_safe, RW: tl.constexpr, TOK_ADV: tl.constexpr):
+    """Completion i's log R: the mean of y (_geo_sums' sum of min or max of log r and its clip, by the sign of
+    its Ahat a_i; TOK_ADV: each token's, summed so), plus the log of its rollout weights' geometric mean."""
+    if TOK_ADV:
+        y = sum_lo.to(tl.float32)
+    else:
+        y = tl.where(a_i > 0.0, sum_lo, tl.where(a_i < 0.0, sum_hi, sum_lo * 0.0)).to(tl.float32)
+    return y / n_safe + _geo_log_w(sum_w, rw_ptr, i, n_safe, RW)
+
+
+@triton.jit
 def _geo_log_w(lw_sum, rw_ptr, i, n_safe, RW: tl.constexpr):
     """Completion i's log of its geometric-mean rollout weight: the mean of log(w + 1e-10) over its counted
     tokens (RW 1: lw_sum, _geo_sums'), log(w_i + 1e-10) per completion (RW 2), else 0."""

@@ -18,18 +18,17 @@ A tile of the LM head's fused schedule runs it with pass 2 over the tile's compl
 their c and e are then final (pass 1's batch totals, the counted tokens and the longest completion, come
 from the mask and cu_seqlens alone), the rest of what it writes is rewritten by the call's own launch.
 
-One program walks the completions in order (padded: completion i owns tokens [i T, (i + 1) T); packed:
-[cu[i], cu[i + 1])), in blocks of BLOCK tokens, twice: pass 1 forms the per-completion sums (counted
-tokens, entropy, the sequence-level log-ratio, the off-policy mask's mean (sampling logp - logp), summed in
-float64 as the eager seg_sum) and the batch's, pass 2 the per-token terms, behind a
-barrier. At the sequence level pass 2 reads each completion twice (d loss / d log r summed over it first).
-A per-completion sum is the block sums added in order: nothing depends on the device or the grid. In
-the packed form cu_seqlens is read as the caller gave it: a malformed one (not from 0 to N, or
-decreasing) is replaced by the stand-in the eager code uses and makes every counted token's outputs NaN.
-Unvalidated invalid input gives NaN where it reaches, as the eager code: a flagged token's logp and H,
-non-finite advantages, old / ref log-probs and lam at counted tokens, a counted rollout weight that is not
-finite and >= 0, an n_conf that is not finite and >= 1, a num_items_in_batch tensor that is not finite and > 0.
-The off-policy mask is a constant multiplier (no gradient through its mean), as in the eager path.
+One program walks the completions in order (padded: completion i owns tokens [i T, (i + 1) T); packed: [cu[i], cu[i
++ 1])), in blocks of BLOCK tokens, twice: pass 1 forms the per-completion sums (counted tokens, entropy, the
+sequence-level log-ratio, the off-policy mask's mean (sampling logp - logp), summed in float64 as the eager seg_sum)
+and the batch's, pass 2 the per-token terms, behind a barrier. At the sequence level pass 2 reads each completion
+twice (d loss / d log r summed over it first). A per-completion sum is the block sums added in order: nothing
+depends on the device or the grid. In the packed form cu_seqlens is read as the caller gave it: a malformed one (not
+from 0 to N, or decreasing) is replaced by the stand-in the eager code uses and makes every counted token's outputs
+NaN. Unvalidated invalid input gives NaN where it reaches, as the eager code: a flagged token's logp and H, non-
+finite advantages, old / ref log-probs and lam at counted tokens, a counted rollout weight that is not finite and >=
+0, an n_conf that is not finite and >= 1, a num_items_in_batch tensor that is not finite and > 0. The off-policy
+mask is a constant multiplier (no gradient through its mean), as in the eager path.
 """
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .epilogue_cov import _cov_keys, _cov_kth, _cov_sel
-from .epilogue_geo import _geo_log_w, _geo_sums, _vespo_phi, _vespo_sums
+from .epilogue_geo import _geo_log_R, _geo_sums, _vespo_phi, _vespo_sums
 from .epilogue_hyper import _gate_on, _hyper
 from .epilogue_terms import (_counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _kept_add,
                              _off_policy_sum, _policy_weight, _roll_add, _roll_store, _rollout_ok, _rollout_w, _span,
@@ -201,13 +200,8 @@ def _epilogue_kernel(
         tl.store(kept_out + i, kept.to(tl.uint8))
         a_i = tl.where(kept, shaped, shaped * 0.0)  # Ahat
         tl.store(scratch_ptr + i, a_i)
-        if POLICY == 8:  # log R: the mean of y (min or max of log r and its clip by the sign of Ahat, TOK_ADV:
-            # of each token's advantage, summed so in pass 1), + log w
-            if TOK_ADV:
-                y = sum_lo.to(tl.float32)
-            else:
-                y = tl.where(a_i > 0.0, sum_lo, tl.where(a_i < 0.0, sum_hi, sum_lo * 0.0)).to(tl.float32)
-            tl.store(scratch_ptr + B + i, y / n_safe + _geo_log_w(sum_w, rw_ptr, i, n_safe, RW))
+        if POLICY == 8:  # geo_mean's log R (epilogue_geo)
+            tl.store(scratch_ptr + B + i, _geo_log_R(sum_lo, sum_hi, sum_w, a_i, rw_ptr, i, n_safe, RW, TOK_ADV))
         elif POLICY == 9:  # vespo's phi (its weight on the completion's tokens)
             tl.store(scratch_ptr + B + i, _vespo_phi(sum_lo, sum_w, rw_ptr, i, adv, k_pos, lam_pos, k_neg, lam_neg, RW))
         else:

@@ -178,9 +178,14 @@ def replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host, 
     if sampling_mask is not None:
         # a kept id outside [0, V) (unvalidated) makes its token invalid (NaN, spec 13); one process reads only
         # its weight's rows: such an id stands as 0 in the union (with a split, each rank keeps its own slice)
-        if not host and backend == "triton":  # the checks in two launches (kernels/set_check_triton.py)
+        if backend == "triton":  # the checks in two launches (kernels/set_check_triton.py)
             token_ids, offsets = unpack_mask(sampling_mask, None, b.ids.device)
             flat, invalid, token_ids = flat_set_checks(token_ids, offsets, b.ids, b.counted, V, vp is None)
+            if host:  # one read; a problem runs the host's checks, whose error names it (with a group the
+                # sets are agreed: every rank reads the same and raises the same)
+                with checks.one_host_read():
+                    checks.check_on_device(invalid.any(), lambda: check_sampling_mask_flat(
+                        sampling_mask, b.ids, b.counted, V, True))
         else:
             with checks.one_host_read():  # with a group every rank holds the same sets (agreed): the same error
                 token_ids, flat, invalid = check_sampling_mask_flat(sampling_mask, b.ids, b.counted, V, host)
