@@ -330,7 +330,7 @@ def test_from_logps_half_precision_and_strided(dtype):
 AOT = '''
 import torch
 from bench.aot.compiler import _compile_ahead
-from gtpo_kernels.kernels import logps_triton as L
+from gtpo_kernels.kernels import logps_triton as L, set_check_triton as S
 i64, i8, f32, b16 = torch.int64, torch.int8, torch.float32, torch.bfloat16
 for arch in (90, 80, 100):
     for packed in (True, False):
@@ -347,6 +347,13 @@ for arch in (90, 80, 100):
     assert _compile_ahead(L._set_check_kernel, arch, dict(mask_ptr=torch.bool, flat_ptr=i64, ids_ptr=i64,
                           flags_ptr=i8, cu_out=i64), f32, dict(B=64, N=32768),
                           dict(HAS_MASK=True, DUP_BLOCK=64, num_warps=4)).asm.get("ptx")
+    # the LM head's recorded sets checked on the device (kernels/set_check_triton.py; their helpers are these)
+    assert _compile_ahead(S._flat_offsets_kernel, arch, dict(mask_ptr=torch.bool, off_ptr=i64, flat_out=i64,
+                          bad_out=torch.int32), f32, dict(N=32768, M_rec=30000, K=900000),
+                          dict(BLOCK=1024, num_warps=4)).asm.get("ptx")
+    assert _compile_ahead(S._set_problems_kernel, arch, dict(mask_ptr=torch.bool, flat_ptr=i64, kept_ptr=i64,
+                          y_ptr=i64, bad_ptr=torch.int32, invalid_out=torch.bool, kept_out=i64), f32,
+                          dict(V=151936), dict(CLAMP=True, DUP_BLOCK=64, num_warps=4)).asm.get("ptx")
     for per in (True, False):
         assert _compile_ahead(L._scale_kernel, arch, dict(gc_ptr=b16, ge_ptr=b16), f32, dict(N=32768),
                               dict(PER_TOKEN=per, HAS_E=True, BLOCK=1024, num_warps=4)).asm.get("ptx")
@@ -355,7 +362,7 @@ print("compiled")
 
 
 def test_kernels_compile_for_the_gpus():
-    """The four kernels compiled ahead of time for sm_90, sm_80 and sm_100 by Triton's compiler (a process
+    """The four kernels (and the head's two set checks) compiled ahead of time for sm_90, sm_80 and sm_100 by Triton's compiler (a process
     without the interpreter): what the interpreter does not check fails here."""
     import os
     import subprocess

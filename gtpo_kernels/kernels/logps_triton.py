@@ -79,6 +79,49 @@ def _prep_kernel(logp_ptr, ent_ptr, mask_ptr, cu_ptr, ids_ptr,  # the caller's (
     _cu_out(cu_ptr, cu_out, B, T, N, poison, BLOCK, PACKED)
 
 
+@triton.jit
+def _flat_offsets(mask_ptr, off_ptr, flat_out, N, M_rec, K, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+    """The recorded kept sets' offsets (M_rec + 1,) over K kept ids, in the flat layout of the N tokens:
+    flat_out (N + 1,), token j's set the recorded set of the counted tokens before it (empty if uncounted),
+    every set empty when the offsets are malformed (not non-decreasing from 0 to K) or not M + 1. Returns
+    (M, bad, end): the counted tokens, 1 for such offsets, the recorded offset of the counted tokens' end."""
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    M = tl.zeros((), tl.int64)
+    for t0 in range(0, N, BLOCK):
+        o = t0 + lanes
+        M += tl.sum(_counted(mask_ptr, o, o < N, HAS_MASK).to(tl.int64), axis=0)
+    bad = _offsets_bad(off_ptr, M_rec, K, -1, BLOCK) | (M != M_rec).to(tl.int32)
+    tl.debug_barrier()
+    before = tl.zeros((), tl.int64)  # counted tokens before the block
+    for t0 in range(0, N, BLOCK):
+        o = t0 + lanes
+        inb = o < N
+        c = _counted(mask_ptr, o, inb, HAS_MASK).to(tl.int64)
+        rank = before + tl.cumsum(c, axis=0) - c
+        start = tl.load(off_ptr + tl.minimum(rank, M_rec), mask=inb, other=0).to(tl.int64)
+        tl.store(flat_out + o, tl.where(bad != 0, 0, start), mask=inb)
+        before += tl.sum(c, axis=0)
+    end = tl.load(off_ptr + tl.minimum(M, M_rec)).to(tl.int64)
+    tl.store(flat_out + N, tl.where(bad != 0, 0, end))
+    return M, bad, end
+
+
+@triton.jit
+def _repeats(ids_ptr, start, end, DUP_BLOCK: tl.constexpr):
+    """1 when the kept ids [start, end) repeat one (a DUP_BLOCK x DUP_BLOCK comparison a pair of blocks)."""
+    lanes = tl.arange(0, DUP_BLOCK).to(tl.int64)
+    dup = tl.zeros((), tl.int32)
+    for a0 in range(start, end, DUP_BLOCK):
+        ka = a0 + lanes
+        va = tl.load(ids_ptr + ka, mask=ka < end, other=0).to(tl.int64)
+        for b0 in range(a0, end, DUP_BLOCK):
+            kb = b0 + lanes
+            vb = tl.load(ids_ptr + kb, mask=kb < end, other=0).to(tl.int64)
+            same = (va[:, None] == vb[None, :]) & (ka[:, None] < kb[None, :]) & (kb[None, :] < end)
+            dup = dup | tl.max(tl.max(same.to(tl.int32), axis=1), axis=0)
+    return dup
+
+
 @triton.jit(do_not_specialize=["B", "T", "N", "M_rec", "K", "logits_start", "s0", "s1", "g0", "g1"])
 def _flat_sets_kernel(mask_ptr, off_ptr, cu_ptr, tau_ptr,  # the caller's mask, recorded offsets, cu_seqlens; tau
                       flat_out, row_out, grow_out, tau_out,  # (N + 1,), (N,), (N,) int64, (N,) float32
@@ -92,23 +135,11 @@ def _flat_sets_kernel(mask_ptr, off_ptr, cu_ptr, tau_ptr,  # the caller's mask, 
     Pass 2: flat token j's set is the recorded set of the counted tokens before it (empty if uncounted).
     TAU_MODE: 0 tau_value, 1 per token (N,), 2 one element. VALIDATE: malformed offsets poison the
     cu_seqlens even without a counted token (the status word then makes the call check them on the host)."""
+    M, bad, end = _flat_offsets(mask_ptr, off_ptr, flat_out, N, M_rec, K, HAS_MASK, BLOCK)
     lanes = tl.arange(0, BLOCK).to(tl.int64)
-    M = tl.zeros((), tl.int64)
-    for t0 in range(0, N, BLOCK):
-        o = t0 + lanes
-        M += tl.sum(_counted(mask_ptr, o, o < N, HAS_MASK).to(tl.int64), axis=0)
-    first = tl.load(off_ptr).to(tl.int64)
-    bad = _offsets_bad(off_ptr, M_rec, K, -1, BLOCK) | (M != M_rec).to(tl.int32)
-    tl.debug_barrier()
-    before = tl.zeros((), tl.int64)  # counted tokens before the block
     for t0 in range(0, N, BLOCK):
         o = t0 + lanes
         inb = o < N
-        c = _counted(mask_ptr, o, inb, HAS_MASK).to(tl.int64)
-        rank = before + tl.cumsum(c, axis=0) - c
-        start = tl.load(off_ptr + tl.minimum(rank, M_rec), mask=inb, other=0).to(tl.int64)
-        tl.store(flat_out + o, tl.where(bad != 0, 0, start), mask=inb)
-        before += tl.sum(c, axis=0)
         if PACKED:
             rb = o * 0
             rt = logits_start + o
@@ -124,8 +155,7 @@ def _flat_sets_kernel(mask_ptr, off_ptr, cu_ptr, tau_ptr,  # the caller's mask, 
         else:
             tau = tl.zeros([BLOCK], tl.float32) + tau_value
         tl.store(tau_out + o, tau, mask=inb)
-    end = tl.load(off_ptr + tl.minimum(M, M_rec)).to(tl.int64)
-    tl.store(flat_out + N, tl.where(bad != 0, 0, end))
+    first = tl.load(off_ptr).to(tl.int64)
     # spec 13's metrics as replay_metrics gives them (from the offsets as recorded, malformed or not)
     tl.store(met_out, ((end - first).to(tl.float64) / tl.maximum(M, 1).to(tl.float64)).to(tl.float32))
     tl.store(met_out + 1, 0.0)  # replay_restored_frac: a recorded set restores nothing
@@ -146,17 +176,9 @@ def _set_check_kernel(mask_ptr, flat_ptr, ids_ptr, flags_ptr, ent_ptr, cu_out, B
     flag = tl.load(flags_ptr + tok).to(tl.int32)
     start = tl.load(flat_ptr + tok)
     end = tl.load(flat_ptr + tok + 1)
-    lanes = tl.arange(0, DUP_BLOCK).to(tl.int64)
     dup = tl.zeros((), tl.int32)
     if m:
-        for a0 in range(start, end, DUP_BLOCK):
-            ka = a0 + lanes
-            va = tl.load(ids_ptr + ka, mask=ka < end, other=0).to(tl.int64)
-            for b0 in range(a0, end, DUP_BLOCK):
-                kb = b0 + lanes
-                vb = tl.load(ids_ptr + kb, mask=kb < end, other=0).to(tl.int64)
-                same = (va[:, None] == vb[None, :]) & (ka[:, None] < kb[None, :]) & (kb[None, :] < end)
-                dup = dup | tl.max(tl.max(same.to(tl.int32), axis=1), axis=0)
+        dup = _repeats(ids_ptr, start, end, DUP_BLOCK)
     flag = tl.where(dup != 0, flag | BAD_ID, flag)
     flag = tl.where(m, flag, 0)
     tl.store(flags_ptr + tok, flag.to(tl.int8))

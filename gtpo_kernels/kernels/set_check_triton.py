@@ -1,10 +1,10 @@
 """The sampler's recorded kept sets (spec 13) checked on the device, unvalidated, in two launches: what
 core.sampling.check_sampling_mask_flat(validate=False) forms with some fifty small ops (its twin in tests).
 
-    _flat_offsets_kernel  (one program) each flat token's offsets into the kept ids (an uncounted token's
-                          set is empty), and whether the recorded offsets are malformed (not non-decreasing
-                          from 0 to len(token_ids)) or not one set per counted token: then every set is empty
-                          and every token invalid
+    _flat_offsets_kernel  (one program) each flat token's offsets into the kept ids, as the logits path forms
+                          them (logps_triton._flat_offsets; an uncounted token's set is empty), and whether
+                          the recorded offsets are malformed (not non-decreasing from 0 to len(token_ids)) or
+                          not one set per counted token: then every set is empty and every token invalid
     _set_problems_kernel  (a program per flat token) a counted token whose set holds an id outside [0, V),
                           repeats an id or lacks its sampled id is invalid; CLAMP: the set's ids written
                           with an id outside [0, V) as 0 (the LM head's union reads only its weight's rows)
@@ -19,32 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .epilogue_terms import _counted
-from .logps_triton import BLOCK, DUP_BLOCK
-from .vocab_status import _offsets_bad
+from .logps_triton import BLOCK, DUP_BLOCK, _flat_offsets, _repeats
 
 
 @triton.jit(do_not_specialize=["N", "M_rec", "K"])
 def _flat_offsets_kernel(mask_ptr, off_ptr, flat_out, bad_out, N, M_rec, K, BLOCK: tl.constexpr):
     """flat_out (N + 1,): flat token j's set starts at the recorded offset of the counted tokens before it
     (0 everywhere when bad); bad_out (1,) int32: the offsets are malformed or not M + 1."""
-    lanes = tl.arange(0, BLOCK).to(tl.int64)
-    M = tl.zeros((), tl.int64)
-    for t0 in range(0, N, BLOCK):
-        o = t0 + lanes
-        M += tl.sum(_counted(mask_ptr, o, o < N, True).to(tl.int64), axis=0)
-    bad = _offsets_bad(off_ptr, M_rec, K, -1, BLOCK) | (M != M_rec).to(tl.int32)
-    before = tl.zeros((), tl.int64)
-    for t0 in range(0, N, BLOCK):
-        o = t0 + lanes
-        inb = o < N
-        c = _counted(mask_ptr, o, inb, True).to(tl.int64)
-        rank = before + tl.cumsum(c, axis=0) - c
-        start = tl.load(off_ptr + tl.minimum(rank, M_rec), mask=inb, other=0).to(tl.int64)
-        tl.store(flat_out + o, tl.where(bad != 0, 0, start), mask=inb)
-        before += tl.sum(c, axis=0)
-    end = tl.load(off_ptr + tl.minimum(M, M_rec)).to(tl.int64)
-    tl.store(flat_out + N, tl.where(bad != 0, 0, end))
+    _, bad, _ = _flat_offsets(mask_ptr, off_ptr, flat_out, N, M_rec, K, True, BLOCK)
     tl.store(bad_out, bad)
 
 
@@ -70,11 +52,7 @@ def _set_problems_kernel(mask_ptr, flat_ptr, kept_ptr, y_ptr, bad_ptr, invalid_o
         hit = hit | tl.max((ina & (va == y)).to(tl.int32), axis=0)
         if CLAMP:
             tl.store(kept_out + ka, tl.where(outside, 0, va), mask=ina)
-        for b0 in range(a0, end, DUP_BLOCK):
-            kb = b0 + lanes
-            vb = tl.load(kept_ptr + kb, mask=kb < end, other=0).to(tl.int64)
-            same = (va[:, None] == vb[None, :]) & (ka[:, None] < kb[None, :]) & (kb[None, :] < end)
-            problem = problem | tl.max(tl.max(same.to(tl.int32), axis=1), axis=0)
+    problem = problem | _repeats(kept_ptr, start, end, DUP_BLOCK)
     invalid = (tl.load(bad_ptr) != 0) | (m & ((problem != 0) | (hit == 0)))
     tl.store(invalid_out + tok, invalid)
 
