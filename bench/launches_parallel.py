@@ -9,6 +9,39 @@ import tempfile
 import torch
 
 
+CONFIGS = ("grpo", "gtpo", "clip-cov")
+
+
+def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True)):
+    """On each rank of a gloo group (Triton's interpreter): [(config, validate, launches, of them Triton,
+    host reads)] of one gtpo_loss(process_group=...) forward + backward (after a first call) at B x T
+    tokens, V = 37 split as evenly as the ranks allow."""
+    import torch.distributed as dist
+    from bench.launches import counting
+    from gtpo_kernels import gtpo_loss
+    g = torch.Generator().manual_seed(7)
+    V = 37
+    x = torch.randn(B, T, V, generator=g) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.linspace(-1.0, 1.0, B)
+    old = -torch.rand(B, T, generator=g) * 3 - 1.5
+    sizes = [V // world + (r < V % world) for r in range(world)]
+    start = sum(sizes[:rank])
+    rows = []
+    for cfg in configs:
+        for validate in validates:
+            part = x[..., start:start + sizes[rank]].clone().requires_grad_()
+            call = lambda: gtpo_loss(part, ids, adv, group_size=2, old_logps=old, config=cfg,  # noqa: E731
+                                     backend="triton", validate=validate,
+                                     process_group=dist.group.WORLD).loss.backward()
+            call()
+            part.grad = None
+            with counting() as c:
+                call()
+            rows.append((cfg, validate, c.launches, c.triton, c.host_reads))
+    return rows
+
+
 def _rank(rank, world, path, queue):
     os.environ["TRITON_INTERPRET"] = "1"
     from bench import interpreter
@@ -16,28 +49,7 @@ def _rank(rank, world, path, queue):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        from bench.launches import counting
-        from gtpo_kernels import gtpo_loss
-        g = torch.Generator().manual_seed(7)
-        B, T, V = 4, 5, 37
-        x = torch.randn(B, T, V, generator=g) * 2
-        ids = torch.randint(0, V, (B, T), generator=g)
-        adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-        old = -torch.rand(B, T, generator=g) * 3 - 1.5
-        sizes = [V // world + (r < V % world) for r in range(world)]
-        start = sum(sizes[:rank])
-        rows = []
-        for cfg in ("grpo", "gtpo", "clip-cov"):
-            for validate in (False, True):
-                part = x[..., start:start + sizes[rank]].clone().requires_grad_()
-                call = lambda: gtpo_loss(part, ids, adv, group_size=2, old_logps=old, config=cfg,  # noqa: E731
-                                         backend="triton", validate=validate,
-                                         process_group=dist.group.WORLD).loss.backward()
-                call()
-                part.grad = None
-                with counting() as c:
-                    call()
-                rows.append((cfg, validate, c.launches, c.triton, c.host_reads))
+        rows = counts(rank, world)
         if rank == 0:
             queue.put(rows)
     finally:

@@ -157,7 +157,8 @@ def test_token_digest_tells_tokens_apart():
     """The checksum the ranks compare: equal for equal tokens (whatever the integer dtype), different
     when ids swap places, the mask moves or completion boundaries move (same count, same id multiset)."""
     from gtpo_kernels.core import batch
-    from gtpo_kernels.distributed.agree import odd_ranks, token_digest
+    from gtpo_kernels.distributed.agree import odd_ranks
+    from gtpo_kernels.distributed.digest import token_digest
     _, ids, mask, _, _, _ = _data()
 
     def digest(i, m, **kw):

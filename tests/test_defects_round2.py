@@ -165,7 +165,7 @@ def test_compile_fullgraph_with_top_entropy_quantile(name):
 def test_fingerprint_compares_options_by_value():
     """1, 1.0 and tensor(1.0) are one value; -0.0 is 0.0; every NaN one NaN; a config counts by every
     field (eps_high, clip); an object's address (a torch.Generator) does not count."""
-    from gtpo_kernels.distributed.agree import fingerprint
+    from gtpo_kernels.distributed.digest import fingerprint
 
     def fp(*options):
         return int(fingerprint(options))

@@ -11,8 +11,10 @@ import torch.distributed as dist
 
 from gloo import run_ranks
 from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
+from gtpo_kernels.distributed import agree
 
 SPLITS = {2: [20, 17], 3: [10, 15, 12]}  # V = 37 in uneven slices
+GATHER = agree.GATHER  # the agreement's all-gather into one tensor
 
 
 def _case(seed, packed):
@@ -191,11 +193,11 @@ def _linear_and_dtensor_checks(rank, world, sl):
 
 def _rank_checks(rank, world):
     counter = {"bytes": 0, "layout_bytes": 0}  # per-token all-reduces; the one small shape check
-    for name in ("all_reduce", "all_gather"):
+    for name in ("all_reduce", GATHER):
         real = getattr(dist, name)
 
         def counted(*a, _real=real, _name=name, **k):
-            t = a[0] if _name == "all_reduce" else a[1]
+            t = a[0] if _name == "all_reduce" else a[1]  # the agreement: this rank's row
             counter["bytes" if _name == "all_reduce" else "layout_bytes"] += t.numel() * t.element_size()
             return _real(*a, **k)
         setattr(dist, name, counted)

@@ -222,13 +222,20 @@ def _dp_loss_checks(rank, world):
 
 
 def _rank_checks(rank, world):
-    counter = {"all_gather": 0}
+    counter = {"all_gather": 0}  # bytes received by the all-gathers, the agreement's (into one tensor) too
     real = dist.all_gather
+    from gtpo_kernels.distributed.agree import GATHER as gather
+    real_single = getattr(dist, gather)
 
     def counted(tensors, tensor, *a, **k):
         counter["all_gather"] += tensor.numel() * tensor.element_size() * len(tensors)
         return real(tensors, tensor, *a, **k)
+
+    def counted_single(out, tensor, *a, **k):
+        counter["all_gather"] += out.numel() * out.element_size()
+        return real_single(out, tensor, *a, **k)
     dist.all_gather = counted
+    setattr(dist, gather, counted_single)
     conflicts, raised = _conflict_checks(rank, world, counter)
     return {"conflicts": conflicts, "raised": raised, "loss": _dp_loss_checks(rank, world)}
 

@@ -83,6 +83,7 @@ def measure(tokens, vocab, repeats, warmup, group=None):
     collectives send, the rounds' times (ms: the 2-rank step, the slower rank's; rank 0 alone with 1 and
     2 threads), and its errors against one process."""
     import torch.distributed as dist
+    from gtpo_kernels.distributed import agree
     pg = dist.group.WORLD if group is None else group
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     res = {}
@@ -91,7 +92,8 @@ def measure(tokens, vocab, repeats, warmup, group=None):
     start = sum(vocab // world + (r < vocab % world) for r in range(rank))
     part = logits[..., start:start + size].contiguous()
     counter = {"all_reduce": 0, "all_gather": 0}
-    real = {n: getattr(dist, n) for n in counter}
+    names = {"all_reduce": "all_reduce", "all_gather": agree.GATHER}  # the agreement's gather into one tensor
+    real = {n: getattr(dist, names[n]) for n in counter}
 
     def count(name):
         def counted(*a, **k):
@@ -107,12 +109,12 @@ def measure(tokens, vocab, repeats, warmup, group=None):
         return out, x.grad
 
     for n in real:
-        setattr(dist, n, count(n))
+        setattr(dist, names[n], count(n))
     try:
         out, grad = step()
     finally:
         for n in real:
-            setattr(dist, n, real[n])
+            setattr(dist, names[n], real[n])
     res["all_reduce_bytes"], res["all_gather_bytes"] = counter["all_reduce"], counter["all_gather"]
 
     inp = (logits, ids, mask, adv, old)

@@ -114,7 +114,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32, host,
                                    in_kernels=fast or rules_in_kernels)
-            b.tau = tau  # compared across the ranks of a vocabulary split (agree.input_digests)
+            b.tau = tau  # compared across the ranks of a vocabulary split (digest.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace,
                                   in_kernels=rules_in_kernels)
 

@@ -17,7 +17,7 @@ from ..core.config import GTPOConfig, as_config
 from ..kernels import dispatch
 from ..objective.conflict import conflict_flat
 from ..objective.grouping import group_codes, group_layout
-from . import agree
+from . import agree, digest
 
 _KEYS_NONE, _KEYS_TENSOR, _KEYS_OBJECTS = 0, 1, 2
 
@@ -96,7 +96,7 @@ def _local(completion_ids, completion_mask, advantages, group_size, group_ids, c
         group_size = checks.check_group_size(group_size, 0)
     backend = dispatch.resolve_backend(backend, completion_ids.device)
     T = b.ids.numel() if b.packed else b.tok_shape[1]
-    options = agree.fingerprint((str(dtype), host, backend, cfg))
+    options = digest.fingerprint_field((str(dtype), host, backend, cfg))
     fields = [int(b.packed), b.B, T, options, 0 if group_size is None else group_size, kind]
     return types.SimpleNamespace(cfg=cfg, host=host, b=b, backend=backend, T=T, keys=keys, fields=fields)
 

@@ -2,17 +2,9 @@
 
 Rank r of the process group holds the r-th contiguous slice of the vocabulary (sizes may differ; ids
 are global). Each rank runs the forward pass on its slice with its local ids (a token whose id lies
-elsewhere is simply not its target), and the per-slice statistics are merged exactly:
-
-    M = max_r m_r                                  (all-reduce MAX, 4 bytes per token)
-    w_r = exp((m_r - M) / tau),  S = sum_r w_r S_r,  U = sum_r w_r (U_r + S_r (m_r - M) / tau)
-    R = S - 1 summed without cancellation: the slices at the maximum add R_r, the others w_r S_r, plus
-        (number of slices at the maximum - 1)
-    (z_y - M) / tau from the slice that owns y;  whether y sits at the global maximum;  non-finite flags
-                                                   (all-reduce SUM of 7 numbers, 28 bytes per token)
-
-then log S = log1p(R), H = log S - U / S, logp = (z_y - M) / tau - log S and q = 1 - p_y exactly as on
-one device: 32 bytes per token in all. When every slice starts at a multiple of VOCAB_BLOCK (spec 14) the
+elsewhere is simply not its target), and the per-slice statistics are merged exactly around two
+all-reduces (kernels/vp_merge: the global row maximum, 4 bytes per token, then 7 sums, 28 bytes) into
+log S, H, logp and q as on one device: 32 bytes per token in all. When every slice starts at a multiple of VOCAB_BLOCK (spec 14) the
 row statistics instead travel from rank to rank, each folding its blocks in global block order with the
 single-process pass's own merge (vp_blocks): bitwise the single-process outputs, 32 bytes per token too.
 Every rank ends with the same per-token statistics, so the loss, the outputs and the metrics are
@@ -27,10 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
 from ..core import checks, vocab_block
-from ..kernels import dispatch, ops
-from . import agree
+from ..kernels import dispatch, ops, vp_merge
+from . import agree, digest
 
 BYTES_PER_TOKEN = 4 + 7 * 4  # the two all-reduces of vp_forward (float32 statistics)
 KEY = 8  # the shapes a rank brings to the agreement, padded to this many int64
@@ -45,8 +36,8 @@ def summary(g, b, V_local, key, host, options, replay=(None,) * 4):
     tokens' digest; the sampler's `replay` arguments, REPLAY, each on its own). Nothing without a group."""
     if g.group is not None:
         g.batch, g.host = b, host
-        g.fields = [V_local, *key, *(0,) * (KEY - len(key)), agree.fingerprint((host, *options)),
-                    *agree.input_digests(b), *(agree.fingerprint((x,)) for x in replay), *agree.token_digest(b)]
+        g.fields = [V_local, *key, *(0,) * (KEY - len(key)), digest.fingerprint_field((host, *options)),
+                    *digest.input_digests(b), *(digest.fingerprint_field((x,)) for x in replay), *digest.token_fields(b)]
 
 
 def vocab_layout(g, device, where):
@@ -54,7 +45,7 @@ def vocab_layout(g, device, where):
     shapes, options and tokens -> VocabParallel (this slice's first id, the whole vocabulary's size, the
     largest slice). A rank that failed its checks, ranks that disagree, or (validating) counted ids
     outside the whole vocabulary: every rank raises the same error (none is left waiting)."""
-    rows = agree.agree(g, 1 + KEY + 4 + len(agree.INPUTS) + len(REPLAY), device, where)  # 27 int64 with the flag
+    rows = agree.agree(g, 1 + KEY + 4 + len(digest.INPUTS) + len(REPLAY), device, where)  # 27 int64 with the flag
     sizes = [row[0] for row in rows]
     agree.disagree(where, [tuple(row[1:1 + KEY]) for row in rows], "the shapes of the per-token inputs "
                    "(tokens, logits rows, logits_start or D, packed)", "every rank must pass the same tokens, "
@@ -76,11 +67,11 @@ def vocab_layout(g, device, where):
     agree.disagree(where, [tuple(row[-3:-1]) for row in rows], "the counted tokens (their number, a checksum "
                    "of completion_ids, completion_mask and cu_seqlens)", "every rank must pass the same "
                    "tokens (its own slice of the vocabulary)")
-    for i, name in enumerate(agree.INPUTS):  # compared by value (spec 12)
+    for i, name in enumerate(digest.INPUTS):  # compared by value (spec 12)
         agree.disagree(where, [row[2 + KEY + i] for row in rows], name, "every rank of a vocabulary-parallel "
                        "group holds the same tokens and must pass the same per-token and per-completion inputs")
     for i, name in enumerate(REPLAY):  # the sampler's kept sets and rules (spec 13), by value
-        agree.disagree(where, [row[2 + KEY + len(agree.INPUTS) + i] for row in rows], name,
+        agree.disagree(where, [row[2 + KEY + len(digest.INPUTS) + i] for row in rows], name,
                        "every rank replays the same kept sets: pass the same sampling_mask / top_k / top_p / min_p")
     rank = dist.get_rank(g.group)
     return VocabParallel(g.group, sum(sizes[:rank]), V, max(sizes), tuple(int(x) for x in sizes))
@@ -106,52 +97,16 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     (or None) the 32-byte all-reduce merge below."""
     if sizes is not None and vocab_block.aligned(sizes):
         return vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap)
+    backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
     logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, b.counted,
                                                   ops.temperature_param(temperature, b.logits3, backend),
                                                   b.logits_start, scale, softcap, backend)
-    inv_t = 1.0 / temperature  # a number or a 0-d tensor (no host read)
-    ninf = torch.tensor(float("-inf"), dtype=stats_r.dtype, device=stats_r.device)
-    m_r, ls_r = stats_r[:, 0], stats_r[:, 1]
-    S_r = torch.exp(ls_r)
-    nonfinite = ((bad_r & BAD_NONFINITE) != 0) | torch.isnan(ls_r) | torch.isnan(m_r)
-    # a slice all at -inf (banned) adds nothing, nor does an empty slice (whatever its pass returns for it)
-    live = (S_r > 0) & ~torch.isnan(ent_r) & ~nonfinite & (b.V > 0)
-    m_eff = torch.where(live, m_r, ninf)
-    M = m_eff.clone()
+    merge = vp_merge.select(backend)  # vp_merge's math: three launches on the Triton backend
+    M = merge.local_max(stats_r, ent_r, bad_r, b.V)
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
-    M_safe = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
-    zero = torch.zeros_like(S_r)
-    delta = torch.where(live, (m_eff - M_safe) * inv_t, zero)
-    w = torch.where(live, torch.exp(delta), zero)
-    at_max = live & (m_eff == M)
-    R_r = torch.expm1(ls_r)
-    U_r = torch.where(live, (ls_r - ent_r) * S_r, zero)
-    owned = b.counted & (ids_loc >= 0) & (ids_loc < b.V)
-    t_r = logp_r + ls_r  # (z_y - m_r) / tau on the owner
-    vec = torch.stack([
-        torch.where(live, w * S_r, zero),                           # S
-        torch.where(live, w * (U_r + S_r * delta), zero),           # U
-        torch.where(at_max, R_r, torch.where(live, w * S_r, zero)),  # R, less (slices at the max - 1)
-        torch.where(owned, t_r + delta, zero),                      # (z_y - M) / tau
-        at_max.to(S_r.dtype),                                       # slices at the maximum
-        (owned & at_max & (t_r == 0)).to(S_r.dtype),                # the target at the global maximum
-        (nonfinite & b.counted).to(S_r.dtype),
-    ], 1)
+    vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, b.counted, M, temperature, b.V)
     dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
-    S, U, R = vec[:, 0], vec[:, 1], vec[:, 2] + (vec[:, 4] - 1).clamp(min=0)
-    log_s = torch.log1p(R)
-    ent = log_s - U / S
-    logp = vec[:, 3] - log_s
-    top = vec[:, 5] > 0
-    q = torch.where(top, R / S, -torch.expm1(torch.where(top, torch.zeros_like(logp), logp)))
-    ids = b.ids.long()
-    bad = torch.where((vec[:, 6] > 0) | (M == float("inf")), BAD_NONFINITE, 0)
-    bad = bad | torch.where(logp == float("-inf"), BAD_TARGET_NEG_INF, 0)
-    bad = bad | torch.where((ids < 0) | (ids >= V_global), BAD_ID, 0)
-    bad = torch.where(b.counted, bad, 0).to(torch.int8)
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    logp, ent, q = (torch.where(b.counted, x, zero) for x in (logp, ent, q))
-    return logp, ent, torch.stack([M_safe, torch.where(b.counted, log_s, zero), q], 1), bad
+    return merge.finish(vec, M, b.ids, b.counted, V_global)
 
 
 def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.0, softcap=None):

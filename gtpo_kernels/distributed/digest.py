@@ -1,0 +1,233 @@
+"""The checksums the ranks of a group compare in the agreement (spec 12): of the options (`fingerprint`,
+by value), of the tensors' values (`values_digest`), of the tokens (`token_digest`), each a 0-d int64
+mod 2**61 formed where the tensors live (no host read). These torch forms are the definition; in the
+agreement's row they are `Digest` fields, formed when the row is made by one kernel each
+(kernels/digest_triton, bitwise equal) where Triton runs on the row's device."""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+import struct
+import zlib
+
+import torch
+
+_MASK61 = (1 << 61) - 1
+_K1, _K2, _K3, _K4 = (0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D,
+                      0xBF58476D1CE4E5B9 - (1 << 64))  # odd 64-bit mixers, as int64
+
+def _mix(x, pos):
+    """Spread int64 words x at positions pos (a tensor, or an int) over 64 bits (wrapping arithmetic)."""
+    x = x * _K1 + (pos * _K2 if isinstance(pos, torch.Tensor) else _wrap(pos * _K2))
+    x = (x ^ (x >> 31)) * _K4
+    return x ^ (x >> 29)
+
+
+def _float_bits(x):
+    """x as float64 bit patterns, one pattern per value: -0.0 as 0.0, every NaN as one NaN."""
+    x = x.detach().to(torch.float64) + 0.0
+    return torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x).view(torch.int64)
+
+
+def values_digest(x, where=None):
+    """A 0-d int64 checksum mod 2**61 of a tensor's values with their positions and its size, on its device
+    (no host read): floats by value (as float64), integers as they are; `where`: only those positions."""
+    flat = x.reshape(-1)
+    words = _float_bits(flat) if flat.dtype.is_floating_point else flat.long()
+    h = _mix(words, torch.arange(flat.numel(), device=flat.device))
+    if where is not None:
+        h = torch.where(where.reshape(-1), h, torch.zeros((), dtype=torch.int64, device=h.device))
+    return (h.sum() + (flat.numel() * _K3) % _MASK61) & _MASK61
+
+
+def _flatten(options):
+    for o in options:
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                yield f.name
+                yield getattr(o, f.name)
+        elif isinstance(o, (tuple, list)):
+            yield len(o)
+            yield from _flatten(o)
+        else:
+            yield o
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _parts(options):
+    """fingerprint's host part (an int) and its tensors' (tensor, position) terms."""
+    text, numbers_at, tensors_at = [], [], []
+    for o in _flatten(options):
+        if isinstance(o, torch.Tensor):
+            tensors_at.append((o, len(text)))
+            text.append("#" if o.numel() == 1 else f"#{tuple(o.shape)}")
+        elif isinstance(o, numbers.Real) and not isinstance(o, bool):
+            numbers_at.append((len(text), float(o)))
+            text.append("#")
+        else:  # an object's address differs between processes (a torch.Generator, say): its type counts
+            text.append(_ADDRESS.sub("", repr(o)))
+    digest = zlib.crc32(repr(text).encode())
+    for pos, v in numbers_at:  # the same words as a one-element tensor of that value would give
+        digest = _wrap(digest + _mix_int(_bits_int(v), pos))
+    return digest, tensors_at
+
+
+def fingerprint(options):
+    """The options as one stable int (the same on every process, unlike hash()), compared BY VALUE:
+    every number (int, float, numpy scalar, a tensor of one element) counts as its float64 value, so 1,
+    1.0 and tensor(1.0) are one option; a config (a dataclass) counts by its fields; anything else by
+    its repr (without an object's address). With a tensor among them: a 0-d int64 tensor on its device;
+    the numbers are hashed on the host, the tensors where they live (no host read, no copy to the device).
+    (The torch form; fingerprint_field defers the tensors' terms to the agreement's row.)"""
+    digest, tensors_at = _parts(options)
+    for t, pos in tensors_at:  # one word each, mixed at its position (a Python int: no copy)
+        word = _float_bits(t.reshape(())) if t.numel() == 1 else values_digest(t)
+        digest = digest + _mix(word, pos)
+    return digest & _MASK61 if isinstance(digest, torch.Tensor) else _wrap(digest) & _MASK61
+
+
+def fingerprint_field(options):
+    """fingerprint(options) as an agreement field: an int, or with tensors among the options a Digest
+    formed in the row (equal to fingerprint's value)."""
+    digest, tensors_at = _parts(options)
+    if not tensors_at:
+        return _wrap(digest) & _MASK61
+    return Digest("fingerprint", _wrap(digest) & _MASK61, tensors_at)
+
+
+def _mix_int(x, pos):
+    """_mix of one Python int word at position pos, wrapping as int64 does."""
+    x = _wrap(x * _K1 + pos * _K2)
+    x = _wrap((x ^ (x >> 31)) * _K4)
+    return x ^ (x >> 29)
+
+
+def _bits_int(v):
+    """_float_bits of one Python float, as an int."""
+    v = 0.0 if v == 0.0 else float("nan") if v != v else v
+    return struct.unpack("<q", struct.pack("<d", v))[0]
+
+
+def _wrap(x):
+    """A Python int as the int64 it wraps to."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def token_digest(b):
+    """(counted tokens, checksum of ids, mask and segments mod 2**61, largest counted id) of a Batch as
+    0-d int64 tensors on its device: a few elementwise passes over N, no host read."""
+    ids, counted = b.ids.long(), b.counted
+    if ids.numel() == 0:
+        zero = torch.zeros((), dtype=torch.int64, device=ids.device)
+        return zero, zero, zero - 1
+    pos = torch.arange(ids.numel(), device=ids.device)
+    x = _mix(ids + b.seg.long() * _K3, pos)  # wraps mod 2**64
+    zero = torch.zeros((), dtype=torch.int64, device=ids.device)
+    checksum = torch.where(counted, x, zero).sum() & _MASK61
+    top = torch.where(counted, ids, zero - 1).max()
+    return counted.sum(), checksum, top
+
+
+# What the ranks of a vocabulary-parallel group must pass alike besides the tokens (spec 12), each
+# compared by a checksum of its values (per-token inputs at counted tokens; None counts as absent).
+INPUTS = ("cu_seqlens and max_seqlen", "advantages", "old_logps", "ref_logps", "lam", "n_conf",
+          "rollout_is_weights", "rollout_logps", "temperature (per token)")
+_ABSENT = 1
+
+
+def input_digests(b):
+    """The checksums of INPUTS for a Batch, in that order (Digest fields, or _ABSENT); nothing is launched
+    before the row is made."""
+    cu = _ABSENT
+    if b.cu_seqlens is not None:
+        extra = b.cu_seqlens.new_full((1,), -1 if b.max_seqlen is None else b.max_seqlen, dtype=torch.int64)
+        cu = Digest.values(torch.cat([b.cu_seqlens.long(), extra]))
+    whole = [b.adv, None, None, None, b.n_conf, None, None, None]
+    counted = [None, b.old, b.ref, b.lam, None, b.rollout_w, b.rollout_logps, b.tau]
+    out = [cu]
+    for x, y in zip(whole, counted):
+        if x is not None:
+            out.append(Digest.values(x))
+        elif y is not None:
+            out.append(Digest.values(y, b.counted))
+        else:
+            out.append(_ABSENT)
+    return out
+
+
+def token_fields(b):
+    """token_digest(b) as three agreement fields, formed in the row (one kernel where it can)."""
+    return [Digest("tokens", 0, b), Digest("filled", 0, None), Digest("filled", 0, None)]
+
+
+class Digest:
+    """An agreement field formed when the row is made (nothing launched before, none for a rank that
+    failed): `const` in its slot plus, kind 'values', values_digest(x, where) (terms (x, where)); kind
+    'fingerprint', each tensor option's word at its position (terms [(t, pos)]); kind 'tokens',
+    token_digest in three slots (terms: the Batch; the next two fields are 'filled'). Formed by the
+    kernels of kernels/digest_triton where the tensors live on the row's device and Triton runs there,
+    else by the torch forms above (bitwise equal)."""
+    __slots__ = ("kind", "const", "terms")
+
+    def __init__(self, kind, const, terms):
+        self.kind, self.const, self.terms = kind, const, terms
+
+    @classmethod
+    def values(cls, x, where=None):
+        return cls("values", 0, (x, where))
+
+    def _tensors(self):
+        if self.kind == "values":
+            return [t for t in self.terms if t is not None]
+        if self.kind == "fingerprint":
+            return [t for t, _ in self.terms]
+        if self.kind == "tokens":
+            return [self.terms.ids, self.terms.counted] + ([self.terms.seg] if self.terms.packed else [])
+        return []
+
+    def write(self, row, slot):
+        if self.kind == "filled":
+            return
+        if not _kernels_on(row.device, self._tensors()):
+            value = torch.stack(list(self.value())) if self.kind == "tokens" else self.value().reshape(1)
+            row[slot:slot + value.numel()] = value.to(row.device)
+            return
+        from ..kernels import digest_triton
+        if self.kind == "values":
+            x, where = self.terms
+            digest_triton.terms(row, slot, x, where, _size_term(x), None)
+        elif self.kind == "fingerprint":
+            for t, pos in self.terms:
+                digest_triton.terms(row, slot, t, None, _size_term(t), pos)
+        else:
+            b = self.terms
+            digest_triton.tokens(row, slot, b.ids, b.counted, b.seg if b.packed else None,
+                                 1 if b.packed else b.tok_shape[1])
+
+    def value(self):
+        """The torch form's value (0-d int64 tensors; 'tokens': three)."""
+        if self.kind == "values":
+            return values_digest(*self.terms)
+        if self.kind == "tokens":
+            return token_digest(self.terms)
+        digest = self.const
+        for t, pos in self.terms:
+            digest = digest + _mix(_float_bits(t.reshape(())) if t.numel() == 1 else values_digest(t), pos)
+        return digest & _MASK61
+
+
+def _size_term(x):
+    return (x.numel() * _K3) % _MASK61
+
+
+def _kernels_on(device, tensors):
+    """Whether the digest kernels run for tensors, into a row on `device`."""
+    if any(t.device != device for t in tensors):
+        return False
+    if device.type == "cuda":
+        return True
+    from ..kernels import dispatch
+    return device.type == "cpu" and dispatch.interpreter_active()

@@ -1,0 +1,140 @@
+"""The vocabulary-parallel merge of spec 12 on the device, in three launches around the two all-reduces
+(vp_merge holds the math and its torch twin): what the torch twin forms with about a hundred small ops.
+
+    _vp_max_kernel     this slice's row maximum, -inf where the slice adds nothing  -> M (all-reduce MAX)
+    _vp_sums_kernel    this slice's 7 numbers per token, scaled to the global M     -> vec (all-reduce SUM)
+    _vp_finish_kernel  the merged sums -> logp, H, stats (M, log S, q) and flags per token
+
+    M = local_max(stats_r, ent_r, bad_r, V_local)
+    vec = local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local)
+    logp, ent, stats, bad = finish(vec, M, ids, counted, V)
+
+A program per BLOCK tokens; int64 offsets; no host read.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .epilogue_terms import _expm1
+from .vocab_jit import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, _log1p
+
+BLOCK = 256
+
+
+@triton.jit
+def _slice(stats_ptr, ent_ptr, bad_ptr, o, inb, V_local):
+    """The slice's (m_r, log S_r, H_r, S_r, non-finite, live) at tokens o: a slice all at -inf (S_r = 0),
+    an empty one or a non-finite one adds nothing to the sums (live False)."""
+    m = tl.load(stats_ptr + 3 * o, mask=inb, other=0.0)
+    ls = tl.load(stats_ptr + 3 * o + 1, mask=inb, other=0.0)
+    ent = tl.load(ent_ptr + o, mask=inb, other=0.0)
+    bad = tl.load(bad_ptr + o, mask=inb, other=0).to(tl.int32)
+    s = tl.exp(ls)
+    nonfinite = ((bad & BAD_NONFINITE) != 0) | (ls != ls) | (m != m)
+    live = (s > 0) & (ent == ent) & (nonfinite == 0) & (V_local > 0)
+    return m, ls, ent, s, nonfinite, live
+
+
+@triton.jit(do_not_specialize=["n", "V_local"])
+def _vp_max_kernel(stats_ptr, ent_ptr, bad_ptr, M_out, n, V_local, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = o < n
+    m, _, _, _, _, live = _slice(stats_ptr, ent_ptr, bad_ptr, o, inb, V_local)
+    tl.store(M_out + o, tl.where(live, m, float("-inf")), mask=inb)
+
+
+@triton.jit(do_not_specialize=["n", "V_local", "tau_stride"])
+def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
+                    vec_out, n, V_local, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = o < n
+    m, ls, ent, s, nonfinite, live = _slice(stats_ptr, ent_ptr, bad_ptr, o, inb, V_local)
+    M = tl.load(M_ptr + o, mask=inb, other=0.0)
+    inv_t = 1.0 / tl.load(tau_ptr + o * tau_stride, mask=inb, other=1.0)
+    counted = tl.load(counted_ptr + o, mask=inb, other=0) != 0
+    y = tl.load(ids_ptr + o, mask=inb, other=-1).to(tl.int64)
+    logp = tl.load(logp_ptr + o, mask=inb, other=0.0)
+    m_eff = tl.where(live, m, float("-inf"))
+    M_safe = tl.where(tl.abs(M) < float("inf"), M, 0.0)
+    delta = tl.where(live, (m_eff - M_safe) * inv_t, 0.0)
+    w = tl.where(live, tl.exp(delta), 0.0)
+    at_max = live & (m_eff == M)
+    ws = tl.where(live, w * s, 0.0)
+    r_r = _expm1(ls)
+    u_r = tl.where(live, (ls - ent) * s, 0.0)
+    owned = counted & (y >= 0) & (y < V_local)
+    t_r = logp + ls  # (z_y - m_r) / tau on the owner
+    v = vec_out + 7 * o
+    tl.store(v, ws, mask=inb)                                          # S
+    tl.store(v + 1, tl.where(live, w * (u_r + s * delta), 0.0), mask=inb)  # U
+    tl.store(v + 2, tl.where(at_max, r_r, ws), mask=inb)               # R, less (slices at the max - 1)
+    tl.store(v + 3, tl.where(owned, t_r + delta, 0.0), mask=inb)       # (z_y - M) / tau
+    tl.store(v + 4, at_max.to(tl.float32), mask=inb)                   # slices at the maximum
+    tl.store(v + 5, (owned & at_max & (t_r == 0)).to(tl.float32), mask=inb)  # the target at the maximum
+    tl.store(v + 6, (nonfinite & counted).to(tl.float32), mask=inb)
+
+
+@triton.jit(do_not_specialize=["n", "V"])
+def _vp_finish_kernel(vec_ptr, M_ptr, ids_ptr, counted_ptr, logp_out, ent_out, stats_out, bad_out, n, V,
+                      BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = o < n
+    v = vec_ptr + 7 * o
+    s = tl.load(v, mask=inb, other=1.0)
+    u = tl.load(v + 1, mask=inb, other=0.0)
+    at_max = tl.load(v + 4, mask=inb, other=1.0)
+    r = tl.load(v + 2, mask=inb, other=0.0) + tl.maximum(at_max - 1.0, 0.0)
+    log_s = _log1p(r)
+    ent = log_s - u / s
+    logp = tl.load(v + 3, mask=inb, other=0.0) - log_s
+    top = tl.load(v + 5, mask=inb, other=0.0) > 0
+    q = tl.where(top, r / s, -_expm1(tl.where(top, 0.0, logp)))
+    M = tl.load(M_ptr + o, mask=inb, other=0.0)
+    counted = tl.load(counted_ptr + o, mask=inb, other=0) != 0
+    y = tl.load(ids_ptr + o, mask=inb, other=0).to(tl.int64)
+    bad = tl.where((tl.load(v + 6, mask=inb, other=0.0) > 0) | (M == float("inf")), BAD_NONFINITE, 0)
+    bad = bad | tl.where(logp == float("-inf"), BAD_TARGET_NEG_INF, 0)
+    bad = bad | tl.where((y < 0) | (y >= V), BAD_ID, 0)
+    tl.store(bad_out + o, tl.where(counted, bad, 0).to(tl.int8), mask=inb)
+    tl.store(logp_out + o, tl.where(counted, logp, 0.0), mask=inb)
+    tl.store(ent_out + o, tl.where(counted, ent, 0.0), mask=inb)
+    tl.store(stats_out + 3 * o, tl.where(tl.abs(M) < float("inf"), M, 0.0), mask=inb)
+    tl.store(stats_out + 3 * o + 1, tl.where(counted, log_s, 0.0), mask=inb)
+    tl.store(stats_out + 3 * o + 2, tl.where(counted, q, 0.0), mask=inb)
+
+
+def _grid(n):
+    return (max(triton.cdiv(n, BLOCK), 1),)
+
+
+def _flat(x):
+    return x.reshape(-1).contiguous()
+
+
+def local_max(stats_r, ent_r, bad_r, V_local):
+    n = ent_r.numel()
+    M = torch.empty(n, dtype=torch.float32, device=ent_r.device)
+    _vp_max_kernel[_grid(n)](stats_r.contiguous(), ent_r, bad_r, M, n, V_local, BLOCK=BLOCK)
+    return M
+
+
+def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local):
+    n = ent_r.numel()
+    tau = temperature if isinstance(temperature, torch.Tensor) else torch.full(
+        (1,), float(temperature), dtype=torch.float32, device=ent_r.device)
+    tau = tau.to(device=ent_r.device, dtype=torch.float32).reshape(-1)
+    vec = torch.empty((n, 7), dtype=torch.float32, device=ent_r.device)
+    _vp_sums_kernel[_grid(n)](logp_r, stats_r.contiguous(), ent_r, bad_r, _flat(ids_loc), _flat(counted), M, tau,
+                              0 if tau.numel() == 1 else 1, vec, n, V_local, BLOCK=BLOCK)
+    return vec
+
+
+def finish(vec, M, ids, counted, V):
+    n = M.numel()
+    dev = M.device
+    logp, ent = torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev)
+    stats, bad = torch.empty((n, 3), dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.int8, device=dev)
+    _vp_finish_kernel[_grid(n)](vec, M, _flat(ids), _flat(counted), logp, ent, stats, bad, n, V, BLOCK=BLOCK)
+    return logp, ent, stats, bad

@@ -1,0 +1,74 @@
+"""The agreement's checksums (spec 12, distributed/digest.py) formed by their kernels in the row
+(kernels/digest_triton) equal their torch definition bit for bit, for every dtype a rank may pass
+(floats by value: -0.0 as 0.0, every NaN one NaN; bfloat16, integers, bools), with and without the
+positions a mask selects, empty, one element and several blocks; the options' fingerprint with tensors
+among them; the tokens' count, checksum and largest id, padded and packed (with an empty completion)."""
+import pytest
+import torch
+
+from gtpo_kernels.core import batch
+from gtpo_kernels.distributed import digest
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
+
+
+def _both(d, width=1):
+    """(the row's slots after the Digest's kernel, the torch form's values)."""
+    row = torch.full((2 + width,), 5, dtype=torch.int64)  # a slot's neighbours must stay as they are
+    row[1] = d.const
+    assert digest._kernels_on(row.device, d._tensors())  # the kernels form it (Triton's interpreter here)
+    d.write(row, 1)
+    assert row[0] == 5 and row[-1] == 5, row
+    v = d.value()
+    v = torch.stack(list(v)) if d.kind == "tokens" else v.reshape(1)
+    return row[1:1 + v.numel()].tolist(), v.tolist()
+
+
+def _values(dtype, n, g):
+    x = torch.randn(n, generator=g) * 3
+    if n > 3:
+        x[0], x[1], x[2] = float("nan"), -0.0, 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 5, 2500])
+def test_values_and_fingerprints_equal_their_definition(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x = _values(dtype, n, g)
+    where = torch.rand(n, generator=g) > 0.4
+    for w in (None, where):
+        a, b = _both(digest.Digest.values(x, w))
+        assert a == b, (w is None, a, b)
+    for options in ((x,), ("torch", 1.5, x, 3, x[:1])):
+        d = digest.fingerprint_field(options)
+        assert isinstance(d, digest.Digest)
+        a, b = _both(d)
+        assert a == b == [int(digest.fingerprint(options))], (a, b)
+
+
+def test_the_checksums_tell_values_apart():
+    """Not a constant: a changed value, a moved value, or a masked position changes the checksum."""
+    x = torch.arange(1.0, 9.0)
+    base = _both(digest.Digest.values(x))[0]
+    y = x.clone()
+    y[3] += 1
+    swapped = x[[1, 0, *range(2, 8)]]
+    where = torch.ones(8, dtype=torch.bool)
+    where[5] = False
+    others = [_both(digest.Digest.values(v, w))[0] for v, w in ((y, None), (swapped, None), (x, where))]
+    assert all(o != base for o in others) and len({tuple(o) for o in others}) == 3
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_tokens_equal_their_definition(packed):
+    g = torch.Generator().manual_seed(3)
+    if packed:
+        lengths = torch.tensor([3, 0, 5, 2])
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        b = batch.prepare_tokens(torch.randint(0, 50, (10,), generator=g), torch.rand(10, generator=g) > 0.2,
+                                 cu_seqlens=cu)
+    else:
+        b = batch.prepare_tokens(torch.randint(0, 50, (4, 6), generator=g), torch.rand(4, 6, generator=g) > 0.3)
+    a, ref = _both(digest.token_fields(b)[0], 3)
+    assert a == ref and ref[0] > 0 and ref[2] >= 0, (a, ref)

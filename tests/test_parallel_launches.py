@@ -1,0 +1,37 @@
+"""Vocabulary-parallel logits stay on the path (spec 8, 12): a gtpo_loss(process_group=...) forward +
+backward on 2 gloo ranks, counted as a GPU would launch it (bench.launches_parallel.counts: Triton
+launches plus aten ops that launch a kernel, collectives included), at two token counts: the merge of
+the slices' statistics is three kernels around its two all-reduces, the agreement's checksums one
+kernel a field written into the row it all-gathers (no per-field torch ops), one host read unvalidated
+(the agreement's), and nothing grows with the tokens."""
+
+from gloo import run_ranks
+
+SIZES = ((4, 5), (8, 6))
+# today's counts, rank 0 of 2 (python -m bench.launches_parallel), as bounds: they were 185 / 222 / 204,
+# with 2 / 2 / 4 host reads, before the merge and the checksums ran as kernels
+BOUND = {("grpo", False): 17, ("gtpo", False): 20, ("grpo", True): 36}
+READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 3}  # validating: the host checks' read too
+
+
+def _ranks(rank, world):
+    from bench.launches_parallel import counts
+    out = {}
+    for B, T in SIZES:
+        rows = counts(rank, world, B, T, configs=("grpo", "gtpo"), validates=(False,))
+        rows += counts(rank, world, B, T, configs=("grpo",), validates=(True,))
+        out[f"{B}x{T}"] = rows
+    return out
+
+
+def test_vocabulary_parallel_launches_are_few_and_flat_in_tokens():
+    results = run_ranks(_ranks, 2)
+    for r, res in enumerate(results):
+        assert "exception" not in res, f"rank {r}:\n{res['exception']}"
+    for res in results:
+        by_size = [{(c, v): (n, tr, reads) for c, v, n, tr, reads in rows} for rows in res.values()]
+        assert by_size[0] == by_size[1], by_size  # flat in tokens, on every rank
+        for key, (n, triton, reads) in by_size[0].items():
+            assert n <= BOUND[key], (key, n)
+            assert triton >= 8, (key, triton)  # the merge's and the checksums' kernels ran (not torch ops)
+            assert reads <= READS[key], (key, reads)

@@ -1,0 +1,151 @@
+"""The vocabulary-parallel merge (spec 12, kernels/vp_merge), in one process: the slices' statistics
+from the Triton vocabulary kernel, merged as the ranks merge them (the all-reduces' MAX and SUM done
+here) by the Triton kernels and by their torch twin, against the float64 reference's log-probs and
+entropies on the whole vocabulary and against each other; uneven and empty slices, a slice all at
+-inf, ties at the maximum across slices, a confident row, per-token temperatures, a NaN logit."""
+import pytest
+import torch
+
+import gtpo_reference
+from gtpo_kernels.core.flags import BAD_NONFINITE
+from gtpo_kernels.kernels import dispatch, vp_merge
+
+CASES = [  # (slice sizes, per-token temperature)
+    ((20, 17), False),
+    ((10, 0, 15, 12), True),
+    ((37,), False),
+]
+
+
+def _inputs(seed, V=37, n=12):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, V, generator=g, dtype=torch.float64) * 2
+    ids = torch.randint(0, V, (n,), generator=g)
+    x[1, ids[1]] += 14.0            # confident: the target holds the maximum
+    x[2] = 0.25                     # every entry tied: the maximum in every slice
+    x[3, :25] = float("-inf")       # banned: the first slices all -inf on this row
+    ids[3] = 30
+    x[4, 5] = x[4, 30] = x[4].max() + 1.0  # the maximum tied across two slices
+    counted = torch.rand(n, generator=g) > 0.15
+    counted[:5] = True
+    return x, ids, counted, g
+
+
+def _merge(impl, parts, ids, counted, tau, V):
+    M = torch.stack([impl.local_max(st, en, bad, Vr) for (lp, en, st, bad, loc, Vr) in parts]).amax(0)
+    vec = sum(impl.local_sums(lp, en, st, bad, loc, counted, M, tau, Vr) for (lp, en, st, bad, loc, Vr) in parts)
+    return impl.finish(vec, M, ids, counted, V)
+
+
+@pytest.mark.parametrize("sizes,per_token", CASES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_merge_kernels_equal_their_twin_and_the_reference(sizes, per_token, seed):
+    x, ids, counted, g = _inputs(seed)
+    n, V = x.shape
+    tau = (0.5 + torch.rand(n, generator=g)) if per_token else torch.tensor([0.8])
+    parts, start = [], 0
+    for s in sizes:
+        loc = ids - start
+        sl = x[:, start:start + s].float().contiguous()[None]
+        lp, en, st, bad = dispatch.vocab_fwd("triton", sl, loc, counted, tau.float(), 0)
+        parts.append((lp, en, st, bad, loc, s))
+        start += s
+    tri = _merge(vp_merge.select("triton"), parts, ids, counted, tau.float(), V)
+    twin = _merge(vp_merge, parts, ids, counted, tau.float(), V)
+    assert vp_merge.select("triton") is not vp_merge
+    names = ("logp", "entropy", "stats")
+    for name, a, b in zip(names, tri[:3], twin[:3]):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=name)
+    assert torch.equal(tri[3], twin[3])
+    # the float64 reference on the whole vocabulary (counted tokens; 0 elsewhere)
+    scaled = x / tau.double().reshape(-1, 1)  # the temperature per row (one value, or per token)
+    ref_lp, ref_h = (r[0] for r in gtpo_reference.token_logprobs(scaled[None], ids[None], 1.0))
+    for got, ref in ((tri[0], ref_lp), (tri[1], ref_h)):
+        assert torch.isfinite(ref[counted]).all() and ref[counted].abs().sum() > 0
+        err = (got.double() - torch.where(counted, ref, 0.0)).abs() / ref.abs().clamp(min=1)
+        assert err.max() <= 1e-5, err.max()
+    q = tri[2][:, 2].double()
+    ref_q = torch.where(counted, -torch.expm1(ref_lp), 0.0)
+    assert ((q - ref_q).abs() / ref_q.abs().clamp(min=1e-3)).max() <= 1e-4
+
+
+def test_a_non_finite_logit_is_flagged_on_its_token_only():
+    x, ids, counted, _ = _inputs(3)
+    x[6, 30] = float("nan")
+    parts, start = [], 0
+    for s in (20, 17):
+        loc = ids - start
+        sl = x[:, start:start + s].float().contiguous()[None]
+        parts.append((*dispatch.vocab_fwd("triton", sl, loc, counted, torch.tensor([1.0]), 0), loc, s))
+        start += s
+    parts = [(lp, en, st, bad, loc, s) for lp, en, st, bad, loc, s in parts]
+    for impl in (vp_merge.select("triton"), vp_merge):
+        *_, bad = _merge(impl, parts, ids, counted, torch.tensor([1.0]), 37)
+        assert (bad[6] & BAD_NONFINITE) != 0 and bool((bad[counted & (torch.arange(12) != 6)] == 0).all()), bad
+
+
+AOT = '''
+import torch
+from bench.aot.compiler import _compile_ahead
+from gtpo_kernels.kernels import vp_merge_triton as M, digest_triton as D
+i64, i8, f32 = torch.int64, torch.int8, torch.float32
+for arch in (90, 80, 100):
+    meta = dict(BLOCK=256, num_warps=4)
+    assert _compile_ahead(M._vp_max_kernel, arch, dict(bad_ptr=i8), f32, dict(n=32768, V_local=75968), meta).asm.get("ptx")
+    assert _compile_ahead(M._vp_sums_kernel, arch, dict(bad_ptr=i8, ids_ptr=i64, counted_ptr=torch.bool), f32,
+                          dict(n=32768, V_local=75968, tau_stride=1), meta).asm.get("ptx")
+    assert _compile_ahead(M._vp_finish_kernel, arch, dict(bad_out=i8, ids_ptr=i64, counted_ptr=torch.bool), f32,
+                          dict(n=32768, V=151936), meta).asm.get("ptx")
+    for dt, fp in ((torch.bfloat16, True), (i64, False)):
+        assert _compile_ahead(D._terms_kernel, arch, dict(x_ptr=dt, where_ptr=torch.bool, out_ptr=i64), f32,
+                              dict(n=32768, size_term=1 << 60, pos=3),
+                              dict(IS_FLOAT=dt.is_floating_point, HAS_WHERE=True, FP=fp, BLOCK=1024,
+                                   num_warps=4)).asm.get("ptx")
+    for seg in (True, False):
+        assert _compile_ahead(D._tokens_kernel, arch, dict(ids_ptr=i64, counted_ptr=torch.bool, seg_ptr=i64,
+                              out_ptr=i64), f32, dict(n=32768, T=512), dict(HAS_SEG=seg, BLOCK=1024,
+                              num_warps=4)).asm.get("ptx")
+print("compiled")
+'''
+
+
+def test_kernels_compile_for_the_gpus():
+    """The merge's three kernels and the agreement's two checksum kernels compiled ahead of time for sm_90,
+    sm_80 and sm_100 by Triton's compiler (a process without the interpreter)."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", AOT], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+
+
+def test_an_empty_slice_and_an_id_outside_the_vocabulary():
+    """Whatever the pass returns for an empty slice adds nothing (here finite numbers that would win the
+    maximum); a counted id outside [0, V) of the whole vocabulary is flagged, on either implementation."""
+    from gtpo_kernels.core.flags import BAD_ID
+    x, ids, counted, _ = _inputs(5)
+    ids[7], counted[7] = 40, True
+    tau = torch.tensor([1.0])
+    out = {}
+    for impl in (vp_merge.select("triton"), vp_merge):
+        parts, start = [], 0
+        for s in (20, 0, 17):
+            loc = ids - start
+            if s == 0:  # a pass's numbers for no vocabulary at all: ignored
+                n = ids.numel()
+                st = torch.tensor([[9.0, 1.0, 0.5]]).repeat(n, 1)
+                parts.append((torch.full((n,), -0.5), torch.full((n,), 0.7), st, torch.zeros(n, dtype=torch.int8),
+                              loc, 0))
+                continue
+            sl = x[:, start:start + s].float().contiguous()[None]
+            parts.append((*dispatch.vocab_fwd("triton", sl, loc, counted, tau, 0), loc, s))
+            start += s
+        out[impl] = _merge(impl, parts, ids, counted, tau, 37)
+        logp, ent, stats, bad = out[impl]
+        assert (bad[7] & BAD_ID) != 0, bad
+        ok = counted & (torch.arange(ids.numel()) != 7)
+        ref_lp, ref_h = (r[0] for r in gtpo_reference.token_logprobs(x[None], ids.clamp(max=36)[None], 1.0))
+        torch.testing.assert_close(logp[ok].double(), ref_lp[ok], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent[ok].double(), ref_h[ok], rtol=1e-5, atol=1e-5)
