@@ -54,3 +54,30 @@ def test_attach_replay_grad_matches_autograd(backend, compiled):
     # and the same as autograd through replay_logprobs
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(xo.grad, x.grad) and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_replay_gradient_of_strided_logits(backend):
+    """Logits that are a view with their own row strides (the last position of each row left out, as
+    a trainer slices them): the gradient is written at the gradient's own strides, equal to the
+    contiguous logits' gradient."""
+    z, mask, tau, y, (ids, off) = rollout(8, start=0)
+    flat_y = torch.zeros(mask.shape, dtype=torch.long).masked_scatter(mask, y).reshape(-1)
+    tok, f_off, invalid = check_sampling_mask_flat((ids, off), flat_y, mask, z.shape[-1], validate=False)
+    rb, rt = flat_rows(mask.shape, 0, z.device)
+    g = torch.Generator().manual_seed(2)
+    m = mask.reshape(-1).float()
+    w1, w2 = torch.randn(m.numel(), generator=g) * m, torch.randn(m.numel(), generator=g) * m
+    t = tau.reshape(-1)
+    B, T, V = z.shape
+    big = torch.randn(B, T + 1, V, generator=g)
+    big[:, :T] = z
+    big.requires_grad_()
+    x = big[:, :T]
+    assert x.stride(0) == (T + 1) * V  # not the gradient's (T V)
+    _step(x, rb, rt, flat_y, t, tok, f_off, invalid, mask.reshape(-1), w1, w2, backend).backward()
+    xc = z.clone().requires_grad_()
+    _step(xc, rb, rt, flat_y, t, tok, f_off, invalid, mask.reshape(-1), w1, w2, backend).backward()
+    assert xc.grad.abs().sum() > 0
+    torch.testing.assert_close(big.grad[:, :T], xc.grad, rtol=1e-6, atol=1e-7)
+    assert (big.grad[:, T] == 0).all()

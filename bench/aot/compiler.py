@@ -55,8 +55,8 @@ class _Ptr:
         return 1 << 20
 
 
-# int64 tensors of the replay kernels (replay_triton): row offsets, sampled ids, the kept sets' offsets
-_INT64_PTRS = ("rows_ptr", "ids_ptr", "row_ptr", "grow_ptr", "y_ptr", "off_ptr")
+# int64 tensors of the replay kernels (replay_triton): rows, sampled ids, the kept sets' offsets
+_INT64_PTRS = ("rows_ptr", "ids_ptr", "row_ptr", "grow_ptr", "y_ptr", "off_ptr", "rb_ptr", "rt_ptr")
 
 
 def _arg_for(name, dtype, V, T, has_e):
@@ -68,7 +68,8 @@ def _arg_for(name, dtype, V, T, has_e):
     table = {"stride_lb": T_l * V, "stride_gb": T_l * V, "stride_lt": V, "stride_gt": V, "T": T, "T_l": T_l,
              "V": V, "logits_start": 0, "temp_stride": 0, "g_stride": 0, "scale": 0.5,
              "softcap": 30.0, "NB": 19, "id_start": 0,  # floats: never specialized; NB: blocks per token (the merge)
-             "n_seq": 64, "max_seqlen": -1}  # the status word's cu_seqlens check (off unless CU_CHECK)
+             "n_seq": 64, "max_seqlen": -1,  # the status word's cu_seqlens check (off unless CU_CHECK)
+             "s0": T_l * V, "s1": V, "g0": T_l * V, "g1": V, "tau_stride": 1, "tau_value": 1.0}  # replay's rows, tau
     if name in table:
         return table[name]
     raise KeyError(f"aot: no stand-in for kernel parameter {name!r}; teach bench/aot/compiler.py its value")
@@ -189,6 +190,8 @@ def compile_kernel(kernel, dtype, arch, V=V_REAL, T=T_REAL, has_e=None, expect_v
                 meta["TEMP_BY_VALUE"], args["temp_ptr"] = True, 0.7
             if "HAS_G" in names:
                 meta["HAS_G"] = True
+            if "TAU_PTR" in names:  # replay: a temperature per token, read
+                meta["TAU_PTR"] = True
             bound, spec, opts = binder(**args, **meta)
         else:
             res.provider = peer["provider"]

@@ -155,8 +155,9 @@ def replay_epilogue(logits3: Tensor, ids: Tensor, token_ids: Tensor, offsets: Te
                             VALIDATE=bool(flags[loss_ops.FLAGS.index("VALIDATE")]), num_warps=4)
     kept = token_ids if token_ids.numel() else flat  # (an empty set list: never read)
     if n:
-        _replay_fwd_kernel[(n,)](logits3, rows, ids, tau_n, kept, flat, outs[1], outs[2], stats, flags_t, V, 1.0, 1.0,
-                                 HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_K=BLOCK_K)
+        _replay_fwd_kernel[(n,)](logits3, rows, rows, ids, tau_n, kept, flat, outs[1], outs[2], stats, flags_t, V,
+                                 1, 0, 1, 1.0, 1.0, 1.0, TAU_PTR=True, HAS_SCALE=False, HAS_SOFTCAP=False,
+                                 BLOCK_K=BLOCK_K)  # (rows: offsets formed by _flat_sets_kernel)
         _set_check_kernel[(n,)](flat if mask is None else mask, flat, kept, flags_t, outs[2], cu_out, B, n,
                                 HAS_MASK=mask is not None, DUP_BLOCK=DUP_BLOCK)
     loss_ops.epilogue(outs[1], outs[2], flags_t, mask, cu_out, adv, old, ref, lam, n_conf, num_items, floats, flags,
@@ -188,9 +189,10 @@ def replay_epilogue_bwd(grad: Tensor, logits3: Tensor, ids: Tensor, token_ids: T
     grad3 = torch.zeros(logits3.shape, dtype=logits3.dtype, device=logits3.device)  # 0 outside the kept sets
     n = ids.numel()
     if n:
-        _replay_bwd_kernel[(n,)](logits3, grad3, rows, grows, ids, tau_n, token_ids if token_ids.numel() else flat,
-                                 flat, stats, ent, gc, gc if ge is None else ge, logits3.shape[-1], 1.0, 1.0,
-                                 HAS_E=ge is not None, HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_K=BLOCK_K)
+        _replay_bwd_kernel[(n,)](logits3, grad3, rows, rows, grows, grows, ids, tau_n,
+                                 token_ids if token_ids.numel() else flat, flat, stats, ent, gc, gc if ge is None else ge,
+                                 logits3.shape[-1], 1, 0, 1, 0, 1, 1.0, 1.0, 1.0, TAU_PTR=True, HAS_E=ge is not None,
+                                 HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_K=BLOCK_K)
     return grad3
 
 

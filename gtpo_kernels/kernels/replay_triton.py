@@ -33,24 +33,39 @@ def _kept_block(ids_ptr, row, k, end, V, scale, softcap, inv_cap, HAS_SCALE: tl.
     return live, v, ok, z
 
 
-@triton.jit(do_not_specialize=["V"])
+@triton.jit
+def _row(x_ptr, rb_ptr, rt_ptr, tok, s0, s1):
+    """Token tok's row of x: x + rows_b[tok] * s0 + rows_t[tok] * s1 (int64 element offsets; offsets formed
+    ahead, as the logits path's are: the same array twice, s0 = 1 and s1 = 0)."""
+    return x_ptr + tl.load(rb_ptr + tok).to(tl.int64) * s0 + tl.load(rt_ptr + tok).to(tl.int64) * s1
+
+
+@triton.jit
+def _inv_t(tau_ptr, tau_stride, tau_value, tok, TAU_PTR: tl.constexpr):
+    """1 / tau of token tok: read (stride 0: one value for all) or, TAU_PTR off, tau_value."""
+    if TAU_PTR:
+        return 1.0 / tl.load(tau_ptr + tok * tau_stride).to(tl.float32)
+    return 1.0 / tau_value
+
+
+@triton.jit(do_not_specialize=["V", "s0", "s1", "tau_stride", "tau_value"])
 def _replay_fwd_kernel(
     # pointers
-    logits_ptr, row_ptr, y_ptr, tau_ptr, ids_ptr, off_ptr,  # raw z; (M,) int64 row offsets; (M,) ids, tau; CSR
+    logits_ptr, rb_ptr, rt_ptr, y_ptr, tau_ptr, ids_ptr, off_ptr,  # raw z; (M,) rows (b, t); (M,) ids; tau; CSR
     logp_ptr, ent_ptr, stats_ptr, bad_ptr,  # outputs (M,), (M,), (M, 3) = (m_K, log S, q), (M,) int8
     # sizes
-    V,
+    V, s0, s1, tau_stride,
     # scalars
-    scale, softcap,
+    tau_value, scale, softcap,
     # meta
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_K: tl.constexpr,
+    TAU_PTR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    row = logits_ptr + tl.load(row_ptr + tok)  # int64 element offset of the row
+    row = _row(logits_ptr, rb_ptr, rt_ptr, tok, s0, s1)
     start = tl.load(off_ptr + tok).to(tl.int64)
     end = tl.load(off_ptr + tok + 1).to(tl.int64)
     y = tl.load(y_ptr + tok).to(tl.int64)
-    inv_t = 1.0 / tl.load(tau_ptr + tok).to(tl.float32)
+    inv_t = _inv_t(tau_ptr, tau_stride, tau_value, tok, TAU_PTR)
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
     lanes = tl.arange(0, BLOCK_K)
     m_l = tl.full([BLOCK_K], float("-inf"), tl.float32)
@@ -92,17 +107,18 @@ def _replay_fwd_kernel(
     _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad)
 
 
-@triton.jit(do_not_specialize=["V"])
+@triton.jit(do_not_specialize=["V", "s0", "s1", "g0", "g1", "tau_stride", "tau_value"])
 def _replay_bwd_kernel(
     # pointers
-    logits_ptr, grad_ptr, row_ptr, grow_ptr, y_ptr, tau_ptr, ids_ptr, off_ptr,  # as forward; grad rows
+    logits_ptr, grad_ptr, rb_ptr, rt_ptr, grb_ptr, grt_ptr, y_ptr, tau_ptr, ids_ptr, off_ptr,  # as forward; grad rows
     stats_ptr, ent_ptr, c_ptr, e_ptr,  # forward's (M, 3) stats and H; c = dL/dlogp, e = dL/dH (M,)
     # sizes
-    V,
+    V, s0, s1, g0, g1, tau_stride,  # the logits' and the gradient's strides
     # scalars
-    scale, softcap,
+    tau_value, scale, softcap,
     # meta
-    HAS_E: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_K: tl.constexpr,
+    TAU_PTR: tl.constexpr, HAS_E: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     c = tl.load(c_ptr + tok).to(tl.float32)
@@ -110,12 +126,12 @@ def _replay_bwd_kernel(
     if HAS_E:
         e = tl.load(e_ptr + tok).to(tl.float32)
     if (c != 0.0) | (e != 0.0):  # a token without gradient leaves its zeros
-        row = logits_ptr + tl.load(row_ptr + tok)
-        grow = grad_ptr + tl.load(grow_ptr + tok)
+        row = _row(logits_ptr, rb_ptr, rt_ptr, tok, s0, s1)
+        grow = _row(grad_ptr, grb_ptr, grt_ptr, tok, g0, g1)
         start = tl.load(off_ptr + tok).to(tl.int64)
         end = tl.load(off_ptr + tok + 1).to(tl.int64)
         y = tl.load(y_ptr + tok).to(tl.int64)
-        inv_t = 1.0 / tl.load(tau_ptr + tok).to(tl.float32)
+        inv_t = _inv_t(tau_ptr, tau_stride, tau_value, tok, TAU_PTR)
         inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
         m = tl.load(stats_ptr + tok * 3)
         log_s = tl.load(stats_ptr + tok * 3 + 1)
@@ -136,8 +152,6 @@ def _replay_bwd_kernel(
             tl.store(grow + v, g.to(grad_ptr.dtype.element_ty), mask=ok)
 
 
-def _row_offsets(x3, rows_b, rows_t):
-    return (rows_b.long() * x3.stride(0) + rows_t.long() * x3.stride(1)).contiguous()
 
 
 def _transforms(scale, softcap):
@@ -146,8 +160,13 @@ def _transforms(scale, softcap):
                                                                    HAS_SOFTCAP=softcap is not None)
 
 
-def _tau(tau, M, device):
-    return torch.as_tensor(tau, dtype=torch.float32, device=device).expand(M).contiguous()
+def _tau(tau, like):
+    """(pointer, stride, value, TAU_PTR) for the kernels: a tensor read where it is (float32, one value
+    through a stride 0, or one per token); a number by value (no tensor made)."""
+    if not isinstance(tau, torch.Tensor):
+        return like, 0, float(tau), False
+    t = tau.to(device=like.device, dtype=torch.float32).reshape(-1).contiguous()
+    return t, 0 if t.numel() == 1 else 1, 1.0, True
 
 
 def replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids, offsets, scale=1.0, softcap=None):
@@ -161,10 +180,12 @@ def replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids, offsets, scale=1.0, s
     if M == 0:
         return logp, ent, stats, bad
     scale, cap, has = _transforms(scale, softcap)
+    t_ptr, t_stride, t_value, t_on = _tau(tau, logp)
     _replay_fwd_kernel[(M,)](
-        logits3, _row_offsets(logits3, rows_b, rows_t), y.contiguous(), _tau(tau, M, dev),
+        logits3, rows_b.contiguous(), rows_t.contiguous(), y.contiguous(), t_ptr,
         token_ids.contiguous(), offsets.long().contiguous(), logp, ent, stats, bad,
-        logits3.shape[-1], scale, cap, **has, BLOCK_K=BLOCK_K)
+        logits3.shape[-1], logits3.stride(0), logits3.stride(1), t_stride, t_value, scale, cap, TAU_PTR=t_on,
+        **has, BLOCK_K=BLOCK_K)
     return logp, ent, stats, bad
 
 
@@ -176,9 +197,11 @@ def replay_bwd(logits3, grad3, rows_b, rows_t, y, tau, token_ids, offsets, stats
         return grad3
     scale, cap, has = _transforms(scale, softcap)
     c = c.float().contiguous()
+    t_ptr, t_stride, t_value, t_on = _tau(tau, c)
+    rb, rt = rows_b.contiguous(), rows_t.contiguous()
     _replay_bwd_kernel[(M,)](
-        logits3, grad3, _row_offsets(logits3, rows_b, rows_t), _row_offsets(grad3, rows_b, rows_t),
-        y.contiguous(), _tau(tau, M, logits3.device), token_ids.contiguous(), offsets.long().contiguous(),
-        stats, ent, c, c if e is None else e.float().contiguous(),
-        logits3.shape[-1], scale, cap, HAS_E=e is not None, **has, BLOCK_K=BLOCK_K)
+        logits3, grad3, rb, rt, rb, rt, y.contiguous(), t_ptr, token_ids.contiguous(),
+        offsets.long().contiguous(), stats, ent, c, c if e is None else e.float().contiguous(),
+        logits3.shape[-1], logits3.stride(0), logits3.stride(1), grad3.stride(0), grad3.stride(1), t_stride,
+        t_value, scale, cap, TAU_PTR=t_on, HAS_E=e is not None, **has, BLOCK_K=BLOCK_K)
     return grad3
