@@ -21,16 +21,22 @@ def _step(x, rows_b, rows_t, y, tau, ids, off, invalid, counted, w1, w2, backend
     return attach_replay_grad(x, value, rows_b, rows_t, y, tau, ids, off, stats, ent, w1, w2, 1.0, None, backend)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_attach_replay_grad_matches_autograd(backend, compiled):
+def _case(seed):
+    """A rollout's logits, its kept sets checked, its rows, and random weights w1, w2 of the counted tokens."""
     z, mask, tau, y, (ids, off) = rollout(8, start=0)
     flat_y = torch.zeros(mask.shape, dtype=torch.long).masked_scatter(mask, y).reshape(-1)
     tok, f_off, invalid = check_sampling_mask_flat((ids, off), flat_y, mask, z.shape[-1], validate=False)
     rb, rt = flat_rows(mask.shape, 0, z.device)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     m = mask.reshape(-1).float()
     w1, w2 = torch.randn(m.numel(), generator=g) * m, torch.randn(m.numel(), generator=g) * m
+    return z, mask, tau, y, (ids, off), flat_y, tok, f_off, invalid, rb, rt, w1, w2, g
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_attach_replay_grad_matches_autograd(backend, compiled):
+    z, mask, tau, y, (ids, off), flat_y, tok, f_off, invalid, rb, rt, w1, w2, g = _case(1)
     w1[::3] = 0.0  # tokens whose only gradient is through the entropy (c = 0, e != 0)
     t = tau.reshape(-1)
     x = z.clone().requires_grad_()
@@ -61,13 +67,7 @@ def test_replay_gradient_of_strided_logits(backend):
     """Logits that are a view with their own row strides (the last position of each row left out, as
     a trainer slices them): the gradient is written at the gradient's own strides, equal to the
     contiguous logits' gradient."""
-    z, mask, tau, y, (ids, off) = rollout(8, start=0)
-    flat_y = torch.zeros(mask.shape, dtype=torch.long).masked_scatter(mask, y).reshape(-1)
-    tok, f_off, invalid = check_sampling_mask_flat((ids, off), flat_y, mask, z.shape[-1], validate=False)
-    rb, rt = flat_rows(mask.shape, 0, z.device)
-    g = torch.Generator().manual_seed(2)
-    m = mask.reshape(-1).float()
-    w1, w2 = torch.randn(m.numel(), generator=g) * m, torch.randn(m.numel(), generator=g) * m
+    z, mask, tau, y, (ids, off), flat_y, tok, f_off, invalid, rb, rt, w1, w2, g = _case(2)
     t = tau.reshape(-1)
     B, T, V = z.shape
     big = torch.randn(B, T + 1, V, generator=g)
