@@ -51,7 +51,7 @@ def test_head_over_kept_sets_takes_the_epilogue(preset, rule):
 def test_head_over_recorded_sets_unvalidated_launches_flat_in_tokens():
     """linear_gtpo_loss over recorded kept sets, unvalidated on Triton: the sets checked on the device (two
     launches, kernels/set_check_triton.py) and the same count at two batch sizes (one union tile each), at
-    most 89 as counted (165 with the checks' small ops, 103 with the rows' offsets and temperatures formed
+    most 83 as counted (165 with the checks' small ops, 103 with the rows' offsets and temperatures formed
     by small ops; spec 11's 10 per tile is not met yet: the union's columns, the NaN of invalid rows and the
     outputs' scatter are still small ops), and no host read beyond the tiles' plan."""
     def count(B, T):
@@ -73,5 +73,5 @@ def test_head_over_recorded_sets_unvalidated_launches_flat_in_tokens():
 
     small, large = count(4, 3), count(6, 5)
     assert small == large, (small, large)
-    assert small[0] <= 89 and small[1]["_flat_offsets_kernel"] == 1 and small[1]["_set_problems_kernel"] == 1, small
+    assert small[0] <= 83 and small[1]["_flat_offsets_kernel"] == 1 and small[1]["_set_problems_kernel"] == 1, small
     assert small[3] == ["pipeline/head_replay.py:103"], small

@@ -52,8 +52,7 @@ def flat_rows(tok_shape, logits_start, device):
 
 
 def _nan_where(bad, x):
-    b = bad if x.dim() == 1 else bad[:, None]
-    return torch.where(b, torch.full_like(x, float("nan")), x)
+    return x.masked_fill(bad if x.dim() == 1 else bad[:, None], float("nan"))  # (one launch)
 
 
 def finish(logp, ent, stats, flags, invalid=None, counted=None):
@@ -61,14 +60,14 @@ def finish(logp, ent, stats, flags, invalid=None, counted=None):
     token or `invalid` (M,) says so; with `counted` (flat layout), the uncounted tokens (empty sets) get
     0 and no flag."""
     if counted is not None:
-        flags = torch.where(counted, flags, torch.zeros_like(flags))
+        flags = torch.where(counted, flags, 0)
     bad = flags != 0
     if invalid is not None:
         bad = bad | invalid
     logp, ent, stats = _nan_where(bad, logp), _nan_where(bad, ent), _nan_where(bad, stats)
     if counted is not None:
-        logp = torch.where(counted, logp, torch.zeros_like(logp))
-        ent = torch.where(counted, ent, torch.zeros_like(ent))
+        logp = torch.where(counted, logp, 0.0)
+        ent = torch.where(counted, ent, 0.0)
     return logp, ent, stats, flags
 
 
