@@ -133,15 +133,27 @@ def check_num_items(num_items, loss_agg, device, dtype, validate=True, raw=False
     raise ValueError(f"num_items_in_batch must be a finite number > 0 or a one-element tensor, got {num_items!r}")
 
 
+# the predicates' one-launch form where Triton runs (kernels/check_triton registers it): (x, where, V) -> a
+# 0-d bool, or None (then torch forms it here)
+DEVICE_ANY = None
+
+
+def _any_bad(x, where, V, torch_bad):
+    """Whether any value fails: DEVICE_ANY's one launch, else torch's torch_bad().any()."""
+    found = None if DEVICE_ANY is None else DEVICE_ANY(x, where, V)
+    return torch_bad().any() if found is None else found
+
+
 def check_finite(name, x, counted=None):
     """Host check (validate=True only): x finite (at counted positions when `counted` is given)."""
-    bad = ~torch.isfinite(x) if counted is None else counted & ~torch.isfinite(x.reshape(-1))
+    def bad():
+        return ~torch.isfinite(x) if counted is None else counted & ~torch.isfinite(x.reshape(-1))
 
     def fail():
-        k = int(bad.reshape(-1).nonzero()[0, 0])
+        k = int(bad().reshape(-1).nonzero()[0, 0])
         raise ValueError(f"{name} must be finite{' at counted positions' if counted is not None else ''}; "
                          f"flat position {k} holds {float(x.reshape(-1)[k])}")
-    check_on_device(bad.any(), fail)
+    check_on_device(_any_bad(x, counted, None, bad), fail)
 
 
 def check_nonneg_int(name, x):
@@ -194,14 +206,15 @@ def check_logits(logits, ndim, what, sliced=False):
 
 
 def check_ids_in_range(ids, counted, V):
-    bad = counted & ((ids < 0) | (ids.long() >= V))  # int64: an int32 tensor would wrap V = 2**31
+    def bad():
+        return counted & ((ids < 0) | (ids.long() >= V))  # int64: an int32 tensor would wrap V = 2**31
 
     def fail():
-        k = int(bad.nonzero()[0, 0])
+        k = int(bad().nonzero()[0, 0])
         raise ValueError(
             f"completion_ids must lie in [0, V) = [0, {V}) at counted positions; flat position {k} "
             f"holds {int(ids[k])} (mask it out, or fix the ids)")
-    check_on_device(bad.any(), fail)
+    check_on_device(_any_bad(ids, counted, V, bad), fail)
 
 
 def check_group_size(group_size, B):
