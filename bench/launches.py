@@ -260,6 +260,14 @@ def _rows(device="cpu"):
                                             backend="triton", sampling_mask=kept).loss.backward()
         return prepare
 
+    def head_rules():
+        def prepare():
+            from gtpo_kernels import linear_gtpo_loss
+            h, w, ids, adv = head_inputs()
+            return lambda: linear_gtpo_loss(h, w, ids, adv, group_size=4, config="grpo", validate=False,
+                                            backend="triton", top_k=5, top_p=0.9).loss.backward()
+        return prepare
+
     def from_logps(validate):
         def prepare():
             from gtpo_kernels import gtpo_loss_from_logps
@@ -307,6 +315,7 @@ def _rows(device="cpu"):
             ("the same, 16 tiles", head("recompute", 16)),
             ("linear_gtpo_loss over recorded kept sets, validate=False", head_sets(False)),
             ("the same, validate=True", head_sets(True)),
+            ("linear_gtpo_loss with top_k and top_p (the sets rebuilt per tile), validate=False", head_rules()),
             ("gtpo_loss_from_logps, validate=False", from_logps(False)),
             ("the same, validate=True", from_logps(True)),
             ("sampling_mask replay (recorded sets), validate=False", recorded_sets(False)),

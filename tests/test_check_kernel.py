@@ -7,6 +7,7 @@ import torch
 
 from gtpo_kernels.core import checks
 from gtpo_kernels.kernels import check_triton
+from conftest import compiled_ahead
 
 
 def _torch_any(x, where, V):
@@ -76,10 +77,4 @@ print("compiled")
 
 def test_kernel_compiles_for_the_gpus():
     """Compiled ahead of time for sm_90, sm_80 and sm_100 by Triton's compiler (without the interpreter)."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", AOT], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+    compiled_ahead(AOT)

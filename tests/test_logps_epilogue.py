@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_grad_close, assert_value_close
+from conftest import assert_grad_close, assert_value_close, compiled_ahead
 
 import gtpo_reference as ref
 from bench.launches import counting
@@ -364,13 +364,7 @@ print("compiled")
 def test_kernels_compile_for_the_gpus():
     """The four kernels (and the head's two set checks) compiled ahead of time for sm_90, sm_80 and sm_100 by Triton's compiler (a process
     without the interpreter): what the interpreter does not check fails here."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", AOT], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+    compiled_ahead(AOT)
 
 
 def test_no_per_batch_size_is_a_constexpr():

@@ -9,6 +9,7 @@ import torch
 import gtpo_reference
 from gtpo_kernels.core.flags import BAD_NONFINITE
 from gtpo_kernels.kernels import dispatch, vp_merge
+from conftest import compiled_ahead
 
 CASES = [  # (slice sizes, per-token temperature)
     ((20, 17), False),
@@ -112,13 +113,7 @@ print("compiled")
 def test_kernels_compile_for_the_gpus():
     """The merge's three kernels and the agreement's two checksum kernels compiled ahead of time for sm_90,
     sm_80 and sm_100 by Triton's compiler (a process without the interpreter)."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", AOT], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+    compiled_ahead(AOT)
 
 
 def test_an_empty_slice_and_an_id_outside_the_vocabulary():

@@ -27,6 +27,7 @@ from ..core.sampling import flat_offsets
 from ..distributed import vocab_replay
 from ..kernels import replay as rp
 from ..kernels.kept_set import kept_sets
+from ..kernels.kept_set_triton import kept_sets_tile
 from . import head as hd
 from .replay import at, nonfinite_flag
 from .tiles import flat_rows, rows_of
@@ -200,7 +201,10 @@ def _rebuild_forward(hidden, p):
         rows_t = torch.arange(n, device=z.device)
         zero = torch.zeros_like(rows_t)
         tau = at(p.tau, sl)
-        if p.vp is None:
+        if p.vp is None and p.backend == "triton" and z.dtype != torch.float64:  # thresholds, then the lists
+            tid, off, rest, nonfinite, ms = kept_sets_tile(z, p.y[sl], tau, at(top_k, sl), at(top_p, sl),
+                                                           at(min_p, sl), p.head.scale, p.head.cap)
+        elif p.vp is None:
             tid, off, rest, nonfinite, ms = kept_sets(z.unsqueeze(0), zero, rows_t, p.y[sl], tau, at(top_k, sl),
                                                       at(top_p, sl), at(min_p, sl), p.head.scale, p.head.cap,
                                                       block_rows=block)
