@@ -78,3 +78,62 @@ print("compiled")
 def test_kernel_compiles_for_the_gpus():
     """Compiled ahead of time for sm_90, sm_80 and sm_100 by Triton's compiler (without the interpreter)."""
     compiled_ahead(AOT)
+
+
+def test_a_view_with_strides_is_read_by_its_values():
+    """old_logps as a column of a wider tensor (stride 2) holding a NaN at a counted position: found (the
+    kernel reads the view's values, not its storage's first n)."""
+    both = torch.randn(4, 3, 2)
+    both[1, 2, 0] = float("nan")
+    old = both[..., 0]
+    assert old.stride() == (6, 2)
+    assert bool(check_triton.any_outside(old)) and not bool(check_triton.any_outside(both[..., 1]))
+    with pytest.raises(ValueError, match="flat position 5 holds nan"):
+        checks.check_finite("old_logps", old, torch.ones(12, dtype=torch.bool))
+
+
+def test_backend_torch_launches_no_kernel_of_its_own():
+    """backend='torch' is the way around Triton: a validating call then forms its checks with torch (no Triton
+    launch at all), and the checks still refuse what they refused."""
+    from bench.launches import counting
+    from gtpo_kernels import gtpo_loss_from_logps
+    g = torch.Generator().manual_seed(0)
+    lp = (-torch.rand(4, 5, generator=g) * 3).requires_grad_()
+    old = lp.detach() + 0.1 * torch.randn(4, 5, generator=g)
+    ids = torch.randint(0, 30, (4, 5), generator=g)
+
+    def call(o):
+        return gtpo_loss_from_logps(lp, ids, torch.tensor([1.0, -1.0, 0.5, -0.5]), old_logps=o,
+                                    entropy=torch.rand(4, 5, generator=g), config="grpo", group_size=2,
+                                    backend="torch", validate=True)
+    call(old)
+    with counting() as c:
+        call(old)
+    assert c.triton == 0 and c.aten > 0, dict(c.triton_names)
+    old[2, 3] = float("inf")
+    with pytest.raises(ValueError, match="old_logps must be finite at counted positions; flat position 13"):
+        call(old)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_warnings_point_at_the_trainers_line(backend):
+    """The entropy filter's warning and the unused group_size's name the caller's file, whatever lies between
+    (the entry points' backend decorator, the pipeline, torch's custom ops)."""
+    import warnings
+    from gtpo_kernels import GTPOConfig, gtpo_loss, gtpo_loss_from_logps, linear_gtpo_loss
+    g = torch.Generator().manual_seed(0)
+    x, ids = torch.randn(4, 5, 30, generator=g), torch.randint(0, 30, (4, 5), generator=g)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    cfg = GTPOConfig(entropy_threshold=0.01)  # below every completion's entropy: all dropped
+    calls = [lambda: gtpo_loss(x, ids, adv, group_size=2, config=cfg, backend=backend),
+             lambda: gtpo_loss_from_logps(-torch.rand(4, 5, generator=g), ids, adv, entropy=torch.rand(4, 5) + 1,
+                                          group_size=2, config=cfg, backend=backend),
+             lambda: linear_gtpo_loss(torch.randn(4, 5, 8, generator=g), torch.randn(30, 8, generator=g), ids, adv,
+                                      group_size=2, config=cfg, backend=backend),
+             lambda: gtpo_loss(x, ids, adv, group_size=3, config="grpo", backend=backend)]
+    for call in calls:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        ours = [w for w in caught if "entropy filter dropped" in str(w.message) or "does not divide" in str(w.message)]
+        assert len(ours) == 1 and ours[0].filename == __file__, [(w.filename, str(w.message)[:60]) for w in caught]

@@ -72,3 +72,31 @@ def test_tokens_equal_their_definition(packed):
         b = batch.prepare_tokens(torch.randint(0, 50, (4, 6), generator=g), torch.rand(4, 6, generator=g) > 0.3)
     a, ref = _both(digest.token_fields(b)[0], 3)
     assert a == ref and ref[0] > 0 and ref[2] >= 0, (a, ref)
+
+
+def test_views_with_strides_equal_their_definition():
+    """A column of a matrix (stride 2): the kernel reads its values, not the storage after its first one, so
+    ranks passing the same values as a view or a copy agree."""
+    g = torch.Generator().manual_seed(5)
+    both = torch.randn(6, 2, generator=g)
+    view, where = both[:, 0], (torch.rand(6, 2, generator=g) > 0.3)[:, 1]
+    assert view.stride() == (2,)
+    for w in (None, where):
+        a, b = _both(digest.Digest.values(view, w))
+        assert a == b == _both(digest.Digest.values(view.contiguous(), None if w is None else w.contiguous()))[0]
+
+
+def test_backend_torch_forms_them_with_torch():
+    """Inside a call with backend='torch' (checks.backend_kernels) no digest kernel runs: the same values."""
+    from gtpo_kernels.core import checks
+    x = torch.randn(50)
+    token = checks._KERNELS.set(False)
+    try:
+        assert not digest._kernels_on(x.device, [x])
+        torch_row = torch.zeros(2, dtype=torch.int64)
+        digest.Digest.values(x).write(torch_row, 1)
+    finally:
+        checks._KERNELS.reset(token)
+    kernel_row = torch.zeros(2, dtype=torch.int64)
+    digest.Digest.values(x).write(kernel_row, 1)
+    assert torch.equal(torch_row, kernel_row) and torch_row[1] != 0

@@ -51,7 +51,7 @@ def test_head_over_kept_sets_takes_the_epilogue(preset, rule):
 def test_head_over_recorded_sets_unvalidated_launches_flat_in_tokens():
     """linear_gtpo_loss over recorded kept sets, unvalidated on Triton: the sets checked on the device (two
     launches, kernels/set_check_triton.py) and the same count at two batch sizes (one union tile each), at
-    most 83 as counted (165 with the checks' small ops, 103 with the rows' offsets and temperatures formed
+    most 80 as counted (165 with the checks' small ops, 103 with the rows' offsets and temperatures formed
     by small ops; spec 11's 10 per tile is not met yet: the union's columns, the NaN of invalid rows and the
     outputs' scatter are still small ops), and no host read beyond the tiles' plan."""
     def count(B, T):
@@ -73,14 +73,14 @@ def test_head_over_recorded_sets_unvalidated_launches_flat_in_tokens():
 
     small, large = count(4, 3), count(6, 5)
     assert small == large, (small, large)
-    assert small[0] <= 83 and small[1]["_flat_offsets_kernel"] == 1 and small[1]["_set_problems_kernel"] == 1, small
+    assert small[0] <= 80 and small[1]["_flat_offsets_kernel"] == 1 and small[1]["_set_problems_kernel"] == 1, small
     assert small[3] == ["pipeline/head_replay.py:104"], small  # with_sets: the offsets, for the plan
 
 
 def test_head_with_rules_rebuilds_its_sets_in_two_kernels_flat_in_tokens():
     """linear_gtpo_loss with top_k and top_p on Triton: each forward tile's sets as thresholds, then listed, in
     two launches (kernels/kept_set_triton.py, where the torch rebuild took some seventy small ops and three
-    host reads more): at most 100 launches as counted (171 before), 7 host reads, the same at two batch
+    host reads more): at most 93 launches as counted (171 before), 7 host reads, the same at two batch
     sizes (one tile each)."""
     def count(B, T):
         g = torch.Generator().manual_seed(B)
@@ -97,5 +97,5 @@ def test_head_with_rules_rebuilds_its_sets_in_two_kernels_flat_in_tokens():
 
     small, large = count(4, 3), count(6, 5)
     assert small == large, (small, large)
-    assert small[0] <= 100 and small[2] <= 7, small
+    assert small[0] <= 93 and small[2] <= 7, small
     assert small[1]["_kept_rule_kernel"] == 1 and small[1]["_kept_ids_kernel"] == 1, small

@@ -80,3 +80,22 @@ print("compiled")
 def test_kernel_compiles_for_the_gpus():
     """The listing kernel compiled ahead of time for sm_90, sm_80 and sm_100 (without the interpreter)."""
     compiled_ahead(AOT)
+
+
+def test_invalid_rule_values_list_what_they_count():
+    """Unvalidated rule values out of range (top_k -1, top_p NaN or 1.5, min_p 1.5): the threshold kernel counts
+    each set as the rules leave it (the value used as it is, as the torch rebuild does: the caller's flags make
+    those tokens NaN), and the listing writes exactly those ids: every id in [0, V), the torch rebuild's sets."""
+    z, y, g = _tile(11)
+    n, V = z.shape
+    top_k = torch.randint(1, 9, (n,), generator=g)
+    top_k[0] = -1
+    top_p = torch.full((n,), 0.9)
+    top_p[1], top_p[2] = float("nan"), 1.5
+    min_p = torch.zeros(n)
+    min_p[6] = 1.5
+    ids, off, *_ = kept_sets_tile(z, y, 0.9, top_k, top_p, min_p)
+    want = kept_sets(z.unsqueeze(0), torch.zeros(n, dtype=torch.long), torch.arange(n), y, 0.9, top_k, top_p, min_p)
+    assert ((ids >= 0) & (ids < V)).all() and not want[3][[0, 1, 2, 6]].any()  # (their rows are compared)
+    for r in (~want[3]).nonzero().flatten().tolist():
+        assert ids[off[r]:off[r + 1]].tolist() == want[0][want[1][r]:want[1][r + 1]].tolist(), r

@@ -19,6 +19,7 @@ from . import logits as api
 SCHEDULES = ("auto", "fused", "recompute")
 
 
+@checks.backend_kernels
 def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask=None, *, bias=None,
                      logit_scale=1.0, logit_softcap=None, memory_budget=None, schedule="auto",
                      group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
@@ -122,6 +123,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         return head_ops.head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, vp)
 
 
+@checks.backend_kernels
 def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,
                           logit_scale=1.0, logit_softcap=None, cu_seqlens=None, max_seqlen=None,
                           memory_budget=None, sampling_mask=None, top_k=None, top_p=None, min_p=None,

@@ -19,6 +19,7 @@ from ..pipeline import epilogue, epilogue_attached, logps_epilogue, reference, r
 from ..pipeline.loss import (call_temperature, check_loss_args, conflicts_for, forward, fused_loss, logps_loss,
                              make_output, vocab_parallel, vocab_summary)
 
+@checks.backend_kernels
 def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group_size=None,
               old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None, n_conf=None,
               cu_seqlens=None, max_seqlen=None, logits_start=None, num_items_in_batch=None,
@@ -150,7 +151,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     if rules is not None:  # the sampler's kept sets
         logp, ent, metrics = _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp)
         if fast_replay:
-            return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, host, metrics, stacklevel=8)
+            return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, host, metrics)
         loss, res = logps_loss(b, cfg, logp, ent, num_items, dt, host)
         res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
         return make_output(b, cfg, loss, res, dt, host)
@@ -160,6 +161,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     return make_output(b, cfg, loss, res, dt, host)
 
 
+@checks.backend_kernels
 def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None, *, logits_start=None,
                    cu_seqlens=None, max_seqlen=None, sampling_mask=None, top_k=None, top_p=None, min_p=None,
                    validate=True, backend="auto", process_group=None):

@@ -11,6 +11,7 @@ from ..kernels import dispatch
 from ..objective.conflict import ID_LIMIT, conflict_flat
 from ..objective.grouping import group_layout
 
+@checks.backend_kernels
 def conflict_weights(completion_ids, completion_mask, advantages, group_size=None, *, group_ids=None, config=None,
                      cu_seqlens=None, max_seqlen=None, dtype=torch.float32, validate=True, backend="auto",
                      process_group=None):

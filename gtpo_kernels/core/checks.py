@@ -7,6 +7,8 @@ import contextvars
 import functools
 import math
 import numbers
+import os
+import sys
 import warnings
 
 import torch
@@ -136,11 +138,48 @@ def check_num_items(num_items, loss_agg, device, dtype, validate=True, raw=False
 # the predicates' one-launch form where Triton runs (kernels/check_triton registers it): (x, where, V) -> a
 # 0-d bool, or None (then torch forms it here)
 DEVICE_ANY = None
+# whether the call may run Triton kernels of its own around its passes (not with backend='torch' or 'reference')
+_KERNELS = contextvars.ContextVar("gtpo_kernels_allowed", default=True)
+
+
+_HERE = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # the package
+         os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)  # and torch (autograd, custom ops)
+_HELPERS = (os.path.abspath(contextlib.__file__), os.path.abspath(functools.__file__))  # (a `with` block's exit)
+
+
+def warn_at_caller(message, category=UserWarning):
+    """warnings.warn pointing at the trainer's line: the first frame outside this package, torch and the
+    standard library's contextlib and functools."""
+    level, f = 1, sys._getframe(1)
+    while f is not None and (os.path.abspath(f.f_code.co_filename).startswith(_HERE)
+                             or os.path.abspath(f.f_code.co_filename) in _HELPERS):
+        f, level = f.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)
+
+
+def kernels_allowed():
+    """Whether this call's checks and agreement may launch Triton kernels (its backend is not 'torch')."""
+    return _KERNELS.get()
+
+
+def backend_kernels(fn):
+    """An entry point's decorator: with backend='torch' or 'reference' its checks (and a process group's
+    checksums) are formed by torch alone, as its passes are (no Triton kernel launched for them)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():  # (no host checks run there)
+            return fn(*args, **kwargs)
+        token = _KERNELS.set(kwargs.get("backend", "auto") not in ("torch", "reference"))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _KERNELS.reset(token)
+    return run
 
 
 def _any_bad(x, where, V, torch_bad):
     """Whether any value fails: DEVICE_ANY's one launch, else torch's torch_bad().any()."""
-    found = None if DEVICE_ANY is None else DEVICE_ANY(x, where, V)
+    found = None if DEVICE_ANY is None or not _KERNELS.get() else DEVICE_ANY(x, where, V)
     return torch_bad().any() if found is None else found
 
 
@@ -239,9 +278,9 @@ def check_unused_group_size(group_size, B, cfg, config):
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if B % group_size:
         name = f"config={config!r}" if isinstance(config, str) else "this config"
-        warnings.warn(f"group_size = {group_size} does not divide the number of completions B = {B}, and is "
-                      f"unused: {name} computes no conflict weights (use_conflict_mask=False), so the loss "
-                      "does not depend on group_size", UserWarning, stacklevel=3)
+        warn_at_caller(f"group_size = {group_size} does not divide the number of completions B = {B}, and is "
+                       f"unused: {name} computes no conflict weights (use_conflict_mask=False), so the loss "
+                       "does not depend on group_size")
 
 
 def raise_on_flags(bad, tok_shape):

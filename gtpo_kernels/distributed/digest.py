@@ -13,6 +13,7 @@ import zlib
 
 import torch
 
+from ..core import checks
 _MASK61 = (1 << 61) - 1
 _K1, _K2, _K3, _K4 = (0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D,
                       0xBF58476D1CE4E5B9 - (1 << 64))  # odd 64-bit mixers, as int64
@@ -225,7 +226,7 @@ def _size_term(x):
 
 def _kernels_on(device, tensors):
     """Whether the digest kernels run for tensors, into a row on `device`."""
-    if any(t.device != device for t in tensors):
+    if not checks.kernels_allowed() or any(t.device != device for t in tensors):  # (backend='torch': none)
         return False
     if device.type == "cuda":
         return True

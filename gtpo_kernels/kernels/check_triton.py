@@ -44,9 +44,9 @@ def any_outside(x, where=None, V=None):
         return None
     if where is not None and where.device != dev:
         return None
-    flat = x.detach().reshape(-1)
+    flat = x.detach().reshape(-1).contiguous()  # (a view's reshape keeps its strides: the kernel reads stride 1)
     out = torch.empty(1, dtype=torch.bool, device=dev)
-    _any_outside_kernel[(1,)](flat, flat if where is None else where.reshape(-1), out, flat.numel(),
+    _any_outside_kernel[(1,)](flat, flat if where is None else where.reshape(-1).contiguous(), out, flat.numel(),
                               0 if V is None else V, IDS=V is not None, HAS_WHERE=where is not None,
                               BLOCK=BLOCK)
     return out.reshape(())

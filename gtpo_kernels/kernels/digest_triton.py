@@ -96,8 +96,8 @@ def _tokens_kernel(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.con
 def terms(row, slot, x, where, size_term, pos):
     """row[slot] += x's term (values_digest's sum, `where`: only those positions; pos not None: the option
     word mix(W, pos)) mod 2**61, in one launch. size_term: values_digest's size word."""
-    flat = x.detach().reshape(-1)
-    w = flat if where is None else where.reshape(-1)
+    flat = x.detach().reshape(-1).contiguous()  # (a view's reshape keeps its strides: the kernel reads stride 1)
+    w = flat if where is None else where.reshape(-1).contiguous()
     _terms_kernel[(1,)](flat, w, row[slot:], flat.numel(), size_term, 0 if pos is None else pos,
                         IS_FLOAT=flat.dtype.is_floating_point, HAS_WHERE=where is not None, FP=pos is not None,
                         BLOCK=BLOCK)
@@ -106,6 +106,7 @@ def terms(row, slot, x, where, size_term, pos):
 def tokens(row, slot, ids, counted, seg, T):
     """row[slot:slot + 3] = (counted tokens, their checksum, their largest id), in one launch; seg None:
     padded rows of T tokens."""
-    flat = ids.reshape(-1)
-    _tokens_kernel[(1,)](flat, counted.reshape(-1), flat if seg is None else seg.reshape(-1), row[slot:],
+    flat = ids.reshape(-1).contiguous()
+    _tokens_kernel[(1,)](flat, counted.reshape(-1).contiguous(), flat if seg is None else seg.reshape(-1).contiguous(),
+                         row[slot:],
                          flat.numel(), T, HAS_SEG=seg is not None, BLOCK=BLOCK)

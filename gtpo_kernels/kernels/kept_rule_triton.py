@@ -131,6 +131,7 @@ def _kept_rule_kernel(
     TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,  # 0 off, 1 by value, 2 per token
     HAS_MASK: tl.constexpr, TEMP_BY_VALUE: tl.constexpr, BLOCK_V: tl.constexpr,
     STATS: tl.constexpr = True,  # False: kst is not written (token_logprobs: no metrics), one pass fewer
+    NAN_BAD: tl.constexpr = True,  # False: an invalid rule value's threshold is left as found (listed sets)
 ):
     pid = tl.program_id(0).to(tl.int64)
     inv_temp, counted = _token(pid, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
@@ -241,7 +242,8 @@ def _kept_rule_kernel(
                 m_all += tl.reduce(e, 0, _SUM)
             restored = tl.where((y >= 0) & (y < V) & (y_in == 0), 1.0, 0.0)
             mass = (m_set / m_all).to(tl.float32)
-        t_s = tl.where(bad, float("nan"), t_s)
+        if NAN_BAD:
+            t_s = tl.where(bad, float("nan"), t_s)
     tl.store(ts_ptr + pid, t_s)
     tl.store(tid_ptr + pid, t_id)
     if STATS:
@@ -264,12 +266,13 @@ def _rule_arg(x, like, dtype):
 
 
 def kept_thresholds(logits3, ids, counted, temperature, logits_start, top_k=None, top_p=None, min_p=None,
-                    outs=None, stats=True):
+                    outs=None, stats=True, nan_bad=True):
     """The kept sets of the rules as thresholds (module docstring), one launch: (t_s (n,) float32, t_id (n,)
     int64, kst (n, 3) float32). logits3 (B, T_l, V) with vocabulary stride 1; ids (B*T,); counted (B*T,) of
     any dtype (nonzero counts) or None; temperature as vocab_triton.temperature_arg takes it; each rule None,
     a number, or a 0-d or (n,) tensor (top_k integer, top_p and min_p float32). outs: (t_s, t_id) to write.
-    stats=False: kst is left unset (one pass fewer)."""
+    stats=False: kst is left unset (one pass fewer). nan_bad=False: a token's invalid rule value leaves its
+    threshold as found (the value used as it is, a negative top_k as off; the caller flags the token), not NaN."""
     import torch
     from .vocab_triton import block_v_for, num_warps_for, temperature_arg
     B, _T_l, V = logits3.shape
@@ -289,5 +292,5 @@ def kept_thresholds(logits3, ids, counted, temperature, logits_start, top_k=None
                             logits3.stride(0), logits3.stride(1), n // B, V, logits_start, tau, tau_stride,
                             kp, ks, int(kv), pp, ps, float(pv), mpp, ms, float(mv), TOP_K=km, TOP_P=pm, MIN_P=mm,
                             HAS_MASK=counted is not None, TEMP_BY_VALUE=isinstance(tau, float), BLOCK_V=bv,
-                            STATS=stats, num_warps=num_warps_for(bv))
+                            STATS=stats, NAN_BAD=nan_bad, num_warps=num_warps_for(bv))
     return t_s, t_id, kst

@@ -64,11 +64,14 @@ def kept_sets_tile(z, y, tau, top_k=None, top_p=None, min_p=None, scale=1.0, sof
     zt = zt.contiguous()
     tau = float(tau) if not isinstance(tau, torch.Tensor) else tau
     y = y.long().clamp(0, max(V - 1, 0))  # as kept_sets: an id outside the vocabulary restores its clamp
-    t_s, t_id, kst = kept_thresholds(zt.unsqueeze(0), y, None, tau, 0, top_k, top_p, min_p)
+    # (an invalid rule value: its threshold as found, so that the count and the listing agree; the caller's
+    # flags make that token NaN, as with the torch rebuild)
+    t_s, t_id, kst = kept_thresholds(zt.unsqueeze(0), y, None, tau, 0, top_k, top_p, min_p, nan_bad=False)
     counts = kst[:, 0].long()
     offsets = torch.zeros(n + 1, dtype=torch.long, device=dev)
     torch.cumsum(counts, 0, out=offsets[1:])
-    ids = torch.empty(int(offsets[-1]), dtype=torch.long, device=dev)  # sync: the sets' total size
+    ids = torch.zeros(int(offsets[-1]), dtype=torch.long, device=dev)  # sync: the sets' total size (zeros: a
+    # row whose listing fell short would still index the weight in bounds)
     nonfinite = torch.empty(n, dtype=torch.bool, device=dev)
     if n:
         t, t_stride = temperature_arg(tau, dev, n)

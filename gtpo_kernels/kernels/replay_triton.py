@@ -166,6 +166,8 @@ def _tau(tau, like):
     if not isinstance(tau, torch.Tensor):
         return like, 0, float(tau), False
     t = tau.to(device=like.device, dtype=torch.float32).reshape(-1).contiguous()
+    if t.numel() not in (1, like.shape[0]):
+        raise ValueError(f"tau: one value or one per token ({like.shape[0]}), got {t.numel()}")
     return t, 0 if t.numel() == 1 else 1, 1.0, True
 
 

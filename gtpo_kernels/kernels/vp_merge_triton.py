@@ -124,7 +124,7 @@ def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, 
     n = ent_r.numel()
     tau = temperature if isinstance(temperature, torch.Tensor) else torch.full(
         (1,), float(temperature), dtype=torch.float32, device=ent_r.device)
-    tau = tau.to(device=ent_r.device, dtype=torch.float32).reshape(-1)
+    tau = tau.to(device=ent_r.device, dtype=torch.float32).reshape(-1).contiguous()
     vec = torch.empty((n, 7), dtype=torch.float32, device=ent_r.device)
     _vp_sums_kernel[_grid(n)](logp_r, stats_r.contiguous(), ent_r, bad_r, _flat(ids_loc), _flat(counted), M, tau,
                               0 if tau.numel() == 1 else 1, vec, n, V_local, BLOCK=BLOCK)

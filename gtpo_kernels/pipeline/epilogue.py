@@ -265,13 +265,12 @@ def with_metrics(out, replay_metrics):
     return out
 
 
-def output(outs, bad, b, cfg, host, revalidate=None, stacklevel=7):
+def output(outs, bad, b, cfg, host, revalidate=None):
     """GTPOOutput from the epilogue's outputs (loss_ops.epilogue_outputs) and the forward's flags `bad`;
     host: the status word read once (see loss)."""
     value, logp, ent, ltok, _c, _e, lam, n_conf, kept, hbar, met, status = outs
     if host:
-        checks.check_on_device(status[0], lambda: _report(status, bad, b, cfg.entropy_threshold, revalidate,
-                                                                    stacklevel))
+        checks.check_on_device(status[0], lambda: _report(status, bad, b, cfg.entropy_threshold, revalidate))
     shape = b.tok_shape
     metrics = dict(clip_frac=met[0], filtered_frac=met[1], conflict_frac=met[2], mean_entropy=met[3])
     if b.rollout_logps is not None:  # spec 14
@@ -281,7 +280,7 @@ def output(outs, bad, b, cfg, host, revalidate=None, stacklevel=7):
                       n_conf=n_conf, kept=kept.view(torch.bool), seq_entropy=hbar, metrics=metrics)
 
 
-def _report(status, bad, b, thr, revalidate, stacklevel):
+def _report(status, bad, b, thr, revalidate):
     """A nonzero status word: the input checks run again on the host and raise the first that fails (an
     id out of range included), then a flagged counted row raises (checks.raise_on_flags names it; bad None:
     the flags were input checks); the entropy filter having dropped every completion warns. Where the host
@@ -297,7 +296,7 @@ def _report(status, bad, b, thr, revalidate, stacklevel):
     if word & 1 and bad is not None:
         checks.raise_on_flags(bad, b.tok_shape)
     if word & 2:
-        warn_all_dropped(thr, stacklevel=stacklevel)
+        warn_all_dropped(thr)
 
 
 def token_logps(b, temperature, host, revalidate=None, rules=None):

@@ -46,7 +46,7 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     attached = ops.attach_grad(b.logits3, value, vp.ids, stats, outs[2].to(cdt),
                                outs[4].to(cdt), outs[5].to(cdt) if has_e else None, temperature, b.logits_start,
                                backend=backend, inplace=inplace)
-    # validating: a flagged counted row raises (every rank alike); the warning points at the caller (stacklevel)
-    out = epilogue.output(outs, bad, b, cfg, host, stacklevel=8)
+    # validating: a flagged counted row raises (every rank alike)
+    out = epilogue.output(outs, bad, b, cfg, host)
     out.loss = attached
     return out

@@ -257,7 +257,7 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
         value, _, _, ltok, c, e, *rest = out[7:]
         e = e if epi[1][loss_ops.FLAGS.index("HAS_E")] else None
         value = head_attach(value, *params, b.ids, stats, ent, c, e, dh, dw, db, temperature, key)
-        res = epilogue.output([value, logp, ent, ltok, c, e, *rest], bad, b, cfg, host, stacklevel=8)
+        res = epilogue.output([value, logp, ent, ltok, c, e, *rest], bad, b, cfg, host)
         res.metrics["grad_in_forward"] = grad_in_forward
         return res
     max_len = b.max_len if isinstance(b.max_len, Tensor) else torch.full((), float(b.max_len), dtype=dt, device=dev)

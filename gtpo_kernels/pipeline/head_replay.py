@@ -154,6 +154,8 @@ def backward(hidden, weight, bias, p, g_logp, g_ent, need):
 
 
 def _cat(xs, p, dtype=None):
+    if len(xs) == 1:  # one tile: its tensor itself (no copy)
+        return xs[0]
     if xs:
         return torch.cat(xs)
     return torch.zeros(0, dtype=dtype or float_dtype_for(p.head.weight), device=p.head.weight.device)

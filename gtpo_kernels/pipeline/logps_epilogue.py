@@ -53,7 +53,7 @@ def _common(b, cfg, num_items, kernel_checks=False):
                 roll=roll, floats=floats, flags=flags, B=b.B, T=T, rw=rw, hp=hp, draws=draws)
 
 
-def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, stacklevel=7, revalidate=None):
+def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, revalidate=None):
     """GTPOOutput of the loss on differentiable per-token logps (and entropies, or None: zeros and no
     entropy terms) of the tokens' shape or flat. Validating: with `revalidate` the value checks are the
     kernels' (the batch was prepared without them; a failure runs revalidate() to raise the error that names
@@ -63,11 +63,11 @@ def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, sta
     ids = b.given["ids"].reshape(-1) if in_kernel else None
     outs = logps_ops.logps_epilogue(logps, entropy, check=not host and entropy is not None, ids=ids, **kw)
     # (checked in the kernels, the prep kernel's flags are input checks that revalidate() names, not rows)
-    out = epilogue.output(outs[:12], None if in_kernel else outs[12], b, cfg, host, revalidate, stacklevel=stacklevel)
+    out = epilogue.output(outs[:12], None if in_kernel else outs[12], b, cfg, host, revalidate)
     return epilogue.with_metrics(out, {k: v.to(out.loss.dtype) for k, v in (replay_metrics or {}).items()})
 
 
-def recorded_sets(b, cfg, tau, sampling_mask, num_items, host, revalidate=None, stacklevel=8):
+def recorded_sets(b, cfg, tau, sampling_mask, num_items, host, revalidate=None):
     """GTPOOutput of gtpo_loss over the kept sets the engine recorded (spec 13), differentiable w.r.t. the
     logits. tau: the call's per-token temperature (n,), or None for the config's. Validating, the kernels
     check the sets and the inputs (the batch was prepared without its value checks): a nonzero status word
@@ -90,6 +90,6 @@ def recorded_sets(b, cfg, tau, sampling_mask, num_items, host, revalidate=None, 
     kw = _common(b, cfg, num_items, host)
     outs = logps_ops.replay_epilogue(b.logits3, b.given["ids"], token_ids, offsets,
                                      None if tau is None else tau.reshape(-1), tau_value, b.logits_start, **kw)
-    out = epilogue.output(outs[:12], outs[12], b, cfg, host, recheck if host else None, stacklevel=stacklevel)
+    out = epilogue.output(outs[:12], outs[12], b, cfg, host, recheck if host else None)
     met = outs[18]
     return epilogue.with_metrics(out, {"mean_kept_size": met[0], "replay_restored_frac": met[1]})

@@ -4,7 +4,6 @@ flags (whole vocabulary or vocabulary-parallel), the O(N) surrogate, the loss va
 attached, and the output."""
 from __future__ import annotations
 
-import warnings
 
 import torch
 
@@ -129,16 +128,16 @@ def _report(b, cfg, res):
     if flagged:
         checks.raise_on_flags(bad, b.tok_shape)
     if all_dropped:
-        warn_all_dropped(cfg.entropy_threshold, stacklevel=5)
+        warn_all_dropped(cfg.entropy_threshold)
 
 
-def warn_all_dropped(threshold, stacklevel):
-    """The entropy filter dropped every completion of a call (validating)."""
-    warnings.warn(
+def warn_all_dropped(threshold):
+    """The entropy filter dropped every completion of a call (validating), said at the trainer's line."""
+    checks.warn_at_caller(
         f"gtpo_loss: the entropy filter dropped every completion (mean entropy above entropy_threshold="
         f"{float(threshold):.3g}), so the loss and its gradient are zero. A model more uncertain than "
         f"that from the start needs GTPOConfig(initial_entropy=<its mean entropy>) (the paper's gate) or "
-        f"entropy_threshold=None; out.metrics['filtered_frac'] tracks it.", stacklevel=stacklevel)
+        f"entropy_threshold=None; out.metrics['filtered_frac'] tracks it.")
 
 
 def make_output(b, cfg, loss, res, dt, host):
