@@ -81,3 +81,12 @@ def test_replay_gradient_of_strided_logits(backend):
     assert xc.grad.abs().sum() > 0
     torch.testing.assert_close(big.grad[:, :T], xc.grad, rtol=1e-6, atol=1e-7)
     assert (big.grad[:, T] == 0).all()
+
+
+def test_replay_kernels_refuse_a_temperature_of_another_size():
+    """tau: one value or one per token; any other size is refused, never read out of bounds."""
+    from gtpo_kernels.kernels import replay_triton
+    z, mask, tau, y, (ids, off), flat_y, tok, f_off, invalid, rb, rt, w1, w2, g = _case(3)
+    replay_triton.replay_fwd(z, rb, rt, flat_y, tau.reshape(-1), tok, f_off)  # one per token: taken
+    with pytest.raises(ValueError, match=r"tau: one value or one per token"):
+        replay_triton.replay_fwd(z, rb, rt, flat_y, tau.reshape(-1)[:3], tok, f_off)
