@@ -83,11 +83,8 @@ def fingerprint(options):
     its repr (without an object's address). With a tensor among them: a 0-d int64 tensor on its device;
     the numbers are hashed on the host, the tensors where they live (no host read, no copy to the device).
     (The torch form; fingerprint_field defers the tensors' terms to the agreement's row.)"""
-    digest, tensors_at = _parts(options)
-    for t, pos in tensors_at:  # one word each, mixed at its position (a Python int: no copy)
-        word = _float_bits(t.reshape(())) if t.numel() == 1 else values_digest(t)
-        digest = digest + _mix(word, pos)
-    return digest & _MASK61 if isinstance(digest, torch.Tensor) else _wrap(digest) & _MASK61
+    field = fingerprint_field(options)
+    return field if isinstance(field, int) else field.value()
 
 
 def fingerprint_field(options):
@@ -228,7 +225,5 @@ def _kernels_on(device, tensors):
     """Whether the digest kernels run for tensors, into a row on `device`."""
     if not checks.kernels_allowed() or any(t.device != device for t in tensors):  # (backend='torch': none)
         return False
-    if device.type == "cuda":
-        return True
     from ..kernels import dispatch
-    return device.type == "cpu" and dispatch.interpreter_active()
+    return dispatch.triton_runs_on(device)

@@ -40,9 +40,7 @@ def any_outside(x, where=None, V=None):
     where Triton does not run on x's device (the caller forms it with torch)."""
     from . import dispatch
     dev = x.device
-    if not (dev.type == "cuda" or (dev.type == "cpu" and dispatch.interpreter_active())):
-        return None
-    if where is not None and where.device != dev:
+    if not dispatch.triton_runs_on(dev) or (where is not None and where.device != dev):
         return None
     flat = x.detach().reshape(-1).contiguous()  # (a view's reshape keeps its strides: the kernel reads stride 1)
     out = torch.empty(1, dtype=torch.bool, device=dev)

@@ -32,6 +32,11 @@ def resolve_backend(backend, device, dtype=None):
     return backend
 
 
+def triton_runs_on(device) -> bool:
+    """Whether Triton kernels run on `device`: a GPU, or the CPU under Triton's interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreter_active())
+
+
 def interpreter_active() -> bool:
     """True when our kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import)."""
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):

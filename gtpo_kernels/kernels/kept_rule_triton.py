@@ -107,6 +107,13 @@ def _scan(row, V, lanes, inv_temp, mx, mp, t_k, t, i, WHAT: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _by_rule(s, v, t_s, t_id):
+    """Whether the rules keep entry v of value s: finite, and at or above the threshold (t_s, t_id). The test
+    a set's size is counted with here and its ids listed with (kept_set_triton)."""
+    return (s == s) & (s > float("-inf")) & ((s > t_s) | ((s == t_s) & (v >= t_id)))
+
+
+@triton.jit
 def _rule(ptr, stride, value, tok, MODE: tl.constexpr, off, dtype: tl.constexpr):
     """A rule's value for token tok in `dtype`: MODE 0 off (`off`), 1 by value, 2 read at ptr + tok * stride."""
     if MODE == 2:
@@ -233,7 +240,7 @@ def _kept_rule_kernel(
                 offs = v0 + lanes
                 s = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
                 # (the vocabulary kernels' test, vocab_jit._kept: every entry at or above the threshold is min-p's)
-                rule = (s == s) & (s > float("-inf")) & ((s > t_s) | ((s == t_s) & (offs >= t_id)))
+                rule = _by_rule(s, offs, t_s, t_id)
                 inside = rule | (offs == y)
                 e = tl.where(s == s, tl.exp(s - mx_safe), 0.0).to(tl.float64)
                 size += tl.reduce(inside.to(tl.float32), 0, _SUM)

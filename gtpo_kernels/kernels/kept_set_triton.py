@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kept_rule_triton import kept_thresholds
+from .kept_rule_triton import _by_rule, kept_thresholds
 from .vocab_fwd_triton import _token
 from .vocab_jit import _MAX, _SUM
 from .vocab_torch import _transform
@@ -43,9 +43,7 @@ def _kept_ids_kernel(z_ptr, stride_z, y_ptr, ts_ptr, tid_ptr, temp_ptr, temp_str
         offs = v0 + lanes
         inb = offs < V
         s = tl.load(row + offs, mask=inb, other=float("-inf")).to(tl.float32) * inv_temp
-        # the threshold kernel's test when it counts |K| (so exactly |K| ids are written; NaN: never)
-        rule = (s > float("-inf")) & ((s > t_s) | ((s == t_s) & (offs >= t_id)))
-        inside = inb & (rule | (offs == y))
+        inside = inb & (_by_rule(s, offs, t_s, t_id) | (offs == y))  # (the count's test: exactly |K| ids)
         nf = tl.maximum(nf, tl.reduce((inb & ((s != s) | (s == float("inf")))).to(tl.int32), 0, _MAX))
         k = inside.to(tl.int64)
         tl.store(ids_out + at + tl.cumsum(k, 0) - 1, offs.to(tl.int64), mask=inside)
