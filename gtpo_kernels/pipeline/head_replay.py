@@ -65,16 +65,20 @@ def _project(h, head, cols):
     return torch.addmm(hd.upcast(head.bias if cols is None else head.bias.index_select(0, cols), head.proj), h, w.t())
 
 
+def _tile_rows(z):
+    """A tile z's rows as (rows_b, rows_t) of z.unsqueeze(0): zeros and 0..n-1."""
+    rows_t = torch.arange(z.shape[0], device=z.device)
+    return torch.zeros_like(rows_t), rows_t
+
+
 def _replay(z, ids, offsets, y, tau, invalid, p, vp=None):
     """logp, H, flags of a tile's rows over their sets (columns of z), differentiable w.r.t. z. With a
     vocabulary split, z holds this rank's columns (vp.start: the first one's id, or 0 where ids and y
     are already columns, -1 elsewhere) and the statistics are merged over the group."""
-    n = z.shape[0]
-    rows_t = torch.arange(n, device=z.device)
     if p.vp is None:
-        return rp.replay_logprobs(z.unsqueeze(0), torch.zeros_like(rows_t), rows_t, y, tau, ids, offsets, invalid,
+        return rp.replay_logprobs(z.unsqueeze(0), *_tile_rows(z), y, tau, ids, offsets, invalid,
                                   p.head.scale, p.head.cap, p.backend)
-    lp, en, fl, lse = vocab_replay.merge(z.unsqueeze(0), torch.zeros_like(rows_t), rows_t, y, tau, ids, offsets,
+    lp, en, fl, lse = vocab_replay.merge(z.unsqueeze(0), *_tile_rows(z), y, tau, ids, offsets,
                                          vp or p.columns, p.head.scale, p.head.cap)
     bad = fl != 0 if invalid is None else (fl != 0) | invalid
     nan = torch.full_like(lp, float("nan"))
@@ -199,21 +203,17 @@ def _rebuild_forward(hidden, p):
     for m0 in range(0, M, step):
         sl = slice(m0, min(M, m0 + step))
         z = _project(rows_of(hidden, p.pos[sl], flat_rows(hidden)), full, None)
-        n = z.shape[0]
-        rows_t = torch.arange(n, device=z.device)
-        zero = torch.zeros_like(rows_t)
         tau = at(p.tau, sl)
+        rules = (at(top_k, sl), at(top_p, sl), at(min_p, sl))
         if p.vp is None and p.backend == "triton" and z.dtype != torch.float64:  # thresholds, then the lists
-            tid, off, rest, nonfinite, ms = kept_sets_tile(z, p.y[sl], tau, at(top_k, sl), at(top_p, sl),
-                                                           at(min_p, sl), p.head.scale, p.head.cap)
+            tid, off, rest, nonfinite, ms = kept_sets_tile(z, p.y[sl], tau, *rules, p.head.scale, p.head.cap)
         elif p.vp is None:
-            tid, off, rest, nonfinite, ms = kept_sets(z.unsqueeze(0), zero, rows_t, p.y[sl], tau, at(top_k, sl),
-                                                      at(top_p, sl), at(min_p, sl), p.head.scale, p.head.cap,
-                                                      block_rows=block)
+            tid, off, rest, nonfinite, ms = kept_sets(z.unsqueeze(0), *_tile_rows(z), p.y[sl], tau, *rules,
+                                                      p.head.scale, p.head.cap, block_rows=block)
         else:  # each rank's top_k candidates gathered; the full normalizer's log for kept_mass
             tid, off, rest, nonfinite, lse_full = vocab_replay.rebuilt_sets(
-                z.unsqueeze(0), zero, rows_t, p.y[sl], tau, at(top_k, sl), at(top_p, sl), at(min_p, sl), p.vp,
-                p.head.scale, p.head.cap, block_rows=block)
+                z.unsqueeze(0), *_tile_rows(z), p.y[sl], tau, *rules, p.vp, p.head.scale, p.head.cap,
+                block_rows=block)
         bad = nonfinite if p.invalid is None else nonfinite | p.invalid[sl]
         lp, en, fl = _replay(z, tid, off, p.y[sl], tau, bad, p, p.vp)
         if p.vp is None:  # (with a split, refuse_unbuilt names such a row with the ties it cannot rebuild)
