@@ -248,7 +248,8 @@ def _rows(device="cpu"):
                                             schedule=schedule).loss.backward()
         return prepare
 
-    def head_sets(validate):
+    def head_sets(validate, budget=None):
+        """budget: a memory_budget cutting the 128 tokens' kept sets (5 or 6 ids) into union tiles (None: one)."""
         def prepare():
             from gtpo_kernels import linear_gtpo_loss
             h, w, ids, adv = head_inputs()
@@ -256,16 +257,18 @@ def _rows(device="cpu"):
             sets = [sorted(set(k) | {int(y)}) for k, y in zip(top, ids.reshape(-1).tolist())]
             offsets = torch.tensor([0] + [len(k) for k in sets]).cumsum(0).to(device)
             kept = (torch.tensor([v for k in sets for v in k], device=device), offsets)
+            extra = {} if budget is None else dict(memory_budget=budget)
             return lambda: linear_gtpo_loss(h, w, ids, adv, group_size=4, config="grpo", validate=validate,
-                                            backend="triton", sampling_mask=kept).loss.backward()
+                                            backend="triton", sampling_mask=kept, **extra).loss.backward()
         return prepare
 
-    def head_rules():
+    def head_rules(budget=None):
         def prepare():
             from gtpo_kernels import linear_gtpo_loss
             h, w, ids, adv = head_inputs()
+            extra = {} if budget is None else dict(memory_budget=budget)
             return lambda: linear_gtpo_loss(h, w, ids, adv, group_size=4, config="grpo", validate=False,
-                                            backend="triton", top_k=5, top_p=0.9).loss.backward()
+                                            backend="triton", top_k=5, top_p=0.9, **extra).loss.backward()
         return prepare
 
     def from_logps(validate):
@@ -315,7 +318,10 @@ def _rows(device="cpu"):
             ("the same, 16 tiles", head("recompute", 16)),
             ("linear_gtpo_loss over recorded kept sets, validate=False", head_sets(False)),
             ("the same, validate=True", head_sets(True)),
+            ("the same, validate=False, 4 union tiles", head_sets(False, 8 * 32 * 64)),
+            ("the same, validate=False, 16 union tiles", head_sets(False, 8 * 8 * 48)),
             ("linear_gtpo_loss with top_k and top_p (the sets rebuilt per tile), validate=False", head_rules()),
+            ("the same, 4 tiles (forward: of the vocabulary; backward: union tiles)", head_rules(8 * 32 * 64)),
             ("gtpo_loss_from_logps, validate=False", from_logps(False)),
             ("the same, validate=True", from_logps(True)),
             ("sampling_mask replay (recorded sets), validate=False", recorded_sets(False)),

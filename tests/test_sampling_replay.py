@@ -8,7 +8,8 @@ from conftest import TOL, assert_grad_close, assert_value_close
 
 import gtpo_reference as ref
 from gtpo_kernels.core.sampling import check_sampling_mask
-from gtpo_kernels.kernels.replay import counted_rows, replay_logprobs, tile_union
+from gtpo_kernels.kernels.replay import counted_rows, replay_logprobs
+from gtpo_kernels.kernels.tile_union import tile_unions
 
 
 def rollout(seed, B=3, T=6, V=300, dtype=torch.float32, top_k=50, top_p=0.95, start=1):
@@ -153,37 +154,68 @@ def test_malformed_offsets_unvalidated_all_nan(backend):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_tile_union_replay_equals_full_rows(backend):
-    """A head tile projects only the union of its tokens' kept sets: replay on those columns gives the
-    full rows' logp, H and (scattered back) gradient."""
+    """A head tile projects only the union of its tokens' kept sets (tile_unions: every tile at once): replay
+    on those columns gives the full rows' logp, H and (scattered back) gradient, tile by tile."""
     z, mask, tau, y, (ids, off) = rollout(6, start=0, V=400)
     rb, rt = counted_rows(mask, mask.shape)
     M = y.numel()
     x = z.clone().requires_grad_()
     lp, h, _ = replay_logprobs(x, rb, rt, y, tau[mask], ids, off, backend=backend)
     (lp.sum() + h.sum()).backward()
-    m0, m1 = 2, M - 1
-    union, local, loff, y_t = tile_union(ids, off, y, m0, m1)
-    assert union.numel() < z.shape[-1] and torch.equal(union[local], ids[int(off[m0]):int(off[m1])])
-    zt = z[rb[m0:m1], rt[m0:m1]][:, union][None].clone().requires_grad_()  # (1, tile, U)
-    at = torch.arange(m1 - m0)
-    assert torch.equal(union[y_t], y[m0:m1])
-    lpt, ht, _ = replay_logprobs(zt, torch.zeros_like(at), at, y_t, tau[mask][m0:m1], local, loff,
-                                 backend=backend)
-    (lpt.sum() + ht.sum()).backward()
-    # against the float64 reference over the tile's sets on the full rows
-    rows = z[rb[m0:m1], rt[m0:m1]].double().requires_grad_()
-    sets = (ids[int(off[m0]):int(off[m1])], off[m0:m1 + 1] - off[m0])
-    rlp, rh = ref.gtpo_sampling.replay_logprobs(rows, y[m0:m1], sets, tau[mask][m0:m1].double())
-    (rlp.sum() + rh.sum()).backward()
-    assert_value_close("tile logp", lpt, rlp, TOL[torch.float32]["value"])
-    assert_value_close("tile entropy", ht, rh, TOL[torch.float32]["value"])
-    full = torch.zeros(m1 - m0, z.shape[-1])
-    full[:, union] = zt.grad[0]
-    assert rows.grad.abs().sum() > 0
-    assert_grad_close("tile grad", full, rows.grad, TOL[torch.float32]["grad"])
-    # and equal to the full rows' own replay
-    assert torch.allclose(lpt, lp[m0:m1], atol=1e-6, rtol=0) and torch.allclose(ht, h[m0:m1], atol=1e-6, rtol=0)
-    assert torch.allclose(full, x.grad[rb[m0:m1], rt[m0:m1]], atol=1e-6, rtol=0)
+    tiles = [(0, 2), (2, M - 1), (M - 1, M)]
+    un = tile_unions(ids, off, y, tiles, z.shape[-1])
+    assert un.starts[0] == 0 and un.ids.numel() == un.starts[-1]
+    for j, (m0, m1) in enumerate(tiles):
+        k0, k1 = int(off[m0]), int(off[m1])
+        union, local, loff, y_t = un.tile(j, m0, m1, k0, k1)
+        assert torch.equal(union, torch.unique(ids[k0:k1])) and union.numel() < z.shape[-1]
+        assert torch.equal(union[local], ids[k0:k1]) and torch.equal(loff, off[m0:m1 + 1] - k0)
+        assert torch.equal(union[y_t], y[m0:m1])
+        zt = z[rb[m0:m1], rt[m0:m1]][:, union][None].clone().requires_grad_()  # (1, tile, U)
+        at = torch.arange(m1 - m0)
+        lpt, ht, _ = replay_logprobs(zt, torch.zeros_like(at), at, y_t, tau[mask][m0:m1], local, loff,
+                                     backend=backend)
+        (lpt.sum() + ht.sum()).backward()
+        # against the float64 reference over the tile's sets on the full rows
+        rows = z[rb[m0:m1], rt[m0:m1]].double().requires_grad_()
+        sets = (ids[k0:k1], off[m0:m1 + 1] - off[m0])
+        rlp, rh = ref.gtpo_sampling.replay_logprobs(rows, y[m0:m1], sets, tau[mask][m0:m1].double())
+        (rlp.sum() + rh.sum()).backward()
+        assert_value_close("tile logp", lpt, rlp, TOL[torch.float32]["value"])
+        assert_value_close("tile entropy", ht, rh, TOL[torch.float32]["value"])
+        full = torch.zeros(m1 - m0, z.shape[-1])
+        full[:, union] = zt.grad[0]
+        assert rows.grad.abs().sum() > 0
+        assert_grad_close("tile grad", full, rows.grad, TOL[torch.float32]["grad"])
+        # and equal to the full rows' own replay
+        assert torch.allclose(lpt, lp[m0:m1], atol=1e-6, rtol=0) and torch.allclose(ht, h[m0:m1], atol=1e-6, rtol=0)
+        assert torch.allclose(full, x.grad[rb[m0:m1], rt[m0:m1]], atol=1e-6, rtol=0)
+
+
+def test_tile_unions_of_a_slice():
+    """With a vocabulary slice [lo, lo + V_r), each tile's union holds exactly its sets' ids inside the slice
+    (as columns id - lo), sorted; an id outside the slice, and a sampled id not in its tile's union, is -1;
+    the tiles' offsets start each tile at 0. Checked against the definition, tile by tile."""
+    g = torch.Generator().manual_seed(3)
+    sizes = [3, 1, 4, 2, 5, 2, 6]
+    ids = torch.cat([torch.randperm(20, generator=g)[:k] for k in sizes])
+    off = torch.tensor([0] + sizes).cumsum(0)
+    y = torch.randint(0, 20, (len(sizes),), generator=g)
+    y[::2] = ids[off[:-1:2]]  # half the tokens sampled their set's first id (in the slice, or not)
+    lo, V_r = 6, 9
+    tiles = [(0, 3), (3, 4), (4, 7)]
+    un = tile_unions(ids, off, y, tiles, V_r, lo)
+    for j, (m0, m1) in enumerate(tiles):
+        k0, k1 = int(off[m0]), int(off[m1])
+        union, local, loff, y_t = un.tile(j, m0, m1, k0, k1)
+        mine = [v - lo for v in ids[k0:k1].tolist() if lo <= v < lo + V_r]
+        assert union.tolist() == sorted(set(mine))
+        assert local.tolist() == [union.tolist().index(v - lo) if lo <= v < lo + V_r else -1
+                                  for v in ids[k0:k1].tolist()]
+        assert loff.tolist() == (off[m0:m1 + 1] - k0).tolist()
+        assert y_t.tolist() == [union.tolist().index(v - lo) if v - lo in union.tolist() else -1
+                                for v in y[m0:m1].tolist()]
+    assert any(v == -1 for v in un.local.tolist()) and any(v >= 0 for v in un.y.tolist())
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

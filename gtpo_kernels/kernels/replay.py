@@ -75,8 +75,8 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid, counted, scale, softcap,
                 backend):
-        logp, ent, stats, flags = finish(*_impl(backend).replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids,
-                                                                   offsets, scale, softcap), invalid, counted)
+        logp, ent, stats, flags = finish(*replay_values(logits3, rows_b, rows_t, y, tau, token_ids, offsets, scale,
+                                                        softcap, backend), invalid, counted)
         ctx.save_for_backward(logits3, rows_b, rows_t, y, tau if isinstance(tau, torch.Tensor) else None,
                               token_ids, offsets, stats, ent)
         ctx.meta = (tau if not isinstance(tau, torch.Tensor) else None, scale, softcap, backend)
@@ -92,10 +92,33 @@ class _Replay(torch.autograd.Function):
             return (None,) * 12
         c = torch.zeros_like(ent) if g_logp is None else g_logp.to(ent.dtype)
         e = None if g_ent is None else g_ent.to(ent.dtype)
-        grad3 = torch.zeros_like(logits3)  # exactly 0 outside the kept sets
-        _impl(backend).replay_bwd(logits3, grad3, rows_b, rows_t, y, tau_n if tau_t is None else tau_t,
-                                  token_ids, offsets, stats, ent, c, e, scale, softcap)
+        grad3 = replay_grad(logits3, rows_b, rows_t, y, tau_n if tau_t is None else tau_t, token_ids, offsets,
+                            stats, ent, c, e, scale, softcap, backend)
         return (grad3,) + (None,) * 11
+
+
+def resolved(backend, device, dtype):
+    """The implementation that runs on logits of `dtype` on `device`: 'triton' or 'torch' ('reference'
+    runs the torch one here)."""
+    backend = resolve_backend(backend, device, dtype)
+    return "torch" if backend == "reference" else backend
+
+
+def replay_values(logits3, rows_b, rows_t, y, tau, token_ids, offsets, scale=1.0, softcap=None, backend="torch"):
+    """The replay's forward without autograd and before `finish`: (logp, H, stats, flags) (M,), (M,),
+    (M, 3), int8 (M,), nothing NaN'd yet (a caller over several tiles finishes them once). backend: resolved;
+    logits3 with vocabulary stride 1 for 'triton'."""
+    return _impl(backend).replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids, offsets, scale, softcap)
+
+
+def replay_grad(logits3, rows_b, rows_t, y, tau, token_ids, offsets, stats, ent, c, e, scale=1.0, softcap=None,
+                backend="torch"):
+    """dL/dz in logits3's shape, exactly 0 outside the kept sets, from the forward's stats and (finished)
+    entropies and the upstream gradients c = dL/dlogp, e = dL/dH (M,) (e None: no entropy term)."""
+    grad3 = torch.zeros_like(logits3)
+    _impl(backend).replay_bwd(logits3, grad3, rows_b, rows_t, y, tau, token_ids, offsets, stats, ent, c, e, scale,
+                              softcap)
+    return grad3
 
 
 def replay_logprobs(logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid=None, scale=1.0,
@@ -108,9 +131,7 @@ def replay_logprobs(logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid
     `counted` (M,) bool, every flat token (flat_rows, core.sampling.flat_offsets: no host read), the
     uncounted ones with empty sets and outputs 0."""
     check_transforms(scale, softcap)
-    backend = resolve_backend(backend, logits3.device, logits3.dtype)
-    if backend == "reference":
-        backend = "torch"
+    backend = resolved(backend, logits3.device, logits3.dtype)
     if backend == "triton" and logits3.stride(-1) != 1:
         logits3 = logits3.contiguous()
     return _Replay.apply(logits3, rows_b, rows_t, y, tau, token_ids, offsets, invalid, counted, scale, softcap,
@@ -138,20 +159,3 @@ def replay_metrics(offsets, restored=None, kept_mass=None, M=None):
     if kept_mass is not None:
         out["kept_mass"] = kept_mass.to(f64).sum() / n
     return out
-
-
-def tile_union(token_ids, offsets, y, m0, m1, k0=None, k1=None):
-    """The union U of the kept sets of counted tokens m0..m1-1 (a tile of the fused head), sorted, and
-    those tokens' sets and sampled ids y rewritten as columns of U: (union (U,), local_ids (k1 - k0,),
-    local_offsets (m1 - m0 + 1,), local_y (m1 - m0,); a sampled id outside U becomes -1, which the replay
-    flags). The head projects only W[union] for the tile, z_tile = h_tile @ W[union].T, and replays on
-    z_tile viewed as (1, m1 - m0, U) with rows_t = arange and the local sets: the same logp, H and,
-    scattered back through union, the same gradient as on the full rows. k0, k1 = offsets[m0],
-    offsets[m1] as Python ints when the caller holds the offsets on the host (else read here)."""
-    k0 = int(offsets[m0]) if k0 is None else k0
-    k1 = int(offsets[m1]) if k1 is None else k1
-    union, local = torch.unique(token_ids[k0:k1], sorted=True, return_inverse=True)
-    yt = y[m0:m1].long()
-    col = torch.searchsorted(union, yt).clamp_(max=max(union.numel() - 1, 0))
-    hit = union[col] == yt if union.numel() else torch.zeros_like(yt, dtype=torch.bool)
-    return union, local, offsets[m0:m1 + 1] - k0, torch.where(hit, col, torch.full_like(col, -1))

@@ -205,6 +205,14 @@ def accumulate(acc, a, b):
     return acc
 
 
+def product(a, b, acc):
+    """a @ b in the dtype acc (float32 for 16-bit a, b), never rounded to 16 bits: one GEMM where a and b
+    are already acc, else accumulate into zeros."""
+    if a.dtype == b.dtype == acc:
+        return a @ b
+    return accumulate(torch.zeros(a.shape[0], b.shape[1], dtype=acc, device=a.device), a, b)
+
+
 def autocast_off(device):
     """The head computes in its inputs' dtypes (spec 6): torch.autocast off for `device` inside it (a
     float32 model under autocast keeps float32 GEMMs and gradients)."""

@@ -6,12 +6,15 @@ For a tile of counted tokens m0..m1-1 with kept sets K_m, U = the union of the K
     z_U = h_tile @ W[U].T (+ b[U])          (rows x |U|: one GEMM, 2 rows |U| D FLOPs)
     logp, H over each K_m                    (the replay kernel, on z_U with the sets as columns of U)
 
-and in the backward the same projection again, the replay's gradient dL/dz_U (exactly 0 outside the
-sets, so outside U too), then dL/dh = dL/dz_U @ W[U] and dL/dW[U] += dL/dz_U.T @ h: 4 GEMMs over |U|
-columns where the full-vocabulary head runs 3 or 4 over V. Tiles are planned on the host from the
-sets' sizes (one read of the offsets): a tile's rows x min(sum of its set sizes, V) entries of logits
-and gradient within `memory_budget` (the union is at most that), and at most TILE_ROWS tokens (a token's
-GEMM work is its tile's union, which grows with the tile). With the rules (top_k / top_p /
+and in the backward the same projection again, the replay's gradient dL/dz_U from the forward's saved
+statistics (exactly 0 outside the sets, so outside U too), then dL/dh = dL/dz_U @ W[U] and
+dL/dW[U] += dL/dz_U.T @ h: 4 GEMMs over |U| columns where the full-vocabulary head runs 3 or 4 over V.
+Tiles are planned on the host from the sets' sizes (one read of the offsets): a tile's rows x min(sum of
+its set sizes, V) entries of logits and gradient within `memory_budget` (the union is at most that), and at
+most TILE_ROWS tokens (a token's GEMM work is its tile's union, which grows with the tile). Every tile's
+union is formed at once (kernels/tile_union.py: one more host read a pass), the counted rows' hidden states
+gathered once a pass, and a tile then takes 10 launches, forward and backward (3 and 7), with no host read;
+NaN where invalid is set once over the joined tiles. With the rules (top_k / top_p /
 min_p) the sets are rebuilt from the current logits, which needs every logit once: the forward projects
 tiles of the whole vocabulary (the full head's budget), rebuilds the sets there and replays on them;
 only the backward projects the unions.
@@ -28,6 +31,7 @@ from ..distributed import vocab_replay
 from ..kernels import replay as rp
 from ..kernels.kept_set import kept_sets
 from ..kernels.kept_set_triton import kept_sets_tile
+from ..kernels.tile_union import tile_unions
 from . import head as hd
 from .replay import at, nonfinite_flag
 from .tiles import flat_rows, rows_of
@@ -56,34 +60,41 @@ def plan_union(sizes, V, per_entry, budget, max_rows=TILE_ROWS):
     return tiles
 
 
-def _project(h, head, cols):
-    """h @ W[cols].T (+ b[cols]): the tile's raw logits on the columns `cols` (None: every column)."""
-    w = hd.upcast(head.weight if cols is None else head.weight.index_select(0, cols), head.proj)
-    h = hd.upcast(h, head.proj)  # head_dtype=float32: the tile's rows and columns upcast, a float32 GEMM
-    if head.bias is None:
-        return h @ w.t()
-    return torch.addmm(hd.upcast(head.bias if cols is None else head.bias.index_select(0, cols), head.proj), h, w.t())
+def _columns(head, cols):
+    """W[cols] and b[cols] (None: every column) in the projection's dtype."""
+    if cols is None:
+        return head.weight, head.bias
+    bias = None if head.bias is None else hd.upcast(head.bias.index_select(0, cols), head.proj)
+    return hd.upcast(head.weight.index_select(0, cols), head.proj), bias
 
 
-def _tile_rows(z):
-    """A tile z's rows as (rows_b, rows_t) of z.unsqueeze(0): zeros and 0..n-1."""
-    rows_t = torch.arange(z.shape[0], device=z.device)
-    return torch.zeros_like(rows_t), rows_t
+def _project(h, w, bias):
+    """h @ w.T (+ bias): a tile's raw logits on w's columns (h, w already in the projection's dtype)."""
+    return h @ w.t() if bias is None else torch.addmm(bias, h, w.t())
+
+
+def _rows(p, R):
+    """(rows_b, rows_t) of a tile of R rows, z.unsqueeze(0): zeros and 0..R-1, made once per pass (views)."""
+    if p.rows is None or p.rows[1].numel() < R:
+        rows_t = torch.arange(R, device=p.pos.device)
+        p.rows = torch.zeros_like(rows_t), rows_t
+    return p.rows[0][:R], p.rows[1][:R]
 
 
 def _replay(z, ids, offsets, y, tau, invalid, p, vp=None):
-    """logp, H, flags of a tile's rows over their sets (columns of z), differentiable w.r.t. z. With a
-    vocabulary split, z holds this rank's columns (vp.start: the first one's id, or 0 where ids and y
-    are already columns, -1 elsewhere) and the statistics are merged over the group."""
+    """A tile's rows over their sets (columns of z): (logp, H, stats, flags) as the replay kernel gives them,
+    nothing NaN'd yet (_finish, once per pass). With a vocabulary split, z holds this rank's columns (vp.start:
+    the first one's id, or 0 where ids and y are already columns, -1 elsewhere), the statistics are merged
+    over the group and logp, H come NaN'd where flagged or `invalid` (stats None); differentiable w.r.t. z."""
+    rows = _rows(p, z.shape[0])
     if p.vp is None:
-        return rp.replay_logprobs(z.unsqueeze(0), *_tile_rows(z), y, tau, ids, offsets, invalid,
-                                  p.head.scale, p.head.cap, p.backend)
-    lp, en, fl, lse = vocab_replay.merge(z.unsqueeze(0), *_tile_rows(z), y, tau, ids, offsets,
-                                         vp or p.columns, p.head.scale, p.head.cap)
+        return rp.replay_values(z.unsqueeze(0), *rows, y, tau, ids, offsets, p.head.scale, p.head.cap, p.backend)
+    lp, en, fl, lse = vocab_replay.merge(z.unsqueeze(0), *rows, y, tau, ids, offsets, vp or p.columns,
+                                         p.head.scale, p.head.cap)
     bad = fl != 0 if invalid is None else (fl != 0) | invalid
     nan = torch.full_like(lp, float("nan"))
     p.lse_kept.append(lse)
-    return torch.where(bad, nan, lp), torch.where(bad, nan, en), fl
+    return torch.where(bad, nan, lp), torch.where(bad, nan, en), None, fl
 
 
 def state(hidden, weight, bias, ids, counted, tau, o):
@@ -92,9 +103,10 @@ def state(hidden, weight, bias, ids, counted, tau, o):
     pos = counted.reshape(-1).nonzero().squeeze(1)  # sync: the counted rows
     head = hd.Head(weight, bias, o.scale, o.cap, o.proj)
     return types.SimpleNamespace(head=head, pos=pos, y=ids.reshape(-1)[pos], tau=at(o.tau if tau is None else tau, pos),
-                                 backend=o.backend, budget=o.budget,
+                                 backend=rp.resolved(o.backend, weight.device, hd.project_dtype(weight, o.proj)),
+                                 budget=o.budget, rows=None,
                                  per_entry=hd.row_bytes(1, hd.project_dtype(weight, o.proj), weight.device),
-                                 rules=None, invalid=None, invalid_parts=[], metrics=None, vp=o.vp, lse_kept=[],
+                                 rules=None, invalid=None, metrics=None, vp=o.vp, lse_kept=[],
                                  columns=None if o.vp is None else types.SimpleNamespace(group=o.vp.group, start=0))
 
 
@@ -121,40 +133,66 @@ def flat_sets(p, counted):
 
 
 def forward(hidden, p):
-    """logp, H, flags (M,) of the counted tokens over their kept sets: rebuilt by p.rules, else p's sets."""
+    """logp, H, stats, flags of the counted tokens (M,) over their kept sets (rebuilt by p.rules, else p's),
+    NaN where flagged or invalid (stats None with a vocabulary split)."""
     if p.rules is not None:
         return _rebuild_forward(hidden, p)
-    out = [_replay(_project(rows_of(hidden, p.pos[m0:m1], flat_rows(hidden)), p.head, u), ids, off, ly, at(p.tau, slice(m0, m1)),
+    h, un = _hidden(hidden, p), _unions(p)
+    out = [_replay(_project(h[m0:m1], *_columns(p.head, u)), ids, off, ly, at(p.tau, slice(m0, m1)),
                    None if p.invalid is None else p.invalid[m0:m1], p)
-           for (m0, m1), (u, ids, off, ly) in zip(p.tiles, _unions(p))]
-    return tuple(_cat([o[i] for o in out], p, dt) for i, dt in ((0, None), (1, None), (2, torch.int8)))
+           for j, (m0, m1) in enumerate(p.tiles) for u, ids, off, ly in [_tile(un, p, j)]]
+    return _finish(out, p, p.invalid)
 
 
-def backward(hidden, weight, bias, p, g_logp, g_ent, need):
+def backward(hidden, weight, bias, p, g_logp, g_ent, need, stats=None, ent=None):
     """dL/dh, dL/dW, dL/db (None where not `need`ed) from the upstream gradients (M,) of logp and H: per
-    union tile the projection again, the replay's gradient and the two gradient GEMMs on the union."""
+    union tile the projection again, the replay's gradient (from the forward's stats and entropies (M, 3),
+    (M,); with a vocabulary split, the merge differentiated again) and the two gradient GEMMs on the union:
+    about 7 launches a tile, the rest once per call."""
     acc = float_dtype_for(weight)
     dh = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need[0] else None  # any strides
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
     db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need[2] and bias is not None else None
-    for (m0, m1), (u, ids, off, ly) in zip(p.tiles, _unions(p)):
-        idx = p.pos[m0:m1]
-        h = rows_of(hidden, idx, flat_rows(hidden))
-        with torch.enable_grad():
-            z = _project(h, p.head, u).detach().requires_grad_()
-            lp, en, _ = _replay(z, ids, off, ly, at(p.tau, slice(m0, m1)),
-                                None if p.invalid is None else p.invalid[m0:m1], p)
-            gz, = torch.autograd.grad([lp, en], [z], [g_logp[m0:m1], g_ent[m0:m1]])
-        if dh is not None:
-            dh.view(-1, dh.shape[-1]).index_copy_(0, idx, (gz @ hd.upcast(weight.index_select(0, u), p.head.proj))
-                                                  .to(dh.dtype))
+    h, un = _hidden(hidden, p), _unions(p)
+    dhc = torch.empty(h.shape, dtype=hd.project_dtype(weight, p.head.proj), device=h.device) if need[0] else None
+    for j, (m0, m1) in enumerate(p.tiles):
+        u, ids, off, ly = _tile(un, p, j)
+        w_u, b_u = _columns(p.head, u)
+        tau = at(p.tau, slice(m0, m1))
+        if p.vp is None:
+            gz = rp.replay_grad(_project(h[m0:m1], w_u, b_u).unsqueeze(0), *_rows(p, m1 - m0), ly, tau, ids, off,
+                                stats[m0:m1], ent[m0:m1], g_logp[m0:m1], g_ent[m0:m1], p.head.scale, p.head.cap,
+                                p.backend)[0]
+        else:
+            with torch.enable_grad():
+                z = _project(h[m0:m1], w_u, b_u).detach().requires_grad_()
+                lp, en, _, _ = _replay(z, ids, off, ly, tau, None if p.invalid is None else p.invalid[m0:m1], p)
+                gz, = torch.autograd.grad([lp, en], [z], [g_logp[m0:m1], g_ent[m0:m1]])
+        if dhc is not None:
+            torch.mm(gz, w_u, out=dhc[m0:m1])
         if dw is not None:
-            dw.index_add_(0, u, hd.accumulate(torch.zeros(u.numel(), h.shape[-1], dtype=acc, device=h.device),
-                                              gz.t(), h))
+            dw.index_add_(0, u, hd.product(gz.t(), h[m0:m1], acc))
         if db is not None:
             db.index_add_(0, u, gz.sum(0, dtype=acc))
+    if dh is not None:
+        dh.view(-1, dh.shape[-1]).index_copy_(0, p.pos, dhc.to(dh.dtype))
     p.lse_kept.clear()
     return dh, dw, db
+
+
+def _hidden(hidden, p):
+    """The counted tokens' hidden states (M, D), gathered once per pass, in the projection's dtype."""
+    return hd.upcast(rows_of(hidden, p.pos, flat_rows(hidden)), p.head.proj)
+
+
+def _finish(out, p, invalid):
+    """The tiles' (logp, H, stats, flags) joined, NaN where flagged or `invalid` (M,) (the vocabulary
+    split's merge did that per tile)."""
+    lp, en, fl = (_cat([o[i] for o in out], p, dt) for i, dt in ((0, None), (1, None), (3, torch.int8)))
+    if p.vp is not None:
+        return lp, en, None, fl
+    st = _cat([o[2] for o in out], p) if out else lp.new_zeros(0, 3)
+    return rp.finish(lp, en, st, fl, invalid)
 
 
 def _cat(xs, p, dtype=None):
@@ -166,25 +204,18 @@ def _cat(xs, p, dtype=None):
 
 
 def _unions(p):
-    """Each tile's (union, local ids, local offsets, local sampled ids), one tile at a time; with a
-    vocabulary split the union of the ids in this rank's slice (rows of its weight), the others -1."""
-    for m0, m1 in p.tiles:
-        k0, k1 = p.off_host[m0], p.off_host[m1]
-        if p.vp is None:
-            yield rp.tile_union(p.token_ids, p.offsets, p.y, m0, m1, k0, k1)
-            continue
-        V_r = p.head.weight.shape[0]
-        ids = p.token_ids[k0:k1] - p.vp.start
-        u = torch.unique(ids[(ids >= 0) & (ids < V_r)], sorted=True)  # (sync: this slice's union)
-        yield u, _columns(u, ids), p.offsets[m0:m1 + 1] - k0, _columns(u, p.y[m0:m1].long() - p.vp.start)
+    """Every tile's union of kept sets (kernels.replay.tile_unions); with a vocabulary split, of the ids in
+    this rank's slice (rows of its weight)."""
+    if not p.tiles:
+        return None
+    lo = 0 if p.vp is None else p.vp.start  # (malformed sets, unvalidated: all empty, none of the ids read)
+    return tile_unions(p.token_ids[:p.off_host[-1]], p.offsets, p.y, p.tiles, p.head.weight.shape[0], lo, p.backend)
 
 
-def _columns(u, ids):
-    """ids as columns of the sorted union u, -1 where not in it."""
-    if u.numel() == 0:
-        return torch.full_like(ids, -1)
-    col = torch.searchsorted(u, ids).clamp_(max=u.numel() - 1)
-    return torch.where(u[col] == ids, col, torch.full_like(col, -1))
+def _tile(un, p, j):
+    """Tile j's (union, local ids, local offsets, local sampled ids)."""
+    m0, m1 = p.tiles[j]
+    return un.tile(j, m0, m1, p.off_host[m0], p.off_host[m1])
 
 
 def _rebuild_forward(hidden, p):
@@ -197,38 +228,41 @@ def _rebuild_forward(hidden, p):
     step = max(1, hd.rows_per_tile(V_tiles, hd.project_dtype(p.head.weight, p.head.proj), p.head.weight.device,
                                    p.budget))
     block = max(1, p.budget // (2 * SET_BYTES * max(V_tiles, 1)))  # the rebuild's blocks: within the budget too
-    lps, ents, flags, ids, sizes, restored, mass = [], [], [], [], [], [], []
-    # head_dtype=float32: the whole weight upcast once for every tile here (_project then upcasts only the rows)
-    full = p.head._replace(weight=hd.upcast(p.head.weight, p.head.proj), bias=hd.upcast(p.head.bias, p.head.proj))
+    out, ids, sizes, restored, mass, nonfinite = [], [], [], [], [], []
+    # head_dtype=float32: the whole weight upcast once for every tile here
+    w, bias = hd.upcast(p.head.weight, p.head.proj), hd.upcast(p.head.bias, p.head.proj)
+    h = _hidden(hidden, p)
     for m0 in range(0, M, step):
         sl = slice(m0, min(M, m0 + step))
-        z = _project(rows_of(hidden, p.pos[sl], flat_rows(hidden)), full, None)
+        z = _project(h[sl], w, bias)
         tau = at(p.tau, sl)
         rules = (at(top_k, sl), at(top_p, sl), at(min_p, sl))
         if p.vp is None and p.backend == "triton" and z.dtype != torch.float64:  # thresholds, then the lists
-            tid, off, rest, nonfinite, ms = kept_sets_tile(z, p.y[sl], tau, *rules, p.head.scale, p.head.cap)
+            tid, off, rest, nf, ms = kept_sets_tile(z, p.y[sl], tau, *rules, p.head.scale, p.head.cap)
         elif p.vp is None:
-            tid, off, rest, nonfinite, ms = kept_sets(z.unsqueeze(0), *_tile_rows(z), p.y[sl], tau, *rules,
-                                                      p.head.scale, p.head.cap, block_rows=block)
+            tid, off, rest, nf, ms = kept_sets(z.unsqueeze(0), *_rows(p, z.shape[0]), p.y[sl], tau, *rules,
+                                               p.head.scale, p.head.cap, block_rows=block)
         else:  # each rank's top_k candidates gathered; the full normalizer's log for kept_mass
-            tid, off, rest, nonfinite, lse_full = vocab_replay.rebuilt_sets(
-                z.unsqueeze(0), *_tile_rows(z), p.y[sl], tau, *rules, p.vp, p.head.scale, p.head.cap,
+            tid, off, rest, nf, lse_full = vocab_replay.rebuilt_sets(
+                z.unsqueeze(0), *_rows(p, z.shape[0]), p.y[sl], tau, *rules, p.vp, p.head.scale, p.head.cap,
                 block_rows=block)
-        bad = nonfinite if p.invalid is None else nonfinite | p.invalid[sl]
-        lp, en, fl = _replay(z, tid, off, p.y[sl], tau, bad, p, p.vp)
-        if p.vp is None:  # (with a split, refuse_unbuilt names such a row with the ties it cannot rebuild)
-            fl = fl | nonfinite_flag(nonfinite)
-        if p.vp is not None:
+        if p.vp is None:  # NaN where the rows hold NaN / +inf or a rule's value is invalid: once, in _finish
+            out.append(_replay(z, tid, off, p.y[sl], tau, None, p))
+        else:
+            out.append(_replay(z, tid, off, p.y[sl], tau, nf if p.invalid is None else nf | p.invalid[sl], p, p.vp))
             ms = torch.exp(p.lse_kept.pop() - lse_full)
-        lps.append(lp), ents.append(en), flags.append(fl), ids.append(tid), sizes.append(off.diff())
-        restored.append(rest), mass.append(ms)
-        p.invalid_parts.append(bad)
+        ids.append(tid), sizes.append(off.diff()), restored.append(rest), mass.append(ms), nonfinite.append(nf)
         del z
     p.token_ids = _cat(ids, p, torch.long)
     counts = _cat(sizes, p, torch.long)
     p.offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
     p.off_host = p.offsets.tolist()  # sync: the backward's union tiles
-    p.tiles = plan_union(counts.tolist(), V if p.vp is None else p.vp.V_max, p.per_entry, p.budget)
-    p.invalid = _cat(p.invalid_parts, p, torch.bool)
+    p.tiles = plan_union([e - s for s, e in zip(p.off_host[:-1], p.off_host[1:])], V if p.vp is None else p.vp.V_max,
+                         p.per_entry, p.budget)
+    nf = _cat(nonfinite, p, torch.bool)
+    p.invalid = nf if p.invalid is None else nf | p.invalid
     p.metrics = rp.replay_metrics(p.offsets, _cat(restored, p, torch.bool), _cat(mass, p))
-    return _cat(lps, p), _cat(ents, p), _cat(flags, p, torch.int8)
+    lp, en, st, fl = _finish(out, p, p.invalid)
+    if p.vp is None:  # (with a split, refuse_unbuilt names such a row with the ties it cannot rebuild)
+        fl = fl | nonfinite_flag(nf)
+    return lp, en, st, fl

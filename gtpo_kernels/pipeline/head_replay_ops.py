@@ -3,9 +3,10 @@ head (head_ops.py), so that a step calling linear_gtpo_loss / linear_token_logpr
 `top_k`, `top_p` or `min_p` traces whole under torch.compile(fullgraph=True) (spec 6, 13):
 
     head_replay_fwd  (hidden, weight, bias, tokens, the recorded sets or the rules) -> per flat token
-                     (logp, H, flags), the rebuilt sets (flat layout; empty for recorded ones) and the
-                     metrics of spec 13; its autograd rule runs head_replay_bwd
-    head_replay_bwd  the union tiles' backward: dL/dh, dL/dW, dL/db
+                     (logp, H, flags), the rebuilt sets (flat layout; empty for recorded ones), the
+                     metrics of spec 13 and the replay's statistics (n, 3) (none with a vocabulary split);
+                     its autograd rule runs head_replay_bwd
+    head_replay_bwd  the union tiles' backward from those statistics and entropies: dL/dh, dL/dW, dL/db
 
 The ops read the counted rows and plan their tiles inside (host reads that tracing does not see); the
 rebuilt sets' total size is the one output size known only when the op runs (an unbacked size while
@@ -95,15 +96,16 @@ def head_replay_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids:
     else:  # the rules: the sets rebuilt in the forward's tiles
         p.rules = tuple(at(num if t is None else t, p.pos) for t, num in zip((top_k, top_p, min_p), o.rules))
         p.invalid = None if invalid is None else invalid[p.pos]
-    lp, ent, flags = hr.forward(hidden, p)
+    lp, ent, stats, flags = hr.forward(hidden, p)
     if token_ids is None:
         sets = list(hr.flat_sets(p, counted))
     metrics = p.metrics if token_ids is None else rp.replay_metrics(p.offsets)
     zero = torch.zeros(n, dtype=lp.dtype, device=lp.device)
+    stats = lp.new_zeros(0, 3) if stats is None else lp.new_zeros(n, 3).index_copy_(0, p.pos, stats)
     return [zero.scatter(0, p.pos, lp), zero.scatter(0, p.pos, ent),
             torch.zeros(n, dtype=torch.int8, device=lp.device).scatter(0, p.pos, flags), *sets,
             torch.stack([metrics.get(k, torch.zeros((), dtype=torch.float64, device=lp.device)).to(torch.float64)
-                         for k in METRICS])]
+                         for k in METRICS]), stats]
 
 
 @head_replay_fwd.register_fake
@@ -114,24 +116,27 @@ def _(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, top_k, 
     m = 0 if token_ids is not None else n + 1
     return [hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=torch.int8),
             hidden.new_empty(K, dtype=torch.long), hidden.new_empty(m, dtype=torch.long),
-            hidden.new_empty(max(m - 1, 0), dtype=torch.bool), hidden.new_empty(len(METRICS), dtype=torch.float64)]
+            hidden.new_empty(max(m - 1, 0), dtype=torch.bool), hidden.new_empty(len(METRICS), dtype=torch.float64),
+            hidden.new_empty(n if _OPTIONS[key].vp is None else 0, 3, dtype=acc)]
 
 
 @torch.library.custom_op("gtpo_kernels::head_replay_bwd", mutates_args=())
 def head_replay_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, counted: Tensor,
                     tau: Optional[Tensor], token_ids: Tensor, flat: Tensor, invalid: Optional[Tensor],
-                    g_logp: Tensor, g_ent: Tensor, key: str, need: List[bool]) -> List[Tensor]:
+                    stats: Tensor, ent: Tensor, g_logp: Tensor, g_ent: Tensor, key: str,
+                    need: List[bool]) -> List[Tensor]:
     p = hr.with_sets(hr.state(hidden, weight, bias, ids, counted, tau, _OPTIONS[key]), token_ids, flat, invalid)
     acc = _acc(weight, p.head.proj)
+    saved = (None, None) if p.vp is not None else (stats[p.pos], ent[p.pos])  # the forward's, at the counted rows
     with _autograd_inside():
-        dh, dw, db = hr.backward(hidden, weight, bias, p, g_logp[p.pos].to(acc), g_ent[p.pos].to(acc), need)
+        dh, dw, db = hr.backward(hidden, weight, bias, p, g_logp[p.pos].to(acc), g_ent[p.pos].to(acc), need, *saved)
     return [hidden.new_empty(0) if dh is None else dh,
             hidden.new_empty(0) if dw is None else dw.to(weight.dtype),
             hidden.new_empty(0) if db is None else db.to(bias.dtype)]
 
 
 @head_replay_bwd.register_fake
-def _(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, g_logp, g_ent, key, need):
+def _(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, stats, ent, g_logp, g_ent, key, need):
     return [torch.empty_like(hidden, memory_format=torch.contiguous_format) if need[0] else hidden.new_empty(0),
             torch.empty_like(weight) if need[1] else hidden.new_empty(0),
             torch.empty_like(bias) if need[2] and bias is not None else hidden.new_empty(0)]
@@ -141,21 +146,22 @@ def _setup_context(ctx, inputs, output):
     hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, _k, _p, _m, key = inputs
     if token_ids is None:  # the sets the forward rebuilt
         token_ids, flat, invalid = output[3:6]
-    ctx.save_for_backward(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid)
+    # the forward's replay statistics and (finished) entropies: the backward's replay gradient reads them
+    ctx.save_for_backward(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, output[7], output[1])
     ctx.key = key
     ctx.set_materialize_grads(False)  # (the outputs without a gradient: no zeros made for them)
 
 
 def _backward(ctx, grads):
-    hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid = ctx.saved_tensors
+    hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, stats, ent = ctx.saved_tensors
     need = [bool(x) for x in ctx.needs_input_grad[:3]]
     g_logp, g_ent = grads[0], grads[1]
     if not any(need) or (g_logp is None and g_ent is None):
         return (None,) * 13
     g_logp = torch.zeros_like(g_ent) if g_logp is None else g_logp
     g_ent = torch.zeros_like(g_logp) if g_ent is None else g_ent
-    grads = head_replay_bwd(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, g_logp, g_ent,
-                            ctx.key, need)
+    grads = head_replay_bwd(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, stats, ent, g_logp,
+                            g_ent, ctx.key, need)
     return (*(g if n else None for g, n in zip(grads, need)),) + (None,) * 10
 
 
