@@ -149,6 +149,13 @@ def test_every_rank_raises_the_same_error(world):
             assert named and str(first["named"]) in named.group(1).split(", "), (key, first["text"])
             if "refused their arguments" in first["expect"]:  # the failing rank chains its own error
                 assert outs[first["named"]]["cause"] is not None, (key, outs)
+    # a value check (validating) rides on the agreement's read: the failing rank still chains the check's own
+    # error, which names the argument
+    for name, word in (("id_negative", "completion_ids"), ("mask_value_2", "completion_mask"),
+                       ("logprobs_mask_value_2", "completion_mask")):
+        for key in (k for k in results[0] if k.startswith(name + "/")):
+            bad = int(key.split("=")[1])
+            assert word in (results[bad][key]["cause"] or ""), (key, results[bad][key])
     assert len({res["after"] for res in results}) == 1
     check_agreement([res["agreement"] for res in results], world)
 

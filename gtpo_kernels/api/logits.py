@@ -105,7 +105,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         in_kernels = fast or sets_in_kernels or rules_in_kernels
         prep = dict(advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, logits_start=logits_start,
                     vocab_size=_local_vocab(process_group), **extras)
-        with checks.one_host_read():  # the checks' values read on the host once
+        # the checks' values read on the host once; with a group, by the agreement's read (spec 12)
+        with checks.one_host_read(defer=agree.deferred(g)):
             b = batch.prepare(logits, completion_ids, completion_mask, validate=host and not in_kernels, **prep)
             checks.check_unused_group_size(group_size, b.B, cfg, config)
             checks.check_inplace(inplace, logits)
@@ -184,7 +185,8 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
                     and dispatch.resolve_backend(backend, logits.device, logits.dtype) == "triton")
         except (ValueError, TypeError, RuntimeError):  # raised where the call resolves the backend
             fast = False
-        with checks.one_host_read():  # the checks' values read on the host once
+        # the checks' values read on the host once; with a group, by the agreement's read (spec 12)
+        with checks.one_host_read(defer=agree.deferred(g)):
             b = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                logits_start=logits_start, validate=host and not fast,
                                vocab_size=_local_vocab(process_group))

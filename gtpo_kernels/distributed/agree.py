@@ -44,12 +44,34 @@ class guard:
 
 
 def fail_if(g, bad, error):
-    """A 0-d bool tensor `bad` (on the device, unread) counts as this rank failing with `error`."""
+    """A 0-d bool tensor `bad` (on the device, unread) counts as this rank failing with `error` (an
+    exception, or a callable that raises it: run, on this rank, only once the agreement says it failed)."""
     g.later.append((bad, error))
 
 
+def deferred(g):
+    """For checks.one_host_read(defer=...): with a group, the block's value checks join this rank's error flag
+    (fail_if) instead of being read, so that the agreement's one host read carries them; the rank whose checks
+    failed then runs them on the host and chains the first one's error (kind: ValueError, as the value checks
+    raise). None without a group (the checks are read as usual)."""
+    if g.group is None:
+        return None
+    return lambda failed, raise_first: fail_if(g, failed, raise_first)
+
+
+def _raised(error):
+    """`error` as an exception: a callable runs (it raises the error that names the position)."""
+    if isinstance(error, BaseException):
+        return error
+    try:
+        error()
+    except Exception as e:  # noqa: BLE001 - the check's own error, whatever its kind
+        return e
+    return RuntimeError("a deferred check flagged this rank on the device, but its host check passed")
+
+
 def _kind(err):
-    name = type(err).__name__
+    name = type(err).__name__ if isinstance(err, BaseException) else "ValueError"  # (deferred value checks)
     return 1 + (_KINDS.index(name) if name in _KINDS else len(_KINDS))
 
 
@@ -74,8 +96,8 @@ def _row(g, width, device):
             for i, f in enumerate(fields):
                 if isinstance(f, Digest):
                     f.write(row, i + 1)
-            for bad, error in g.later:
-                row[0] = torch.where(bad.to(device), _kind(error), row[0])
+            for bad, error in g.later:  # (one launch each)
+                row[:1].masked_fill_(bad.to(device, torch.bool).reshape(1), _kind(error))
             return row
     except Exception as e:  # noqa: BLE001 - held like any other local failure
         g.error = e
@@ -94,7 +116,7 @@ def agree(g, width, device, where):
     getattr(dist, GATHER)(every, mine, group=g.group)
     rows = every.view(-1, mine.numel()).tolist()
     if g.error is None and rows[dist.get_rank(g.group)][0]:  # a device-side condition failed here
-        g.error = next(e for bad, e in g.later if bool(bad))
+        g.error = _raised(next(e for bad, e in g.later if bool(bad)))
     failed = [r for r, row in enumerate(rows) if row[0]]
     if failed:
         why = ", ".join(f"rank {r}: {_kind_name(rows[r][0])}" for r in failed)

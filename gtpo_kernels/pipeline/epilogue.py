@@ -269,8 +269,9 @@ def output(outs, bad, b, cfg, host, revalidate=None):
     """GTPOOutput from the epilogue's outputs (loss_ops.epilogue_outputs) and the forward's flags `bad`;
     host: the status word read once (see loss)."""
     value, logp, ent, ltok, _c, _e, lam, n_conf, kept, hbar, met, status = outs
-    if host:
-        checks.check_on_device(status[0], lambda: _report(status, bad, b, cfg.entropy_threshold, revalidate))
+    if host:  # (the word as read: a warning or an error costs no read more)
+        checks.check_on_device(status[0], lambda word: _report(word, bad, b, cfg.entropy_threshold, revalidate),
+                               with_value=True)
     shape = b.tok_shape
     metrics = dict(clip_frac=met[0], filtered_frac=met[1], conflict_frac=met[2], mean_entropy=met[3])
     if b.rollout_logps is not None:  # spec 14
@@ -280,13 +281,13 @@ def output(outs, bad, b, cfg, host, revalidate=None):
                       n_conf=n_conf, kept=kept.view(torch.bool), seq_entropy=hbar, metrics=metrics)
 
 
-def _report(status, bad, b, thr, revalidate):
+def _report(word, bad, b, thr, revalidate):
     """A nonzero status word: the input checks run again on the host and raise the first that fails (an
     id out of range included), then a flagged counted row raises (checks.raise_on_flags names it; bad None:
     the flags were input checks); the entropy filter having dropped every completion warns. Where the host
     checks pass (a float64 value the kernels saw overflow float32, which the eager path takes too), the
     outputs are the NaN the eager path gives."""
-    word = int(status[0])
+    word = int(word)
     if word & 5 and revalidate is not None:
         try:
             revalidate()
