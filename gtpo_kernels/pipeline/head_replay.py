@@ -61,9 +61,7 @@ def plan_union(sizes, V, per_entry, budget, max_rows=TILE_ROWS):
 
 
 def _columns(head, cols):
-    """W[cols] and b[cols] (None: every column) in the projection's dtype."""
-    if cols is None:
-        return head.weight, head.bias
+    """W[cols] and b[cols] in the projection's dtype."""
     bias = None if head.bias is None else hd.upcast(head.bias.index_select(0, cols), head.proj)
     return hd.upcast(head.weight.index_select(0, cols), head.proj), bias
 
@@ -204,7 +202,7 @@ def _cat(xs, p, dtype=None):
 
 
 def _unions(p):
-    """Every tile's union of kept sets (kernels.replay.tile_unions); with a vocabulary split, of the ids in
+    """Every tile's union of kept sets (kernels.tile_union.tile_unions); with a vocabulary split, of the ids in
     this rank's slice (rows of its weight)."""
     if not p.tiles:
         return None
