@@ -5,6 +5,7 @@ rank reports its progress (`progress`) and can wait for the others outside torch
 a barrier on files: a rank that raised stays alive there, as a trainer that logged its error would, so
 that a peer stuck in a collective stays stuck and shows as a hang); when no rank progresses for
 `watchdog` seconds, the processes are killed and the test fails naming each rank's last step."""
+import importlib
 import json
 import os
 import tempfile
@@ -16,10 +17,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 STARTUP_S = 120  # spawning and importing on a loaded 2-core machine, before the watchdog applies
+# The ranks start from a fork server (one per test process: a fresh interpreter that imported torch and ran
+# nothing), not each a fresh interpreter importing torch again (seconds each on a loaded machine). The
+# package is not preloaded: each rank imports it under the caller's environment as it is at the call
+# (run_ranks passes it; a test's monkeypatched variable reaches the ranks, as with spawn).
+START = "forkserver"
+PRELOAD = ["torch", "torch.distributed"]
 
 
-def _rank(rank, world, init_file, out_dir, fn):
+def _rank(rank, world, init_file, out_dir, fn, environ):
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    module, name = fn
+    fn = getattr(importlib.import_module(module), name)
     from bench import interpreter
     interpreter.install()
     os.environ["GLOO_TEST_DIR"] = out_dir
@@ -101,13 +112,16 @@ def run_ranks(fn, world, watchdog=None, partial=False):
     function); returns the ranks' dicts in rank order, {'exception': traceback} where one raised. With
     `watchdog` (seconds), a rank that makes no progress that long fails the test as a hang; with `partial`
     too, a hang returns instead each rank's `record`ed cases and 'hang': the watchdog's message."""
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as d:
-        args = (world, os.path.join(d, "init"), d, fn)
+        # fn by name, imported by the rank once the caller's environment is in place
+        args = (world, os.path.join(d, "init"), d, (fn.__module__, fn.__qualname__), dict(os.environ))
         try:
             if watchdog is None:
-                mp.spawn(_rank, args=args, nprocs=world, join=True)
+                mp.start_processes(_rank, args=args, nprocs=world, join=True, start_method=START)
             else:
-                _watch(mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn"), d,
+                _watch(mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method=START), d,
                        world, watchdog)
         except AssertionError as hang:
             if not partial:
