@@ -131,6 +131,8 @@ def main(argv=None):
     if device == "cpu":
         # before triton is first imported: our Triton kernels then run in the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from . import interpreter
+    interpreter.install()  # the interpreter without its repeated patching (nothing unless TRITON_INTERPRET=1)
     if a.threads:
         torch.set_num_threads(a.threads)
     from .timing import report, runner
