@@ -26,19 +26,34 @@ class Unions(NamedTuple):
     local: torch.Tensor  # (K,) each kept id as a column of its tile's union; -1 outside the slice
     offsets: torch.Tensor  # (M + tiles,) tile j's sets in local[k0:k1]: offsets[m0 + j:m1 + j + 1], from 0
     y: torch.Tensor  # (M,) each token's sampled id as a column of its tile's union; -1 where not in it
+    plan: object = None  # with_plan: (3 (tiles + 1),) on the device: the tiles' bounds, their kept ids' and starts
 
     def tile(self, j, m0, m1, k0, k1):
         """Tile j's (union, local ids, local offsets, local y), all views: its sets as columns of z_tile."""
         return (self.ids[self.starts[j]:self.starts[j + 1]], self.local[k0:k1],
                 self.offsets[m0 + j:m1 + j + 1], self.y[m0:m1])
 
+    def saved(self):
+        """The tensors a backward rebuilds these unions from (from_saved), with one host read, no sort."""
+        return [self.ids, self.local, self.offsets, self.y, self.plan]
 
-def tile_unions(token_ids, offsets, y, tiles, V_r, lo=0, backend="torch"):
+    @staticmethod
+    def from_saved(ids, local, offsets, y, plan):
+        """(Unions, tiles [(m0, m1)], the tiles' bounds in the kept ids (tiles + 1,)) from saved(): one host
+        read, the plan's."""
+        host = plan.tolist()  # sync: the tiles, as the forward planned them
+        n = len(host) // 3 - 1
+        bounds, kb, starts = host[:n + 1], host[n + 1:2 * n + 2], host[2 * n + 2:]
+        return Unions(ids, starts, local, offsets, y, plan), list(zip(bounds[:-1], bounds[1:])), kb
+
+
+def tile_unions(token_ids, offsets, y, tiles, V_r, lo=0, backend="torch", with_plan=False):
     """Unions of the tiles `tiles` [(m0, m1)] (host ints, covering 0..M in order) over the counted tokens'
     kept sets (token_ids, offsets (M + 1,) non-decreasing from 0 to len(token_ids): every kept id in one
     set) and sampled ids y (M,): only ids in [lo, lo + V_r) enter the
     unions; the others, and a sampled id outside its union, become -1 (the replay flags such a token; with
-    a vocabulary split the merge over the group counts it on the rank that holds it)."""
+    a vocabulary split the merge over the group counts it on the rank that holds it). with_plan: the Unions
+    carry their plan (two launches more), so that a backward rebuilds them with Unions.from_saved."""
     M = y.numel()
     bounds = torch.tensor([m0 for m0, _ in tiles] + [M], dtype=torch.long, device=offsets.device)  # (a copy)
     if backend == "triton" and M:
@@ -47,7 +62,8 @@ def tile_unions(token_ids, offsets, y, tiles, V_r, lo=0, backend="torch"):
     else:
         uids, starts_dev, local, loc, ly = _tile_unions(token_ids, offsets, y, bounds, V_r, lo)
     starts = starts_dev.tolist()  # sync: the unions' sizes
-    return Unions(uids[:starts[-1]], starts, local, loc, ly)
+    plan = torch.cat([bounds, offsets[bounds], starts_dev]) if with_plan else None
+    return Unions(uids[:starts[-1]], starts, local, loc, ly, plan)
 
 
 def _tile_unions(token_ids, offsets, y, bounds, V_r, lo):

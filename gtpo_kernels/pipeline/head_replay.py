@@ -12,12 +12,13 @@ dL/dW[U] += dL/dz_U.T @ h: 4 GEMMs over |U| columns where the full-vocabulary he
 Tiles are planned on the host from the sets' sizes (one read of the offsets): a tile's rows x min(sum of
 its set sizes, V) entries of logits and gradient within `memory_budget` (the union is at most that), and at
 most TILE_ROWS tokens (a token's GEMM work is its tile's union, which grows with the tile). Every tile's
-union is formed at once (kernels/tile_union.py: one more host read a pass), the counted rows' hidden states
-gathered once a pass, and a tile then takes 10 launches, forward and backward (3 and 7), with no host read;
-NaN where invalid is set once over the joined tiles. With the rules (top_k / top_p /
+union is formed at once, once a call (kernels/tile_union.py: one more host read); the backward takes the
+forward's counted rows, tiles and unions (with_saved: one host read, the saved plan's). The counted rows'
+hidden states are gathered once a pass, and a tile then takes 10 launches, forward and backward (3 and 7),
+with no host read; NaN where invalid is set once over the joined tiles. With the rules (top_k / top_p /
 min_p) the sets are rebuilt from the current logits, which needs every logit once: the forward projects
-tiles of the whole vocabulary (the full head's budget), rebuilds the sets there and replays on them;
-only the backward projects the unions.
+tiles of the whole vocabulary (the full head's budget), rebuilds the sets there and replays on them, then
+forms the unions the backward projects.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..distributed import vocab_replay
 from ..kernels import replay as rp
 from ..kernels.kept_set import kept_sets
 from ..kernels.kept_set_triton import kept_sets_tile
-from ..kernels.tile_union import tile_unions
+from ..kernels.tile_union import Unions, tile_unions
 from . import head as hd
 from .replay import at, nonfinite_flag
 from .tiles import flat_rows, rows_of
@@ -95,12 +96,15 @@ def _replay(z, ids, offsets, y, tau, invalid, p, vp=None):
     return torch.where(bad, nan, lp), torch.where(bad, nan, en), None, fl
 
 
-def state(hidden, weight, bias, ids, counted, tau, o):
-    """The tile loops' state p for one call: the counted rows (a host read), their sampled ids and
-    temperatures, the head and the options `o` (head_replay_ops.ReplayOptions)."""
-    pos = counted.reshape(-1).nonzero().squeeze(1)  # sync: the counted rows
+def state(hidden, weight, bias, ids, counted, tau, o, pos=None):
+    """The tile loops' state p for one call: the counted rows `pos` (else found: a host read), their
+    sampled ids (ids None: not needed) and temperatures, the head and the options `o`
+    (head_replay_ops.ReplayOptions)."""
+    if pos is None:
+        pos = counted.reshape(-1).nonzero().squeeze(1)  # sync: the counted rows
     head = hd.Head(weight, bias, o.scale, o.cap, o.proj)
-    return types.SimpleNamespace(head=head, pos=pos, y=ids.reshape(-1)[pos], tau=at(o.tau if tau is None else tau, pos),
+    return types.SimpleNamespace(head=head, pos=pos, y=None if ids is None else ids.reshape(-1)[pos],
+                                 tau=at(o.tau if tau is None else tau, pos), unions=None, with_plan=False,
                                  backend=rp.resolved(o.backend, weight.device, hd.project_dtype(weight, o.proj)),
                                  budget=o.budget, rows=None,
                                  per_entry=hd.row_bytes(1, hd.project_dtype(weight, o.proj), weight.device),
@@ -115,10 +119,31 @@ def with_sets(p, token_ids, flat, invalid):
     p.token_ids = token_ids
     p.offsets = torch.cat([flat[p.pos], flat[-1:]])
     p.invalid = None if invalid is None else invalid[p.pos]
-    p.off_host = p.offsets.tolist()  # sync: the tiles
-    p.tiles = plan_union([e - s for s, e in zip(p.off_host[:-1], p.off_host[1:])],
-                         p.head.weight.shape[0] if p.vp is None else p.vp.V_max, p.per_entry, p.budget)
+    _plan(p, p.head.weight.shape[0] if p.vp is None else p.vp.V_max)  # sync: the tiles
     return p
+
+
+def _plan(p, V):
+    """p's union tiles, planned from its sets' offsets (a host read), and their bounds in the kept ids."""
+    p.off_host = p.offsets.tolist()  # sync: the tiles
+    p.tiles = plan_union([e - s for s, e in zip(p.off_host[:-1], p.off_host[1:])], V, p.per_entry, p.budget)
+    p.kb = [p.off_host[m0] for m0, _ in p.tiles] + [p.off_host[-1]]
+
+
+def with_saved(p, saved, invalid):
+    """p with the union tiles the forward planned and formed (its Unions.saved(), one host read) and the
+    counted tokens' `invalid` flags (flat layout, or None)."""
+    p.unions, p.tiles, p.kb = Unions.from_saved(*saved)
+    p.invalid = None if invalid is None else invalid[p.pos]
+    return p
+
+
+def saved_plan(p):
+    """What a backward rebuilds p's union tiles from (with_saved): [pos, *Unions.saved()]; all empty when
+    p formed none (no counted token)."""
+    if p.unions is None:
+        return [p.pos, *(p.pos.new_empty(0) for _ in range(4)), p.pos.new_zeros(3)]
+    return [p.pos, *p.unions.saved()]
 
 
 def flat_sets(p, counted):
@@ -135,7 +160,7 @@ def forward(hidden, p):
     NaN where flagged or invalid (stats None with a vocabulary split)."""
     if p.rules is not None:
         return _rebuild_forward(hidden, p)
-    h, un = _hidden(hidden, p), _unions(p)
+    h, un = _hidden(hidden, p), unions(p)
     out = [_replay(_project(h[m0:m1], *_columns(p.head, u)), ids, off, ly, at(p.tau, slice(m0, m1)),
                    None if p.invalid is None else p.invalid[m0:m1], p)
            for j, (m0, m1) in enumerate(p.tiles) for u, ids, off, ly in [_tile(un, p, j)]]
@@ -151,7 +176,7 @@ def backward(hidden, weight, bias, p, g_logp, g_ent, need, stats=None, ent=None)
     dh = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need[0] else None  # any strides
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
     db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need[2] and bias is not None else None
-    h, un = _hidden(hidden, p), _unions(p)
+    h, un = _hidden(hidden, p), unions(p)
     dhc = torch.empty(h.shape, dtype=hd.project_dtype(weight, p.head.proj), device=h.device) if need[0] else None
     for j, (m0, m1) in enumerate(p.tiles):
         u, ids, off, ly = _tile(un, p, j)
@@ -201,19 +226,21 @@ def _cat(xs, p, dtype=None):
     return torch.zeros(0, dtype=dtype or float_dtype_for(p.head.weight), device=p.head.weight.device)
 
 
-def _unions(p):
-    """Every tile's union of kept sets (kernels.tile_union.tile_unions); with a vocabulary split, of the ids in
-    this rank's slice (rows of its weight)."""
-    if not p.tiles:
-        return None
-    lo = 0 if p.vp is None else p.vp.start  # (malformed sets, unvalidated: all empty, none of the ids read)
-    return tile_unions(p.token_ids[:p.off_host[-1]], p.offsets, p.y, p.tiles, p.head.weight.shape[0], lo, p.backend)
+def unions(p):
+    """Every tile's union of kept sets (kernels.tile_union.tile_unions), formed once per call (p.with_plan:
+    with their plan, for the backward); with a vocabulary split, of the ids in this rank's slice (rows of
+    its weight)."""
+    if p.unions is None and p.tiles:
+        lo = 0 if p.vp is None else p.vp.start  # (malformed sets, unvalidated: all empty, none of the ids read)
+        p.unions = tile_unions(p.token_ids[:p.off_host[-1]], p.offsets, p.y, p.tiles, p.head.weight.shape[0], lo,
+                               p.backend, p.with_plan)
+    return p.unions
 
 
 def _tile(un, p, j):
     """Tile j's (union, local ids, local offsets, local sampled ids)."""
     m0, m1 = p.tiles[j]
-    return un.tile(j, m0, m1, p.off_host[m0], p.off_host[m1])
+    return un.tile(j, m0, m1, p.kb[j], p.kb[j + 1])
 
 
 def _rebuild_forward(hidden, p):
@@ -254,9 +281,7 @@ def _rebuild_forward(hidden, p):
     p.token_ids = _cat(ids, p, torch.long)
     counts = _cat(sizes, p, torch.long)
     p.offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-    p.off_host = p.offsets.tolist()  # sync: the backward's union tiles
-    p.tiles = plan_union([e - s for s, e in zip(p.off_host[:-1], p.off_host[1:])], V if p.vp is None else p.vp.V_max,
-                         p.per_entry, p.budget)
+    _plan(p, V if p.vp is None else p.vp.V_max)  # sync: the backward's union tiles
     nf = _cat(nonfinite, p, torch.bool)
     p.invalid = nf if p.invalid is None else nf | p.invalid
     p.metrics = rp.replay_metrics(p.offsets, _cat(restored, p, torch.bool), _cat(mass, p))

@@ -4,12 +4,14 @@ head (head_ops.py), so that a step calling linear_gtpo_loss / linear_token_logpr
 
     head_replay_fwd  (hidden, weight, bias, tokens, the recorded sets or the rules) -> per flat token
                      (logp, H, flags), the rebuilt sets (flat layout; empty for recorded ones), the
-                     metrics of spec 13 and the replay's statistics (n, 3) (none with a vocabulary split);
-                     its autograd rule runs head_replay_bwd
-    head_replay_bwd  the union tiles' backward from those statistics and entropies: dL/dh, dL/dW, dL/db
+                     metrics of spec 13, the replay's statistics (n, 3) (none with a vocabulary split)
+                     and, when a gradient is wanted, the counted rows and the union tiles as planned and
+                     formed (tile_union.Unions.saved); its autograd rule runs head_replay_bwd
+    head_replay_bwd  the union tiles' backward from those statistics, entropies and tiles: dL/dh, dL/dW,
+                     dL/db, with one host read (the tiles' plan), no plan or union formed again
 
-The ops read the counted rows and plan their tiles inside (host reads that tracing does not see); the
-rebuilt sets' total size is the one output size known only when the op runs (an unbacked size while
+The forward reads the counted rows and plans its tiles inside (host reads that tracing does not see); the
+rebuilt sets' total size and the saved plan's sizes are known only when the op runs (unbacked sizes while
 tracing). Numbers (the temperature, the rules given as numbers) and the head's options travel by key.
 """
 from __future__ import annotations
@@ -86,10 +88,11 @@ def _acc(weight, proj):
 def head_replay_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, counted: Tensor,
                     tau: Optional[Tensor], token_ids: Optional[Tensor], flat: Optional[Tensor],
                     invalid: Optional[Tensor], top_k: Optional[Tensor], top_p: Optional[Tensor],
-                    min_p: Optional[Tensor], key: str) -> List[Tensor]:
+                    min_p: Optional[Tensor], key: str, need_plan: bool) -> List[Tensor]:
     o = _OPTIONS[key]
     n = counted.numel()
     p = hr.state(hidden, weight, bias, ids, counted, tau, o)
+    p.with_plan = need_plan
     if token_ids is not None:  # the recorded sets
         hr.with_sets(p, token_ids, flat, invalid)
         sets = [token_ids.new_empty(0), token_ids.new_empty(0), counted.new_empty(0)]
@@ -99,17 +102,20 @@ def head_replay_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids:
     lp, ent, stats, flags = hr.forward(hidden, p)
     if token_ids is None:
         sets = list(hr.flat_sets(p, counted))
+        if need_plan:  # the backward's union tiles, formed here once
+            hr.unions(p)
+    plan = hr.saved_plan(p) if need_plan else [counted.new_empty(0, dtype=torch.long) for _ in range(6)]
     metrics = p.metrics if token_ids is None else rp.replay_metrics(p.offsets)
     zero = torch.zeros(n, dtype=lp.dtype, device=lp.device)
     stats = lp.new_zeros(0, 3) if stats is None else lp.new_zeros(n, 3).index_copy_(0, p.pos, stats)
     return [zero.scatter(0, p.pos, lp), zero.scatter(0, p.pos, ent),
             torch.zeros(n, dtype=torch.int8, device=lp.device).scatter(0, p.pos, flags), *sets,
             torch.stack([metrics.get(k, torch.zeros((), dtype=torch.float64, device=lp.device)).to(torch.float64)
-                         for k in METRICS]), stats]
+                         for k in METRICS]), stats, *plan]
 
 
 @head_replay_fwd.register_fake
-def _(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, top_k, top_p, min_p, key):
+def _(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, top_k, top_p, min_p, key, need_plan):
     n = counted.numel()
     acc = _acc(weight, _OPTIONS[key].proj)
     K = 0 if token_ids is not None else torch.library.get_ctx().new_dynamic_size()
@@ -117,15 +123,26 @@ def _(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, top_k, 
     return [hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=torch.int8),
             hidden.new_empty(K, dtype=torch.long), hidden.new_empty(m, dtype=torch.long),
             hidden.new_empty(max(m - 1, 0), dtype=torch.bool), hidden.new_empty(len(METRICS), dtype=torch.float64),
-            hidden.new_empty(n if _OPTIONS[key].vp is None else 0, 3, dtype=acc)]
+            hidden.new_empty(n if _OPTIONS[key].vp is None else 0, 3, dtype=acc), *_fake_plan(need_plan, hidden)]
+
+
+def _fake_plan(need_plan, like):
+    """The saved plan's outputs while tracing: counted rows M, unions' ids, local ids K, local offsets,
+    local sampled ids (M), the plan; sizes known when the op runs."""
+    if not need_plan:
+        return [like.new_empty(0, dtype=torch.long) for _ in range(6)]
+    ctx = torch.library.get_ctx()
+    M = ctx.new_dynamic_size()
+    return [like.new_empty(M, dtype=torch.long), *(like.new_empty(ctx.new_dynamic_size(), dtype=torch.long)
+                                                   for _ in range(3)),
+            like.new_empty(M, dtype=torch.long), like.new_empty(ctx.new_dynamic_size(), dtype=torch.long)]
 
 
 @torch.library.custom_op("gtpo_kernels::head_replay_bwd", mutates_args=())
-def head_replay_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, counted: Tensor,
-                    tau: Optional[Tensor], token_ids: Tensor, flat: Tensor, invalid: Optional[Tensor],
-                    stats: Tensor, ent: Tensor, g_logp: Tensor, g_ent: Tensor, key: str,
-                    need: List[bool]) -> List[Tensor]:
-    p = hr.with_sets(hr.state(hidden, weight, bias, ids, counted, tau, _OPTIONS[key]), token_ids, flat, invalid)
+def head_replay_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], tau: Optional[Tensor],
+                    invalid: Optional[Tensor], plan: List[Tensor], stats: Tensor, ent: Tensor, g_logp: Tensor,
+                    g_ent: Tensor, key: str, need: List[bool]) -> List[Tensor]:
+    p = hr.with_saved(hr.state(hidden, weight, bias, None, None, tau, _OPTIONS[key], pos=plan[0]), plan[1:], invalid)
     acc = _acc(weight, p.head.proj)
     saved = (None, None) if p.vp is not None else (stats[p.pos], ent[p.pos])  # the forward's, at the counted rows
     with _autograd_inside():
@@ -136,33 +153,33 @@ def head_replay_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids:
 
 
 @head_replay_bwd.register_fake
-def _(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, stats, ent, g_logp, g_ent, key, need):
+def _(hidden, weight, bias, tau, invalid, plan, stats, ent, g_logp, g_ent, key, need):
     return [torch.empty_like(hidden, memory_format=torch.contiguous_format) if need[0] else hidden.new_empty(0),
             torch.empty_like(weight) if need[1] else hidden.new_empty(0),
             torch.empty_like(bias) if need[2] and bias is not None else hidden.new_empty(0)]
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, _k, _p, _m, key = inputs
-    if token_ids is None:  # the sets the forward rebuilt
-        token_ids, flat, invalid = output[3:6]
-    # the forward's replay statistics and (finished) entropies: the backward's replay gradient reads them
-    ctx.save_for_backward(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, output[7], output[1])
+    hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, _k, _p, _m, key, _need = inputs
+    if token_ids is None:  # the sets the forward rebuilt: their invalid tokens
+        invalid = output[5]
+    # the forward's replay statistics and (finished) entropies, its counted rows and union tiles: the
+    # backward's replay gradient reads them
+    ctx.save_for_backward(hidden, weight, bias, tau, invalid, output[7], output[1], *output[8:])
     ctx.key = key
     ctx.set_materialize_grads(False)  # (the outputs without a gradient: no zeros made for them)
 
 
 def _backward(ctx, grads):
-    hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, stats, ent = ctx.saved_tensors
+    hidden, weight, bias, tau, invalid, stats, ent, *plan = ctx.saved_tensors
     need = [bool(x) for x in ctx.needs_input_grad[:3]]
     g_logp, g_ent = grads[0], grads[1]
     if not any(need) or (g_logp is None and g_ent is None):
-        return (None,) * 13
+        return (None,) * 14
     g_logp = torch.zeros_like(g_ent) if g_logp is None else g_logp
     g_ent = torch.zeros_like(g_logp) if g_ent is None else g_ent
-    grads = head_replay_bwd(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, stats, ent, g_logp,
-                            g_ent, ctx.key, need)
-    return (*(g if n else None for g, n in zip(grads, need)),) + (None,) * 10
+    grads = head_replay_bwd(hidden, weight, bias, tau, invalid, plan, stats, ent, g_logp, g_ent, ctx.key, need)
+    return (*(g if n else None for g, n in zip(grads, need)),) + (None,) * 11
 
 
 head_replay_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -204,8 +221,10 @@ def replayed(b, head, hidden, tau, sampling_mask, rules, budget, backend, host, 
         if vp is not None:
             invalid = _any(invalid, vocab_replay.missing_k(top_k, b.ids.reshape(-1), host, b.counted.reshape(-1)))
     key = options_key(backend, head.scale, head.cap, head.proj, budget, vp, tau_n, tuple(rule_n))
+    need_plan = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                for t in (hidden, head.weight, head.bias))
     out = head_replay_fwd(hidden, head.weight, head.bias, b.ids, b.counted, tau_t, token_ids, flat, invalid,
-                          *rule_t, key)
+                          *rule_t, key, need_plan)
     logp, ent, flags, metrics = out[0], out[1], out[2], out[6].detach()
     if vp is not None and rules is not None:
         vocab_replay.refuse_unbuilt(out[5], host)
