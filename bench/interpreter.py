@@ -6,7 +6,7 @@ where it is already in place: a scan of the language modules' members, about 0.2
 the interpreter's time on this package's kernels (a helper-heavy vocabulary kernel's program: 17 ms -> 10 ms).
 `install()` skips that repeat while a grid runs and the helper sees no language module the grid did not
 patch (which language modules a function sees is found once per function), and makes the interpreter's
-dtype table once instead of at each of its lookups (a 19-entry dict of NumPy dtypes, built at every
+dtype table once instead of at each of its lookups (an 18-entry dict of NumPy dtypes, built at every
 operation's type check: about 10 % of the interpreter's time); the kernels' code, and what each operation
 computes, are unchanged. It changes nothing unless
 TRITON_INTERPRET=1, and nothing on a Triton whose interpreter lacks the internals it wraps (then the

@@ -104,7 +104,7 @@ def head_replay_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids:
         sets = list(hr.flat_sets(p, counted))
         if need_plan:  # the backward's union tiles, formed here once
             hr.unions(p)
-    plan = hr.saved_plan(p) if need_plan else [counted.new_empty(0, dtype=torch.long) for _ in range(6)]
+    plan = hr.saved_plan(p) if need_plan else _no_plan(counted)
     metrics = p.metrics if token_ids is None else rp.replay_metrics(p.offsets)
     zero = torch.zeros(n, dtype=lp.dtype, device=lp.device)
     stats = lp.new_zeros(0, 3) if stats is None else lp.new_zeros(n, 3).index_copy_(0, p.pos, stats)
@@ -126,11 +126,16 @@ def _(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, top_k, 
             hidden.new_empty(n if _OPTIONS[key].vp is None else 0, 3, dtype=acc), *_fake_plan(need_plan, hidden)]
 
 
+def _no_plan(like):
+    """The six plan outputs of a forward that no backward follows: empty (distinct tensors, as outputs must be)."""
+    return [like.new_empty(0, dtype=torch.long) for _ in range(6)]
+
+
 def _fake_plan(need_plan, like):
     """The saved plan's outputs while tracing: counted rows M, unions' ids, local ids K, local offsets,
     local sampled ids (M), the plan; sizes known when the op runs."""
     if not need_plan:
-        return [like.new_empty(0, dtype=torch.long) for _ in range(6)]
+        return _no_plan(like)
     ctx = torch.library.get_ctx()
     M = ctx.new_dynamic_size()
     return [like.new_empty(M, dtype=torch.long), *(like.new_empty(ctx.new_dynamic_size(), dtype=torch.long)
