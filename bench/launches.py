@@ -221,11 +221,12 @@ def _rows(device="cpu"):
             old = extra["old_logps"]
             lp = (old + 0.1 * torch.randn(old.shape, generator=g).to(device)).requires_grad_()
             adv = torch.randn(old.shape, generator=g).to(device)
+            mask = mask.long()  # verl's response_mask: the attention mask's int64 slice, made before the loss
             pl = types.SimpleNamespace(clip_cov_ratio=0.2, clip_cov_lb=1.0, clip_cov_ub=5.0)
             actor = type("Actor", (dict,), dict(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.28,
                                                 policy_loss=pl))()
             agg = lambda loss_mat, loss_mask, loss_agg_mode: loss_mat.sum()  # noqa: E731
-            return lambda: mode_loss(mode, old, lp, adv, mask.long(), "token-mean", actor, None, agg,
+            return lambda: mode_loss(mode, old, lp, adv, mask, "token-mean", actor, None, agg,
                                      backend="triton")[0].backward()
         return prepare
 
