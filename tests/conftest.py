@@ -202,14 +202,53 @@ NIGHTLY_ONLY |= {f"tests/test_epilogue_masks.py::{t}" for t in (
     "test_head_with_the_off_policy_mask_matches_the_eager_path[recompute-True]")}
 
 
-def compiled_ahead(code):
+# compiled_ahead's process: one per test process, started at its first use, running each test's code in a fresh
+# namespace (each used to start an interpreter of its own: torch, Triton and the package imported again, seconds on
+# a loaded 2-core machine). A line of JSON in, a line of JSON out: [finished, stdout, traceback].
+_AHEAD_SERVER = r"""
+import contextlib, io, json, sys, traceback
+out = sys.stdout
+sys.stdout = sys.stderr  # (nothing but the replies reaches the pipe)
+for line in sys.stdin:
+    buf, err, ok = io.StringIO(), "", True
+    with contextlib.redirect_stdout(buf):
+        try:
+            exec(compile(json.loads(line), "<compiled_ahead>", "exec"), {"__name__": "__main__"})
+        except SystemExit as e:
+            ok, err = e.code in (None, 0), f"SystemExit({e.code!r})"
+        except BaseException:
+            ok, err = False, traceback.format_exc()
+    out.write(json.dumps([ok, buf.getvalue(), err]) + "\n")
+    out.flush()
+"""
+_ahead = []
+
+
+def compiled_ahead(code, timeout=600):
     """Runs `code` (Python that compiles kernels ahead of time with bench.aot, no GPU needed, and prints
-    'compiled' at its end) in a process of its own with Triton's interpreter off, from the repository's root;
-    asserts that it ran to the end and returns its stdout."""
+    'compiled' at its end) in a process with Triton's interpreter off, from the repository's root, in a
+    namespace of its own (the process is this test process's compile server, _AHEAD_SERVER); asserts that it
+    ran to the end and returns its stdout."""
+    import atexit
+    import json
+    import select
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="0"), cwd=root,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
-    return p.stdout
+    if not _ahead or _ahead[0].poll() is not None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        p = subprocess.Popen([sys.executable, "-c", _AHEAD_SERVER], env=dict(os.environ, TRITON_INTERPRET="0"),
+                             cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True)
+        atexit.register(p.kill)
+        _ahead[:] = [p]
+    p = _ahead[0]
+    p.stdin.write(json.dumps(code) + "\n")
+    p.stdin.flush()
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    reply = p.stdout.readline() if ready else ""
+    if not reply:
+        p.kill()
+        raise AssertionError(f"compiled_ahead: no reply in {timeout} s (exit {p.poll()})")
+    ok, stdout, err = json.loads(reply)
+    assert ok and "compiled" in stdout, err[-3000:] or stdout[-3000:]
+    return stdout

@@ -10,7 +10,7 @@ import os
 import sys
 
 from ..common import HelpFormatter, record
-from .compiler import KERNELS, report
+from .compiler import DTYPES, KERNELS, report
 from .tables import format_roofline, format_table, write_results
 
 
@@ -33,6 +33,9 @@ def main(argv=None):
     ap.add_argument("--kernels", default=",".join(KERNELS),
                     help="which kernels: vocab (the vocabulary passes, with the peers' for comparison; "
                          "aot-sm90.json, aot-archs.json), replay (the kept-set replay passes; aot-replay.json)")
+    ap.add_argument("--dtypes-elsewhere", default=None, metavar="DTYPES",
+                    help="the dtypes compiled on the architectures other than sm_90, comma-separated (e.g. "
+                         "bfloat16; default: all three, as on sm_90)")
     ap.add_argument("--out", default=None,
                     help="where a run without --save writes them (default: bench/out/, git-ignored)")
     args = ap.parse_args(argv)
@@ -44,7 +47,14 @@ def main(argv=None):
     kernels = tuple(k for k in args.kernels.split(",") if k)
     if not kernels or set(kernels) - set(KERNELS):
         ap.error(f"--kernels: a comma-separated subset of {','.join(KERNELS)}")
-    res = report(transforms=args.transforms, kernels=kernels)
+    elsewhere = None
+    if args.dtypes_elsewhere is not None:
+        import torch
+        names = {str(d).replace("torch.", ""): d for d in DTYPES}
+        if not args.dtypes_elsewhere or set(args.dtypes_elsewhere.split(",")) - set(names):
+            ap.error(f"--dtypes-elsewhere: a comma-separated subset of {','.join(names)}")
+        elsewhere = tuple(getattr(torch, n) for n in args.dtypes_elsewhere.split(","))
+    res = report(transforms=args.transforms, kernels=kernels, elsewhere=elsewhere)
     if args.json:
         import json
         print(json.dumps([{k: v for k, v in r.__dict__.items() if k != "sass_text"} for r in res]))

@@ -274,8 +274,9 @@ def _count_nvidia(res, ck, arch, dtype):
 KERNELS = ("vocab", "replay")  # the families `report` compiles (AotResult.family)
 
 
-def report(archs=ARCHS, dtypes=DTYPES, odd_v=True, transforms=False, kernels=KERNELS):
-    """Every kernel variant x dtype x arch at V_REAL, plus (informational, `expect_vector=False`) the
+def report(archs=ARCHS, dtypes=DTYPES, odd_v=True, transforms=False, kernels=KERNELS, elsewhere=None):
+    """Every kernel variant x dtype x arch at V_REAL (elsewhere: the dtypes compiled on the archs after the
+    first, sm_90, when not all of `dtypes`; the test suite's ci profile compiles bfloat16 there), plus (informational, `expect_vector=False`) the
     forward in bfloat16 at V = 50257, whose odd row stride allows no 16-byte load; with `transforms`,
     each kernel variant with scale != 1 and with the soft-cap, bf16, every arch (variant '+scale', '+cap').
     kernels: "vocab" (the vocabulary passes) and / or "replay" (the kept-set passes of replay_triton, on the
@@ -284,7 +285,7 @@ def report(archs=ARCHS, dtypes=DTYPES, odd_v=True, transforms=False, kernels=KER
     from gtpo_kernels.kernels import vocab_triton as vt
     out = []
     for arch in archs:
-        for dt in dtypes:
+        for dt in dtypes_on(arch, archs, dtypes, elsewhere):
             if "vocab" in kernels:
                 out.append(compile_kernel(vt._vocab_fwd_kernel, dt, arch))
                 for has_e in (False, True):
@@ -303,13 +304,21 @@ def report(archs=ARCHS, dtypes=DTYPES, odd_v=True, transforms=False, kernels=KER
     return out
 
 
-def report_in_subprocess(timeout=600, kernels=KERNELS):
+def dtypes_on(arch, archs=ARCHS, dtypes=DTYPES, elsewhere=None):
+    """The dtypes `report` compiles for `arch`: all of `dtypes` on the first arch, `elsewhere` (if given)
+    on the others."""
+    return dtypes if elsewhere is None or arch == archs[0] else tuple(elsewhere)
+
+
+def report_in_subprocess(timeout=600, kernels=KERNELS, elsewhere=None):
     """The report from a child process without TRITON_INTERPRET (this process's kernels may be the
-    interpreter's, which cannot be compiled). Returns AotResult objects."""
+    interpreter's, which cannot be compiled). Returns AotResult objects. elsewhere: as `report`'s."""
     import json
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "bench.aot", "--json", "--kernels", ",".join(kernels)], env=env,
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    more = [] if elsewhere is None else ["--dtypes-elsewhere", ",".join(str(d).replace("torch.", "")
+                                                                         for d in elsewhere)]
+    p = subprocess.run([sys.executable, "-m", "bench.aot", "--json", "--kernels", ",".join(kernels), *more],
+                       env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     try:
         return [AotResult(**d) for d in json.loads(p.stdout.strip().splitlines()[-1])]
     except Exception:
