@@ -19,7 +19,7 @@ from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
 
 # the presets of the three-launch path (pipeline/epilogue.py)
 FAST = ["gtpo", "gtpo-official", "grpo", "dapo", "dr-grpo", "bnpo", "gspo", "luspo", "vanilla"]
-SIZES = ((4, 5), (8, 6))  # (B, T): completions (groups of 4) and tokens per completion (20 and 48 tokens)
+SIZES = ((4, 3), (8, 4))  # (B, T): completions (groups of 4) and tokens per completion (12 and 32 tokens)
 
 
 _batch = batch
