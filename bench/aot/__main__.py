@@ -34,8 +34,8 @@ def main(argv=None):
                     help="which kernels: vocab (the vocabulary passes, with the peers' for comparison; "
                          "aot-sm90.json, aot-archs.json), replay (the kept-set replay passes; aot-replay.json)")
     ap.add_argument("--dtypes-elsewhere", default=None, metavar="DTYPES",
-                    help="the dtypes compiled on the architectures other than sm_90, comma-separated (e.g. "
-                         "bfloat16; default: all three, as on sm_90)")
+                    help="the dtypes compiled on the architectures other than sm_90, comma-separated, e.g. "
+                         "bfloat16 (default: all three, as on sm_90)")
     ap.add_argument("--out", default=None,
                     help="where a run without --save writes them (default: bench/out/, git-ignored)")
     args = ap.parse_args(argv)
