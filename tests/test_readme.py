@@ -1,16 +1,16 @@
 """Every python block of README.md and docs/*.md runs as written, on its own: each is copied into a file
-and run by a fresh `python` in an empty temporary folder (Triton's interpreter on, as for the tests), and
+and run as `python snippet.py` in an empty temporary folder (Triton's interpreter on, as for the tests), in a
+process of its own forked from an interpreter that imported torch and nothing else (tests/zygote.py), and
 must exit 0 without a warning of this package's, nor a FutureWarning of any library's. A block that needs
 what a test machine may lack says so on the line before it:
 - `<!-- snippet: needs trl -->`: runs when TRL is installed (the `trl` extra), skipped otherwise.
 Nothing else is exempt. The quick start's commands are the lines CI runs."""
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "GTPO_SPEC.md")
@@ -49,8 +49,8 @@ def test_python_block_runs_in_a_fresh_process(where, marker, code, tmp_path):
     script.write_text(code)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="default")
     env.pop("PYTHONPATH", None)  # the installed package, as a reader has it
-    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=600)
+    # `python snippet.py`, forked from an interpreter that imported torch alone (tests/zygote.py)
+    r = zygote.run([script], cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, f"{where} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     ours = [ln for ln in r.stderr.splitlines() if "Warning" in ln and ("gtpo" in ln or "snippet.py" in ln)]
     assert not ours, f"{where} warns:\n" + "\n".join(ours)
