@@ -12,10 +12,10 @@ import torch
 CONFIGS = ("grpo", "gtpo", "clip-cov")
 
 
-def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True)):
+def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm=True):
     """On each rank of a gloo group (Triton's interpreter): [(config, validate, launches, of them Triton,
-    host reads)] of one gtpo_loss(process_group=...) forward + backward (after a first call) at B x T
-    tokens, V = 37 split as evenly as the ranks allow."""
+    host reads)] of one gtpo_loss(process_group=...) forward + backward (after a first call, unless not
+    `warm`) at B x T tokens, V = 37 split as evenly as the ranks allow."""
     import torch.distributed as dist
     from bench.launches import counting
     from gtpo_kernels import gtpo_loss
@@ -34,8 +34,9 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True)):
             call = lambda: gtpo_loss(part, ids, adv, group_size=2, old_logps=old, config=cfg,  # noqa: E731
                                      backend="triton", validate=validate,
                                      process_group=dist.group.WORLD).loss.backward()
-            call()
-            part.grad = None
+            if warm:
+                call()
+                part.grad = None
             with counting() as c:
                 call()
             rows.append((cfg, validate, c.launches, c.triton, c.host_reads))

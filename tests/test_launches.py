@@ -204,15 +204,16 @@ def test_head_runs_the_loss_math_once_and_at_most_ten_launches_a_tile(schedule, 
     recompute schedule's backward tiles are blocks of rows x vocabulary entries), the rest of the call
     flat in tiles (at most 60 launches: the batch's preparation, packed or padded, the conflict weights'
     kernel, the gradients' buffers)."""
+    per_fwd = []
     for k in (2, 4, 8):
         (lf, rf, kf), (lb, rb, kb) = _head_counts(schedule, k, preset, packed, bias)
+        per_fwd.append(lf)
         assert kf["_vocab_fwd_kernel"] == k and kf["_epilogue_kernel"] == (k + 1 if schedule == "fused" else 1), kf
         assert "_epilogue_kernel" not in kb, kb
         tiles_b = kb.get("_vocab_bwd_kernel", 0) + kf.get("_vocab_bwd_kernel", 0)
         assert tiles_b >= k, (kf, kb)
         assert lf + lb <= 60 + 10 * (k + (tiles_b if schedule == "recompute" else 0)), (k, lf, lb, kf, kb)
         assert rf + rb == (3 if schedule == "fused" else 4) + (schedule == "fused" and packed), (rf, rb)
-    per_fwd = [_head_counts(schedule, k, preset, packed, bias)[0][0] for k in (2, 4, 8)]
     assert per_fwd[1] - per_fwd[0] == (per_fwd[2] - per_fwd[1]) / 2 <= 2 * 10, per_fwd  # linear in tiles
 
 
