@@ -48,37 +48,47 @@ def test_types_made_once_carry_what_the_shipped_constructors_give():
 
 
 def test_kernels_compute_bitwise_what_the_shipped_interpreter_computes():
-    """The forward vocabulary kernel (blocks of equal and of broadcast shapes, scalars) and a kernel that
-    broadcasts a column against a row give bitwise the same outputs with install()'s replacements as with the
+    """The forward vocabulary kernel (blocks of equal and of broadcast shapes, scalars, 32-bit and 64-bit
+    operands, bf16 logits promoted) and a kernel that broadcasts a column against a row give bitwise the same
+    outputs with install()'s replacements as with the
     interpreter as shipped."""
     import torch
     import triton
 
     from gtpo_kernels.kernels import dispatch
-    assert (tl.core.tensor, "__init__") in interpreter.replaced
+    from triton.language.semantic import TritonSemantic
+    for owner, name in ((tl.core.tensor, "__init__"), (TritonSemantic, "broadcast_impl_value"),
+                        (TritonSemantic, "binary_op_type_checking_impl")):
+        assert (owner, name) in interpreter.replaced, name
 
     @triton.jit
-    def outer(a_ptr, b_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr):
+    def outer(a_ptr, b_ptr, c_ptr, out_ptr, q_ptr, M: tl.constexpr, N: tl.constexpr):
         i = tl.arange(0, M)[:, None]
         j = tl.arange(0, N)[None, :]
         a, b = tl.load(a_ptr + i), tl.load(b_ptr + j)
         y = a * b + tl.exp(a - b) * 0.5
         tl.store(out_ptr + tl.arange(0, M * N), tl.reshape(y + y, [M * N]))  # (the broadcast's type: M x N)
+        c, d = tl.load(c_ptr + tl.arange(0, N)), tl.load(c_ptr + N + tl.arange(0, N))  # bf16: / in float32
+        tl.store(q_ptr + tl.arange(0, N), c / d)
 
     g = torch.Generator().manual_seed(5)
-    z, ids = torch.randn(3, 4, 40, generator=g) * 3, torch.randint(0, 40, (12,), generator=g)
+    z, ids = (torch.randn(3, 4, 40, generator=g) * 3).bfloat16(), torch.randint(0, 40, (12,), generator=g)
     counted, tau = torch.rand(12, generator=g) > 0.2, torch.tensor([0.8])
     a, b = torch.randn(4, generator=g), torch.randn(8, generator=g)
 
+    c = (torch.rand(16, generator=g) + 0.5).bfloat16()
+
     def run():
-        out = torch.empty(4, 8)
-        outer[(1,)](a, b, out, M=4, N=8)
-        return [out, *dispatch.vocab_fwd("triton", z, ids, counted, tau, 0)]
+        out, q = torch.empty(4, 8), torch.empty(8)
+        outer[(1,)](a, b, c, out, q, M=4, N=8)
+        return [out, q, *dispatch.vocab_fwd("triton", z, ids, counted, tau, 0)]
     ours = run()
     with interpreter.shipped():
         theirs = run()
     want = 2 * (a[:, None] * b[None, :] + torch.exp(a[:, None] - b[None, :]) * 0.5)
     assert torch.allclose(ours[0], want, rtol=1e-6, atol=0)
+    cf = c.float()
+    assert torch.allclose(ours[1], cf[:8] / cf[8:], rtol=1e-6, atol=0)
     for x, y in zip(ours, theirs):
         assert x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8) if x.is_floating_point() else x,
                                                   y.view(-1).view(torch.uint8) if y.is_floating_point() else y)
