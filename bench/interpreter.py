@@ -29,6 +29,10 @@ def _replace(owner, name, new):
     setattr(owner, name, new)
 
 
+def _undo(owner, name):
+    setattr(owner, name, replaced.pop((owner, name)))
+
+
 @contextlib.contextmanager
 def shipped():
     """Triton's interpreter as shipped, inside the block (the tests compare what a kernel computes with and
@@ -97,6 +101,7 @@ def install():
     _replace(interp.InterpretedFunction, "__call__", helper_call)
     _types_once(tl.core)
     _equal_shapes_unbroadcast()
+    _same_type_operands()
     _installed = True
     return True
 
@@ -181,9 +186,9 @@ def _types_once(core):
                     any(set(g.__dict__) != set(w.__dict__) for g, w in zip(got, want)):
                 raise ValueError("fields")
     except Exception:  # noqa: BLE001 - another Triton's types: keep its own constructors
-        block_type.__init__, tensor.__init__ = block_init, tensor_init
-        replaced.pop((block_type, "__init__"), None)
-        replaced.pop((tensor, "__init__"), None)
+        for owner in (block_type, tensor):
+            if (owner, "__init__") in replaced:
+                _undo(owner, "__init__")
         made.clear()
         return False
     return True
@@ -208,17 +213,20 @@ def _equal_shapes_unbroadcast():
             return lhs, rhs
         return shipped(self, lhs, rhs)
     _replace(TritonSemantic, "broadcast_impl_value", broadcast)
-    _same_type_operands(TritonSemantic)
     return True
 
 
-def _same_type_operands(TritonSemantic):
+def _same_type_operands():
     """A binary operation's type check (binary_op_type_checking_impl) on two tensors of one scalar type among
     float32, float64, int32 and int64 goes straight to the broadcast: the shipped rule finds that type as
     the computation type (with / and % too), casts neither operand and checks no pointer; every other case
     (a Python number, a pointer, 16-bit floats, two types) runs the shipped rule."""
     import triton.language as tl
-    shipped = TritonSemantic.binary_op_type_checking_impl
+    try:
+        from triton.language.semantic import TritonSemantic
+        shipped = TritonSemantic.binary_op_type_checking_impl
+    except (ImportError, AttributeError):
+        return False
     plain = {t.name for t in (tl.float32, tl.float64, tl.int32, tl.int64)}
     tensor, dtype = tl.tensor, tl.dtype
 
@@ -229,3 +237,4 @@ def _same_type_operands(TritonSemantic):
                 return self.broadcast_impl_value(lhs, rhs)
         return shipped(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
     _replace(TritonSemantic, "binary_op_type_checking_impl", check)
+    return True

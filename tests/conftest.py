@@ -235,26 +235,12 @@ def compiled_ahead(code, timeout=600):
     'compiled' at its end) in a process with Triton's interpreter off, from the repository's root, in a
     namespace of its own (the process is this test process's compile server, _AHEAD_SERVER); asserts that it
     ran to the end and returns its stdout."""
-    import atexit
-    import json
-    import select
     import subprocess
-    import sys
+
+    import zygote
     if not _ahead or _ahead[0].poll() is not None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        p = subprocess.Popen([sys.executable, "-c", _AHEAD_SERVER], env=dict(os.environ, TRITON_INTERPRET="0"),
-                             cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True)
-        atexit.register(p.kill)
-        _ahead[:] = [p]
-    p = _ahead[0]
-    p.stdin.write(json.dumps(code) + "\n")
-    p.stdin.flush()
-    ready, _, _ = select.select([p.stdout], [], [], timeout)
-    reply = p.stdout.readline() if ready else ""
-    if not reply:
-        p.kill()
-        raise AssertionError(f"compiled_ahead: no reply in {timeout} s (exit {p.poll()})")
-    ok, stdout, err = json.loads(reply)
+        _ahead[:] = [zygote.start(_AHEAD_SERVER, dict(os.environ, TRITON_INTERPRET="0"), root, subprocess.DEVNULL)]
+    ok, stdout, err = zygote.ask(_ahead[0], code, timeout, "compiled_ahead")
     assert ok and "compiled" in stdout, err[-3000:] or stdout[-3000:]
     return stdout

@@ -49,9 +49,8 @@ def test_types_made_once_carry_what_the_shipped_constructors_give():
 
 def test_kernels_compute_bitwise_what_the_shipped_interpreter_computes():
     """The forward vocabulary kernel (blocks of equal and of broadcast shapes, scalars, 32-bit and 64-bit
-    operands, bf16 logits promoted) and a kernel that broadcasts a column against a row give bitwise the same
-    outputs with install()'s replacements as with the
-    interpreter as shipped."""
+    operands, bf16 logits promoted) and a kernel that broadcasts a column against a row and divides two bf16
+    vectors give bitwise the same outputs with install()'s replacements as with the interpreter as shipped."""
     import torch
     import triton
 
@@ -75,7 +74,6 @@ def test_kernels_compute_bitwise_what_the_shipped_interpreter_computes():
     z, ids = (torch.randn(3, 4, 40, generator=g) * 3).bfloat16(), torch.randint(0, 40, (12,), generator=g)
     counted, tau = torch.rand(12, generator=g) > 0.2, torch.tensor([0.8])
     a, b = torch.randn(4, generator=g), torch.randn(8, generator=g)
-
     c = (torch.rand(16, generator=g) + 0.5).bfloat16()
 
     def run():

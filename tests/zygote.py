@@ -6,7 +6,9 @@ The zygote starts as `python -c` with the environment given (so that variables r
 PYTHONWARNINGS, or at triton's import, such as TRITON_INTERPRET, are in place), from `/`, with no PYTHONPATH
 unless given. Each script runs in a child forked from it: its own working directory, argv, `sys.path[0]` the
 script's folder, stdout and stderr to files, `__main__` the script (runpy), exit handlers run at its end; the
-exit status is the script's. The package and everything else are imported by the script itself."""
+exit status is the script's. The package and everything else are imported by the script itself.
+
+`start` and `ask` are the line-of-JSON servers' two ends (this zygote's, and conftest's compiled_ahead's)."""
 import atexit
 import json
 import os
@@ -55,46 +57,63 @@ for line in sys.stdin:
     reply.write(json.dumps(os.waitstatus_to_exitcode(status)) + "\n")
     reply.flush()
 """
+_servers = []
 _zygotes = {}
+
+
+def start(code, env, cwd, stderr=None):
+    """A server: `python -c code` in a session of its own (killed, with a child still running, by close() at
+    exit or when `ask` times out), reading a line of JSON a request, writing a line of JSON a reply."""
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=cwd, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    if not _servers:
+        atexit.register(close)
+    _servers.append(p)
+    return p
+
+
+def ask(p, request, timeout, what):
+    """The reply of server `p` to `request` (JSON-able); no reply in `timeout` s: the server is killed and
+    AssertionError names `what`."""
+    p.stdin.write(json.dumps(request) + "\n")
+    p.stdin.flush()
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    line = p.stdout.readline() if ready else ""
+    if not line:
+        _kill(p)
+        raise AssertionError(f"{what}: no reply in {timeout} s (server exit {p.poll()})")
+    return json.loads(line)
 
 
 def _zygote(env):
     key = tuple(sorted(env.items()))
     p = _zygotes.get(key)
     if p is None or p.poll() is not None:
-        p = subprocess.Popen([sys.executable, "-c", _SERVER], env=env, cwd="/", stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, start_new_session=True)
-        if not _zygotes:
-            atexit.register(close)
-        _zygotes[key] = p
+        p = _zygotes[key] = start(_SERVER, env, "/")
     return p
 
 
 def run(argv, cwd, env, timeout=600):
     """argv[0]: the script's path, the rest its arguments; env: the environment the process starts with.
     Returns (returncode, stdout, stderr) as subprocess.run(capture_output=True, text=True) would."""
-    p = _zygote(env)
     with tempfile.TemporaryDirectory() as d:
         out, err = os.path.join(d, "out"), os.path.join(d, "err")
-        p.stdin.write(json.dumps(dict(argv=[str(a) for a in argv], cwd=str(cwd), out=out, err=err)) + "\n")
-        p.stdin.flush()
-        ready, _, _ = select.select([p.stdout], [], [], timeout)
-        line = p.stdout.readline() if ready else ""
-        if not line:
-            _kill(p)
-            raise AssertionError(f"zygote: no exit status in {timeout} s for {argv} (zygote exit {p.poll()})")
+        code = ask(_zygote(env), dict(argv=[str(a) for a in argv], cwd=str(cwd), out=out, err=err), timeout,
+                   f"zygote, the exit status of {argv}")
         with open(out) as fo, open(err) as fe:
-            return types.SimpleNamespace(returncode=json.loads(line), stdout=fo.read(), stderr=fe.read())
+            return types.SimpleNamespace(returncode=code, stdout=fo.read(), stderr=fe.read())
 
 
 def _kill(p):
     try:
-        os.killpg(p.pid, signal.SIGKILL)  # the zygote and a child still running
+        os.killpg(p.pid, signal.SIGKILL)  # the server and a child still running
     except ProcessLookupError:
         pass
+    p.wait()  # (reaped: poll() says it ended, and the next call starts another)
 
 
 def close():
-    for p in _zygotes.values():
+    for p in _servers:
         _kill(p)
+    _servers.clear()
     _zygotes.clear()

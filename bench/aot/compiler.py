@@ -276,8 +276,8 @@ KERNELS = ("vocab", "replay")  # the families `report` compiles (AotResult.famil
 
 def report(archs=ARCHS, dtypes=DTYPES, odd_v=True, transforms=False, kernels=KERNELS, elsewhere=None):
     """Every kernel variant x dtype x arch at V_REAL (elsewhere: the dtypes compiled on the archs after the
-    first, sm_90, when not all of `dtypes`; the test suite's ci profile compiles bfloat16 there), plus (informational, `expect_vector=False`) the
-    forward in bfloat16 at V = 50257, whose odd row stride allows no 16-byte load; with `transforms`,
+    first, sm_90, when not all of `dtypes`; the test suite's ci profile compiles bfloat16 there), plus
+    (informational, `expect_vector=False`) the forward in bfloat16 at V = 50257, whose odd row stride allows no 16-byte load; with `transforms`,
     each kernel variant with scale != 1 and with the soft-cap, bf16, every arch (variant '+scale', '+cap').
     kernels: "vocab" (the vocabulary passes) and / or "replay" (the kept-set passes of replay_triton, on the
     NVIDIA targets only: their loops are counted on the SASS)."""
