@@ -55,9 +55,10 @@ def _log_softmax(s):
 
 
 def _entropy_terms(logp_all):
-    """p log p per entry, 0 where p = 0 (-inf logits, a banned vocabulary)."""
+    """p log p per entry, 0 where p = 0 (-inf logits, a banned vocabulary); NaN stays NaN (a row with a NaN
+    logit, or a NaN temperature, has a NaN entropy, never 0)."""
     p = logp_all.exp()
-    return torch.where(p > 0, p * logp_all, torch.zeros_like(p))
+    return torch.where(p == 0, torch.zeros_like(p), p * logp_all)
 
 
 class _LogpEntropy(torch.autograd.Function):
@@ -87,7 +88,7 @@ class _LogpEntropy(torch.autograd.Function):
             grad.scatter_(-1, idx, (q * g_logp).unsqueeze(-1))
         if g_H is not None:
             plogp = _entropy_terms(logp_all)
-            t = torch.where(p > 0, logp_all + H.unsqueeze(-1), torch.zeros_like(p))  # log p_v + H
+            t = torch.where(p == 0, torch.zeros_like(p), logp_all + H.unsqueeze(-1))  # log p_v + H
             k = logp_all.argmax(dim=-1, keepdim=True)                # the one entry that can be near 1
             q_k = p.scatter(-1, k, 0.0).sum(-1, keepdim=True)
             others = plogp.scatter(-1, k, 0.0).sum(-1, keepdim=True)

@@ -124,6 +124,39 @@ def test_banned_vocabulary_minus_inf():
     assert torch.isfinite(out["loss"])
 
 
+def test_a_nan_row_has_nan_log_prob_entropy_and_gradient():
+    """A row holding a NaN logit (or scaled by a NaN temperature): its logp, its entropy and its gradient are
+    NaN, never the 0 that dropping p log p where p is not > 0 would give; the other rows keep their values and
+    a -inf entry its exact 0 term (test_banned_vocabulary_minus_inf)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(1, 3, 6, generator=g, dtype=torch.float64)
+    logits[0, 1, 4] = float("nan")
+    logits[0, 2, 0] = -math.inf
+    x = logits.clone().requires_grad_()
+    logp, H = ref.token_logprobs(x, torch.tensor([[1, 2, 3]]))
+    assert torch.isnan(logp[0, 1]) and torch.isnan(H[0, 1])
+    assert torch.isfinite(logp[0, [0, 2]]).all() and torch.isfinite(H[0, [0, 2]]).all() and (H[0, [0, 2]] > 0).all()
+    (logp.sum() + H.sum()).backward()
+    assert torch.isnan(x.grad[0, 1]).all() and torch.isfinite(x.grad[0, [0, 2]]).all()
+    assert x.grad[0, 2, 0] == 0 and (x.grad[0, 0] != 0).all()
+
+
+def test_the_reference_backend_gives_nan_for_an_id_out_of_range_unvalidated():
+    """backend='reference', validate=False: a counted id outside [0, V) (or malformed cu_seqlens, which make
+    every id -1) gives NaN log-prob and entropy there, as the other backends do, not the clamped id's."""
+    from gtpo_kernels import token_logprobs
+    g = torch.Generator().manual_seed(6)
+    x, ids = torch.randn(2, 3, 8, generator=g), torch.randint(0, 8, (2, 3), generator=g)
+    ids[0, 1] = 8
+    lp, ent = token_logprobs(x, ids, validate=False, backend="reference")
+    bad = torch.zeros(2, 3, dtype=torch.bool)
+    bad[0, 1] = True
+    assert torch.equal(lp.isnan(), bad) and torch.equal(ent.isnan(), bad) and (lp[~bad] < 0).all()
+    lp, ent = token_logprobs(x[0], ids[0].clamp(max=7), cu_seqlens=torch.tensor([0, 2, 1, 3]), validate=False,
+                             backend="reference")
+    assert lp.isnan().all() and ent.isnan().all()
+
+
 # ---------------------------------------------------------------- near-certain rows (issue 16 item 4)
 
 def test_near_certain_rows_exact():

@@ -110,13 +110,19 @@ def padded_tokens(b, x):
 
 def padded_window(b, logits):
     """For the reference backend: the logits rows that predict tokens as (B, L, V), ids (B, L), mask
-    (B, L), `unpad` (a padded (B, L) result -> the caller's token shape) and `pad` (the reverse)."""
+    (B, L), `unpad` (a padded (B, L) result -> the caller's token shape) and `pad` (the reverse). A counted
+    row whose id is outside [0, V) (unvalidated; malformed cu_seqlens make every id -1) is NaN, so that its
+    outputs and gradient are NaN as on the other backends (the reference would clamp the id)."""
     if not b.packed:
         T = b.tok_shape[1]
         same = (lambda x: x)
-        return (logits[:, b.logits_start:b.logits_start + T], b.ids.reshape(b.tok_shape),
-                b.counted.reshape(b.tok_shape), same, same)
-    L, pos = packed_layout(b)
-    rows = torch.arange(b.ids.numel(), device=logits.device) + b.logits_start
-    return (logits[pad(b, rows, L, pos, fill=b.logits_start)], pad(b, b.ids.long(), L, pos),
-            pad(b, b.counted, L, pos), (lambda x: x[b.seg, pos]), (lambda x: pad(b, x, L, pos)))
+        win = (logits[:, b.logits_start:b.logits_start + T], b.ids.reshape(b.tok_shape),
+               b.counted.reshape(b.tok_shape), same, same)
+    else:
+        L, pos = packed_layout(b)
+        rows = torch.arange(b.ids.numel(), device=logits.device) + b.logits_start
+        win = (logits[pad(b, rows, L, pos, fill=b.logits_start)], pad(b, b.ids.long(), L, pos),
+               pad(b, b.counted, L, pos), (lambda x: x[b.seg, pos]), (lambda x: pad(b, x, L, pos)))
+    lg, ids, m = win[:3]
+    bad = m & ((ids < 0) | (ids >= lg.shape[-1]))
+    return (lg + torch.where(bad, float("nan"), 0.0).to(lg.dtype)[..., None],) + win[1:]
