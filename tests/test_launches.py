@@ -134,18 +134,25 @@ def test_a_temperature_per_completion_or_token_takes_at_most_eight(per, packed):
     assert counts[0][0] <= 8 and counts[0][1:3] == (0, 0) and counts[0][3].get("_epilogue_kernel") == 1, counts
 
 
-@pytest.mark.parametrize("validate,reads,mask_dtype", [(False, 0, torch.bool), (True, 1, torch.float32)])
-def test_token_logprobs_one_launch(validate, reads, mask_dtype):
+@pytest.mark.parametrize("validate,reads,mask_dtype,tau,packed", [
+    (False, 0, torch.bool, "number", False), (True, 1, torch.float32, "number", False),
+    (False, 0, None, "completion", True), (True, 1, torch.bool, "completion", False),
+    (False, 0, torch.float32, "token", False), (True, 1, None, "token", True)])
+def test_token_logprobs_one_launch(validate, reads, mask_dtype, tau, packed):
     """One launch, validating or not: the forward kernel checks the mask values and ids too and writes the
-    status word, the one host read (a float mask: its values checked there too). The first validating call
-    of a thread on a stream makes the kernel's counter, one launch more, once: the warm-up call."""
+    status word, the one host read (a float mask: its values checked there too); a temperature per completion
+    is read at each token's completion (packed: found in cu_seqlens), per token at the token, none spread or
+    checked by a launch of its own. The first validating call of a thread on a stream makes the kernel's
+    counter, one launch more, once: the warm-up call."""
     token_logprobs(*_batch(4, 2, 9, False)[:2], 0.7, validate=validate, backend="triton")
     counts = []
     for k, (B, T) in enumerate(SIZES):
-        logits, ids, _, mask, _ = _batch(B, T, k, False)
-        mask = mask.to(mask_dtype)
+        logits, ids, _, mask, kw = _batch(B, T, k, packed)
+        kw = {"cu_seqlens": kw["cu_seqlens"]} if packed else {}
+        t = {"number": 0.7, "completion": torch.rand(B) + 0.5, "token": torch.rand(ids.shape) + 0.5}[tau]
+        mask = None if packed else mask.to(mask_dtype)
         with counting() as c:
-            token_logprobs(logits, ids, 0.7, mask, validate=validate, backend="triton")
+            token_logprobs(logits, ids, t, mask, validate=validate, backend="triton", **kw)
         counts.append((c.launches, c.host_reads, c.creations, dict(c.triton_names)))
     assert counts[0] == counts[1], counts
     assert counts[0] == (1, reads, 0, {"_vocab_fwd_kernel": 1}), counts

@@ -28,7 +28,9 @@ ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", 
                      "HAS_MASK", "TEMP_BY_VALUE", "NAN_FLAGGED", "HAS_G", "BLOCKS_OUT", "ROWS",  # switches
                      "PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITEMS", "CLIP", "HAS_DELTA",
                      "HAS_DUAL", "FILTER", "PENALTY", "SEQ", "AGG", "VALIDATE", "MASK_VALUES", "HAS_REF", "HAS_ROLL",
-                     "POLICY", "RW", "OFF_POLICY", "HAS_STATUS", "CU_CHECK",  # policy term, weights, mask, status
+                     "POLICY", "RW", "OFF_POLICY", "HAS_STATUS", "CU_CHECK", "CU_NAN",  # policy term, weights,
+                     # mask, status
+                     "TEMP_PER_SEQ",  # a temperature per completion: a layout switch (its index), no size
                      "TOP_ENT", "TOK_ADV",  # the top-entropy mask, advantages per token: switches
                      "PHASE",  # the epilogue's key launch (clip_cov, kl_cov) or the loss: a mode
                      "HP",  # which hyper-parameters are read by pointer (a config's, fixed across steps; no value)

@@ -192,8 +192,12 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
                                vocab_size=_local_vocab(process_group))
             given_tau = temperature
             tau_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            if _per_token_tau(temperature):  # (fast: checked in the kernel)
-                temperature = b.tau = call_temperature(temperature, b, tau_dtype, host and not fast, in_kernels=fast)
+            per_seq = False  # a tau per completion read in the one kernel, not spread to the tokens first
+            if _per_token_tau(temperature):  # in the one kernel: checked there (fast), else NaN there
+                kern = _one_kernel(backend, logits, process_group, sampling_mask, top_k, top_p, min_p)
+                per_seq = kern and (fast or not host) and _per_completion(temperature, b)
+                temperature = b.tau = call_temperature(temperature, b, tau_dtype, host and not fast,
+                                                       in_kernels=fast or (kern and not host), spread=not per_seq)
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
             one = backend == "triton" and process_group is None and sampling_mask is None  # one launch (spec 8)
             # (rules: the kept sets' kernel one more; unvalidated it flags an invalid tensor value itself)
@@ -208,7 +212,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
                             call_temperature(given_tau, b2, tau_dtype, True)
                         replay.check_rules(b2, top_k, top_p, min_p, True)  # (no rule: nothing)
                 return epilogue.token_logps(b, temperature, host, revalidate if fast else None,
-                                            None if rules is None else rules[0])
+                                            None if rules is None else rules[0], per_seq)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
             keep = None if rules is None else reference.kept_window(b, logits, temperature, sampling_mask, rules,
@@ -228,6 +232,22 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     logp = torch.where(b.counted, logp.to(dt), zero)
     ent = torch.where(b.counted, ent.to(dt), zero)
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
+
+
+def _one_kernel(backend, logits, process_group, sampling_mask, top_k, top_p, min_p):
+    """token_logprobs in the one Triton launch with no kept sets' launch before it (a backend that does not
+    resolve: False here, raised where the call resolves it, after the temperature's own errors)."""
+    if process_group is not None or replay.requested(sampling_mask, top_k, top_p, min_p):
+        return False
+    try:
+        return dispatch.resolve_backend(backend, logits.device, logits.dtype) == "triton"
+    except (ValueError, TypeError, RuntimeError):
+        return False
+
+
+def _per_completion(t, b):
+    """A tensor temperature given per completion, (B,) or (B, 1), not per token."""
+    return tuple(t.shape) in ((b.B,), (b.B, 1)) and tuple(t.shape) != tuple(b.tok_shape)
 
 
 def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace, in_kernels=False):

@@ -23,10 +23,11 @@ def _is_number(x):
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def per_token(name, x, B, T, n, device, cu_seqlens=None):
+def per_token(name, x, B, T, n, device, cu_seqlens=None, spread=True):
     """x as a flat (n,) tensor on `device`, or the number itself: a number; per completion (B,) or
     (B, 1); per token (B, T) (padded) or (n,) (packed, n = N, with cu_seqlens). A shape that could mean
-    both (packed with B == N) is refused."""
+    both (packed with B == N) is refused. spread=False: one per completion is returned as (B,), not
+    spread to the tokens (the caller's kernel reads it per token)."""
     if _is_number(x):
         return x
     check_tensor(name, x)
@@ -42,6 +43,8 @@ def per_token(name, x, B, T, n, device, cu_seqlens=None):
         return x
     if shape in ((B,), (B, 1)):
         x = x.reshape(B)
+        if not spread:
+            return x
         if not packed:
             return x[:, None].expand(B, T).reshape(n)
         seg = torch.searchsorted(cu_seqlens[1:].to(device=device, dtype=torch.long),
@@ -68,17 +71,18 @@ def _refuse(name, bad, values, want, counted=None):
 
 
 def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=None, validate=True,
-                      dtype=torch.float32, flag=True):
+                      dtype=torch.float32, flag=True, spread=True):
     """tau (spec 13): a finite number > 0, or a tensor (per completion / per token) of them.
     Returns (tau: a number or a `dtype` (n,) tensor, invalid: None or an (n,) bool tensor; None too when
-    neither `validate` nor `flag`: the caller's kernels flag such a tau)."""
+    neither `validate` nor `flag`: the caller's kernels flag such a tau). spread=False (with neither
+    validate nor flag): one per completion stays (B,) (per_token)."""
     if _is_number(temperature):
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
         return float(temperature), None
     if isinstance(temperature, torch.Tensor) and not temperature.dtype.is_floating_point:
         raise TypeError(f"temperature must be a number or a floating-point tensor, got {temperature.dtype}")
-    tau = per_token("temperature", temperature, B, T, n, device, cu_seqlens).to(dtype)
+    tau = per_token("temperature", temperature, B, T, n, device, cu_seqlens, spread or validate or flag).to(dtype)
     if not (validate or flag):
         return tau, None
     bad = ~(torch.isfinite(tau) & (tau > 0))

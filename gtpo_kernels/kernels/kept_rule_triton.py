@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .vocab_fwd_triton import _token
+from .vocab_status import _token
 from .vocab_jit import _MAX, _MIN, _SUM
 
 # a bound on any search's steps: each at least halves a range of at most 2^32 keys (or ids), so 33 suffice;
@@ -141,7 +141,7 @@ def _kept_rule_kernel(
     NAN_BAD: tl.constexpr = True,  # False: an invalid rule value's threshold is left as found (listed sets)
 ):
     pid = tl.program_id(0).to(tl.int64)
-    inv_temp, counted = _token(pid, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
+    inv_temp, counted = _token(pid, temp_ptr, temp_stride, pid, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
     t_s = tl.full((), 0, tl.float32)
     t_id = tl.full((), 0, tl.int64)
     size = tl.full((), 0, tl.float32)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .kept_rule_triton import _by_rule, kept_thresholds
-from .vocab_fwd_triton import _token
+from .vocab_status import _token
 from .vocab_jit import _MAX, _SUM
 from .vocab_torch import _transform
 from .vocab_triton import block_v_for, temperature_arg
@@ -31,7 +31,7 @@ def _kept_ids_kernel(z_ptr, stride_z, y_ptr, ts_ptr, tid_ptr, temp_ptr, temp_str
     """Row r of z (the transformed logits): its kept ids written ascending from ids_out + off[r]; nf_out[r]: the
     row holds NaN or +inf (of s = z / tau)."""
     r = tl.program_id(0).to(tl.int64)
-    inv_temp, _ = _token(r, temp_ptr, temp_stride, z_ptr, TEMP_BY_VALUE, False)
+    inv_temp, _ = _token(r, temp_ptr, temp_stride, r, z_ptr, TEMP_BY_VALUE, False)
     row = z_ptr + r * stride_z
     t_s = tl.load(ts_ptr + r)
     t_id = tl.load(tid_ptr + r)

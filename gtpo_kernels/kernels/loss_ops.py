@@ -219,14 +219,16 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
                 temperature: Optional[torch.Tensor], tau_value: float, logits_start: int, status: bool = False,
                 mask_values: bool = False, cu: Optional[torch.Tensor] = None,
                 max_seqlen: int = -1, top_k: Optional[torch.Tensor] = None, top_p: Optional[torch.Tensor] = None,
-                min_p: Optional[torch.Tensor] = None, rule_values: Optional[List[float]] = None) -> List[torch.Tensor]:
+                min_p: Optional[torch.Tensor] = None, rule_values: Optional[List[float]] = None,
+                tau_per_seq: bool = False) -> List[torch.Tensor]:
     """token_logprobs in one launch: [logp, H, flags, status word], 0 where not counted, NaN at a flagged
     token. status: the launch writes the word, (1,) int32, the number of tokens that failed a check (their
     flags, a counted token's tau not finite and > 0 among them; with mask_values a mask value other than 0
     and 1; given cu, the packed form's cu_seqlens malformed or longer than max_seqlen >= 0:
-    kernels/vocab_status.py); else it is left unset. top_k, top_p, min_p, rule_values: the kept sets rebuilt by
-    the rules as fused_loss takes them (one launch more: kernels/kept_rule_triton.py; an invalid rule flags its
-    token)."""
+    kernels/vocab_status.py); else it is left unset, and a malformed cu flags every counted token. top_k,
+    top_p, min_p, rule_values: the kept sets rebuilt by the rules as fused_loss takes them (one launch more:
+    kernels/kept_rule_triton.py; an invalid rule flags its token). tau_per_seq: temperature holds one tau per
+    completion, read by each token at its completion (packed: cu given, found in it), not one per token."""
     n = ids.numel()
     f32 = dict(device=logits3.device, dtype=torch.float32)
     outs = (torch.empty(n, **f32), torch.empty(n, **f32), torch.empty((n, 3), **f32),
@@ -234,13 +236,13 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
     word = torch.empty(1, device=logits3.device, dtype=torch.int32)
     if n == 0:
         return [outs[0], outs[1], outs[3], word.zero_() if status else word]
-    meta = {}
+    meta = {} if cu is None else dict(cu_ptr=cu, n_seq=cu.numel() - 1, max_seqlen=max_seqlen, CU_NAN=not status)
     if status:
         work, key = _counter(logits3.device)
-        meta = dict(status_ptr=word, work_ptr=work, HAS_STATUS=True, MASK_VALUES=mask_values and mask is not None,
+        meta.update(status_ptr=word, work_ptr=work, HAS_STATUS=True, MASK_VALUES=mask_values and mask is not None,
                     CU_CHECK=cu is not None)
-        if cu is not None:
-            meta.update(cu_ptr=cu, n_seq=cu.numel() - 1, max_seqlen=max_seqlen)
+    if tau_per_seq:
+        meta["TEMP_PER_SEQ"] = 1 if cu is None else 2
     B, _, V = logits3.shape
     tau = tau_value if temperature is None else temperature
     given = None if rule_values is None else _given_rules((top_k, top_p, min_p), rule_values)
@@ -250,7 +252,8 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
         meta.update(keep_s_ptr=t_s, keep_id_ptr=t_id, KEEP=True)
     try:
         vocab_triton._launch(logits3, ids, mask, outs, n // B, V, logits_start, tau, 1.0, None,
-                             vocab_triton.fwd_block_v(V), NAN_FLAGGED=True, **meta)
+                             vocab_triton.fwd_block_v(V), NAN_FLAGGED=True,
+                             tau_len=temperature.numel() if tau_per_seq else n, **meta)
     except BaseException:
         if status:  # a launch cut short may leave the counter nonzero: the next call makes a new one
             _COUNTERS.table.pop(key, None)
@@ -260,7 +263,7 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
 
 @token_logps.register_fake
 def _(logits3, ids, mask, temperature, tau_value, logits_start, status=False, mask_values=False, cu=None,
-      max_seqlen=-1, top_k=None, top_p=None, min_p=None, rule_values=None):
+      max_seqlen=-1, top_k=None, top_p=None, min_p=None, rule_values=None, tau_per_seq=False):
     n = ids.numel()
     return [logits3.new_empty(n, dtype=torch.float32), logits3.new_empty(n, dtype=torch.float32),
             logits3.new_empty(n, dtype=torch.int8), logits3.new_empty(1, dtype=torch.int32)]

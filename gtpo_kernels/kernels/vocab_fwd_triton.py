@@ -43,9 +43,9 @@ import triton
 import triton.language as tl
 
 from ..core.vocab_block import VOCAB_BLOCK as _VOCAB_BLOCK
-from .vocab_status import _fold_status
+from .vocab_status import _fold_status, _offsets_bad, _seq_of, _token, _uncounted
 from .vocab_jit import (_MAX, _SUM, BAD_ID, BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E,
-                        NEG_SENTINEL, _inv_cap, _inv_tau, _kept, _log1p, _store_token, _transform)
+                        NEG_SENTINEL, _inv_cap, _kept, _log1p, _store_token, _transform)
 
 
 @triton.jit
@@ -161,28 +161,6 @@ def _finalize(m, r, u, z_y, y_ok, inv_temp):
     return logp, ent, m_safe, log_s, q, bad
 
 
-@triton.jit
-def _token(tok, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Token tok's 1 / tau (a number by value, or read per token: NaN where not finite and > 0) and whether
-    it counts (the caller's mask as given, any dtype: nonzero counts)."""
-    if TEMP_BY_VALUE:
-        inv_temp = 1.0 / temp_ptr
-    else:
-        inv_temp = _inv_tau(tl.load(temp_ptr + tok * temp_stride))
-    if HAS_MASK:
-        counted = tl.load(mask_ptr + tok) != 0
-    else:
-        counted = True
-    return inv_temp, counted
-
-
-@triton.jit
-def _uncounted():
-    """An uncounted token's outputs (logp, H, m, log S, q, flags)."""
-    zero = tl.zeros((), tl.float32)
-    return zero, zero, tl.full((), float("-inf"), tl.float32), zero, zero, tl.zeros((), tl.int32)
-
-
 @triton.jit(do_not_specialize=["T", "logits_start", "temp_stride", "n_seq", "max_seqlen"])
 def _vocab_fwd_kernel(
     # pointers
@@ -218,13 +196,22 @@ def _vocab_fwd_kernel(
     CU_CHECK: tl.constexpr = False,  # HAS_STATUS: malformed cu_seqlens (or longer than max_seqlen) fail
     keep_s_ptr=None, keep_id_ptr=None,  # KEEP: each token's kept set as (t_s, t_id) (kept_rule_triton), (B*T,)
     KEEP: tl.constexpr = False,  # True: the statistics over the kept set; t_s NaN (invalid rules): flagged
+    TEMP_PER_SEQ: tl.constexpr = 0,  # 1: tau per completion, of token k at temp_ptr + (k // T) * temp_stride
+    # (padded); 2: at its completion in cu_ptr (packed, _seq_of; not with ROWS). 0: per token or one tau
+    CU_NAN: tl.constexpr = False,  # unvalidated: malformed cu_ptr flags every counted token (NaN outputs)
 ):
     pid = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
     if ROWS:
         tok = tl.load(rows_ptr + pid).to(tl.int64)
     else:
         tok = pid
-    inv_temp, counted = _token(tok, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
+    if TEMP_PER_SEQ == 1:
+        seq = pid // T
+    elif TEMP_PER_SEQ == 2:
+        seq = _seq_of(cu_ptr, n_seq, tok, 1024)
+    else:
+        seq = tok
+    inv_temp, counted = _token(seq, temp_ptr, temp_stride, tok, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
     logp, ent, m, log_s, q, bad = _uncounted()
     if counted:
@@ -265,6 +252,9 @@ def _vocab_fwd_kernel(
             logp, ent, m, log_s, q, bad = _finalize(m_r, r_r, u_r, z_y, y_ok, inv_temp)
             if KEEP:
                 bad = tl.where(k_s != k_s, bad | BAD_RULE, bad)
+            if CU_NAN:  # as the eager path's ids of a malformed cu_seqlens: -1, out of range
+                bad = tl.where(_offsets_bad(cu_ptr, n_seq, tl.num_programs(0).to(tl.int64), -1, 1024) != 0,
+                               bad | BAD_ID, bad)
     if BLOCKS_OUT:
         tl.store(logp_ptr + tok, logp)
     else:
@@ -295,7 +285,7 @@ def _vocab_merge_kernel(
     the outputs are bitwise the single-process ones. FOLD: the folded statistics written to state_ptr (the
     next rank folds its blocks into them); NB = 0 with HAS_INIT: the finalize of statistics folded before."""
     tok = tl.program_id(0).to(tl.int64)
-    inv_temp, counted = _token(tok, temp_ptr, temp_stride, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
+    inv_temp, counted = _token(tok, temp_ptr, temp_stride, tok, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
     logp, ent, m, log_s, q, bad = _uncounted()
     m_r = NEG_SENTINEL * 1.0
     r_r = 0.0

@@ -10,11 +10,54 @@ itself: its row is NaN); with CU_CHECK program 0
 also fails when the packed form's cu_seqlens are malformed (not from 0 to N, or decreasing) or hold a
 completion longer than max_seqlen (>= 0). The call then runs its host checks to raise the error that
 names the argument.
+
+Here too: a token's own inputs (_token: its 1 / tau and whether it counts) and, for a temperature per
+completion in the packed form, its completion in cu_seqlens (_seq_of).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .vocab_jit import _inv_tau
+
+
+@triton.jit
+def _token(seq, temp_ptr, temp_stride, tok, mask_ptr, TEMP_BY_VALUE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Token tok's 1 / tau (a number by value, or read at index seq: the token's own, or its completion's;
+    NaN where not finite and > 0) and whether it counts (the caller's mask as given, any dtype: nonzero
+    counts)."""
+    if TEMP_BY_VALUE:
+        inv_temp = 1.0 / temp_ptr
+    else:
+        inv_temp = _inv_tau(tl.load(temp_ptr + seq * temp_stride))
+    if HAS_MASK:
+        counted = tl.load(mask_ptr + tok) != 0
+    else:
+        counted = True
+    return inv_temp, counted
+
+
+@triton.jit
+def _uncounted():
+    """An uncounted token's outputs (logp, H, m, log S, q, flags)."""
+    zero = tl.zeros((), tl.float32)
+    return zero, zero, tl.full((), float("-inf"), tl.float32), zero, zero, tl.zeros((), tl.int32)
+
+
+@triton.jit
+def _seq_of(cu_ptr, n_seq, tok, BLOCK: tl.constexpr):
+    """The completion of packed token tok: how many of cu_seqlens[1:] (n_seq of them) are <= tok, as
+    torch.searchsorted(cu_seqlens[1:], tok, right=True), clamped into [0, n_seq - 1] so that a malformed
+    cu_seqlens (flagged apart) still reads in bounds."""
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    seq = tl.zeros((), tl.int64)
+    for j0 in range(1, n_seq + 1, BLOCK):
+        j = j0 + lanes
+        inb = j <= n_seq
+        c = tl.load(cu_ptr + j, mask=inb, other=0).to(tl.int64)
+        seq += tl.sum((inb & (c <= tok)).to(tl.int64), axis=0)
+    return tl.maximum(tl.minimum(seq, n_seq - 1), 0)
 
 
 @triton.jit

@@ -61,7 +61,7 @@ def interpreted() -> bool:
 def temperature_arg(temperature, device, n):
     """(tau, stride): what the kernels read the temperature through, tau of token k at tau[k * stride].
     A float32 tensor on `device` with one element (stride 0: one tau for every row) or one per token
-    (`n`, its own stride) is passed as it is: the pipeline makes it once per call
+    (`n`, its own stride; or one per completion, n of them, read at a token's completion) is passed as it is: the pipeline makes it once per call
     (ops.temperature_param), and a trainer's schedule updated in place is seen by a replayed CUDA graph.
     Anything else (a number, a tensor elsewhere or of another dtype) is converted here, for direct
     callers of the launchers: on a GPU a tensor from the host is then a host-to-device copy per launch,
@@ -109,12 +109,14 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     return logp, ent, stats, bad
 
 
-def _launch(logits3, ids, counted, outs, T, V, logits_start, temperature, scale, softcap, bv, grid=None, **meta):
+def _launch(logits3, ids, counted, outs, T, V, logits_start, temperature, scale, softcap, bv, grid=None,
+            tau_len=None, **meta):
     """_vocab_fwd_kernel over the n tokens (or `grid` rows), one program each, writing `outs` (logp, H,
-    stats, flags pointers); bv: its block of entries; meta: its other switches."""
+    stats, flags pointers); bv: its block of entries; tau_len: a tensor temperature's length when not n
+    (one per completion: meta's TEMP_PER_SEQ); meta: its other switches."""
     n = ids.numel()
     scale, cap, has = _transforms(scale, softcap)
-    tau, tau_stride = temperature_arg(temperature, logits3.device, n)
+    tau, tau_stride = temperature_arg(temperature, logits3.device, n if tau_len is None else tau_len)
     _vocab_fwd_kernel[(n if grid is None else grid,)](
         logits3, ids, ids if counted is None else counted, *outs, logits3.stride(0), logits3.stride(1),
         T, V, logits_start, tau, tau_stride, scale, cap,

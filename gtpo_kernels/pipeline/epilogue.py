@@ -300,22 +300,22 @@ def _report(word, bad, b, thr, revalidate):
         warn_all_dropped(thr)
 
 
-def token_logps(b, temperature, host, revalidate=None, rules=None):
-    """token_logprobs on the Triton backend in one launch: (logps, entropy) of the tokens' shape. Validating,
-    the kernel also writes a status word, read with the call's pending checks (one host read): the tokens'
-    flags and, with `revalidate` (the batch was prepared without the device-side checks), the mask values
-    and ids checked in the kernel; nonzero, _report_tokens raises the error the host checks give. rules: the
-    kept sets rebuilt by top_k, top_p, min_p (as loss takes them): one launch more."""
+def token_logps(b, temperature, host, revalidate=None, rules=None, per_seq=False):
+    """token_logprobs on the Triton backend in one launch: (logps, entropy) of the tokens' shape. Validating, the
+    kernel also writes a status word (the tokens' flags; with `revalidate`, the batch prepared without its
+    device-side checks, the mask values, ids and cu_seqlens too), read with the call's pending checks (one host
+    read); nonzero, _report_tokens raises the host checks' error. Not validating, the kernel reads the given ids
+    and cu_seqlens (malformed: NaN at every counted token, as on the eager path). rules: the kept sets rebuilt
+    by top_k, top_p, min_p: one launch more. per_seq: temperature is (B,), read at each token's completion."""
     tau, tau_value = _tau(temperature, b.logits3)
     mask = None if b.mask is None else b.mask.contiguous()
-    in_kernel = revalidate is not None  # the batch's checks too (prepared without them): the given tensors
-    values = in_kernel and mask is not None and mask.dtype != torch.bool
-    cu = b.given["cu_seqlens"].contiguous() if in_kernel and b.packed else None
-    ids = b.given["ids"] if in_kernel else b.ids
+    given = revalidate is not None or not host  # the given tensors, checked in the kernel (or NaN there)
+    values = revalidate is not None and mask is not None and mask.dtype != torch.bool
+    cu = b.given["cu_seqlens"].contiguous() if b.packed and (given or per_seq) else None
+    ids = b.given["ids"] if given else b.ids
     rule_t, rule_v = rule_args(rules)
-    logp, ent, bad, status = loss_ops.token_logps(b.logits3, ids, mask, tau, tau_value, b.logits_start, host,
-                                                  values, cu, -1 if b.max_seqlen is None else b.max_seqlen,
-                                                  *rule_t, rule_v)
+    logp, ent, bad, status = loss_ops.token_logps(b.logits3, ids, mask, tau, tau_value, b.logits_start, host, values,
+                                                  cu, -1 if b.max_seqlen is None else b.max_seqlen, *rule_t, rule_v, per_seq)
     if host:
         checks.check_on_device(status, lambda: _report_tokens(bad, b, revalidate))
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)

@@ -171,12 +171,13 @@ def forward(b, temperature, backend, host, vp=None):
     return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats, bad
 
 
-def call_temperature(temperature, b, dtype, validate, in_kernels=False):
+def call_temperature(temperature, b, dtype, validate, in_kernels=False, spread=True):
     """A call's `temperature=` (spec 13) as the passes take it: None stays None (the config's number),
     a number is checked and kept, a tensor per completion (B,) / (B, 1) or per token becomes (n,) in
     `dtype`, its invalid tokens (not finite, or <= 0) refused when validating, NaN when not (their
     outputs are then NaN); in_kernels: unvalidated, left as they are for the Triton vocabulary kernels,
-    which read such a tau as NaN themselves (the epilogue path: no launch for it)."""
+    which read such a tau as NaN themselves (the epilogue path: no launch for it); with spread=False
+    too, one per completion stays (B,) (token_logprobs' kernel reads it at each token's completion)."""
     if temperature is None:
         return None
     from ..core.sampling import check_temperature
@@ -184,7 +185,8 @@ def call_temperature(temperature, b, dtype, validate, in_kernels=False):
     unchecked = in_kernels and not validate  # the derived batch fields are then never formed (no launch)
     cu = b.given["cu_seqlens"] if unchecked else b.cu_seqlens  # (malformed: the kernels make everything NaN)
     tau, bad = check_temperature(temperature, b.B, T, b.given["ids"].numel(), b.given["ids"].device, cu,
-                                 None if unchecked else b.counted, validate, dtype, flag=not unchecked)
+                                 None if unchecked else b.counted, validate, dtype, flag=not unchecked,
+                                 spread=spread or not unchecked)
     return tau if bad is None else torch.where(bad, torch.full_like(tau, float("nan")), tau)
 
 
