@@ -282,10 +282,10 @@ def _check(c):
     assert k.triton_names.get("_epilogue_kernel") == 1 + (cov > 0), dict(k.triton_names)  # the epilogue path ran
     if c["tau"] is None and c.get("rw") != "completion":  # the three-launch path's bound (spec 8), the seed
         # included; computed weights: one more (per-completion rollout weights: tests/test_launches.py); the
-        # top-entropy mask: two more (its sort key and the sort; with clip_cov or kl_cov the sort only, their
-        # key launch writes its keys); clip_cov, kl_cov: epilogue_cov's
+        # top-entropy mask: two more (its sort key and the sort; with clip_cov or kl_cov none: their key launch
+        # writes its keys, sorted with theirs in one sort); clip_cov, kl_cov: epilogue_cov's
         top = cfg.top_entropy_quantile < 1.0
-        assert k.launches <= 4 + (c["lam"] == "computed") + (2 - (cov > 0)) * top + cov, (k.launches, k.ops)
+        assert k.launches <= 4 + (c["lam"] == "computed") + 2 * (cov == 0) * top + cov, (k.launches, k.ops)
     ref_out, ref_grad, _ = _call(c, logits.double(), ids, mask, adv, old.double(), ref.double(), tau.double(),
                                  "reference", torch.where(counted, upstream, 0.0).double())  # no inf gradient
     assume(torch.isfinite(ref_out.loss).all())

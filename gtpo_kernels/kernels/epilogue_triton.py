@@ -241,7 +241,7 @@ def _epilogue_kernel(
         kv, ki = _cov_kth(cval_ptr, cidx_ptr, M, N, ratio_bits)
     ent_thr = 0.0
     if TOP_ENT:
-        ent_thr = _top_entropy_thr(srt_ptr, M, N, top_q)
+        ent_thr = _top_entropy_thr(srt_ptr, M, N, top_q, POLICY == 11)  # (kl_cov's sort: descending)
     loss_acc = tl.zeros([BLOCK], tl.float32)
     clip_n = tl.zeros((), tl.int32)
     conf_n = tl.zeros((), tl.int32)

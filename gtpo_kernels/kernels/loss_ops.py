@@ -68,7 +68,7 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
     hyper; None with HP 0). TOP_ENT (the top-entropy mask): two launches before it, the sort key and its sort
     (top_entropy.sorted_key), on the call's whole batch only (the quantile spans every counted token).
     clip_cov and kl_cov (POLICY 10, 11; kernels/epilogue_cov.py): a launch of the kernel that writes the sort
-    keys (and the top-entropy mask's, instead of its key kernel), their sort, then the epilogue, on the whole
+    keys (and the top-entropy mask's, instead of its key kernel: one sort of both), then the epilogue, on the whole
     batch only; draws: clip_cov's uniform draws (n,) float64. kst: (n, 3) the kept sets' (size, restored,
     mass) that the rules rebuilt (kept_rule_triton), summed into metrics[9:12]."""
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
@@ -109,12 +109,14 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
     if not cov:
         launch(0, srt, any_, any_, any_)
         return outs
-    key = torch.empty(n, device=logp.device, dtype=torch.float64)
-    ent_key = torch.empty(n, device=logp.device, dtype=torch.float32) if fg["TOP_ENT"] else any_
+    # the keys, and the top-entropy mask's as float64 beside them (exact): one sort for both (kl_cov's order
+    # descending, the entropies' too then: top_entropy._top_entropy_thr reads them from the end)
+    keys = torch.empty((2 if fg["TOP_ENT"] else 1, n), device=logp.device, dtype=torch.float64)
+    key, ent_key = keys[0], keys[-1] if fg["TOP_ENT"] else any_
     launch(1, ent_key, key, any_, any_)
     if n:
-        vals, order = torch.sort(key, stable=True, descending=fg["POLICY"] == 11)
-        srt = torch.sort(ent_key).values if fg["TOP_ENT"] else srt
+        vals, order = torch.sort(keys, dim=-1, stable=True, descending=fg["POLICY"] == 11)
+        vals, order, srt = vals[0], order[0], vals[-1] if fg["TOP_ENT"] else srt
     else:  # (nothing is read)
         vals, order = key, torch.empty(0, device=logp.device, dtype=torch.int64)
     launch(0, srt, key, vals, order)

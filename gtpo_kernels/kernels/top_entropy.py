@@ -50,16 +50,22 @@ def sorted_key(ent, bad, mask):
 
 
 @triton.jit
-def _top_entropy_thr(srt_ptr, M, N, q):
+def _top_entropy_thr(srt_ptr, M, N, q, DESCENDING: tl.constexpr):
     """The (1 - rho) = q quantile of the M counted entropies from the sorted keys (float32, as the eager
-    top_entropy_mask; +inf with no token)."""
+    top_entropy_mask; +inf with no token). The keys may be float64 (sorted with clip_cov's, kl_cov's in one
+    launch; each a float32 value); DESCENDING: sorted descending (with kl_cov's), the exact reverse of the
+    ascending order, so the j-th smallest is read at N - 1 - j."""
     last = tl.maximum(M.to(tl.float32), 1.0) - 1.0  # max(M, 1) - 1, in float32 as the eager M
     pos = last * q
     lo = tl.floor(pos).to(tl.int64)
     hi = tl.minimum(lo + 1, last.to(tl.int64))
     some = N > 0
-    v_lo = tl.load(srt_ptr + lo, mask=some, other=float("inf"))
-    v_hi = tl.load(srt_ptr + hi, mask=some, other=float("inf"))
+    if DESCENDING:
+        v_lo = tl.load(srt_ptr + (N - 1 - lo), mask=some, other=float("inf")).to(tl.float32)
+        v_hi = tl.load(srt_ptr + (N - 1 - hi), mask=some, other=float("inf")).to(tl.float32)
+    else:
+        v_lo = tl.load(srt_ptr + lo, mask=some, other=float("inf")).to(tl.float32)
+        v_hi = tl.load(srt_ptr + hi, mask=some, other=float("inf")).to(tl.float32)
     frac = pos - lo.to(tl.float32)
     thr = v_lo + (v_hi - v_lo) * frac
     return tl.where(v_hi == v_lo, v_lo, thr)

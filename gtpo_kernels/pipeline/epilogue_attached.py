@@ -3,8 +3,8 @@
 
     forward     each rank's vocabulary kernel with the statistics merged over the group
                 (vocab_parallel.vp_forward), so every rank holds the same per-token logp, H and flags
-    epilogue    one launch (loss_ops.epilogue; clip_cov and kl_cov: two around a sort, the top-entropy mask
-                a sort more): the loss, its outputs and metrics, and c = dL/dlogp, e = dL/dH
+    epilogue    one launch (loss_ops.epilogue; clip_cov and kl_cov: two around a sort, which sorts the
+                top-entropy mask's keys too): the loss, its outputs and metrics, and c = dL/dlogp, e = dL/dH
     backward    ops.attach_grad: the backward vocabulary kernel on this rank's slice (in place or not)
 
 The batch was checked on the host when validating (not in the kernel); the status word is the call's one
