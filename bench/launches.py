@@ -200,12 +200,12 @@ def _rows(device="cpu"):
             return lambda: gtpo_loss(x, ids, adv, mask, backend="triton", **extra, **kw).loss.backward()
         return prepare
 
-    def logps(validate, packed=False, per_token_tau=False, **rules):
+    def logps(validate, packed=False, per_token_tau=False, per_completion_tau=False, **rules):
         def prepare():
             logits, ids, _, mask, extra = batch(8, 6, 0, packed, device=device)
             kw = dict(cu_seqlens=extra["cu_seqlens"]) if packed else dict(completion_mask=mask)
-            tau = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)).to(device) + 0.5 \
-                if per_token_tau else 0.7
+            shape = ids.shape if per_token_tau else (8,) if per_completion_tau else None
+            tau = torch.rand(shape, generator=torch.Generator().manual_seed(1)).to(device) + 0.5 if shape else 0.7
             return lambda: token_logprobs(logits, ids, tau, validate=validate, backend="triton", **kw, **rules)
         return prepare
 
@@ -330,6 +330,9 @@ def _rows(device="cpu"):
             ("top_k replay, validate=False", loss(validate=False, top_k=5, drop=no_ref)),
             ("token_logprobs packed, validate=True", logps(True, packed=True)),
             ("token_logprobs, a temperature per token, validate=True", logps(True, per_token_tau=True)),
+            ("token_logprobs packed, a temperature per completion, validate=False",
+             logps(False, packed=True, per_completion_tau=True)),
+            ("the same, validate=True", logps(True, packed=True, per_completion_tau=True)),
             ("rollout_is_weights per token, validate=False",
              loss(validate=False, drop=no_ref, rollout_is_weights=torch.rand(8, 6, device=device) + 0.5)),
             ("rollout_is_weights per completion (B, 1), validate=False",
@@ -355,6 +358,9 @@ def _rows(device="cpu"):
                                             config=GTPOConfig.preset("geo-mean", loss_agg="seq-mean-token-mean"))),
             ("clip_cov (verl)", loss(validate=False, config="clip-cov", drop=no_ref)),
             ("kl_cov (verl)", loss(validate=False, config="kl-cov", drop=no_ref)),
+            ("gtpo with clip_cov's policy term, the top-entropy mask and conflict weights computed in the call",
+             loss(validate=False, group_size=4, drop=("lam", "n_conf", "ref_logps"),
+                  config=GTPOConfig.preset("gtpo", policy_loss="clip-cov", top_entropy_quantile=0.5))),
             ("top_k, top_p and min_p replay, validate=False",
              loss(validate=False, top_k=5, top_p=0.9, min_p=0.01, drop=no_ref)),
             ("token_logprobs with top_k and top_p, validate=False", logps(False, top_k=5, top_p=0.9)),
