@@ -37,8 +37,8 @@ def values_digest(x, where=None):
     flat = x.reshape(-1)
     words = _float_bits(flat) if flat.dtype.is_floating_point else flat.long()
     h = _mix(words, torch.arange(flat.numel(), device=flat.device))
-    if where is not None:
-        h = torch.where(where.reshape(-1), h, torch.zeros((), dtype=torch.int64, device=h.device))
+    if where is not None:  # (a mask of any dtype: nonzero selects)
+        h = torch.where(where.reshape(-1) != 0, h, torch.zeros((), dtype=torch.int64, device=h.device))
     return (h.sum() + (flat.numel() * _K3) % _MASK61) & _MASK61
 
 
@@ -150,7 +150,7 @@ def input_digests(b):
         if x is not None:
             out.append(Digest.values(x))
         elif y is not None:
-            out.append(Digest.values(y, b.counted))
+            out.append(Digest.values(y, b.mask))  # (the mask as given; None: every token counts)
         else:
             out.append(_ABSENT)
     return out
@@ -183,7 +183,8 @@ class Digest:
         if self.kind == "fingerprint":
             return [t for t, _ in self.terms]
         if self.kind == "tokens":
-            return [self.terms.ids, self.terms.counted] + ([self.terms.seg] if self.terms.packed else [])
+            b = self.terms
+            return [b.ids] + ([] if b.mask is None else [b.mask]) + ([b.seg] if b.packed else [])
         return []
 
     def write(self, row, slot):
@@ -202,7 +203,7 @@ class Digest:
                 digest_triton.terms(row, slot, t, None, _size_term(t), pos)
         else:
             b = self.terms
-            digest_triton.tokens(row, slot, b.ids, b.counted, b.seg if b.packed else None,
+            digest_triton.tokens(row, slot, b.ids, b.mask, b.seg if b.packed else None,
                                  1 if b.packed else b.tok_shape[1])
 
     def value(self):

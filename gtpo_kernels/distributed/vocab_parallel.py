@@ -91,22 +91,29 @@ def block_bytes_per_token(itemsize=4):
 def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, softcap=None, sizes=None):
     """The forward pass on this rank's slice, merged over the group -> (logp, H, stats, flags) per
     token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics).
-    scale, softcap: the tile's transforms (spec 11), applied by the kernel to this slice. sizes: every
+    scale, softcap: the tile's transforms (spec 11), applied by the kernel to this slice; temperature: a
+    tensor, or a number (by value on the Triton backend). sizes: every
     rank's slice size; when every boundary is a multiple of VOCAB_BLOCK the blocks' statistics are
     gathered and merged in global block order (vp_blocks: bitwise the single-process outputs), else
     (or None) the 32-byte all-reduce merge below."""
     if sizes is not None and vocab_block.aligned(sizes):
         return vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap)
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
-    logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, b.counted,
-                                                  ops.temperature_param(temperature, b.logits3, backend),
-                                                  b.logits_start, scale, softcap, backend)
+    counted, (tau, tau_v) = _counted(b, backend), ops.tau_arg(temperature, b.logits3, backend)
+    logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, counted, tau, b.logits_start, scale,
+                                                  softcap, backend, tau_v)
     merge = vp_merge.select(backend)  # vp_merge's math: three launches on the Triton backend
     M = merge.local_max(stats_r, ent_r, bad_r, b.V)
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
-    vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, b.counted, M, temperature, b.V)
+    vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, b.V)
     dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
-    return merge.finish(vec, M, b.ids, b.counted, V_global)
+    return merge.finish(vec, M, b.ids, counted, V_global)
+
+
+def _counted(b, backend):
+    """Which tokens count, as the passes read it: on the Triton backend the caller's mask as given (any
+    dtype, nonzero counts) or None (every token), formed by no launch; else the Batch's bool `counted`."""
+    return b.mask if backend == "triton" else b.counted
 
 
 def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.0, softcap=None):
@@ -117,8 +124,9 @@ def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.
     whatever the number of ranks. A message is 4 numbers per token (m, r, u and the owner's target
     logit; a non-finite slice marks r = -1): a rank receives at most 2 of them, block_bytes_per_token."""
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
-    tau = ops.temperature_param(temperature, b.logits3, backend)
-    blocks, zy, nonfinite = dispatch.vocab_blocks(backend, b.logits3.detach(), ids_loc, b.counted, tau,
+    tau, tau_v = ops.tau_arg(temperature, b.logits3, backend)
+    tau, counted = tau_v if tau is None else tau, _counted(b, backend)  # (a number: by value)
+    blocks, zy, nonfinite = dispatch.vocab_blocks(backend, b.logits3.detach(), ids_loc, counted, tau,
                                                   b.logits_start, V_global, scale, softcap)
     n, acc, dev = blocks.shape[0], blocks.dtype, blocks.device
     W, r = dist.get_world_size(group), dist.get_rank(group)
@@ -129,7 +137,7 @@ def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.
     if r > 0:  # the statistics of every block before this rank's
         dist.recv(msg, src=dist.get_global_rank(group, r - 1), group=group)
         state, z_y, bad = _unpack(msg, bad)
-    state = dispatch.vocab_merge(backend, blocks, zy, bad, b.ids, b.counted, tau, V_global, state=state, fold=True)
+    state = dispatch.vocab_merge(backend, blocks, zy, bad, b.ids, counted, tau, V_global, state=state, fold=True)
     z_y = torch.where((ids >= start) & (ids < start + sizes[r]), zy, z_y)  # the owner's bits, selected
     msg = torch.cat([state[:, :1], torch.where(bad, -1.0, state[:, 1])[:, None], state[:, 2:], z_y[:, None]], 1)
     if r < W - 1:
@@ -137,7 +145,7 @@ def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.
     if W > 1:
         dist.broadcast(msg, src=dist.get_global_rank(group, W - 1), group=group)
     state, z_y, bad = _unpack(msg, nonfinite)
-    return dispatch.vocab_merge(backend, blocks[:, :0], z_y, bad, b.ids, b.counted, tau, V_global, state=state)
+    return dispatch.vocab_merge(backend, blocks[:, :0], z_y, bad, b.ids, counted, tau, V_global, state=state)
 
 
 def _unpack(msg, bad):

@@ -70,8 +70,10 @@ def _terms_kernel(x_ptr, where_ptr, out_ptr, n, size_term, pos, IS_FLOAT: tl.con
 
 
 @triton.jit(do_not_specialize=["n", "T"])
-def _tokens_kernel(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.constexpr, BLOCK: tl.constexpr):
-    """seg: the completion of each token, read (HAS_SEG: packed) or i // T (padded)."""
+def _tokens_kernel(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_MASK: tl.constexpr = True):
+    """seg: the completion of each token, read (HAS_SEG: packed) or i // T (padded); counted: the caller's mask
+    as given (nonzero counts; HAS_MASK False: every token)."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     count = tl.zeros([BLOCK], tl.int64)
     acc = tl.zeros([BLOCK], tl.int64)
@@ -84,7 +86,10 @@ def _tokens_kernel(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.con
             seg = tl.load(seg_ptr + o, mask=inb, other=0).to(tl.int64)
         else:
             seg = o // T
-        c = inb & (tl.load(counted_ptr + o, mask=inb, other=0) != 0)
+        if HAS_MASK:
+            c = inb & (tl.load(counted_ptr + o, mask=inb, other=0) != 0)
+        else:
+            c = inb
         count += c.to(tl.int64)
         acc += tl.where(c, _mix(y + seg * K3, o), 0)
         top = tl.maximum(top, tl.where(c, y, -1))
@@ -105,8 +110,8 @@ def terms(row, slot, x, where, size_term, pos):
 
 def tokens(row, slot, ids, counted, seg, T):
     """row[slot:slot + 3] = (counted tokens, their checksum, their largest id), in one launch; seg None:
-    padded rows of T tokens."""
+    padded rows of T tokens; counted: the mask as given (nonzero counts), None: every token counts."""
     flat = ids.reshape(-1).contiguous()
-    _tokens_kernel[(1,)](flat, counted.reshape(-1).contiguous(), flat if seg is None else seg.reshape(-1).contiguous(),
-                         row[slot:],
-                         flat.numel(), T, HAS_SEG=seg is not None, BLOCK=BLOCK)
+    _tokens_kernel[(1,)](flat, flat if counted is None else counted.reshape(-1).contiguous(),
+                         flat if seg is None else seg.reshape(-1).contiguous(), row[slot:],
+                         flat.numel(), T, HAS_SEG=seg is not None, BLOCK=BLOCK, HAS_MASK=counted is not None)

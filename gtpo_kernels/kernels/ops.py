@@ -45,6 +45,14 @@ def temperature_param(temperature, like, backend):
     return torch.full((1,), float(temperature), dtype=torch.float32, device=like.device)
 
 
+def tau_arg(temperature, like, backend):
+    """(tensor or None, value): tau as the custom ops' (temperature, tau_value) take it. A Python number on
+    the Triton backend goes by value (a launch argument: no fill, no copy), else temperature_param's tensor."""
+    if backend == "triton" and not isinstance(temperature, torch.Tensor):
+        return None, float(temperature)
+    return temperature_param(temperature, like, backend), 1.0
+
+
 def acc_dtype(logits3, backend):
     """The dtype the passes accumulate in: the torch path float64 for float64 logits, else float32
     (the Triton backend refuses float64 logits: dispatch.resolve_backend)."""
@@ -52,10 +60,12 @@ def acc_dtype(logits3, backend):
 
 
 @torch.library.custom_op("gtpo_kernels::vocab_fwd", mutates_args=())
-def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, temperature: torch.Tensor,
-              logits_start: int, scale: float = 1.0, softcap: Optional[float] = None,
-              backend: str = "auto") -> List[torch.Tensor]:
-    return list(dispatch.vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale, softcap))
+def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: Optional[torch.Tensor],
+              temperature: Optional[torch.Tensor], logits_start: int, scale: float = 1.0,
+              softcap: Optional[float] = None, backend: str = "auto", tau_value: float = 1.0) -> List[torch.Tensor]:
+    """temperature None: tau_value, passed by value (tau_arg)."""
+    return list(dispatch.vocab_fwd(backend, logits3, ids, counted, float(tau_value) if temperature is None
+                                   else temperature, logits_start, scale, softcap))
 
 
 def fwd_outputs_like(logits3, n, backend):
@@ -67,7 +77,7 @@ def fwd_outputs_like(logits3, n, backend):
 
 
 @vocab_fwd.register_fake
-def _(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, backend="auto"):
+def _(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, backend="auto", tau_value=1.0):
     return fwd_outputs_like(logits3, ids.numel(), backend)
 
 
@@ -113,14 +123,15 @@ def _(logits3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, soft
 @torch.library.custom_op("gtpo_kernels::attach_grad", mutates_args=())
 def attach_grad(logits3: torch.Tensor, value: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor,
                 ent: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor],
-                temperature: torch.Tensor, logits_start: int, scale: float = 1.0,
-                softcap: Optional[float] = None, backend: str = "auto", inplace: bool = False) -> torch.Tensor:
+                temperature: Optional[torch.Tensor], logits_start: int, scale: float = 1.0,
+                softcap: Optional[float] = None, backend: str = "auto", inplace: bool = False,
+                tau_value: float = 1.0) -> torch.Tensor:
     return value.clone()
 
 
 @attach_grad.register_fake
 def _(logits3, value, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto",
-      inplace=False):
+      inplace=False, tau_value=1.0):
     return torch.empty_like(value)
 
 

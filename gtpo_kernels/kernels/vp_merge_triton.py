@@ -9,7 +9,8 @@
     vec = local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local)
     logp, ent, stats, bad = finish(vec, M, ids, counted, V)
 
-A program per BLOCK tokens; int64 offsets; no host read.
+A program per BLOCK tokens; int64 offsets; no host read. counted: the caller's mask as given (nonzero
+counts) or None (every token counts).
 """
 from __future__ import annotations
 
@@ -45,15 +46,27 @@ def _vp_max_kernel(stats_ptr, ent_ptr, bad_ptr, M_out, n, V_local, BLOCK: tl.con
     tl.store(M_out + o, tl.where(live, m, float("-inf")), mask=inb)
 
 
+@triton.jit
+def _counted(counted_ptr, o, inb, HAS_MASK: tl.constexpr):
+    """Whether tokens o count: the caller's mask as given (nonzero counts), or every token without one."""
+    if HAS_MASK:
+        return inb & (tl.load(counted_ptr + o, mask=inb, other=0) != 0)
+    return inb
+
+
 @triton.jit(do_not_specialize=["n", "V_local", "tau_stride"])
 def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
-                    vec_out, n, V_local, BLOCK: tl.constexpr):
+                    vec_out, n, V_local, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True,
+                    TEMP_BY_VALUE: tl.constexpr = False):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = o < n
     m, ls, ent, s, nonfinite, live = _slice(stats_ptr, ent_ptr, bad_ptr, o, inb, V_local)
     M = tl.load(M_ptr + o, mask=inb, other=0.0)
-    inv_t = 1.0 / tl.load(tau_ptr + o * tau_stride, mask=inb, other=1.0)
-    counted = tl.load(counted_ptr + o, mask=inb, other=0) != 0
+    if TEMP_BY_VALUE:  # tau_ptr is tau itself
+        inv_t = 1.0 / tau_ptr
+    else:
+        inv_t = 1.0 / tl.load(tau_ptr + o * tau_stride, mask=inb, other=1.0)
+    counted = _counted(counted_ptr, o, inb, HAS_MASK)
     y = tl.load(ids_ptr + o, mask=inb, other=-1).to(tl.int64)
     logp = tl.load(logp_ptr + o, mask=inb, other=0.0)
     m_eff = tl.where(live, m, float("-inf"))
@@ -78,7 +91,7 @@ def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr,
 
 @triton.jit(do_not_specialize=["n", "V"])
 def _vp_finish_kernel(vec_ptr, M_ptr, ids_ptr, counted_ptr, logp_out, ent_out, stats_out, bad_out, n, V,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = o < n
     v = vec_ptr + 7 * o
@@ -92,7 +105,7 @@ def _vp_finish_kernel(vec_ptr, M_ptr, ids_ptr, counted_ptr, logp_out, ent_out, s
     top = tl.load(v + 5, mask=inb, other=0.0) > 0
     q = tl.where(top, r / s, -_expm1(tl.where(top, 0.0, logp)))
     M = tl.load(M_ptr + o, mask=inb, other=0.0)
-    counted = tl.load(counted_ptr + o, mask=inb, other=0) != 0
+    counted = _counted(counted_ptr, o, inb, HAS_MASK)
     y = tl.load(ids_ptr + o, mask=inb, other=0).to(tl.int64)
     bad = tl.where((tl.load(v + 6, mask=inb, other=0.0) > 0) | (M == float("inf")), BAD_NONFINITE, 0)
     bad = bad | tl.where(logp == float("-inf"), BAD_TARGET_NEG_INF, 0)
@@ -113,6 +126,11 @@ def _flat(x):
     return x.reshape(-1).contiguous()
 
 
+def _mask(counted, other):
+    """The mask's pointer: counted as given (any dtype, flat), or any tensor when None (not read)."""
+    return other if counted is None else _flat(counted)
+
+
 def local_max(stats_r, ent_r, bad_r, V_local):
     n = ent_r.numel()
     M = torch.empty(n, dtype=torch.float32, device=ent_r.device)
@@ -122,12 +140,13 @@ def local_max(stats_r, ent_r, bad_r, V_local):
 
 def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local):
     n = ent_r.numel()
-    tau = temperature if isinstance(temperature, torch.Tensor) else torch.full(
-        (1,), float(temperature), dtype=torch.float32, device=ent_r.device)
-    tau = tau.to(device=ent_r.device, dtype=torch.float32).reshape(-1).contiguous()
+    by_value = not isinstance(temperature, torch.Tensor)  # a number: a launch argument
+    tau = float(temperature) if by_value else temperature.to(device=ent_r.device, dtype=torch.float32).reshape(-1)
     vec = torch.empty((n, 7), dtype=torch.float32, device=ent_r.device)
-    _vp_sums_kernel[_grid(n)](logp_r, stats_r.contiguous(), ent_r, bad_r, _flat(ids_loc), _flat(counted), M, tau,
-                              0 if tau.numel() == 1 else 1, vec, n, V_local, BLOCK=BLOCK)
+    ids_loc = _flat(ids_loc)
+    _vp_sums_kernel[_grid(n)](logp_r, stats_r.contiguous(), ent_r, bad_r, ids_loc, _mask(counted, ids_loc), M, tau,
+                              0 if by_value else tau.stride(0) if tau.numel() > 1 else 0, vec, n, V_local,
+                              BLOCK=BLOCK, HAS_MASK=counted is not None, TEMP_BY_VALUE=by_value)
     return vec
 
 
@@ -136,5 +155,7 @@ def finish(vec, M, ids, counted, V):
     dev = M.device
     logp, ent = torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev)
     stats, bad = torch.empty((n, 3), dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.int8, device=dev)
-    _vp_finish_kernel[_grid(n)](vec, M, _flat(ids), _flat(counted), logp, ent, stats, bad, n, V, BLOCK=BLOCK)
+    ids = _flat(ids)
+    _vp_finish_kernel[_grid(n)](vec, M, ids, _mask(counted, ids), logp, ent, stats, bad, n, V, BLOCK=BLOCK,
+                                HAS_MASK=counted is not None)
     return logp, ent, stats, bad

@@ -30,9 +30,10 @@ def takes(logits3, cfg, backend):
 def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     """GTPOOutput of the call (see the module docstring); tau: the call's temperature per token or None."""
     with torch.no_grad():
-        temperature = ops.temperature_param(cfg.temperature if tau is None else tau, b.logits3, backend)
-        # (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
-        logp, ent, stats, bad = parallel.vp_forward(b, vp.ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes)
+        temperature, tau_v = ops.tau_arg(cfg.temperature if tau is None else tau, b.logits3, backend)  # (a number
+        # by value) (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
+        logp, ent, stats, bad = parallel.vp_forward(b, vp.ids, tau_v if temperature is None else temperature, backend,
+                                                    vp.group, vp.V, sizes=vp.sizes)
         floats, flags = epilogue.arguments(b, cfg, num_items, 1.0, False)
         mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = epilogue.tensors(b, cfg)
         outs = loss_ops.epilogue_outputs(logp, logp.numel(), b.B, flags)
@@ -45,7 +46,7 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     # (the epilogue's H: 0 where not counted, NaN where flagged, as the backward reads it)
     attached = ops.attach_grad(b.logits3, value, vp.ids, stats, outs[2].to(cdt),
                                outs[4].to(cdt), outs[5].to(cdt) if has_e else None, temperature, b.logits_start,
-                               backend=backend, inplace=inplace)
+                               backend=backend, inplace=inplace, tau_value=tau_v)
     # validating: a flagged counted row raises (every rank alike)
     out = epilogue.output(outs, bad, b, cfg, host)
     out.loss = attached

@@ -92,8 +92,8 @@ class Workspace:
         if o.vp is None:
             return dispatch.vocab_fwd(o.backend, z.unsqueeze(0), t.kernel_ids[idx], ones, tau, 0,
                                       scale=o.scale, softcap=o.softcap)
-        tile = types.SimpleNamespace(logits3=z.unsqueeze(0), counted=ones, logits_start=0, V=z.shape[-1],
-                                     ids=t.ids[idx])  # the statistics merged over the vocabulary slices
+        tile = types.SimpleNamespace(logits3=z.unsqueeze(0), counted=ones, mask=None, logits_start=0, V=z.shape[-1],
+                                     ids=t.ids[idx])  # the statistics merged over the vocabulary slices (every row counts)
         return parallel.vp_forward(tile, t.kernel_ids[idx], tau, o.backend, o.vp[0], o.vp[1],
                                    scale=o.scale, softcap=o.softcap, sizes=o.vp[2])
 
