@@ -100,3 +100,46 @@ def test_backend_torch_forms_them_with_torch():
     kernel_row = torch.zeros(2, dtype=torch.int64)
     digest.Digest.values(x).write(kernel_row, 1)
     assert torch.equal(torch_row, kernel_row) and torch_row[1] != 0
+
+
+@pytest.mark.parametrize("n_values", [2, 8])
+def test_a_whole_row_in_one_launch_equals_the_torch_forms(n_values):
+    """digest.write_row, as the agreement forms its row: values (every dtype, with and without a mask of any
+    dtype, a strided view), a fingerprint with two tensor options (the second added into the same slot after
+    the first) and the tokens (packed, a float mask) in one launch of _row_kernel per SLOTS terms, plus one for
+    the fingerprint's second tensor; every slot equal to the torch forms' row, the other slots untouched."""
+    from bench.launches import counting
+    from gtpo_kernels.core import checks
+    from gtpo_kernels.kernels import digest_triton
+    g = torch.Generator().manual_seed(n_values)
+    lengths = torch.tensor([3, 0, 5, 2])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    mask = (torch.rand(10, generator=g) > 0.2).float()
+    b = batch.prepare_tokens(torch.randint(0, 50, (10,), generator=g), mask, cu_seqlens=cu)
+    fields = [7]
+    for k in range(n_values):
+        x = _values(DTYPES[k % len(DTYPES)], [0, 1, 5, 2500][k % 4], g)
+        where = None if k % 2 else (torch.rand(x.numel(), generator=g) > 0.5).to([torch.bool, torch.float32][k % 3 % 2])
+        fields.append(digest.Digest.values(x if k != 3 else torch.randn(5, 2, generator=g)[:, 1], where
+                                           if k != 3 else None))
+    fields += [digest.fingerprint_field(("torch", 1.5, torch.randn(3, generator=g), 3, torch.tensor(0.25))), 11]
+    fields += digest.token_fields(b)
+
+    def row():
+        r = torch.full((len(fields) + 2,), 5, dtype=torch.int64)
+        r[1:1 + len(fields)] = torch.tensor([f.const if isinstance(f, digest.Digest) else f for f in fields])
+        return r
+    with counting() as c:
+        kernel_row = row()
+        digest.write_row(fields, kernel_row)
+    token = checks._KERNELS.set(False)
+    try:
+        torch_row = row()
+        digest.write_row(fields, torch_row)
+    finally:
+        checks._KERNELS.reset(token)
+    assert torch.equal(kernel_row, torch_row), (kernel_row, torch_row)
+    assert kernel_row[0] == 5 and kernel_row[-1] == 5 and (kernel_row[2:-2] != 5).all()
+    n_terms = n_values + 1
+    launches = -(-n_terms // digest_triton.SLOTS) + 1
+    assert c.triton_names == {"_row_kernel": launches - 1, "_terms_kernel": 1}, dict(c.triton_names)

@@ -20,7 +20,7 @@ from gtpo_kernels.kernels import (check_triton, conflict_triton, digest_triton, 
 KERNELS = [vocab_triton._vocab_fwd_kernel, vocab_triton._vocab_bwd_kernel,
            conflict_triton._raw_conflicts_kernel, epilogue_triton._epilogue_kernel, kept_rule_triton._kept_rule_kernel,
            vp_merge_triton._vp_max_kernel, vp_merge_triton._vp_sums_kernel, vp_merge_triton._vp_finish_kernel,
-           digest_triton._terms_kernel, digest_triton._tokens_kernel, check_triton._any_outside_kernel,
+           digest_triton._terms_kernel, digest_triton._tokens_kernel, digest_triton._row_kernel, check_triton._any_outside_kernel,
            tile_union_triton._keys_kernel, tile_union_triton._first_kernel, tile_union_triton._starts_kernel,
            tile_union_triton._columns_kernel]
 ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", "BLOCK_T", "BLOCK",  # block sizes,
@@ -35,7 +35,8 @@ ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", 
                      "PHASE",  # the epilogue's key launch (clip_cov, kl_cov) or the loss: a mode
                      "HP",  # which hyper-parameters are read by pointer (a config's, fixed across steps; no value)
                      "KEEP", "KEPT", "TOP_K", "TOP_P", "MIN_P", "STATS", "NAN_BAD",  # kept sets rebuilt by rules
-                     "IS_FLOAT", "HAS_WHERE", "FP", "HAS_SEG", "IDS"}  # the agreement's checksums, the host checks
+                     "IS_FLOAT", "HAS_WHERE", "FP", "HAS_SEG", "IDS",  # the agreement's checksums, the host checks
+                     "F0", "F1", "F2", "F3", "F4", "F5", "N_TERMS", "TOKENS"}  # (a row's: each term's kind, how many)
 PER_BATCH_SIZES = {"T", "T_l", "logits_start", "n_t_blocks", "B", "N", "n",  # vary every step
                    "K", "M", "n_tiles", "steps"}  # (the head's union tiles: kept ids, tokens, tiles)
 

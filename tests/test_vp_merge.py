@@ -106,12 +106,18 @@ for arch in (90, 80, 100):
         assert _compile_ahead(D._tokens_kernel, arch, dict(ids_ptr=i64, counted_ptr=torch.bool, seg_ptr=i64,
                               out_ptr=i64), f32, dict(n=32768, T=512), dict(HAS_SEG=seg, BLOCK=1024,
                               num_warps=4)).asm.get("ptx")
+    terms = {f"{a}{k}": v for k in range(6) for a, v in (("n", 4096), ("s", 1 << 60), ("p", k), ("o", k + 1))}
+    assert _compile_ahead(D._row_kernel, arch, dict(x0=torch.bfloat16, w0=torch.bool, x1=i64, x2=torch.float32,
+                          w2=torch.float32, row_ptr=i64, ids_ptr=i64, counted_ptr=torch.float32, seg_ptr=i64), i64,
+                          dict(terms, n_tok=32768, T=512, o_tok=9),
+                          dict(F0=3, F1=0, F2=3, F3=5, F4=1, F5=0, N_TERMS=6, TOKENS=True, HAS_SEG=True,
+                               HAS_MASK=True, BLOCK=1024, num_warps=4)).asm.get("ptx")
 print("compiled")
 '''
 
 
 def test_kernels_compile_for_the_gpus():
-    """The merge's three kernels and the agreement's two checksum kernels compiled ahead of time for sm_90,
+    """The merge's three kernels and the agreement's three checksum kernels compiled ahead of time for sm_90,
     sm_80 and sm_100 by Triton's compiler (a process without the interpreter)."""
     compiled_ahead(AOT)
 

@@ -218,6 +218,32 @@ class Digest:
         return digest & _MASK61
 
 
+def write_row(fields, row):
+    """Every Digest among `fields` formed into `row` (field i at slot i + 1): those the kernels form in one
+    launch (digest_triton.row_terms; one more per SLOTS terms, and for each tensor option of a fingerprint
+    after its first, which adds into the same slot after it), the others by their torch forms."""
+    jobs, tokens, after = [], None, []
+    for i, f in enumerate(fields):
+        if not isinstance(f, Digest) or f.kind == "filled":
+            continue
+        if not _kernels_on(row.device, f._tensors()):
+            f.write(row, i + 1)
+        elif f.kind == "values":
+            x, where = f.terms
+            jobs.append((i + 1, x, where, _size_term(x), None))
+        elif f.kind == "fingerprint":
+            for k, (t, pos) in enumerate(f.terms):
+                (after if k else jobs).append((i + 1, t, None, _size_term(t), pos))
+        else:
+            b = f.terms
+            tokens = (i + 1, b.ids, b.mask, b.seg if b.packed else None, 1 if b.packed else b.tok_shape[1])
+    if jobs or tokens is not None:
+        from ..kernels import digest_triton
+        digest_triton.row_terms(row, jobs, tokens)
+        for slot, t, _, size, pos in after:
+            digest_triton.terms(row, slot, t, None, size, pos)
+
+
 def _size_term(x):
     return (x.numel() * _K3) % _MASK61
 

@@ -6,6 +6,7 @@ torch path forms with about twenty small ops a field.
                     words, `where` selecting positions), or, FP, one option's word mix(W, pos) with W its
                     float bits (one element) or its values_digest; added to the row's slot mod 2**61
     _tokens_kernel  the tokens' (count, checksum, largest counted id) into three slots
+    _row_kernel     a row's terms (up to SLOTS) and its tokens' fields in one launch (row_terms: the agreement)
 
 One program each (a loop over BLOCK elements: the sum is formed in one order, no atomics); int64 words
 wrap as the torch twin's do, so the two are bitwise equal.
@@ -47,9 +48,10 @@ def _word(x_ptr, o, inb, IS_FLOAT: tl.constexpr):
     return tl.load(x_ptr + o, mask=inb, other=0).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["n", "size_term", "pos"])
-def _terms_kernel(x_ptr, where_ptr, out_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE: tl.constexpr,
-                  FP: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit
+def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE: tl.constexpr, FP: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """A tensor's term: values_digest's sum with its size word, or, FP, the option word mix(W, pos)."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     acc = tl.zeros([BLOCK], tl.int64)
     for start in range(0, n, BLOCK):
@@ -66,14 +68,29 @@ def _terms_kernel(x_ptr, where_ptr, out_ptr, n, size_term, pos, IS_FLOAT: tl.con
         term = _mix(word, pos)
     else:
         term = term + size_term
+    return term
+
+
+@triton.jit
+def _add_term(out_ptr, x_ptr, where_ptr, n, size_term, pos, F: tl.constexpr, BLOCK: tl.constexpr):
+    """out += the term (mod 2**61); F's bits: 1 IS_FLOAT, 2 HAS_WHERE, 4 FP."""
+    term = _term(x_ptr, where_ptr, n, size_term, pos, (F & 1) != 0, (F & 2) != 0, (F & 4) != 0, BLOCK)
     tl.store(out_ptr, (tl.load(out_ptr) + term) & MASK61)
 
 
-@triton.jit(do_not_specialize=["n", "T"])
-def _tokens_kernel(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_MASK: tl.constexpr = True):
-    """seg: the completion of each token, read (HAS_SEG: packed) or i // T (padded); counted: the caller's mask
-    as given (nonzero counts; HAS_MASK False: every token)."""
+@triton.jit(do_not_specialize=["n", "size_term", "pos"])
+def _terms_kernel(x_ptr, where_ptr, out_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE: tl.constexpr,
+                  FP: tl.constexpr, BLOCK: tl.constexpr):
+    term = _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT, HAS_WHERE, FP, BLOCK)
+    tl.store(out_ptr, (tl.load(out_ptr) + term) & MASK61)
+
+
+@triton.jit
+def _tokens_into(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_MASK: tl.constexpr):
+    """out[0:3] = the tokens' (count, checksum, largest counted id); seg: the completion of each token, read
+    (HAS_SEG: packed) or i // T (padded); counted: the caller's mask as given (nonzero counts; HAS_MASK
+    False: every token)."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     count = tl.zeros([BLOCK], tl.int64)
     acc = tl.zeros([BLOCK], tl.int64)
@@ -98,11 +115,45 @@ def _tokens_kernel(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.con
     tl.store(out_ptr + 2, tl.max(top, axis=0))
 
 
+@triton.jit(do_not_specialize=["n", "T"])
+def _tokens_kernel(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_MASK: tl.constexpr = True):
+    _tokens_into(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG, BLOCK, HAS_MASK)
+
+
+@triton.jit(do_not_specialize=["n0", "s0", "p0", "o0", "n1", "s1", "p1", "o1", "n2", "s2", "p2", "o2", "n3", "s3",
+                               "p3", "o3", "n4", "s4", "p4", "o4", "n5", "s5", "p5", "o5", "n_tok", "T", "o_tok"])
+def _row_kernel(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
+                x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
+                ids_ptr, counted_ptr, seg_ptr, n_tok, T, o_tok, F0: tl.constexpr, F1: tl.constexpr,
+                F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, N_TERMS: tl.constexpr,
+                TOKENS: tl.constexpr, HAS_SEG: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+    """N_TERMS <= SLOTS terms (tensor i: x_i, where w_i, n_i elements, size word s_i, position p_i, F_i as
+    _add_term's) added into row[o_i] (distinct slots) and, TOKENS, the tokens' three fields into
+    row[o_tok:o_tok + 3]: a row's checksums in one program, one after the other."""
+    if N_TERMS > 0:
+        _add_term(row_ptr + o0, x0, w0, n0, s0, p0, F0, BLOCK)
+    if N_TERMS > 1:
+        _add_term(row_ptr + o1, x1, w1, n1, s1, p1, F1, BLOCK)
+    if N_TERMS > 2:
+        _add_term(row_ptr + o2, x2, w2, n2, s2, p2, F2, BLOCK)
+    if N_TERMS > 3:
+        _add_term(row_ptr + o3, x3, w3, n3, s3, p3, F3, BLOCK)
+    if N_TERMS > 4:
+        _add_term(row_ptr + o4, x4, w4, n4, s4, p4, F4, BLOCK)
+    if N_TERMS > 5:
+        _add_term(row_ptr + o5, x5, w5, n5, s5, p5, F5, BLOCK)
+    if TOKENS:
+        _tokens_into(ids_ptr, counted_ptr, seg_ptr, row_ptr + o_tok, n_tok, T, HAS_SEG, BLOCK, HAS_MASK)
+
+
+SLOTS = 6  # terms per launch of _row_kernel
+
+
 def terms(row, slot, x, where, size_term, pos):
     """row[slot] += x's term (values_digest's sum, `where`: only those positions; pos not None: the option
     word mix(W, pos)) mod 2**61, in one launch. size_term: values_digest's size word."""
-    flat = x.detach().reshape(-1).contiguous()  # (a view's reshape keeps its strides: the kernel reads stride 1)
-    w = flat if where is None else where.reshape(-1).contiguous()
+    flat, w = _flat_term(x, where)
     _terms_kernel[(1,)](flat, w, row[slot:], flat.numel(), size_term, 0 if pos is None else pos,
                         IS_FLOAT=flat.dtype.is_floating_point, HAS_WHERE=where is not None, FP=pos is not None,
                         BLOCK=BLOCK)
@@ -115,3 +166,35 @@ def tokens(row, slot, ids, counted, seg, T):
     _tokens_kernel[(1,)](flat, flat if counted is None else counted.reshape(-1).contiguous(),
                          flat if seg is None else seg.reshape(-1).contiguous(), row[slot:],
                          flat.numel(), T, HAS_SEG=seg is not None, BLOCK=BLOCK, HAS_MASK=counted is not None)
+
+
+def _flat_term(x, where):
+    flat = x.detach().reshape(-1).contiguous()  # (a view's reshape keeps its strides: the kernel reads stride 1)
+    return flat, flat if where is None else where.reshape(-1).contiguous()
+
+
+def row_terms(row, jobs, tokens=None):
+    """A row's checksums in one launch of _row_kernel per SLOTS terms (the tokens' with the first): jobs
+    [(slot, x, where, size_term, pos)] at distinct slots, as `terms` takes them; tokens None or (slot, ids,
+    counted, seg, T) as `tokens` takes them."""
+    for i in range(0, max(len(jobs), 1), SLOTS):
+        part, args, flags = jobs[i:i + SLOTS], [], {}
+        for k in range(SLOTS):
+            if k < len(part):
+                slot, x, where, size_term, pos = part[k]
+                flat, w = _flat_term(x, where)
+                args += [flat, w, flat.numel(), size_term, 0 if pos is None else pos, slot]
+                flags[f"F{k}"] = int(flat.dtype.is_floating_point) | 2 * (where is not None) | 4 * (pos is not None)
+            else:
+                args += [row, row, 0, 0, 0, 0]
+                flags[f"F{k}"] = 0
+        tok = tokens if i == 0 else None
+        if tok is not None:
+            slot, ids, counted, seg, T = tok
+            flat = ids.reshape(-1).contiguous()
+            args += [flat, flat if counted is None else counted.reshape(-1).contiguous(),
+                     flat if seg is None else seg.reshape(-1).contiguous(), flat.numel(), T, slot]
+        else:
+            args += [row, row, row, 0, 1, 0]
+        _row_kernel[(1,)](row, *args, N_TERMS=len(part), TOKENS=tok is not None, HAS_SEG=tok is not None and tok[3] is not None,
+                          HAS_MASK=tok is not None and tok[2] is not None, BLOCK=BLOCK, **flags)
