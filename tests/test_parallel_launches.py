@@ -1,7 +1,8 @@
 """Vocabulary-parallel logits stay on the path (spec 8, 12): a gtpo_loss(process_group=...) forward +
 backward on 2 gloo ranks, counted as a GPU would launch it (bench.launches_parallel.counts: Triton
 launches plus aten ops that launch a kernel, collectives included), at two token counts: the merge of
-the slices' statistics is three kernels around its two all-reduces, the agreement's checksums one
+the slices' statistics is two kernels around its two all-reduces (the forward kernel stores the first
+all-reduce's input), the agreement's checksums one
 kernel for the whole row it all-gathers (no per-field launch), one host read unvalidated
 (the agreement's), and nothing grows with the tokens."""
 
@@ -15,8 +16,9 @@ SIZES = ((4, 5), (8, 6))
 # (gtpo validating: the entropy filter drops every completion of this batch, so the status word warns; its
 # value as read serves the warning, no read more)
 # (17 / 20 / 23 / 26 before the Triton passes read the caller's mask as given and a number tau by value, and
-# the agreement's checksums were formed by one kernel a field where they are now one kernel a row)
-BOUND = {("grpo", False): 13, ("gtpo", False): 14, ("grpo", True): 20, ("gtpo", True): 21}
+# the agreement's checksums were formed by one kernel a field where they are now one kernel a row, and the
+# forward kernel stores the slice's maximum, the merge's first input, itself)
+BOUND = {("grpo", False): 12, ("gtpo", False): 13, ("grpo", True): 19, ("gtpo", True): 20}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2}  # validating: the status word
 
 
@@ -39,5 +41,5 @@ def test_vocabulary_parallel_launches_are_few_and_flat_in_tokens():
         assert by_size[0] == by_size[1], by_size  # flat in tokens, on every rank
         for key, (n, triton, reads) in by_size[0].items():
             assert n <= BOUND[key], (key, n)
-            assert triton >= 7, (key, triton)  # the merge's and the checksums' kernels ran (not torch ops)
+            assert triton >= 6, (key, triton)  # the merge's and the checksums' kernels ran (not torch ops)
             assert reads <= READS[key], (key, reads)

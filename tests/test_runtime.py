@@ -19,7 +19,7 @@ from gtpo_kernels.kernels import (check_triton, conflict_triton, digest_triton, 
 
 KERNELS = [vocab_triton._vocab_fwd_kernel, vocab_triton._vocab_bwd_kernel,
            conflict_triton._raw_conflicts_kernel, epilogue_triton._epilogue_kernel, kept_rule_triton._kept_rule_kernel,
-           vp_merge_triton._vp_max_kernel, vp_merge_triton._vp_sums_kernel, vp_merge_triton._vp_finish_kernel,
+           vp_merge_triton._vp_sums_kernel, vp_merge_triton._vp_finish_kernel,
            digest_triton._terms_kernel, digest_triton._tokens_kernel, digest_triton._row_kernel, check_triton._any_outside_kernel,
            tile_union_triton._keys_kernel, tile_union_triton._first_kernel, tile_union_triton._starts_kernel,
            tile_union_triton._columns_kernel]
@@ -31,6 +31,7 @@ ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", 
                      "POLICY", "RW", "OFF_POLICY", "HAS_STATUS", "CU_CHECK", "CU_NAN",  # policy term, weights,
                      # mask, status
                      "TEMP_PER_SEQ",  # a temperature per completion: a layout switch (its index), no size
+                     "VP_MAX",  # the forward kernel stores the vocabulary-parallel merge's first input: a switch
                      "TOP_ENT", "TOK_ADV",  # the top-entropy mask, advantages per token: switches
                      "PHASE",  # the epilogue's key launch (clip_cov, kl_cov) or the loss: a mode
                      "HP",  # which hyper-parameters are read by pointer (a config's, fixed across steps; no value)

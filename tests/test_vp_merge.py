@@ -8,7 +8,7 @@ import torch
 
 import gtpo_reference
 from gtpo_kernels.core.flags import BAD_NONFINITE
-from gtpo_kernels.kernels import dispatch, vp_merge
+from gtpo_kernels.kernels import vp_merge
 from conftest import compiled_ahead
 
 CASES = [  # (slice sizes, per-token temperature)
@@ -32,9 +32,26 @@ def _inputs(seed, V=37, n=12):
     return x, ids, counted, g
 
 
+def _slices(x, ids, counted, tau, sizes):
+    """Each slice's forward outputs on Triton, with the slice's maximum the forward kernel stores (VP_MAX),
+    equal to the torch twin's local_max bit for bit."""
+    from gtpo_kernels.kernels import vocab_triton
+    parts, start = [], 0
+    for s in sizes:
+        loc = ids - start
+        sl = x[:, start:start + s].float().contiguous()[None]
+        M_r = torch.full((ids.numel(),), 7.0)
+        lp, en, st, bad = vocab_triton.vocab_fwd(sl, loc, counted, tau, 0, local_max=M_r)
+        assert torch.equal(M_r, vp_merge.local_max(st, en, bad, s)), (M_r, vp_merge.local_max(st, en, bad, s))
+        parts.append((lp, en, st, bad, loc, s, M_r))
+        start += s
+    return parts
+
+
 def _merge(impl, parts, ids, counted, tau, V):
-    M = torch.stack([impl.local_max(st, en, bad, Vr) for (lp, en, st, bad, loc, Vr) in parts]).amax(0)
-    vec = sum(impl.local_sums(lp, en, st, bad, loc, counted, M, tau, Vr) for (lp, en, st, bad, loc, Vr) in parts)
+    M = torch.stack([M_r if impl is not vp_merge else impl.local_max(st, en, bad, Vr)
+                     for (lp, en, st, bad, loc, Vr, M_r) in parts]).amax(0)
+    vec = sum(impl.local_sums(lp, en, st, bad, loc, counted, M, tau, Vr) for (lp, en, st, bad, loc, Vr, _) in parts)
     return impl.finish(vec, M, ids, counted, V)
 
 
@@ -44,13 +61,7 @@ def test_merge_kernels_equal_their_twin_and_the_reference(sizes, per_token, seed
     x, ids, counted, g = _inputs(seed)
     n, V = x.shape
     tau = (0.5 + torch.rand(n, generator=g)) if per_token else torch.tensor([0.8])
-    parts, start = [], 0
-    for s in sizes:
-        loc = ids - start
-        sl = x[:, start:start + s].float().contiguous()[None]
-        lp, en, st, bad = dispatch.vocab_fwd("triton", sl, loc, counted, tau.float(), 0)
-        parts.append((lp, en, st, bad, loc, s))
-        start += s
+    parts = _slices(x, ids, counted, tau.float(), sizes)
     tri = _merge(vp_merge.select("triton"), parts, ids, counted, tau.float(), V)
     twin = _merge(vp_merge, parts, ids, counted, tau.float(), V)
     assert vp_merge.select("triton") is not vp_merge
@@ -73,13 +84,7 @@ def test_merge_kernels_equal_their_twin_and_the_reference(sizes, per_token, seed
 def test_a_non_finite_logit_is_flagged_on_its_token_only():
     x, ids, counted, _ = _inputs(3)
     x[6, 30] = float("nan")
-    parts, start = [], 0
-    for s in (20, 17):
-        loc = ids - start
-        sl = x[:, start:start + s].float().contiguous()[None]
-        parts.append((*dispatch.vocab_fwd("triton", sl, loc, counted, torch.tensor([1.0]), 0), loc, s))
-        start += s
-    parts = [(lp, en, st, bad, loc, s) for lp, en, st, bad, loc, s in parts]
+    parts = _slices(x, ids, counted, torch.tensor([1.0]), (20, 17))
     for impl in (vp_merge.select("triton"), vp_merge):
         *_, bad = _merge(impl, parts, ids, counted, torch.tensor([1.0]), 37)
         assert (bad[6] & BAD_NONFINITE) != 0 and bool((bad[counted & (torch.arange(12) != 6)] == 0).all()), bad
@@ -92,7 +97,6 @@ from gtpo_kernels.kernels import vp_merge_triton as M, digest_triton as D
 i64, i8, f32 = torch.int64, torch.int8, torch.float32
 for arch in (90, 80, 100):
     meta = dict(BLOCK=256, num_warps=4)
-    assert _compile_ahead(M._vp_max_kernel, arch, dict(bad_ptr=i8), f32, dict(n=32768, V_local=75968), meta).asm.get("ptx")
     assert _compile_ahead(M._vp_sums_kernel, arch, dict(bad_ptr=i8, ids_ptr=i64, counted_ptr=torch.bool), f32,
                           dict(n=32768, V_local=75968, tau_stride=1), meta).asm.get("ptx")
     assert _compile_ahead(M._vp_finish_kernel, arch, dict(bad_out=i8, ids_ptr=i64, counted_ptr=torch.bool), f32,
@@ -112,13 +116,21 @@ for arch in (90, 80, 100):
                           dict(terms, n_tok=32768, T=512, o_tok=9),
                           dict(F0=3, F1=0, F2=3, F3=5, F4=1, F5=0, N_TERMS=6, TOKENS=True, HAS_SEG=True,
                                HAS_MASK=True, BLOCK=1024, num_warps=4)).asm.get("ptx")
+from gtpo_kernels.kernels import vocab_fwd_triton as F  # the forward kernel storing the slice's maximum (VP_MAX)
+from gtpo_kernels.kernels.vocab_triton import fwd_block_v
+assert _compile_ahead(F._vocab_fwd_kernel, 90, dict(logits_ptr=torch.bfloat16, ids_ptr=i64, mask_ptr=torch.bool,
+                      bad_ptr=i8, max_ptr=f32), f32, dict(stride_lb=75968 * 512, stride_lt=75968, T=512, V=75968,
+                      logits_start=0, temp_ptr=0.7, temp_stride=0, scale=1.0, softcap=0.0, NB=1),
+                      dict(HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_V=fwd_block_v(151936), TEMP_BY_VALUE=True,
+                           VP_MAX=True, num_warps=8)).asm.get("ptx")
 print("compiled")
 '''
 
 
 def test_kernels_compile_for_the_gpus():
-    """The merge's three kernels and the agreement's three checksum kernels compiled ahead of time for sm_90,
-    sm_80 and sm_100 by Triton's compiler (a process without the interpreter)."""
+    """The merge's two kernels and the agreement's three checksum kernels compiled ahead of time for sm_90,
+    sm_80 and sm_100, and the forward kernel storing the slice's maximum (VP_MAX) for sm_90, by Triton's
+    compiler (a process without the interpreter)."""
     compiled_ahead(AOT)
 
 
@@ -136,12 +148,11 @@ def test_an_empty_slice_and_an_id_outside_the_vocabulary():
             loc = ids - start
             if s == 0:  # a pass's numbers for no vocabulary at all: ignored
                 n = ids.numel()
-                st = torch.tensor([[9.0, 1.0, 0.5]]).repeat(n, 1)
-                parts.append((torch.full((n,), -0.5), torch.full((n,), 0.7), st, torch.zeros(n, dtype=torch.int8),
-                              loc, 0))
+                st, bad = torch.tensor([[9.0, 1.0, 0.5]]).repeat(n, 1), torch.zeros(n, dtype=torch.int8)
+                en = torch.full((n,), 0.7)
+                parts.append((torch.full((n,), -0.5), en, st, bad, loc, 0, vp_merge.local_max(st, en, bad, 0)))
                 continue
-            sl = x[:, start:start + s].float().contiguous()[None]
-            parts.append((*dispatch.vocab_fwd("triton", sl, loc, counted, tau, 0), loc, s))
+            parts += _slices(x[:, start:], ids - start, counted, tau, (s,))
             start += s
         out[impl] = _merge(impl, parts, ids, counted, tau, 37)
         logp, ent, stats, bad = out[impl]

@@ -100,10 +100,18 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
         return vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap)
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
     counted, (tau, tau_v) = _counted(b, backend), ops.tau_arg(temperature, b.logits3, backend)
-    logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, counted, tau, b.logits_start, scale,
-                                                  softcap, backend, tau_v)
-    merge = vp_merge.select(backend)  # vp_merge's math: three launches on the Triton backend
-    M = merge.local_max(stats_r, ent_r, bad_r, b.V)
+    merge = vp_merge.select(backend)  # vp_merge's math: on the Triton backend the sums' and finish's launches
+    if backend == "triton":  # the forward kernel stores the slice's maximum too (vp_merge.local_max)
+        from ..kernels import vocab_triton
+        dispatch.check_transforms(scale, softcap)
+        M = torch.empty(ids_loc.numel(), dtype=torch.float32, device=b.logits3.device)
+        logp_r, ent_r, stats_r, bad_r = vocab_triton.vocab_fwd(b.logits3.detach(), ids_loc.reshape(-1), counted,
+                                                               tau_v if tau is None else tau, b.logits_start, scale,
+                                                               softcap, local_max=M)
+    else:
+        logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, counted, tau, b.logits_start,
+                                                      scale, softcap, backend, tau_v)
+        M = merge.local_max(stats_r, ent_r, bad_r, b.V)
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
     vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, b.V)
     dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)

@@ -44,6 +44,7 @@ import triton.language as tl
 
 from ..core.vocab_block import VOCAB_BLOCK as _VOCAB_BLOCK
 from .vocab_status import _fold_status, _offsets_bad, _seq_of, _token, _uncounted
+from .vp_merge_triton import _live_max
 from .vocab_jit import (_MAX, _SUM, BAD_ID, BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E,
                         NEG_SENTINEL, _inv_cap, _kept, _log1p, _store_token, _transform)
 
@@ -199,6 +200,8 @@ def _vocab_fwd_kernel(
     TEMP_PER_SEQ: tl.constexpr = 0,  # 1: tau per completion, of token k at temp_ptr + (k // T) * temp_stride
     # (padded); 2: at its completion in cu_ptr (packed, _seq_of; not with ROWS). 0: per token or one tau
     CU_NAN: tl.constexpr = False,  # unvalidated: malformed cu_ptr flags every counted token (NaN outputs)
+    max_ptr=None,  # VP_MAX: (n,) float32, the slice's row maximum where it adds to the merge, else -inf
+    VP_MAX: tl.constexpr = False,  # vocabulary-parallel: store it (vp_merge_triton._live_max: no launch of its own)
 ):
     pid = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
     if ROWS:
@@ -262,6 +265,8 @@ def _vocab_fwd_kernel(
             logp = tl.where(bad != 0, float("nan"), logp)
             ent = tl.where(bad != 0, float("nan"), ent)
         _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad)
+        if VP_MAX:
+            tl.store(max_ptr + tok, _live_max(m, log_s, ent, bad, V))
         if HAS_STATUS:
             _fold_status(status_ptr, work_ptr, bad, mask_ptr, tok, cu_ptr, n_seq, max_seqlen, MASK_VALUES, CU_CHECK)
 

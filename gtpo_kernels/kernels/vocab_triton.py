@@ -82,7 +82,7 @@ def temperature_arg(temperature, device, n):
 
 
 def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, outs=None,
-              nan_flagged=False, rows=None, keep=None):
+              nan_flagged=False, rows=None, keep=None, local_max=None):
     """logits3 (B, T_l, V) with stride(2) == 1, the raw z; ids (B*T,) int; counted (B*T,) bool.
     Returns float32 logp, entropy (B*T,), stats (B*T, 3) = (row max m, log S, q = 1 - p_y) for the
     backward, and int8 flags (0 = fine), all of the transformed z' (scale, softcap: see vocab_jit).
@@ -90,7 +90,8 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     temperature a Python float (passed by value) or a tensor (temperature_arg); outs: the four outputs,
     allocated by the caller; nan_flagged: a flagged token's logp and H are NaN. rows: (n_rows,) int64, the
     token of each row of logits3 = (1, n_rows, V) (the LM head's tile): only those tokens are written.
-    keep: (t_s, t_id) (n,), each token's kept set (kept_rule_triton): the statistics over it."""
+    keep: (t_s, t_id) (n,), each token's kept set (kept_rule_triton): the statistics over it. local_max: (n,)
+    float32, written with the slice's row maximum for the vocabulary-parallel merge (vp_merge.local_max)."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -104,6 +105,8 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     meta = {} if rows is None else dict(rows_ptr=rows, ROWS=True)
     if keep is not None:
         meta.update(keep_s_ptr=keep[0], keep_id_ptr=keep[1], KEEP=True)
+    if local_max is not None:
+        meta.update(max_ptr=local_max, VP_MAX=True)
     _launch(logits3, ids, counted, (logp, ent, stats, bad), T if rows is None else T_l, V, logits_start, temperature,
             scale, softcap, fwd_block_v(V), grid=n if rows is None else rows.numel(), NAN_FLAGGED=nan_flagged, **meta)
     return logp, ent, stats, bad

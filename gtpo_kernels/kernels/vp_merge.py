@@ -11,7 +11,8 @@ around two all-reduces (the caller makes them, distributed.vocab_parallel.vp_for
 then `finish`: log S = log1p(R), H = log S - U / S, logp = (z_y - M) / tau - log S and q = 1 - p_y as on
 one device. A slice all at -inf (banned), an empty slice or a non-finite one adds nothing to the sums.
 This module is the torch path (and the Triton kernels' twin in tests); `select(backend)` gives the
-implementation: vp_merge_triton's three launches on the Triton backend.
+implementation: on the Triton backend the forward kernel stores local_max's values itself and
+vp_merge_triton's two launches make the sums and the finish.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
 
 
 def select(backend):
-    """The module whose local_max / local_sums / finish the backend runs."""
+    """The module whose local_sums / finish the backend runs (local_max: this module's, the torch path's)."""
     if backend == "triton":
         from . import vp_merge_triton
         return vp_merge_triton

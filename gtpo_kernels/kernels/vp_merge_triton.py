@@ -1,11 +1,12 @@
-"""The vocabulary-parallel merge of spec 12 on the device, in three launches around the two all-reduces
-(vp_merge holds the math and its torch twin): what the torch twin forms with about a hundred small ops.
+"""The vocabulary-parallel merge of spec 12 on the device, around the two all-reduces (vp_merge holds the
+math and its torch twin): what the torch twin forms with about a hundred small ops.
 
-    _vp_max_kernel     this slice's row maximum, -inf where the slice adds nothing  -> M (all-reduce MAX)
+    _live_max          this slice's row maximum, -inf where the slice adds nothing  -> M (all-reduce MAX),
+                       stored by the forward kernel itself (vocab_fwd_triton, VP_MAX): no launch of its own
     _vp_sums_kernel    this slice's 7 numbers per token, scaled to the global M     -> vec (all-reduce SUM)
     _vp_finish_kernel  the merged sums -> logp, H, stats (M, log S, q) and flags per token
 
-    M = local_max(stats_r, ent_r, bad_r, V_local)
+    M = vocab_triton.vocab_fwd(..., local_max=M) (vp_merge.local_max's values)
     vec = local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local)
     logp, ent, stats, bad = finish(vec, M, ids, counted, V)
 
@@ -25,25 +26,32 @@ BLOCK = 256
 
 
 @triton.jit
+def _live(m, ls, ent, bad, V_local):
+    """(S_r, non-finite, live) of the slice's statistics (m_r, log S_r, H_r, flags): a slice all at -inf
+    (S_r = 0), an empty one or a non-finite one adds nothing to the sums (live False)."""
+    s = tl.exp(ls)
+    nonfinite = ((bad & BAD_NONFINITE) != 0) | (ls != ls) | (m != m)
+    live = (s > 0) & (ent == ent) & (nonfinite == 0) & (V_local > 0)
+    return s, nonfinite, live
+
+
+@triton.jit
+def _live_max(m, ls, ent, bad, V_local):
+    """The slice's row maximum where it adds to the merge, else -inf: the first all-reduce's input (the
+    forward kernel stores it with VP_MAX)."""
+    _, _, live = _live(m, ls, ent, bad, V_local)
+    return tl.where(live, m, float("-inf"))
+
+
+@triton.jit
 def _slice(stats_ptr, ent_ptr, bad_ptr, o, inb, V_local):
-    """The slice's (m_r, log S_r, H_r, S_r, non-finite, live) at tokens o: a slice all at -inf (S_r = 0),
-    an empty one or a non-finite one adds nothing to the sums (live False)."""
+    """The slice's (m_r, log S_r, H_r, S_r, non-finite, live) at tokens o (_live)."""
     m = tl.load(stats_ptr + 3 * o, mask=inb, other=0.0)
     ls = tl.load(stats_ptr + 3 * o + 1, mask=inb, other=0.0)
     ent = tl.load(ent_ptr + o, mask=inb, other=0.0)
     bad = tl.load(bad_ptr + o, mask=inb, other=0).to(tl.int32)
-    s = tl.exp(ls)
-    nonfinite = ((bad & BAD_NONFINITE) != 0) | (ls != ls) | (m != m)
-    live = (s > 0) & (ent == ent) & (nonfinite == 0) & (V_local > 0)
+    s, nonfinite, live = _live(m, ls, ent, bad, V_local)
     return m, ls, ent, s, nonfinite, live
-
-
-@triton.jit(do_not_specialize=["n", "V_local"])
-def _vp_max_kernel(stats_ptr, ent_ptr, bad_ptr, M_out, n, V_local, BLOCK: tl.constexpr):
-    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inb = o < n
-    m, _, _, _, _, live = _slice(stats_ptr, ent_ptr, bad_ptr, o, inb, V_local)
-    tl.store(M_out + o, tl.where(live, m, float("-inf")), mask=inb)
 
 
 @triton.jit
@@ -129,13 +137,6 @@ def _flat(x):
 def _mask(counted, other):
     """The mask's pointer: counted as given (any dtype, flat), or any tensor when None (not read)."""
     return other if counted is None else _flat(counted)
-
-
-def local_max(stats_r, ent_r, bad_r, V_local):
-    n = ent_r.numel()
-    M = torch.empty(n, dtype=torch.float32, device=ent_r.device)
-    _vp_max_kernel[_grid(n)](stats_r.contiguous(), ent_r, bad_r, M, n, V_local, BLOCK=BLOCK)
-    return M
 
 
 def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local):
