@@ -371,6 +371,12 @@ MUTANTS = [
     M("L10", "distributed/vocab_parallel.py", "return b.mask if backend == \"triton\" else b.counted",
       "return None if backend == \"triton\" else b.counted",
       "vocabulary-parallel Triton passes: every token counted, the mask dropped", tests=["test_parallel"]),
+    M("L11", "kernels/vp_merge_triton.py", "other=-1).to(tl.int64) - id_start  # this slice's id",
+      "other=-1).to(tl.int64)  # this slice's id", "vocabulary-parallel sums: a global id taken as the slice's",
+      tests=["test_parallel", "test_vp_merge"]),
+    M("L12", "kernels/autograd.py", "g=g.to(c.dtype), tau_value=tau, id_start=id_start)\n    return",
+      "g=g.to(c.dtype), tau_value=tau)\n    return", "vocabulary-parallel backward: the target written at its global id",
+      tests=["test_parallel"]),
 ]
 
 

@@ -17,8 +17,9 @@ SIZES = ((4, 5), (8, 6))
 # value as read serves the warning, no read more)
 # (17 / 20 / 23 / 26 before the Triton passes read the caller's mask as given and a number tau by value, and
 # the agreement's checksums were formed by one kernel a field where they are now one kernel a row, and the
-# forward kernel stores the slice's maximum, the merge's first input, itself)
-BOUND = {("grpo", False): 12, ("gtpo", False): 13, ("grpo", True): 19, ("gtpo", True): 20}
+# forward kernel stores the slice's maximum, the merge's first input, itself, and the kernels subtract the
+# slice's first id as they read an id)
+BOUND = {("grpo", False): 11, ("gtpo", False): 12, ("grpo", True): 18, ("gtpo", True): 19}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2}  # validating: the status word
 
 

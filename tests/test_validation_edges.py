@@ -176,7 +176,7 @@ for arch, dt, cu, per_seq in ((90, torch.bfloat16, True, 0), (80, torch.float32,
                         bad_ptr=torch.int8, status_ptr=i32, work_ptr=i64, cu_ptr=i64, rows_ptr=i64),
                         torch.float32, dict(stride_lb=151936 * 512, stride_lt=151936, T=512, V=151936,
                         logits_start=0, temp_stride=1 if per_seq else 0, scale=1.0, softcap=0.0, NB=1,
-                        n_seq=64, max_seqlen=-1, **tau),
+                        n_seq=64, max_seqlen=-1, id_start=0, **tau),
                         dict(HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_V=fwd_block_v(151936), TEMP_BY_VALUE=not per_seq,
                              NAN_FLAGGED=True, HAS_STATUS=not per_seq, MASK_VALUES=not per_seq, CU_CHECK=cu and not per_seq,
                              CU_NAN=cu and per_seq > 0, TEMP_PER_SEQ=per_seq, num_warps=8))

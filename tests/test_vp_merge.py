@@ -98,7 +98,7 @@ i64, i8, f32 = torch.int64, torch.int8, torch.float32
 for arch in (90, 80, 100):
     meta = dict(BLOCK=256, num_warps=4)
     assert _compile_ahead(M._vp_sums_kernel, arch, dict(bad_ptr=i8, ids_ptr=i64, counted_ptr=torch.bool), f32,
-                          dict(n=32768, V_local=75968, tau_stride=1), meta).asm.get("ptx")
+                          dict(n=32768, V_local=75968, tau_stride=1, id_start=75968), meta).asm.get("ptx")
     assert _compile_ahead(M._vp_finish_kernel, arch, dict(bad_out=i8, ids_ptr=i64, counted_ptr=torch.bool), f32,
                           dict(n=32768, V=151936), meta).asm.get("ptx")
     for dt, fp in ((torch.bfloat16, True), (i64, False)):
@@ -120,7 +120,7 @@ from gtpo_kernels.kernels import vocab_fwd_triton as F  # the forward kernel sto
 from gtpo_kernels.kernels.vocab_triton import fwd_block_v
 assert _compile_ahead(F._vocab_fwd_kernel, 90, dict(logits_ptr=torch.bfloat16, ids_ptr=i64, mask_ptr=torch.bool,
                       bad_ptr=i8, max_ptr=f32), f32, dict(stride_lb=75968 * 512, stride_lt=75968, T=512, V=75968,
-                      logits_start=0, temp_ptr=0.7, temp_stride=0, scale=1.0, softcap=0.0, NB=1),
+                      logits_start=0, temp_ptr=0.7, temp_stride=0, scale=1.0, softcap=0.0, NB=1, id_start=75968),
                       dict(HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_V=fwd_block_v(151936), TEMP_BY_VALUE=True,
                            VP_MAX=True, num_warps=8)).asm.get("ptx")
 print("compiled")

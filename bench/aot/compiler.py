@@ -389,7 +389,7 @@ def compile_vocab_keep(arch, backward=False, **switches):
         meta = dict(HAS_E=True, HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_V=2048, TEMP_BY_VALUE=True, HAS_G=True,
                     KEEP=True, num_warps=4)
     else:
-        scal.update(NB=1, n_seq=0, max_seqlen=-1)
+        scal.update(NB=1, n_seq=0, max_seqlen=-1, id_start=0)
         meta = dict(HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_V=vt.fwd_block_v(V), TEMP_BY_VALUE=True, KEEP=True,
                     num_warps=4)
     meta.update(switches)

@@ -88,16 +88,17 @@ def block_bytes_per_token(itemsize=4):
     return 2 * 4 * itemsize
 
 
-def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, softcap=None, sizes=None):
+def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, softcap=None, sizes=None, id_start=0):
     """The forward pass on this rank's slice, merged over the group -> (logp, H, stats, flags) per
     token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics).
     scale, softcap: the tile's transforms (spec 11), applied by the kernel to this slice; temperature: a
     tensor, or a number (by value on the Triton backend). sizes: every
     rank's slice size; when every boundary is a multiple of VOCAB_BLOCK the blocks' statistics are
     gathered and merged in global block order (vp_blocks: bitwise the single-process outputs), else
-    (or None) the 32-byte all-reduce merge below."""
+    (or None) the 32-byte all-reduce merge below. id_start: ids_loc - id_start are this slice's ids (the
+    kernels subtract it as they read an id: no launch for the slice's ids)."""
     if sizes is not None and vocab_block.aligned(sizes):
-        return vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap)
+        return vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap, id_start)
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
     counted, (tau, tau_v) = _counted(b, backend), ops.tau_arg(temperature, b.logits3, backend)
     merge = vp_merge.select(backend)  # vp_merge's math: on the Triton backend the sums' and finish's launches
@@ -107,13 +108,13 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
         M = torch.empty(ids_loc.numel(), dtype=torch.float32, device=b.logits3.device)
         logp_r, ent_r, stats_r, bad_r = vocab_triton.vocab_fwd(b.logits3.detach(), ids_loc.reshape(-1), counted,
                                                                tau_v if tau is None else tau, b.logits_start, scale,
-                                                               softcap, local_max=M)
+                                                               softcap, local_max=M, id_start=id_start)
     else:
         logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, counted, tau, b.logits_start,
-                                                      scale, softcap, backend, tau_v)
+                                                      scale, softcap, backend, tau_v, id_start)
         M = merge.local_max(stats_r, ent_r, bad_r, b.V)
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
-    vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, b.V)
+    vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, b.V, id_start)
     dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
     return merge.finish(vec, M, b.ids, counted, V_global)
 
@@ -124,7 +125,7 @@ def _counted(b, backend):
     return b.mask if backend == "triton" else b.counted
 
 
-def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.0, softcap=None):
+def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.0, softcap=None, id_start=0):
     """The block merge (spec 14), for slices whose boundaries are all multiples of VOCAB_BLOCK: the row
     statistics travel from rank to rank in rank order (= global block order) and each folds its own
     blocks into them with the single-process pass's own merge (dispatch.vocab_merge); the last rank's
@@ -135,7 +136,7 @@ def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.
     tau, tau_v = ops.tau_arg(temperature, b.logits3, backend)
     tau, counted = tau_v if tau is None else tau, _counted(b, backend)  # (a number: by value)
     blocks, zy, nonfinite = dispatch.vocab_blocks(backend, b.logits3.detach(), ids_loc, counted, tau,
-                                                  b.logits_start, V_global, scale, softcap)
+                                                  b.logits_start, V_global, scale, softcap, id_start)
     n, acc, dev = blocks.shape[0], blocks.dtype, blocks.device
     W, r = dist.get_world_size(group), dist.get_rank(group)
     ids = b.ids.long()

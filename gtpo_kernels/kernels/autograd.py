@@ -18,23 +18,24 @@ from . import ops
 
 
 def _setup_context(ctx, inputs, output):
-    logits3, _value, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend, inplace, tau = inputs
+    logits3, _value, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend, inplace, tau, \
+        id_start = inputs
     ctx.save_for_backward(logits3, ids, stats, ent, c, e, temperature)
-    ctx.meta = (logits_start, scale, softcap, backend, inplace, tau)
+    ctx.meta = (logits_start, scale, softcap, backend, inplace, tau, id_start)
 
 
 def _backward(ctx, grad):
     logits3, ids, stats, ent, c, e, temperature = ctx.saved_tensors
-    logits_start, scale, softcap, backend, inplace, tau = ctx.meta
+    logits_start, scale, softcap, backend, inplace, tau, id_start = ctx.meta
     g = grad.reshape(-1)  # scalar loss: (1,); loss_agg='none': one per token
     if inplace:  # (the pass multiplies c and e by g too)
         ops.vocab_bwd_inplace(logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend,
-                              g=g.to(c.dtype), tau_value=tau)
+                              g=g.to(c.dtype), tau_value=tau, id_start=id_start)
         grad3 = logits3.view(logits3.shape)  # a fresh view: autograd can take it as .grad without a copy
     else:  # the pass multiplies c and e by g itself
         grad3 = ops.vocab_bwd(logits3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap, backend,
-                              g=g.to(c.dtype), tau_value=tau)
-    return (grad3,) + (None,) * 13
+                              g=g.to(c.dtype), tau_value=tau, id_start=id_start)
+    return (grad3,) + (None,) * 14
 
 
 ops.attach_grad.register_autograd(_backward, setup_context=_setup_context)

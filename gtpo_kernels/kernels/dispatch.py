@@ -78,15 +78,26 @@ def check_transforms(scale, softcap):
         raise ValueError(f"softcap (logit_softcap) must be None or a finite number > 0, got {softcap!r}")
 
 
-def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
-    """Per token (logp, H, stats, flags) of z' = softcap * tanh(z * scale / softcap) (or z * scale)."""
+def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, id_start=0):
+    """Per token (logp, H, stats, flags) of z' = softcap * tanh(z * scale / softcap) (or z * scale). id_start:
+    the vocabulary entry of logits3's column 0 (a slice of the vocabulary): each target is ids - id_start."""
     check_transforms(scale, softcap)
     backend = _resolved(backend, logits3)
-    return _vocab_impl(backend).vocab_fwd(logits3, ids, counted, _temperature(backend, temperature),
+    if backend == "triton":
+        from . import vocab_triton
+        return vocab_triton.vocab_fwd(logits3, ids, counted, _temperature(backend, temperature), logits_start, scale,
+                                      softcap, id_start=id_start)
+    return _vocab_impl(backend).vocab_fwd(logits3, _local(ids, id_start), counted, _temperature(backend, temperature),
                                           logits_start, scale, softcap)
 
 
-def vocab_blocks(backend, logits3, ids, counted, temperature, logits_start, V_whole, scale=1.0, softcap=None):
+def _local(ids, id_start):
+    """The torch path's slice ids (the Triton kernels subtract id_start as they read an id)."""
+    return ids if not id_start else ids.long() - id_start
+
+
+def vocab_blocks(backend, logits3, ids, counted, temperature, logits_start, V_whole, scale=1.0, softcap=None,
+                 id_start=0):
     """A vocabulary slice's per-block statistics for the block merge (spec 14): (blocks (n, NB, 3), z'_y (n,),
     non-finite (n,) bool: the torch path's; the Triton kernel's flags come from the merged statistics).
     V_whole: the whole vocabulary's size (the Triton kernel's block is chosen from it, as on one process)."""
@@ -95,10 +106,10 @@ def vocab_blocks(backend, logits3, ids, counted, temperature, logits_start, V_wh
     if backend == "triton":
         from . import vocab_triton
         blocks, zy = vocab_triton.vocab_blocks(logits3, ids, counted, _temperature(backend, temperature),
-                                               logits_start, V_whole, scale, softcap)
+                                               logits_start, V_whole, scale, softcap, id_start)
         return blocks, zy, torch.zeros(zy.shape, dtype=torch.bool, device=zy.device)
     from . import vocab_torch
-    return vocab_torch.vocab_blocks(logits3, ids, counted, _temperature(backend, temperature), logits_start,
+    return vocab_torch.vocab_blocks(logits3, _local(ids, id_start), counted, _temperature(backend, temperature), logits_start,
                                     scale, softcap)
 
 
@@ -122,7 +133,7 @@ def scale_by(coef, g):
 
 
 def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None,
-              g=None, keep=None):
+              g=None, keep=None, id_start=0):
     """dL/dz of the raw logits into grad3 (stats from vocab_fwd with the same scale and softcap). An
     empty vocabulary (a rank's empty slice, spec 12) has no entry to write. g: the upstream gradient
     (one element, or one per token) that c and e are multiplied by (the Triton kernel reads it itself).
@@ -136,9 +147,13 @@ def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logit
         c, e, g = scale_by(c, g), scale_by(e, g), None
     if keep is not None and backend != "triton":
         raise ValueError("kept sets as thresholds are the Triton backend's")
-    return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e, _temperature(backend, temperature),
-                                          logits_start, scale, softcap, **({} if g is None else dict(g=g)),
-                                          **({} if keep is None else dict(keep=keep)))
+    if backend == "triton" and id_start:
+        from . import vocab_triton
+        return vocab_triton.vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap,
+                                      g, id_start=id_start, keep=keep)
+    return _vocab_impl(backend).vocab_bwd(logits3, grad3, _local(ids, id_start), stats, ent, c, e,
+                                          _temperature(backend, temperature), logits_start, scale, softcap,
+                                          **({} if g is None else dict(g=g)), **({} if keep is None else dict(keep=keep)))
 
 
 def raw_conflicts(backend, ids, m, pos, neg, group_size):

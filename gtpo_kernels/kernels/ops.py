@@ -62,10 +62,12 @@ def acc_dtype(logits3, backend):
 @torch.library.custom_op("gtpo_kernels::vocab_fwd", mutates_args=())
 def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: Optional[torch.Tensor],
               temperature: Optional[torch.Tensor], logits_start: int, scale: float = 1.0,
-              softcap: Optional[float] = None, backend: str = "auto", tau_value: float = 1.0) -> List[torch.Tensor]:
-    """temperature None: tau_value, passed by value (tau_arg)."""
+              softcap: Optional[float] = None, backend: str = "auto", tau_value: float = 1.0,
+              id_start: int = 0) -> List[torch.Tensor]:
+    """temperature None: tau_value, passed by value (tau_arg). id_start: the slice's first id (each target
+    is ids - id_start)."""
     return list(dispatch.vocab_fwd(backend, logits3, ids, counted, float(tau_value) if temperature is None
-                                   else temperature, logits_start, scale, softcap))
+                                   else temperature, logits_start, scale, softcap, id_start))
 
 
 def fwd_outputs_like(logits3, n, backend):
@@ -77,7 +79,8 @@ def fwd_outputs_like(logits3, n, backend):
 
 
 @vocab_fwd.register_fake
-def _(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, backend="auto", tau_value=1.0):
+def _(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, backend="auto", tau_value=1.0,
+      id_start=0):
     return fwd_outputs_like(logits3, ids.numel(), backend)
 
 
@@ -86,19 +89,21 @@ def vocab_bwd(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent
               c: torch.Tensor, e: Optional[torch.Tensor], temperature: Optional[torch.Tensor],
               logits_start: int, scale: float = 1.0, softcap: Optional[float] = None,
               backend: str = "auto", g: Optional[torch.Tensor] = None, tau_value: float = 1.0,
-              keep_s: Optional[torch.Tensor] = None, keep_id: Optional[torch.Tensor] = None) -> torch.Tensor:
+              keep_s: Optional[torch.Tensor] = None, keep_id: Optional[torch.Tensor] = None,
+              id_start: int = 0) -> torch.Tensor:
     """g: the upstream gradient, multiplied into c and e by the pass (None: already in them); temperature
-    None: tau_value, passed by value. keep_s, keep_id: each token's kept set (kept_rule_triton; Triton)."""
+    None: tau_value, passed by value. keep_s, keep_id: each token's kept set (kept_rule_triton; Triton).
+    id_start: the slice's first id (each target is ids - id_start)."""
     grad3 = torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
     dispatch.vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e,
                        float(tau_value) if temperature is None else temperature, logits_start, scale, softcap, g,
-                       None if keep_s is None else (keep_s, keep_id))
+                       None if keep_s is None else (keep_s, keep_id), id_start)
     return grad3
 
 
 @vocab_bwd.register_fake
 def _(logits3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto", g=None,
-      tau_value=1.0, keep_s=None, keep_id=None):
+      tau_value=1.0, keep_s=None, keep_id=None, id_start=0):
     return torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
 
 
@@ -107,16 +112,17 @@ def vocab_bwd_inplace(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Ten
                       c: torch.Tensor, e: Optional[torch.Tensor], temperature: Optional[torch.Tensor],
                       logits_start: int, scale: float = 1.0, softcap: Optional[float] = None,
                       backend: str = "auto", g: Optional[torch.Tensor] = None, tau_value: float = 1.0,
-                      keep_s: Optional[torch.Tensor] = None, keep_id: Optional[torch.Tensor] = None) -> None:
+                      keep_s: Optional[torch.Tensor] = None, keep_id: Optional[torch.Tensor] = None,
+                      id_start: int = 0) -> None:
     """vocab_bwd written over logits3 itself (inplace=True); the same arguments."""
     dispatch.vocab_bwd(backend, logits3, logits3, ids, stats, ent, c, e,
                        float(tau_value) if temperature is None else temperature, logits_start, scale, softcap, g,
-                       None if keep_s is None else (keep_s, keep_id))
+                       None if keep_s is None else (keep_s, keep_id), id_start)
 
 
 @vocab_bwd_inplace.register_fake
 def _(logits3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto", g=None,
-      tau_value=1.0, keep_s=None, keep_id=None):
+      tau_value=1.0, keep_s=None, keep_id=None, id_start=0):
     return None
 
 
@@ -125,13 +131,13 @@ def attach_grad(logits3: torch.Tensor, value: torch.Tensor, ids: torch.Tensor, s
                 ent: torch.Tensor, c: torch.Tensor, e: Optional[torch.Tensor],
                 temperature: Optional[torch.Tensor], logits_start: int, scale: float = 1.0,
                 softcap: Optional[float] = None, backend: str = "auto", inplace: bool = False,
-                tau_value: float = 1.0) -> torch.Tensor:
+                tau_value: float = 1.0, id_start: int = 0) -> torch.Tensor:
     return value.clone()
 
 
 @attach_grad.register_fake
 def _(logits3, value, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto",
-      inplace=False, tau_value=1.0):
+      inplace=False, tau_value=1.0, id_start=0):
     return torch.empty_like(value)
 
 

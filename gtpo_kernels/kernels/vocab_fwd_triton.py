@@ -162,7 +162,7 @@ def _finalize(m, r, u, z_y, y_ok, inv_temp):
     return logp, ent, m_safe, log_s, q, bad
 
 
-@triton.jit(do_not_specialize=["T", "logits_start", "temp_stride", "n_seq", "max_seqlen"])
+@triton.jit(do_not_specialize=["T", "logits_start", "temp_stride", "n_seq", "max_seqlen", "id_start"])
 def _vocab_fwd_kernel(
     # pointers
     logits_ptr, ids_ptr, mask_ptr,  # inputs: (B, T_l, V) strided rows; (B*T,) ids; (B*T,) counted flag
@@ -202,6 +202,7 @@ def _vocab_fwd_kernel(
     CU_NAN: tl.constexpr = False,  # unvalidated: malformed cu_ptr flags every counted token (NaN outputs)
     max_ptr=None,  # VP_MAX: (n,) float32, the slice's row maximum where it adds to the merge, else -inf
     VP_MAX: tl.constexpr = False,  # vocabulary-parallel: store it (vp_merge_triton._live_max: no launch of its own)
+    id_start=0,  # the vocabulary entry of the slice's column 0: the token's target is ids[tok] - id_start
 ):
     pid = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
     if ROWS:
@@ -221,7 +222,7 @@ def _vocab_fwd_kernel(
         i = pid // T
         t = pid - i * T
         row = logits_ptr + i * stride_lb + (t + logits_start) * stride_lt
-        y = tl.load(ids_ptr + tok).to(tl.int64)
+        y = tl.load(ids_ptr + tok).to(tl.int64) - id_start
         y_ok = (y >= 0) & (y < V)
         c2 = inv_temp * LOG2E  # d / ln 2: exp(d) = exp2((z - m) * c2)
         HALF: tl.constexpr = BLOCK_V // 2

@@ -82,7 +82,7 @@ def temperature_arg(temperature, device, n):
 
 
 def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, outs=None,
-              nan_flagged=False, rows=None, keep=None, local_max=None):
+              nan_flagged=False, rows=None, keep=None, local_max=None, id_start=0):
     """logits3 (B, T_l, V) with stride(2) == 1, the raw z; ids (B*T,) int; counted (B*T,) bool.
     Returns float32 logp, entropy (B*T,), stats (B*T, 3) = (row max m, log S, q = 1 - p_y) for the
     backward, and int8 flags (0 = fine), all of the transformed z' (scale, softcap: see vocab_jit).
@@ -91,7 +91,8 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     allocated by the caller; nan_flagged: a flagged token's logp and H are NaN. rows: (n_rows,) int64, the
     token of each row of logits3 = (1, n_rows, V) (the LM head's tile): only those tokens are written.
     keep: (t_s, t_id) (n,), each token's kept set (kept_rule_triton): the statistics over it. local_max: (n,)
-    float32, written with the slice's row maximum for the vocabulary-parallel merge (vp_merge.local_max)."""
+    float32, written with the slice's row maximum for the vocabulary-parallel merge (vp_merge.local_max).
+    id_start: the vocabulary entry of logits3's column 0 (a slice): each target is ids - id_start."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -107,6 +108,8 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
         meta.update(keep_s_ptr=keep[0], keep_id_ptr=keep[1], KEEP=True)
     if local_max is not None:
         meta.update(max_ptr=local_max, VP_MAX=True)
+    if id_start:
+        meta["id_start"] = id_start
     _launch(logits3, ids, counted, (logp, ent, stats, bad), T if rows is None else T_l, V, logits_start, temperature,
             scale, softcap, fwd_block_v(V), grid=n if rows is None else rows.numel(), NAN_FLAGGED=nan_flagged, **meta)
     return logp, ent, stats, bad
@@ -128,7 +131,7 @@ def _launch(logits3, ids, counted, outs, T, V, logits_start, temperature, scale,
     )
 
 
-def vocab_blocks(logits3, ids, counted, temperature, logits_start, V_whole, scale=1.0, softcap=None):
+def vocab_blocks(logits3, ids, counted, temperature, logits_start, V_whole, scale=1.0, softcap=None, id_start=0):
     """The per-block statistics of a vocabulary slice (spec 14): float32 (n, n_blocks(V), 3), block b
     = entries [b VOCAB_BLOCK, (b + 1) VOCAB_BLOCK) of the slice, (m_b, r_b, u_b) as _vocab_fwd_kernel folds
     them; and the transformed target logit z'_y (n,) where the (local) id lies in the slice, NaN elsewhere.
@@ -144,7 +147,7 @@ def vocab_blocks(logits3, ids, counted, temperature, logits_start, V_whole, scal
     if n == 0 or nb == 0:
         return blocks, zy.fill_(float("nan"))
     _launch(logits3, ids, counted, (zy, zy, blocks, zy), T, V, logits_start, temperature, scale, softcap,
-            fwd_block_v(V_whole), BLOCKS_OUT=True, NB=nb)
+            fwd_block_v(V_whole), BLOCKS_OUT=True, NB=nb, id_start=id_start)
     return blocks, zy
 
 

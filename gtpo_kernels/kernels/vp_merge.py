@@ -45,8 +45,9 @@ def local_max(stats_r, ent_r, bad_r, V_local):
     return torch.where(live, m_r, torch.full((), float("-inf"), dtype=m_r.dtype, device=m_r.device))
 
 
-def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local):
-    """This slice's 7 numbers per token against the global maximum M: the all-reduce SUM's input."""
+def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local, id_start=0):
+    """This slice's 7 numbers per token against the global maximum M: the all-reduce SUM's input (ids_loc -
+    id_start: this slice's ids)."""
     m_r, ls_r, S_r, nonfinite, live = _slice(stats_r, ent_r, bad_r, V_local)
     inv_t = 1.0 / temperature  # a number or a tensor (no host read)
     m_eff = torch.where(live, m_r, torch.full((), float("-inf"), dtype=m_r.dtype, device=m_r.device))
@@ -57,7 +58,7 @@ def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, 
     at_max = live & (m_eff == M)
     R_r = torch.expm1(ls_r)
     U_r = torch.where(live, (ls_r - ent_r) * S_r, zero)
-    ids_loc, counted = ids_loc.reshape(-1), counted.reshape(-1)
+    ids_loc, counted = ids_loc.reshape(-1) - id_start, counted.reshape(-1)
     owned = counted & (ids_loc >= 0) & (ids_loc < V_local)
     t_r = logp_r + ls_r  # (z_y - m_r) / tau on the owner
     return torch.stack([

@@ -62,10 +62,10 @@ def _counted(counted_ptr, o, inb, HAS_MASK: tl.constexpr):
     return inb
 
 
-@triton.jit(do_not_specialize=["n", "V_local", "tau_stride"])
+@triton.jit(do_not_specialize=["n", "V_local", "tau_stride", "id_start"])
 def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
                     vec_out, n, V_local, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True,
-                    TEMP_BY_VALUE: tl.constexpr = False):
+                    TEMP_BY_VALUE: tl.constexpr = False, id_start=0):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = o < n
     m, ls, ent, s, nonfinite, live = _slice(stats_ptr, ent_ptr, bad_ptr, o, inb, V_local)
@@ -75,7 +75,7 @@ def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr,
     else:
         inv_t = 1.0 / tl.load(tau_ptr + o * tau_stride, mask=inb, other=1.0)
     counted = _counted(counted_ptr, o, inb, HAS_MASK)
-    y = tl.load(ids_ptr + o, mask=inb, other=-1).to(tl.int64)
+    y = tl.load(ids_ptr + o, mask=inb, other=-1).to(tl.int64) - id_start  # this slice's id
     logp = tl.load(logp_ptr + o, mask=inb, other=0.0)
     m_eff = tl.where(live, m, float("-inf"))
     M_safe = tl.where(tl.abs(M) < float("inf"), M, 0.0)
@@ -139,7 +139,7 @@ def _mask(counted, other):
     return other if counted is None else _flat(counted)
 
 
-def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local):
+def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local, id_start=0):
     n = ent_r.numel()
     by_value = not isinstance(temperature, torch.Tensor)  # a number: a launch argument
     tau = float(temperature) if by_value else temperature.to(device=ent_r.device, dtype=torch.float32).reshape(-1)
@@ -147,7 +147,7 @@ def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, 
     ids_loc = _flat(ids_loc)
     _vp_sums_kernel[_grid(n)](logp_r, stats_r.contiguous(), ent_r, bad_r, ids_loc, _mask(counted, ids_loc), M, tau,
                               0 if by_value else tau.stride(0) if tau.numel() > 1 else 0, vec, n, V_local,
-                              BLOCK=BLOCK, HAS_MASK=counted is not None, TEMP_BY_VALUE=by_value)
+                              BLOCK=BLOCK, HAS_MASK=counted is not None, TEMP_BY_VALUE=by_value, id_start=id_start)
     return vec
 
 

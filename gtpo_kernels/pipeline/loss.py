@@ -163,7 +163,8 @@ def forward(b, temperature, backend, host, vp=None):
         logp, ent, stats, bad = ops.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
                                               b.logits_start, backend=backend)
     else:
-        logp, ent, stats, bad = parallel.vp_forward(b, vp.ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes)
+        logp, ent, stats, bad = parallel.vp_forward(b, b.ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes,
+                                                    id_start=vp.start)  # (this slice's ids: b.ids - vp.start)
     if host:
         checks.raise_on_flags(bad, b.tok_shape)
     invalid = bad != 0
@@ -200,9 +201,8 @@ def fused_loss(b, cfg, backend, inplace, host, num_items, vp=None, tau=None):
         logp, ent, stats, bad = forward(b, temperature, backend, host and vp is not None, vp)
     cdt = stats.dtype  # the kernel's coefficients in its accumulation dtype
     res, value, c, e = value_and_coefficients(b, cfg, logp, ent, num_items, dt, cdt)
-    ids = b.ids if vp is None else vp.ids  # vocabulary-parallel: this slice's ids
-    loss = ops.attach_grad(b.logits3, value, ids, stats, ent.to(cdt), c, e, temperature, b.logits_start,
-                           backend=backend, inplace=inplace)
+    loss = ops.attach_grad(b.logits3, value, b.ids, stats, ent.to(cdt), c, e, temperature, b.logits_start,
+                           backend=backend, inplace=inplace, id_start=0 if vp is None else vp.start)  # (a slice's ids)
     if host and vp is None:
         res["flags"] = bad
     return loss, res
