@@ -113,9 +113,13 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             dt = float_dtype_for(logits)
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
             num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not in_kernels, raw=fast or fast_replay)
+            # a tau tensor on the three-launch path goes to the kernels as given (checked there: a token whose tau
+            # is not finite and > 0 is flagged, and revalidate names it), one per completion read at each token's
+            tau_kernels = fast and not rules_in_kernels and _per_token_tau(temperature)
+            per_seq = tau_kernels and _per_completion(temperature, b)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
-                                   torch.float64 if logits.dtype == torch.float64 else torch.float32, host,
-                                   in_kernels=fast or rules_in_kernels)
+                                   torch.float64 if logits.dtype == torch.float64 else torch.float32,
+                                   host and not tau_kernels, in_kernels=fast or rules_in_kernels, spread=not per_seq)
             b.tau = tau  # compared across the ranks of a vocabulary split (digest.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace,
                                   in_kernels=rules_in_kernels)
@@ -124,12 +128,14 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                 with checks.one_host_read():
                     b2 = batch.prepare(logits, completion_ids, completion_mask, validate=True, **prep)
                     check_loss_args(b2, cfg, num_items_in_batch, dt, True)
+                    if tau_kernels:  # (the eager order: the batch, the loss's arguments, the temperature)
+                        call_temperature(temperature, b2, dt, True)
                     if rules_in_kernels:  # (an invalid rule flags its token: named here)
                         replay.check_rules(b2, top_k, top_p, min_p, True)
             if fast or rules_in_kernels:  # three launches (spec 8), the rules' one more
                 conflicts_for(b, cfg, group_size, dt, backend, epilogue=True)
                 return epilogue.loss(b, cfg, num_items, tau, host, revalidate,  # validating: one read
-                                     rules=rules[0] if rules_in_kernels else None, inplace=inplace)
+                                     rules=rules[0] if rules_in_kernels else None, inplace=inplace, per_seq=per_seq)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
             if rules is None:

@@ -133,7 +133,7 @@ def scale_by(coef, g):
 
 
 def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None,
-              g=None, keep=None, id_start=0):
+              g=None, keep=None, id_start=0, tau_seq=0, cu=None):
     """dL/dz of the raw logits into grad3 (stats from vocab_fwd with the same scale and softcap). An
     empty vocabulary (a rank's empty slice, spec 12) has no entry to write. g: the upstream gradient
     (one element, or one per token) that c and e are multiplied by (the Triton kernel reads it itself).
@@ -147,10 +147,10 @@ def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logit
         c, e, g = scale_by(c, g), scale_by(e, g), None
     if keep is not None and backend != "triton":
         raise ValueError("kept sets as thresholds are the Triton backend's")
-    if backend == "triton" and id_start:
+    if backend == "triton" and (id_start or tau_seq):  # (a tau per completion: the Triton kernels' only)
         from . import vocab_triton
         return vocab_triton.vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap,
-                                      g, id_start=id_start, keep=keep)
+                                      g, id_start=id_start, keep=keep, tau_seq=tau_seq, cu=cu)
     return _vocab_impl(backend).vocab_bwd(logits3, grad3, _local(ids, id_start), stats, ent, c, e,
                                           _temperature(backend, temperature), logits_start, scale, softcap,
                                           **({} if g is None else dict(g=g)), **({} if keep is None else dict(keep=keep)))

@@ -130,7 +130,9 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
                temperature: Optional[torch.Tensor], floats: List[float], flags: List[int], logits_start: int,
                B: int, roll: Optional[torch.Tensor], rw: Optional[torch.Tensor],
                hp: Optional[torch.Tensor], draws: Optional[torch.Tensor], rules: List[Optional[torch.Tensor]],
-               rule_values: List[float], inplace: bool = False) -> List[torch.Tensor]:
+               rule_values: List[float], inplace: bool = False, tau_seq: int = 0) -> List[torch.Tensor]:
+    """tau_seq: temperature holds one tau per completion (1 padded, 2 packed: found in cu), read by the
+    vocabulary kernels at each token's completion."""
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     n = ids.numel()
     outs = _outputs(logits3, n, B, fg["AGG"] == 5) + _keep_outputs(logits3, n, rules, rule_values)
@@ -143,7 +145,8 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
                                                           outs=(t_s, t_id))
         keep = (t_s, t_id)
     if n:
-        vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad), keep=keep)
+        vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad), keep=keep,
+                               tau_seq=tau_seq, cu=cu if tau_seq == 2 else None)
     epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs[:12],
              rw=rw, hp=hp, draws=draws, kst=kst)
     return outs
@@ -165,7 +168,7 @@ def _keep_outputs(like, n, rules, rule_values):
 
 @fused_loss.register_fake
 def _(logits3, ids, mask, cu, adv, old, ref, lam, n_conf, num_items, temperature, floats, flags, logits_start, B,
-      roll, rw, hp, draws, rules, rule_values, inplace=False):
+      roll, rw, hp, draws, rules, rule_values, inplace=False, tau_seq=0):
     return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5) + _keep_outputs(
         logits3, ids.numel(), rules, rule_values)
 
@@ -177,8 +180,10 @@ def _setup_context(ctx, inputs, output):
     _value, _logp, ent, _ltok, c, e, *_more = output
     stats = output[12]
     keep = output[14:16] if output[14].numel() else (None, None)
-    ctx.save_for_backward(logits3, ids, stats, ent, c, e if fg["HAS_E"] else None, temperature, *keep)
-    ctx.meta = (logits_start, fl["tau"] if fg["TEMP_BY_VALUE"] else 1.0, inputs[21])
+    tau_seq = inputs[22] if len(inputs) > 22 else 0
+    ctx.save_for_backward(logits3, ids, stats, ent, c, e if fg["HAS_E"] else None, temperature, *keep,
+                          inputs[3] if tau_seq == 2 else None)  # (a tau per completion, packed: cu_seqlens)
+    ctx.meta = (logits_start, fl["tau"] if fg["TEMP_BY_VALUE"] else 1.0, inputs[21], tau_seq)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zero gradients made for the outputs without one
 
@@ -189,10 +194,10 @@ def _backward(ctx, grads):
     rest = tuple([None] * len(n) if isinstance(n, (list, tuple)) else None for n in ctx.needs_input_grad[1:])
     if grad is None or not ctx.needs_input_grad[0]:  # (frozen logits are never written over)
         return (None,) + rest
-    logits3, ids, stats, ent, c, e, temperature, t_s, t_id = ctx.saved_tensors
-    logits_start, tau_value, inplace = ctx.meta
+    logits3, ids, stats, ent, c, e, temperature, t_s, t_id, cu = ctx.saved_tensors
+    logits_start, tau_value, inplace, tau_seq = ctx.meta
     g = grad.reshape(-1)
-    kw = dict(backend="triton", g=g, tau_value=tau_value, keep_s=t_s, keep_id=t_id)
+    kw = dict(backend="triton", g=g, tau_value=tau_value, keep_s=t_s, keep_id=t_id, tau_seq=tau_seq, cu=cu)
     if inplace:  # the gradient written over the logits (a fresh view: autograd takes it as .grad, no copy)
         ops.vocab_bwd_inplace(logits3, ids, stats, ent, c, e, temperature, logits_start, **kw)
         return (logits3.view(logits3.shape),) + rest

@@ -90,20 +90,21 @@ def vocab_bwd(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, ent
               logits_start: int, scale: float = 1.0, softcap: Optional[float] = None,
               backend: str = "auto", g: Optional[torch.Tensor] = None, tau_value: float = 1.0,
               keep_s: Optional[torch.Tensor] = None, keep_id: Optional[torch.Tensor] = None,
-              id_start: int = 0) -> torch.Tensor:
+              id_start: int = 0, tau_seq: int = 0, cu: Optional[torch.Tensor] = None) -> torch.Tensor:
     """g: the upstream gradient, multiplied into c and e by the pass (None: already in them); temperature
     None: tau_value, passed by value. keep_s, keep_id: each token's kept set (kept_rule_triton; Triton).
-    id_start: the slice's first id (each target is ids - id_start)."""
+    id_start: the slice's first id (each target is ids - id_start). tau_seq, cu: a temperature per
+    completion (vocab_triton.vocab_fwd's; Triton)."""
     grad3 = torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
     dispatch.vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e,
                        float(tau_value) if temperature is None else temperature, logits_start, scale, softcap, g,
-                       None if keep_s is None else (keep_s, keep_id), id_start)
+                       None if keep_s is None else (keep_s, keep_id), id_start, tau_seq, cu)
     return grad3
 
 
 @vocab_bwd.register_fake
 def _(logits3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto", g=None,
-      tau_value=1.0, keep_s=None, keep_id=None, id_start=0):
+      tau_value=1.0, keep_s=None, keep_id=None, id_start=0, tau_seq=0, cu=None):
     return torch.empty(logits3.shape, dtype=logits3.dtype, device=logits3.device)
 
 
@@ -113,16 +114,16 @@ def vocab_bwd_inplace(logits3: torch.Tensor, ids: torch.Tensor, stats: torch.Ten
                       logits_start: int, scale: float = 1.0, softcap: Optional[float] = None,
                       backend: str = "auto", g: Optional[torch.Tensor] = None, tau_value: float = 1.0,
                       keep_s: Optional[torch.Tensor] = None, keep_id: Optional[torch.Tensor] = None,
-                      id_start: int = 0) -> None:
+                      id_start: int = 0, tau_seq: int = 0, cu: Optional[torch.Tensor] = None) -> None:
     """vocab_bwd written over logits3 itself (inplace=True); the same arguments."""
     dispatch.vocab_bwd(backend, logits3, logits3, ids, stats, ent, c, e,
                        float(tau_value) if temperature is None else temperature, logits_start, scale, softcap, g,
-                       None if keep_s is None else (keep_s, keep_id), id_start)
+                       None if keep_s is None else (keep_s, keep_id), id_start, tau_seq, cu)
 
 
 @vocab_bwd_inplace.register_fake
 def _(logits3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, backend="auto", g=None,
-      tau_value=1.0, keep_s=None, keep_id=None, id_start=0):
+      tau_value=1.0, keep_s=None, keep_id=None, id_start=0, tau_seq=0, cu=None):
     return None
 
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .vocab_jit import LN2, LOG2E, _inv_cap, _inv_tau, _kept, _transform_grad
+from .vocab_status import _seq_of
 
 
 @triton.jit
@@ -38,7 +39,7 @@ def _bwd_grad(z, m, c2, ls2, a_co, b_co, HAS_E: tl.constexpr):
     return g
 
 
-@triton.jit(do_not_specialize=["T", "T_l", "logits_start", "temp_stride", "id_start"])
+@triton.jit(do_not_specialize=["T", "T_l", "logits_start", "temp_stride", "id_start", "n_seq"])
 def _vocab_bwd_kernel(
     # pointers
     logits_ptr, grad_ptr,  # (B, T_l, V) strided rows; grad may alias logits (inplace)
@@ -66,6 +67,8 @@ def _vocab_bwd_kernel(
     # the target is y - id_start, written only where it lies in [0, V)
     keep_s_ptr=None, keep_id_ptr=None,  # KEEP: each token's kept set as (t_s, t_id) (kept_rule_triton)
     KEEP: tl.constexpr = False,  # True: exactly 0 outside the kept set
+    TEMP_PER_SEQ: tl.constexpr = 0,  # tau per completion, read at the row's (1: padded) or found in cu_ptr (2)
+    cu_ptr=None, n_seq=0,  # TEMP_PER_SEQ 2: the packed form's cu_seqlens as given and its completions
 ):
     row_id = tl.program_id(0).to(tl.int64)  # one program per logits row, int64 offsets
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
@@ -80,7 +83,13 @@ def _vocab_bwd_kernel(
     if TEMP_BY_VALUE:
         inv_temp = 1.0 / temp_ptr
     else:
-        inv_temp = _inv_tau(tl.load(temp_ptr + tok * temp_stride, mask=in_window, other=1.0))
+        if TEMP_PER_SEQ == 1:
+            at = i
+        elif TEMP_PER_SEQ == 2:
+            at = _seq_of(cu_ptr, n_seq, tok, 1024)
+        else:
+            at = tok
+        inv_temp = _inv_tau(tl.load(temp_ptr + at * temp_stride, mask=in_window, other=1.0))
     c = tl.load(c_ptr + tok, mask=in_window, other=0.0)
     if HAS_E:
         e = tl.load(e_ptr + tok, mask=in_window, other=0.0)

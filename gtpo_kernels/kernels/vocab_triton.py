@@ -82,7 +82,7 @@ def temperature_arg(temperature, device, n):
 
 
 def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, outs=None,
-              nan_flagged=False, rows=None, keep=None, local_max=None, id_start=0):
+              nan_flagged=False, rows=None, keep=None, local_max=None, id_start=0, tau_seq=0, cu=None):
     """logits3 (B, T_l, V) with stride(2) == 1, the raw z; ids (B*T,) int; counted (B*T,) bool.
     Returns float32 logp, entropy (B*T,), stats (B*T, 3) = (row max m, log S, q = 1 - p_y) for the
     backward, and int8 flags (0 = fine), all of the transformed z' (scale, softcap: see vocab_jit).
@@ -92,7 +92,8 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     token of each row of logits3 = (1, n_rows, V) (the LM head's tile): only those tokens are written.
     keep: (t_s, t_id) (n,), each token's kept set (kept_rule_triton): the statistics over it. local_max: (n,)
     float32, written with the slice's row maximum for the vocabulary-parallel merge (vp_merge.local_max).
-    id_start: the vocabulary entry of logits3's column 0 (a slice): each target is ids - id_start."""
+    id_start: the vocabulary entry of logits3's column 0 (a slice): each target is ids - id_start. tau_seq:
+    temperature holds one tau per completion, read at the token's (1: padded) or found in cu (2: packed)."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -110,6 +111,7 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
         meta.update(max_ptr=local_max, VP_MAX=True)
     if id_start:
         meta["id_start"] = id_start
+    meta.update(_per_seq(tau_seq, cu, temperature, rows))
     _launch(logits3, ids, counted, (logp, ent, stats, bad), T if rows is None else T_l, V, logits_start, temperature,
             scale, softcap, fwd_block_v(V), grid=n if rows is None else rows.numel(), NAN_FLAGGED=nan_flagged, **meta)
     return logp, ent, stats, bad
@@ -129,6 +131,16 @@ def _launch(logits3, ids, counted, outs, T, V, logits_start, temperature, scale,
         **has, BLOCK_V=bv, num_warps=num_warps_for(bv), HAS_MASK=counted is not None,
         TEMP_BY_VALUE=isinstance(tau, float), VOCAB_BLOCK=VOCAB_BLOCK, **meta,
     )
+
+
+def _per_seq(tau_seq, cu, temperature, rows=None):
+    """The kernels' switches for a temperature per completion (tau_seq 1 padded, 2 packed: cu_seqlens)."""
+    if not tau_seq:
+        return {}
+    if rows is not None or (tau_seq == 2) != (cu is not None):
+        raise ValueError("a temperature per completion: padded (tau_seq 1), or packed with cu_seqlens (2), no rows")
+    return dict(TEMP_PER_SEQ=tau_seq, tau_len=temperature.numel(),
+                **({} if cu is None else dict(cu_ptr=cu, n_seq=cu.numel() - 1)))
 
 
 def vocab_blocks(logits3, ids, counted, temperature, logits_start, V_whole, scale=1.0, softcap=None, id_start=0):
@@ -177,7 +189,7 @@ def vocab_merge(blocks, zy, ids, counted, temperature, V_whole, nan_flagged=Fals
 
 
 def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, g=None,
-              rows=None, id_start=0, keep=None):
+              rows=None, id_start=0, keep=None, tau_seq=0, cu=None):
     """Writes dL/dz of the raw logits into grad3 (B, T_l, V), every row (zeros where no gradient);
     grad3 may be logits3 itself. c, e: float32 (B*T,) coefficients; e may be None (no entropy term);
     stats from vocab_fwd with the same scale and softcap. g: the loss's upstream gradient (float32, one
@@ -185,7 +197,7 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, 
     already multiplied. rows: (n_rows,) int64, the token of each row of logits3 = (1, n_rows, V) (the LM
     head's tile): the per-token tensors are read there. id_start: the vocabulary entry of logits3's column 0
     (a block of the vocabulary: the target is written where ids - id_start lies in [0, V)). keep: vocab_fwd's
-    (t_s, t_id): the gradient exactly 0 outside each token's kept set."""
+    (t_s, t_id): the gradient exactly 0 outside each token's kept set. tau_seq, cu: as vocab_fwd's."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -195,7 +207,8 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, 
         return grad3
     bv = block_v_for(V)
     scale, cap, has = _transforms(scale, softcap)
-    tau, tau_stride = temperature_arg(temperature, logits3.device, n)
+    seq = _per_seq(tau_seq, cu, temperature, rows)
+    tau, tau_stride = temperature_arg(temperature, logits3.device, seq.pop("tau_len", n))
     _vocab_bwd_kernel[(B * T_l,)](
         logits3, grad3, ids, stats, ent, c, c if e is None else e,
         logits3.stride(0), logits3.stride(1), grad3.stride(0), grad3.stride(1),
@@ -203,7 +216,7 @@ def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, 
         HAS_E=e is not None, **has, BLOCK_V=bv, num_warps=num_warps_for(bv), TEMP_BY_VALUE=isinstance(tau, float),
         HAS_G=g is not None, g_ptr=c if g is None else g, g_stride=0 if g is None or g.numel() == 1 else g.stride(0),
         **({} if rows is None else dict(rows_ptr=rows, ROWS=True)), id_start=int(id_start),
-        **({} if keep is None else dict(keep_s_ptr=keep[0], keep_id_ptr=keep[1], KEEP=True)),
+        **({} if keep is None else dict(keep_s_ptr=keep[0], keep_id_ptr=keep[1], KEEP=True)), **seq,
     )
     return grad3
 

@@ -228,7 +228,7 @@ def draws(b, cfg, n, device, host=False):
     return verl_modes.uniform_draws(cfg, n, device)
 
 
-def loss(b, cfg, num_items, tau, host, revalidate=None, rules=None, inplace=False):
+def loss(b, cfg, num_items, tau, host, revalidate=None, rules=None, inplace=False, per_seq=False):
     """GTPOOutput of the call; validating, the status word joins the call's pending checks (one host read):
     the kernel makes the input checks too (the batch was prepared without them), and when one fails
     `revalidate()` runs them on the host to raise the error that names the argument. rules: (top_k, top_p,
@@ -240,7 +240,7 @@ def loss(b, cfg, num_items, tau, host, revalidate=None, rules=None, inplace=Fals
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
                                temperature, floats, flags, b.logits_start, b.B, roll, rw, hp, u, *rule_args(rules),
-                               inplace)
+                               inplace, 0 if not per_seq else 2 if b.packed else 1)  # (per_seq: tau is (B,))
     out = output(outs[:12], outs[13], b, cfg, host, revalidate)
     if rules is None:
         return out
