@@ -377,6 +377,10 @@ MUTANTS = [
     M("L12", "kernels/autograd.py", "g=g.to(c.dtype), tau_value=tau, id_start=id_start)\n    return",
       "g=g.to(c.dtype), tau_value=tau)\n    return", "vocabulary-parallel backward: the target written at its global id",
       tests=["test_parallel"]),
+    M("L13", "api/logits.py", "                    if tau_kernels:  # (the eager order", "                    if False:  # (the eager order",
+      "gtpo_loss validating: a bad temperature raised as a flagged row, not named", tests=["test_loss_temperature_in_kernels"]),
+    M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
+      "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]
 
 
