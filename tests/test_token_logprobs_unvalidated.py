@@ -2,7 +2,7 @@
 reads the ids, mask and cu_seqlens as given and the temperature as given (a number; one per completion, read
 at each token's completion, padded or packed; one per token). A tau that is not finite and > 0 gives NaN at
 its counted tokens, a malformed cu_seqlens NaN at every counted token, as the float64 reference gives them;
-every other output equals the reference's."""
+every other output equals the reference's (beside an empty completion too)."""
 import pytest
 import torch
 
@@ -10,7 +10,7 @@ from gtpo_kernels import token_logprobs
 
 B, T, V = 4, 5, 16
 TAUS = ["number", "completion", "completion_column", "token"]
-FLAWS = ["none", "tau_negative", "tau_nan", "cu_decreasing", "cu_short", "float_mask"]
+FLAWS = ["none", "tau_negative", "tau_nan", "cu_decreasing", "cu_short", "float_mask", "empty_completion"]
 CASES = [(form, tau, flaw) for form in ("padded", "packed") for tau in TAUS for flaw in FLAWS
          if not (flaw.startswith("tau") and tau == "number") and not (flaw.startswith("cu") and form == "padded")]
 
@@ -20,6 +20,8 @@ def _call(form, tau, flaw, seed):
     z, ids = torch.randn(B, T, V, generator=g) * 2, torch.randint(0, V, (B, T), generator=g)
     mask = torch.rand(B, T, generator=g) > 0.3
     mask[:, 0] = True
+    if flaw == "empty_completion":  # completion 1 counts no token (packed: it is empty, cu_seqlens repeats)
+        mask[1] = False
     tau_c, tau_t = torch.rand(B, generator=g) + 0.5, torch.rand(B, T, generator=g) + 0.5
     if flaw.startswith("tau"):
         bad = -1.0 if flaw == "tau_negative" else float("nan")
@@ -59,7 +61,7 @@ def test_one_launch_no_host_read_and_the_reference_values(form, tau, flaw):
         assert torch.equal(got.isnan(), want.isnan()), (got, want)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
     nan, counted = ref[0].isnan(), (kw.get("completion_mask", torch.ones(1)) != 0).expand(ref[0].shape)
-    if flaw == "none" or flaw == "float_mask":
+    if flaw in ("none", "float_mask", "empty_completion"):
         assert not nan.any() and (ref[0][counted] < 0).all()
     elif flaw.startswith("cu"):
         assert torch.equal(nan, counted)
