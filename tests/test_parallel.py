@@ -246,3 +246,33 @@ def test_vocabulary_parallel_equals_one_process(world):
             assert "completion token (2, 1) contains NaN or +inf" in res["raised"].get(f"nan_row/{backend}", ""), \
                 (r, res["raised"])
         assert res["raised"]["warned_at"] == [__file__], (r, res["raised"]["warned_at"])
+
+
+def _strided_mask_ranks(rank, world):
+    """token_logprobs and gtpo_loss (Triton) with the mask a strided view and with its contiguous copy."""
+    x, ids, mask, adv, old, _ = _case(5, False)
+    sizes = SPLITS[world]
+    start = sum(sizes[:rank])
+    part = x[..., start:start + sizes[rank]].contiguous()
+    wide = torch.zeros(mask.shape[0], 2 * mask.shape[1], dtype=torch.bool)
+    wide[:, ::2] = mask
+    wide[0, 2] = wide[2, 6] = False  # (two more tokens not counted)
+    out = {}
+    for name, m in (("strided", wide[:, ::2]), ("contiguous", wide[:, ::2].contiguous())):
+        lp, ent = token_logprobs(part, ids, 0.8, m, process_group=dist.group.WORLD, backend="triton")
+        xg = part.clone().requires_grad_()
+        o = gtpo_loss(xg, ids, adv, m, group_size=2, old_logps=old, config="grpo", process_group=dist.group.WORLD,
+                      backend="triton")
+        o.loss.backward()
+        out[name] = [lp, ent, o.loss.detach(), o.logps.detach(), xg.grad]
+    assert wide[:, ::2].reshape(-1).stride() == (2,) and out["contiguous"][4].abs().sum() > 0
+    return {"same": [torch.equal(a, b) for a, b in zip(out["strided"], out["contiguous"])]}
+
+
+def test_a_strided_mask_counts_the_same_tokens():
+    """A completion_mask that is a strided view (a column slice of a wider mask) is read at its own strides by
+    every kernel of a vocabulary-parallel call: the outputs and the gradient equal those of its contiguous copy."""
+    results = run_ranks(_strided_mask_ranks, 2)
+    for r, res in enumerate(results):
+        assert "exception" not in res, f"rank {r}:\n{res.get('exception')}"
+        assert all(res["same"]), (r, res["same"])

@@ -121,8 +121,11 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
 
 def _counted(b, backend):
     """Which tokens count, as the passes read it: on the Triton backend the caller's mask as given (any
-    dtype, nonzero counts) or None (every token), formed by no launch; else the Batch's bool `counted`."""
-    return b.mask if backend == "triton" else b.counted
+    dtype, nonzero counts; the kernels read it at stride 1: a strided view is copied, no launch otherwise)
+    or None (every token); else the Batch's bool `counted`."""
+    if backend != "triton":
+        return b.counted
+    return None if b.mask is None else b.mask.contiguous()
 
 
 def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.0, softcap=None, id_start=0):
