@@ -17,7 +17,7 @@ def _both(d, width=1):
     row = torch.full((2 + width,), 5, dtype=torch.int64)  # a slot's neighbours must stay as they are
     row[1] = d.const
     assert digest._kernels_on(row.device, d._tensors())  # the kernels form it (Triton's interpreter here)
-    d.write(row, 1)
+    digest.write_row([d], row)  # (field 0 at slot 1)
     assert row[0] == 5 and row[-1] == 5, row
     v = d.value()
     v = torch.stack(list(v)) if d.kind == "tokens" else v.reshape(1)
@@ -98,7 +98,7 @@ def test_backend_torch_forms_them_with_torch():
     finally:
         checks._KERNELS.reset(token)
     kernel_row = torch.zeros(2, dtype=torch.int64)
-    digest.Digest.values(x).write(kernel_row, 1)
+    digest.write_row([digest.Digest.values(x)], kernel_row)
     assert torch.equal(torch_row, kernel_row) and torch_row[1] != 0
 
 

@@ -20,7 +20,7 @@ from gtpo_kernels.kernels import (check_triton, conflict_triton, digest_triton, 
 KERNELS = [vocab_triton._vocab_fwd_kernel, vocab_triton._vocab_bwd_kernel,
            conflict_triton._raw_conflicts_kernel, epilogue_triton._epilogue_kernel, kept_rule_triton._kept_rule_kernel,
            vp_merge_triton._vp_sums_kernel, vp_merge_triton._vp_finish_kernel,
-           digest_triton._terms_kernel, digest_triton._tokens_kernel, digest_triton._row_kernel, check_triton._any_outside_kernel,
+           digest_triton._terms_kernel, digest_triton._row_kernel, check_triton._any_outside_kernel,
            tile_union_triton._keys_kernel, tile_union_triton._first_kernel, tile_union_triton._starts_kernel,
            tile_union_triton._columns_kernel]
 ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", "BLOCK_T", "BLOCK",  # block sizes,

@@ -166,8 +166,8 @@ class Digest:
     failed): `const` in its slot plus, kind 'values', values_digest(x, where) (terms (x, where)); kind
     'fingerprint', each tensor option's word at its position (terms [(t, pos)]); kind 'tokens',
     token_digest in three slots (terms: the Batch; the next two fields are 'filled'). Formed by the
-    kernels of kernels/digest_triton where the tensors live on the row's device and Triton runs there,
-    else by the torch forms above (bitwise equal)."""
+    kernels of kernels/digest_triton (write_row: the whole row in one launch) where the tensors live on the
+    row's device and Triton runs there, else by the torch forms above (`write`; bitwise equal)."""
     __slots__ = ("kind", "const", "terms")
 
     def __init__(self, kind, const, terms):
@@ -188,23 +188,11 @@ class Digest:
         return []
 
     def write(self, row, slot):
+        """The torch form's value into row[slot:] (write_row forms the kernels' in one launch)."""
         if self.kind == "filled":
             return
-        if not _kernels_on(row.device, self._tensors()):
-            value = torch.stack(list(self.value())) if self.kind == "tokens" else self.value().reshape(1)
-            row[slot:slot + value.numel()] = value.to(row.device)
-            return
-        from ..kernels import digest_triton
-        if self.kind == "values":
-            x, where = self.terms
-            digest_triton.terms(row, slot, x, where, _size_term(x), None)
-        elif self.kind == "fingerprint":
-            for t, pos in self.terms:
-                digest_triton.terms(row, slot, t, None, _size_term(t), pos)
-        else:
-            b = self.terms
-            digest_triton.tokens(row, slot, b.ids, b.mask, b.seg if b.packed else None,
-                                 1 if b.packed else b.tok_shape[1])
+        value = torch.stack(list(self.value())) if self.kind == "tokens" else self.value().reshape(1)
+        row[slot:slot + value.numel()] = value.to(row.device)
 
     def value(self):
         """The torch form's value (0-d int64 tensors; 'tokens': three)."""

@@ -1,12 +1,13 @@
-"""The agreement's checksums (spec 12; distributed/agree.py holds their definition and torch twin) on the
-device, one launch per field, written straight into the row that the ranks all-gather: what agree's
+"""The agreement's checksums (spec 12; distributed/digest.py holds their definition and torch twin) on the
+device, the whole row in one launch, written straight into the row that the ranks all-gather: what the
 torch path forms with about twenty small ops a field.
 
     _terms_kernel   a tensor's values hashed with their positions: values_digest (the sum of the mixed
                     words, `where` selecting positions), or, FP, one option's word mix(W, pos) with W its
-                    float bits (one element) or its values_digest; added to the row's slot mod 2**61
-    _tokens_kernel  the tokens' (count, checksum, largest counted id) into three slots
-    _row_kernel     a row's terms (up to SLOTS) and its tokens' fields in one launch (row_terms: the agreement)
+                    float bits (one element) or its values_digest; added to the row's slot mod 2**61 (a
+                    fingerprint's tensor options after its first, which add into the same slot)
+    _row_kernel     a row's terms (up to SLOTS) and the tokens' (count, checksum, largest counted id) into
+                    three slots, in one launch (row_terms: the agreement's row)
 
 One program each (a loop over BLOCK elements: the sum is formed in one order, no atomics); int64 words
 wrap as the torch twin's do, so the two are bitwise equal.
@@ -115,12 +116,6 @@ def _tokens_into(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.const
     tl.store(out_ptr + 2, tl.max(top, axis=0))
 
 
-@triton.jit(do_not_specialize=["n", "T"])
-def _tokens_kernel(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_MASK: tl.constexpr = True):
-    _tokens_into(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG, BLOCK, HAS_MASK)
-
-
 @triton.jit(do_not_specialize=["n0", "s0", "p0", "o0", "n1", "s1", "p1", "o1", "n2", "s2", "p2", "o2", "n3", "s3",
                                "p3", "o3", "n4", "s4", "p4", "o4", "n5", "s5", "p5", "o5", "n_tok", "T", "o_tok"])
 def _row_kernel(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
@@ -159,15 +154,6 @@ def terms(row, slot, x, where, size_term, pos):
                         BLOCK=BLOCK)
 
 
-def tokens(row, slot, ids, counted, seg, T):
-    """row[slot:slot + 3] = (counted tokens, their checksum, their largest id), in one launch; seg None:
-    padded rows of T tokens; counted: the mask as given (nonzero counts), None: every token counts."""
-    flat = ids.reshape(-1).contiguous()
-    _tokens_kernel[(1,)](flat, flat if counted is None else counted.reshape(-1).contiguous(),
-                         flat if seg is None else seg.reshape(-1).contiguous(), row[slot:],
-                         flat.numel(), T, HAS_SEG=seg is not None, BLOCK=BLOCK, HAS_MASK=counted is not None)
-
-
 def _flat_term(x, where):
     flat = x.detach().reshape(-1).contiguous()  # (a view's reshape keeps its strides: the kernel reads stride 1)
     return flat, flat if where is None else where.reshape(-1).contiguous()
@@ -176,7 +162,7 @@ def _flat_term(x, where):
 def row_terms(row, jobs, tokens=None):
     """A row's checksums in one launch of _row_kernel per SLOTS terms (the tokens' with the first): jobs
     [(slot, x, where, size_term, pos)] at distinct slots, as `terms` takes them; tokens None or (slot, ids,
-    counted, seg, T) as `tokens` takes them."""
+    counted, seg, T): the mask as given (nonzero counts; None: every token), seg None for padded rows of T."""
     for i in range(0, max(len(jobs), 1), SLOTS):
         part, args, flags = jobs[i:i + SLOTS], [], {}
         for k in range(SLOTS):
