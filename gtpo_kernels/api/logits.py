@@ -115,7 +115,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not in_kernels, raw=fast or fast_replay)
             # a tau tensor on the three-launch path goes to the kernels as given (checked there: a token whose tau
             # is not finite and > 0 is flagged, and revalidate names it), one per completion read at each token's
-            tau_kernels = fast and not rules_in_kernels and _per_token_tau(temperature)
+            tau_kernels = fast and _per_token_tau(temperature)  # (fast: no kept sets, so no rules' kernel)
             per_seq = tau_kernels and _per_completion(temperature, b)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32,
@@ -182,13 +182,14 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             temperature = _with_temperature(GTPOConfig(), temperature).temperature
         host = checks.host_checks(validate)
         logits_start = batch.resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens)
-        try:  # validating in one launch: the kernel checks the mask values, ids, cu_seqlens and temperatures
-            fast = (host and process_group is None and sampling_mask is None  # (rules: checked in the kernels too)
-                    and isinstance(logits, torch.Tensor) and isinstance(completion_ids, torch.Tensor)
-                    and completion_ids.numel() > 0  # (no token, no program: nothing would check cu_seqlens)
-                    and dispatch.resolve_backend(backend, logits.device, logits.dtype) == "triton")
-        except (ValueError, TypeError, RuntimeError):  # raised where the call resolves the backend
-            fast = False
+        try:  # (a backend that does not resolve: raised where the call resolves it, after the inputs' errors)
+            one = (process_group is None and sampling_mask is None and isinstance(logits, torch.Tensor)
+                   and dispatch.resolve_backend(backend, logits.device, logits.dtype) == "triton")  # one launch
+        except (ValueError, TypeError, RuntimeError):
+            one = False
+        # validating in that launch: the kernel checks the mask values, ids, cu_seqlens and temperatures (rules:
+        # checked in the kernels too); no token, no program: nothing would check cu_seqlens
+        fast = one and host and isinstance(completion_ids, torch.Tensor) and completion_ids.numel() > 0
         # the checks' values read on the host once; with a group, by the agreement's read (spec 12)
         with checks.one_host_read(defer=agree.deferred(g)):
             b = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
@@ -198,12 +199,11 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             tau_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
             per_seq = False  # a tau per completion read in the one kernel, not spread to the tokens first
             if _per_token_tau(temperature):  # in the one kernel: checked there (fast), else NaN there
-                kern = _one_kernel(backend, logits, process_group, sampling_mask, top_k, top_p, min_p)
+                kern = one and not replay.requested(sampling_mask, top_k, top_p, min_p)  # (no kept sets' launch)
                 per_seq = kern and (fast or not host) and _per_completion(temperature, b)
                 temperature = b.tau = call_temperature(temperature, b, tau_dtype, host and not fast,
                                                        in_kernels=fast or (kern and not host), spread=not per_seq)
-            backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)
-            one = backend == "triton" and process_group is None and sampling_mask is None  # one launch (spec 8)
+            backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)  # (one: spec 8)
             # (rules: the kept sets' kernel one more; unvalidated it flags an invalid tensor value itself)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, False,
                                   in_kernels=one and (fast or not host))
@@ -234,17 +234,6 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
     logp = torch.where(b.counted, logp.to(dt), zero)
     ent = torch.where(b.counted, ent.to(dt), zero)
     return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)
-
-
-def _one_kernel(backend, logits, process_group, sampling_mask, top_k, top_p, min_p):
-    """token_logprobs in the one Triton launch with no kept sets' launch before it (a backend that does not
-    resolve: False here, raised where the call resolves it, after the temperature's own errors)."""
-    if process_group is not None or replay.requested(sampling_mask, top_k, top_p, min_p):
-        return False
-    try:
-        return dispatch.resolve_backend(backend, logits.device, logits.dtype) == "triton"
-    except (ValueError, TypeError, RuntimeError):
-        return False
 
 
 def _per_completion(t, b):

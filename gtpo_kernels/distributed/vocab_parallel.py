@@ -100,18 +100,13 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     if sizes is not None and vocab_block.aligned(sizes):
         return vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap, id_start)
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
-    counted, (tau, tau_v) = _counted(b, backend), ops.tau_arg(temperature, b.logits3, backend)
-    merge = vp_merge.select(backend)  # vp_merge's math: on the Triton backend the sums' and finish's launches
-    if backend == "triton":  # the forward kernel stores the slice's maximum too (vp_merge.local_max)
-        from ..kernels import vocab_triton
-        dispatch.check_transforms(scale, softcap)
-        M = torch.empty(ids_loc.numel(), dtype=torch.float32, device=b.logits3.device)
-        logp_r, ent_r, stats_r, bad_r = vocab_triton.vocab_fwd(b.logits3.detach(), ids_loc.reshape(-1), counted,
-                                                               tau_v if tau is None else tau, b.logits_start, scale,
-                                                               softcap, local_max=M, id_start=id_start)
-    else:
-        logp_r, ent_r, stats_r, bad_r = ops.vocab_fwd(b.logits3.detach(), ids_loc, counted, tau, b.logits_start,
-                                                      scale, softcap, backend, tau_v, id_start)
+    merge, counted = vp_merge.select(backend), _counted(b, backend)  # (Triton: the sums' and finish's launches)
+    # on the Triton backend the forward kernel stores the slice's maximum too (vp_merge.local_max's values)
+    M = torch.empty(ids_loc.numel(), dtype=torch.float32, device=b.logits3.device) if backend == "triton" else None
+    logp_r, ent_r, stats_r, bad_r = dispatch.vocab_fwd(backend, b.logits3.detach(), ids_loc.reshape(-1), counted,
+                                                       ops.tau_arg(temperature, b.logits3, backend), b.logits_start,
+                                                       scale, softcap, id_start, M)
+    if M is None:
         M = merge.local_max(stats_r, ent_r, bad_r, b.V)
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
     vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, b.V, id_start)
@@ -136,8 +131,7 @@ def vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale=1.
     whatever the number of ranks. A message is 4 numbers per token (m, r, u and the owner's target
     logit; a non-finite slice marks r = -1): a rank receives at most 2 of them, block_bytes_per_token."""
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
-    tau, tau_v = ops.tau_arg(temperature, b.logits3, backend)
-    tau, counted = tau_v if tau is None else tau, _counted(b, backend)  # (a number: by value)
+    tau, counted = ops.tau_arg(temperature, b.logits3, backend), _counted(b, backend)
     blocks, zy, nonfinite = dispatch.vocab_blocks(backend, b.logits3.detach(), ids_loc, counted, tau,
                                                   b.logits_start, V_global, scale, softcap, id_start)
     n, acc, dev = blocks.shape[0], blocks.dtype, blocks.device

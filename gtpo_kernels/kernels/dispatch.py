@@ -78,22 +78,18 @@ def check_transforms(scale, softcap):
         raise ValueError(f"softcap (logit_softcap) must be None or a finite number > 0, got {softcap!r}")
 
 
-def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, id_start=0):
+def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, id_start=0,
+              local_max=None):
     """Per token (logp, H, stats, flags) of z' = softcap * tanh(z * scale / softcap) (or z * scale). id_start:
-    the vocabulary entry of logits3's column 0 (a slice of the vocabulary): each target is ids - id_start."""
+    the vocabulary entry of logits3's column 0 (a slice of the vocabulary): each target is ids - id_start.
+    local_max: (n,) float32 the Triton kernel writes the slice's maximum into (vp_merge.local_max's values)."""
     check_transforms(scale, softcap)
     backend = _resolved(backend, logits3)
-    if backend == "triton":
-        from . import vocab_triton
-        return vocab_triton.vocab_fwd(logits3, ids, counted, _temperature(backend, temperature), logits_start, scale,
-                                      softcap, id_start=id_start)
-    return _vocab_impl(backend).vocab_fwd(logits3, _local(ids, id_start), counted, _temperature(backend, temperature),
-                                          logits_start, scale, softcap)
-
-
-def _local(ids, id_start):
-    """The torch path's slice ids (the Triton kernels subtract id_start as they read an id)."""
-    return ids if not id_start else ids.long() - id_start
+    if local_max is not None and backend != "triton":
+        raise ValueError("the slice's maximum stored by the forward pass is the Triton backend's")
+    return _vocab_impl(backend).vocab_fwd(logits3, ids, counted, _temperature(backend, temperature), logits_start,
+                                          scale, softcap, id_start=id_start,
+                                          **({} if local_max is None else dict(local_max=local_max)))
 
 
 def vocab_blocks(backend, logits3, ids, counted, temperature, logits_start, V_whole, scale=1.0, softcap=None,
@@ -109,8 +105,8 @@ def vocab_blocks(backend, logits3, ids, counted, temperature, logits_start, V_wh
                                                logits_start, V_whole, scale, softcap, id_start)
         return blocks, zy, torch.zeros(zy.shape, dtype=torch.bool, device=zy.device)
     from . import vocab_torch
-    return vocab_torch.vocab_blocks(logits3, _local(ids, id_start), counted, _temperature(backend, temperature), logits_start,
-                                    scale, softcap)
+    return vocab_torch.vocab_blocks(logits3, ids, counted, _temperature(backend, temperature), logits_start,
+                                    scale, softcap, id_start)
 
 
 def vocab_merge(backend, blocks, z_y, nonfinite, ids, counted, temperature, V_whole, state=None, fold=False):
@@ -145,15 +141,12 @@ def vocab_bwd(backend, logits3, grad3, ids, stats, ent, c, e, temperature, logit
     if g is not None and backend != "triton":  # the torch path takes c and e already multiplied
         g = g.to(c.dtype)
         c, e, g = scale_by(c, g), scale_by(e, g), None
-    if keep is not None and backend != "triton":
-        raise ValueError("kept sets as thresholds are the Triton backend's")
-    if backend == "triton" and (id_start or tau_seq):  # (a tau per completion: the Triton kernels' only)
-        from . import vocab_triton
-        return vocab_triton.vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale, softcap,
-                                      g, id_start=id_start, keep=keep, tau_seq=tau_seq, cu=cu)
-    return _vocab_impl(backend).vocab_bwd(logits3, grad3, _local(ids, id_start), stats, ent, c, e,
-                                          _temperature(backend, temperature), logits_start, scale, softcap,
-                                          **({} if g is None else dict(g=g)), **({} if keep is None else dict(keep=keep)))
+    if (keep is not None or tau_seq) and backend != "triton":
+        raise ValueError("kept sets as thresholds, and a temperature per completion, are the Triton backend's")
+    return _vocab_impl(backend).vocab_bwd(logits3, grad3, ids, stats, ent, c, e, _temperature(backend, temperature),
+                                          logits_start, scale, softcap, id_start=id_start,
+                                          **({} if g is None else dict(g=g)), **({} if keep is None else dict(keep=keep)),
+                                          **({} if not tau_seq else dict(tau_seq=tau_seq, cu=cu)))
 
 
 def raw_conflicts(backend, ids, m, pos, neg, group_size):

@@ -248,8 +248,7 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
         work, key = _counter(logits3.device)
         meta.update(status_ptr=word, work_ptr=work, HAS_STATUS=True, MASK_VALUES=mask_values and mask is not None,
                     CU_CHECK=cu is not None)
-    if tau_per_seq:
-        meta["TEMP_PER_SEQ"] = 1 if cu is None else 2
+    meta.update(vocab_triton._per_seq((2 if cu is not None else 1) if tau_per_seq else 0, cu, temperature))
     B, _, V = logits3.shape
     tau = tau_value if temperature is None else temperature
     given = None if rule_values is None else _given_rules((top_k, top_p, min_p), rule_values)
@@ -259,8 +258,7 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
         meta.update(keep_s_ptr=t_s, keep_id_ptr=t_id, KEEP=True)
     try:
         vocab_triton._launch(logits3, ids, mask, outs, n // B, V, logits_start, tau, 1.0, None,
-                             vocab_triton.fwd_block_v(V), NAN_FLAGGED=True,
-                             tau_len=temperature.numel() if tau_per_seq else n, **meta)
+                             vocab_triton.fwd_block_v(V), NAN_FLAGGED=True, **meta)
     except BaseException:
         if status:  # a launch cut short may leave the counter nonzero: the next call makes a new one
             _COUNTERS.table.pop(key, None)

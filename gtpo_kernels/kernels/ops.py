@@ -46,11 +46,12 @@ def temperature_param(temperature, like, backend):
 
 
 def tau_arg(temperature, like, backend):
-    """(tensor or None, value): tau as the custom ops' (temperature, tau_value) take it. A Python number on
-    the Triton backend goes by value (a launch argument: no fill, no copy), else temperature_param's tensor."""
+    """tau as the kernels' launchers take it: a Python number on the Triton backend by value (a launch
+    argument: no fill, no copy), else temperature_param's tensor. (The custom ops take a float as
+    temperature=None, tau_value=it.)"""
     if backend == "triton" and not isinstance(temperature, torch.Tensor):
-        return None, float(temperature)
-    return temperature_param(temperature, like, backend), 1.0
+        return float(temperature)
+    return temperature_param(temperature, like, backend)
 
 
 def acc_dtype(logits3, backend):
@@ -60,14 +61,10 @@ def acc_dtype(logits3, backend):
 
 
 @torch.library.custom_op("gtpo_kernels::vocab_fwd", mutates_args=())
-def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: Optional[torch.Tensor],
-              temperature: Optional[torch.Tensor], logits_start: int, scale: float = 1.0,
-              softcap: Optional[float] = None, backend: str = "auto", tau_value: float = 1.0,
-              id_start: int = 0) -> List[torch.Tensor]:
-    """temperature None: tau_value, passed by value (tau_arg). id_start: the slice's first id (each target
-    is ids - id_start)."""
-    return list(dispatch.vocab_fwd(backend, logits3, ids, counted, float(tau_value) if temperature is None
-                                   else temperature, logits_start, scale, softcap, id_start))
+def vocab_fwd(logits3: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, temperature: torch.Tensor,
+              logits_start: int, scale: float = 1.0, softcap: Optional[float] = None,
+              backend: str = "auto") -> List[torch.Tensor]:
+    return list(dispatch.vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale, softcap))
 
 
 def fwd_outputs_like(logits3, n, backend):
@@ -79,8 +76,7 @@ def fwd_outputs_like(logits3, n, backend):
 
 
 @vocab_fwd.register_fake
-def _(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, backend="auto", tau_value=1.0,
-      id_start=0):
+def _(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, backend="auto"):
     return fwd_outputs_like(logits3, ids.numel(), backend)
 
 

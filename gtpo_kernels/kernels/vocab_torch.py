@@ -171,10 +171,16 @@ def _nonfinite(z):
     return (torch.isnan(z) | (z == float("inf"))).any(-1)
 
 
-def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
+def _slice_ids(ids, id_start):
+    """ids - id_start: the targets in a slice of the vocabulary whose first entry is id_start."""
+    return ids if not id_start else ids.long() - id_start
+
+
+def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, id_start=0):
     """Same contract as vocab_triton.vocab_fwd: logp, entropy, stats (m, log S, q), flags of the
     transformed logits z' (scale, softcap). Each row's blocks of VOCAB_BLOCK entries are reduced on their
     own and merged in order (block_stats, merge_blocks), as the vocabulary-parallel path merges them."""
+    ids = _slice_ids(ids, id_start)
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -215,10 +221,11 @@ def _chunks(logits3, counted, T, logits_start, temperature, scale, softcap, acc)
         yield idx, _inv_tau(temperature, idx, acc), _transform(logits3[bi[sl], ti[sl]].to(acc), scale, softcap)
 
 
-def vocab_blocks(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None):
+def vocab_blocks(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, id_start=0):
     """A vocabulary slice's per-block statistics (spec 14): (n, n_blocks(V), 3) as block_stats gives them,
     the transformed target logit z'_y (n,) where the (local) id lies in the slice (NaN elsewhere), and
     whether the token's slice holds a NaN or +inf (n,) bool. Uncounted tokens: zeros."""
+    ids = _slice_ids(ids, id_start)
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
@@ -268,8 +275,9 @@ def vocab_merge(blocks, zy, nonfinite, ids, counted, temperature, V_whole, state
     return logp, ent, stats, bad
 
 
-def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None):
+def vocab_bwd(logits3, grad3, ids, stats, ent, c, e, temperature, logits_start, scale=1.0, softcap=None, id_start=0):
     """Same contract as vocab_triton.vocab_bwd: dL/dz of the raw logits, through the transforms."""
+    ids = _slice_ids(ids, id_start)
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0

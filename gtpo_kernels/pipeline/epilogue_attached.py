@@ -30,10 +30,10 @@ def takes(logits3, cfg, backend):
 def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     """GTPOOutput of the call (see the module docstring); tau: the call's temperature per token or None."""
     with torch.no_grad():
-        temperature, tau_v = ops.tau_arg(cfg.temperature if tau is None else tau, b.logits3, backend)  # (a number
-        # by value) (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
-        logp, ent, stats, bad = parallel.vp_forward(b, b.ids, tau_v if temperature is None else temperature, backend,
-                                                    vp.group, vp.V, sizes=vp.sizes, id_start=vp.start)
+        temperature = ops.tau_arg(cfg.temperature if tau is None else tau, b.logits3, backend)  # (a number: by value)
+        # (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
+        logp, ent, stats, bad = parallel.vp_forward(b, b.ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes,
+                                                    id_start=vp.start)
         floats, flags = epilogue.arguments(b, cfg, num_items, 1.0, False)
         mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = epilogue.tensors(b, cfg)
         outs = loss_ops.epilogue_outputs(logp, logp.numel(), b.B, flags)
@@ -45,8 +45,10 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     value = outs[0].reshape(b.tok_shape) if cfg.loss_agg == "none" else outs[0]
     # (the epilogue's H: 0 where not counted, NaN where flagged, as the backward reads it)
     attached = ops.attach_grad(b.logits3, value, b.ids, stats, outs[2].to(cdt),
-                               outs[4].to(cdt), outs[5].to(cdt) if has_e else None, temperature, b.logits_start,
-                               backend=backend, inplace=inplace, tau_value=tau_v, id_start=vp.start)
+                               outs[4].to(cdt), outs[5].to(cdt) if has_e else None,
+                               None if isinstance(temperature, float) else temperature, b.logits_start, backend=backend,
+                               inplace=inplace, tau_value=temperature if isinstance(temperature, float) else 1.0,
+                               id_start=vp.start)
     # validating: a flagged counted row raises (every rank alike)
     out = epilogue.output(outs, bad, b, cfg, host)
     out.loss = attached
