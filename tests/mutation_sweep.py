@@ -379,6 +379,9 @@ MUTANTS = [
       tests=["test_parallel"]),
     M("L13", "api/logits.py", "                    if tau_kernels:  # (the eager order", "                    if False:  # (the eager order",
       "gtpo_loss validating: a bad temperature raised as a flagged row, not named", tests=["test_loss_temperature_in_kernels"]),
+    M("L15", "kernels/loss_ops.py", "tau_seq=tau_seq, cu=cu,\n              id_start=id_start)",
+      "tau_seq=tau_seq, cu=cu)", "vocabulary-parallel backward (the epilogue's op): the target at its global id",
+      tests=["test_parallel"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -39,13 +39,15 @@ FLAGS = ("PACKED", "HAS_OLD", "HAS_KL", "BIAS_KL", "HAS_LAM", "HAS_NCONF", "NITE
 EPILOGUE_BLOCK = 1024  # tokens per step of the epilogue's one program
 
 
-def _outputs(like, n, B, none_agg):
+def _outputs(like, n, B, none_agg, fwd=True):
+    """fwd: the forward's stats and flags too (else empty: given to the op)."""
     f32 = dict(device=like.device, dtype=torch.float32)
     value = torch.empty(n if none_agg else (), **f32)
     per_tok = [torch.empty(n, **f32) for _ in range(6)]  # logp, H, loss_tok, c, e, lam
+    m = n if fwd else 0
     return [value, *per_tok, torch.empty(B, **f32), torch.empty(B, device=like.device, dtype=torch.uint8),
             torch.empty(B, **f32), torch.empty(12, **f32), torch.empty(1, device=like.device, dtype=torch.int32),
-            torch.empty((n, 3), **f32), torch.empty(n, device=like.device, dtype=torch.int8)]
+            torch.empty((m, 3), **f32), torch.empty(m, device=like.device, dtype=torch.int8)]
 
 
 def epilogue_outputs(like, n, B, flags):
@@ -130,21 +132,29 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
                temperature: Optional[torch.Tensor], floats: List[float], flags: List[int], logits_start: int,
                B: int, roll: Optional[torch.Tensor], rw: Optional[torch.Tensor],
                hp: Optional[torch.Tensor], draws: Optional[torch.Tensor], rules: List[Optional[torch.Tensor]],
-               rule_values: List[float], inplace: bool = False, tau_seq: int = 0) -> List[torch.Tensor]:
+               rule_values: List[float], given: List[torch.Tensor], inplace: bool = False, tau_seq: int = 0,
+               id_start: int = 0) -> List[torch.Tensor]:
     """tau_seq: temperature holds one tau per completion (1 padded, 2 packed: found in cu), read by the
-    vocabulary kernels at each token's completion."""
+    vocabulary kernels at each token's completion. given: [] or the forward's [logp, H, stats (n, 3), flags] made
+    outside the op (the vocabulary split over ranks: vocab_parallel.vp_forward), so that the op launches the
+    epilogue alone and returns empty stats and flags (the given ones are saved for the backward; no rules
+    then); id_start: the backward's ids less it are the logits' (spec 12's slice)."""
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
-    n = ids.numel()
-    outs = _outputs(logits3, n, B, fg["AGG"] == 5) + _keep_outputs(logits3, n, rules, rule_values)
+    n, given = ids.numel(), given or None
+    outs = _outputs(logits3, n, B, fg["AGG"] == 5, given is None) + _keep_outputs(logits3, n, rules, rule_values)
     value, logp, ent, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status, stats, bad, t_s, t_id = outs
     tau = fl["tau"] if fg["TEMP_BY_VALUE"] else temperature
     kst = keep = None
-    given = _given_rules(rules, rule_values)
-    if given is not None:  # the kept sets as thresholds: one launch (kernels/kept_rule_triton.py)
-        t_s, t_id, kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *given,
+    rule_args = _given_rules(rules, rule_values)
+    if given is not None:  # the forward made outside: the epilogue alone
+        if rule_args is not None:
+            raise ValueError("fused_loss: the forward's statistics given, no rules (their kept sets shape it)")
+        logp, ent, stats, bad = given
+    elif rule_args is not None:  # the kept sets as thresholds: one launch (kernels/kept_rule_triton.py)
+        t_s, t_id, kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *rule_args,
                                                           outs=(t_s, t_id))
         keep = (t_s, t_id)
-    if n:
+    if n and given is None:
         vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad), keep=keep,
                                tau_seq=tau_seq, cu=cu if tau_seq == 2 else None)
     epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs[:12],
@@ -168,8 +178,8 @@ def _keep_outputs(like, n, rules, rule_values):
 
 @fused_loss.register_fake
 def _(logits3, ids, mask, cu, adv, old, ref, lam, n_conf, num_items, temperature, floats, flags, logits_start, B,
-      roll, rw, hp, draws, rules, rule_values, inplace=False, tau_seq=0):
-    return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5) + _keep_outputs(
+      roll, rw, hp, draws, rules, rule_values, given, inplace=False, tau_seq=0, id_start=0):
+    return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5, not given) + _keep_outputs(
         logits3, ids.numel(), rules, rule_values)
 
 
@@ -178,12 +188,12 @@ def _setup_context(ctx, inputs, output):
     temperature, floats, flags, logits_start = inputs[10:14]
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     _value, _logp, ent, _ltok, c, e, *_more = output
-    stats = output[12]
+    given, inplace, tau_seq, id_start = inputs[21:25]  # (the defaults filled in)
+    stats = given[2] if given else output[12]
     keep = output[14:16] if output[14].numel() else (None, None)
-    tau_seq = inputs[22] if len(inputs) > 22 else 0
     ctx.save_for_backward(logits3, ids, stats, ent, c, e if fg["HAS_E"] else None, temperature, *keep,
                           inputs[3] if tau_seq == 2 else None)  # (a tau per completion, packed: cu_seqlens)
-    ctx.meta = (logits_start, fl["tau"] if fg["TEMP_BY_VALUE"] else 1.0, inputs[21], tau_seq)
+    ctx.meta = (logits_start, fl["tau"] if fg["TEMP_BY_VALUE"] else 1.0, inplace, tau_seq, id_start)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zero gradients made for the outputs without one
 
@@ -195,9 +205,10 @@ def _backward(ctx, grads):
     if grad is None or not ctx.needs_input_grad[0]:  # (frozen logits are never written over)
         return (None,) + rest
     logits3, ids, stats, ent, c, e, temperature, t_s, t_id, cu = ctx.saved_tensors
-    logits_start, tau_value, inplace, tau_seq = ctx.meta
+    logits_start, tau_value, inplace, tau_seq, id_start = ctx.meta
     g = grad.reshape(-1)
-    kw = dict(backend="triton", g=g, tau_value=tau_value, keep_s=t_s, keep_id=t_id, tau_seq=tau_seq, cu=cu)
+    kw = dict(backend="triton", g=g, tau_value=tau_value, keep_s=t_s, keep_id=t_id, tau_seq=tau_seq, cu=cu,
+              id_start=id_start)
     if inplace:  # the gradient written over the logits (a fresh view: autograd takes it as .grad, no copy)
         ops.vocab_bwd_inplace(logits3, ids, stats, ent, c, e, temperature, logits_start, **kw)
         return (logits3.view(logits3.shape),) + rest

@@ -239,7 +239,7 @@ def loss(b, cfg, num_items, tau, host, revalidate=None, rules=None, inplace=Fals
     mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = tensors(b, cfg, host)
     n_items = num_items if isinstance(num_items, torch.Tensor) else None
     outs = loss_ops.fused_loss(b.logits3, b.given["ids"], mask, cu, adv, old, ref, lam, n_conf, n_items,
-                               temperature, floats, flags, b.logits_start, b.B, roll, rw, hp, u, *rule_args(rules),
+                               temperature, floats, flags, b.logits_start, b.B, roll, rw, hp, u, *rule_args(rules), [],
                                inplace, 0 if not per_seq else 2 if b.packed else 1)  # (per_seq: tau is (B,))
     out = output(outs[:12], outs[13], b, cfg, host, revalidate)
     if rules is None:

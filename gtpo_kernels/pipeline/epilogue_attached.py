@@ -3,9 +3,10 @@
 
     forward     each rank's vocabulary kernel with the statistics merged over the group
                 (vocab_parallel.vp_forward), so every rank holds the same per-token logp, H and flags
-    epilogue    one launch (loss_ops.epilogue; clip_cov and kl_cov: two around a sort, which sorts the
-                top-entropy mask's keys too): the loss, its outputs and metrics, and c = dL/dlogp, e = dL/dH
-    backward    ops.attach_grad: the backward vocabulary kernel on this rank's slice (in place or not)
+    epilogue    one launch in loss_ops.fused_loss, given the merged forward (clip_cov and kl_cov: two around
+                a sort, which sorts the top-entropy mask's keys too): the loss, its outputs and metrics, and
+                c = dL/dlogp, e = dL/dH
+    backward    fused_loss's: the backward vocabulary kernel on this rank's slice (in place or not)
 
 The batch was checked on the host when validating (not in the kernel); the status word is the call's one
 more host read, and a flagged counted row raises there (checks.raise_on_flags). Every rank runs the same
@@ -32,24 +33,14 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     with torch.no_grad():
         temperature = ops.tau_arg(cfg.temperature if tau is None else tau, b.logits3, backend)  # (a number: by value)
         # (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
-        logp, ent, stats, bad = parallel.vp_forward(b, b.ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes,
-                                                    id_start=vp.start)
-        floats, flags = epilogue.arguments(b, cfg, num_items, 1.0, False)
-        mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = epilogue.tensors(b, cfg)
-        outs = loss_ops.epilogue_outputs(logp, logp.numel(), b.B, flags)
-        loss_ops.epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf,
-                          num_items if isinstance(num_items, torch.Tensor) else None, floats, flags, b.B, roll, outs,
-                          rw=rw, hp=hp, draws=u)
-    cdt = stats.dtype
-    has_e = flags[loss_ops.FLAGS.index("HAS_E")]
-    value = outs[0].reshape(b.tok_shape) if cfg.loss_agg == "none" else outs[0]
-    # (the epilogue's H: 0 where not counted, NaN where flagged, as the backward reads it)
-    attached = ops.attach_grad(b.logits3, value, b.ids, stats, outs[2].to(cdt),
-                               outs[4].to(cdt), outs[5].to(cdt) if has_e else None,
-                               None if isinstance(temperature, float) else temperature, b.logits_start, backend=backend,
-                               inplace=inplace, tau_value=temperature if isinstance(temperature, float) else 1.0,
-                               id_start=vp.start)
+        fwd = parallel.vp_forward(b, b.ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes, id_start=vp.start)
+    by_value = isinstance(temperature, float)
+    floats, flags = epilogue.arguments(b, cfg, num_items, temperature if by_value else 1.0, False, not by_value)
+    mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = epilogue.tensors(b, cfg)
+    # the epilogue in the op whose backward is the vocabulary kernel on this slice (its value is the loss itself)
+    outs = loss_ops.fused_loss(b.logits3, b.ids, mask, cu, adv, old, ref, lam, n_conf,
+                               num_items if isinstance(num_items, torch.Tensor) else None,
+                               None if by_value else temperature, floats, flags, b.logits_start, b.B, roll, rw, hp,
+                               u, [None] * 3, [float("nan")] * 3, list(fwd), inplace, 0, vp.start)
     # validating: a flagged counted row raises (every rank alike)
-    out = epilogue.output(outs, bad, b, cfg, host)
-    out.loss = attached
-    return out
+    return epilogue.output(outs[:12], fwd[3], b, cfg, host)
