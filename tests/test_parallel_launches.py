@@ -1,8 +1,8 @@
 """Vocabulary-parallel logits stay on the path (spec 8, 12): a gtpo_loss(process_group=...) forward +
 backward on 2 gloo ranks, counted as a GPU would launch it (bench.launches_parallel.counts: Triton
 launches plus aten ops that launch a kernel, collectives included), at two token counts: the merge of
-the slices' statistics is two kernels around its two all-reduces (the forward kernel stores the first
-all-reduce's input), the agreement's checksums one
+the slices' statistics is one kernel between its two all-reduces (the forward kernel stores the first
+all-reduce's input, the epilogue kernel finishes the second's sums), the agreement's checksums one
 kernel for the whole row it all-gathers (no per-field launch), one host read unvalidated
 (the agreement's), and nothing grows with the tokens."""
 
@@ -19,8 +19,8 @@ SIZES = ((4, 5), (8, 6))
 # the agreement's checksums were formed by one kernel a field where they are now one kernel a row, and the
 # forward kernel stores the slice's maximum, the merge's first input, itself, and the kernels subtract the
 # slice's first id as they read an id; one more before the epilogue ran in the custom op that attaches the
-# backward, whose value was a copy of the epilogue's)
-BOUND = {("grpo", False): 10, ("gtpo", False): 11, ("grpo", True): 17, ("gtpo", True): 18}
+# backward, whose value was a copy of the epilogue's; one more before the epilogue finished the merge itself)
+BOUND = {("grpo", False): 9, ("gtpo", False): 10, ("grpo", True): 16, ("gtpo", True): 17}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2}  # validating: the status word
 
 
@@ -43,5 +43,5 @@ def test_vocabulary_parallel_launches_are_few_and_flat_in_tokens():
         assert by_size[0] == by_size[1], by_size  # flat in tokens, on every rank
         for key, (n, triton, reads) in by_size[0].items():
             assert n <= BOUND[key], (key, n)
-            assert triton >= 6, (key, triton)  # the merge's and the checksums' kernels ran (not torch ops)
+            assert triton >= 5, (key, triton)  # the merge's and the checksums' kernels ran (not torch ops)
             assert reads <= READS[key], (key, reads)

@@ -100,6 +100,13 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     if sizes is not None and vocab_block.aligned(sizes):
         return vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap, id_start)
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
+    vec, M = vp_sums(b, ids_loc, temperature, backend, group, scale, softcap, id_start)
+    return vp_merge.select(backend).finish(vec, M, b.ids, _counted(b, backend), V_global)
+
+
+def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id_start=0):
+    """vp_forward's all-reduce merge up to its finish (the epilogue kernel may finish it itself): the merged
+    sums (n, 7) and the global row maxima (n,), the same on every rank (backend resolved)."""
     merge, counted = vp_merge.select(backend), _counted(b, backend)  # (Triton: the sums' and finish's launches)
     # on the Triton backend the forward kernel stores the slice's maximum too (vp_merge.local_max's values)
     M = torch.empty(ids_loc.numel(), dtype=torch.float32, device=b.logits3.device) if backend == "triton" else None
@@ -111,7 +118,7 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
     vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, b.V, id_start)
     dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
-    return merge.finish(vec, M, b.ids, counted, V_global)
+    return vec, M
 
 
 def _counted(b, backend):

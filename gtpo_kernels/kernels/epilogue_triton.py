@@ -1,34 +1,33 @@
 """The epilogue (Triton): every O(B) / O(N) step of the loss between the two vocabulary passes in one launch.
 
-From the forward kernel's per-token (logp, H, flags) it computes what objective/surrogate.py computes with
-~100 small torch ops (spec 2, 4, 9 for the PPO-clip policy term at the token or the sequence level, and
-the token-level terms of POLICIES: cispo, sapo, verl's gpg, verl_cispo, dro, dppo_tv, dppo_kl, geo_mean,
-clip_cov and kl_cov, TRL's vespo; clip_cov and kl_cov in two launches around a sort: epilogue_cov.py):
-the entropy control (Hbar, the filter delta, Ahat), the ratio, the clip, delta and the dual clip, the
-policy term's multipliers in spec 9's order (the conflict weights' lam, the off-policy sequence mask, the
-rollout weights per token or per completion), the KL term (with its bias correction), the entropy bonus, the aggregation
-weights, the per-token coefficients c = dL/dlogp and e = dL/dH the backward kernel reads, the loss value
-(its sum, or per token with loss_agg='none'), the outputs (lam and n_conf included) and the metrics, and a
-status word that validation reads once (bit 0: a counted row was flagged; bit 1: the entropy filter
-dropped every completion; bit 2, validating: an input check failed, the caller then runs the checks
-again on the host to raise the error that names the argument). The eager code stays the torch backend's path
-and this kernel's twin in tests.
+From the forward kernel's per-token (logp, H, flags) it computes what objective/surrogate.py computes with ~100 small
+torch ops (spec 2, 4, 9 for the PPO-clip policy term at the token or the sequence level, and the token-level terms of
+POLICIES: cispo, sapo, verl's gpg, verl_cispo, dro, dppo_tv, dppo_kl, geo_mean, clip_cov and kl_cov, TRL's vespo;
+clip_cov and kl_cov in two launches around a sort: epilogue_cov.py): the entropy control (Hbar, the filter delta,
+Ahat), the ratio, the clip, delta and the dual clip, the policy term's multipliers in spec 9's order (the conflict
+weights' lam, the off-policy sequence mask, the rollout weights per token or per completion), the KL term (with its
+bias correction), the entropy bonus, the aggregation weights, the per-token coefficients c = dL/dlogp and e = dL/dH the
+backward kernel reads, the loss value (its sum, or per token with loss_agg='none'), the outputs (lam and n_conf
+included) and the metrics, and a status word that validation reads once (bit 0: a counted row was flagged; bit 1: the
+entropy filter dropped every completion; bit 2, validating: an input check failed, the caller then runs the checks
+again on the host to raise the error that names the argument). The eager code stays the torch backend's path and this
+kernel's twin in tests.
 
-A tile of the LM head's fused schedule runs it with pass 2 over the tile's completions only (g_lo, g_hi):
-their c and e are then final (pass 1's batch totals, the counted tokens and the longest completion, come
-from the mask and cu_seqlens alone), the rest of what it writes is rewritten by the call's own launch.
+A tile of the LM head's fused schedule runs it with pass 2 over the tile's completions only (g_lo, g_hi): their c and e
+are then final (pass 1's batch totals, the counted tokens and the longest completion, come from the mask and cu_seqlens
+alone), the rest of what it writes is rewritten by the call's own launch.
 
-One program walks the completions in order (padded: completion i owns tokens [i T, (i + 1) T); packed: [cu[i], cu[i
-+ 1])), in blocks of BLOCK tokens, twice: pass 1 forms the per-completion sums (counted tokens, entropy, the
+One program walks the completions in order (padded: completion i owns tokens [i T, (i + 1) T); packed: [cu[i], cu[i +
+1])), in blocks of BLOCK tokens, twice: pass 1 forms the per-completion sums (counted tokens, entropy, the
 sequence-level log-ratio, the off-policy mask's mean (sampling logp - logp), summed in float64 as the eager seg_sum)
-and the batch's, pass 2 the per-token terms, behind a barrier. At the sequence level pass 2 reads each completion
-twice (d loss / d log r summed over it first). A per-completion sum is the block sums added in order: nothing
-depends on the device or the grid. In the packed form cu_seqlens is read as the caller gave it: a malformed one (not
-from 0 to N, or decreasing) is replaced by the stand-in the eager code uses and makes every counted token's outputs
-NaN. Unvalidated invalid input gives NaN where it reaches, as the eager code: a flagged token's logp and H, non-
-finite advantages, old / ref log-probs and lam at counted tokens, a counted rollout weight that is not finite and >=
-0, an n_conf that is not finite and >= 1, a num_items_in_batch tensor that is not finite and > 0. The off-policy
-mask is a constant multiplier (no gradient through its mean), as in the eager path.
+and the batch's, pass 2 the per-token terms, behind a barrier. At the sequence level pass 2 reads each completion twice
+(d loss / d log r summed over it first). A per-completion sum is the block sums added in order: nothing depends on the
+device or the grid. In the packed form cu_seqlens is read as the caller gave it: a malformed one (not from 0 to N, or
+decreasing) is replaced by the stand-in the eager code uses and makes every counted token's outputs NaN. Unvalidated
+invalid input gives NaN where it reaches, as the eager code: a flagged token's logp and H, non-finite advantages, old
+/ ref log-probs and lam at counted tokens, a counted rollout weight that is not finite and >= 0, an n_conf that is not
+finite and >= 1, a num_items_in_batch tensor that is not finite and > 0. The off-policy mask is a constant multiplier
+(no gradient through its mean), as in the eager path.
 """
 from __future__ import annotations
 
@@ -38,10 +37,11 @@ import triton.language as tl
 from .epilogue_cov import _cov_keys, _cov_kth, _cov_sel
 from .epilogue_geo import _geo_log_R, _geo_sums, _vespo_phi, _vespo_sums
 from .epilogue_hyper import _gate_on, _hyper
-from .epilogue_terms import (_counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _kept_add,
+from .epilogue_terms import (_counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _kept_add, _metrics_store,
                              _off_policy_sum, _policy_weight, _roll_add, _roll_store, _rollout_ok, _rollout_w, _span,
                              _terms, _token_adv, _token_log_r)
 from .top_entropy import _top_entropy_thr, _top_entropy_w
+from .vp_merge_triton import _finish_at
 
 # policy_loss as the kernel's POLICY (the token-level terms it computes; epilogue_terms._policy)
 POLICIES = ("ppo", "cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl", "geo-mean", "vespo", "clip-cov",
@@ -51,7 +51,7 @@ AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-tok
         "none")
 
 
-@triton.jit(do_not_specialize=["B", "T", "N", "max_seqlen", "g_lo", "g_hi", "ratio_bits"])
+@triton.jit(do_not_specialize=["B", "T", "N", "max_seqlen", "g_lo", "g_hi", "ratio_bits", "V_all"])
 def _epilogue_kernel(
     logp_ptr, ent_ptr, bad_ptr, mask_ptr, cu_ptr,  # the forward kernel's outputs; the caller's mask; cu_seqlens
     adv_ptr, old_ptr, ref_ptr, lam_ptr, nconf_ptr, nitems_ptr, roll_ptr,  # inputs (unused ones: any tensor)
@@ -85,6 +85,7 @@ def _epilogue_kernel(
     kst_ptr=None,  # KEPT: (N, 3) each token's kept set's (size, restored, mass) (kept_rule_triton)
     KEPT: tl.constexpr = False,  # True: spec 13's metrics of sets rebuilt by rules (met[9:12])
     TOK_ADV: tl.constexpr = False,  # adv_ptr holds an advantage per token (N,) in place of Ahat (token-level terms)
+    ids_ptr=None, stats_out=None, V_all=0, VP: tl.constexpr = False,  # VP: the merge's finish in pass 1 (below)
 ):
     # TOK_ADV: in terms that read no completion's advantage, unvalidated (pipeline/token_terms.py checks them)
     tl.static_assert(not TOK_ADV or not (PENALTY or OFF_POLICY or SEQ or VALIDATE or POLICY == 9))
@@ -129,10 +130,15 @@ def _epilogue_kernel(
             o = t0 + lanes
             inb = o < end
             m = _counted(mask_ptr, o, inb, HAS_MASK)
-            bad = (tl.load(bad_ptr + o, mask=inb, other=0) != 0) | (malformed != 0)  # malformed: every token
+            if VP:  # logp_ptr, ent_ptr: a vocabulary split's merged sums and maxima; bad_ptr, stats_out: written
+                lp, en, bad = _finish_at(logp_ptr, ent_ptr, ids_ptr, stats_out, bad_ptr, o, inb, m, V_all)
+            else:
+                lp, en = tl.load(logp_ptr + o, mask=inb, other=0.0), tl.load(ent_ptr + o, mask=inb, other=0.0)
+                bad = tl.load(bad_ptr + o, mask=inb, other=0)
+            bad = (bad != 0) | (malformed != 0)  # malformed: every token
             flagged = flagged | tl.max(bad.to(tl.int32), axis=0)
-            lp = tl.where(m, tl.where(bad, float("nan"), tl.load(logp_ptr + o, mask=inb, other=0.0)), 0.0)
-            en = tl.where(m, tl.where(bad, float("nan"), tl.load(ent_ptr + o, mask=inb, other=0.0)), 0.0)
+            lp = tl.where(m, tl.where(bad, float("nan"), lp), 0.0)
+            en = tl.where(m, tl.where(bad, float("nan"), en), 0.0)
             tl.store(logp_out + o, lp, mask=inb)
             tl.store(ent_out + o, en, mask=inb)
             if TOP_ENT and PHASE == 1:  # the sort key of top_entropy._entropy_key_kernel, one launch fewer
@@ -307,13 +313,7 @@ def _epilogue_kernel(
                 lam_nan += tl.sum(tl.where(m, lam * 0.0, 0.0), axis=0)
     if AGG != 5:
         tl.store(value_ptr, tl.sum(loss_acc, axis=0))
-    tl.store(met_ptr, clip_n.to(tl.float32) / M_safe)
-    tl.store(met_ptr + 1, tl.where(B > 0, (B - n_kept).to(tl.float32) / tl.maximum(Bf, 1.0), 0.0))
-    if HAS_LAM:
-        tl.store(met_ptr + 2, conf_n.to(tl.float32) / M_safe + lam_nan)
-    else:
-        tl.store(met_ptr + 2, 0.0)
-    tl.store(met_ptr + 3, h_tot / M_safe)
+    _metrics_store(met_ptr, clip_n, n_kept, conf_n, lam_nan, h_tot, B, Bf, M_safe, HAS_LAM)
     if HAS_ROLL:
         _roll_store(met_ptr, roll_sums, roll_abs, roll_max, roll_out, roll_nan, roll_ok, M_safe)
     if KEPT:  # mean_kept_size, replay_restored_frac, kept_mass

@@ -62,7 +62,7 @@ def _bits(x):
 
 
 def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs,
-             g_lo=0, g_hi=None, rw=None, hp=None, draws=None, kst=None):
+             g_lo=0, g_hi=None, rw=None, hp=None, draws=None, kst=None, vp=None):
     """The epilogue kernel (one launch) on the forward pass's per-token logp, H and flags, writing `outs`
     (epilogue_outputs; its logp and H may be the inputs themselves); pass 2 over completions [g_lo, g_hi)
     (default: all of them). rw: the rollout weights, (n,) per token or (B,) per completion as flags' RW says
@@ -72,19 +72,24 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
     clip_cov and kl_cov (POLICY 10, 11; kernels/epilogue_cov.py): a launch of the kernel that writes the sort
     keys (and the top-entropy mask's, instead of its key kernel: one sort of both), then the epilogue, on the whole
     batch only; draws: clip_cov's uniform draws (n,) float64. kst: (n, 3) the kept sets' (size, restored,
-    mass) that the rules rebuilt (kept_rule_triton), summed into metrics[9:12]."""
+    mass) that the rules rebuilt (kept_rule_triton), summed into metrics[9:12]. vp: (ids, stats (n, 3), V) where
+    logp and ent are a vocabulary split's merged sums (n, 7) and maxima (vp_merge_triton): the kernel finishes
+    them, writing the flags into `bad` and the backward's stats (not with the top-entropy mask alone: its key
+    reads H first)."""
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     if (rw is None) != (fg["RW"] == 0):
         raise ValueError(f"the epilogue's RW = {fg['RW']} and its rollout weights ({rw is not None}) disagree")
     if (hp is None) != (fg["HP"] == 0):
         raise ValueError(f"the epilogue's HP = {fg['HP']} and its hyper-parameter vector ({hp is not None}) disagree")
     cov = fg["POLICY"] >= 10
+    if vp is not None and fg["TOP_ENT"] and not cov:
+        raise ValueError("the epilogue finishes a vocabulary split's merge only where nothing reads H before it")
     if (fg["TOP_ENT"] or cov) and (g_lo != 0 or g_hi not in (None, B)):
         raise ValueError("the top-entropy mask's quantile (clip_cov's, kl_cov's choice) spans the whole batch: "
                          "no epilogue on a tile alone")
     if (draws is None) != (fg["POLICY"] != 10):
         raise ValueError(f"the epilogue's POLICY = {fg['POLICY']} and its draws ({draws is not None}) disagree")
-    n = logp.numel()
+    n = ent.numel()  # (tokens: with vp, logp holds 7 sums a token)
     # the top-entropy mask's sorted keys (with clip_cov, kl_cov: the key launch writes them, then their sort)
     srt = top_entropy.sorted_key(ent, bad, mask) if fg["TOP_ENT"] and not cov else bad
     value, logp_o, ent_o, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status = outs
@@ -106,7 +111,8 @@ def epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, fl
             fl["k_pos"], fl["lam_pos"], fl["k_neg"], fl["lam_neg"], fl["cov_lb"], fl["cov_ub"], fl["kl_coef"],
             _bits(fl["cov_ratio"]), HAS_MASK=mask is not None, HAS_ROLL=roll is not None, BLOCK=EPILOGUE_BLOCK,
             num_warps=4, enable_fp_fusion=not fg["TOP_ENT"], PHASE=phase, kst_ptr=any_ if kst is None else kst,
-            KEPT=kst is not None, **sw)  # (TOP_ENT: top_entropy.py)
+            KEPT=kst is not None, **sw, **({} if vp is None else dict(ids_ptr=vp[0], stats_out=vp[1], V_all=vp[2],
+                                                                           VP=True)))  # (TOP_ENT: top_entropy.py)
 
     if not cov:
         launch(0, srt, any_, any_, any_)
@@ -133,15 +139,18 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
                B: int, roll: Optional[torch.Tensor], rw: Optional[torch.Tensor],
                hp: Optional[torch.Tensor], draws: Optional[torch.Tensor], rules: List[Optional[torch.Tensor]],
                rule_values: List[float], given: List[torch.Tensor], inplace: bool = False, tau_seq: int = 0,
-               id_start: int = 0) -> List[torch.Tensor]:
+               id_start: int = 0, vocab: int = 0) -> List[torch.Tensor]:
     """tau_seq: temperature holds one tau per completion (1 padded, 2 packed: found in cu), read by the
-    vocabulary kernels at each token's completion. given: [] or the forward's [logp, H, stats (n, 3), flags] made
-    outside the op (the vocabulary split over ranks: vocab_parallel.vp_forward), so that the op launches the
-    epilogue alone and returns empty stats and flags (the given ones are saved for the backward; no rules
-    then); id_start: the backward's ids less it are the logits' (spec 12's slice)."""
+    vocabulary kernels at each token's completion. given (the vocabulary split over ranks, spec 12: the op
+    launches the epilogue alone; no rules then): [] none; the forward's [logp, H, stats (n, 3), flags] made
+    outside the op (vocab_parallel.vp_forward), the stats and flags returned empty (the given ones are saved
+    for the backward); or the merge's [sums (n, 7), maxima (n,)] (vocab_parallel.vp_sums), which the epilogue
+    finishes (vocab: the whole vocabulary's size, for the flags). id_start: the backward's ids less it are the
+    logits' (the slice's)."""
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     n, given = ids.numel(), given or None
-    outs = _outputs(logits3, n, B, fg["AGG"] == 5, given is None) + _keep_outputs(logits3, n, rules, rule_values)
+    outs = _outputs(logits3, n, B, fg["AGG"] == 5, given is None or len(given) == 2) + _keep_outputs(
+        logits3, n, rules, rule_values)
     value, logp, ent, ltok, c, e, lam_out, nconf_out, kept, hbar, met, status, stats, bad, t_s, t_id = outs
     tau = fl["tau"] if fg["TEMP_BY_VALUE"] else temperature
     kst = keep = None
@@ -149,7 +158,7 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
     if given is not None:  # the forward made outside: the epilogue alone
         if rule_args is not None:
             raise ValueError("fused_loss: the forward's statistics given, no rules (their kept sets shape it)")
-        logp, ent, stats, bad = given
+        logp, ent, stats, bad = given if len(given) == 4 else (*given, stats, bad)
     elif rule_args is not None:  # the kept sets as thresholds: one launch (kernels/kept_rule_triton.py)
         t_s, t_id, kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *rule_args,
                                                           outs=(t_s, t_id))
@@ -157,8 +166,9 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
     if n and given is None:
         vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad), keep=keep,
                                tau_seq=tau_seq, cu=cu if tau_seq == 2 else None)
+    merged = given is not None and len(given) == 2  # (the epilogue finishes the merge)
     epilogue(logp, ent, bad, mask, cu, adv, old, ref, lam, n_conf, num_items, floats, flags, B, roll, outs[:12],
-             rw=rw, hp=hp, draws=draws, kst=kst)
+             rw=rw, hp=hp, draws=draws, kst=kst, vp=(ids, stats, vocab) if merged else None)
     return outs
 
 
@@ -178,8 +188,8 @@ def _keep_outputs(like, n, rules, rule_values):
 
 @fused_loss.register_fake
 def _(logits3, ids, mask, cu, adv, old, ref, lam, n_conf, num_items, temperature, floats, flags, logits_start, B,
-      roll, rw, hp, draws, rules, rule_values, given, inplace=False, tau_seq=0, id_start=0):
-    return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5, not given) + _keep_outputs(
+      roll, rw, hp, draws, rules, rule_values, given, inplace=False, tau_seq=0, id_start=0, vocab=0):
+    return _outputs(logits3, ids.numel(), B, dict(zip(FLAGS, flags))["AGG"] == 5, len(given) != 4) + _keep_outputs(
         logits3, ids.numel(), rules, rule_values)
 
 
@@ -189,7 +199,7 @@ def _setup_context(ctx, inputs, output):
     fl, fg = dict(zip(FLOATS, floats)), dict(zip(FLAGS, flags))
     _value, _logp, ent, _ltok, c, e, *_more = output
     given, inplace, tau_seq, id_start = inputs[21:25]  # (the defaults filled in)
-    stats = given[2] if given else output[12]
+    stats = given[2] if len(given) == 4 else output[12]
     keep = output[14:16] if output[14].numel() else (None, None)
     ctx.save_for_backward(logits3, ids, stats, ent, c, e if fg["HAS_E"] else None, temperature, *keep,
                           inputs[3] if tau_seq == 2 else None)  # (a tau per completion, packed: cu_seqlens)

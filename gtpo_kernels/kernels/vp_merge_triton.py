@@ -4,7 +4,8 @@ math and its torch twin): what the torch twin forms with about a hundred small o
     _live_max          this slice's row maximum, -inf where the slice adds nothing  -> M (all-reduce MAX),
                        stored by the forward kernel itself (vocab_fwd_triton, VP_MAX): no launch of its own
     _vp_sums_kernel    this slice's 7 numbers per token, scaled to the global M     -> vec (all-reduce SUM)
-    _vp_finish_kernel  the merged sums -> logp, H, stats (M, log S, q) and flags per token
+    _vp_finish_kernel  the merged sums -> logp, H, stats (M, log S, q) and flags per token (_finish_at; the
+                       epilogue kernel does it itself where it follows: pipeline/epilogue_attached.py)
 
     M = vocab_triton.vocab_fwd(..., local_max=M) (vp_merge.local_max's values)
     vec = local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local)
@@ -97,11 +98,10 @@ def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr,
     tl.store(v + 6, (nonfinite & counted).to(tl.float32), mask=inb)
 
 
-@triton.jit(do_not_specialize=["n", "V"])
-def _vp_finish_kernel(vec_ptr, M_ptr, ids_ptr, counted_ptr, logp_out, ent_out, stats_out, bad_out, n, V,
-                      BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True):
-    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inb = o < n
+@triton.jit
+def _finish_at(vec_ptr, M_ptr, ids_ptr, stats_out, bad_out, o, inb, counted, V):
+    """Tokens o's merged sums (vec, M) -> (logp, H, flags), 0 where not `counted`; stores the flags and the
+    backward's stats (M, log S, q) (the epilogue kernel calls it too, in place of this kernel's launch)."""
     v = vec_ptr + 7 * o
     s = tl.load(v, mask=inb, other=1.0)
     u = tl.load(v + 1, mask=inb, other=0.0)
@@ -113,17 +113,26 @@ def _vp_finish_kernel(vec_ptr, M_ptr, ids_ptr, counted_ptr, logp_out, ent_out, s
     top = tl.load(v + 5, mask=inb, other=0.0) > 0
     q = tl.where(top, r / s, -_expm1(tl.where(top, 0.0, logp)))
     M = tl.load(M_ptr + o, mask=inb, other=0.0)
-    counted = _counted(counted_ptr, o, inb, HAS_MASK)
     y = tl.load(ids_ptr + o, mask=inb, other=0).to(tl.int64)
     bad = tl.where((tl.load(v + 6, mask=inb, other=0.0) > 0) | (M == float("inf")), BAD_NONFINITE, 0)
     bad = bad | tl.where(logp == float("-inf"), BAD_TARGET_NEG_INF, 0)
-    bad = bad | tl.where((y < 0) | (y >= V), BAD_ID, 0)
-    tl.store(bad_out + o, tl.where(counted, bad, 0).to(tl.int8), mask=inb)
-    tl.store(logp_out + o, tl.where(counted, logp, 0.0), mask=inb)
-    tl.store(ent_out + o, tl.where(counted, ent, 0.0), mask=inb)
+    bad = tl.where(counted, bad | tl.where((y < 0) | (y >= V), BAD_ID, 0), 0)
+    tl.store(bad_out + o, bad.to(tl.int8), mask=inb)
     tl.store(stats_out + 3 * o, tl.where(tl.abs(M) < float("inf"), M, 0.0), mask=inb)
     tl.store(stats_out + 3 * o + 1, tl.where(counted, log_s, 0.0), mask=inb)
     tl.store(stats_out + 3 * o + 2, tl.where(counted, q, 0.0), mask=inb)
+    return tl.where(counted, logp, 0.0), tl.where(counted, ent, 0.0), bad
+
+
+@triton.jit(do_not_specialize=["n", "V"])
+def _vp_finish_kernel(vec_ptr, M_ptr, ids_ptr, counted_ptr, logp_out, ent_out, stats_out, bad_out, n, V,
+                      BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = o < n
+    logp, ent, _ = _finish_at(vec_ptr, M_ptr, ids_ptr, stats_out, bad_out, o, inb,
+                              _counted(counted_ptr, o, inb, HAS_MASK), V)
+    tl.store(logp_out + o, logp, mask=inb)
+    tl.store(ent_out + o, ent, mask=inb)
 
 
 def _grid(n):

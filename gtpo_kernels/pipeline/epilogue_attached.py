@@ -1,11 +1,14 @@
-"""The loss math in the epilogue kernel where the vocabulary passes are not the fused custom op's
-(kernels/loss_ops.fused_loss): logits split over the vocabulary across ranks (process_group, spec 12).
+"""The loss on logits split over the vocabulary across ranks (process_group, spec 12), its epilogue and
+backward those of the fused custom op (kernels/loss_ops.fused_loss), its forward merged over the group.
 
-    forward     each rank's vocabulary kernel with the statistics merged over the group
-                (vocab_parallel.vp_forward), so every rank holds the same per-token logp, H and flags
-    epilogue    one launch in loss_ops.fused_loss, given the merged forward (clip_cov and kl_cov: two around
-                a sort, which sorts the top-entropy mask's keys too): the loss, its outputs and metrics, and
-                c = dL/dlogp, e = dL/dH
+    forward     each rank's vocabulary kernel, its statistics merged over the group: the merged sums
+                (vocab_parallel.vp_sums), the same on every rank; where the top-entropy mask's key reads H
+                before the epilogue (without clip_cov or kl_cov), or the slices merge block by block, the
+                finished logp, H, flags and stats (vocab_parallel.vp_forward)
+    epilogue    one launch in loss_ops.fused_loss, given either (clip_cov and kl_cov: two around a sort, which
+                sorts the top-entropy mask's keys too): from the merged sums it first forms each token's logp,
+                H, flags and the backward's stats (vp_merge_triton._finish_at); then the loss, its outputs and
+                metrics, and c = dL/dlogp, e = dL/dH
     backward    fused_loss's: the backward vocabulary kernel on this rank's slice (in place or not)
 
 The batch was checked on the host when validating (not in the kernel); the status word is the call's one
@@ -33,7 +36,11 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     with torch.no_grad():
         temperature = ops.tau_arg(cfg.temperature if tau is None else tau, b.logits3, backend)  # (a number: by value)
         # (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
-        fwd = parallel.vp_forward(b, b.ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes, id_start=vp.start)
+        if vp.blockwise or (cfg.top_entropy_on and not cfg.batch_term):  # (the top-entropy key reads H first)
+            fwd = parallel.vp_forward(b, b.ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes,
+                                      id_start=vp.start)
+        else:  # the merged sums, finished by the epilogue kernel (no launch of the merge's finish)
+            fwd = parallel.vp_sums(b, b.ids, temperature, backend, vp.group, id_start=vp.start)
     by_value = isinstance(temperature, float)
     floats, flags = epilogue.arguments(b, cfg, num_items, temperature if by_value else 1.0, False, not by_value)
     mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = epilogue.tensors(b, cfg)
@@ -41,6 +48,6 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     outs = loss_ops.fused_loss(b.logits3, b.ids, mask, cu, adv, old, ref, lam, n_conf,
                                num_items if isinstance(num_items, torch.Tensor) else None,
                                None if by_value else temperature, floats, flags, b.logits_start, b.B, roll, rw, hp,
-                               u, [None] * 3, [float("nan")] * 3, list(fwd), inplace, 0, vp.start)
+                               u, [None] * 3, [float("nan")] * 3, list(fwd), inplace, 0, vp.start, vp.V)
     # validating: a flagged counted row raises (every rank alike)
-    return epilogue.output(outs[:12], fwd[3], b, cfg, host)
+    return epilogue.output(outs[:12], fwd[3] if len(fwd) == 4 else outs[13], b, cfg, host)
