@@ -115,7 +115,7 @@ def test_rule_unvalidated_flags_and_expansion():
     (0.0, ValueError, "temperature must be finite and > 0, got 0.0"),
     (-1.0, ValueError, "temperature must be finite and > 0"),
     (math.inf, ValueError, "temperature must be finite and > 0"),
-    (torch.tensor([1.0, 0.0]), ValueError, "temperature must be finite and > 0 at counted tokens; flat token position 3"),
+    (torch.tensor([1.0, 0.0]), ValueError, "temperature must be finite and > 0, with 1 / tau finite, at counted tokens; flat token position 3"),
     (torch.tensor([[1.0, 1.0, float("nan")], [1.0, 1.0, 1.0]]), ValueError, "position 2"),
     (torch.ones(3), ValueError, r"temperature must be a number, a tensor per completion \(2,\) or \(2, 1\), or \(2, 3\)"),
     (torch.ones(2, 2), ValueError, "temperature must be a number"),

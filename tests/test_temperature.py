@@ -216,3 +216,71 @@ def test_the_head_takes_one_temperature_keyword():
     b = linear_gtpo_loss(h, w, ids, adv, group_size=2, config=GTPOConfig.preset("grpo", temperature=0.7),
                          backend="torch")
     assert torch.equal(a.logps, b.logps)
+
+
+def _huge_tau_rank(rank, world):
+    """In a process with GTPO_VOCAB_BLOCK=64: V = 200 in 4 blocks, one row's first block all -inf (the row's
+    start merges with an empty block), another row's second block all -inf and a third row's lanes -inf at
+    every other entry (lanes that never see a finite entry)."""
+    from gtpo_kernels.core import vocab_block
+    assert vocab_block.VOCAB_BLOCK == 64
+    gen = torch.Generator().manual_seed(5)
+    B, T, V = 2, 3, 200
+    z = torch.randn(B, T, V, generator=gen) * 3
+    z[0, 0, :64] = float("-inf")
+    z[0, 1, 64:128] = float("-inf")
+    z[1, 2, ::2] = float("-inf")
+    ids = torch.tensor([[70, 3, 130], [9, 150, 41]])
+    adv = torch.tensor([1.0, -0.5])
+    out = {}
+    for backend in ("triton", "torch"):
+        for tau in (0.7, 1e36, 1e37, 1e38, 3e38):
+            for form in ("number", "tensor"):
+                t = tau if form == "number" else torch.full((B,), tau)
+                lp, ent = token_logprobs(z, ids, t, backend=backend)
+                rlp, rent = ref.token_logprobs(z.double() / tau, ids, 1.0)
+                out[f"{backend}/{tau:g}/{form}"] = (float((lp.double() - rlp).abs().max()),
+                                             float((ent.double() - rent).abs().max()))
+            x = z.clone().requires_grad_()
+            o = gtpo_loss(x, ids, adv, group_size=2, config=GTPOConfig.preset("grpo", temperature=tau),
+                          backend=backend)
+            o.loss.backward()
+            xr = z.double().requires_grad_()
+            r = ref.gtpo_loss(xr, ids, adv, group_size=2, **dict(GTPOConfig.preset("grpo", temperature=tau).__dict__))
+            r["loss"].backward()
+            g, gr = x.grad.double(), torch.nan_to_num(xr.grad)  # (-inf entries: 0 on every backend)
+            out[f"{backend}/{tau:g}/loss"] = (abs(float(o.loss) - float(r["loss"])) / max(abs(float(r["loss"])), 1e-30),
+                                           float((g - gr).norm() / gr.norm()) if float(gr.norm()) > 0 else float("inf"))
+    return out
+
+
+def test_a_huge_temperature_gives_the_reference(monkeypatch):
+    """tau up to FLT_MAX is valid (finite and > 0): the logits over it are all but uniform, and neither a lane
+    nor a block that has not yet seen a finite entry may add mass (its start maximum is -FLT_MAX, within
+    reach of a finite logit once divided by such a tau)."""
+    from gloo import run_ranks
+    monkeypatch.setenv("GTPO_VOCAB_BLOCK", "64")
+    res = run_ranks(_huge_tau_rank, 1)[0]
+    assert "exception" not in res, res.get("exception")
+    assert len(res) == 2 * 5 * 3, sorted(res)
+    for key, (a, b) in res.items():  # logp, H (absolute); the loss, its gradient (relative): spec 7, float32
+        assert a <= 1e-5 and b <= 1e-5, (key, a, b)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_temperature_whose_inverse_overflows_is_refused_or_nan(backend):
+    """A float32 tau of 1e-39 is finite and > 0, but 1 / tau is inf: NaN at its tokens unvalidated (every
+    other token as with tau 1), refused naming the temperature validating (not blamed on the logits)."""
+    gen = torch.Generator().manual_seed(2)
+    B, T, V = 3, 4, 19
+    z = torch.randn(B, T, V, generator=gen)
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    tau = torch.tensor([1.0, 1e-39, 1.0])
+    lp, _ = token_logprobs(z, ids, tau, validate=False, backend=backend)
+    assert torch.isnan(lp[1]).all() and not torch.isnan(lp[[0, 2]]).any()
+    rlp, _ = ref.token_logprobs(z.double(), ids, 1.0)
+    assert_value_close("logps", lp[[0, 2]], rlp[[0, 2]], 1e-5)
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        token_logprobs(z, ids, tau, backend=backend)
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        gtpo_loss(z, ids, torch.tensor([1.0, -1.0, 0.5]), group_size=3, temperature=tau, backend=backend)

@@ -85,9 +85,9 @@ def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=Non
     tau = per_token("temperature", temperature, B, T, n, device, cu_seqlens, spread or validate or flag).to(dtype)
     if not (validate or flag):
         return tau, None
-    bad = ~(torch.isfinite(tau) & (tau > 0))
+    bad = ~(torch.isfinite(tau) & (tau > 0) & torch.isfinite(tau.reciprocal()))  # (a float32 tau below 2.9e-39)
     if validate:
-        _refuse("temperature", bad, tau, "finite and > 0 at counted tokens", counted)
+        _refuse("temperature", bad, tau, "finite and > 0, with 1 / tau finite, at counted tokens", counted)
     return tau, bad
 
 

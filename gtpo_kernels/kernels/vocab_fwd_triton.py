@@ -78,7 +78,9 @@ def _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE: tl.c
     vocab_jit._kept)."""
     HALF: tl.constexpr = BLOCK_V // 2
     m_l = tl.full([HALF], NEG_SENTINEL, tl.float32)
-    r_l = tl.zeros([HALF], tl.float32)
+    # r_l = S - 1 = -1: no mass yet, so that the start maximum adds none when a finite entry raises it
+    # (x (r_l + 1) = 0, even where a huge tau brings -FLT_MAX within reach: x > 0)
+    r_l = tl.full([HALF], -1.0, tl.float32)
     u_l = tl.zeros([HALF], tl.float32)
     s_end = tl.minimum(s0 + VOCAB_BLOCK, V)
     v_full = s0 + ((s_end - s0) // BLOCK_V) * BLOCK_V
@@ -112,10 +114,11 @@ def _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE: tl.c
     alpha = tl.exp2(sh)
     # R = S - 1 without cancellation: the lanes' own sums, the maxima of lanes below the block maximum,
     # and the extra lanes at it (ties across lanes; ties inside a lane are already in r_l)
-    r_raw = tl.reduce(alpha * r_l, 0, _SUM) + tl.reduce(tl.where(live & (m_l < mx), alpha, 0.0), 0, _SUM) \
+    r_raw = tl.reduce(tl.where(live, alpha * r_l, 0.0), 0, _SUM) \
+        + tl.reduce(tl.where(live & (m_l < mx), alpha, 0.0), 0, _SUM) \
         + (tl.reduce((live & (m_l == mx)).to(tl.float32), 0, _SUM) - 1.0)
     r_b = tl.where(empty, 0.0 * r_raw, r_raw)  # keeps a NaN
-    u_b = tl.reduce(tl.where(alpha > 0, alpha * (u_l + (1.0 + r_l) * sh), 0.0), 0, _SUM)
+    u_b = tl.reduce(tl.where(live & (alpha > 0), alpha * (u_l + (1.0 + r_l) * sh), 0.0), 0, _SUM)
     return mx, r_b, u_b
 
 
@@ -127,13 +130,14 @@ def _merge_block(m, r, u, m_b, r_b, u_b, c2):
     u = u + x (u_b - (r_b + 1) a) (m_b = m: x = 1, the block's maximum counts as one more tie). Sums of
     non-negative terms (u: non-positive): nothing cancels. The one merge of the single-process kernel and
     of the vocabulary-parallel merge kernel; explicit fma, so that no compiler contracts them differently.
-    The start state (NEG_SENTINEL, 0, 0) and blocks without a finite entry are wiped by x = 0."""
+    The start state (NEG_SENTINEL, 0, 0) and blocks without a finite entry move no mass (their maximum is
+    none: s_move 0, whatever x, which a huge tau may leave above 0)."""
     a = tl.minimum(tl.abs((m_b - m) * c2), BIG, propagate_nan=tl.PropagateNan.ALL)
     x = tl.exp2(a * -1.0)
     grew = m_b > m
     r_keep = tl.where(grew, r_b, r)
     u_keep = tl.where(grew, u_b, u)
-    s_move = tl.where(grew, r, r_b) + 1.0
+    s_move = tl.where(grew, r + tl.where(m != NEG_SENTINEL, 1.0, 0.0), r_b + tl.where(m_b != NEG_SENTINEL, 1.0, 0.0))
     u_move = tl.where(grew, u, u_b)
     r_new = tl.fma(x, s_move, r_keep)
     u_new = tl.fma(x, tl.fma(s_move, a * -1.0, u_move), u_keep)

@@ -132,7 +132,8 @@ def merge_blocks(blocks, inv_t, state=None):
         x = torch.exp(-a)
         grew = m_b > m
         r_keep, u_keep = torch.where(grew, r_b, r), torch.where(grew, u_b, u)
-        s_move = torch.where(grew, r, r_b) + 1.0
+        # a side without a finite entry (the start, an all -inf block) moves no mass, whatever x (a huge tau)
+        s_move = torch.where(grew, r + (m != _sentinel(m.dtype)), r_b + (m_b != _sentinel(m.dtype)))
         u_move = torch.where(grew, u, u_b)
         r = r_keep + x * s_move
         u = u_keep + x * (u_move - s_move * a)
