@@ -189,7 +189,8 @@ MUTANTS = [
     # ---- core/sampling.py ------------------------------------------------------------------------------
     M("S1", "core/sampling.py", "if not (math.isfinite(temperature) and temperature > 0):",
       "if not (math.isfinite(temperature) and temperature >= 0):", "temperature = 0 (number) accepted", tests=["test_temperature", "test_sampling_checks"]),
-    M("S2", "core/sampling.py", "bad = ~(torch.isfinite(tau) & (tau > 0))", "bad = ~(tau > 0)",
+    M("S2", "core/sampling.py", "bad = ~(torch.isfinite(tau) & (tau > 0) & torch.isfinite(tau.reciprocal()))",
+      "bad = ~((tau > 0) & torch.isfinite(tau.reciprocal()))",
       "an infinite per-token temperature accepted", tests=["test_temperature", "test_sampling_checks"]),
     M("S3", "core/sampling.py", "        bad = bad & counted\n", "        pass\n",
       "bad values at uncounted tokens refused", tests=["test_temperature", "test_sampling_checks"]),
