@@ -94,7 +94,13 @@ class _LogpEntropy(torch.autograd.Function):
             others = plogp.scatter(-1, k, 0.0).sum(-1, keepdim=True)
             t = t.scatter(-1, k, q_k * logp_all.gather(-1, k) - others)
             grad = grad - p * t * g_H.unsqueeze(-1)
-        return grad, None
+        # a row no gradient reaches (a masked-out token) gets exact zeros, even where its p is NaN (a row all
+        # -inf): 0 times the row's derivative, which a NaN there would otherwise turn into NaN (spec 7)
+        reached = torch.zeros(grad.shape[:-1], dtype=torch.bool, device=grad.device)
+        for g in (g_logp, g_H):
+            if g is not None:
+                reached = reached | (g != 0)  # (a NaN upstream gradient reaches)
+        return torch.where(reached.unsqueeze(-1), grad, torch.zeros_like(grad)), None
 
 
 def _full_logp_entropy(logits, ids, temperature):

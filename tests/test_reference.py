@@ -141,6 +141,28 @@ def test_a_nan_row_has_nan_log_prob_entropy_and_gradient():
     assert x.grad[0, 2, 0] == 0 and (x.grad[0, 0] != 0).all()
 
 
+def test_a_masked_out_row_gets_exact_zeros_even_all_minus_inf():
+    """Spec 7: a masked-out row's gradient is exactly 0, also when the row is all -inf (its p is NaN there, and
+    0 times NaN would be NaN); the counted rows' gradients are unchanged and not zero."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 7, generator=g, dtype=torch.float64)
+    logits[1, 2] = -math.inf
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 2] = False
+    x = logits.clone().requires_grad_()
+    r = ref.gtpo_loss(x, ids, torch.tensor([1.0, -1.0]), mask, group_size=2, entropy_threshold=None,
+                      entropy_coef=0.01)
+    r["loss"].backward()
+    assert torch.equal(x.grad[1, 2], torch.zeros(7, dtype=torch.float64))
+    assert torch.isfinite(x.grad).all() and (x.grad[0, 0] != 0).all()
+    # a NaN upstream gradient still reaches its row
+    x2 = logits[:1, :2].clone().requires_grad_()
+    logp, H = ref.token_logprobs(x2, ids[:1, :2])
+    (logp * torch.tensor([[float("nan"), 0.0]], dtype=torch.float64)).sum().backward()
+    assert torch.isnan(x2.grad[0, 0]).all() and torch.equal(x2.grad[0, 1], torch.zeros(7, dtype=torch.float64))
+
+
 def test_the_reference_backend_gives_nan_for_an_id_out_of_range_unvalidated():
     """backend='reference', validate=False: a counted id outside [0, V) (or malformed cu_seqlens, which make
     every id -1) gives NaN log-prob and entropy there, as the other backends do, not the clamped id's."""
