@@ -114,11 +114,12 @@ def _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE: tl.c
     alpha = tl.exp2(sh)
     # R = S - 1 without cancellation: the lanes' own sums, the maxima of lanes below the block maximum,
     # and the extra lanes at it (ties across lanes; ties inside a lane are already in r_l)
-    r_raw = tl.reduce(tl.where(live, alpha * r_l, 0.0), 0, _SUM) \
+    # (a lane without a finite entry: its mass alpha (r_l + 1), 0 from its start r_l = -1, NaN after a NaN)
+    r_raw = tl.reduce(tl.where(live, alpha * r_l, alpha * (r_l + 1.0)), 0, _SUM) \
         + tl.reduce(tl.where(live & (m_l < mx), alpha, 0.0), 0, _SUM) \
         + (tl.reduce((live & (m_l == mx)).to(tl.float32), 0, _SUM) - 1.0)
     r_b = tl.where(empty, 0.0 * r_raw, r_raw)  # keeps a NaN
-    u_b = tl.reduce(tl.where(live & (alpha > 0), alpha * (u_l + (1.0 + r_l) * sh), 0.0), 0, _SUM)
+    u_b = tl.reduce(tl.where(alpha > 0, alpha * (u_l + (1.0 + r_l) * sh), 0.0), 0, _SUM)
     return mx, r_b, u_b
 
 
