@@ -22,6 +22,7 @@ CONFIGS = {
     "gtpo-weights": GTPOConfig(entropy_threshold=3.2, entropy_coef=0.01),
     "dapo-top-entropy": GTPOConfig.preset("dapo", top_entropy_quantile=0.5),
 }
+PACKED = ("clip-cov+top-entropy", "grpo-none", "gtpo-weights")
 
 
 def _case(packed):
@@ -64,6 +65,8 @@ def _ranks(rank, world):
     errs = {}
     for packed in (False, True):
         for name, cfg in CONFIGS.items():
+            if packed and name not in PACKED:
+                continue  # CI time: the packed form with the three whose epilogue differs most
             x, ids, mask, adv, old, kw = _case(packed)
             full = x.clone().requires_grad_()
             one = _call(full, ids, adv, mask, old, cfg, kw)
