@@ -110,8 +110,8 @@ def test_python_m_bench_smoke(tmp_path):
     """A run with --out writes its JSON and plots there and nowhere else: the repository's tree (tracked files,
     bench/out/, bench/results/) is left as it was."""
     before = _tree_state()
-    cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--suite", "logits", "--tokens", "64", "--vocab", "1000",
-           "--impls", "triton,torch,eager,liger", "--repeats", "2", "--warmup", "1", "--traffic-size", "64x1000",
+    cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--suite", "logits", "--tokens", "64", "--vocab", "300",
+           "--impls", "triton,torch,eager,liger", "--repeats", "2", "--warmup", "1", "--traffic-size", "64x300",
            "--no-aot", "--modes", "full,fwd,bwd", "--settle", "0", "--out", str(tmp_path)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, TRITON_INTERPRET="1"))
@@ -121,7 +121,7 @@ def test_python_m_bench_smoke(tmp_path):
     assert [ln for ln in p.stderr.splitlines() if "needs CUDA" in ln] == [  # once, not a line per size
         next(ln for ln in p.stderr.splitlines() if ln.endswith("liger: not run at any size (not run: needs CUDA)"))]
     # progress on stderr: each configuration numbered, no wait with --settle 0
-    assert "[1/1] tokens=64 V=1000: check torch, eager, then time them in 1 warm-up + 2" in p.stderr, p.stderr
+    assert "[1/1] tokens=64 V=300: check torch, eager, then time them in 1 warm-up + 2" in p.stderr, p.stderr
     assert "waiting up to" not in p.stderr
     rel = next(ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("results: "))
     path = os.path.join(ROOT, rel)
@@ -152,7 +152,7 @@ def test_python_m_bench_smoke(tmp_path):
     assert "fwd+bwd vs eager (per round)" in p.stdout and "load average (1 min)" in p.stdout
     from bench import readme_numbers
     rendered = readme_numbers.render_logits(doc, rel)
-    assert "| gtpo-kernels torch | 64 x 1000 |" in rendered and "interleaved" in rendered
+    assert "| gtpo-kernels torch | 64 x 300 |" in rendered and "interleaved" in rendered
     bad = subprocess.run([sys.executable, "-m", "bench", "--save", "--out", "x"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "not both" in bad.stderr
