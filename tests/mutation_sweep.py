@@ -408,7 +408,7 @@ MUTANTS = [
       "s_move = tl.where(grew, r, r_b) + 1.0", "a huge tau: the merge's start and empty blocks add mass",
       tests=["test_temperature"]),
     M("L23", "kernels/vocab_torch.py",
-      "s_move = torch.where(grew, r + (m != _sentinel(m.dtype)), r_b + (m_b != _sentinel(m.dtype)))",
+      "s_move = torch.where(grew, r + (m != none), r_b + (m_b != none))",
       "s_move = torch.where(grew, r, r_b) + 1.0", "a huge tau: the torch merge's start and empty blocks add mass",
       tests=["test_temperature"]),
     M("L24", "core/sampling.py", " & torch.isfinite(tau.reciprocal()))", ")",

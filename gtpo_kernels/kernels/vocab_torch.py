@@ -122,8 +122,9 @@ def merge_blocks(blocks, inv_t, state=None):
     were folded into (None: the empty row)."""
     rows, nb = blocks.shape[0], blocks.shape[1]
     inv_t = _column(inv_t, (rows,))
+    none = _sentinel(blocks.dtype)  # the maximum of a side without a finite entry
     if state is None:
-        m, r, u = blocks.new_full((rows,), _sentinel(blocks.dtype)), blocks.new_zeros(rows), blocks.new_zeros(rows)
+        m, r, u = blocks.new_full((rows,), none), blocks.new_zeros(rows), blocks.new_zeros(rows)
     else:
         m, r, u = state
     for b in range(nb):
@@ -133,7 +134,7 @@ def merge_blocks(blocks, inv_t, state=None):
         grew = m_b > m
         r_keep, u_keep = torch.where(grew, r_b, r), torch.where(grew, u_b, u)
         # a side without a finite entry (the start, an all -inf block) moves no mass, whatever x (a huge tau)
-        s_move = torch.where(grew, r + (m != _sentinel(m.dtype)), r_b + (m_b != _sentinel(m.dtype)))
+        s_move = torch.where(grew, r + (m != none), r_b + (m_b != none))
         u_move = torch.where(grew, u, u_b)
         r = r_keep + x * s_move
         u = u_keep + x * (u_move - s_move * a)
