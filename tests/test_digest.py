@@ -16,7 +16,7 @@ def _both(d, width=1):
     """(the row's slots after the Digest's kernel, the torch form's values)."""
     row = torch.full((2 + width,), 5, dtype=torch.int64)  # a slot's neighbours must stay as they are
     row[1] = d.const
-    assert digest._kernels_on(row.device, d._tensors())  # the kernels form it (Triton's interpreter here)
+    assert digest.kernels_on(row.device, d._tensors())  # the kernels form it (Triton's interpreter here)
     digest.write_row([d], row)  # (field 0 at slot 1)
     assert row[0] == 5 and row[-1] == 5, row
     v = d.value()
@@ -92,7 +92,7 @@ def test_backend_torch_forms_them_with_torch():
     x = torch.randn(50)
     token = checks._KERNELS.set(False)
     try:
-        assert not digest._kernels_on(x.device, [x])
+        assert not digest.kernels_on(x.device, [x])
         torch_row = torch.zeros(2, dtype=torch.int64)
         digest.Digest.values(x).write(torch_row, 1)
     finally:
@@ -143,3 +143,61 @@ def test_a_whole_row_in_one_launch_equals_the_torch_forms(n_values):
     n_terms = n_values + 1
     launches = -(-n_terms // digest_triton.SLOTS) + 1
     assert c.triton_names == {"_row_kernel": launches - 1, "_terms_kernel": 1}, dict(c.triton_names)
+
+
+def _check_case(kind, dtype, n, where_dtype, g, fail_at):
+    """A RowCheck of `kind` over n values of `dtype` (valid everywhere but, fail_at, one position that may or
+    may not be selected) and its torch form."""
+    from gtpo_kernels.core.host_read import RowCheck
+    V = None
+    if kind == "finite":
+        x = (torch.randn(n, generator=g) * 3).to(dtype)
+    elif kind == "binary":
+        x = (torch.rand(n, generator=g) > 0.5).to(dtype)
+    else:
+        V = [37, float("inf")][n % 2]
+        x = torch.randint(0, 37, (n,), generator=g).to(dtype)
+    where = None if where_dtype is None else (torch.rand(n, generator=g) > 0.4).to(where_dtype)
+    if fail_at is not None:
+        x[fail_at] = {"finite": [float("nan"), float("inf"), -float("inf")][n % 3], "binary": 2 if dtype != torch.float32
+                      else 0.5, "range": [-1, 37][int(torch.randint(0, 2, (), generator=g))] if V == 37 else -1}[kind]
+    sel = torch.ones(n, dtype=torch.bool) if where is None else where != 0
+    bad = {"finite": lambda: ~torch.isfinite(x.double()), "binary": lambda: (x != 0) & (x != 1),
+           "range": lambda: (x.long() < 0) | (x.long() >= V)}[kind]
+    return RowCheck(x, where, kind, V, lambda: sel & bad()), x, where
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_row_kernel_s_value_checks_equal_their_torch_forms(seed):
+    """Validating on vocabulary-parallel logits, the row's kernel forms the value checks' predicates (core.host_read
+    .RowCheck; agree.deferred): finite (every float dtype), 0 or 1 (a mask of any dtype), ids in [0, V) (V finite or
+    inf), at the positions `where` (any dtype, or None) selects, several blocks long or empty, each on the term of
+    a checksum of the same tensor or on a term of its own. The row's error flag is set exactly when a torch form
+    says a selected value fails, the checksums are the torch forms' (a check changes no slot), in one launch."""
+    from bench.launches import counting
+    g = torch.Generator().manual_seed(100 + seed)
+    kinds = [("finite", torch.float32), ("finite", torch.bfloat16), ("finite", torch.float64), ("finite", torch.float16),
+             ("binary", torch.int64), ("binary", torch.float32), ("binary", torch.uint8), ("range", torch.int64),
+             ("range", torch.int32)]
+    for trial in range(4):
+        picked = [kinds[int(i)] for i in torch.randperm(len(kinds), generator=g)[:3]]
+        cases = []
+        for kind, dtype in picked:
+            n = int(torch.randint(0, 2600, (), generator=g)) if trial else 1 + seed
+            fail_at = int(torch.randint(0, n, (), generator=g)) if n and torch.rand((), generator=g) < 0.5 else None
+            cases.append(_check_case(kind, dtype, n, [None, torch.bool, torch.float32][(seed + trial) % 3], g, fail_at))
+        # the first check's tensor is also a checksum's (its term carries the check), the others stand alone
+        fields = [digest.Digest.values(cases[0][1], cases[0][2]), 3]
+        expected = any(bool(c.torch_bad().any()) for c, _, _ in cases)
+
+        def row():
+            return torch.tensor([0, 0, 3, 5], dtype=torch.int64)
+        with counting() as cnt:
+            kernel_row = row()
+            digest.write_row(fields, kernel_row, [c for c, _, _ in cases])
+        torch_row = row()
+        torch_row[1:2] = fields[0].value().reshape(1)
+        assert kernel_row[0] == int(expected), (trial, picked, kernel_row, expected)
+        assert torch.equal(kernel_row[1:], torch_row[1:]), (kernel_row, torch_row)
+        assert cnt.launches == 1, dict(cnt.ops)
+

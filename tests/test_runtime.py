@@ -33,6 +33,7 @@ ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", 
                      "TEMP_PER_SEQ",  # a temperature per completion: a layout switch (its index), no size
                      "VP_MAX",  # the forward kernel stores the vocabulary-parallel merge's first input: a switch
                      "VP",  # the epilogue finishes the vocabulary-parallel merge: a switch
+                     "CHECKS",  # the agreement row's kernel checks values too: a switch
                      "TOP_ENT", "TOK_ADV",  # the top-entropy mask, advantages per token: switches
                      "PHASE",  # the epilogue's key launch (clip_cov, kl_cov) or the loss: a mode
                      "HP",  # which hyper-parameters are read by pointer (a config's, fixed across steps; no value)

@@ -106,7 +106,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         prep = dict(advantages=advantages, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, logits_start=logits_start,
                     vocab_size=_local_vocab(process_group), **extras)
         # the checks' values read on the host once; with a group, by the agreement's read (spec 12)
-        with checks.one_host_read(defer=agree.deferred(g)):
+        with checks.one_host_read(defer=agree.deferred(g, logits)):
             b = batch.prepare(logits, completion_ids, completion_mask, validate=host and not in_kernels, **prep)
             checks.check_unused_group_size(group_size, b.B, cfg, config)
             checks.check_inplace(inplace, logits)
@@ -191,7 +191,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
         # checked in the kernels too); no token, no program: nothing would check cu_seqlens
         fast = one and host and isinstance(completion_ids, torch.Tensor) and completion_ids.numel() > 0
         # the checks' values read on the host once; with a group, by the agreement's read (spec 12)
-        with checks.one_host_read(defer=agree.deferred(g)):
+        with checks.one_host_read(defer=agree.deferred(g, logits)):
             b = batch.prepare(logits, completion_ids, completion_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                logits_start=logits_start, validate=host and not fast,
                                vocab_size=_local_vocab(process_group))

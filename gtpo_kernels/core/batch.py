@@ -94,7 +94,7 @@ def _counted(completion_mask, tok_shape, N, device, validate):
         def fail():
             raise ValueError("completion_mask must hold only 0 and 1 (1 = the token counts); it is a mask, "
                              "not a per-token weight (scale the loss, or pass rollout weights, instead)")
-        checks.check_on_device(((completion_mask != 0) & (completion_mask != 1)).any(), fail)
+        checks.check_binary(completion_mask, fail)
     return Lazy(lambda: (completion_mask != 0).reshape(-1).contiguous())
 
 
@@ -206,7 +206,7 @@ def prepare(logits, completion_ids, completion_mask=None, *, advantages=None, cu
     b.logits_start = logits_start
     add_extras(b, logits.device, validate=validate, **extras)
     if validate:
-        checks.check_ids_in_range(b.ids, b.counted, b.V if vocab_size is None else vocab_size)
+        checks.check_ids_in_range(b.ids, lambda: b.counted, b.V if vocab_size is None else vocab_size, b.mask)
     return b
 
 
@@ -247,7 +247,7 @@ def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=No
             checks.check_device(name, x, device)
             setattr(b, attr, x.reshape(-1))
             if validate and name in ("old_logps", "ref_logps", "lam"):  # rollout_logps: NaN counts as 0 (spec 9)
-                checks.check_finite(name, getattr(b, attr), b.counted)
+                checks.check_finite(name, getattr(b, attr), lambda: b.counted, b.mask)
     if n_conf is not None:
         checks.check_tensor("n_conf", n_conf)
         if n_conf.dtype == torch.bool or n_conf.dtype.is_complex:

@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from .flags import BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF
-from .host_read import check_on_device, one_host_read, read_once  # noqa: F401 (the checks' home: checks.*)
+from .host_read import check_on_device, in_row, one_host_read, read_once  # noqa: F401 (the checks' home: checks.*)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -135,16 +135,41 @@ def _any_bad(x, where, V, torch_bad):
     return torch_bad().any() if found is None else found
 
 
-def check_finite(name, x, counted=None):
-    """Host check (validate=True only): x finite (at counted positions when `counted` is given)."""
+def _check(x, where, kind, V, torch_bad, fail):
+    """A value check: formed by a process group's agreement row (in_row), else DEVICE_ANY's one launch or
+    torch's form ('binary': torch's form), read with the call's other checks."""
+    if in_row(x, where, kind, V, torch_bad, fail):
+        return
+    check_on_device(torch_bad().any() if kind == "binary" else _any_bad(x, where, V, torch_bad), fail)
+
+
+def _selection(counted, where):
+    """counted: None, a bool tensor, or a callable that makes it -> (the bool tensor's maker, what the
+    kernels read: `where` beside a callable (the caller's mask as given, nonzero counts; None: every
+    position), else the tensor)."""
+    if callable(counted):
+        return counted, where
+    return (lambda: counted), counted
+
+
+def check_finite(name, x, counted=None, where=None):
+    """Host check (validate=True only): x finite (at counted positions when `counted` is given: a bool
+    tensor, or a callable that makes it, read by the kernels as `where`, see _selection)."""
+    made, where = _selection(counted, where)
+
     def bad():
-        return ~torch.isfinite(x) if counted is None else counted & ~torch.isfinite(x.reshape(-1))
+        return ~torch.isfinite(x) if counted is None else made() & ~torch.isfinite(x.reshape(-1))
 
     def fail():
         k = int(bad().reshape(-1).nonzero()[0, 0])
         raise ValueError(f"{name} must be finite{' at counted positions' if counted is not None else ''}; "
                          f"flat position {k} holds {float(x.reshape(-1)[k])}")
-    check_on_device(_any_bad(x, counted, None, bad), fail)
+    _check(x, where, "finite", None, bad, fail)
+
+
+def check_binary(x, fail):
+    """Host check (validate=True only): every value of x is 0 or 1; fail() raises the error."""
+    _check(x, None, "binary", None, lambda: (x != 0) & (x != 1), fail)
 
 
 def check_nonneg_int(name, x):
@@ -196,16 +221,19 @@ def check_logits(logits, ndim, what, sliced=False):
         raise ValueError("logits must have a vocabulary dimension V >= 1")
 
 
-def check_ids_in_range(ids, counted, V):
+def check_ids_in_range(ids, counted, V, where=None):
+    """Host check (validate=True only): ids in [0, V) at counted positions (counted, where: as check_finite's)."""
+    made, where = _selection(counted, where)
+
     def bad():
-        return counted & ((ids < 0) | (ids.long() >= V))  # int64: an int32 tensor would wrap V = 2**31
+        return made() & ((ids < 0) | (ids.long() >= V))  # int64: an int32 tensor would wrap V = 2**31
 
     def fail():
         k = int(bad().nonzero()[0, 0])
         raise ValueError(
             f"completion_ids must lie in [0, V) = [0, {V}) at counted positions; flat position {k} "
             f"holds {int(ids[k])} (mask it out, or fix the ids)")
-    check_on_device(_any_bad(ids, counted, V, bad), fail)
+    _check(ids, where, "range", V, bad, fail)
 
 
 def check_group_size(group_size, B):

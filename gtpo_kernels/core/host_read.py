@@ -1,5 +1,6 @@
 """The device-side value checks read on the host together, once (one_host_read), or handed to a process
-group's agreement instead (its own read carries them)."""
+group's agreement instead (its own read carries them; the common predicates are then formed by the
+agreement row's own kernel: RowCheck, no launch of their own)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,6 +11,31 @@ import torch
 
 # Checks of values on the device made inside one_host_read(): (0-d bool "failed", raise) in order made
 _PENDING = contextvars.ContextVar("gtpo_pending_checks", default=None)
+# inside one_host_read(defer=...) whose defer has a `row_device`: the device of the agreement's row, whose
+# kernel forms the RowCheck predicates of tensors that live there
+_ROW = contextvars.ContextVar("gtpo_row_device", default=None)
+
+
+class RowCheck:
+    """A value check formed by the agreement row's kernel (distributed/digest.write_row) instead of a
+    launch of its own: kind 'finite' (x finite), 'binary' (x is 0 or 1) or 'range' (x in [0, V); V may
+    be inf), at the positions `where` selects (any dtype, nonzero; None: every position). torch_bad():
+    its torch form (a bool tensor, read only on the failing rank)."""
+    __slots__ = ("x", "where", "kind", "V", "torch_bad")
+
+    def __init__(self, x, where, kind, V, torch_bad):
+        self.x, self.where, self.kind, self.V, self.torch_bad = x, where, kind, V, torch_bad
+
+
+def in_row(x, where, kind, V, torch_bad, fail):
+    """Record a value check for the agreement row's kernel (True), where the enclosing one_host_read hands its
+    checks to an agreement whose row lives on x's (and where's) device; else False (the caller launches it)."""
+    device, items = _ROW.get(), _PENDING.get()
+    if device is None or items is None or x.device != device or (where is not None and where.device != device):
+        return False
+    items.append((RowCheck(x.detach().reshape(-1), None if where is None else where.reshape(-1), kind, V,
+                           torch_bad), lambda _value: fail()))
+    return True
 
 
 @contextlib.contextmanager
@@ -18,8 +44,9 @@ def one_host_read(defer=None):
     when the block ends normally; the first that failed, in the order made, then raises its error (which
     may read more to name the position). Nested blocks read with the outermost. Nothing inside a block
     may index with a value it checks. (Under torch.compile no check reads the host: nothing to gather.)
-    defer: instead of reading, hand the block's checks to defer(any_failed, raise_first) (a 0-d bool
-    tensor, unread, and a callable that reads them and raises the first that failed), e.g. to a process
+    defer: instead of reading, hand the block's checks to defer(any_failed, raise_first, row_checks) (a 0-d
+    bool tensor, unread, or None; a callable that reads them and raises the first that failed; the
+    RowCheck predicates recorded for the row's kernel when defer.row_device is set), e.g. to a process
     group's agreement, whose own host read then carries them; what runs until then must take unchecked
     values as validate=False does."""
     if torch.compiler.is_compiling() or _PENDING.get() is not None:
@@ -27,17 +54,21 @@ def one_host_read(defer=None):
         return
     items = []
     token = _PENDING.set(items)
+    row = _ROW.set(getattr(defer, "row_device", None))
     try:
         yield
     finally:
+        _ROW.reset(row)
         _PENDING.reset(token)
     if not items:
         return
-    dev = items[0][0].device
     if defer is not None:
-        flags = [f.reshape(()).to(dev, torch.bool) for f, _ in items]
-        defer(flags[0] if len(flags) == 1 else torch.stack(flags).any(), lambda: _raise_first(items))
+        flags = [f for f, _ in items if not isinstance(f, RowCheck)]
+        flags = [f.reshape(()).to(flags[0].device, torch.bool) for f in flags]
+        defer(None if not flags else flags[0] if len(flags) == 1 else torch.stack(flags).any(),
+              lambda: _raise_first(items), [f for f, _ in items if isinstance(f, RowCheck)])
         return
+    dev = items[0][0].device
     if len(items) == 1:  # the one host read (no stack to launch for one value)
         failed = [items[0][0].reshape(()).tolist()]
     else:
@@ -50,7 +81,7 @@ def one_host_read(defer=None):
 def _raise_first(items):
     """The first of a deferred block's checks that failed raises its error (each flag read in turn)."""
     for failed, fail in items:
-        value = failed.reshape(()).tolist()
+        value = (failed.torch_bad().any() if isinstance(failed, RowCheck) else failed).reshape(()).tolist()
         if value:
             fail(value)
 

@@ -10,14 +10,16 @@ no rank raises or returns while another still waits. The rest of each row is wha
 ranks that differ, and the caller raises, on every rank, the same error for them.
 
 A condition that is only known on the device (a malformed cu_seqlens unvalidated) joins the error flag
-through `fail_if` without a host read of its own: the gathered row is the one read."""
+through `fail_if` without a host read of its own: the gathered row is the one read. Validating, the value
+checks (`deferred`) join it the same way; where the row's kernel runs, it forms their predicates itself
+(core.host_read.RowCheck: no launch of their own)."""
 from __future__ import annotations
 
 from collections import Counter
 
 import torch
 
-from .digest import Digest, write_row
+from .digest import Digest, kernels_on, write_row
 
 # the agreement's collective: an all-gather into one tensor (named all_gather_into_tensor before torch 2.13)
 GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
@@ -31,7 +33,7 @@ class guard:
     on every rank. g.fields: what the rank brings to the agreement (set at the end of the block)."""
 
     def __init__(self, group):
-        self.group, self.error, self.fields, self.later = group, None, None, []
+        self.group, self.error, self.fields, self.later, self.row_checks = group, None, None, [], []
 
     def __enter__(self):
         return self
@@ -45,29 +47,60 @@ class guard:
 
 def fail_if(g, bad, error):
     """A 0-d bool tensor `bad` (on the device, unread) counts as this rank failing with `error` (an
-    exception, or a callable that raises it: run, on this rank, only once the agreement says it failed)."""
+    exception, or a callable that raises it: run, on this rank, only once the agreement says it failed).
+    bad None: the row's kernel forms it (g.row_checks); `error` then runs to tell whether it failed."""
     g.later.append((bad, error))
 
 
-def deferred(g):
+class deferred:
     """For checks.one_host_read(defer=...): with a group, the block's value checks join this rank's error flag
     (fail_if) instead of being read, so that the agreement's one host read carries them; the rank whose checks
     failed then runs them on the host and chains the first one's error (kind: ValueError, as the value checks
-    raise). None without a group (the checks are read as usual)."""
-    if g.group is None:
-        return None
-    return lambda failed, raise_first: fail_if(g, failed, raise_first)
+    raise). x: a tensor of the call (the row's device: collective_device); where the row's kernel runs there
+    (`row_device`), the predicates of the tensors that live there are formed by it. None without a group
+    (the checks are read as usual)."""
+
+    def __new__(cls, g, x=None):
+        if g.group is None:
+            return None
+        self = super().__new__(cls)
+        self.g, self.row_device = g, None
+        if isinstance(x, torch.Tensor):
+            device = collective_device(g.group, x)
+            self.row_device = device if kernels_on(device, []) else None
+        return self
+
+    def __call__(self, failed, raise_first, row_checks=()):
+        if failed is not None:
+            fail_if(self.g, failed, raise_first)
+        if row_checks:
+            self.g.row_checks.extend(row_checks)
+            fail_if(self.g, None, raise_first)
 
 
-def _raised(error):
-    """`error` as an exception: a callable runs (it raises the error that names the position)."""
+def _raised(error, passed=RuntimeError("a deferred check flagged this rank on the device, but its host check "
+                                       "passed")):
+    """`error` as an exception: a callable runs (it raises the error that names the position; `passed` if
+    it does not)."""
     if isinstance(error, BaseException):
         return error
     try:
         error()
     except Exception as e:  # noqa: BLE001 - the check's own error, whatever its kind
         return e
-    return RuntimeError("a deferred check flagged this rank on the device, but its host check passed")
+    return passed
+
+
+def _first_failed(later):
+    """The error of the first of g.later that failed (bad None: its host form, run, says)."""
+    for bad, error in later:
+        if bad is None:
+            err = _raised(error, None)
+            if err is not None:
+                return err
+        elif bool(bad):
+            return _raised(error)
+    return _raised(lambda: None)
 
 
 def _kind(err):
@@ -93,9 +126,10 @@ def _row(g, width, device):
             if on_dev:
                 row[[i + 1 for i in on_dev]] = torch.stack([fields[i].reshape(()).to(device, torch.int64)
                                                             for i in on_dev])
-            write_row(fields, row)  # the checksums (Digest fields): one launch where the kernels run
+            write_row(fields, row, g.row_checks)  # the checksums and checks: one launch where the kernels run
             for bad, error in g.later:  # (one launch each)
-                row[:1].masked_fill_(bad.to(device, torch.bool).reshape(1), _kind(error))
+                if bad is not None:
+                    row[:1].masked_fill_(bad.to(device, torch.bool).reshape(1), _kind(error))
             return row
     except Exception as e:  # noqa: BLE001 - held like any other local failure
         g.error = e
@@ -114,7 +148,7 @@ def agree(g, width, device, where):
     getattr(dist, GATHER)(every, mine, group=g.group)
     rows = every.view(-1, mine.numel()).tolist()
     if g.error is None and rows[dist.get_rank(g.group)][0]:  # a device-side condition failed here
-        g.error = _raised(next(e for bad, e in g.later if bool(bad)))
+        g.error = _first_failed(g.later)
     failed = [r for r, row in enumerate(rows) if row[0]]
     if failed:
         why = ", ".join(f"rank {r}: {_kind_name(rows[r][0])}" for r in failed)

@@ -206,37 +206,58 @@ class Digest:
         return digest & _MASK61
 
 
-def write_row(fields, row):
+def write_row(fields, row, row_checks=()):
     """Every Digest among `fields` formed into `row` (field i at slot i + 1): those the kernels form in one
     launch (digest_triton.row_terms; one more per SLOTS terms, and for each tensor option of a fingerprint
-    after its first, which adds into the same slot after it), the others by their torch forms."""
+    after its first, which adds into the same slot after it), the others by their torch forms. row_checks
+    (core.host_read.RowCheck): their predicates formed in the same launch, a failing one setting the row's
+    error flag (row[0] = 1, a ValueError): on the term of the same tensor where a checksum reads it, else a
+    term of their own; by their torch forms where the kernels do not run."""
     jobs, tokens, after = [], None, []
     for i, f in enumerate(fields):
         if not isinstance(f, Digest) or f.kind == "filled":
             continue
-        if not _kernels_on(row.device, f._tensors()):
+        if not kernels_on(row.device, f._tensors()):
             f.write(row, i + 1)
         elif f.kind == "values":
             x, where = f.terms
-            jobs.append((i + 1, x, where, _size_term(x), None))
+            jobs.append([i + 1, x, where, _size_term(x), None, None])
         elif f.kind == "fingerprint":
             for k, (t, pos) in enumerate(f.terms):
-                (after if k else jobs).append((i + 1, t, None, _size_term(t), pos))
+                (after if k else jobs).append([i + 1, t, None, _size_term(t), pos, None])
         else:
             b = f.terms
             tokens = (i + 1, b.ids, b.mask, b.seg if b.packed else None, 1 if b.packed else b.tok_shape[1])
+    for c in row_checks:
+        if not kernels_on(row.device, [c.x] + ([] if c.where is None else [c.where])):
+            row[:1].masked_fill_(c.torch_bad().any().to(row.device).reshape(1), 1)
+            continue
+        same = c.kind != "range" and next((j for j in jobs if j[4] is None and j[5] is None and _same(j[1], c.x)
+                                           and _same(j[2], c.where)), None)
+        if same:
+            same[5] = c
+        else:
+            jobs.append([0, c.x, c.where, 0, None, c])
     if jobs or tokens is not None:
         from ..kernels import digest_triton
-        digest_triton.row_terms(row, jobs, tokens)
-        for slot, t, _, size, pos in after:
+        digest_triton.row_terms(row, [tuple(j) for j in jobs], tokens)
+        for slot, t, _, size, pos, _ in after:
             digest_triton.terms(row, slot, t, None, size, pos)
+
+
+def _same(a, b):
+    """Whether two tensors (or None) read as the same flat values."""
+    if a is None or b is None:
+        return a is None and b is None
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel()
+            and a.reshape(-1).stride() == b.reshape(-1).stride() == (1,))
 
 
 def _size_term(x):
     return (x.numel() * _K3) % _MASK61
 
 
-def _kernels_on(device, tensors):
+def kernels_on(device, tensors):
     """Whether the digest kernels run for tensors, into a row on `device`."""
     if not checks.kernels_allowed() or any(t.device != device for t in tensors):  # (backend='torch': none)
         return False

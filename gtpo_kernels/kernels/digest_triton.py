@@ -51,17 +51,31 @@ def _word(x_ptr, o, inb, IS_FLOAT: tl.constexpr):
 
 @triton.jit
 def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE: tl.constexpr, FP: tl.constexpr,
-          BLOCK: tl.constexpr):
-    """A tensor's term: values_digest's sum with its size word, or, FP, the option word mix(W, pos)."""
+          BLOCK: tl.constexpr, CHECK: tl.constexpr = 0, SUM: tl.constexpr = True):
+    """A tensor's term: values_digest's sum with its size word, or, FP, the option word mix(W, pos); and
+    whether any selected value fails CHECK (0 none, 1 not finite, 2 neither 0 nor 1, 3 outside [0, size_term):
+    then size_term is V, and SUM is off: no term)."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     acc = tl.zeros([BLOCK], tl.int64)
+    bad = tl.zeros([BLOCK], tl.int32)
     for start in range(0, n, BLOCK):
         o = start + lanes
         inb = o < n
-        h = _mix(_word(x_ptr, o, inb, IS_FLOAT), o)
+        if SUM:
+            h = _mix(_word(x_ptr, o, inb, IS_FLOAT), o)
         if HAS_WHERE:
             inb = inb & (tl.load(where_ptr + o, mask=inb, other=0) != 0)
-        acc += tl.where(inb, h, 0)
+        if SUM:
+            acc += tl.where(inb, h, 0)
+        if CHECK == 1:
+            v = tl.load(x_ptr + o, mask=inb, other=0).to(tl.float64)
+            bad = bad | (inb & ((tl.abs(v) < float("inf")) == 0)).to(tl.int32)  # (NaN too)
+        if CHECK == 2:
+            v = tl.load(x_ptr + o, mask=inb, other=0)
+            bad = bad | (inb & (v != 0) & (v != 1)).to(tl.int32)
+        if CHECK == 3:
+            v = tl.load(x_ptr + o, mask=inb, other=0).to(tl.int64)
+            bad = bad | (inb & ((v < 0) | (v >= size_term))).to(tl.int32)
     term = tl.sum(acc, axis=0)
     if FP:
         one = _float_word(x_ptr, lanes, lanes < tl.minimum(n, 1))  # one element: its float bits, whatever its dtype
@@ -69,20 +83,24 @@ def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE
         term = _mix(word, pos)
     else:
         term = term + size_term
-    return term
+    return term, tl.max(bad, axis=0)
 
 
 @triton.jit
 def _add_term(out_ptr, x_ptr, where_ptr, n, size_term, pos, F: tl.constexpr, BLOCK: tl.constexpr):
-    """out += the term (mod 2**61); F's bits: 1 IS_FLOAT, 2 HAS_WHERE, 4 FP."""
-    term = _term(x_ptr, where_ptr, n, size_term, pos, (F & 1) != 0, (F & 2) != 0, (F & 4) != 0, BLOCK)
-    tl.store(out_ptr, (tl.load(out_ptr) + term) & MASK61)
+    """out += the term (mod 2**61) -> whether a selected value failed the check; F's bits: 1 IS_FLOAT,
+    2 HAS_WHERE, 4 FP, 8 / 16 / 24 the check (_term's CHECK 1 / 2 / 3), 32 no term (a check alone)."""
+    term, bad = _term(x_ptr, where_ptr, n, size_term, pos, (F & 1) != 0, (F & 2) != 0, (F & 4) != 0, BLOCK,
+                      (F // 8) % 4, (F & 32) == 0)
+    if (F & 32) == 0:
+        tl.store(out_ptr, (tl.load(out_ptr) + term) & MASK61)
+    return bad
 
 
 @triton.jit(do_not_specialize=["n", "size_term", "pos"])
 def _terms_kernel(x_ptr, where_ptr, out_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE: tl.constexpr,
                   FP: tl.constexpr, BLOCK: tl.constexpr):
-    term = _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT, HAS_WHERE, FP, BLOCK)
+    term, _ = _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT, HAS_WHERE, FP, BLOCK)
     tl.store(out_ptr, (tl.load(out_ptr) + term) & MASK61)
 
 
@@ -122,24 +140,29 @@ def _row_kernel(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2,
                 x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
                 ids_ptr, counted_ptr, seg_ptr, n_tok, T, o_tok, F0: tl.constexpr, F1: tl.constexpr,
                 F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, N_TERMS: tl.constexpr,
-                TOKENS: tl.constexpr, HAS_SEG: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+                TOKENS: tl.constexpr, HAS_SEG: tl.constexpr, HAS_MASK: tl.constexpr, CHECKS: tl.constexpr,
+                BLOCK: tl.constexpr):
     """N_TERMS <= SLOTS terms (tensor i: x_i, where w_i, n_i elements, size word s_i, position p_i, F_i as
     _add_term's) added into row[o_i] (distinct slots) and, TOKENS, the tokens' three fields into
-    row[o_tok:o_tok + 3]: a row's checksums in one program, one after the other."""
+    row[o_tok:o_tok + 3]: a row's checksums in one program, one after the other. CHECKS: some term checks
+    its values; a failure sets the row's error flag, row[0] = 1 (a ValueError, agree._kind)."""
+    bad = 0
     if N_TERMS > 0:
-        _add_term(row_ptr + o0, x0, w0, n0, s0, p0, F0, BLOCK)
+        bad = bad | _add_term(row_ptr + o0, x0, w0, n0, s0, p0, F0, BLOCK)
     if N_TERMS > 1:
-        _add_term(row_ptr + o1, x1, w1, n1, s1, p1, F1, BLOCK)
+        bad = bad | _add_term(row_ptr + o1, x1, w1, n1, s1, p1, F1, BLOCK)
     if N_TERMS > 2:
-        _add_term(row_ptr + o2, x2, w2, n2, s2, p2, F2, BLOCK)
+        bad = bad | _add_term(row_ptr + o2, x2, w2, n2, s2, p2, F2, BLOCK)
     if N_TERMS > 3:
-        _add_term(row_ptr + o3, x3, w3, n3, s3, p3, F3, BLOCK)
+        bad = bad | _add_term(row_ptr + o3, x3, w3, n3, s3, p3, F3, BLOCK)
     if N_TERMS > 4:
-        _add_term(row_ptr + o4, x4, w4, n4, s4, p4, F4, BLOCK)
+        bad = bad | _add_term(row_ptr + o4, x4, w4, n4, s4, p4, F4, BLOCK)
     if N_TERMS > 5:
-        _add_term(row_ptr + o5, x5, w5, n5, s5, p5, F5, BLOCK)
+        bad = bad | _add_term(row_ptr + o5, x5, w5, n5, s5, p5, F5, BLOCK)
     if TOKENS:
         _tokens_into(ids_ptr, counted_ptr, seg_ptr, row_ptr + o_tok, n_tok, T, HAS_SEG, BLOCK, HAS_MASK)
+    if CHECKS:
+        tl.store(row_ptr, tl.where(bad != 0, 1, tl.load(row_ptr)))
 
 
 SLOTS = 6  # terms per launch of _row_kernel
@@ -159,18 +182,29 @@ def _flat_term(x, where):
     return flat, flat if where is None else where.reshape(-1).contiguous()
 
 
+CHECK_BITS = {"finite": 8, "binary": 16, "range": 24}  # _add_term's F bits of a check's kind
+V_LIMIT = 1 << 62  # a range check's V = inf, as an int64 bound no id reaches
+
+
 def row_terms(row, jobs, tokens=None):
     """A row's checksums in one launch of _row_kernel per SLOTS terms (the tokens' with the first): jobs
-    [(slot, x, where, size_term, pos)] at distinct slots, as `terms` takes them; tokens None or (slot, ids,
-    counted, seg, T): the mask as given (nonzero counts; None: every token), seg None for padded rows of T."""
+    [(slot, x, where, size_term, pos, check)] at distinct slots, as `terms` takes them, check None or a
+    core.host_read.RowCheck of x at where (its kind; slot 0: the check alone, no term); tokens None or
+    (slot, ids, counted, seg, T): the mask as given (nonzero counts; None: every token), seg None for
+    padded rows of T."""
     for i in range(0, max(len(jobs), 1), SLOTS):
         part, args, flags = jobs[i:i + SLOTS], [], {}
         for k in range(SLOTS):
             if k < len(part):
-                slot, x, where, size_term, pos = part[k]
+                slot, x, where, size_term, pos, check = part[k]
                 flat, w = _flat_term(x, where)
+                f = int(flat.dtype.is_floating_point) | 2 * (where is not None) | 4 * (pos is not None)
+                if check is not None:
+                    f |= CHECK_BITS[check.kind] | (32 if slot == 0 else 0)
+                    if check.kind == "range":
+                        size_term = V_LIMIT if check.V == float("inf") else int(check.V)
                 args += [flat, w, flat.numel(), size_term, 0 if pos is None else pos, slot]
-                flags[f"F{k}"] = int(flat.dtype.is_floating_point) | 2 * (where is not None) | 4 * (pos is not None)
+                flags[f"F{k}"] = f
             else:
                 args += [row, row, 0, 0, 0, 0]
                 flags[f"F{k}"] = 0
@@ -183,4 +217,5 @@ def row_terms(row, jobs, tokens=None):
         else:
             args += [row, row, row, 0, 1, 0]
         _row_kernel[(1,)](row, *args, N_TERMS=len(part), TOKENS=tok is not None, HAS_SEG=tok is not None and tok[3] is not None,
-                          HAS_MASK=tok is not None and tok[2] is not None, BLOCK=BLOCK, **flags)
+                          HAS_MASK=tok is not None and tok[2] is not None, CHECKS=any(f & 24 for f in flags.values()),
+                          BLOCK=BLOCK, **flags)

@@ -1,0 +1,121 @@
+"""Validating on vocabulary-parallel logits (spec 8, 12): the value checks ride on the agreement's read, and
+the row's own kernel forms their predicates (core.host_read.RowCheck: advantages, old / ref log-probs and
+lam finite at counted tokens, ids >= 0 at counted tokens, the mask's values 0 or 1), so that they launch
+nothing of their own. On 2 gloo ranks, the Triton backend under the interpreter: a bad value on one rank
+makes every rank raise the same error naming that rank, chained on it to the check's own error (the first
+check made, when two fail); a bad value where the mask drops the token is no error, and the loss is the
+clean call's on every rank."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from gloo import run_ranks
+from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
+
+SIZES = [20, 17]
+B, T, V = 4, 5, 37
+REFUSED = "refused their arguments"
+
+
+def _data():
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[3, 4] = 0
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    old = -torch.rand(B, T, generator=g) * 3 - 1.5
+    return x, ids, mask, adv, old
+
+
+def _edit(t, idx, v, me):
+    t = t.clone()
+    if me:
+        t[idx] = v
+    return t
+
+
+def _scenarios(rank, bad):
+    """name -> (call, the text of the bad rank's own error, or None: no error, the clean loss)."""
+    x, ids, mask, adv, old = _data()
+    sl = slice(sum(SIZES[:rank]), sum(SIZES[:rank + 1]))
+    xs, me, pg = x[..., sl], rank == bad, dist.group.WORLD
+    official = GTPOConfig(loss_agg="gtpo-official")
+    lam, n_conf = torch.rand(B, T, generator=torch.Generator().manual_seed(2)) + 0.5, torch.tensor([1.0, 2, 1, 3])
+
+    def loss(i=ids, m=mask, a=adv, o=old, cfg="grpo", **kw):
+        out = gtpo_loss(xs, i, a, m, group_size=2, old_logps=o, config=cfg, backend="triton", process_group=pg, **kw)
+        return float(out.loss)
+
+    def packed(o):
+        keep = mask.reshape(-1) != 0
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])
+        out = gtpo_loss(xs.reshape(B * T, -1)[keep], ids.reshape(-1)[keep], adv, None, group_size=2,
+                        old_logps=o.reshape(-1)[keep], config="grpo", backend="triton", process_group=pg,
+                        cu_seqlens=cu, max_seqlen=T)
+        return float(out.loss)
+
+    nan, inf = float("nan"), float("inf")
+    return {
+        "clean": (lambda: loss(), None),
+        "advantage_nan": (lambda: loss(a=_edit(adv, 2, nan, me)), "advantages must be finite; flat position 2 holds nan"),
+        "old_logps_inf": (lambda: loss(o=_edit(old, (1, 3), -inf, me)),
+                          "old_logps must be finite at counted positions; flat position 8 holds -inf"),
+        "old_logps_nan_masked_out": (lambda: loss(o=_edit(old, (3, 4), nan, me)), None),
+        "old_logps_nan_float_mask_out": (lambda: loss(m=mask.float(), o=_edit(old, (3, 4), nan, me)), None),
+        "ref_logps_nan": (lambda: loss(cfg=GTPOConfig.preset("grpo", beta=0.1), ref_logps=_edit(old, (0, 1), nan, me)),
+                          "ref_logps must be finite at counted positions; flat position 1 holds nan"),
+        "lam_inf": (lambda: loss(cfg=official, lam=_edit(lam, (2, 0), inf, me), n_conf=n_conf),
+                    "lam must be finite at counted positions; flat position 10 holds inf"),
+        "id_negative": (lambda: loss(i=_edit(ids, (1, 2), -3, me)), "flat position 7 holds -3"),
+        "id_negative_masked_out": (lambda: loss(i=_edit(ids, (3, 4), -3, me)), None),
+        "mask_value_2": (lambda: loss(m=_edit(mask, (2, 2), 2, me)), "completion_mask must hold only 0 and 1"),
+        # two checks fail: the first made (the mask's, in the tokens' preparation) is the one named
+        "mask_and_advantage": (lambda: loss(m=_edit(mask, (2, 2), 2, me), a=_edit(adv, 0, nan, me)),
+                               "completion_mask must hold only 0 and 1"),
+        "advantage_and_old_logps": (lambda: loss(a=_edit(adv, 1, inf, me), o=_edit(old, (0, 0), nan, me)),
+                                    "advantages must be finite; flat position 1 holds inf"),
+        "packed_old_logps_nan": (lambda: packed(_edit(old, (2, 1), nan, me)),
+                                 "old_logps must be finite at counted positions; flat position 11 holds nan"),
+        "logprobs_id_negative": (lambda: float(token_logprobs(xs, _edit(ids, (0, 0), -1, me), 1.0, mask,
+                                                              backend="triton", process_group=pg)[0].sum()),
+                                 "flat position 0 holds -1"),
+    }
+
+
+def _run(rank, world):
+    out = {}
+    for bad in (0, world - 1):
+        for name, (call, expect) in _scenarios(rank, bad).items():
+            try:
+                out[f"{name}/{bad}"] = dict(value=call(), expect=expect, bad=bad)
+            except Exception as e:  # noqa: BLE001 - recorded, compared across the ranks
+                out[f"{name}/{bad}"] = dict(text=f"{type(e).__name__}: {e}", expect=expect, bad=bad,
+                                            cause=None if e.__cause__ is None else str(e.__cause__))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    res = run_ranks(_run, 2, watchdog=120)
+    for r, x in enumerate(res):
+        assert "exception" not in x, f"rank {r}:\n{x.get('exception')}"
+    return res
+
+
+def test_a_bad_value_on_one_rank_makes_every_rank_raise_the_check_s_error(results):
+    clean = [res["clean/0"]["value"] for res in results]
+    assert clean[0] == clean[1] and clean[0] == clean[0]  # a number, the same on both ranks
+    for key, first in results[0].items():
+        outs = [res[key] for res in results]
+        if first["expect"] is None:  # no error: the clean call's loss, on every rank
+            assert all("value" in o for o in outs), (key, outs)
+            if key.startswith(("old_logps_nan", "id_negative_masked")):
+                assert all(o["value"] == clean[0] for o in outs), (key, outs)
+            continue
+        bad = first["bad"]
+        assert all("text" in o for o in outs), (key, outs)
+        assert len({o["text"] for o in outs}) == 1, (key, outs)  # the same error on every rank
+        assert REFUSED in first["text"] and f"rank(s) [{bad}]" in first["text"], (key, first["text"])
+        assert first["expect"] in (outs[bad]["cause"] or ""), (key, outs[bad]["cause"])
+        assert all(o["cause"] is None for r, o in enumerate(outs) if r != bad), (key, outs)
