@@ -1,7 +1,8 @@
 """`python -m bench.launches_parallel`: bench.launches' count for vocabulary-parallel logits (spec 12):
 gtpo_loss(process_group=...) on `--ranks` gloo processes on the CPU (Triton's interpreter), forward +
-backward, as rank 0 launches them: 4 x 5 tokens, V = 37 split as evenly as the ranks allow. Launches,
-of them Triton, host reads, per config and validate."""
+backward, as rank 0 launches them: 4 x 5 tokens, V = 37 split as evenly as the ranks allow (a config
+ending in "-packed": the same tokens packed, cu_seqlens and max_seqlen given, the last token of the last
+completion dropped). Launches, of them Triton, host reads, per config and validate."""
 import os
 import sys
 import tempfile
@@ -9,7 +10,7 @@ import tempfile
 import torch
 
 
-CONFIGS = ("grpo", "gtpo", "clip-cov")
+CONFIGS = ("grpo", "gtpo", "clip-cov", "grpo-packed")
 
 
 def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm=True):
@@ -28,12 +29,19 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
     sizes = [V // world + (r < V % world) for r in range(world)]
     start = sum(sizes[:rank])
     rows = []
+    keep = torch.ones(B * T, dtype=torch.bool)
+    keep[-1] = False
+    cu = torch.tensor([T * i for i in range(B)] + [B * T - 1])
     for cfg in configs:
+        name, packed = cfg.removesuffix("-packed"), cfg.endswith("-packed")
         for validate in validates:
-            part = x[..., start:start + sizes[rank]].clone().requires_grad_()
-            call = lambda: gtpo_loss(part, ids, adv, group_size=2, old_logps=old, config=cfg,  # noqa: E731
-                                     backend="triton", validate=validate,
-                                     process_group=dist.group.WORLD).loss.backward()
+            part = x[..., start:start + sizes[rank]]
+            part = (part.reshape(B * T, -1)[keep] if packed else part).clone().requires_grad_()
+            form = dict(completion_ids=ids.reshape(-1)[keep], old_logps=old.reshape(-1)[keep], cu_seqlens=cu,
+                        max_seqlen=T) if packed else dict(completion_ids=ids, old_logps=old)
+            call = lambda: gtpo_loss(part, advantages=adv, group_size=2, config=name,  # noqa: E731
+                                     backend="triton", validate=validate, process_group=dist.group.WORLD,
+                                     **form).loss.backward()
             if warm:
                 call()
                 part.grad = None

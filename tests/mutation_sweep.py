@@ -426,6 +426,13 @@ MUTANTS = [
     M("L31", "kernels/digest_triton.py", "bad = bad | (inb & ((v < 0) | (v >= size_term))).to(tl.int32)",
       "bad = bad | (inb & (v < 0)).to(tl.int32)", "the row kernel's id check misses ids >= V",
       tests=["test_digest"]),
+    M("L32", "kernels/digest_triton.py", "((o == n - 1) & (v != size_term)) | ", "",
+      "the row kernel's cu_seqlens check misses a last boundary other than N", tests=["test_parallel_checks"]),
+    M("L33", "kernels/digest_triton.py", "fails = (o > 0) & (v - prev > size_term)", "fails = (o > 1) & (v - prev > size_term)",
+      "the row kernel's max_seqlen check skips the first completion", tests=["test_parallel_checks"]),
+    M("L34", "pipeline/epilogue_attached.py", 'b.given["ids"] if len(fwd) == 2 else b.ids', "b.ids",
+      "a split vocabulary's epilogue reads the ids made for a malformed cu_seqlens: the same values, launches more",
+      tests=["test_parallel_launches", "test_parallel_checks"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

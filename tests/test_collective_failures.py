@@ -162,10 +162,11 @@ def test_every_rank_raises_the_same_error(world):
 
 def test_token_digest_tells_tokens_apart():
     """The checksum the ranks compare: equal for equal tokens (whatever the integer dtype), different
-    when ids swap places, the mask moves or completion boundaries move (same count, same id multiset)."""
+    when ids swap places or the mask moves (same count, same id multiset); packed, moved completion
+    boundaries leave the tokens' checksum alone and change cu_seqlens' own field (the agreement names it)."""
     from gtpo_kernels.core import batch
     from gtpo_kernels.distributed.agree import odd_ranks
-    from gtpo_kernels.distributed.digest import token_digest
+    from gtpo_kernels.distributed.digest import input_digests, token_digest
     _, ids, mask, _, _, _ = _data()
 
     def digest(i, m, **kw):
@@ -179,7 +180,9 @@ def test_token_digest_tells_tokens_apart():
     assert digest(swapped, mask)[1] != base[1] and digest(ids, moved)[1] != base[1]
     assert digest(ids, moved)[0] == base[0]  # the same count: only the checksum tells them apart
     flat = ids.reshape(-1)
-    a = digest(flat, None, cu_seqlens=torch.tensor([0, 5, 10, 15, 20]))
-    b = digest(flat, None, cu_seqlens=torch.tensor([0, 4, 10, 15, 20]))
-    assert a[1] != b[1] and a[0] == b[0]
+    cus = (torch.tensor([0, 5, 10, 15, 20]), torch.tensor([0, 4, 10, 15, 20]), torch.tensor([0, 5, 10, 15, 20]))
+    packed = [batch.prepare_tokens(flat, None, cu_seqlens=cu, max_seqlen=ms) for cu, ms in zip(cus, (5, 6, 6))]
+    assert len({tuple(int(x) for x in token_digest(p)) for p in packed}) == 1  # the same tokens
+    cu_fields = [int(input_digests(p)[0].value()) for p in packed]
+    assert len(set(cu_fields)) == 3, cu_fields  # boundaries, max_seqlen: told apart in cu_seqlens' field
     assert odd_ranks([1, 1, 2]) == [2] and odd_ranks([1, 2]) == [0, 1] and odd_ranks([3, 3]) == []

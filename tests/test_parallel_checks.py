@@ -1,10 +1,12 @@
 """Validating on vocabulary-parallel logits (spec 8, 12): the value checks ride on the agreement's read, and
 the row's own kernel forms their predicates (core.host_read.RowCheck: advantages, old / ref log-probs and
-lam finite at counted tokens, ids >= 0 at counted tokens, the mask's values 0 or 1), so that they launch
+lam finite at counted tokens, ids >= 0 at counted tokens, the mask's values 0 or 1, the packed form's
+cu_seqlens from 0 to N, never decreasing, and no completion longer than max_seqlen), so that they launch
 nothing of their own. On 2 gloo ranks, the Triton backend under the interpreter: a bad value on one rank
 makes every rank raise the same error naming that rank, chained on it to the check's own error (the first
 check made, when two fail); a bad value where the mask drops the token is no error, and the loss is the
-clean call's on every rank."""
+clean call's on every rank; unvalidated, a malformed cu_seqlens gives NaN at every counted output and
+gradient row of every rank."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -47,13 +49,19 @@ def _scenarios(rank, bad):
         out = gtpo_loss(xs, i, a, m, group_size=2, old_logps=o, config=cfg, backend="triton", process_group=pg, **kw)
         return float(out.loss)
 
-    def packed(o):
-        keep = mask.reshape(-1) != 0
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])
-        out = gtpo_loss(xs.reshape(B * T, -1)[keep], ids.reshape(-1)[keep], adv, None, group_size=2,
-                        old_logps=o.reshape(-1)[keep], config="grpo", backend="triton", process_group=pg,
-                        cu_seqlens=cu, max_seqlen=T)
-        return float(out.loss)
+    keep = mask.reshape(-1) != 0
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])  # [0, 5, 10, 15, 19]
+
+    def packed(o=old, c=cu, max_seqlen=T, validate=True):
+        part = xs.reshape(B * T, -1)[keep].clone().requires_grad_()
+        out = gtpo_loss(part, ids.reshape(-1)[keep], adv, None, group_size=2, old_logps=o.reshape(-1)[keep],
+                        config="grpo", backend="triton", process_group=pg, cu_seqlens=c, max_seqlen=max_seqlen,
+                        validate=validate)
+        if validate:
+            return float(out.loss)
+        out.loss.backward()  # unvalidated, malformed: every counted output and gradient row NaN, on every rank
+        return bool(out.loss.isnan() and out.logps.isnan().all() and out.entropy.isnan().all()
+                    and part.grad.isnan().all(1).all())
 
     nan, inf = float("nan"), float("inf")
     return {
@@ -77,6 +85,15 @@ def _scenarios(rank, bad):
                                     "advantages must be finite; flat position 1 holds inf"),
         "packed_old_logps_nan": (lambda: packed(_edit(old, (2, 1), nan, me)),
                                  "old_logps must be finite at counted positions; flat position 11 holds nan"),
+        "packed_clean": (lambda: packed(), None),
+        "packed_cu_decreasing": (lambda: packed(c=_edit(cu, 2, 4, me)), "cu_seqlens must start at 0, never decrease"),
+        "packed_cu_short_of_n": (lambda: packed(c=_edit(cu, 4, 18, me)), "and end at N = 19"),
+        "packed_cu_not_from_0": (lambda: packed(c=_edit(cu, 0, 1, me)), "cu_seqlens must start at 0"),
+        "packed_max_seqlen_short": (lambda: packed(max_seqlen=4), "max_seqlen = 4 is shorter than the longest "
+                                    "completion in cu_seqlens (5)"),  # (on every rank: both refuse)
+        "packed_max_seqlen_short_first": (lambda: packed(c=torch.tensor([0, 7, 11, 15, 19]), max_seqlen=6),
+                                          "max_seqlen = 6 is shorter than the longest completion in cu_seqlens (7)"),
+        "packed_malformed_unvalidated": (lambda: packed(c=torch.tensor([0, 5, 4, 15, 19]), validate=False), True),
         "logprobs_id_negative": (lambda: float(token_logprobs(xs, _edit(ids, (0, 0), -1, me), 1.0, mask,
                                                               backend="triton", process_group=pg)[0].sum()),
                                  "flat position 0 holds -1"),
@@ -106,16 +123,18 @@ def results():
 def test_a_bad_value_on_one_rank_makes_every_rank_raise_the_check_s_error(results):
     clean = [res["clean/0"]["value"] for res in results]
     assert clean[0] == clean[1] and clean[0] == clean[0]  # a number, the same on both ranks
+    assert abs(results[0]["packed_clean/0"]["value"] - clean[0]) < 1e-6 * abs(clean[0])  # packed as padded
     for key, first in results[0].items():
         outs = [res[key] for res in results]
-        if first["expect"] is None:  # no error: the clean call's loss, on every rank
+        if first["expect"] is None or first["expect"] is True:  # no error: the clean call's loss, or all NaN
             assert all("value" in o for o in outs), (key, outs)
             if key.startswith(("old_logps_nan", "id_negative_masked")):
                 assert all(o["value"] == clean[0] for o in outs), (key, outs)
+            assert first["expect"] is None or all(o["value"] is True for o in outs), (key, outs)
             continue
-        bad = first["bad"]
+        bad = [0, 1] if key.startswith("packed_max_seqlen_short") else [first["bad"]]  # (short on every rank)
         assert all("text" in o for o in outs), (key, outs)
         assert len({o["text"] for o in outs}) == 1, (key, outs)  # the same error on every rank
-        assert REFUSED in first["text"] and f"rank(s) [{bad}]" in first["text"], (key, first["text"])
-        assert first["expect"] in (outs[bad]["cause"] or ""), (key, outs[bad]["cause"])
-        assert all(o["cause"] is None for r, o in enumerate(outs) if r != bad), (key, outs)
+        assert REFUSED in first["text"] and f"rank(s) {bad}" in first["text"], (key, first["text"])
+        assert all(first["expect"] in (outs[r]["cause"] or "") for r in bad), (key, outs)
+        assert all(o["cause"] is None for r, o in enumerate(outs) if r not in bad), (key, outs)

@@ -23,16 +23,21 @@ SIZES = ((4, 5), (8, 6))
 # (16 / 17 validating before the agreement row's kernel formed the value checks' predicates: one launch a
 # check, the torch.ones of an unmasked batch's counted tokens, and the stack, any and masked_fill_ that put
 # their flags into the row)
-BOUND = {("grpo", False): 9, ("gtpo", False): 10, ("grpo", True): 9, ("gtpo", True): 10}
-READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2}  # validating: the status word
+# (packed: 30 / 33 before the agreement's checksums read cu_seqlens, the ids and the advantages as given, and
+# its row's kernel checked cu_seqlens and max_seqlen: the stand-in cu_seqlens, segments, malformed flag and
+# the ids and advantages made for it were formed for the checksums alone, and the checks launched their own)
+BOUND = {("grpo", False): 9, ("gtpo", False): 10, ("grpo", True): 9, ("gtpo", True): 10,
+         ("grpo-packed", False): 9, ("grpo-packed", True): 9}
+READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2,  # validating: the status word
+         ("grpo-packed", False): 1, ("grpo-packed", True): 2}
 
 
 def _ranks(rank, world):
     from bench.launches_parallel import counts
     out = {}
     for i, (B, T) in enumerate(SIZES):  # (the second size without a first call: its counts equal the first's)
-        rows = counts(rank, world, B, T, configs=("grpo", "gtpo"), validates=(False,), warm=i == 0)
-        rows += counts(rank, world, B, T, configs=("grpo", "gtpo"), validates=(True,), warm=i == 0)
+        rows = counts(rank, world, B, T, configs=("grpo", "gtpo", "grpo-packed"), validates=(False,), warm=i == 0)
+        rows += counts(rank, world, B, T, configs=("grpo", "gtpo", "grpo-packed"), validates=(True,), warm=i == 0)
         out[f"{B}x{T}"] = rows
     return out
 

@@ -41,7 +41,7 @@ def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate, all
         def fail():
             raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N = {N} "
                              f"(completion_ids' length), got {given.tolist()}")
-        checks.check_on_device(malformed(), fail)
+        checks.check_cu_seqlens(given, N, malformed, fail)
 
     @_once
     def cu():  # the stand-in, made on first use (the epilogue kernel forms its own from `given`)
@@ -55,12 +55,12 @@ def _packed_tokens(completion_ids, cu_seqlens, max_seqlen, device, validate, all
     if max_seqlen is not None:
         max_seqlen = checks.check_nonneg_int("max_seqlen", max_seqlen)
         if validate:
-            top, ms = longest(), max_seqlen
+            ms = max_seqlen
 
             def short():
                 raise ValueError(f"max_seqlen = {ms} is shorter than the longest completion in "
-                                 f"cu_seqlens ({int(top)})")
-            checks.check_on_device(top > ms, short)
+                                 f"cu_seqlens ({int(longest())})")
+            checks.check_max_seqlen(given, ms, longest, short)
     seg = Lazy(lambda: torch.repeat_interleave(torch.arange(B, device=device), lengths(), output_size=N))
     max_len = Lazy(lambda: longest().clamp(min=1))  # a tensor: no host sync
     return (N, B, Lazy(lambda: cu().to(given.dtype)), max_seqlen, max_len, seg,

@@ -136,11 +136,15 @@ def _any_bad(x, where, V, torch_bad):
 
 
 def _check(x, where, kind, V, torch_bad, fail):
-    """A value check: formed by a process group's agreement row (in_row), else DEVICE_ANY's one launch or
-    torch's form ('binary': torch's form), read with the call's other checks."""
+    """A value check (core.host_read.RowCheck's kinds): formed by a process group's agreement row (in_row),
+    else DEVICE_ANY's one launch or torch's form ('binary'; 'cu' and 'cu_max': torch_bad() is the 0-d
+    flag), read with the call's other checks."""
     if in_row(x, where, kind, V, torch_bad, fail):
         return
-    check_on_device(torch_bad().any() if kind == "binary" else _any_bad(x, where, V, torch_bad), fail)
+    if kind in ("cu", "cu_max"):
+        check_on_device(torch_bad(), fail)
+    else:
+        check_on_device(torch_bad().any() if kind == "binary" else _any_bad(x, where, V, torch_bad), fail)
 
 
 def _selection(counted, where):
@@ -170,6 +174,18 @@ def check_finite(name, x, counted=None, where=None):
 def check_binary(x, fail):
     """Host check (validate=True only): every value of x is 0 or 1; fail() raises the error."""
     _check(x, None, "binary", None, lambda: (x != 0) & (x != 1), fail)
+
+
+def check_cu_seqlens(cu_seqlens, N, malformed, fail):
+    """Host check (validate=True only): cu_seqlens starts at 0, never decreases and ends at N; malformed():
+    the 0-d flag (torch's form); fail() raises the error."""
+    _check(cu_seqlens, None, "cu", N, malformed, fail)
+
+
+def check_max_seqlen(cu_seqlens, max_seqlen, longest, fail):
+    """Host check (validate=True only): no completion of cu_seqlens is longer than max_seqlen; longest(): the
+    longest, 0-d (torch's form); fail() raises the error."""
+    _check(cu_seqlens, None, "cu_max", max_seqlen, lambda: longest() > max_seqlen, fail)
 
 
 def check_nonneg_int(name, x):

@@ -114,15 +114,30 @@ def _wrap(x):
     return (x + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+PACKED_T = 1 << 62  # token_digest's row length in the packed form: every token in row 0
+
+
+def _given_ids(b):
+    """The ids as the caller gave them (flat), where the Batch keeps them."""
+    return b.given["ids"] if b.given else b.ids
+
+
+def token_row_length(b):
+    """token_digest's row length T (a token's row: its position // T): the padded rows', or PACKED_T (the
+    packed form's completions are compared in cu_seqlens' own field, not made per token)."""
+    return PACKED_T if b.packed else b.tok_shape[1]
+
+
 def token_digest(b):
-    """(counted tokens, checksum of ids, mask and segments mod 2**61, largest counted id) of a Batch as
-    0-d int64 tensors on its device: a few elementwise passes over N, no host read."""
-    ids, counted = b.ids.long(), b.counted
+    """(counted tokens, checksum of ids, mask and padded rows mod 2**61, largest counted id) of a Batch as
+    0-d int64 tensors on its device: a few elementwise passes over N, no host read. The ids as given (a
+    malformed cu_seqlens unvalidated does not change them here)."""
+    ids, counted = _given_ids(b).long(), b.counted
     if ids.numel() == 0:
         zero = torch.zeros((), dtype=torch.int64, device=ids.device)
         return zero, zero, zero - 1
     pos = torch.arange(ids.numel(), device=ids.device)
-    x = _mix(ids + b.seg.long() * _K3, pos)  # wraps mod 2**64
+    x = _mix(ids + (pos // token_row_length(b)) * _K3, pos)  # wraps mod 2**64
     zero = torch.zeros((), dtype=torch.int64, device=ids.device)
     checksum = torch.where(counted, x, zero).sum() & _MASK61
     top = torch.where(counted, ids, zero - 1).max()
@@ -134,16 +149,18 @@ def token_digest(b):
 INPUTS = ("cu_seqlens and max_seqlen", "advantages", "old_logps", "ref_logps", "lam", "n_conf",
           "rollout_is_weights", "rollout_logps", "temperature (per token)")
 _ABSENT = 1
+_MAX_SEQLEN_AT = 1 << 40  # the position of max_seqlen's word in the cu_seqlens field
 
 
 def input_digests(b):
     """The checksums of INPUTS for a Batch, in that order (Digest fields, or _ABSENT); nothing is launched
-    before the row is made."""
-    cu = _ABSENT
-    if b.cu_seqlens is not None:
-        extra = b.cu_seqlens.new_full((1,), -1 if b.max_seqlen is None else b.max_seqlen, dtype=torch.int64)
-        cu = Digest.values(torch.cat([b.cu_seqlens.long(), extra]))
-    whole = [b.adv, None, None, None, b.n_conf, None, None, None]
+    before the row is made. cu_seqlens and the advantages as given; max_seqlen (None: -1) as the
+    cu_seqlens field's constant word."""
+    cu, given = _ABSENT, b.given or {}
+    if given.get("cu_seqlens") is not None:
+        cu = Digest("values", _mix_int(-1 if b.max_seqlen is None else b.max_seqlen, _MAX_SEQLEN_AT) & _MASK61,
+                    (given["cu_seqlens"], None))
+    whole = [given["adv"] if "adv" in given else b.adv, None, None, None, b.n_conf, None, None, None]
     counted = [None, b.old, b.ref, b.lam, None, b.rollout_w, b.rollout_logps, b.tau]
     out = [cu]
     for x, y in zip(whole, counted):
@@ -163,7 +180,7 @@ def token_fields(b):
 
 class Digest:
     """An agreement field formed when the row is made (nothing launched before, none for a rank that
-    failed): `const` in its slot plus, kind 'values', values_digest(x, where) (terms (x, where)); kind
+    failed): `const` in its slot plus (mod 2**61), kind 'values', values_digest(x, where) (terms (x, where)); kind
     'fingerprint', each tensor option's word at its position (terms [(t, pos)]); kind 'tokens',
     token_digest in three slots (terms: the Batch; the next two fields are 'filled'). Formed by the
     kernels of kernels/digest_triton (write_row: the whole row in one launch) where the tensors live on the
@@ -184,7 +201,7 @@ class Digest:
             return [t for t, _ in self.terms]
         if self.kind == "tokens":
             b = self.terms
-            return [b.ids] + ([] if b.mask is None else [b.mask]) + ([b.seg] if b.packed else [])
+            return [_given_ids(b)] + ([] if b.mask is None else [b.mask])
         return []
 
     def write(self, row, slot):
@@ -197,7 +214,7 @@ class Digest:
     def value(self):
         """The torch form's value (0-d int64 tensors; 'tokens': three)."""
         if self.kind == "values":
-            return values_digest(*self.terms)
+            return (values_digest(*self.terms) + self.const) & _MASK61
         if self.kind == "tokens":
             return token_digest(self.terms)
         digest = self.const
@@ -227,12 +244,12 @@ def write_row(fields, row, row_checks=()):
                 (after if k else jobs).append([i + 1, t, None, _size_term(t), pos, None])
         else:
             b = f.terms
-            tokens = (i + 1, b.ids, b.mask, b.seg if b.packed else None, 1 if b.packed else b.tok_shape[1])
+            tokens = (i + 1, _given_ids(b), b.mask, token_row_length(b))
     for c in row_checks:
         if not kernels_on(row.device, [c.x] + ([] if c.where is None else [c.where])):
             row[:1].masked_fill_(c.torch_bad().any().to(row.device).reshape(1), 1)
             continue
-        same = c.kind != "range" and next((j for j in jobs if j[4] is None and j[5] is None and _same(j[1], c.x)
+        same = c.kind in ("finite", "binary") and next((j for j in jobs if j[4] is None and j[5] is None and _same(j[1], c.x)
                                            and _same(j[2], c.where)), None)
         if same:
             same[5] = c

@@ -65,7 +65,7 @@ def vocab_layout(g, device, where):
                          f"whole vocabulary over the group); rank(s) {out} hold counted ids up to "
                          f"{[rows[r][-1] for r in out]}; every rank raises this error") from cause
     agree.disagree(where, [tuple(row[-3:-1]) for row in rows], "the counted tokens (their number, a checksum "
-                   "of completion_ids, completion_mask and cu_seqlens)", "every rank must pass the same "
+                   "of completion_ids and completion_mask)", "every rank must pass the same "
                    "tokens (its own slice of the vocabulary)")
     for i, name in enumerate(digest.INPUTS):  # compared by value (spec 12)
         agree.disagree(where, [row[2 + KEY + i] for row in rows], name, "every rank of a vocabulary-parallel "

@@ -53,8 +53,9 @@ def _word(x_ptr, o, inb, IS_FLOAT: tl.constexpr):
 def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE: tl.constexpr, FP: tl.constexpr,
           BLOCK: tl.constexpr, CHECK: tl.constexpr = 0, SUM: tl.constexpr = True):
     """A tensor's term: values_digest's sum with its size word, or, FP, the option word mix(W, pos); and
-    whether any selected value fails CHECK (0 none, 1 not finite, 2 neither 0 nor 1, 3 outside [0, size_term):
-    then size_term is V, and SUM is off: no term)."""
+    whether any selected value fails CHECK (0 none, 1 not finite, 2 neither 0 nor 1; then with size_term
+    the check's bound and SUM off, no term: 3 outside [0, size_term), 4 cu_seqlens not from 0 to
+    size_term = N or decreasing, 5 a completion of cu_seqlens longer than size_term = max_seqlen)."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     acc = tl.zeros([BLOCK], tl.int64)
     bad = tl.zeros([BLOCK], tl.int32)
@@ -76,6 +77,14 @@ def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE
         if CHECK == 3:
             v = tl.load(x_ptr + o, mask=inb, other=0).to(tl.int64)
             bad = bad | (inb & ((v < 0) | (v >= size_term))).to(tl.int32)
+        if CHECK >= 4:
+            v = tl.load(x_ptr + o, mask=inb, other=0).to(tl.int64)
+            prev = tl.load(x_ptr + o - 1, mask=inb & (o > 0), other=0).to(tl.int64)
+            if CHECK == 4:
+                fails = ((o == 0) & (v != 0)) | ((o == n - 1) & (v != size_term)) | ((o > 0) & (v < prev))
+            else:
+                fails = (o > 0) & (v - prev > size_term)
+            bad = bad | (inb & fails).to(tl.int32)
     term = tl.sum(acc, axis=0)
     if FP:
         one = _float_word(x_ptr, lanes, lanes < tl.minimum(n, 1))  # one element: its float bits, whatever its dtype
@@ -89,10 +98,10 @@ def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE
 @triton.jit
 def _add_term(out_ptr, x_ptr, where_ptr, n, size_term, pos, F: tl.constexpr, BLOCK: tl.constexpr):
     """out += the term (mod 2**61) -> whether a selected value failed the check; F's bits: 1 IS_FLOAT,
-    2 HAS_WHERE, 4 FP, 8 / 16 / 24 the check (_term's CHECK 1 / 2 / 3), 32 no term (a check alone)."""
+    2 HAS_WHERE, 4 FP, 8 k the check (_term's CHECK k, 1 to 5), 64 no term (a check alone)."""
     term, bad = _term(x_ptr, where_ptr, n, size_term, pos, (F & 1) != 0, (F & 2) != 0, (F & 4) != 0, BLOCK,
-                      (F // 8) % 4, (F & 32) == 0)
-    if (F & 32) == 0:
+                      (F // 8) % 8, (F & 64) == 0)
+    if (F & 64) == 0:
         tl.store(out_ptr, (tl.load(out_ptr) + term) & MASK61)
     return bad
 
@@ -105,11 +114,10 @@ def _terms_kernel(x_ptr, where_ptr, out_ptr, n, size_term, pos, IS_FLOAT: tl.con
 
 
 @triton.jit
-def _tokens_into(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_MASK: tl.constexpr):
-    """out[0:3] = the tokens' (count, checksum, largest counted id); seg: the completion of each token, read
-    (HAS_SEG: packed) or i // T (padded); counted: the caller's mask as given (nonzero counts; HAS_MASK
-    False: every token)."""
+def _tokens_into(ids_ptr, counted_ptr, out_ptr, n, T, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
+    """out[0:3] = the tokens' (count, checksum, largest counted id); a token's row i // T (T: the padded
+    rows' length; packed, digest.PACKED_T: row 0); counted: the caller's mask as given (nonzero counts;
+    HAS_MASK False: every token)."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     count = tl.zeros([BLOCK], tl.int64)
     acc = tl.zeros([BLOCK], tl.int64)
@@ -118,10 +126,7 @@ def _tokens_into(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.const
         o = start + lanes
         inb = o < n
         y = tl.load(ids_ptr + o, mask=inb, other=0).to(tl.int64)
-        if HAS_SEG:
-            seg = tl.load(seg_ptr + o, mask=inb, other=0).to(tl.int64)
-        else:
-            seg = o // T
+        seg = o // T
         if HAS_MASK:
             c = inb & (tl.load(counted_ptr + o, mask=inb, other=0) != 0)
         else:
@@ -138,9 +143,9 @@ def _tokens_into(ids_ptr, counted_ptr, seg_ptr, out_ptr, n, T, HAS_SEG: tl.const
                                "p3", "o3", "n4", "s4", "p4", "o4", "n5", "s5", "p5", "o5", "n_tok", "T", "o_tok"])
 def _row_kernel(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
                 x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
-                ids_ptr, counted_ptr, seg_ptr, n_tok, T, o_tok, F0: tl.constexpr, F1: tl.constexpr,
+                ids_ptr, counted_ptr, n_tok, T, o_tok, F0: tl.constexpr, F1: tl.constexpr,
                 F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, N_TERMS: tl.constexpr,
-                TOKENS: tl.constexpr, HAS_SEG: tl.constexpr, HAS_MASK: tl.constexpr, CHECKS: tl.constexpr,
+                TOKENS: tl.constexpr, HAS_MASK: tl.constexpr, CHECKS: tl.constexpr,
                 BLOCK: tl.constexpr):
     """N_TERMS <= SLOTS terms (tensor i: x_i, where w_i, n_i elements, size word s_i, position p_i, F_i as
     _add_term's) added into row[o_i] (distinct slots) and, TOKENS, the tokens' three fields into
@@ -160,7 +165,7 @@ def _row_kernel(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2,
     if N_TERMS > 5:
         bad = bad | _add_term(row_ptr + o5, x5, w5, n5, s5, p5, F5, BLOCK)
     if TOKENS:
-        _tokens_into(ids_ptr, counted_ptr, seg_ptr, row_ptr + o_tok, n_tok, T, HAS_SEG, BLOCK, HAS_MASK)
+        _tokens_into(ids_ptr, counted_ptr, row_ptr + o_tok, n_tok, T, BLOCK, HAS_MASK)
     if CHECKS:
         tl.store(row_ptr, tl.where(bad != 0, 1, tl.load(row_ptr)))
 
@@ -182,7 +187,7 @@ def _flat_term(x, where):
     return flat, flat if where is None else where.reshape(-1).contiguous()
 
 
-CHECK_BITS = {"finite": 8, "binary": 16, "range": 24}  # _add_term's F bits of a check's kind
+CHECK_BITS = {"finite": 8, "binary": 16, "range": 24, "cu": 32, "cu_max": 40}  # _add_term's F bits of a check's kind
 V_LIMIT = 1 << 62  # a range check's V = inf, as an int64 bound no id reaches
 
 
@@ -190,8 +195,8 @@ def row_terms(row, jobs, tokens=None):
     """A row's checksums in one launch of _row_kernel per SLOTS terms (the tokens' with the first): jobs
     [(slot, x, where, size_term, pos, check)] at distinct slots, as `terms` takes them, check None or a
     core.host_read.RowCheck of x at where (its kind; slot 0: the check alone, no term); tokens None or
-    (slot, ids, counted, seg, T): the mask as given (nonzero counts; None: every token), seg None for
-    padded rows of T."""
+    (slot, ids, counted, T): the mask as given (nonzero counts; None: every token), T the rows' length
+    (digest.token_row_length)."""
     for i in range(0, max(len(jobs), 1), SLOTS):
         part, args, flags = jobs[i:i + SLOTS], [], {}
         for k in range(SLOTS):
@@ -200,8 +205,8 @@ def row_terms(row, jobs, tokens=None):
                 flat, w = _flat_term(x, where)
                 f = int(flat.dtype.is_floating_point) | 2 * (where is not None) | 4 * (pos is not None)
                 if check is not None:
-                    f |= CHECK_BITS[check.kind] | (32 if slot == 0 else 0)
-                    if check.kind == "range":
+                    f |= CHECK_BITS[check.kind] | (64 if slot == 0 else 0)
+                    if check.kind in ("range", "cu", "cu_max"):
                         size_term = V_LIMIT if check.V == float("inf") else int(check.V)
                 args += [flat, w, flat.numel(), size_term, 0 if pos is None else pos, slot]
                 flags[f"F{k}"] = f
@@ -210,12 +215,11 @@ def row_terms(row, jobs, tokens=None):
                 flags[f"F{k}"] = 0
         tok = tokens if i == 0 else None
         if tok is not None:
-            slot, ids, counted, seg, T = tok
+            slot, ids, counted, T = tok
             flat = ids.reshape(-1).contiguous()
-            args += [flat, flat if counted is None else counted.reshape(-1).contiguous(),
-                     flat if seg is None else seg.reshape(-1).contiguous(), flat.numel(), T, slot]
+            args += [flat, flat if counted is None else counted.reshape(-1).contiguous(), flat.numel(), T, slot]
         else:
-            args += [row, row, row, 0, 1, 0]
-        _row_kernel[(1,)](row, *args, N_TERMS=len(part), TOKENS=tok is not None, HAS_SEG=tok is not None and tok[3] is not None,
-                          HAS_MASK=tok is not None and tok[2] is not None, CHECKS=any(f & 24 for f in flags.values()),
+            args += [row, row, 0, 1, 0]
+        _row_kernel[(1,)](row, *args, N_TERMS=len(part), TOKENS=tok is not None,
+                          HAS_MASK=tok is not None and tok[2] is not None, CHECKS=any(f & 56 for f in flags.values()),
                           BLOCK=BLOCK, **flags)
