@@ -2,7 +2,8 @@
 gtpo_loss(process_group=...) on `--ranks` gloo processes on the CPU (Triton's interpreter), forward +
 backward, as rank 0 launches them: 4 x 5 tokens, V = 37 split as evenly as the ranks allow (a config
 ending in "-packed": the same tokens packed, cu_seqlens and max_seqlen given, the last token of the last
-completion dropped). Launches, of them Triton, host reads, per config and validate."""
+completion dropped; "token_logprobs": token_logprobs(process_group=...), forward only). Launches, of them
+Triton, host reads, per config and validate."""
 import os
 import sys
 import tempfile
@@ -10,7 +11,7 @@ import tempfile
 import torch
 
 
-CONFIGS = ("grpo", "gtpo", "clip-cov", "grpo-packed")
+CONFIGS = ("grpo", "gtpo", "clip-cov", "grpo-packed", "token_logprobs")
 
 
 def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm=True):
@@ -19,7 +20,7 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
     `warm`) at B x T tokens, V = 37 split as evenly as the ranks allow."""
     import torch.distributed as dist
     from bench.launches import counting
-    from gtpo_kernels import gtpo_loss
+    from gtpo_kernels import gtpo_loss, token_logprobs
     g = torch.Generator().manual_seed(7)
     V = 37
     x = torch.randn(B, T, V, generator=g) * 2
@@ -42,6 +43,9 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
             call = lambda: gtpo_loss(part, advantages=adv, group_size=2, config=name,  # noqa: E731
                                      backend="triton", validate=validate, process_group=dist.group.WORLD,
                                      **form).loss.backward()
+            if cfg == "token_logprobs":
+                call = lambda: token_logprobs(part.detach(), ids, 1.0, backend="triton",  # noqa: E731
+                                              validate=validate, process_group=dist.group.WORLD)
             if warm:
                 call()
                 part.grad = None
@@ -80,7 +84,8 @@ def main(argv=None):
         rows = queue.get(timeout=600)
         for p in procs:
             p.join()
-    print(f"| gtpo_loss(process_group=...), {args.ranks} ranks, rank 0 | launches | of them Triton | host reads |")
+    print(f"| gtpo_loss (config) or token_logprobs, process_group=..., {args.ranks} ranks, rank 0 | launches | "
+          "of them Triton | host reads |")
     print("|---|---|---|---|")
     for cfg, validate, n, tr, reads in rows:
         print(f"| {cfg}, validate={validate} | {n} | {tr} | {reads} |")

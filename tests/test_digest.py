@@ -150,7 +150,27 @@ def _check_case(kind, dtype, n, where_dtype, g, fail_at):
     may not be selected) and its torch form."""
     from gtpo_kernels.core.host_read import RowCheck
     V = None
-    if kind == "finite":
+    if kind in ("cu", "cu_max"):  # a cu_seqlens of n - 1 completions (n >= 1), with no `where`
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.randint(0, 6, (max(n - 1, 0),), generator=g).cumsum(0)])
+        x = cu[:n].to(dtype)
+        longest = int((cu[1:n] - cu[:n - 1]).max()) if n > 1 else 0
+        V = int(cu[n - 1]) if kind == "cu" else longest - (fail_at is not None)
+        if kind == "cu" and fail_at is not None:  # not from 0, not to N, or decreasing (each alone)
+            mode = fail_at % 3 if n > 1 else 0
+            if mode == 0:
+                x[0] = 1
+            elif mode == 1:
+                x[n - 1] = x[n - 1] + [1, -1][fail_at // 3 % 2]  # past N, or short of it
+            else:
+                k = 1 + fail_at % (n - 1)
+                x[k] = x[k - 1] - 1
+        bad = ((lambda: batch.cu_malformed(x, V).reshape(1)) if kind == "cu" else
+               (lambda: ((x[1:].long() - x[:-1].long()).max().reshape(1) if n > 1 else torch.zeros(1)) > V))
+        return RowCheck(x, None, kind, V, bad), x, None
+    if kind == "atleast":
+        V = n % 2
+        x = (torch.rand(n, generator=g) * 3 + V).to(dtype)
+    elif kind == "finite":
         x = (torch.randn(n, generator=g) * 3).to(dtype)
     elif kind == "binary":
         x = (torch.rand(n, generator=g) > 0.5).to(dtype)
@@ -159,10 +179,17 @@ def _check_case(kind, dtype, n, where_dtype, g, fail_at):
         x = torch.randint(0, 37, (n,), generator=g).to(dtype)
     where = None if where_dtype is None else (torch.rand(n, generator=g) > 0.4).to(where_dtype)
     if fail_at is not None:
-        x[fail_at] = {"finite": [float("nan"), float("inf"), -float("inf")][n % 3], "binary": 2 if dtype != torch.float32
-                      else 0.5, "range": [-1, 37][int(torch.randint(0, 2, (), generator=g))] if V == 37 else -1}[kind]
+        if kind == "atleast":
+            x[fail_at] = [V - 0.5, float("nan"), float("inf")][n % 3]
+        elif kind == "finite":
+            x[fail_at] = [float("nan"), float("inf"), -float("inf")][n % 3]
+        elif kind == "binary":
+            x[fail_at] = 2 if dtype != torch.float32 else 0.5
+        else:
+            x[fail_at] = [-1, 37][int(torch.randint(0, 2, (), generator=g))] if V == 37 else -1
     sel = torch.ones(n, dtype=torch.bool) if where is None else where != 0
     bad = {"finite": lambda: ~torch.isfinite(x.double()), "binary": lambda: (x != 0) & (x != 1),
+           "atleast": lambda: ~(torch.isfinite(x.double()) & (x.double() >= V)),
            "range": lambda: (x.long() < 0) | (x.long() >= V)}[kind]
     return RowCheck(x, where, kind, V, lambda: sel & bad()), x, where
 
@@ -171,21 +198,31 @@ def _check_case(kind, dtype, n, where_dtype, g, fail_at):
 def test_the_row_kernel_s_value_checks_equal_their_torch_forms(seed):
     """Validating on vocabulary-parallel logits, the row's kernel forms the value checks' predicates (core.host_read
     .RowCheck; agree.deferred): finite (every float dtype), 0 or 1 (a mask of any dtype), ids in [0, V) (V finite or
-    inf), at the positions `where` (any dtype, or None) selects, several blocks long or empty, each on the term of
-    a checksum of the same tensor or on a term of its own. The row's error flag is set exactly when a torch form
+    inf), finite and >= 0 or 1, at the positions `where` (any dtype, or None) selects, several blocks long or
+    empty; a cu_seqlens (int32 or int64) from 0 to N, never decreasing, its completions no longer than a bound;
+    each on the term of a checksum of the same tensor or on a term of its own. The row's error flag is set exactly when a torch form
     says a selected value fails, the checksums are the torch forms' (a check changes no slot), in one launch."""
     from bench.launches import counting
     g = torch.Generator().manual_seed(100 + seed)
     kinds = [("finite", torch.float32), ("finite", torch.bfloat16), ("finite", torch.float64), ("finite", torch.float16),
              ("binary", torch.int64), ("binary", torch.float32), ("binary", torch.uint8), ("range", torch.int64),
-             ("range", torch.int32)]
+             ("range", torch.int32), ("atleast", torch.float32), ("atleast", torch.float64), ("cu", torch.int64),
+             ("cu", torch.int32), ("cu_max", torch.int64), ("cu_max", torch.int32)]
+    def case(kind, dtype, trial):
+        n = int(torch.randint(0, 2600, (), generator=g)) if trial else 1 + seed
+        n = max(n, 1) if kind in ("cu", "cu_max") else n
+        fail_at = int(torch.randint(0, n, (), generator=g)) if n and torch.rand((), generator=g) < 0.5 else None
+        return _check_case(kind, dtype, n, [None, torch.bool, torch.float32][(seed + trial) % 3], g, fail_at)
+    alone = [case(kind, dtype, 1 + seed % 3) for kind, dtype in kinds]
+    for kind in ("cu", "cu_max"):  # and each way to fail: from 1, past N, decreasing, short of N (fail_at 0, 1, 2, 4)
+        alone += [_check_case(kind, torch.int64, 2 + seed, None, g, at) for at in (0, 1, 2, 4)]
+    for c in alone:  # each alone: the row's flag is its torch form's
+        row = torch.zeros(2, dtype=torch.int64)
+        digest.write_row([], row, [c[0]])
+        assert row.tolist() == [int(bool(c[0].torch_bad().any())), 0], (c[0].kind, c[1], row)
     for trial in range(4):
         picked = [kinds[int(i)] for i in torch.randperm(len(kinds), generator=g)[:3]]
-        cases = []
-        for kind, dtype in picked:
-            n = int(torch.randint(0, 2600, (), generator=g)) if trial else 1 + seed
-            fail_at = int(torch.randint(0, n, (), generator=g)) if n and torch.rand((), generator=g) < 0.5 else None
-            cases.append(_check_case(kind, dtype, n, [None, torch.bool, torch.float32][(seed + trial) % 3], g, fail_at))
+        cases = [case(kind, dtype, trial) for kind, dtype in picked]
         # the first check's tensor is also a checksum's (its term carries the check), the others stand alone
         fields = [digest.Digest.values(cases[0][1], cases[0][2]), 3]
         expected = any(bool(c.torch_bad().any()) for c, _, _ in cases)

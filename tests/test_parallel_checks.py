@@ -1,12 +1,14 @@
 """Validating on vocabulary-parallel logits (spec 8, 12): the value checks ride on the agreement's read, and
 the row's own kernel forms their predicates (core.host_read.RowCheck: advantages, old / ref log-probs and
-lam finite at counted tokens, ids >= 0 at counted tokens, the mask's values 0 or 1, the packed form's
+lam finite at counted tokens, ids >= 0 at counted tokens, n_conf finite and >= 1, rollout weights per
+token finite and >= 0 at counted tokens, the mask's values 0 or 1, the packed form's
 cu_seqlens from 0 to N, never decreasing, and no completion longer than max_seqlen), so that they launch
 nothing of their own. On 2 gloo ranks, the Triton backend under the interpreter: a bad value on one rank
 makes every rank raise the same error naming that rank, chained on it to the check's own error (the first
 check made, when two fail); a bad value where the mask drops the token is no error, and the loss is the
 clean call's on every rank; unvalidated, a malformed cu_seqlens gives NaN at every counted output and
-gradient row of every rank."""
+gradient row of every rank, and token_logprobs gives NaN at a flagged counted token (a NaN logit in one
+slice, an id outside the vocabulary) and 0 where masked, as one process on the whole vocabulary does."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,6 +66,17 @@ def _scenarios(rank, bad):
                     and part.grad.isnan().all(1).all())
 
     nan, inf = float("nan"), float("inf")
+
+    def logprobs_flagged(backend):  # unvalidated: NaN at a flagged counted token, 0 where masked, as one process gives
+        xx, i = x.clone(), ids.clone()
+        xx[1, 2, 3] = nan  # (in rank 0's slice)
+        i[2, 1], i[3, 4] = V + 4, -2  # out of range at a counted token; at the masked-out one
+        lp1, h1 = token_logprobs(xx, i, 0.8, mask, backend=backend, validate=False)
+        lp, h = token_logprobs(xx[..., sl], i, 0.8, mask, backend=backend, validate=False, process_group=pg)
+        same = all(torch.equal(a.isnan(), b.isnan()) and torch.allclose(a.nan_to_num(), b.nan_to_num(), atol=1e-5)
+                   for a, b in ((lp, lp1), (h, h1)))
+        return bool(same and lp[1, 2].isnan() and h[2, 1].isnan() and lp[3, 4] == 0 and h[3, 4] == 0
+                    and int(lp.isnan().sum()) == 2)
     return {
         "clean": (lambda: loss(), None),
         "advantage_nan": (lambda: loss(a=_edit(adv, 2, nan, me)), "advantages must be finite; flat position 2 holds nan"),
@@ -76,6 +89,13 @@ def _scenarios(rank, bad):
         "lam_inf": (lambda: loss(cfg=official, lam=_edit(lam, (2, 0), inf, me), n_conf=n_conf),
                     "lam must be finite at counted positions; flat position 10 holds inf"),
         "id_negative": (lambda: loss(i=_edit(ids, (1, 2), -3, me)), "flat position 7 holds -3"),
+        "n_conf_below_1": (lambda: loss(cfg=official, lam=lam, n_conf=_edit(n_conf, 2, 0.5, me)),
+                           "n_conf must be finite and >= 1 (conflict_weights' counts: at least 1 per completion); "
+                           "completion 2 holds 0.5"),
+        "rollout_weight_negative": (lambda: loss(rollout_is_weights=_edit(torch.ones(B, T), (0, 3), -0.5, me)),
+                                    "rollout_is_weights must be >= 0 and finite at counted positions"),
+        "rollout_weight_nan_masked_out": (lambda: loss(rollout_is_weights=_edit(torch.ones(B, T), (3, 4), nan, me)),
+                                          None),
         "id_negative_masked_out": (lambda: loss(i=_edit(ids, (3, 4), -3, me)), None),
         "mask_value_2": (lambda: loss(m=_edit(mask, (2, 2), 2, me)), "completion_mask must hold only 0 and 1"),
         # two checks fail: the first made (the mask's, in the tokens' preparation) is the one named
@@ -94,6 +114,8 @@ def _scenarios(rank, bad):
         "packed_max_seqlen_short_first": (lambda: packed(c=torch.tensor([0, 7, 11, 15, 19]), max_seqlen=6),
                                           "max_seqlen = 6 is shorter than the longest completion in cu_seqlens (7)"),
         "packed_malformed_unvalidated": (lambda: packed(c=torch.tensor([0, 5, 4, 15, 19]), validate=False), True),
+        "logprobs_flagged_unvalidated": (lambda: logprobs_flagged("triton"), True),
+        "logprobs_flagged_unvalidated_torch": (lambda: logprobs_flagged("torch"), True),
         "logprobs_id_negative": (lambda: float(token_logprobs(xs, _edit(ids, (0, 0), -1, me), 1.0, mask,
                                                               backend="triton", process_group=pg)[0].sum()),
                                  "flat position 0 holds -1"),

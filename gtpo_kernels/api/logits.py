@@ -14,7 +14,7 @@ from ..core.output import GTPOOutput
 from ..distributed import agree
 from ..distributed import vocab_parallel as parallel
 from ..distributed import vocab_replay
-from ..kernels import dispatch, ops
+from ..kernels import dispatch
 from ..pipeline import epilogue, epilogue_attached, logps_epilogue, reference, replay
 from ..pipeline.loss import (call_temperature, check_loss_args, conflicts_for, forward, fused_loss, logps_loss,
                              make_output, vocab_parallel, vocab_summary)
@@ -229,7 +229,9 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
         if rules is not None:
             logp, ent, _ = _replayed(b, None, temperature, sampling_mask, rules, backend, host, vp)
         else:
-            logp, ent, _, _ = forward(b, ops.as_tensor_param(temperature), backend, host, vp)
+            logp, ent, _, _ = forward(b, temperature, backend, host, vp)
+            if vp is not None:  # (the merge's finish: 0 where not counted, NaN at a flagged token: no launch more)
+                return logp.to(dt).reshape(b.tok_shape), ent.to(dt).reshape(b.tok_shape)
     zero = torch.zeros((), dtype=dt, device=logits.device)
     logp = torch.where(b.counted, logp.to(dt), zero)
     ent = torch.where(b.counted, ent.to(dt), zero)

@@ -255,13 +255,11 @@ def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=No
         checks.check_shape("n_conf", n_conf, (b.B,), "(B,)")
         checks.check_device("n_conf", n_conf, device)
         if validate:
-            bad = ~(torch.isfinite(n_conf) & (n_conf >= 1))
-
             def fail():
-                k = int(bad.nonzero()[0, 0])
+                k = int((~(torch.isfinite(n_conf) & (n_conf >= 1))).nonzero()[0, 0])
                 raise ValueError(f"n_conf must be finite and >= 1 (conflict_weights' counts: at least 1 per "
                                  f"completion); completion {k} holds {float(n_conf[k])}")
-            checks.check_on_device(bad.any(), fail)
+            checks.check_at_least(n_conf, 1, None, None, fail)
         b.n_conf = n_conf
     if rollout_is_weights is not None:
         b.rollout_w_, b.rollout_w_seq = rollout_weights(b, rollout_is_weights, device)
@@ -269,4 +267,7 @@ def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=No
             def fail():
                 raise ValueError("rollout_is_weights must be >= 0 and finite at counted positions "
                                  "(see rollout_is_weights() for TRL's modes)")
-            checks.check_on_device((b.counted & ~((b.rollout_w >= 0) & torch.isfinite(b.rollout_w))).any(), fail)
+            if b.rollout_w_seq is None:  # per token (per completion: spread on the tokens, read at counted ones)
+                checks.check_at_least(b.rollout_w, 0, lambda: b.counted, b.mask, fail)
+            else:
+                checks.check_on_device((b.counted & ~((b.rollout_w >= 0) & torch.isfinite(b.rollout_w))).any(), fail)

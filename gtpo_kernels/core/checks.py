@@ -144,7 +144,7 @@ def _check(x, where, kind, V, torch_bad, fail):
     if kind in ("cu", "cu_max"):
         check_on_device(torch_bad(), fail)
     else:
-        check_on_device(torch_bad().any() if kind == "binary" else _any_bad(x, where, V, torch_bad), fail)
+        check_on_device(torch_bad().any() if kind in ("binary", "atleast") else _any_bad(x, where, V, torch_bad), fail)
 
 
 def _selection(counted, where):
@@ -174,6 +174,17 @@ def check_finite(name, x, counted=None, where=None):
 def check_binary(x, fail):
     """Host check (validate=True only): every value of x is 0 or 1; fail() raises the error."""
     _check(x, None, "binary", None, lambda: (x != 0) & (x != 1), fail)
+
+
+def check_at_least(x, lo, counted, where, fail):
+    """Host check (validate=True only): x finite and >= lo (at counted positions when `counted` is given, as
+    check_finite's); fail() raises the error."""
+    made, where = _selection(counted, where)
+
+    def bad():
+        out = ~(torch.isfinite(x) & (x >= lo))
+        return out if counted is None else made() & out.reshape(-1)
+    _check(x, where, "atleast", lo, bad, fail)
 
 
 def check_cu_seqlens(cu_seqlens, N, malformed, fail):

@@ -88,7 +88,8 @@ def block_bytes_per_token(itemsize=4):
     return 2 * 4 * itemsize
 
 
-def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, softcap=None, sizes=None, id_start=0):
+def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, softcap=None, sizes=None, id_start=0,
+               nan_flagged=False):
     """The forward pass on this rank's slice, merged over the group -> (logp, H, stats, flags) per
     token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics).
     scale, softcap: the tile's transforms (spec 11), applied by the kernel to this slice; temperature: a
@@ -96,12 +97,15 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     rank's slice size; when every boundary is a multiple of VOCAB_BLOCK the blocks' statistics are
     gathered and merged in global block order (vp_blocks: bitwise the single-process outputs), else
     (or None) the 32-byte all-reduce merge below. id_start: ids_loc - id_start are this slice's ids (the
-    kernels subtract it as they read an id: no launch for the slice's ids)."""
+    kernels subtract it as they read an id: no launch for the slice's ids). nan_flagged: logp and H NaN at a
+    flagged counted token (the finish kernel writes them so)."""
     if sizes is not None and vocab_block.aligned(sizes):
-        return vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap, id_start)
+        logp, ent, stats, bad = vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap,
+                                          id_start)
+        return (*vp_merge.nan_at_flags(logp, ent, bad), stats, bad) if nan_flagged else (logp, ent, stats, bad)
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
     vec, M = vp_sums(b, ids_loc, temperature, backend, group, scale, softcap, id_start)
-    return vp_merge.select(backend).finish(vec, M, b.ids, _counted(b, backend), V_global)
+    return vp_merge.select(backend).finish(vec, M, b.ids, _counted(b, backend), V_global, nan_flagged)
 
 
 def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id_start=0):

@@ -72,9 +72,10 @@ def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, 
     ], 1)
 
 
-def finish(vec, M, ids, counted, V):
+def finish(vec, M, ids, counted, V, nan_flagged=False):
     """The merged sums -> (logp, H, stats = (M, log S, q), flags) per token, as ops.vocab_fwd returns them
-    for the whole vocabulary (0 at tokens not counted; V: the whole vocabulary's size)."""
+    for the whole vocabulary (0 at tokens not counted; V: the whole vocabulary's size); nan_flagged: logp
+    and H NaN at a flagged (counted) token."""
     ids, counted = ids.reshape(-1).long(), counted.reshape(-1)
     S, U, R = vec[:, 0], vec[:, 1], vec[:, 2] + (vec[:, 4] - 1).clamp(min=0)
     log_s = torch.log1p(R)
@@ -89,4 +90,12 @@ def finish(vec, M, ids, counted, V):
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     M_safe = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
     logp, ent, q = (torch.where(counted, x, zero) for x in (logp, ent, q))
+    if nan_flagged:
+        logp, ent = nan_at_flags(logp, ent, bad)
     return logp, ent, torch.stack([M_safe, torch.where(counted, log_s, zero), q], 1), bad
+
+
+def nan_at_flags(logp, ent, bad):
+    """logp and H NaN where the flags are set."""
+    nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
+    return torch.where(bad != 0, nan, logp), torch.where(bad != 0, nan, ent)

@@ -126,11 +126,15 @@ def _finish_at(vec_ptr, M_ptr, ids_ptr, stats_out, bad_out, o, inb, counted, V):
 
 @triton.jit(do_not_specialize=["n", "V"])
 def _vp_finish_kernel(vec_ptr, M_ptr, ids_ptr, counted_ptr, logp_out, ent_out, stats_out, bad_out, n, V,
-                      BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True):
+                      BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True, NAN_FLAGGED: tl.constexpr = False):
+    """_finish_at for BLOCK tokens a program; NAN_FLAGGED: logp and H NaN at a flagged (counted) token."""
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = o < n
-    logp, ent, _ = _finish_at(vec_ptr, M_ptr, ids_ptr, stats_out, bad_out, o, inb,
-                              _counted(counted_ptr, o, inb, HAS_MASK), V)
+    logp, ent, bad = _finish_at(vec_ptr, M_ptr, ids_ptr, stats_out, bad_out, o, inb,
+                                _counted(counted_ptr, o, inb, HAS_MASK), V)
+    if NAN_FLAGGED:
+        logp = tl.where(bad != 0, float("nan"), logp)
+        ent = tl.where(bad != 0, float("nan"), ent)
     tl.store(logp_out + o, logp, mask=inb)
     tl.store(ent_out + o, ent, mask=inb)
 
@@ -160,12 +164,12 @@ def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, 
     return vec
 
 
-def finish(vec, M, ids, counted, V):
+def finish(vec, M, ids, counted, V, nan_flagged=False):
     n = M.numel()
     dev = M.device
     logp, ent = torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev)
     stats, bad = torch.empty((n, 3), dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.int8, device=dev)
     ids = _flat(ids)
     _vp_finish_kernel[_grid(n)](vec, M, ids, _mask(counted, ids), logp, ent, stats, bad, n, V, BLOCK=BLOCK,
-                                HAS_MASK=counted is not None)
+                                HAS_MASK=counted is not None, NAN_FLAGGED=nan_flagged)
     return logp, ent, stats, bad

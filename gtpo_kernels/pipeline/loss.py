@@ -158,13 +158,16 @@ def forward(b, temperature, backend, host, vp=None):
     to NaN (so that invalid input unchecked on the host gives NaN, never a finite wrong number); host:
     the flags are read (and a flagged row raises) here. vp: the vocabulary-parallel layout
     (parallel.VocabParallel), or None."""
+    if vp is not None:  # (this slice's ids: b.ids - vp.start; a number tau by value, no fill or copy)
+        logp, ent, stats, bad = parallel.vp_forward(b, b.ids, ops.tau_arg(temperature, b.logits3, backend), backend,
+                                                    vp.group, vp.V, sizes=vp.sizes, id_start=vp.start,
+                                                    nan_flagged=True)
+        if host:
+            checks.raise_on_flags(bad, b.tok_shape)
+        return logp, ent, stats, bad
     temperature = ops.temperature_param(temperature, b.logits3, backend)  # once per call
-    if vp is None:
-        logp, ent, stats, bad = ops.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
-                                              b.logits_start, backend=backend)
-    else:
-        logp, ent, stats, bad = parallel.vp_forward(b, b.ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes,
-                                                    id_start=vp.start)  # (this slice's ids: b.ids - vp.start)
+    logp, ent, stats, bad = ops.vocab_fwd(b.logits3.detach(), b.ids, b.counted, temperature,
+                                          b.logits_start, backend=backend)
     if host:
         checks.raise_on_flags(bad, b.tok_shape)
     invalid = bad != 0
