@@ -445,6 +445,9 @@ MUTANTS = [
     M("L38", "core/batch.py", "checks.check_at_least(b.rollout_w, 0, lambda: b.counted, b.mask, fail)",
       "checks.check_at_least(b.rollout_w, 0, lambda: b.counted, None, fail)",
       "rollout weights per token checked at masked-out tokens too", tests=["test_parallel_checks"]),
+    M("L39", "distributed/digest.py", "b.n_conf, b.rollout_w_seq, None, None]", "b.n_conf, None, None, None]",
+      "rollout weights per completion not compared across a split vocabulary's ranks",
+      tests=["test_collective_failures"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]
