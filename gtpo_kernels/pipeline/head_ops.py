@@ -216,10 +216,11 @@ def _forward(b, head, hidden, key, temperature, vp, extras, need, host, epi=([],
 
 
 def uses_epilogue(b, cfg, backend, group):
-    """Whether the epilogue kernel computes this call's loss: the Triton backend on one process (group:
-    the process group, or the vocabulary-parallel layout, None), a config it covers (rollout weights, per
-    token or per completion, go to the kernel as it reads them: epilogue.tensors)."""
-    return backend == "triton" and group is None and epilogue.covers(cfg)
+    """Whether the epilogue kernel computes this call's loss: the Triton backend, a config it covers (rollout
+    weights, per token or per completion, go to the kernel as it reads them: epilogue.tensors). On a split
+    vocabulary (group: the process group, or the vocabulary-parallel layout) too: the tiles' statistics are
+    merged before it, the same on every rank, so it decides the same on every rank."""
+    return backend == "triton" and epilogue.covers(cfg)
 
 
 def _epilogue_args(b, cfg, backend, vp, num_items):
@@ -256,7 +257,8 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
         logp, ent, stats, bad, dh, dw, db = out[:7]
         value, _, _, ltok, c, e, *rest = out[7:]
         e = e if epi[1][loss_ops.FLAGS.index("HAS_E")] else None
-        value = head_attach(value, *params, b.ids, stats, ent, c, e, dh, dw, db, temperature, key)
+        value = head_attach(value, *params, b.ids if vp is None else vp.ids, stats, ent, c, e, dh, dw, db,
+                            temperature, key)
         res = epilogue.output([value, logp, ent, ltok, c, e, *rest], bad, b, cfg, host)
         res.metrics["grad_in_forward"] = grad_in_forward
         return res

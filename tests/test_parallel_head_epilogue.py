@@ -1,0 +1,122 @@
+"""The LM head on a split vocabulary runs its loss math in the epilogue kernel (spec 8, 11, 12;
+pipeline/head_ops.uses_epilogue): the tiles' statistics are merged over the ranks before it, so every rank
+runs it on the same numbers. On 2 gloo ranks (V = 37 split 20 / 17), the Triton backend under the
+interpreter, against one process on the whole head: several policy terms (the PPO clip with a KL term,
+dapo's token-mean, clip_cov with its two epilogue launches, the entropy filter), both schedules (fused:
+the gradient formed in the forward, tile by tile; recompute), padded and packed; loss, logps, entropy and
+metrics within 1e-5 and each rank's gradient its slice of one process's (the hidden states' summed over the
+ranks, as Megatron does). A NaN in one rank's rows of the head gives the same error on every rank,
+validated, and NaN at every token it reaches, unvalidated. The launches of a call (recompute schedule, 7 and
+4 tiles): the loss math once, the rest each tile's."""
+import torch
+import torch.distributed as dist
+
+from gloo import run_ranks
+from gtpo_kernels import GTPOConfig, linear_gtpo_loss
+
+SIZES = [20, 17]
+B, T, D, V = 4, 5, 8, 37
+CONFIGS = {
+    "grpo-kl": GTPOConfig.preset("grpo", beta=0.04),
+    "dapo": GTPOConfig.preset("dapo"),
+    "clip-cov": GTPOConfig.preset("clip-cov", clip_cov_ratio=0.2),
+    "gtpo-filter": GTPOConfig(entropy_threshold=3.0, entropy_coef=0.01),
+}
+SCHEDULES = (("auto", None), ("recompute", 2 * 20 * 4 * 3))  # (auto: fused where it may; recompute: 3 rows a tile)
+
+
+def _data():
+    g = torch.Generator().manual_seed(21)
+    h = torch.randn(B, T, D, generator=g)
+    w = torch.randn(V, D, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    ids[1, :3] = ids[0, :3]
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[3, 4] = False
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    old = -torch.rand(B, T, generator=g) * 3 - 1.5
+    return h, w, ids, mask, adv, old
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    if not torch.equal(torch.isnan(a), torch.isnan(b)):
+        return float("inf")
+    a, b = torch.nan_to_num(a), torch.nan_to_num(b)
+    return float((a - b).abs().max() / b.abs().clamp(min=1).max()) if a.numel() else 0.0
+
+
+def _call(h, w, ids, mask, adv, old, cfg, schedule, budget, packed, **kw):
+    torch.manual_seed(5)  # clip_cov's draws: the same in both calls
+    extra = dict(old_logps=old, ref_logps=old + 0.1, group_size=2, config=cfg, schedule=schedule,
+                 memory_budget=budget, backend="triton", **kw)
+    if packed:
+        keep = mask.reshape(-1)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])
+        extra.update(old_logps=old.reshape(-1)[keep], ref_logps=old.reshape(-1)[keep] + 0.1, cu_seqlens=cu,
+                     max_seqlen=T)
+        return linear_gtpo_loss(h.reshape(B * T, D)[keep], w, ids.reshape(-1)[keep], adv, None, **extra)
+    return linear_gtpo_loss(h, w, ids, adv, mask, **extra)
+
+
+def _ranks(rank, world):
+    from bench.launches import counting
+    h, w, ids, mask, adv, old = _data()
+    sl = slice(sum(SIZES[:rank]), sum(SIZES[:rank + 1]))
+    pg, errs = dist.group.WORLD, {}
+    for name, cfg in CONFIGS.items():
+        for schedule, budget in SCHEDULES:
+            for packed in (False, True) if name in ("dapo", "gtpo-filter") else (False,):
+                h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+                one = _call(h1, w1, ids, mask, adv, old, cfg, schedule, budget, packed)
+                one.loss.backward()
+                hp, wp = h.clone().requires_grad_(), w[sl].clone().requires_grad_()
+                out = _call(hp, wp, ids, mask, adv, old, cfg, schedule, budget, packed, process_group=pg)
+                out.loss.backward()
+                dh = hp.grad.clone()
+                dist.all_reduce(dh)  # (each rank's slice contributes to the hidden states' gradient)
+                errs[f"{name}/{schedule}/{'packed' if packed else 'padded'}"] = dict(
+                    loss=_rel(out.loss.detach(), one.loss.detach()), logps=_rel(out.logps, one.logps),
+                    entropy=_rel(out.entropy, one.entropy), grad_w=_rel(wp.grad, w1.grad[sl]),
+                    grad_h=_rel(dh, h1.grad), metrics=max(_rel(out.metrics[k], one.metrics[k]) for k in one.metrics),
+                    grad_nonzero=float(w1.grad[sl].abs().sum() > 0))
+    nan_w = w[sl].clone()
+    if rank == 1:
+        nan_w[2, 3] = float("nan")  # every token's logit of this vocabulary entry
+    try:
+        _call(h, nan_w, ids, mask, adv, old, CONFIGS["dapo"], "recompute", None, False, process_group=pg)
+        errs["nan/validated"] = "returned"
+    except ValueError as e:
+        errs["nan/validated"] = str(e)
+    out = _call(h, nan_w, ids, mask, adv, old, CONFIGS["dapo"], "recompute", None, False, process_group=pg,
+                validate=False)
+    errs["nan/unvalidated"] = bool(out.loss.isnan() and out.logps[mask].isnan().all())
+    launches = []
+    for budget in (2 * 20 * 4 * 3, 2 * 20 * 4 * 6):  # more tiles, then fewer
+        wp = w[sl].clone().requires_grad_()
+        with counting() as c:
+            _call(h, wp, ids, mask, adv, old, CONFIGS["dapo"], "recompute", budget, False,
+                  process_group=pg).loss.backward()
+        launches.append(c.launches)
+    errs["launches"] = launches
+    return errs
+
+
+def test_the_head_on_a_split_vocabulary_runs_the_epilogue_and_equals_one_process():
+    results = run_ranks(_ranks, 2)
+    for r, res in enumerate(results):
+        assert "exception" not in res, f"rank {r}:\n{res.get('exception')}"
+    for res in results:
+        for key, e in res.items():
+            if key.startswith("nan") or key == "launches":
+                continue
+            assert e.pop("grad_nonzero") == 1.0, key
+            assert max(e.values()) < 1e-5, (key, e)
+        assert "contains NaN or +inf" in res["nan/validated"], res["nan/validated"]
+        assert res["nan/unvalidated"] is True
+    assert results[0]["nan/validated"] == results[1]["nan/validated"]
+    many, few = results[0]["launches"]  # 7 tiles of 3 rows, 4 of 6
+    # (236 for the first before the epilogue ran on a split vocabulary, the eager loss math's ops; each tile's: the
+    # projection, the forward kernel, the merge's two all-reduces, sums and finish, the statistics' scatter
+    # into the call's rows, and in the backward the projection, the gradient kernel and the two GEMMs)
+    assert many <= 141 and few <= 94 and (many - few) / 3 <= 16, results[0]["launches"]
