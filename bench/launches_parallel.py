@@ -2,8 +2,10 @@
 gtpo_loss(process_group=...) on `--ranks` gloo processes on the CPU (Triton's interpreter), forward +
 backward, as rank 0 launches them: 4 x 5 tokens, V = 37 split as evenly as the ranks allow (a config
 ending in "-packed": the same tokens packed, cu_seqlens and max_seqlen given, the last token of the last
-completion dropped; "token_logprobs": token_logprobs(process_group=...), forward only). Launches, of them
-Triton, host reads, per config and validate."""
+completion dropped; "token_logprobs": token_logprobs(process_group=...), forward only; "gtpo-official":
+lam and n_conf given; "grpo-rollout-token" / "-seq": rollout weights per token / per completion; "head-3" and
+"head-6": linear_gtpo_loss(process_group=...), dapo, D = 8, the recompute schedule with tiles of 3 and 6
+rows). Launches, of them Triton, host reads, per config and validate."""
 import os
 import sys
 import tempfile
@@ -11,7 +13,8 @@ import tempfile
 import torch
 
 
-CONFIGS = ("grpo", "gtpo", "clip-cov", "grpo-packed", "token_logprobs")
+CONFIGS = ("grpo", "gtpo", "clip-cov", "grpo-packed", "token_logprobs", "gtpo-official", "grpo-rollout-token",
+           "grpo-rollout-seq", "head-3", "head-6")
 
 
 def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm=True):
@@ -20,7 +23,7 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
     `warm`) at B x T tokens, V = 37 split as evenly as the ranks allow."""
     import torch.distributed as dist
     from bench.launches import counting
-    from gtpo_kernels import gtpo_loss, token_logprobs
+    from gtpo_kernels import GTPOConfig, gtpo_loss, linear_gtpo_loss, token_logprobs
     g = torch.Generator().manual_seed(7)
     V = 37
     x = torch.randn(B, T, V, generator=g) * 2
@@ -33,6 +36,12 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
     keep = torch.ones(B * T, dtype=torch.bool)
     keep[-1] = False
     cu = torch.tensor([T * i for i in range(B)] + [B * T - 1])
+    more = {"gtpo-official": dict(config=GTPOConfig(loss_agg="gtpo-official"), lam=torch.rand(B, T, generator=g) + 0.5,
+                                  n_conf=torch.arange(1.0, B + 1)),
+            "grpo-rollout-token": dict(config="grpo", rollout_is_weights=torch.rand(B, T, generator=g) + 0.5),
+            "grpo-rollout-seq": dict(config="grpo", rollout_is_weights=torch.rand(B, 1, generator=g) + 0.5)}
+    D = 8
+    h, w = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g)
     for cfg in configs:
         name, packed = cfg.removesuffix("-packed"), cfg.endswith("-packed")
         for validate in validates:
@@ -40,9 +49,16 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
             part = (part.reshape(B * T, -1)[keep] if packed else part).clone().requires_grad_()
             form = dict(completion_ids=ids.reshape(-1)[keep], old_logps=old.reshape(-1)[keep], cu_seqlens=cu,
                         max_seqlen=T) if packed else dict(completion_ids=ids, old_logps=old)
-            call = lambda: gtpo_loss(part, advantages=adv, group_size=2, config=name,  # noqa: E731
+            kw = more.get(cfg, dict(config=name))
+            call = lambda: gtpo_loss(part, advantages=adv, group_size=2,  # noqa: E731
                                      backend="triton", validate=validate, process_group=dist.group.WORLD,
-                                     **form).loss.backward()
+                                     **form, **kw).loss.backward()
+            if cfg.startswith("head-"):
+                part = w[start:start + sizes[rank]].clone().requires_grad_()
+                call = lambda: linear_gtpo_loss(  # noqa: E731
+                    h, part, ids, adv, group_size=2, old_logps=old, config="dapo", backend="triton",
+                    validate=validate, process_group=dist.group.WORLD, schedule="recompute",
+                    memory_budget=2 * 20 * 4 * int(cfg[5:])).loss.backward()
             if cfg == "token_logprobs":
                 call = lambda: token_logprobs(part.detach(), ids, 1.0, backend="triton",  # noqa: E731
                                               validate=validate, process_group=dist.group.WORLD)
