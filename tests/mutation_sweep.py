@@ -456,6 +456,9 @@ MUTANTS = [
       "value = head_attach(value, *params, b.ids, stats, ent, c, e, dh, dw, db,\n                            temperature, key)",
       "the head's epilogue path on a split vocabulary reads global ids as the slice's in its backward",
       tests=["test_parallel_head_epilogue"]),
+    M("L42", "pipeline/tiles.py", "at = idx if span is None or o.vp is None else slice(*span)", "at = idx",
+      "the split-vocabulary head's tiles scatter their merged statistics (6 launches a tile more)",
+      tests=["test_parallel_head_epilogue"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -7,7 +7,8 @@ the gradient formed in the forward, tile by tile; recompute), padded and packed;
 metrics within 1e-5 and each rank's gradient its slice of one process's (the hidden states' summed over the
 ranks, as Megatron does). A NaN in one rank's rows of the head gives the same error on every rank,
 validated, and NaN at every token it reaches, unvalidated. The launches of a call (recompute schedule, 7 and
-4 tiles): the loss math once, the rest each tile's."""
+4 tiles): the loss math once, the rest each tile's; with every token counted the merge writes each tile's
+statistics in place."""
 import torch
 import torch.distributed as dist
 
@@ -64,22 +65,25 @@ def _ranks(rank, world):
     h, w, ids, mask, adv, old = _data()
     sl = slice(sum(SIZES[:rank]), sum(SIZES[:rank + 1]))
     pg, errs = dist.group.WORLD, {}
-    for name, cfg in CONFIGS.items():
-        for schedule, budget in SCHEDULES:
-            for packed in (False, True) if name in ("dapo", "gtpo-filter") else (False,):
-                h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
-                one = _call(h1, w1, ids, mask, adv, old, cfg, schedule, budget, packed)
-                one.loss.backward()
-                hp, wp = h.clone().requires_grad_(), w[sl].clone().requires_grad_()
-                out = _call(hp, wp, ids, mask, adv, old, cfg, schedule, budget, packed, process_group=pg)
-                out.loss.backward()
-                dh = hp.grad.clone()
-                dist.all_reduce(dh)  # (each rank's slice contributes to the hidden states' gradient)
-                errs[f"{name}/{schedule}/{'packed' if packed else 'padded'}"] = dict(
-                    loss=_rel(out.loss.detach(), one.loss.detach()), logps=_rel(out.logps, one.logps),
-                    entropy=_rel(out.entropy, one.entropy), grad_w=_rel(wp.grad, w1.grad[sl]),
-                    grad_h=_rel(dh, h1.grad), metrics=max(_rel(out.metrics[k], one.metrics[k]) for k in one.metrics),
-                    grad_nonzero=float(w1.grad[sl].abs().sum() > 0))
+    cases = [(name, cfg, schedule, budget, packed, mask) for name, cfg in CONFIGS.items()
+             for schedule, budget in SCHEDULES for packed in ((False, True) if name in ("dapo", "gtpo-filter")
+                                                              else (False,))]
+    # every token counted: the recompute tiles' tokens in order, the merge writes them in place
+    cases += [("dapo-unmasked", CONFIGS["dapo"], "recompute", 2 * 20 * 4 * 3, False, None)]
+    for name, cfg, schedule, budget, packed, m in cases:
+        h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        one = _call(h1, w1, ids, m, adv, old, cfg, schedule, budget, packed)
+        one.loss.backward()
+        hp, wp = h.clone().requires_grad_(), w[sl].clone().requires_grad_()
+        out = _call(hp, wp, ids, m, adv, old, cfg, schedule, budget, packed, process_group=pg)
+        out.loss.backward()
+        dh = hp.grad.clone()
+        dist.all_reduce(dh)  # (each rank's slice contributes to the hidden states' gradient)
+        errs[f"{name}/{schedule}/{'packed' if packed else 'padded'}"] = dict(
+            loss=_rel(out.loss.detach(), one.loss.detach()), logps=_rel(out.logps, one.logps),
+            entropy=_rel(out.entropy, one.entropy), grad_w=_rel(wp.grad, w1.grad[sl]),
+            grad_h=_rel(dh, h1.grad), metrics=max(_rel(out.metrics[k], one.metrics[k]) for k in one.metrics),
+            grad_nonzero=float(w1.grad[sl].abs().sum() > 0))
     nan_w = w[sl].clone()
     if rank == 1:
         nan_w[2, 3] = float("nan")  # every token's logit of this vocabulary entry
@@ -92,12 +96,13 @@ def _ranks(rank, world):
                 validate=False)
     errs["nan/unvalidated"] = bool(out.loss.isnan() and out.logps[mask].isnan().all())
     launches = []
-    for budget in (2 * 20 * 4 * 3, 2 * 20 * 4 * 6):  # more tiles, then fewer
-        wp = w[sl].clone().requires_grad_()
-        with counting() as c:
-            _call(h, wp, ids, mask, adv, old, CONFIGS["dapo"], "recompute", budget, False,
-                  process_group=pg).loss.backward()
-        launches.append(c.launches)
+    for m in (mask, None):
+        for budget in (2 * 20 * 4 * 3, 2 * 20 * 4 * 6):  # more tiles, then fewer
+            wp = w[sl].clone().requires_grad_()
+            with counting() as c:
+                _call(h, wp, ids, m, adv, old, CONFIGS["dapo"], "recompute", budget, False,
+                      process_group=pg).loss.backward()
+            launches.append(c.launches)
     errs["launches"] = launches
     return errs
 
@@ -115,8 +120,11 @@ def test_the_head_on_a_split_vocabulary_runs_the_epilogue_and_equals_one_process
         assert "contains NaN or +inf" in res["nan/validated"], res["nan/validated"]
         assert res["nan/unvalidated"] is True
     assert results[0]["nan/validated"] == results[1]["nan/validated"]
-    many, few = results[0]["launches"]  # 7 tiles of 3 rows, 4 of 6
+    many, few, many_all, few_all = results[0]["launches"]  # 7 tiles of 3 rows, 4 of 6; masked, then every token counted
     # (236 for the first before the epilogue ran on a split vocabulary, the eager loss math's ops; each tile's: the
     # projection, the forward kernel, the merge's two all-reduces, sums and finish, the statistics' scatter
     # into the call's rows, and in the backward the projection, the gradient kernel and the two GEMMs)
     assert many <= 141 and few <= 94 and (many - few) / 3 <= 16, results[0]["launches"]
+    # every token counted: the merge writes each tile's statistics in place (no scatter: 4 index_put_ and the
+    # ids' 2 gathers a tile fewer)
+    assert many_all <= 92 and few_all <= 66 and (many_all - few_all) / 3 <= 12, results[0]["launches"]

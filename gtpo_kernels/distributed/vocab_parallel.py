@@ -89,7 +89,7 @@ def block_bytes_per_token(itemsize=4):
 
 
 def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, softcap=None, sizes=None, id_start=0,
-               nan_flagged=False):
+               nan_flagged=False, outs=None):
     """The forward pass on this rank's slice, merged over the group -> (logp, H, stats, flags) per
     token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics).
     scale, softcap: the tile's transforms (spec 11), applied by the kernel to this slice; temperature: a
@@ -98,14 +98,25 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     gathered and merged in global block order (vp_blocks: bitwise the single-process outputs), else
     (or None) the 32-byte all-reduce merge below. id_start: ids_loc - id_start are this slice's ids (the
     kernels subtract it as they read an id: no launch for the slice's ids). nan_flagged: logp and H NaN at a
-    flagged counted token (the finish kernel writes them so)."""
+    flagged counted token (the finish kernel writes them so). outs: the four outputs written into these
+    tensors (the finish kernel's own stores on the Triton backend), which are returned."""
     if sizes is not None and vocab_block.aligned(sizes):
-        logp, ent, stats, bad = vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap,
-                                          id_start)
-        return (*vp_merge.nan_at_flags(logp, ent, bad), stats, bad) if nan_flagged else (logp, ent, stats, bad)
+        res = vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap, id_start)
+        res = (*vp_merge.nan_at_flags(*res[:2], res[3]), *res[2:]) if nan_flagged else res
+        return res if outs is None else _into(outs, res)
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
     vec, M = vp_sums(b, ids_loc, temperature, backend, group, scale, softcap, id_start)
-    return vp_merge.select(backend).finish(vec, M, b.ids, _counted(b, backend), V_global, nan_flagged)
+    if backend == "triton":
+        return vp_merge.select(backend).finish(vec, M, b.ids, _counted(b, backend), V_global, nan_flagged, outs)
+    res = vp_merge.finish(vec, M, b.ids, _counted(b, backend), V_global, nan_flagged)
+    return res if outs is None else _into(outs, res)
+
+
+def _into(outs, res):
+    """res copied into outs (the same shapes) -> outs."""
+    for out, x in zip(outs, res):
+        out.copy_(x)
+    return tuple(outs)
 
 
 def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id_start=0):

@@ -164,11 +164,16 @@ def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, 
     return vec
 
 
-def finish(vec, M, ids, counted, V, nan_flagged=False):
+def finish(vec, M, ids, counted, V, nan_flagged=False, outs=None):
+    """(logp, H, stats, flags) from the merged sums (_vp_finish_kernel); outs: written into these (contiguous,
+    float32 and int8 flags), else new tensors."""
     n = M.numel()
     dev = M.device
-    logp, ent = torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev)
-    stats, bad = torch.empty((n, 3), dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.int8, device=dev)
+    if outs is not None:
+        logp, ent, stats, bad = outs
+    else:
+        logp, ent = torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev)
+        stats, bad = torch.empty((n, 3), dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.int8, device=dev)
     ids = _flat(ids)
     _vp_finish_kernel[_grid(n)](vec, M, ids, _mask(counted, ids), logp, ent, stats, bad, n, V, BLOCK=BLOCK,
                                 HAS_MASK=counted is not None, NAN_FLAGGED=nan_flagged)

@@ -75,18 +75,23 @@ class Workspace:
             return project(h, self.t.weight, self.t.bias, z)
         return project_blocks(h, self.t.weight, self.t.bias, z)
 
-    def statistics(self, z, idx, outs):
+    def statistics(self, z, idx, outs, span=None):
         """(logp, H, stats, flags) of the tile's rows into `outs` (per flat token); scale and softcap applied
-        inside the kernels."""
+        inside the kernels. span: the tile's tokens are span[0] .. span[1] - 1 (split vocabulary: the merge
+        writes them in place, the tile's ids read as views: no gather or scatter)."""
         o, t = self.o, self.t
         if self.direct:  # one launch: the kernel reads each row's token from idx
             vocab_triton.vocab_fwd(z.unsqueeze(0), t.kernel_ids, None, t.temperature, 0, scale=o.scale,
                                    softcap=o.softcap, outs=outs, rows=idx)
             return
-        for out, x in zip(outs, self._statistics(z, idx)):
-            out[idx] = x
+        at = idx if span is None or o.vp is None else slice(*span)
+        views = None if at is idx else [out[at] for out in outs]
+        res = self._statistics(z, at, views)
+        if views is None:
+            for out, x in zip(outs, res):
+                out[idx] = x
 
-    def _statistics(self, z, idx):
+    def _statistics(self, z, idx, outs=None):
         o, t, ones = self.o, self.t, self.ones[:z.shape[0]]
         tau = tau_of(t.temperature, idx)
         if o.vp is None:
@@ -95,7 +100,7 @@ class Workspace:
         tile = types.SimpleNamespace(logits3=z.unsqueeze(0), counted=ones, mask=None, logits_start=0, V=z.shape[-1],
                                      ids=t.ids[idx])  # the statistics merged over the vocabulary slices (every row counts)
         return parallel.vp_forward(tile, t.kernel_ids[idx], tau, o.backend, o.vp[0], o.vp[1],
-                                   scale=o.scale, softcap=o.softcap, sizes=o.vp[2])
+                                   scale=o.scale, softcap=o.softcap, sizes=o.vp[2], outs=outs)
 
     def gradient(self, z, h, idx, st, en, c, e, grads, at=None, g=None, local=False):
         """dL/dz_raw of the tile written over z (the kernel's chain rule), then dL/dh, dL/dW, dL/db. st, en,
@@ -181,7 +186,7 @@ def forward_tiles(opts, t, need, epi_args=None):
         idx = rows[k.s:k.e]
         h = ws.rows(idx, (k.s, k.e) if rows.numel() == N and live is None else None)
         z = ws.project(h)
-        ws.statistics(z, idx, (logp, ent, stats, bad))
+        ws.statistics(z, idx, (logp, ent, stats, bad), (k.s, k.e) if rows.numel() == N and live is None else None)
         if opts.fused:  # this tile's coefficients from its own tokens and completions
             if epi is not None:  # the epilogue on the tile's completions (the batch's totals from the mask)
                 run_epilogue(opts, t, epi_args, logp, ent, bad, epi, k.g0, k.g1 + 1)
