@@ -85,7 +85,6 @@ def _vocab_scenarios(rank, world, bad):
         "rollout_weights_differ": (lambda: loss(rollout_is_weights=bumped(torch.ones(N), 7)),
                                    "disagree on rollout_is_weights"),
         "rollout_logps_differ": (lambda: loss(rollout_logps=bumped(old, 3)), "disagree on rollout_logps"),
-        # per completion: compared as given, every completion's (not spread on the tokens)
         "rollout_weights_per_completion_differ": (lambda: loss(rollout_is_weights=bumped(torch.ones(4, 1), 2)),
                                                   "disagree on rollout_is_weights"),
         "eps_high_differs": (lambda: loss(GTPOConfig.preset("grpo", eps_high=odd(0.28, 0.2))), "disagree on the options"),

@@ -96,6 +96,16 @@ def _scenarios(rank, bad):
                                     "rollout_is_weights must be >= 0 and finite at counted positions"),
         "rollout_weight_nan_masked_out": (lambda: loss(rollout_is_weights=_edit(torch.ones(B, T), (3, 4), nan, me)),
                                           None),
+        # the same weights in another form, or different only where nothing is counted: no disagreement
+        "rollout_seq_differs_at_a_masked_completion": (lambda: loss(m=_edit(mask, 2, 0, True), rollout_is_weights=_edit(
+            torch.ones(B, 1), 2, 3.0, me)), None),
+        "rollout_seq_and_token_forms": (lambda: loss(rollout_is_weights=torch.full((B, 1), 0.5) if me else
+                                                     torch.full((B, T), 0.5)), None),
+        "rollout_b_and_b1_at_t1": (lambda: float(gtpo_loss(xs[:, :1], ids[:, :1], adv, _edit(mask[:, :1], 2, 0, True),
+                                                           group_size=2, old_logps=old[:, :1], config="grpo",
+                                                           backend="triton", process_group=pg, rollout_is_weights=(
+                                                               torch.full((B,), 0.5) if me else torch.full((B, 1), 0.5))
+                                                           ).loss), None),
         "id_negative_masked_out": (lambda: loss(i=_edit(ids, (3, 4), -3, me)), None),
         "mask_value_2": (lambda: loss(m=_edit(mask, (2, 2), 2, me)), "completion_mask must hold only 0 and 1"),
         # two checks fail: the first made (the mask's, in the tokens' preparation) is the one named
@@ -150,6 +160,7 @@ def test_a_bad_value_on_one_rank_makes_every_rank_raise_the_check_s_error(result
         outs = [res[key] for res in results]
         if first["expect"] is None or first["expect"] is True:  # no error: the clean call's loss, or all NaN
             assert all("value" in o for o in outs), (key, outs)
+            assert all(o["value"] == first["value"] for o in outs), (key, outs)  # the same on every rank
             if key.startswith(("old_logps_nan", "id_negative_masked")):
                 assert all(o["value"] == clean[0] for o in outs), (key, outs)
             assert first["expect"] is None or all(o["value"] is True for o in outs), (key, outs)

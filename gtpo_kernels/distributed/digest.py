@@ -154,15 +154,14 @@ _MAX_SEQLEN_AT = 1 << 40  # the position of max_seqlen's word in the cu_seqlens 
 
 def input_digests(b):
     """The checksums of INPUTS for a Batch, in that order (Digest fields, or _ABSENT); nothing is launched
-    before the row is made. cu_seqlens, the advantages and rollout weights per completion as given (every
-    completion's); max_seqlen (None: -1) as the cu_seqlens field's constant word."""
+    before the row is made. cu_seqlens and the advantages as given; max_seqlen (None: -1) as the
+    cu_seqlens field's constant word."""
     cu, given = _ABSENT, b.given or {}
     if given.get("cu_seqlens") is not None:
         cu = Digest("values", _mix_int(-1 if b.max_seqlen is None else b.max_seqlen, _MAX_SEQLEN_AT) & _MASK61,
                     (given["cu_seqlens"], None))
-    per_seq = b.rollout_w_seq is not None  # rollout weights per completion: compared as given (not spread)
-    whole = [given["adv"] if "adv" in given else b.adv, None, None, None, b.n_conf, b.rollout_w_seq, None, None]
-    counted = [None, b.old, b.ref, b.lam, None, None if per_seq else b.rollout_w, b.rollout_logps, b.tau]
+    whole = [given["adv"] if "adv" in given else b.adv, None, None, None, b.n_conf, None, None, None]
+    counted = [None, b.old, b.ref, b.lam, None, b.rollout_w, b.rollout_logps, b.tau]
     out = [cu]
     for x, y in zip(whole, counted):
         if x is not None:
