@@ -25,6 +25,16 @@ START = "forkserver"
 PRELOAD = ["torch", "torch.distributed"]
 
 
+def rel_nan(a, b):
+    """A rank's output against one process's: inf unless NaN stands at the same places, else the largest
+    difference over max(|b|, 1)."""
+    a, b = a.double(), b.double()
+    if not torch.equal(torch.isnan(a), torch.isnan(b)):
+        return float("inf")
+    a, b = torch.nan_to_num(a), torch.nan_to_num(b)
+    return float((a - b).abs().max() / b.abs().clamp(min=1).max()) if a.numel() else 0.0
+
+
 def _rank(rank, world, init_file, out_dir, fn, environ):
     os.environ.clear()
     os.environ.update(environ)

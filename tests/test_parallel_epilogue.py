@@ -10,7 +10,7 @@ own finish runs, `vp_forward`) too."""
 import torch
 import torch.distributed as dist
 
-from gloo import run_ranks
+from gloo import rel_nan as _rel, run_ranks
 from gtpo_kernels import GTPOConfig, gtpo_loss
 
 SIZES = [20, 17]
@@ -42,14 +42,6 @@ def _case(packed):
     cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])
     return (x.reshape(B * T, V)[keep], ids.reshape(-1)[keep], None, adv, old.reshape(-1)[keep],
             dict(cu_seqlens=cu, max_seqlen=T))
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    if not torch.equal(torch.isnan(a), torch.isnan(b)):
-        return float("inf")
-    a, b = torch.nan_to_num(a), torch.nan_to_num(b)
-    return float((a - b).abs().max() / b.abs().clamp(min=1).max()) if a.numel() else 0.0
 
 
 def _call(x, ids, adv, mask, old, cfg, kw, **more):

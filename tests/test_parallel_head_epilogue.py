@@ -12,7 +12,7 @@ statistics in place."""
 import torch
 import torch.distributed as dist
 
-from gloo import run_ranks
+from gloo import rel_nan as _rel, run_ranks
 from gtpo_kernels import GTPOConfig, linear_gtpo_loss
 
 SIZES = [20, 17]
@@ -37,14 +37,6 @@ def _data():
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     old = -torch.rand(B, T, generator=g) * 3 - 1.5
     return h, w, ids, mask, adv, old
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    if not torch.equal(torch.isnan(a), torch.isnan(b)):
-        return float("inf")
-    a, b = torch.nan_to_num(a), torch.nan_to_num(b)
-    return float((a - b).abs().max() / b.abs().clamp(min=1).max()) if a.numel() else 0.0
 
 
 def _call(h, w, ids, mask, adv, old, cfg, schedule, budget, packed, **kw):

@@ -1,7 +1,15 @@
 """The per-token flags the forward pass writes (Triton kernel, torch path and vocabulary-parallel merge
 alike), defined once, below both the kernels and the checks that report them."""
+import torch
 
 BAD_NONFINITE = 1  # NaN or +inf in the counted row
 BAD_TARGET_NEG_INF = 2  # the target's own logit is -inf
 BAD_ID = 4  # id outside [0, V) (never read)
 BAD_RULE = 8  # a truncation rule (top_k, top_p, min_p) of the token out of its range (unvalidated)
+
+
+def nan_at_flags(logp, ent, bad):
+    """logp and H NaN where the flags are set (a flagged token's outputs: never a finite wrong number)."""
+    invalid = bad != 0
+    nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
+    return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent)

@@ -78,29 +78,30 @@ class deferred:
             fail_if(self.g, None, raise_first)
 
 
-def _raised(error, passed=RuntimeError("a deferred check flagged this rank on the device, but its host check "
-                                       "passed")):
-    """`error` as an exception: a callable runs (it raises the error that names the position; `passed` if
-    it does not)."""
+def _raised(error):
+    """`error` as an exception (a callable runs: it raises the error that names the position), or None
+    where the callable raises nothing."""
     if isinstance(error, BaseException):
         return error
     try:
         error()
     except Exception as e:  # noqa: BLE001 - the check's own error, whatever its kind
         return e
-    return passed
+    return None
 
 
 def _first_failed(later):
     """The error of the first of g.later that failed (bad None: its host form, run, says)."""
     for bad, error in later:
-        if bad is None:
-            err = _raised(error, None)
-            if err is not None:
-                return err
-        elif bool(bad):
-            return _raised(error)
-    return _raised(lambda: None)
+        if bad is None or bool(bad):
+            err = _raised(error)
+            if err is not None or bad is not None:
+                return err or _passed()
+    return _passed()
+
+
+def _passed():
+    return RuntimeError("a deferred check flagged this rank on the device, but its host check passed")
 
 
 def _kind(err):

@@ -230,6 +230,7 @@ def write_row(fields, row, row_checks=()):
     (core.host_read.RowCheck): their predicates formed in the same launch, a failing one setting the row's
     error flag (row[0] = 1, a ValueError): on the term of the same tensor where a checksum reads it, else a
     term of their own; by their torch forms where the kernels do not run."""
+    from ..kernels import digest_triton
     jobs, tokens, after = [], None, []
     for i, f in enumerate(fields):
         if not isinstance(f, Digest) or f.kind == "filled":
@@ -249,14 +250,13 @@ def write_row(fields, row, row_checks=()):
         if not kernels_on(row.device, [c.x] + ([] if c.where is None else [c.where])):
             row[:1].masked_fill_(c.torch_bad().any().to(row.device).reshape(1), 1)
             continue
-        same = c.kind in ("finite", "binary") and next((j for j in jobs if j[4] is None and j[5] is None and _same(j[1], c.x)
+        same = c.kind not in digest_triton.BOUNDED and next((j for j in jobs if j[4] is None and j[5] is None and _same(j[1], c.x)
                                            and _same(j[2], c.where)), None)
         if same:
             same[5] = c
         else:
             jobs.append([0, c.x, c.where, 0, None, c])
     if jobs or tokens is not None:
-        from ..kernels import digest_triton
         digest_triton.row_terms(row, [tuple(j) for j in jobs], tokens)
         for slot, t, _, size, pos, _ in after:
             digest_triton.terms(row, slot, t, None, size, pos)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import checks, vocab_block
+from ..core.flags import nan_at_flags
 from ..kernels import dispatch, ops, vp_merge
 from . import agree, digest
 
@@ -102,7 +103,7 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     tensors (the finish kernel's own stores on the Triton backend), which are returned."""
     if sizes is not None and vocab_block.aligned(sizes):
         res = vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap, id_start)
-        res = (*vp_merge.nan_at_flags(*res[:2], res[3]), *res[2:]) if nan_flagged else res
+        res = (*nan_at_flags(*res[:2], res[3]), *res[2:]) if nan_flagged else res
         return res if outs is None else _into(outs, res)
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
     vec, M = vp_sums(b, ids_loc, temperature, backend, group, scale, softcap, id_start)

@@ -192,6 +192,7 @@ def _flat_term(x, where):
 
 
 CHECK_BITS = {"finite": 8, "binary": 16, "range": 24, "cu": 32, "cu_max": 40, "atleast": 48}  # _add_term's F bits
+BOUNDED = ("range", "cu", "cu_max", "atleast")  # kinds whose bound V takes the term's size word: a check alone
 V_LIMIT = 1 << 62  # a range check's V = inf, as an int64 bound no id reaches
 
 
@@ -210,7 +211,7 @@ def row_terms(row, jobs, tokens=None):
                 f = int(flat.dtype.is_floating_point) | 2 * (where is not None) | 4 * (pos is not None)
                 if check is not None:
                     f |= CHECK_BITS[check.kind] | (64 if slot == 0 else 0)
-                    if check.kind in ("range", "cu", "cu_max", "atleast"):
+                    if check.kind in BOUNDED:
                         size_term = V_LIMIT if check.V == float("inf") else int(check.V)
                 args += [flat, w, flat.numel(), size_term, 0 if pos is None else pos, slot]
                 flags[f"F{k}"] = f

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
+from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, nan_at_flags
 
 
 def select(backend):
@@ -93,9 +93,3 @@ def finish(vec, M, ids, counted, V, nan_flagged=False):
     if nan_flagged:
         logp, ent = nan_at_flags(logp, ent, bad)
     return logp, ent, torch.stack([M_safe, torch.where(counted, log_s, zero), q], 1), bad
-
-
-def nan_at_flags(logp, ent, bad):
-    """logp and H NaN where the flags are set."""
-    nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
-    return torch.where(bad != 0, nan, logp), torch.where(bad != 0, nan, ent)

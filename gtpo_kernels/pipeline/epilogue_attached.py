@@ -37,16 +37,16 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
         temperature = ops.tau_arg(cfg.temperature if tau is None else tau, b.logits3, backend)  # (a number: by value)
         # (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
         if vp.blockwise or (cfg.top_entropy_on and not cfg.batch_term):  # (the top-entropy key reads H first)
-            fwd = parallel.vp_forward(b, b.ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes,
-                                      id_start=vp.start)
+            ids = b.ids
+            fwd = parallel.vp_forward(b, ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes, id_start=vp.start)
         else:  # the merged sums, finished by the epilogue kernel (no launch of the merge's finish); the ids as
-            # given (the epilogue kernel flags every token of a malformed cu_seqlens itself)
-            fwd = parallel.vp_sums(b, b.given["ids"], temperature, backend, vp.group, id_start=vp.start)
+            ids = b.given["ids"]  # given (the epilogue kernel flags every token of a malformed cu_seqlens itself)
+            fwd = parallel.vp_sums(b, ids, temperature, backend, vp.group, id_start=vp.start)
     by_value = isinstance(temperature, float)
     floats, flags = epilogue.arguments(b, cfg, num_items, temperature if by_value else 1.0, False, not by_value)
     mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = epilogue.tensors(b, cfg)
     # the epilogue in the op whose backward is the vocabulary kernel on this slice (its value is the loss itself)
-    outs = loss_ops.fused_loss(b.logits3, b.given["ids"] if len(fwd) == 2 else b.ids, mask, cu, adv, old, ref, lam, n_conf,
+    outs = loss_ops.fused_loss(b.logits3, ids, mask, cu, adv, old, ref, lam, n_conf,
                                num_items if isinstance(num_items, torch.Tensor) else None,
                                None if by_value else temperature, floats, flags, b.logits_start, b.B, roll, rw, hp,
                                u, [None] * 3, [float("nan")] * 3, list(fwd), inplace, 0, vp.start, vp.V)

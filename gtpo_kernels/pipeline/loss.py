@@ -9,6 +9,7 @@ import torch
 
 from ..core import checks
 from ..core.config import is_zero
+from ..core.flags import nan_at_flags
 from ..core.layout import float_dtype_for
 from ..core.output import GTPOOutput
 from ..distributed import agree
@@ -170,9 +171,7 @@ def forward(b, temperature, backend, host, vp=None):
                                           b.logits_start, backend=backend)
     if host:
         checks.raise_on_flags(bad, b.tok_shape)
-    invalid = bad != 0
-    nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
-    return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats, bad
+    return (*nan_at_flags(logp, ent, bad), stats, bad)
 
 
 def call_temperature(temperature, b, dtype, validate, in_kernels=False, spread=True):

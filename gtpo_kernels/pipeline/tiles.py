@@ -18,6 +18,7 @@ import types
 
 import torch
 
+from ..core.flags import nan_at_flags
 from ..core.layout import Batch, float_dtype_for
 from ..distributed import vocab_parallel as parallel
 from ..kernels import dispatch, loss_ops, vocab_triton
@@ -208,9 +209,7 @@ def forward_tiles(opts, t, need, epi_args=None):
     if epi is not None:
         run_epilogue(opts, t, epi_args, logp, ent, bad, epi)
         return logp, ent, stats, bad, grads, epi
-    invalid = bad != 0
-    nan = torch.full((), float("nan"), dtype=acc, device=dev)
-    return torch.where(invalid, nan, logp), torch.where(invalid, nan, ent), stats, bad, grads, None
+    return (*nan_at_flags(logp, ent, bad), stats, bad, grads, None)
 
 
 def run_epilogue(opts, t, epi_args, logp, ent, bad, outs, g_lo=0, g_hi=None):
