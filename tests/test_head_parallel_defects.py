@@ -81,16 +81,17 @@ def _scenarios(rank, world):
 
     # an empty slice on rank 1 (rank 0 holds the whole vocabulary)
     sl = slice(0, V) if rank == 0 else slice(V, V)
-    kw = dict(group_size=2, config=GTPOConfig.preset("grpo"), memory_budget=budget, backend="torch")
-    for schedule in ("fused", "recompute"):
+    # (the Triton kernels read and write the tile's tokens in the call's tensors on a slice too, an empty one included)
+    for backend, schedule in (("torch", "fused"), ("torch", "recompute"), ("triton", "fused"), ("triton", "recompute")):
+        kw = dict(group_size=2, config=GTPOConfig.preset("grpo"), memory_budget=budget, backend=backend)
         w1 = w.clone().requires_grad_()
         one = linear_gtpo_loss(h, w1, ids, adv, schedule=schedule, **kw)
         one.loss.backward()
         wp = w[sl].clone().requires_grad_()
-        progress(f"empty slice {schedule}")
+        progress(f"empty slice {backend} {schedule}")
         out = linear_gtpo_loss(h, wp, ids, adv, schedule=schedule, process_group=group, **kw)
         out.loss.backward()
-        res[f"empty slice {schedule}"] = {
+        res[f"empty slice {backend} {schedule}"] = {
             "loss": _rel(out.loss, one.loss), "logps": _rel(out.logps, one.logps),
             "grad weight": _grad_rel(wp.grad, w1.grad) if rank == 0 else float(wp.grad.shape != (0, D))}
     return res

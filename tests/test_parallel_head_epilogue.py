@@ -3,12 +3,12 @@ pipeline/head_ops.uses_epilogue): the tiles' statistics are merged over the rank
 runs it on the same numbers. On 2 gloo ranks (V = 37 split 20 / 17), the Triton backend under the
 interpreter, against one process on the whole head: several policy terms (the PPO clip with a KL term,
 dapo's token-mean, clip_cov with its two epilogue launches, the entropy filter), both schedules (fused:
-the gradient formed in the forward, tile by tile; recompute), padded and packed; loss, logps, entropy and
-metrics within 1e-5 and each rank's gradient its slice of one process's (the hidden states' summed over the
-ranks, as Megatron does). A NaN in one rank's rows of the head gives the same error on every rank,
-validated, and NaN at every token it reaches, unvalidated. The launches of a call (recompute schedule, 7 and
-4 tiles): the loss math once, the rest each tile's; with every token counted the merge writes each tile's
-statistics in place."""
+the gradient formed in the forward, tile by tile; recompute) with tiles that cut the completions, padded and
+packed, masked or not; loss, logps, entropy and metrics within 1e-5 and each rank's gradient its slice of one
+process's (the hidden states' summed over the ranks, as Megatron does). A NaN in one rank's rows of the head
+gives the same error on every rank, validated, and NaN at every token it reaches, unvalidated. The launches of
+a call at two tile sizes, both schedules, masked or not: the loss math once per call (and on each fused tile),
+at most 10 launches a tile (spec 11): the kernels read and write the tile's tokens in the call's tensors."""
 import torch
 import torch.distributed as dist
 
@@ -23,7 +23,17 @@ CONFIGS = {
     "clip-cov": GTPOConfig.preset("clip-cov", clip_cov_ratio=0.2),
     "gtpo-filter": GTPOConfig(entropy_threshold=3.0, entropy_coef=0.01),
 }
-SCHEDULES = (("auto", None), ("recompute", 2 * 20 * 4 * 3))  # (auto: fused where it may; recompute: 3 rows a tile)
+ROWS3 = 2 * 20 * 4 * 3  # a memory budget of 3 rows a tile (tiles cut the completions)
+# (name, config, schedule, budget, packed, masked): auto (fused where it may, one tile here), fused and
+# recompute with tiles of 3 rows, padded and packed; every token counted: the recompute tiles' tokens in order
+# (the merge writes them in place), the fused tiles' in the plan's order
+CASES = [("grpo-kl", "auto", None, False, True), ("grpo-kl", "fused", ROWS3, False, True),
+         ("dapo", "auto", None, False, True), ("dapo", "recompute", ROWS3, False, True),
+         ("dapo", "fused", ROWS3, True, True), ("dapo", "recompute", ROWS3, True, True),
+         ("clip-cov", "recompute", ROWS3, False, True), ("clip-cov", "auto", None, False, True),
+         ("gtpo-filter", "fused", 2 * 20 * 4 * 10, False, True), ("gtpo-filter", "auto", None, True, True),
+         ("gtpo-filter", "recompute", ROWS3, True, True),
+         ("dapo", "recompute", ROWS3, False, False), ("dapo", "fused", ROWS3, False, False)]
 
 
 def _data():
@@ -57,12 +67,8 @@ def _ranks(rank, world):
     h, w, ids, mask, adv, old = _data()
     sl = slice(sum(SIZES[:rank]), sum(SIZES[:rank + 1]))
     pg, errs = dist.group.WORLD, {}
-    cases = [(name, cfg, schedule, budget, packed, mask) for name, cfg in CONFIGS.items()
-             for schedule, budget in SCHEDULES for packed in ((False, True) if name in ("dapo", "gtpo-filter")
-                                                              else (False,))]
-    # every token counted: the recompute tiles' tokens in order, the merge writes them in place
-    cases += [("dapo-unmasked", CONFIGS["dapo"], "recompute", 2 * 20 * 4 * 3, False, None)]
-    for name, cfg, schedule, budget, packed, m in cases:
+    for name, schedule, budget, packed, masked in CASES:
+        cfg, m = CONFIGS[name], mask if masked else None
         h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
         one = _call(h1, w1, ids, m, adv, old, cfg, schedule, budget, packed)
         one.loss.backward()
@@ -71,7 +77,7 @@ def _ranks(rank, world):
         out.loss.backward()
         dh = hp.grad.clone()
         dist.all_reduce(dh)  # (each rank's slice contributes to the hidden states' gradient)
-        errs[f"{name}/{schedule}/{'packed' if packed else 'padded'}"] = dict(
+        errs[f"{name}/{schedule}/{'packed' if packed else 'padded'}{'' if masked else '/unmasked'}"] = dict(
             loss=_rel(out.loss.detach(), one.loss.detach()), logps=_rel(out.logps, one.logps),
             entropy=_rel(out.entropy, one.entropy), grad_w=_rel(wp.grad, w1.grad[sl]),
             grad_h=_rel(dh, h1.grad), metrics=max(_rel(out.metrics[k], one.metrics[k]) for k in one.metrics),
@@ -87,14 +93,18 @@ def _ranks(rank, world):
     out = _call(h, nan_w, ids, mask, adv, old, CONFIGS["dapo"], "recompute", None, False, process_group=pg,
                 validate=False)
     errs["nan/unvalidated"] = bool(out.loss.isnan() and out.logps[mask].isnan().all())
-    launches = []
-    for m in (mask, None):
-        for budget in (2 * 20 * 4 * 3, 2 * 20 * 4 * 6):  # more tiles, then fewer
-            wp = w[sl].clone().requires_grad_()
-            with counting() as c:
-                _call(h, wp, ids, m, adv, old, CONFIGS["dapo"], "recompute", budget, False,
-                      process_group=pg).loss.backward()
-            launches.append(c.launches)
+    launches = {}
+    for schedule in ("recompute", "fused"):
+        for masked in (True, False):
+            for budget in ((ROWS3, 2 * ROWS3) if schedule == "recompute" else (2 * ROWS3, 4 * ROWS3)):  # more tiles, fewer
+                wp = w[sl].clone().requires_grad_()
+                with counting() as c:
+                    _call(h, wp, ids, mask if masked else None, adv, old, CONFIGS["dapo"], schedule, budget, False,
+                          process_group=pg).loss.backward()
+                k = c.triton_names  # a forward tile is one forward kernel; a backward tile one gradient kernel
+                tiles = k["_vocab_fwd_kernel"] + (k["_vocab_bwd_kernel"] if schedule == "recompute" else 0)
+                launches[f"{schedule}/{'masked' if masked else 'all'}/{budget // ROWS3 * 3}"] = (
+                    c.launches, tiles, k["_epilogue_kernel"])
     errs["launches"] = launches
     return errs
 
@@ -112,11 +122,20 @@ def test_the_head_on_a_split_vocabulary_runs_the_epilogue_and_equals_one_process
         assert "contains NaN or +inf" in res["nan/validated"], res["nan/validated"]
         assert res["nan/unvalidated"] is True
     assert results[0]["nan/validated"] == results[1]["nan/validated"]
-    many, few, many_all, few_all = results[0]["launches"]  # 7 tiles of 3 rows, 4 of 6; masked, then every token counted
-    # (236 for the first before the epilogue ran on a split vocabulary, the eager loss math's ops; each tile's: the
-    # projection, the forward kernel, the merge's two all-reduces, sums and finish, the statistics' scatter
-    # into the call's rows, and in the backward the projection, the gradient kernel and the two GEMMs)
-    assert many <= 141 and few <= 94 and (many - few) / 3 <= 16, results[0]["launches"]
-    # every token counted: the merge writes each tile's statistics in place (no scatter: 4 index_put_ and the
-    # ids' 2 gathers a tile fewer)
-    assert many_all <= 92 and few_all <= 66 and (many_all - few_all) / 3 <= 12, results[0]["launches"]
+    n = results[0]["launches"]  # {schedule/masked or all/rows a tile: (launches, tiles, epilogue launches)}
+    for (schedule, masked), bound in BOUNDS.items():
+        (more, t1, e1), (fewer, t2, e2) = [v for k, v in n.items() if k.startswith(f"{schedule}/{masked}/")]
+        assert t1 > t2, n
+        # the loss math once per call, and on each fused tile for its own completions
+        assert (e1, e2) == ((1, 1) if schedule == "recompute" else (t1 + 1, t2 + 1)), n
+        assert more - fewer <= 10 * (t1 - t2) and more <= bound, (schedule, masked, n)  # <= 10 launches a tile
+
+
+# today's counts with the more tiles (python -m pytest tests/test_parallel_head_epilogue.py): each tile's launches
+# are the projection, the forward kernel, the merge's two all-reduces, its sums and finish kernels (which read
+# and write the tile's tokens in the call's tensors), the gradient kernel (reading them there too) and the
+# weight gradient's GEMM; a fused tile runs the epilogue on its completions too, a masked or recompute tile
+# gathers its hidden rows. (Before the kernels read and wrote at the tile's rows, the statistics were scattered
+# into the call's rows and the tile's ids and per-token inputs gathered: 141 / 92 / 118 / 118 launches, about
+# 12 a recompute tile masked and 20 a fused tile; 236 for the first before the epilogue ran on a split vocabulary)
+BOUNDS = {("recompute", "masked"): 85, ("recompute", "all"): 78, ("fused", "masked"): 77, ("fused", "all"): 77}

@@ -53,16 +53,18 @@ def _scenarios(rank, world):
     h = torch.randn(B, T, D, generator=g)
     w = torch.randn(V, D, generator=g) * 0.8
     for backend in ("torch", "triton"):  # the LM head: each rank holds its slice of the head's rows
-        for schedule in ("fused", "recompute"):
+        # several tiles (of 10 rows fused, 3 recompute, on the larger slice): a tile's rows are not its tokens
+        for schedule, rows in (("fused", 10), ("recompute", 3)):
             key = f"head/{backend}/{schedule}"
             progress(key)
             h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
             one = linear_gtpo_loss(h1, w1, ids, adv, group_size=2, old_logps=old, temperature=tau, config=cfg,
-                                   schedule=schedule, backend=backend)
+                                   schedule=schedule, backend=backend, memory_budget=2 * max(SPLIT) * 4 * rows)
             one.loss.backward()
             hp, wp = h.clone().requires_grad_(), w[sl].clone().requires_grad_()
             out = linear_gtpo_loss(hp, wp, ids, adv, group_size=2, old_logps=old, temperature=tau, config=cfg,
-                                   schedule=schedule, backend=backend, process_group=dist.group.WORLD)
+                                   schedule=schedule, backend=backend, process_group=dist.group.WORLD,
+                                   memory_budget=2 * max(SPLIT) * 4 * rows)
             out.loss.backward()
             dh = hp.grad.clone()
             dist.all_reduce(dh)  # hidden's gradient: each rank's slice contributes (Megatron sums it)

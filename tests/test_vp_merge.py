@@ -96,11 +96,12 @@ from bench.aot.compiler import _compile_ahead
 from gtpo_kernels.kernels import vp_merge_triton as M, digest_triton as D
 i64, i8, f32 = torch.int64, torch.int8, torch.float32
 for arch in (90, 80, 100):
-    meta = dict(BLOCK=256, num_warps=4)
-    assert _compile_ahead(M._vp_sums_kernel, arch, dict(bad_ptr=i8, ids_ptr=i64, counted_ptr=torch.bool), f32,
-                          dict(n=32768, V_local=75968, tau_stride=1, id_start=75968), meta).asm.get("ptx")
-    assert _compile_ahead(M._vp_finish_kernel, arch, dict(bad_out=i8, ids_ptr=i64, counted_ptr=torch.bool), f32,
-                          dict(n=32768, V=151936), meta).asm.get("ptx")
+    meta = dict(BLOCK=256, num_warps=4, ROWS=arch != 80)  # (ROWS: the LM head's tile, at its tokens)
+    assert _compile_ahead(M._vp_sums_kernel, arch, dict(bad_ptr=i8, ids_ptr=i64, counted_ptr=torch.bool,
+                          rows_ptr=i64), f32, dict(n=32768, V_local=75968, tau_stride=1, id_start=75968),
+                          meta).asm.get("ptx")
+    assert _compile_ahead(M._vp_finish_kernel, arch, dict(bad_out=i8, ids_ptr=i64, counted_ptr=torch.bool,
+                          rows_ptr=i64), f32, dict(n=32768, V=151936), meta).asm.get("ptx")
     for dt, fp in ((torch.bfloat16, True), (i64, False)):
         assert _compile_ahead(D._terms_kernel, arch, dict(x_ptr=dt, where_ptr=torch.bool, out_ptr=i64), f32,
                               dict(n=32768, size_term=1 << 60, pos=3),
@@ -121,6 +122,12 @@ assert _compile_ahead(F._vocab_fwd_kernel, 90, dict(logits_ptr=torch.bfloat16, i
                       logits_start=0, temp_ptr=0.7, temp_stride=0, scale=1.0, softcap=0.0, NB=1, id_start=75968),
                       dict(HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_V=fwd_block_v(151936), TEMP_BY_VALUE=True,
                            VP_MAX=True, num_warps=8)).asm.get("ptx")
+# the LM head's tile of a slice: inputs at each row's token, the slice's statistics and maximum at the row
+assert _compile_ahead(F._vocab_fwd_kernel, 90, dict(logits_ptr=torch.bfloat16, ids_ptr=i64, mask_ptr=torch.bool,
+                      bad_ptr=i8, max_ptr=f32, rows_ptr=i64), f32, dict(stride_lb=75968 * 512, stride_lt=75968,
+                      T=512, V=75968, logits_start=0, temp_stride=1, scale=1.0, softcap=0.0, NB=1, id_start=0),
+                      dict(HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_V=fwd_block_v(151936), HAS_MASK=False,
+                           VP_MAX=True, ROWS=True, OUT_AT_ROW=True, num_warps=8)).asm.get("ptx")
 print("compiled")
 '''
 

@@ -90,7 +90,7 @@ def block_bytes_per_token(itemsize=4):
 
 
 def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, softcap=None, sizes=None, id_start=0,
-               nan_flagged=False, outs=None):
+               nan_flagged=False, outs=None, rows=None):
     """The forward pass on this rank's slice, merged over the group -> (logp, H, stats, flags) per
     token as ops.vocab_fwd returns them for the whole vocabulary (flags from the merged statistics).
     scale, softcap: the tile's transforms (spec 11), applied by the kernel to this slice; temperature: a
@@ -100,15 +100,21 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     (or None) the 32-byte all-reduce merge below. id_start: ids_loc - id_start are this slice's ids (the
     kernels subtract it as they read an id: no launch for the slice's ids). nan_flagged: logp and H NaN at a
     flagged counted token (the finish kernel writes them so). outs: the four outputs written into these
-    tensors (the finish kernel's own stores on the Triton backend), which are returned."""
+    tensors (the finish kernel's own stores on the Triton backend), which are returned. rows (the Triton
+    backend's all-reduce merge; with outs): the token of each row of b.logits3 = (1, rows, V_local), the LM
+    head's tile: ids_loc, b.ids, a per-token temperature and `outs` are the call's, read and written at
+    them by the kernels (no gather or scatter around them)."""
+    if rows is not None and (backend != "triton" or (sizes is not None and vocab_block.aligned(sizes))):
+        raise ValueError("rows: the Triton backend's all-reduce merge only")
     if sizes is not None and vocab_block.aligned(sizes):
         res = vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap, id_start)
         res = (*nan_at_flags(*res[:2], res[3]), *res[2:]) if nan_flagged else res
         return res if outs is None else _into(outs, res)
     backend = dispatch.resolve_backend(backend, b.logits3.device, b.logits3.dtype)
-    vec, M = vp_sums(b, ids_loc, temperature, backend, group, scale, softcap, id_start)
+    vec, M = vp_sums(b, ids_loc, temperature, backend, group, scale, softcap, id_start, rows)
     if backend == "triton":
-        return vp_merge.select(backend).finish(vec, M, b.ids, _counted(b, backend), V_global, nan_flagged, outs)
+        return vp_merge.select(backend).finish(vec, M, b.ids, _counted(b, backend), V_global, nan_flagged, outs,
+                                               **({} if rows is None else dict(rows=rows)))
     res = vp_merge.finish(vec, M, b.ids, _counted(b, backend), V_global, nan_flagged)
     return res if outs is None else _into(outs, res)
 
@@ -120,19 +126,29 @@ def _into(outs, res):
     return tuple(outs)
 
 
-def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id_start=0):
+def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id_start=0, rows=None):
     """vp_forward's all-reduce merge up to its finish (the epilogue kernel may finish it itself): the merged
-    sums (n, 7) and the global row maxima (n,), the same on every rank (backend resolved)."""
+    sums (n, 7) and the global row maxima (n,), the same on every rank (backend resolved). rows: vp_forward's
+    (n = its length)."""
     merge, counted = vp_merge.select(backend), _counted(b, backend)  # (Triton: the sums' and finish's launches)
     # on the Triton backend the forward kernel stores the slice's maximum too (vp_merge.local_max's values)
-    M = torch.empty(ids_loc.numel(), dtype=torch.float32, device=b.logits3.device) if backend == "triton" else None
-    logp_r, ent_r, stats_r, bad_r = dispatch.vocab_fwd(backend, b.logits3.detach(), ids_loc.reshape(-1), counted,
-                                                       ops.tau_arg(temperature, b.logits3, backend), b.logits_start,
-                                                       scale, softcap, id_start, M)
+    n = ids_loc.numel() if rows is None else rows.numel()
+    M = torch.empty(n, dtype=torch.float32, device=b.logits3.device) if backend == "triton" else None
+    tau = ops.tau_arg(temperature, b.logits3, backend)
+    if rows is None:
+        logp_r, ent_r, stats_r, bad_r = dispatch.vocab_fwd(backend, b.logits3.detach(), ids_loc.reshape(-1), counted,
+                                                           tau, b.logits_start, scale, softcap, id_start, M)
+    else:  # the tile's own statistics, each row's id, mask and tau read at its token
+        from ..kernels import vocab_triton
+        dispatch.check_transforms(scale, softcap)
+        logp_r, ent_r, stats_r, bad_r = vocab_triton.vocab_fwd(
+            b.logits3.detach(), ids_loc.reshape(-1), counted, tau, b.logits_start, scale, softcap, rows=rows,
+            local_max=M, id_start=id_start, out_at_row=True)
     if M is None:
         M = merge.local_max(stats_r, ent_r, bad_r, b.V)
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
-    vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, b.V, id_start)
+    vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, b.V, id_start,
+                           **({} if rows is None else dict(rows=rows)))
     dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
     return vec, M
 

@@ -131,7 +131,7 @@ def _epilogue_kernel(
             inb = o < end
             m = _counted(mask_ptr, o, inb, HAS_MASK)
             if VP:  # logp_ptr, ent_ptr: a vocabulary split's merged sums and maxima; bad_ptr, stats_out: written
-                lp, en, bad = _finish_at(logp_ptr, ent_ptr, ids_ptr, stats_out, bad_ptr, o, inb, m, V_all)
+                lp, en, bad = _finish_at(logp_ptr, ent_ptr, ids_ptr, stats_out, bad_ptr, o, o, inb, m, V_all)
             else:
                 lp, en = tl.load(logp_ptr + o, mask=inb, other=0.0), tl.load(ent_ptr + o, mask=inb, other=0.0)
                 bad = tl.load(bad_ptr + o, mask=inb, other=0)

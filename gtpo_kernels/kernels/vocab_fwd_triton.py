@@ -208,12 +208,15 @@ def _vocab_fwd_kernel(
     max_ptr=None,  # VP_MAX: (n,) float32, the slice's row maximum where it adds to the merge, else -inf
     VP_MAX: tl.constexpr = False,  # vocabulary-parallel: store it (vp_merge_triton._live_max: no launch of its own)
     id_start=0,  # the vocabulary entry of the slice's column 0: the token's target is ids[tok] - id_start
+    OUT_AT_ROW: tl.constexpr = False,  # ROWS: the outputs (and max_ptr) at row p, the tile's own buffers (a
+    # vocabulary slice's statistics, merged over the ranks tile by tile), the inputs still at token rows_ptr[p]
 ):
     pid = tl.program_id(0).to(tl.int64)  # int64: B*T*V passes 2**31 at real sizes
     if ROWS:
         tok = tl.load(rows_ptr + pid).to(tl.int64)
     else:
         tok = pid
+    at = pid if OUT_AT_ROW else tok  # where the outputs go
     if TEMP_PER_SEQ == 1:
         seq = pid // T
     elif TEMP_PER_SEQ == 2:
@@ -270,9 +273,9 @@ def _vocab_fwd_kernel(
         if NAN_FLAGGED:
             logp = tl.where(bad != 0, float("nan"), logp)
             ent = tl.where(bad != 0, float("nan"), ent)
-        _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad)
+        _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, at, logp, ent, m, log_s, q, bad)
         if VP_MAX:
-            tl.store(max_ptr + tok, _live_max(m, log_s, ent, bad, V))
+            tl.store(max_ptr + at, _live_max(m, log_s, ent, bad, V))
         if HAS_STATUS:
             _fold_status(status_ptr, work_ptr, bad, mask_ptr, tok, cu_ptr, n_seq, max_seqlen, MASK_VALUES, CU_CHECK)
 

@@ -82,7 +82,8 @@ def temperature_arg(temperature, device, n):
 
 
 def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, outs=None,
-              nan_flagged=False, rows=None, keep=None, local_max=None, id_start=0, tau_seq=0, cu=None):
+              nan_flagged=False, rows=None, keep=None, local_max=None, id_start=0, tau_seq=0, cu=None,
+              out_at_row=False):
     """logits3 (B, T_l, V) with stride(2) == 1, the raw z; ids (B*T,) int; counted (B*T,) bool.
     Returns float32 logp, entropy (B*T,), stats (B*T, 3) = (row max m, log S, q = 1 - p_y) for the
     backward, and int8 flags (0 = fine), all of the transformed z' (scale, softcap: see vocab_jit).
@@ -93,18 +94,20 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     keep: (t_s, t_id) (n,), each token's kept set (kept_rule_triton): the statistics over it. local_max: (n,)
     float32, written with the slice's row maximum for the vocabulary-parallel merge (vp_merge.local_max).
     id_start: the vocabulary entry of logits3's column 0 (a slice): each target is ids - id_start. tau_seq:
-    temperature holds one tau per completion, read at the token's (1: padded) or found in cu (2: packed)."""
+    temperature holds one tau per completion, read at the token's (1: padded) or found in cu (2: packed).
+    out_at_row: with rows, the outputs and local_max are the tile's own (n_rows,): row p's at p."""
     B, T_l, V = logits3.shape
     n = ids.numel()
     T = n // B if B else 0
     dev = logits3.device
     if outs is None:
-        outs = (torch.empty(n, device=dev, dtype=torch.float32), torch.empty(n, device=dev, dtype=torch.float32),
-                torch.empty((n, 3), device=dev, dtype=torch.float32), torch.empty(n, device=dev, dtype=torch.int8))
+        k = rows.numel() if out_at_row else n
+        outs = (torch.empty(k, device=dev, dtype=torch.float32), torch.empty(k, device=dev, dtype=torch.float32),
+                torch.empty((k, 3), device=dev, dtype=torch.float32), torch.empty(k, device=dev, dtype=torch.int8))
     logp, ent, stats, bad = outs
     if n == 0 or (rows is not None and rows.numel() == 0):
         return logp, ent, stats, bad
-    meta = {} if rows is None else dict(rows_ptr=rows, ROWS=True)
+    meta = {} if rows is None else dict(rows_ptr=rows, ROWS=True, OUT_AT_ROW=bool(out_at_row))
     if keep is not None:
         meta.update(keep_s_ptr=keep[0], keep_id_ptr=keep[1], KEEP=True)
     if local_max is not None:

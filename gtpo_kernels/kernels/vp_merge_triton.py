@@ -63,20 +63,31 @@ def _counted(counted_ptr, o, inb, HAS_MASK: tl.constexpr):
     return inb
 
 
+@triton.jit
+def _token_of(rows_ptr, o, inb, ROWS: tl.constexpr):
+    """The token of positions o: rows_ptr[o] (ROWS: the LM head's tile, whose per-token inputs and outputs
+    are the call's), else o."""
+    if ROWS:
+        return tl.load(rows_ptr + o, mask=inb, other=0).to(tl.int64)
+    return o
+
+
 @triton.jit(do_not_specialize=["n", "V_local", "tau_stride", "id_start"])
 def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
                     vec_out, n, V_local, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True,
-                    TEMP_BY_VALUE: tl.constexpr = False, id_start=0):
+                    TEMP_BY_VALUE: tl.constexpr = False, id_start=0, rows_ptr=None, ROWS: tl.constexpr = False):
+    """ROWS: the slice's statistics, M and vec at position o, the ids, mask and tau at token rows_ptr[o]."""
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = o < n
+    tok = _token_of(rows_ptr, o, inb, ROWS)
     m, ls, ent, s, nonfinite, live = _slice(stats_ptr, ent_ptr, bad_ptr, o, inb, V_local)
     M = tl.load(M_ptr + o, mask=inb, other=0.0)
     if TEMP_BY_VALUE:  # tau_ptr is tau itself
         inv_t = 1.0 / tau_ptr
     else:
-        inv_t = 1.0 / tl.load(tau_ptr + o * tau_stride, mask=inb, other=1.0)
-    counted = _counted(counted_ptr, o, inb, HAS_MASK)
-    y = tl.load(ids_ptr + o, mask=inb, other=-1).to(tl.int64) - id_start  # this slice's id
+        inv_t = 1.0 / tl.load(tau_ptr + tok * tau_stride, mask=inb, other=1.0)
+    counted = _counted(counted_ptr, tok, inb, HAS_MASK)
+    y = tl.load(ids_ptr + tok, mask=inb, other=-1).to(tl.int64) - id_start  # this slice's id
     logp = tl.load(logp_ptr + o, mask=inb, other=0.0)
     m_eff = tl.where(live, m, float("-inf"))
     M_safe = tl.where(tl.abs(M) < float("inf"), M, 0.0)
@@ -99,9 +110,10 @@ def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr,
 
 
 @triton.jit
-def _finish_at(vec_ptr, M_ptr, ids_ptr, stats_out, bad_out, o, inb, counted, V):
-    """Tokens o's merged sums (vec, M) -> (logp, H, flags), 0 where not `counted`; stores the flags and the
-    backward's stats (M, log S, q) (the epilogue kernel calls it too, in place of this kernel's launch)."""
+def _finish_at(vec_ptr, M_ptr, ids_ptr, stats_out, bad_out, o, tok, inb, counted, V):
+    """Positions o's merged sums (vec, M) -> (logp, H, flags) of tokens tok (o itself but in the LM head's
+    tile), 0 where not `counted`; stores the flags and the backward's stats (M, log S, q) at tok (the
+    epilogue kernel calls it too, in place of this kernel's launch)."""
     v = vec_ptr + 7 * o
     s = tl.load(v, mask=inb, other=1.0)
     u = tl.load(v + 1, mask=inb, other=0.0)
@@ -113,30 +125,33 @@ def _finish_at(vec_ptr, M_ptr, ids_ptr, stats_out, bad_out, o, inb, counted, V):
     top = tl.load(v + 5, mask=inb, other=0.0) > 0
     q = tl.where(top, r / s, -_expm1(tl.where(top, 0.0, logp)))
     M = tl.load(M_ptr + o, mask=inb, other=0.0)
-    y = tl.load(ids_ptr + o, mask=inb, other=0).to(tl.int64)
+    y = tl.load(ids_ptr + tok, mask=inb, other=0).to(tl.int64)
     bad = tl.where((tl.load(v + 6, mask=inb, other=0.0) > 0) | (M == float("inf")), BAD_NONFINITE, 0)
     bad = bad | tl.where(logp == float("-inf"), BAD_TARGET_NEG_INF, 0)
     bad = tl.where(counted, bad | tl.where((y < 0) | (y >= V), BAD_ID, 0), 0)
-    tl.store(bad_out + o, bad.to(tl.int8), mask=inb)
-    tl.store(stats_out + 3 * o, tl.where(tl.abs(M) < float("inf"), M, 0.0), mask=inb)
-    tl.store(stats_out + 3 * o + 1, tl.where(counted, log_s, 0.0), mask=inb)
-    tl.store(stats_out + 3 * o + 2, tl.where(counted, q, 0.0), mask=inb)
+    tl.store(bad_out + tok, bad.to(tl.int8), mask=inb)
+    tl.store(stats_out + 3 * tok, tl.where(tl.abs(M) < float("inf"), M, 0.0), mask=inb)
+    tl.store(stats_out + 3 * tok + 1, tl.where(counted, log_s, 0.0), mask=inb)
+    tl.store(stats_out + 3 * tok + 2, tl.where(counted, q, 0.0), mask=inb)
     return tl.where(counted, logp, 0.0), tl.where(counted, ent, 0.0), bad
 
 
 @triton.jit(do_not_specialize=["n", "V"])
 def _vp_finish_kernel(vec_ptr, M_ptr, ids_ptr, counted_ptr, logp_out, ent_out, stats_out, bad_out, n, V,
-                      BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True, NAN_FLAGGED: tl.constexpr = False):
-    """_finish_at for BLOCK tokens a program; NAN_FLAGGED: logp and H NaN at a flagged (counted) token."""
+                      BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True, NAN_FLAGGED: tl.constexpr = False,
+                      rows_ptr=None, ROWS: tl.constexpr = False):
+    """_finish_at for BLOCK tokens a program; NAN_FLAGGED: logp and H NaN at a flagged (counted) token.
+    ROWS: vec and M at position o, the ids, the mask and the outputs at token rows_ptr[o]."""
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = o < n
-    logp, ent, bad = _finish_at(vec_ptr, M_ptr, ids_ptr, stats_out, bad_out, o, inb,
-                                _counted(counted_ptr, o, inb, HAS_MASK), V)
+    tok = _token_of(rows_ptr, o, inb, ROWS)
+    logp, ent, bad = _finish_at(vec_ptr, M_ptr, ids_ptr, stats_out, bad_out, o, tok, inb,
+                                _counted(counted_ptr, tok, inb, HAS_MASK), V)
     if NAN_FLAGGED:
         logp = tl.where(bad != 0, float("nan"), logp)
         ent = tl.where(bad != 0, float("nan"), ent)
-    tl.store(logp_out + o, logp, mask=inb)
-    tl.store(ent_out + o, ent, mask=inb)
+    tl.store(logp_out + tok, logp, mask=inb)
+    tl.store(ent_out + tok, ent, mask=inb)
 
 
 def _grid(n):
@@ -152,7 +167,9 @@ def _mask(counted, other):
     return other if counted is None else _flat(counted)
 
 
-def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local, id_start=0):
+def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local, id_start=0, rows=None):
+    """rows: the token of each position (the LM head's tile): ids_loc, counted and a per-token temperature are
+    the call's, read there."""
     n = ent_r.numel()
     by_value = not isinstance(temperature, torch.Tensor)  # a number: a launch argument
     tau = float(temperature) if by_value else temperature.to(device=ent_r.device, dtype=torch.float32).reshape(-1)
@@ -160,13 +177,15 @@ def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, 
     ids_loc = _flat(ids_loc)
     _vp_sums_kernel[_grid(n)](logp_r, stats_r.contiguous(), ent_r, bad_r, ids_loc, _mask(counted, ids_loc), M, tau,
                               0 if by_value else tau.stride(0) if tau.numel() > 1 else 0, vec, n, V_local,
-                              BLOCK=BLOCK, HAS_MASK=counted is not None, TEMP_BY_VALUE=by_value, id_start=id_start)
+                              BLOCK=BLOCK, HAS_MASK=counted is not None, TEMP_BY_VALUE=by_value, id_start=id_start,
+                              **({} if rows is None else dict(rows_ptr=rows, ROWS=True)))
     return vec
 
 
-def finish(vec, M, ids, counted, V, nan_flagged=False, outs=None):
+def finish(vec, M, ids, counted, V, nan_flagged=False, outs=None, rows=None):
     """(logp, H, stats, flags) from the merged sums (_vp_finish_kernel); outs: written into these (contiguous,
-    float32 and int8 flags), else new tensors."""
+    float32 and int8 flags), else new tensors. rows: the token of each position (the LM head's tile): ids,
+    counted and `outs` are the call's, read and written there."""
     n = M.numel()
     dev = M.device
     if outs is not None:
@@ -176,5 +195,6 @@ def finish(vec, M, ids, counted, V, nan_flagged=False, outs=None):
         stats, bad = torch.empty((n, 3), dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.int8, device=dev)
     ids = _flat(ids)
     _vp_finish_kernel[_grid(n)](vec, M, ids, _mask(counted, ids), logp, ent, stats, bad, n, V, BLOCK=BLOCK,
-                                HAS_MASK=counted is not None, NAN_FLAGGED=nan_flagged)
+                                HAS_MASK=counted is not None, NAN_FLAGGED=nan_flagged,
+                                **({} if rows is None else dict(rows_ptr=rows, ROWS=True)))
     return logp, ent, stats, bad

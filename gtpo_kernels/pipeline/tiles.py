@@ -18,6 +18,7 @@ import types
 
 import torch
 
+from ..core import vocab_block
 from ..core.flags import nan_at_flags
 from ..core.layout import Batch, float_dtype_for
 from ..distributed import vocab_parallel as parallel
@@ -50,9 +51,10 @@ def rows_of(hidden, idx, flat=None, span=None):
 
 
 class Workspace:
-    """One call's tile buffers, reused across its tiles, and the per-tile GEMMs and kernel calls. direct:
-    the Triton kernels read and write the per-token tensors at the tile's tokens themselves (no gather or
-    scatter around them; one process)."""
+    """One call's tile buffers, reused across its tiles, and the per-tile GEMMs and kernel calls. On the
+    Triton backend the kernels read and write the per-token tensors at the tile's tokens themselves (no
+    gather or scatter around them): direct, one process; rows_vp, a vocabulary slice merged by the
+    all-reduces (its forward kernel, the merge's sums and finish); the gradient kernel either way."""
 
     def __init__(self, opts, t, rows, ones=False):
         self.o, self.t = opts, t
@@ -60,7 +62,10 @@ class Workspace:
         dt, dev = t.weight.dtype, t.weight.device
         self.buf = torch.empty(rows * V, dtype=dt, device=dev)
         self.direct = opts.backend == "triton" and opts.vp is None
-        self.ones = torch.ones(rows, dtype=torch.bool, device=dev) if ones or not self.direct else None
+        self.rows_vp = opts.backend == "triton" and opts.vp is not None and not (
+            opts.vp[2] is not None and vocab_block.aligned(opts.vp[2]))  # (aligned slices: the block merge)
+        self.ones = torch.ones(rows, dtype=torch.bool, device=dev) if ones or not (self.direct or self.rows_vp) \
+            else None
         self.flat = flat_rows(t.hidden)
 
     def rows(self, idx, span=None):
@@ -84,6 +89,11 @@ class Workspace:
         if self.direct:  # one launch: the kernel reads each row's token from idx
             vocab_triton.vocab_fwd(z.unsqueeze(0), t.kernel_ids, None, t.temperature, 0, scale=o.scale,
                                    softcap=o.softcap, outs=outs, rows=idx)
+            return
+        if self.rows_vp:  # the forward kernel, the merge's sums and its finish read and write at idx
+            tile = types.SimpleNamespace(logits3=z.unsqueeze(0), mask=None, logits_start=0, V=z.shape[-1], ids=t.ids)
+            parallel.vp_forward(tile, t.kernel_ids, t.temperature, o.backend, o.vp[0], o.vp[1], scale=o.scale,
+                                softcap=o.softcap, sizes=o.vp[2], outs=outs, rows=idx)
             return
         at = idx if span is None or o.vp is None else slice(*span)
         views = None if at is idx else [out[at] for out in outs]
@@ -109,7 +119,7 @@ class Workspace:
         upstream gradient (one element, or per flat token) that c and e are multiplied by, or None."""
         o, t = self.o, self.t
         z3 = z.unsqueeze(0)
-        if self.direct:  # one launch: the kernel reads each row's token from idx
+        if o.backend == "triton" and not local:  # one launch: the kernel reads each row's token from idx
             vocab_triton.vocab_bwd(z3, z3, t.kernel_ids, st, en, c, e, t.temperature, 0, scale=o.scale,
                                    softcap=o.softcap, g=g, rows=idx)
         else:
