@@ -3,7 +3,8 @@ gtpo_loss(process_group=...) on `--ranks` gloo processes on the CPU (Triton's in
 backward, as rank 0 launches them: 4 x 5 tokens, V = 37 split as evenly as the ranks allow (a config
 ending in "-packed": the same tokens packed, cu_seqlens and max_seqlen given, the last token of the last
 completion dropped; "token_logprobs": token_logprobs(process_group=...), forward only; "gtpo-official":
-lam and n_conf given; "grpo-rollout-token" / "-seq": rollout weights per token / per completion; "head-3" and
+lam and n_conf given; "grpo-rollout-token" / "-seq": rollout weights per token / per completion; "grpo-tau-token"
+/ "-seq": a temperature tensor per token / per completion; "head-3" and
 "head-6": linear_gtpo_loss(process_group=...), dapo, D = 8, the recompute schedule with tiles of 3 and 6
 rows). Launches, of them Triton, host reads, per config and validate."""
 import os
@@ -14,7 +15,7 @@ import torch
 
 
 CONFIGS = ("grpo", "gtpo", "clip-cov", "grpo-packed", "token_logprobs", "gtpo-official", "grpo-rollout-token",
-           "grpo-rollout-seq", "head-3", "head-6")
+           "grpo-rollout-seq", "grpo-tau-token", "grpo-tau-seq", "head-3", "head-6")
 
 
 def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm=True):
@@ -39,7 +40,9 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
     more = {"gtpo-official": dict(config=GTPOConfig(loss_agg="gtpo-official"), lam=torch.rand(B, T, generator=g) + 0.5,
                                   n_conf=torch.arange(1.0, B + 1)),
             "grpo-rollout-token": dict(config="grpo", rollout_is_weights=torch.rand(B, T, generator=g) + 0.5),
-            "grpo-rollout-seq": dict(config="grpo", rollout_is_weights=torch.rand(B, 1, generator=g) + 0.5)}
+            "grpo-rollout-seq": dict(config="grpo", rollout_is_weights=torch.rand(B, 1, generator=g) + 0.5),
+            "grpo-tau-token": dict(config="grpo", temperature=torch.rand(B, T, generator=g) + 0.5),
+            "grpo-tau-seq": dict(config="grpo", temperature=torch.rand(B, 1, generator=g) + 0.5)}
     D = 8
     h, w = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g)
     for cfg in configs:

@@ -170,6 +170,10 @@ def _check_case(kind, dtype, n, where_dtype, g, fail_at):
     if kind == "atleast":
         V = n % 2
         x = (torch.rand(n, generator=g) * 3 + V).to(dtype)
+    elif kind == "positive":  # a temperature: down to a float32 tau whose 1 / tau is just finite
+        x = (torch.rand(n, generator=g) * 2 + 0.01).to(dtype)
+        if n > 2:
+            x[n // 2] = 3e-39 if dtype == torch.float32 else 1e-300
     elif kind == "finite":
         x = (torch.randn(n, generator=g) * 3).to(dtype)
     elif kind == "binary":
@@ -181,6 +185,8 @@ def _check_case(kind, dtype, n, where_dtype, g, fail_at):
     if fail_at is not None:
         if kind == "atleast":
             x[fail_at] = [V - 0.5, float("nan"), float("inf")][n % 3]
+        elif kind == "positive":  # 0, below 0, NaN, inf, or 1 / tau not finite
+            x[fail_at] = [0.0, -0.5, float("nan"), float("inf"), 2e-39 if dtype == torch.float32 else 1e-320][n % 5]
         elif kind == "finite":
             x[fail_at] = [float("nan"), float("inf"), -float("inf")][n % 3]
         elif kind == "binary":
@@ -190,6 +196,7 @@ def _check_case(kind, dtype, n, where_dtype, g, fail_at):
     sel = torch.ones(n, dtype=torch.bool) if where is None else where != 0
     bad = {"finite": lambda: ~torch.isfinite(x.double()), "binary": lambda: (x != 0) & (x != 1),
            "atleast": lambda: ~(torch.isfinite(x.double()) & (x.double() >= V)),
+           "positive": lambda: ~(torch.isfinite(x) & (x > 0) & torch.isfinite(x.reciprocal())),
            "range": lambda: (x.long() < 0) | (x.long() >= V)}[kind]
     return RowCheck(x, where, kind, V, lambda: sel & bad()), x, where
 
@@ -198,7 +205,8 @@ def _check_case(kind, dtype, n, where_dtype, g, fail_at):
 def test_the_row_kernel_s_value_checks_equal_their_torch_forms(seed):
     """Validating on vocabulary-parallel logits, the row's kernel forms the value checks' predicates (core.host_read
     .RowCheck; agree.deferred): finite (every float dtype), 0 or 1 (a mask of any dtype), ids in [0, V) (V finite or
-    inf), finite and >= 0 or 1, at the positions `where` (any dtype, or None) selects, several blocks long or
+    inf), finite and >= 0 or 1, finite and > 0 with a finite inverse (float32 and float64), at the positions
+    `where` (any dtype, or None) selects, several blocks long or
     empty; a cu_seqlens (int32 or int64) from 0 to N, never decreasing, its completions no longer than a bound;
     each on the term of a checksum of the same tensor or on a term of its own. The row's error flag is set exactly when a torch form
     says a selected value fails, the checksums are the torch forms' (a check changes no slot), in one launch."""
@@ -206,7 +214,8 @@ def test_the_row_kernel_s_value_checks_equal_their_torch_forms(seed):
     g = torch.Generator().manual_seed(100 + seed)
     kinds = [("finite", torch.float32), ("finite", torch.bfloat16), ("finite", torch.float64), ("finite", torch.float16),
              ("binary", torch.int64), ("binary", torch.float32), ("binary", torch.uint8), ("range", torch.int64),
-             ("range", torch.int32), ("atleast", torch.float32), ("atleast", torch.float64), ("cu", torch.int64),
+             ("range", torch.int32), ("atleast", torch.float32), ("atleast", torch.float64), ("positive", torch.float32),
+             ("positive", torch.float64), ("cu", torch.int64),
              ("cu", torch.int32), ("cu_max", torch.int64), ("cu_max", torch.int32)]
     def case(kind, dtype, trial):
         n = int(torch.randint(0, 2600, (), generator=g)) if trial else 1 + seed

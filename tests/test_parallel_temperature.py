@@ -2,7 +2,12 @@
 token_logprobs with each rank's slice of the vocabulary equal the one-process call on the whole vocabulary
 (padded and packed, torch and Triton backends), and so do linear_gtpo_loss and linear_token_logprobs with
 each rank's slice of the LM head's rows (both schedules); ranks passing different temperatures all raise the same
-error naming it (the agreement compares it by value), none is left waiting."""
+error naming it (the agreement compares it by value), none is left waiting. Unvalidated, the epilogue's path
+reads the tensor as given: the same numbers, and an invalid tau at one token (0, -1, inf, NaN, 1e-40) NaN at
+that token and in the loss, the other tokens' log-probs as with a valid one; validating, every rank raises
+the same error naming the temperature."""
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -75,6 +80,49 @@ def _scenarios(rank, world):
         lp1, e1 = linear_token_logprobs(h, w, ids, tau[:, 0], backend=backend)
         lp, e = linear_token_logprobs(h, w[sl], ids, tau[:, 0], backend=backend, process_group=dist.group.WORLD)
         res[f"head/{backend}/linear_token_logprobs"] = {"logps": _rel(lp, lp1), "entropy": _rel(e, e1)}
+    progress("unvalidated")  # the epilogue's path reads the tensor as given (its kernels NaN an invalid tau)
+    for name, t, packed in (("per token", tau, False), ("per completion", tau[:, :1], False),
+                            ("packed per token", tau.reshape(-1), True)):
+        xs, i, o = (x.reshape(B * T, V), ids.reshape(-1), old.reshape(-1)) if packed else (x, ids, old)
+        kw = dict(cu_seqlens=torch.arange(0, B * T + 1, T), max_seqlen=T) if packed else {}
+        full = xs.clone().requires_grad_()
+        one = gtpo_loss(full, i, adv, group_size=2, old_logps=o, temperature=t, config=cfg, backend="triton", **kw)
+        one.loss.backward()
+        part = xs[..., sl].clone().requires_grad_()
+        out = gtpo_loss(part, i, adv, group_size=2, old_logps=o, temperature=t, config=cfg, backend="triton",
+                        process_group=dist.group.WORLD, validate=False, **kw)
+        out.loss.backward()
+        res[f"unvalidated/{name}"] = {
+            "loss": _rel(out.loss.detach(), one.loss.detach()), "logps": _rel(out.logps, one.logps),
+            "entropy": _rel(out.entropy, one.entropy),
+            "grad": float((part.grad - full.grad[..., sl]).norm() / full.grad.norm())}
+    one = gtpo_loss(x, ids, adv, group_size=2, old_logps=old, temperature=tau, config=cfg, backend="triton")
+    others = torch.ones(B, T, dtype=torch.bool)
+    others[1, 2] = False
+    for bad in (0.0, -1.0, float("inf"), float("nan"), 1e-40):  # (1e-40: 1 / tau is not finite in float32)
+        t = tau.clone()
+        t[1, 2] = bad
+        out = gtpo_loss(x[..., sl], ids, adv, group_size=2, old_logps=old, temperature=t, config=cfg,
+                        backend="triton", process_group=dist.group.WORLD, validate=False)
+        res[f"invalid {bad}"] = {"not NaN there": float(not (out.logps[1, 2].isnan() and out.entropy[1, 2].isnan()
+                                                             and out.loss.isnan())),
+                                 "others": _rel(out.logps[others], one.logps[others])}
+        if bad not in (-1.0, 1e-40) and os.environ.get("HYPOTHESIS_PROFILE", "ci") != "nightly":
+            continue  # (CI time: the refusal of two of them, every one in the nightly profile)
+        try:
+            gtpo_loss(x[..., sl], ids, adv, group_size=2, old_logps=old, temperature=t, config=cfg,
+                      backend="triton", process_group=dist.group.WORLD)
+            res[f"refused {bad}"] = "accepted"
+        except ValueError as e:  # (what each rank's own check said: the chained cause)
+            res[f"refused {bad}"] = [str(e), str(e.__cause__)]
+    masked = torch.ones(B, T, dtype=torch.bool)  # validating, a bad tau at a masked-out token is accepted
+    masked[1, 2] = False
+    want = gtpo_loss(x, ids, adv, masked, group_size=2, old_logps=old, temperature=tau, config=cfg, backend="triton")
+    t = tau.clone()
+    t[1, 2] = -1.0
+    out = gtpo_loss(x[..., sl], ids, adv, masked, group_size=2, old_logps=old, temperature=t, config=cfg,
+                    backend="triton", process_group=dist.group.WORLD)
+    res["masked-out bad tau"] = {"loss": _rel(out.loss, want.loss), "logps": _rel(out.logps, want.logps)}
     progress("disagree")
     mine = tau.clone()
     if rank == 1:
@@ -94,10 +142,13 @@ def test_per_token_temperature_across_a_vocabulary_split():
         assert "exception" not in res, f"rank {r}: {res.get('exception')}"
     for r, res in enumerate(ranks):
         for key, errs in res.items():
-            if key == "disagree":
+            if key == "disagree" or key.startswith("refused"):
                 continue
             for what, err in errs.items():
                 tol = 1e-4 if what.startswith("grad") else 1e-5
                 assert err <= tol, f"rank {r}, {key}: {what} off by {err:.2e} (one-process result)"
+    for key in (k for k in ranks[0] if k.startswith("refused")):  # validating: every rank names it alike
+        said = [res[key] for res in ranks]
+        assert said[0][0] == said[1][0] and all("temperature must be finite" in x[1] for x in said), (key, said)
     said = [res["disagree"] for res in ranks]
     assert said[0] == said[1] and "temperature (per token)" in said[0], said

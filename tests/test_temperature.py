@@ -139,6 +139,15 @@ def test_bad_temperatures_are_refused_or_nan():
         bad = tau != 0.8
         assert torch.isnan(out.logps[bad]).all() and torch.isfinite(out.logps[~bad]).all(), backend
         assert torch.isnan(out.entropy[bad]).all() and torch.isnan(x.grad[bad]).all(), backend
+    # validating, a bad tau at a masked-out token is accepted: that token counts for nothing
+    mask = torch.ones(ids.shape, dtype=torch.bool)
+    mask[1, 2] = False
+    for bad in (0.0, -1.0, float("nan")):
+        tau = torch.full(ids.shape, 0.8)
+        want = gtpo_loss(z, ids, adv, mask, group_size=2, temperature=tau, config="grpo", backend="torch")
+        tau[1, 2] = bad
+        got = gtpo_loss(z, ids, adv, mask, group_size=2, temperature=tau, config="grpo", backend="torch")
+        assert torch.equal(got.loss, want.loss) and torch.equal(got.logps, want.logps), bad
     with pytest.raises(ValueError, match="temperature must be a number, a tensor per completion"):
         gtpo_loss(z, ids, adv, group_size=2, temperature=torch.ones(3), backend="torch")
     # a bad number from the call's `temperature=` is named as that argument, not as the config's field

@@ -117,9 +117,14 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             # is not finite and > 0 is flagged, and revalidate names it), one per completion read at each token's
             tau_kernels = fast and _per_token_tau(temperature)  # (fast: no kept sets, so no rules' kernel)
             per_seq = tau_kernels and _per_completion(temperature, b)
+            # so too on a split vocabulary's epilogue path, unvalidated (spread to the tokens: padded, or per token)
+            tau_split = (not host and process_group is not None and not replaying and _per_token_tau(temperature)
+                         and epilogue_attached.takes(logits, cfg, backend)
+                         and not (b.packed and _per_completion(temperature, b)))
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32,
-                                   host and not tau_kernels, in_kernels=fast or rules_in_kernels, spread=not per_seq)
+                                   host and not tau_kernels, in_kernels=fast or rules_in_kernels or tau_split,
+                                   spread=not per_seq)
             b.tau = tau  # compared across the ranks of a vocabulary split (digest.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace,
                                   in_kernels=rules_in_kernels)

@@ -144,7 +144,8 @@ def _check(x, where, kind, V, torch_bad, fail):
     if kind in ("cu", "cu_max"):
         check_on_device(torch_bad(), fail)
     else:
-        check_on_device(torch_bad().any() if kind in ("binary", "atleast") else _any_bad(x, where, V, torch_bad), fail)
+        check_on_device(torch_bad().any() if kind in ("binary", "atleast", "positive") else
+                        _any_bad(x, where, V, torch_bad), fail)
 
 
 def _selection(counted, where):

@@ -21,8 +21,9 @@ class RowCheck:
     launch of its own: kind 'finite' (x finite), 'binary' (x is 0 or 1), 'range' (x in [0, V); V may
     be inf), at the positions `where` selects (any dtype, nonzero; None: every position); 'cu' (x, a
     cu_seqlens, from 0 to V = N, never decreasing), 'cu_max' (no completion of x longer than V =
-    max_seqlen) or 'atleast' (x finite and >= V, an int, at `where`). torch_bad(): its torch form (a bool
-    tensor, read only on the failing rank)."""
+    max_seqlen), 'atleast' (x finite and >= V, an int, at `where`) or 'positive' (x finite and > 0 with 1 / x
+    finite, at `where`: a temperature). torch_bad(): its torch form (a bool tensor, read only on the failing
+    rank)."""
     __slots__ = ("x", "where", "kind", "V", "torch_bad")
 
     def __init__(self, x, where, kind, V, torch_bad):

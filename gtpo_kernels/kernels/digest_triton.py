@@ -56,7 +56,7 @@ def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE
     whether any selected value fails CHECK (0 none, 1 not finite, 2 neither 0 nor 1; then with size_term
     the check's bound and SUM off, no term: 3 outside [0, size_term), 4 cu_seqlens not from 0 to
     size_term = N or decreasing, 5 a completion of cu_seqlens longer than size_term = max_seqlen, 6 not
-    finite or below size_term)."""
+    finite or below size_term, 7 not finite and > 0 with 1 / x finite)."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     acc = tl.zeros([BLOCK], tl.int64)
     bad = tl.zeros([BLOCK], tl.int32)
@@ -81,6 +81,10 @@ def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE
         if CHECK == 6:
             v = tl.load(x_ptr + o, mask=inb, other=0).to(tl.float64)
             bad = bad | (inb & (((tl.abs(v) < float("inf")) == 0) | (v < size_term.to(tl.float64)))).to(tl.int32)
+        if CHECK == 7:  # (in x's own dtype: 1 / x as the kernels form it)
+            v = tl.load(x_ptr + o, mask=inb, other=1.0)
+            ok = (tl.abs(v) < float("inf")) & (v > 0) & (tl.abs(1.0 / v) < float("inf"))
+            bad = bad | (inb & (ok == 0)).to(tl.int32)
         if (CHECK == 4) | (CHECK == 5):
             v = tl.load(x_ptr + o, mask=inb, other=0).to(tl.int64)
             prev = tl.load(x_ptr + o - 1, mask=inb & (o > 0), other=0).to(tl.int64)
@@ -102,7 +106,7 @@ def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE
 @triton.jit
 def _add_term(out_ptr, x_ptr, where_ptr, n, size_term, pos, F: tl.constexpr, BLOCK: tl.constexpr):
     """out += the term (mod 2**61) -> whether a selected value failed the check; F's bits: 1 IS_FLOAT,
-    2 HAS_WHERE, 4 FP, 8 k the check (_term's CHECK k, 1 to 6), 64 no term (a check alone)."""
+    2 HAS_WHERE, 4 FP, 8 k the check (_term's CHECK k, 1 to 7), 64 no term (a check alone)."""
     term, bad = _term(x_ptr, where_ptr, n, size_term, pos, (F & 1) != 0, (F & 2) != 0, (F & 4) != 0, BLOCK,
                       (F // 8) % 8, (F & 64) == 0)
     if (F & 64) == 0:
@@ -191,7 +195,8 @@ def _flat_term(x, where):
     return flat, flat if where is None else where.reshape(-1).contiguous()
 
 
-CHECK_BITS = {"finite": 8, "binary": 16, "range": 24, "cu": 32, "cu_max": 40, "atleast": 48}  # _add_term's F bits
+CHECK_BITS = {"finite": 8, "binary": 16, "range": 24, "cu": 32, "cu_max": 40, "atleast": 48,  # _add_term's F bits
+              "positive": 56}
 BOUNDED = ("range", "cu", "cu_max", "atleast")  # kinds whose bound V takes the term's size word: a check alone
 V_LIMIT = 1 << 62  # a range check's V = inf, as an int64 bound no id reaches
 
