@@ -6,7 +6,8 @@ completion dropped; "token_logprobs": token_logprobs(process_group=...), forward
 lam and n_conf given; "grpo-rollout-token" / "-seq": rollout weights per token / per completion; "grpo-tau-token"
 / "-seq": a temperature tensor per token / per completion; "head-3" and
 "head-6": linear_gtpo_loss(process_group=...), dapo, D = 8, the recompute schedule with tiles of 3 and 6
-rows). Launches, of them Triton, host reads, per config and validate."""
+rows; "linear_token_logprobs": linear_token_logprobs(process_group=...), D = 8, one tile, forward only).
+Launches, of them Triton, host reads, per config and validate."""
 import os
 import sys
 import tempfile
@@ -15,7 +16,7 @@ import torch
 
 
 CONFIGS = ("grpo", "gtpo", "clip-cov", "grpo-packed", "token_logprobs", "gtpo-official", "grpo-rollout-token",
-           "grpo-rollout-seq", "grpo-tau-token", "grpo-tau-seq", "head-3", "head-6")
+           "grpo-rollout-seq", "grpo-tau-token", "grpo-tau-seq", "head-3", "head-6", "linear_token_logprobs")
 
 
 def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm=True):
@@ -24,7 +25,7 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
     `warm`) at B x T tokens, V = 37 split as evenly as the ranks allow."""
     import torch.distributed as dist
     from bench.launches import counting
-    from gtpo_kernels import GTPOConfig, gtpo_loss, linear_gtpo_loss, token_logprobs
+    from gtpo_kernels import GTPOConfig, gtpo_loss, linear_gtpo_loss, linear_token_logprobs, token_logprobs
     g = torch.Generator().manual_seed(7)
     V = 37
     x = torch.randn(B, T, V, generator=g) * 2
@@ -62,6 +63,10 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
                     h, part, ids, adv, group_size=2, old_logps=old, config="dapo", backend="triton",
                     validate=validate, process_group=dist.group.WORLD, schedule="recompute",
                     memory_budget=2 * 20 * 4 * int(cfg[5:])).loss.backward()
+            if cfg == "linear_token_logprobs":
+                call = lambda: linear_token_logprobs(h, w[start:start + sizes[rank]], ids, 1.0,  # noqa: E731
+                                                     backend="triton", validate=validate,
+                                                     process_group=dist.group.WORLD)
             if cfg == "token_logprobs":
                 call = lambda: token_logprobs(part.detach(), ids, 1.0, backend="triton",  # noqa: E731
                                               validate=validate, process_group=dist.group.WORLD)
@@ -103,7 +108,7 @@ def main(argv=None):
         rows = queue.get(timeout=600)
         for p in procs:
             p.join()
-    print(f"| gtpo_loss (config) or token_logprobs, process_group=..., {args.ranks} ranks, rank 0 | launches | "
+    print(f"| the call (config; module docstring), process_group=..., {args.ranks} ranks, rank 0 | launches | "
           "of them Triton | host reads |")
     print("|---|---|---|---|")
     for cfg, validate, n, tr, reads in rows:

@@ -490,6 +490,13 @@ MUTANTS = [
       "the agreement row checks a temperature at uncounted tokens too", tests=["test_parallel_temperature"]),
     M("L54", "kernels/vocab_jit.py", "tl.where((tau > 0) & (tau < float(\"inf\")), tau,", "tl.where((tau < float(\"inf\")), tau,",
       "the kernels read a negative temperature as given", tests=["test_parallel_temperature"]),
+    M("L55", "pipeline/tiles.py", "softcap=o.softcap, outs=outs, rows=idx, nan_flagged=nan_flagged)",
+      "softcap=o.softcap, outs=outs, rows=idx, nan_flagged=False)",
+      "the head's forward kernel leaves a flagged token's logp and H finite (one process)",
+      tests=["test_linear"]),
+    M("L56", "pipeline/tiles.py", "nan_flagged=nan_flagged, outs=outs, rows=idx)", "nan_flagged=False, outs=outs, rows=idx)",
+      "the head's merge leaves a flagged token's logp and H finite (split vocabulary)",
+      tests=["test_parallel_head_epilogue"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -193,6 +193,15 @@ def test_linear_token_logprobs_and_masked_rows(backend):
     out = linear_gtpo_loss(hh, w, ids, torch.tensor([1.0, -1.0, 0.5]), mask, config="grpo", backend=backend)
     out.loss.backward()
     assert (hh.grad[1, 3:] == 0).all() and hh.grad[0].abs().sum() > 0
+    # unvalidated: an id out of range and a NaN hidden state give NaN at their tokens alone (tiles of 2 rows)
+    bad_ids, bad_h = ids.clone(), h.clone()
+    bad_ids[0, 2], bad_h[2, 1, 3] = V + 3, float("nan")
+    lp2, ent2 = linear_token_logprobs(bad_h, w, bad_ids, 0.8, mask, logit_softcap=6.0, memory_budget=2 * V * 4 * 2,
+                                      backend=backend, validate=False)
+    flagged = torch.zeros(B, T, dtype=torch.bool)
+    flagged[0, 2] = flagged[2, 1] = True
+    assert lp2[flagged].isnan().all() and ent2[flagged].isnan().all(), (lp2, ent2)
+    assert torch.equal(lp2[~flagged], lp[~flagged]) and torch.equal(ent2[~flagged], ent[~flagged])
 
 
 _MEM_SCRIPT = r"""

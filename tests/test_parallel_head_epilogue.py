@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gloo import rel_nan as _rel, run_ranks
-from gtpo_kernels import GTPOConfig, linear_gtpo_loss
+from gtpo_kernels import GTPOConfig, linear_gtpo_loss, linear_token_logprobs
 
 SIZES = [20, 17]
 B, T, D, V = 4, 5, 8, 37
@@ -100,6 +100,10 @@ def _ranks(rank, world):
     out = _call(h, nan_w, ids, mask, adv, old, CONFIGS["dapo"], "recompute", None, False, process_group=pg,
                 validate=False)
     errs["nan/unvalidated"] = bool(out.loss.isnan() and out.logps[mask].isnan().all())
+    lp, ent = linear_token_logprobs(h, nan_w, ids, 1.0, mask, backend="triton", validate=False, process_group=pg,
+                                    memory_budget=ROWS3)  # (the merge's finish writes NaN at a flagged token)
+    errs["nan/token_logprobs"] = bool(lp[mask].isnan().all() and ent[mask].isnan().all()
+                                      and (lp[~mask] == 0).all() and (ent[~mask] == 0).all())
     launches = {}
     for schedule in ("recompute", "fused"):
         for masked in (True, False):
@@ -127,7 +131,7 @@ def test_the_head_on_a_split_vocabulary_runs_the_epilogue_and_equals_one_process
             assert e.pop("grad_nonzero") == 1.0, key
             assert max(e.values()) < 1e-5, (key, e)
         assert "contains NaN or +inf" in res["nan/validated"], res["nan/validated"]
-        assert res["nan/unvalidated"] is True
+        assert res["nan/unvalidated"] is True and res["nan/token_logprobs"] is True
     assert results[0]["nan/validated"] == results[1]["nan/validated"]
     n = results[0]["launches"]  # {schedule/masked or all/rows a tile: (launches, tiles, epilogue launches)}
     for (schedule, masked), bound in BOUNDS.items():

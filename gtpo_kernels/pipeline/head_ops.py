@@ -276,11 +276,10 @@ def head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, 
 
 
 def head_logprobs(b, head, hidden, temperature, budget, backend, host, vp):
-    """linear_token_logprobs after its checks: (logps, entropy) of the tokens' shape, 0 where masked out."""
+    """linear_token_logprobs after its checks: (logps, entropy) of the tokens' shape, 0 where masked out (the
+    tiles hold the counted tokens alone: the others keep the forward's zeros)."""
     key, _ = _key(b, None, head, backend, "recompute", budget, vp)
     with torch.no_grad():
         logp, ent = _forward(b, head, hidden, key, ops.temperature_param(temperature, hidden, backend), vp,
                              [None] * len(EXTRAS), [False] * 3, host)[:2]
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    return (torch.where(b.counted, logp, zero).reshape(b.tok_shape),
-            torch.where(b.counted, ent, zero).reshape(b.tok_shape))
+    return logp.reshape(b.tok_shape), ent.reshape(b.tok_shape)

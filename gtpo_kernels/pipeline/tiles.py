@@ -81,19 +81,20 @@ class Workspace:
             return project(h, self.t.weight, self.t.bias, z)
         return project_blocks(h, self.t.weight, self.t.bias, z)
 
-    def statistics(self, z, idx, outs, span=None):
+    def statistics(self, z, idx, outs, span=None, nan_flagged=False):
         """(logp, H, stats, flags) of the tile's rows into `outs` (per flat token); scale and softcap applied
         inside the kernels. span: the tile's tokens are span[0] .. span[1] - 1 (split vocabulary: the merge
-        writes them in place, the tile's ids read as views: no gather or scatter)."""
+        writes them in place, the tile's ids read as views: no gather or scatter). nan_flagged (direct or
+        rows_vp): the kernels write logp and H NaN at a flagged token."""
         o, t = self.o, self.t
         if self.direct:  # one launch: the kernel reads each row's token from idx
             vocab_triton.vocab_fwd(z.unsqueeze(0), t.kernel_ids, None, t.temperature, 0, scale=o.scale,
-                                   softcap=o.softcap, outs=outs, rows=idx)
+                                   softcap=o.softcap, outs=outs, rows=idx, nan_flagged=nan_flagged)
             return
         if self.rows_vp:  # the forward kernel, the merge's sums and its finish read and write at idx
             tile = types.SimpleNamespace(logits3=z.unsqueeze(0), mask=None, logits_start=0, V=z.shape[-1], ids=t.ids)
             parallel.vp_forward(tile, t.kernel_ids, t.temperature, o.backend, o.vp[0], o.vp[1], scale=o.scale,
-                                softcap=o.softcap, sizes=o.vp[2], outs=outs, rows=idx)
+                                softcap=o.softcap, sizes=o.vp[2], nan_flagged=nan_flagged, outs=outs, rows=idx)
             return
         at = idx if span is None or o.vp is None else slice(*span)
         views = None if at is idx else [out[at] for out in outs]
@@ -193,11 +194,13 @@ def forward_tiles(opts, t, need, epi_args=None):
             c_all, e_all = torch.zeros(N, dtype=acc, device=dev), torch.zeros(N, dtype=acc, device=dev)
     # every token counted and none put last: tile k holds the flat tokens k.s .. k.e - 1
     consecutive = rows.numel() == N and (live is None or all(n == k.e - k.s for n, k in zip(live, tiles)))
+    nan_in_kernels = epi is None and (ws.direct or ws.rows_vp)  # NaN at flagged tokens written by the kernels
     for i, k in enumerate(tiles):
         idx = rows[k.s:k.e]
         h = ws.rows(idx, (k.s, k.e) if rows.numel() == N and live is None else None)
         z = ws.project(h)
-        ws.statistics(z, idx, (logp, ent, stats, bad), (k.s, k.e) if rows.numel() == N and live is None else None)
+        ws.statistics(z, idx, (logp, ent, stats, bad), (k.s, k.e) if rows.numel() == N and live is None else None,
+                      nan_in_kernels)
         if opts.fused:  # this tile's coefficients from its own tokens and completions
             if epi is not None:  # the epilogue on the tile's completions (the batch's totals from the mask)
                 run_epilogue(opts, t, epi_args, logp, ent, bad, epi, k.g0, k.g1 + 1)
@@ -219,7 +222,7 @@ def forward_tiles(opts, t, need, epi_args=None):
     if epi is not None:
         run_epilogue(opts, t, epi_args, logp, ent, bad, epi)
         return logp, ent, stats, bad, grads, epi
-    return (*nan_at_flags(logp, ent, bad), stats, bad, grads, None)
+    return (*((logp, ent) if nan_in_kernels else nan_at_flags(logp, ent, bad)), stats, bad, grads, None)
 
 
 def run_epilogue(opts, t, epi_args, logp, ent, bad, outs, g_lo=0, g_hi=None):
