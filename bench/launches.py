@@ -249,6 +249,14 @@ def _rows(device="cpu"):
                                             schedule=schedule).loss.backward()
         return prepare
 
+    def head_logprobs(validate):
+        def prepare():
+            from gtpo_kernels import linear_token_logprobs
+            h, w, ids, _ = head_inputs()
+            return lambda: linear_token_logprobs(h.detach(), w.detach(), ids, 1.0, validate=validate,
+                                                 backend="triton")
+        return prepare
+
     def head_sets(validate, budget=None):
         """budget: a memory_budget cutting the 128 tokens' kept sets (5 or 6 ids) into union tiles (None: one)."""
         def prepare():
@@ -317,6 +325,8 @@ def _rows(device="cpu"):
             ("the same, 16 tiles", head("fused", 16)),
             ("linear_gtpo_loss, recompute schedule, 4 tiles", head("recompute", 4)),
             ("the same, 16 tiles", head("recompute", 16)),
+            ("linear_token_logprobs, one tile, validate=False", head_logprobs(False)),
+            ("the same, validate=True", head_logprobs(True)),
             ("linear_gtpo_loss over recorded kept sets, validate=False", head_sets(False)),
             ("the same, validate=True", head_sets(True)),
             ("the same, validate=False, 4 union tiles", head_sets(False, 8 * 32 * 64)),
