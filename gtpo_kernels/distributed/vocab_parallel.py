@@ -104,8 +104,8 @@ def vp_forward(b, ids_loc, temperature, backend, group, V_global, scale=1.0, sof
     backend's all-reduce merge; with outs): the token of each row of b.logits3 = (1, rows, V_local), the LM
     head's tile: ids_loc, b.ids, a per-token temperature and `outs` are the call's, read and written at
     them by the kernels (no gather or scatter around them)."""
-    if rows is not None and (backend != "triton" or (sizes is not None and vocab_block.aligned(sizes))):
-        raise ValueError("rows: the Triton backend's all-reduce merge only")
+    if rows is not None and (backend != "triton" or outs is None or (sizes is not None and vocab_block.aligned(sizes))):
+        raise ValueError("rows: the Triton backend's all-reduce merge only, written into the call's `outs`")
     if sizes is not None and vocab_block.aligned(sizes):
         res = vp_blocks(b, ids_loc, temperature, backend, group, V_global, sizes, scale, softcap, id_start)
         res = (*nan_at_flags(*res[:2], res[3]), *res[2:]) if nan_flagged else res
