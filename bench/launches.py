@@ -347,6 +347,8 @@ def _rows(device="cpu"):
              loss(validate=False, drop=no_ref, rollout_is_weights=torch.rand(8, 6, device=device) + 0.5)),
             ("rollout_is_weights per completion (B, 1), validate=False",
              loss(validate=False, drop=no_ref, rollout_is_weights=torch.rand(8, 1, device=device) + 0.5)),
+            ("the same, validate=True",
+             loss(validate=True, drop=no_ref, rollout_is_weights=torch.rand(8, 1, device=device) + 0.5)),
             ("off-policy mask (off_policy_mask_threshold), validate=False",
              loss(validate=False, drop=no_ref, config=GTPOConfig(off_policy_mask_threshold=0.05))),
             ("top-entropy mask (top_entropy_quantile=0.2), validate=False",

@@ -247,3 +247,36 @@ def test_the_row_kernel_s_value_checks_equal_their_torch_forms(seed):
         assert torch.equal(kernel_row[1:], torch_row[1:]), (kernel_row, torch_row)
         assert cnt.launches == 1, dict(cnt.ops)
 
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_row_values_and_checks_equal_their_spread(seed):
+    """Per-completion rollout weights (B,) on padded rows of T tokens (digest kind 'rows', a RowCheck with
+    row_length): the row's kernel reads each at its tokens, never spreading them. Its checksum is bitwise the
+    spread's (B * T,) values digest at the same mask (so per-token and per-completion forms of the same weights
+    agree) and the torch form's; its check fails exactly where a counted token reads a failing weight (a NaN or
+    negative weight of a row whose tokens are all masked out passes)."""
+    from gtpo_kernels.core.host_read import RowCheck
+    g = torch.Generator().manual_seed(300 + seed)
+    B, T = [(4, 5), (3, 1), (70, 37), (2, 0)][seed]
+    w = torch.rand(B, generator=g).to([torch.float32, torch.float64, torch.bfloat16, torch.float32][seed]) + 0.5
+    mask = (torch.rand(B, T, generator=g) > 0.3).to([torch.bool, torch.float32, torch.int64, torch.bool][seed])
+    if B > 2 and T:
+        mask[1] = 0
+        w[1] = float("nan")  # read by no counted token
+    for where in (mask, None):
+        spread = w.repeat_interleave(T)
+        d = digest.Digest("rows", 0, (w, where, T))
+        kernel, torch_form = _both(d)
+        assert kernel == torch_form == [int(digest.values_digest(spread, where))], (kernel, torch_form)
+    for k in ([] if B < 3 or not T else [1, 0, B - 1]):
+        bad_w = w.clone()
+        bad_w[k] = [-0.25, float("inf"), float("nan")][k % 3]
+        for where in (mask, None):
+            sel = torch.ones(B * T, dtype=torch.bool) if where is None else where.reshape(-1) != 0
+            torch_bad = sel & ~(torch.isfinite(bad_w.double()) & (bad_w.double() >= 0)).repeat_interleave(T)
+            expect = bool(torch_bad.any())
+            row = torch.zeros(2, dtype=torch.int64)
+            digest.write_row([], row, [RowCheck(bad_w, where, "atleast", 0, lambda: torch_bad, row_length=T)])
+            assert row.tolist() == [int(expect), 0], (k, where is None, row)
+            assert expect == (where is None or bool(mask[k].any())), k  # (row 1: every token masked out)

@@ -1,13 +1,14 @@
 """Validating on vocabulary-parallel logits (spec 8, 12): the value checks ride on the agreement's read, and
 the row's own kernel forms their predicates (core.host_read.RowCheck: advantages, old / ref log-probs and
 lam finite at counted tokens, ids >= 0 at counted tokens, n_conf finite and >= 1, rollout weights per
-token finite and >= 0 at counted tokens, the mask's values 0 or 1, the packed form's
+token finite and >= 0 at counted tokens, per completion where a counted token reads them (never spread on the
+tokens), the mask's values 0 or 1, the packed form's
 cu_seqlens from 0 to N, never decreasing, and no completion longer than max_seqlen), so that they launch
 nothing of their own. On 2 gloo ranks, the Triton backend under the interpreter: a bad value on one rank
 makes every rank raise the same error naming that rank, chained on it to the check's own error (the first
 check made, when two fail); a bad value where the mask drops the token is no error, and the loss is the
 clean call's on every rank; unvalidated, a malformed cu_seqlens gives NaN at every counted output and
-gradient row of every rank, and token_logprobs gives NaN at a flagged counted token (a NaN logit in one
+gradient row of every rank (a masked-out token's 0 and no gradient, as one process gives), and token_logprobs gives NaN at a flagged counted token (a NaN logit in one
 slice, an id outside the vocabulary) and 0 where masked, as one process on the whole vocabulary does."""
 import pytest
 import torch
@@ -56,14 +57,17 @@ def _scenarios(rank, bad):
 
     def packed(o=old, c=cu, max_seqlen=T, validate=True):
         part = xs.reshape(B * T, -1)[keep].clone().requires_grad_()
-        out = gtpo_loss(part, ids.reshape(-1)[keep], adv, None, group_size=2, old_logps=o.reshape(-1)[keep],
+        m = None if validate else (torch.arange(19) != 6).float()  # (unvalidated: token 6 masked out)
+        out = gtpo_loss(part, ids.reshape(-1)[keep], adv, m, group_size=2, old_logps=o.reshape(-1)[keep],
                         config="grpo", backend="triton", process_group=pg, cu_seqlens=c, max_seqlen=max_seqlen,
                         validate=validate)
         if validate:
             return float(out.loss)
-        out.loss.backward()  # unvalidated, malformed: every counted output and gradient row NaN, on every rank
-        return bool(out.loss.isnan() and out.logps.isnan().all() and out.entropy.isnan().all()
-                    and part.grad.isnan().all(1).all())
+        out.loss.backward()  # unvalidated, malformed: every counted output and gradient row NaN, on every rank;
+        counted = m != 0  # the masked-out token's 0 and no gradient, as one process on the whole vocabulary gives
+        return bool(out.loss.isnan() and out.logps[counted].isnan().all() and out.entropy[counted].isnan().all()
+                    and part.grad[counted].isnan().all(1).all() and out.logps[6] == 0 and out.entropy[6] == 0
+                    and (part.grad[6] == 0).all())
 
     nan, inf = float("nan"), float("inf")
 
@@ -94,6 +98,10 @@ def _scenarios(rank, bad):
                            "completion 2 holds 0.5"),
         "rollout_weight_negative": (lambda: loss(rollout_is_weights=_edit(torch.ones(B, T), (0, 3), -0.5, me)),
                                     "rollout_is_weights must be >= 0 and finite at counted positions"),
+        "rollout_seq_weight_inf": (lambda: loss(rollout_is_weights=_edit(torch.ones(B, 1), 1, float("inf"), me)),
+                                   "rollout_is_weights must be >= 0 and finite at counted positions"),
+        "rollout_seq_weight_nan_at_a_masked_completion": (lambda: loss(m=_edit(mask, 2, 0, True), rollout_is_weights=_edit(
+            torch.ones(B, 1), 2, nan, me)), None),
         "rollout_weight_nan_masked_out": (lambda: loss(rollout_is_weights=_edit(torch.ones(B, T), (3, 4), nan, me)),
                                           None),
         # the same weights in another form, or different only where nothing is counted: no disagreement

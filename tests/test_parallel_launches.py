@@ -28,15 +28,20 @@ SIZES = ((4, 5), (8, 6))
 # the ids and advantages made for it were formed for the checksums alone, and the checks launched their own)
 # (a temperature per token: 25 unvalidated before the epilogue's path read it as given, where its values were
 # checked by a dozen launches and made NaN where invalid; its kernels NaN such a token themselves. Validating:
-# 28 before the agreement row's kernel checked it, RowCheck 'positive')
+# 28 before the agreement row's kernel checked it, RowCheck 'positive'; 10 before it read the mask as given,
+# where the counted tokens were made for it)
+# (rollout weights per completion: 12 / 23 before the agreement's checksum and check read them at each token's
+# row, where their spread on the tokens was made for the checksum, and for the check with a dozen launches)
 # (token_logprobs: 16 before the merge's finish kernel wrote its outputs as returned, NaN at a flagged token,
 # and a number tau went by value, where a CPU tensor of it was copied to the device)
 BOUND = {("grpo", False): 9, ("gtpo", False): 10, ("grpo", True): 9, ("gtpo", True): 10,
          ("grpo-packed", False): 9, ("grpo-packed", True): 9, ("token_logprobs", False): 7, ("token_logprobs", True): 7,
-         ("grpo-tau-token", False): 9, ("grpo-tau-token", True): 10}
+         ("grpo-tau-token", False): 9, ("grpo-tau-token", True): 9, ("grpo-rollout-seq", False): 9,
+         ("grpo-rollout-seq", True): 9}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2,  # validating: the status word
          ("grpo-packed", False): 1, ("grpo-packed", True): 2, ("token_logprobs", False): 1,
-         ("token_logprobs", True): 2, ("grpo-tau-token", False): 1, ("grpo-tau-token", True): 2}
+         ("token_logprobs", True): 2, ("grpo-tau-token", False): 1, ("grpo-tau-token", True): 2,
+         ("grpo-rollout-seq", False): 1, ("grpo-rollout-seq", True): 2}
 # (token_logprobs validating: its flags)
 
 
@@ -44,7 +49,7 @@ def _ranks(rank, world):
     from bench.launches_parallel import counts
     out = {}
     for i, (B, T) in enumerate(SIZES):  # (the second size without a first call: its counts equal the first's)
-        cfgs = ("grpo", "gtpo", "grpo-packed", "token_logprobs", "grpo-tau-token")
+        cfgs = ("grpo", "gtpo", "grpo-packed", "token_logprobs", "grpo-tau-token", "grpo-rollout-seq")
         rows = counts(rank, world, B, T, configs=cfgs, validates=(False,), warm=i == 0)
         rows += counts(rank, world, B, T, configs=cfgs, validates=(True,), warm=i == 0)
         out[f"{B}x{T}"] = rows

@@ -109,13 +109,15 @@ for arch in (90, 80, 100):
                                    num_warps=4)).asm.get("ptx")
     terms = {f"{a}{k}": v for k in range(6) for a, v in (("n", 4096), ("s", 1 << 60), ("p", k), ("o", k + 1))}
     assert _compile_ahead(D._row_kernel, arch, dict(x0=torch.bfloat16, w0=torch.bool, x1=i64, x2=torch.float32,
-                          w2=torch.float32, x5=torch.float32, row_ptr=i64, ids_ptr=i64, counted_ptr=torch.float32), i64,
-                          dict(terms, n_tok=32768, T=512, o_tok=9),
-                          dict(F0=3 | 8, F1=24 | 64, F2=3 | 48, F3=5 if arch == 80 else 40 | 64, F4=16,
+                          w2=torch.float32, x4=torch.float32, w4=torch.bool, x5=torch.float32, row_ptr=i64,
+                          ids_ptr=i64, counted_ptr=torch.float32), i64, dict(terms, n_tok=32768, T=512, o_tok=9),
+                          dict(F0=3 | 8, F1=24 | 64, F2=3 | 48, F3=5 if arch == 80 else 40 | 64,
+                               F4={80: 16, 90: 3 | 48 | 64 | 128, 100: 3 | 128}[arch],
                                F5=56 | 66 if arch == 100 else 32 | 64,
                                N_TERMS=6, TOKENS=True, HAS_MASK=True, CHECKS=arch != 80, BLOCK=1024,
                                num_warps=4)).asm.get("ptx")  # (checks: finite, ids alone, at least, cu_max alone,
-    # 0 or 1, cu alone or on sm_100 a temperature alone at `where`; digest_triton._add_term's F bits)
+    # 0 or 1 (sm_90: per-row weights at least 0 alone; sm_100: their checksum at the tokens), cu alone or on
+    # sm_100 a temperature alone at `where`; digest_triton._add_term's F bits)
 from gtpo_kernels.kernels import vocab_fwd_triton as F  # the forward kernel storing the slice's maximum (VP_MAX)
 from gtpo_kernels.kernels.vocab_triton import fwd_block_v
 assert _compile_ahead(F._vocab_fwd_kernel, 90, dict(logits_ptr=torch.bfloat16, ids_ptr=i64, mask_ptr=torch.bool,

@@ -267,7 +267,8 @@ def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=No
             def fail():
                 raise ValueError("rollout_is_weights must be >= 0 and finite at counted positions "
                                  "(see rollout_is_weights() for TRL's modes)")
-            if b.rollout_w_seq is None:  # per token (per completion: spread on the tokens, read at counted ones)
+            if b.rollout_w_seq is None or b.packed:  # per token, or read on the tokens (packed: spread)
                 checks.check_at_least(b.rollout_w, 0, lambda: b.counted, b.mask, fail)
-            else:
-                checks.check_on_device((b.counted & ~((b.rollout_w >= 0) & torch.isfinite(b.rollout_w))).any(), fail)
+            else:  # per completion: read where a counted token of its row reads it, never spread
+                checks.check_at_least(b.rollout_w_seq, 0, lambda: b.counted, b.mask, fail,
+                                      seg=(b.tok_shape[1], lambda: b.seg))

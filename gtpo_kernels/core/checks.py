@@ -135,11 +135,11 @@ def _any_bad(x, where, V, torch_bad):
     return torch_bad().any() if found is None else found
 
 
-def _check(x, where, kind, V, torch_bad, fail):
+def _check(x, where, kind, V, torch_bad, fail, row_length=None):
     """A value check (core.host_read.RowCheck's kinds): formed by a process group's agreement row (in_row),
     else DEVICE_ANY's one launch or torch's form ('binary'; 'cu' and 'cu_max': torch_bad() is the 0-d
     flag), read with the call's other checks."""
-    if in_row(x, where, kind, V, torch_bad, fail):
+    if in_row(x, where, kind, V, torch_bad, fail, row_length):
         return
     if kind in ("cu", "cu_max"):
         check_on_device(torch_bad(), fail)
@@ -177,15 +177,17 @@ def check_binary(x, fail):
     _check(x, None, "binary", None, lambda: (x != 0) & (x != 1), fail)
 
 
-def check_at_least(x, lo, counted, where, fail):
+def check_at_least(x, lo, counted, where, fail, seg=None):
     """Host check (validate=True only): x finite and >= lo (at counted positions when `counted` is given, as
-    check_finite's); fail() raises the error."""
+    check_finite's); fail() raises the error. seg (T, a callable making each token's row): x holds one value
+    per row of T tokens, checked where a counted token reads it."""
     made, where = _selection(counted, where)
 
     def bad():
         out = ~(torch.isfinite(x) & (x >= lo))
+        out = out if seg is None else out.reshape(-1)[seg[1]()]
         return out if counted is None else made() & out.reshape(-1)
-    _check(x, where, "atleast", lo, bad, fail)
+    _check(x, where, "atleast", lo, bad, fail, None if seg is None else seg[0])
 
 
 def check_cu_seqlens(cu_seqlens, N, malformed, fail):

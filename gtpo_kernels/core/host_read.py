@@ -23,21 +23,24 @@ class RowCheck:
     cu_seqlens, from 0 to V = N, never decreasing), 'cu_max' (no completion of x longer than V =
     max_seqlen), 'atleast' (x finite and >= V, an int, at `where`) or 'positive' (x finite and > 0 with 1 / x
     finite, at `where`: a temperature). torch_bad(): its torch form (a bool tensor, read only on the failing
-    rank)."""
-    __slots__ = ("x", "where", "kind", "V", "torch_bad")
+    rank). row_length T (not None): x holds one value per row of T tokens, checked where `where` selects a
+    token of its row (where: None or one per token)."""
+    __slots__ = ("x", "where", "kind", "V", "torch_bad", "row_length")
 
-    def __init__(self, x, where, kind, V, torch_bad):
+    def __init__(self, x, where, kind, V, torch_bad, row_length=None):
         self.x, self.where, self.kind, self.V, self.torch_bad = x, where, kind, V, torch_bad
+        self.row_length = row_length
 
 
-def in_row(x, where, kind, V, torch_bad, fail):
+def in_row(x, where, kind, V, torch_bad, fail, row_length=None):
     """Record a value check for the agreement row's kernel (True), where the enclosing one_host_read hands its
-    checks to an agreement whose row lives on x's (and where's) device; else False (the caller launches it)."""
+    checks to an agreement whose row lives on x's (and where's) device; else False (the caller launches it).
+    row_length: see RowCheck."""
     device, items = _ROW.get(), _PENDING.get()
     if device is None or items is None or x.device != device or (where is not None and where.device != device):
         return False
     items.append((RowCheck(x.detach().reshape(-1), None if where is None else where.reshape(-1), kind, V,
-                           torch_bad), lambda _value: fail()))
+                           torch_bad, row_length), lambda _value: fail()))
     return True
 
 

@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from .checks import _check, check_int_tensor, check_on_device, check_tensor
+from .checks import _check, _selection, check_int_tensor, check_on_device, check_tensor
 
 
 def _is_number(x):
@@ -71,8 +71,9 @@ def _refuse(name, bad, values, want, counted=None):
 
 
 def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=None, validate=True,
-                      dtype=torch.float32, flag=True, spread=True):
-    """tau (spec 13): a finite number > 0, or a tensor (per completion / per token) of them.
+                      dtype=torch.float32, flag=True, spread=True, where=None):
+    """tau (spec 13): a finite number > 0, or a tensor (per completion / per token) of them. counted: the
+    tokens checked, a bool tensor or (with `where`, the mask as given) a callable making it (checks._selection).
     Returns (tau: a number or a `dtype` (n,) tensor, invalid: None or an (n,) bool tensor; None too when
     validating (an invalid tau at a counted token raises, formed by a process group's agreement row) or
     neither `validate` nor `flag`: the caller's kernels flag such a tau). spread=False (with neither
@@ -89,14 +90,16 @@ def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=Non
     def invalid():  # (a float32 tau below 2.9e-39: 1 / tau is not finite)
         return ~(torch.isfinite(tau) & (tau > 0) & torch.isfinite(tau.reciprocal()))
     if validate:
+        made, where = _selection(counted, where)
+
         def bad():
-            return invalid() if counted is None else invalid() & counted
+            return invalid() if counted is None else invalid() & made()
 
         def fail():  # (none found here: a subnormal tau the device's division flushed to 0)
             k = _first(bad()) if bool(bad().any()) else None
             at = "a subnormal value" if k is None else f"flat token position {k} holds {tau[k].item()!r}"
             raise ValueError(f"temperature must be finite and > 0, with 1 / tau finite, at counted tokens; {at}")
-        _check(tau, counted, "positive", None, bad, fail)
+        _check(tau, where, "positive", None, bad, fail)
         return tau, None
     return tau, invalid()
 

@@ -155,16 +155,21 @@ _MAX_SEQLEN_AT = 1 << 40  # the position of max_seqlen's word in the cu_seqlens 
 def input_digests(b):
     """The checksums of INPUTS for a Batch, in that order (Digest fields, or _ABSENT); nothing is launched
     before the row is made. cu_seqlens and the advantages as given; max_seqlen (None: -1) as the
-    cu_seqlens field's constant word."""
+    cu_seqlens field's constant word; per-token inputs at the counted tokens, per-completion rollout
+    weights too (their spread's checksum: the same weights per token or per completion agree)."""
     cu, given = _ABSENT, b.given or {}
     if given.get("cu_seqlens") is not None:
         cu = Digest("values", _mix_int(-1 if b.max_seqlen is None else b.max_seqlen, _MAX_SEQLEN_AT) & _MASK61,
                     (given["cu_seqlens"], None))
     whole = [given["adv"] if "adv" in given else b.adv, None, None, None, b.n_conf, None, None, None]
-    counted = [None, b.old, b.ref, b.lam, None, b.rollout_w, b.rollout_logps, b.tau]
+    # (per-completion rollout weights, padded: read at each token's row, as their spread would be, never made)
+    rows = b.rollout_w_seq is not None and not b.packed
+    counted = [None, b.old, b.ref, b.lam, None, None if rows else b.rollout_w, b.rollout_logps, b.tau]
     out = [cu]
     for x, y in zip(whole, counted):
-        if x is not None:
+        if rows and x is None and y is None and len(out) == INPUTS.index("rollout_is_weights"):
+            out.append(Digest("rows", 0, (b.rollout_w_seq, b.mask, b.tok_shape[1])))
+        elif x is not None:
             out.append(Digest.values(x))
         elif y is not None:
             out.append(Digest.values(y, b.mask))  # (the mask as given; None: every token counts)
@@ -181,7 +186,8 @@ def token_fields(b):
 class Digest:
     """An agreement field formed when the row is made (nothing launched before, none for a rank that
     failed): `const` in its slot plus (mod 2**61), kind 'values', values_digest(x, where) (terms (x, where)); kind
-    'fingerprint', each tensor option's word at its position (terms [(t, pos)]); kind 'tokens',
+    'fingerprint', each tensor option's word at its position (terms [(t, pos)]); kind 'rows', values_digest
+    of x spread on rows of T tokens, at where (terms (x, where, T)); kind 'tokens',
     token_digest in three slots (terms: the Batch; the next two fields are 'filled'). Formed by the
     kernels of kernels/digest_triton (write_row: the whole row in one launch) where the tensors live on the
     row's device and Triton runs there, else by the torch forms above (`write`; bitwise equal)."""
@@ -195,8 +201,8 @@ class Digest:
         return cls("values", 0, (x, where))
 
     def _tensors(self):
-        if self.kind == "values":
-            return [t for t in self.terms if t is not None]
+        if self.kind in ("values", "rows"):
+            return [t for t in self.terms[:2] if t is not None]
         if self.kind == "fingerprint":
             return [t for t, _ in self.terms]
         if self.kind == "tokens":
@@ -215,6 +221,9 @@ class Digest:
         """The torch form's value (0-d int64 tensors; 'tokens': three)."""
         if self.kind == "values":
             return (values_digest(*self.terms) + self.const) & _MASK61
+        if self.kind == "rows":
+            x, where, T = self.terms
+            return (values_digest(x.reshape(-1).repeat_interleave(T), where) + self.const) & _MASK61
         if self.kind == "tokens":
             return token_digest(self.terms)
         digest = self.const
@@ -240,6 +249,9 @@ def write_row(fields, row, row_checks=()):
         elif f.kind == "values":
             x, where = f.terms
             jobs.append([i + 1, x, where, _size_term(x), None, None])
+        elif f.kind == "rows":
+            x, where, T = f.terms
+            jobs.append([i + 1, x, where, (x.numel() * T * _K3) % _MASK61, None, None, T])
         elif f.kind == "fingerprint":
             for k, (t, pos) in enumerate(f.terms):
                 (after if k else jobs).append([i + 1, t, None, _size_term(t), pos, None])
@@ -250,15 +262,15 @@ def write_row(fields, row, row_checks=()):
         if not kernels_on(row.device, [c.x] + ([] if c.where is None else [c.where])):
             row[:1].masked_fill_(c.torch_bad().any().to(row.device).reshape(1), 1)
             continue
-        same = c.kind not in digest_triton.BOUNDED and next((j for j in jobs if j[4] is None and j[5] is None and _same(j[1], c.x)
-                                           and _same(j[2], c.where)), None)
+        same = c.kind not in digest_triton.BOUNDED and next((j for j in jobs if j[4] is None and j[5] is None and len(j) == 6
+                                                             and _same(j[1], c.x) and _same(j[2], c.where)), None)
         if same:
             same[5] = c
         else:
             jobs.append([0, c.x, c.where, 0, None, c])
     if jobs or tokens is not None:
         digest_triton.row_terms(row, [tuple(j) for j in jobs], tokens)
-        for slot, t, _, size, pos, _ in after:
+        for slot, t, _, size, pos, _, *_ in after:
             digest_triton.terms(row, slot, t, None, size, pos)
 
 

@@ -51,24 +51,27 @@ def _word(x_ptr, o, inb, IS_FLOAT: tl.constexpr):
 
 @triton.jit
 def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE: tl.constexpr, FP: tl.constexpr,
-          BLOCK: tl.constexpr, CHECK: tl.constexpr = 0, SUM: tl.constexpr = True):
+          BLOCK: tl.constexpr, CHECK: tl.constexpr = 0, SUM: tl.constexpr = True, PER_ROW: tl.constexpr = False):
     """A tensor's term: values_digest's sum with its size word, or, FP, the option word mix(W, pos); and
     whether any selected value fails CHECK (0 none, 1 not finite, 2 neither 0 nor 1; then with size_term
     the check's bound and SUM off, no term: 3 outside [0, size_term), 4 cu_seqlens not from 0 to
     size_term = N or decreasing, 5 a completion of cu_seqlens longer than size_term = max_seqlen, 6 not
-    finite or below size_term, 7 not finite and > 0 with 1 / x finite)."""
+    finite or below size_term, 7 not finite and > 0 with 1 / x finite). PER_ROW (not FP): x holds one value
+    per row of pos tokens, read at n tokens (where's), token o at x[o // pos], as its spread on them."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     acc = tl.zeros([BLOCK], tl.int64)
     bad = tl.zeros([BLOCK], tl.int32)
     for start in range(0, n, BLOCK):
         o = start + lanes
         inb = o < n
+        xo = o // pos if PER_ROW else o
         if SUM:
-            h = _mix(_word(x_ptr, o, inb, IS_FLOAT), o)
+            h = _mix(_word(x_ptr, xo, inb, IS_FLOAT), o)
         if HAS_WHERE:
             inb = inb & (tl.load(where_ptr + o, mask=inb, other=0) != 0)
         if SUM:
             acc += tl.where(inb, h, 0)
+        o = xo
         if CHECK == 1:
             v = tl.load(x_ptr + o, mask=inb, other=0).to(tl.float64)
             bad = bad | (inb & ((tl.abs(v) < float("inf")) == 0)).to(tl.int32)  # (NaN too)
@@ -106,9 +109,9 @@ def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE
 @triton.jit
 def _add_term(out_ptr, x_ptr, where_ptr, n, size_term, pos, F: tl.constexpr, BLOCK: tl.constexpr):
     """out += the term (mod 2**61) -> whether a selected value failed the check; F's bits: 1 IS_FLOAT,
-    2 HAS_WHERE, 4 FP, 8 k the check (_term's CHECK k, 1 to 7), 64 no term (a check alone)."""
+    2 HAS_WHERE, 4 FP, 8 k the check (_term's CHECK k, 1 to 7), 64 no term (a check alone), 128 PER_ROW."""
     term, bad = _term(x_ptr, where_ptr, n, size_term, pos, (F & 1) != 0, (F & 2) != 0, (F & 4) != 0, BLOCK,
-                      (F // 8) % 8, (F & 64) == 0)
+                      (F // 8) % 8, (F & 64) == 0, (F & 128) != 0)
     if (F & 64) == 0:
         tl.store(out_ptr, (tl.load(out_ptr) + term) & MASK61)
     return bad
@@ -203,22 +206,27 @@ V_LIMIT = 1 << 62  # a range check's V = inf, as an int64 bound no id reaches
 
 def row_terms(row, jobs, tokens=None):
     """A row's checksums in one launch of _row_kernel per SLOTS terms (the tokens' with the first): jobs
-    [(slot, x, where, size_term, pos, check)] at distinct slots, as `terms` takes them, check None or a
-    core.host_read.RowCheck of x at where (its kind; slot 0: the check alone, no term); tokens None or
+    [(slot, x, where, size_term, pos, check[, T])] at distinct slots, as `terms` takes them, check None or a
+    core.host_read.RowCheck of x at where (its kind; slot 0: the check alone, no term), T (or the check's
+    row_length): x holds one value per row of T tokens, read at each token (_term's PER_ROW); tokens None or
     (slot, ids, counted, T): the mask as given (nonzero counts; None: every token), T the rows' length
     (digest.token_row_length)."""
     for i in range(0, max(len(jobs), 1), SLOTS):
         part, args, flags = jobs[i:i + SLOTS], [], {}
         for k in range(SLOTS):
             if k < len(part):
-                slot, x, where, size_term, pos, check = part[k]
+                slot, x, where, size_term, pos, check, *rows = part[k]
                 flat, w = _flat_term(x, where)
                 f = int(flat.dtype.is_floating_point) | 2 * (where is not None) | 4 * (pos is not None)
+                n = flat.numel()
                 if check is not None:
                     f |= CHECK_BITS[check.kind] | (64 if slot == 0 else 0)
                     if check.kind in BOUNDED:
                         size_term = V_LIMIT if check.V == float("inf") else int(check.V)
-                args += [flat, w, flat.numel(), size_term, 0 if pos is None else pos, slot]
+                    rows = rows or ([] if check.row_length is None else [check.row_length])
+                if rows:  # (x one value per row of T tokens, read at n tokens)
+                    f, pos, n = f | 128, rows[0], flat.numel() * rows[0]
+                args += [flat, w, n, size_term, 0 if pos is None else pos, slot]
                 flags[f"F{k}"] = f
             else:
                 args += [row, row, 0, 0, 0, 0]

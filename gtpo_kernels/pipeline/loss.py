@@ -188,8 +188,8 @@ def call_temperature(temperature, b, dtype, validate, in_kernels=False, spread=T
     unchecked = in_kernels and not validate  # the derived batch fields are then never formed (no launch)
     cu = b.given["cu_seqlens"] if unchecked else b.cu_seqlens  # (malformed: the kernels make everything NaN)
     tau, bad = check_temperature(temperature, b.B, T, b.given["ids"].numel(), b.given["ids"].device, cu,
-                                 None if unchecked else b.counted, validate, dtype, flag=not unchecked,
-                                 spread=spread or not unchecked)
+                                 None if unchecked else (lambda: b.counted), validate, dtype, flag=not unchecked,
+                                 spread=spread or not unchecked, where=b.mask)  # (the mask as given)
     return tau if bad is None else torch.where(bad, torch.full_like(tau, float("nan")), tau)
 
 
