@@ -511,6 +511,13 @@ MUTANTS = [
       "spread=spread or not unchecked, where=None)",
       "a per-token temperature's check on a split vocabulary reads every token, counted or not",
       tests=["test_parallel_temperature"]),
+    M("L62", "api/linear.py", "        with checks.one_host_read(defer=agree.deferred(g, hidden)):\n            b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages,",
+      "        with checks.one_host_read():\n            b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages,",
+      "the split head's value checks launch and read on their own, not in the agreement's row",
+      tests=["test_parallel_head_epilogue"]),
+    M("L63", "api/linear.py", "with checks.one_host_read(defer=agree.deferred(g, hidden)):  # (as in linear_gtpo_loss)",
+      "with checks.one_host_read():  # (as in linear_gtpo_loss)",
+      "split linear_token_logprobs' value checks launch and read on their own", tests=["test_parallel_launches"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

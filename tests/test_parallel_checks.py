@@ -9,13 +9,14 @@ makes every rank raise the same error naming that rank, chained on it to the che
 check made, when two fail); a bad value where the mask drops the token is no error, and the loss is the
 clean call's on every rank; unvalidated, a malformed cu_seqlens gives NaN at every counted output and
 gradient row of every rank (a masked-out token's 0 and no gradient, as one process gives), and token_logprobs gives NaN at a flagged counted token (a NaN logit in one
-slice, an id outside the vocabulary) and 0 where masked, as one process on the whole vocabulary does."""
+slice, an id outside the vocabulary) and 0 where masked, as one process on the whole vocabulary does. The LM
+head's calls (linear_gtpo_loss, linear_token_logprobs) hand their value checks to the agreement alike."""
 import pytest
 import torch
 import torch.distributed as dist
 
 from gloo import run_ranks
-from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
+from gtpo_kernels import GTPOConfig, gtpo_loss, linear_gtpo_loss, linear_token_logprobs, token_logprobs
 
 SIZES = [20, 17]
 B, T, V = 4, 5, 37
@@ -45,6 +46,8 @@ def _scenarios(rank, bad):
     x, ids, mask, adv, old = _data()
     sl = slice(sum(SIZES[:rank]), sum(SIZES[:rank + 1]))
     xs, me, pg = x[..., sl], rank == bad, dist.group.WORLD
+    h = torch.randn(B, T, 8, generator=torch.Generator().manual_seed(5))
+    hw = torch.randn(V, 8, generator=torch.Generator().manual_seed(6))[sl]  # this rank's rows of the head
     official = GTPOConfig(loss_agg="gtpo-official")
     lam, n_conf = torch.rand(B, T, generator=torch.Generator().manual_seed(2)) + 0.5, torch.tensor([1.0, 2, 1, 3])
 
@@ -134,6 +137,14 @@ def _scenarios(rank, bad):
         "packed_malformed_unvalidated": (lambda: packed(c=torch.tensor([0, 5, 4, 15, 19]), validate=False), True),
         "logprobs_flagged_unvalidated": (lambda: logprobs_flagged("triton"), True),
         "logprobs_flagged_unvalidated_torch": (lambda: logprobs_flagged("torch"), True),
+        # the LM head: its value checks ride on the agreement's read too
+        "linear_advantage_nan": (lambda: float(linear_gtpo_loss(h, hw, ids, _edit(adv, 2, nan, me), mask, group_size=2,
+                                                                old_logps=old, config="grpo", backend="triton",
+                                                                process_group=pg).loss),
+                                 "advantages must be finite; flat position 2 holds nan"),
+        "linear_logprobs_mask_value_2": (lambda: float(linear_token_logprobs(h, hw, ids, 1.0, _edit(mask, (1, 1), 2, me),
+                                                                             backend="triton", process_group=pg)[0].sum()),
+                                         "completion_mask must hold only 0 and 1"),
         "logprobs_id_negative": (lambda: float(token_logprobs(xs, _edit(ids, (0, 0), -1, me), 1.0, mask,
                                                               backend="triton", process_group=pg)[0].sum()),
                                  "flat position 0 holds -1"),

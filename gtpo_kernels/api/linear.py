@@ -83,7 +83,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         extras = dict(old_logps=old_logps, ref_logps=ref_logps, lam=lam, n_conf=n_conf,
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
         dt = float_dtype_for(hidden)
-        with checks.one_host_read():  # the arguments' value checks read on the host together, once
+        # the arguments' value checks read on the host together, once; with a group, by the agreement's read
+        with checks.one_host_read(defer=agree.deferred(g, hidden)):
             b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens,
                                        max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
                                        temperature, head_dtype, batch_invariant)
@@ -138,7 +139,7 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
         if not api._per_token_tau(temperature):
             temperature = api._with_temperature(GTPOConfig(), temperature).temperature  # validates it
         host = checks.host_checks(validate)
-        with checks.one_host_read():  # the arguments' value checks read on the host together, once
+        with checks.one_host_read(defer=agree.deferred(g, hidden)):  # (as in linear_gtpo_loss)
             b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
                                        max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
                                        temperature, head_dtype, batch_invariant)
