@@ -80,7 +80,7 @@ class LaunchCounter(TorchDispatchMode):
             self.creations += 1
         if not self.in_read and (name in HOST_READ_OPS or _sync_index(name, args, kwargs)):
             self.reads[f"aten.{name}"] += 1
-        if func.is_view or name in NO_LAUNCH or name in HOST_READ_OPS:
+        if func.is_view or name in NO_LAUNCH:  # (a read that computes, nonzero or bincount, launches too)
             return out
         self.ops[name] += 1
         return out

@@ -168,20 +168,25 @@ def test_zero_rows_skip_the_gradient_gemms(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["zero_adv", "zero_adv_split", "conflict_token", "conflict_split",
-                                  "conflict_sequence", "kl"])
+@pytest.mark.parametrize("case", ["zero_adv", "zero_adv_split", "zero_adv_masked", "conflict_token",
+                                  "conflict_split", "conflict_sequence", "kl"])
 def test_fused_skips_rows_known_to_have_no_gradient(monkeypatch, backend, case):
     """Fused schedule: rows whose coefficient is 0 before any logit is read skip the gradient kernel and
     GEMMs (counted while planning, no extra host read): a completion with A = 0 and no shaping; with w_neg = 0, a
     conflict token of a negative completion at the token level. Not at the sequence level (gspo: the
-    ratio spreads over the completion) nor with a KL term. Gradients equal the recompute schedule's."""
+    ratio spreads over the completion) nor with a KL term; masked: a token masked out in a live and in a
+    dead completion (the plan reads each counted row's liveness at its token). Gradients equal the
+    recompute schedule's."""
     h, w, ids, mask, adv = _long_batch(T=6)
     mask[:] = True
+    if case == "zero_adv_masked":  # a token masked out in a dead completion and in a live one
+        mask[0, 2] = mask[1, 3] = False
     ids[1, :4] = ids[0, :4]  # completions 0 (A > 0) and 1 (A < 0) share 4 tokens: conflict tokens
     ref, rows = None, 12
     if case.startswith("zero_adv"):  # split: tiles of 4 rows, a completion (6) spans two (token-local c)
-        adv = torch.tensor([1.0, -1.0, 0.0, 0.0])
-        cfg, skipped, rows = GTPOConfig.preset("grpo"), 2 * 6, 4 if case == "zero_adv_split" else 12
+        dead = [0, 2] if case == "zero_adv_masked" else [2, 3]  # (masked: dead, live, dead, live)
+        adv = torch.tensor([0.0, 1.0, 0.0, -1.0] if case == "zero_adv_masked" else [1.0, -1.0, 0.0, 0.0])
+        cfg, skipped, rows = GTPOConfig.preset("grpo"), int(mask[dead].sum()), 4 if case == "zero_adv_split" else 12
     elif case == "kl":
         adv = torch.tensor([1.0, -1.0, 0.0, 0.0])
         ref = -torch.rand(4, 6, generator=torch.Generator().manual_seed(2)) * 3
@@ -198,11 +203,11 @@ def test_fused_skips_rows_known_to_have_no_gradient(monkeypatch, backend, case):
     assert got["fused"][1].abs().sum() > 0
     assert_grad_close("grad hidden", got["fused"][0], got["recompute"][0], 1e-6)
     assert_grad_close("grad weight", got["fused"][1], got["recompute"][1], 1e-6)
-    N = mask.numel()
+    N = int(mask.sum())
     _, _, proj_f, grad_f = got["fused"]
     assert sum(proj_f) == N and sum(grad_f) == N - skipped, (proj_f, grad_f)
     if skipped:
-        assert int((got["fused"][0] == 0).all(-1).sum()) == skipped
+        assert int((got["fused"][0] == 0).all(-1).sum()) == skipped + mask.numel() - N
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

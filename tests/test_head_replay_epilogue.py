@@ -82,13 +82,14 @@ def test_head_over_recorded_sets_unvalidated_launches_flat_in_tokens():
     """linear_gtpo_loss over recorded kept sets, unvalidated on Triton, one union tile: the sets checked on
     the device (two launches, kernels/set_check_triton.py), every tile's union formed at once, once a call
     (five launches, kernels/tile_union_triton.py: the backward takes the forward's tiles and unions), the
-    same count at two batch sizes: at most 68 as counted (75 with the plan and unions formed again in the
+    same count at two batch sizes: at most 69 as counted (nonzero, which lists the counted rows, counted as a
+    launch too: 68 before the counter counted it; 75 with the plan and unions formed again in the
     backward, 78 with a sort and its host read per tile and pass; 165 with the checks' small ops), one copy
     of the tiles' starts to the device, and no host read beyond the counted rows, the tiles' plan, the
     unions' sizes and the backward's one read of the saved plan."""
     small, large = _head_sets_count(4, 3), _head_sets_count(6, 5)
     assert small == large, (small, large)
-    assert small[4] == 1 and small[0] <= 68, small
+    assert small[4] == 1 and small[0] <= 69, small
     assert small[1]["_flat_offsets_kernel"] == 1 and small[1]["_set_problems_kernel"] == 1, small
     assert small[1]["_keys_kernel"] == 1 and small[1]["_columns_kernel"] == 1 and small[2] == 1, small
     import inspect
@@ -138,5 +139,5 @@ def test_head_with_rules_rebuilds_its_sets_in_two_kernels_flat_in_tokens():
 
     small, large = count(4, 3, True), count(6, 5, False)  # (the second without a first call: the same counts)
     assert small == large, (small, large)
-    assert small[0] <= 86 and small[2] <= 5, small
+    assert small[0] <= 87 and small[2] <= 5, small  # (86 before the counter counted nonzero as a launch)
     assert small[1]["_kept_rule_kernel"] == 1 and small[1]["_kept_ids_kernel"] == 1, small

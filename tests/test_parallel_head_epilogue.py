@@ -141,7 +141,7 @@ def test_the_head_on_a_split_vocabulary_runs_the_epilogue_and_equals_one_process
         assert t1 > t2, n
         # host reads flat in tiles: the agreement's, the tiles' plan (recompute: its backward's rows too), the
         # status word (validated)
-        assert r1 == r2 == (6 if schedule == "recompute" else 5), n
+        assert r1 == r2 == (4 if schedule == "recompute" else 3), n
         # the loss math once per call, and on each fused tile for its own completions
         assert (e1, e2) == ((1, 1) if schedule == "recompute" else (t1 + 1, t2 + 1)), n
         assert more - fewer <= 10 * (t1 - t2) and more <= bound, (schedule, masked, n)  # <= 10 launches a tile
@@ -155,5 +155,8 @@ def test_the_head_on_a_split_vocabulary_runs_the_epilogue_and_equals_one_process
 # into the call's rows and the tile's ids and per-token inputs gathered: 141 / 92 / 118 / 118 launches, about
 # 12 a recompute tile masked and 20 a fused tile; 236 for the first before the epilogue ran on a split vocabulary;
 # validated, as counted here, 85 / 78 / 77 / 77 before the value checks rode on the agreement's read, formed by its
-# row's kernel, where 3 launches and a stack formed them and a host read of their own read them)
-BOUNDS = {("recompute", "masked"): 80, ("recompute", "all"): 73, ("fused", "masked"): 72, ("fused", "all"): 72}
+# row's kernel, where 3 launches and a stack formed them and a host read of their own read them; then 80 / 73 /
+# 72 / 72, with 6 / 6 / 5 / 5 host reads, before the plan listed the counted rows in a size the host knows after
+# one read of the rows per completion, where nonzero and bincount read the device each (2 reads more), and
+# before the counter counted such reads that compute (nonzero, bincount, the flags' largest) as launches too)
+BOUNDS = {("recompute", "masked"): 83, ("recompute", "all"): 76, ("fused", "masked"): 76, ("fused", "all"): 76}

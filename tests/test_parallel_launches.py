@@ -33,18 +33,21 @@ SIZES = ((4, 5), (8, 6))
 # (rollout weights per completion: 12 / 23 before the agreement's checksum and check read them at each token's
 # row, where their spread on the tokens was made for the checksum, and for the check with a dozen launches)
 # (linear_token_logprobs, one tile: 26 before the kernels wrote NaN at a flagged token and kept the masked-out
-# tokens' zeros; validating 19 and 6 host reads before its value checks rode on the agreement's read)
+# tokens' zeros; validating 19 and 6 host reads before its value checks rode on the agreement's read; 4 / 5 reads
+# before its plan listed the counted rows in a size the host knows (nonzero_static after the one read of the rows
+# per completion, where nonzero and bincount read the device each), counted 18 / 19 launches then, when the counter
+# did not count those two as launches; validated, the flags' read is one launch, counted since)
 # (token_logprobs: 16 before the merge's finish kernel wrote its outputs as returned, NaN at a flagged token,
 # and a number tau went by value, where a CPU tensor of it was copied to the device)
 BOUND = {("grpo", False): 9, ("gtpo", False): 10, ("grpo", True): 9, ("gtpo", True): 10,
-         ("grpo-packed", False): 9, ("grpo-packed", True): 9, ("token_logprobs", False): 7, ("token_logprobs", True): 7,
+         ("grpo-packed", False): 9, ("grpo-packed", True): 9, ("token_logprobs", False): 7, ("token_logprobs", True): 8,
          ("grpo-tau-token", False): 9, ("grpo-tau-token", True): 9, ("grpo-rollout-seq", False): 9,
-         ("grpo-rollout-seq", True): 9, ("linear_token_logprobs", False): 18, ("linear_token_logprobs", True): 18}
+         ("grpo-rollout-seq", True): 9, ("linear_token_logprobs", False): 20, ("linear_token_logprobs", True): 21}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2,  # validating: the status word
          ("grpo-packed", False): 1, ("grpo-packed", True): 2, ("token_logprobs", False): 1,
          ("token_logprobs", True): 2, ("grpo-tau-token", False): 1, ("grpo-tau-token", True): 2,
          ("grpo-rollout-seq", False): 1, ("grpo-rollout-seq", True): 2,
-         ("linear_token_logprobs", False): 4, ("linear_token_logprobs", True): 5}  # (the head: its plan's 3 more)
+         ("linear_token_logprobs", False): 2, ("linear_token_logprobs", True): 3}  # (the head: its plan's one more)
 # (token_logprobs validating: its flags)
 
 

@@ -69,7 +69,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
               slice boundary is a multiple of gtpo_kernels.VOCAB_BLOCK (refused otherwise). Not yet with
               kept sets or the reference backend (refused).
     Under torch.autocast the head computes in its inputs' dtypes (autocast is off inside).
-    Host reads: planning the tiles (the counted rows and their number per completion; the recompute
+    Host reads: planning the tiles (the number of counted rows per completion, one read; the recompute
     backward: the rows with a gradient), and validating, the flags once after the tiles.
     """
     with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)

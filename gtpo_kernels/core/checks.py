@@ -294,10 +294,11 @@ def check_unused_group_size(group_size, B, cfg, config):
 
 
 def raise_on_flags(bad, tok_shape):
-    """Host-side report of the forward kernel's per-token flags (validate=True only)."""
-    nz = bad.nonzero()
-    if nz.numel() == 0:
+    """Host-side report of the forward kernel's per-token flags (validate=True only): one read, of the
+    largest flag (a reduction), and only when one is set the position's."""
+    if bad.numel() == 0 or not int(bad.amax()):
         return
+    nz = bad.nonzero()
     k = int(nz[0, 0])
     where = tuple(int(v) for v in torch.unravel_index(torch.tensor(k), tok_shape))
     f = int(bad[k])

@@ -1,9 +1,9 @@
 """The fused LM head's tile plans (spec 11): tiles over the counted rows, the rows' order, the rows known
 to have no gradient before any logit is read, and the recompute backward's rows.
 
-Planning reads the counted rows and their number per completion on the host (2 syncs a pass; the
-fused schedule's count of rows known to have no gradient comes with the second; the recompute backward
-reads the rows with a nonzero coefficient, 1 sync); nothing inside the tile loops reads the device.
+Planning reads the number of counted rows per completion on the host (1 sync a pass; the fused
+schedule's count of rows known to have no gradient comes with it; the recompute backward reads the rows
+with a nonzero coefficient, 1 sync); nothing inside the tile loops reads the device.
 """
 from __future__ import annotations
 
@@ -49,19 +49,23 @@ def plan(counts, per_tile, whole):
 def plan_rows(opts, t, skip):
     """(rows, counted rows per completion (device), tiles, live rows per tile or None). skip: the fused
     schedule's gradient (whole completions a tile), whose rows known to have c = e = 0 (prior_live) are
-    put last in their tile; their number per completion is read with the counts (2 syncs in all, one
-    more only when a completion spans tiles: token-local coefficients and a completion over a tile)."""
-    rows = t.counted.nonzero().squeeze(1)  # sync: the rows projected
-    seg = t.seg[rows]
-    counts_dev = torch.bincount(seg, minlength=opts.B)
-    live = prior_live(opts, t, rows, seg) if skip else None
-    if live is None:
+    put last in their tile; their number per completion is read with the counts (1 sync in all, one
+    more only when a completion spans tiles: token-local coefficients and a completion over a tile). The
+    counted rows are then listed in a size the host knows (nonzero_static: no sync)."""
+    dev, B, counted = t.counted.device, opts.B, t.counted
+    counts_dev = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, t.seg, counted.long())
+    live_all = prior_live(opts, t, None, t.seg) if skip else None  # (at every token: read at the rows below)
+    if live_all is None:
         counts = counts_dev.tolist()  # sync: the tiles
+    else:
+        per_c = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, t.seg, (live_all & counted).long())
+        both = torch.cat([counts_dev, per_c]).tolist()  # sync: the tiles
+        counts, per_c = both[:B], both[B:]
+    n = sum(counts)
+    rows = torch.nonzero_static(counted, size=n).squeeze(1)  # the rows projected, in order
+    if live_all is None:
         return rows, counts_dev, plan(counts, opts.per_tile, opts.fused), None
-    dev, n, B = rows.device, rows.numel(), opts.B
-    per_c = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, seg, live.long())
-    both = torch.cat([counts_dev, per_c]).tolist()  # sync: the tiles
-    counts, per_c = both[:B], both[B:]
+    live = live_all[rows]
     tiles = plan(counts, opts.per_tile, True)
     sizes = torch.tensor([k.e - k.s for k in tiles], dtype=torch.long, device=dev)
     tile = torch.repeat_interleave(torch.arange(len(tiles), device=dev), sizes, output_size=n)
@@ -79,7 +83,7 @@ NOT_PROPORTIONAL_TO_A = ("dro", "kl-cov")
 
 
 def prior_live(opts, t, rows, seg):
-    """The rows (of completions `seg`) whose c, e may be nonzero, as far as is known before any logit is
+    """The rows (of completions `seg`; rows None: every token) whose c, e may be nonzero, as far as is known before any logit is
     read (None: all). c is the policy term's unless a KL term or an entropy bonus adds to it, and every
     policy multiplies it by lambda_j and, but dro and kl_cov (NOT_PROPORTIONAL_TO_A), by Ahat_i: Ahat_i = 0
     when A_i = 0 without shaping (gamma = 0);
@@ -96,7 +100,7 @@ def prior_live(opts, t, rows, seg):
     if not _nonzero(cfg.entropy_penalty) and cfg.policy_loss not in NOT_PROPORTIONAL_TO_A:
         live = _or(x.adv[seg] != 0, cfg.entropy_penalty)  # NaN counts as live
     if x.lam is not None and not cfg.sequence_term:  # (GSPO's ratio, geo_mean's mean: over the completion)
-        on = x.lam[rows] != 0
+        on = (x.lam if rows is None else x.lam[rows]) != 0
         live = on if live is None else live & on
     if live is None:
         return None
