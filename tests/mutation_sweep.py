@@ -527,6 +527,8 @@ MUTANTS = [
     M("L66", "core/checks.py", "if bad.numel() == 0 or not int(bad.amax()):", "if bad.numel() == 0 or not int(bad[0]):",
       "validating, a flagged token raises only when it is the first",
       tests=["test_host_reads", "test_linear", "test_head_defects", "test_defects_round2"]),
+    M("L67", "core/host_read.py", 'if isinstance(failed, RowCheck) and failed.kind == "positive" and _subnormal(failed):',
+      "if False:", "a subnormal temperature the device flagged is not named", tests=["test_digest"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

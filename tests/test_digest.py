@@ -280,3 +280,32 @@ def test_per_row_values_and_checks_equal_their_spread(seed):
             digest.write_row([], row, [RowCheck(bad_w, where, "atleast", 0, lambda: torch_bad, row_length=T)])
             assert row.tolist() == [int(expect), 0], (k, where is None, row)
             assert expect == (where is None or bool(mask[k].any())), k  # (row 1: every token masked out)
+
+
+@pytest.mark.parametrize("where", ["none", "counted", "masked_out"])
+def test_a_flushed_subnormal_temperature_is_named(where):
+    """A device that flushes float32 subnormals to 0 finds 1 / tau not finite for tau = 3e-39, where torch's
+    form on the host finds it finite: when the agreement row says a check failed and no torch form does, the
+    failing rank names the subnormal temperature (not 'its host check passed'), where one is selected; else
+    nothing is named here (the agreement then reports the device-only failure). Simulated: the deferred
+    block's checks as the agreement receives them."""
+    from gtpo_kernels.core import host_read
+    from gtpo_kernels.core.sampling import check_temperature
+    tau = torch.tensor([[0.7, 3e-39, 1.0]])
+    mask = torch.tensor([[1, 0 if where == "masked_out" else 1, 1]])
+    got = {}
+
+    class Defer:
+        row_device = tau.device
+
+        def __call__(self, failed, raise_first, row_checks):
+            got.update(raise_first=raise_first, checks=row_checks)
+    with host_read.one_host_read(defer=Defer()):
+        check_temperature(tau, 1, 3, 3, tau.device, counted=None if where == "none" else (lambda: mask.reshape(-1) != 0),
+                          validate=True, where=None if where == "none" else mask)
+    assert [c.kind for c in got["checks"]] == ["positive"] and not bool(got["checks"][0].torch_bad().any())
+    if where == "masked_out":
+        got["raise_first"]()  # (no selected subnormal: nothing named)
+    else:
+        with pytest.raises(ValueError, match="temperature must be finite and > 0.*a subnormal value"):
+            got["raise_first"]()

@@ -85,11 +85,26 @@ def one_host_read(defer=None):
 
 
 def _raise_first(items):
-    """The first of a deferred block's checks that failed raises its error (each flag read in turn)."""
+    """The first of a deferred block's checks that failed raises its error (each flag read in turn). Where
+    none fails on the host although the row's kernel flagged one, a 'positive' check (a temperature) holding
+    a subnormal value at a selected position raises its error: a device that flushes subnormals to 0
+    finds 1 / tau not finite there."""
     for failed, fail in items:
         value = (failed.torch_bad().any() if isinstance(failed, RowCheck) else failed).reshape(()).tolist()
         if value:
             fail(value)
+    for failed, fail in items:
+        if isinstance(failed, RowCheck) and failed.kind == "positive" and _subnormal(failed):
+            fail(1)
+
+
+def _subnormal(c):
+    """Whether a RowCheck's x holds a subnormal float at a position its `where` selects."""
+    x = c.x
+    if not x.dtype.is_floating_point:
+        return False
+    sub = (x != 0) & (x.abs() < torch.finfo(x.dtype).tiny)
+    return bool((sub if c.where is None else sub & (c.where != 0)).any())
 
 
 def read_once(fn):

@@ -262,8 +262,9 @@ def write_row(fields, row, row_checks=()):
         if not kernels_on(row.device, [c.x] + ([] if c.where is None else [c.where])):
             row[:1].masked_fill_(c.torch_bad().any().to(row.device).reshape(1), 1)
             continue
-        same = c.kind not in digest_triton.BOUNDED and next((j for j in jobs if j[4] is None and j[5] is None and len(j) == 6
-                                                             and _same(j[1], c.x) and _same(j[2], c.where)), None)
+        same = (c.kind not in digest_triton.BOUNDED and c.row_length is None  # (a check on rows: a term of its own)
+                and next((j for j in jobs if j[4] is None and j[5] is None and len(j) == 6 and _same(j[1], c.x)
+                          and _same(j[2], c.where)), None))
         if same:
             same[5] = c
         else:
