@@ -529,6 +529,9 @@ MUTANTS = [
       tests=["test_host_reads", "test_linear", "test_head_defects", "test_defects_round2"]),
     M("L67", "core/host_read.py", 'if isinstance(failed, RowCheck) and failed.kind == "positive" and _subnormal(failed):',
       "if False:", "a subnormal temperature the device flagged is not named", tests=["test_digest"]),
+    M("L68", "pipeline/head_replay.py", "p.vp.V_max, off_host)  # (else a sync: the tiles)",
+      "p.vp.V_max, None)  # (else a sync: the tiles)",
+      "the recorded sets' offsets read again for the plan (a host read more)", tests=["test_head_replay_epilogue"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -112,20 +112,32 @@ def state(hidden, weight, bias, ids, counted, tau, o, pos=None):
                                  columns=None if o.vp is None else types.SimpleNamespace(group=o.vp.group, start=0))
 
 
-def with_sets(p, token_ids, flat, invalid):
+def counted_with_offsets(counted, flat):
+    """The counted rows (M,) and, on the host, their sets' offsets (M + 1 ints, as with_sets forms them on
+    the device), in one host read of the mask and the flat offsets (n + 1,); the rows are then listed in the
+    size the host knows (nonzero_static: no read more)."""
+    c = counted.reshape(-1)
+    n = c.numel()
+    host = torch.cat([(c if c.dtype == torch.bool else c != 0).to(flat.dtype), flat]).tolist()  # sync: the rows, tiles
+    at = [i for i in range(n) if host[i]]
+    return torch.nonzero_static(c, size=len(at)).squeeze(1), [host[n + i] for i in at] + [host[-1]]
+
+
+def with_sets(p, token_ids, flat, invalid, off_host=None):
     """p with the counted tokens' kept sets, given in the flat layout (token_ids, offsets (n + 1,) with an
     uncounted token's set empty, invalid (n,) or None), and the union tiles planned on them (a host read
-    of the offsets)."""
+    of the offsets, unless `off_host` gives them: counted_with_offsets)."""
     p.token_ids = token_ids
     p.offsets = torch.cat([flat[p.pos], flat[-1:]])
     p.invalid = None if invalid is None else invalid[p.pos]
-    _plan(p, p.head.weight.shape[0] if p.vp is None else p.vp.V_max)  # sync: the tiles
+    _plan(p, p.head.weight.shape[0] if p.vp is None else p.vp.V_max, off_host)  # (else a sync: the tiles)
     return p
 
 
-def _plan(p, V):
-    """p's union tiles, planned from its sets' offsets (a host read), and their bounds in the kept ids."""
-    p.off_host = p.offsets.tolist()  # sync: the tiles
+def _plan(p, V, off_host=None):
+    """p's union tiles, planned from its sets' offsets (a host read, unless given), and their bounds in the
+    kept ids."""
+    p.off_host = p.offsets.tolist() if off_host is None else off_host  # sync: the tiles
     p.tiles = plan_union([e - s for s, e in zip(p.off_host[:-1], p.off_host[1:])], V, p.per_entry, p.budget)
     p.kb = [p.off_host[m0] for m0, _ in p.tiles] + [p.off_host[-1]]
 

@@ -91,10 +91,12 @@ def head_replay_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids:
                     min_p: Optional[Tensor], key: str, need_plan: bool) -> List[Tensor]:
     o = _OPTIONS[key]
     n = counted.numel()
-    p = hr.state(hidden, weight, bias, ids, counted, tau, o)
+    # the recorded sets: the counted rows and the sets' offsets read in one (else the rows read alone)
+    pos, off_host = (None, None) if token_ids is None else hr.counted_with_offsets(counted, flat)
+    p = hr.state(hidden, weight, bias, ids, counted, tau, o, pos=pos)
     p.with_plan = need_plan
     if token_ids is not None:  # the recorded sets
-        hr.with_sets(p, token_ids, flat, invalid)
+        hr.with_sets(p, token_ids, flat, invalid, off_host)
         sets = [token_ids.new_empty(0), token_ids.new_empty(0), counted.new_empty(0)]
     else:  # the rules: the sets rebuilt in the forward's tiles
         p.rules = tuple(at(num if t is None else t, p.pos) for t, num in zip((top_k, top_p, min_p), o.rules))
