@@ -41,6 +41,15 @@ def _edit(t, idx, v, me):
     return t
 
 
+def _refused(call, text):
+    """Whether call() raises a ValueError holding `text` (a disagreement: the same on every rank, no cause)."""
+    try:
+        call()
+    except ValueError as e:
+        return text in str(e)
+    return False
+
+
 def _scenarios(rank, bad):
     """name -> (call, the text of the bad rank's own error, or None: no error, the clean loss)."""
     x, ids, mask, adv, old = _data()
@@ -110,6 +119,8 @@ def _scenarios(rank, bad):
         # the same weights in another form, or different only where nothing is counted: no disagreement
         "rollout_seq_differs_at_a_masked_completion": (lambda: loss(m=_edit(mask, 2, 0, True), rollout_is_weights=_edit(
             torch.ones(B, 1), 2, 3.0, me)), None),
+        "rollout_seq_differs_at_a_counted_completion": (lambda: _refused(lambda: loss(rollout_is_weights=_edit(
+            torch.ones(B, 1), 1, 3.0, me)), "disagree on rollout_is_weights"), True),
         "rollout_seq_and_token_forms": (lambda: loss(rollout_is_weights=torch.full((B, 1), 0.5) if me else
                                                      torch.full((B, T), 0.5)), None),
         "rollout_b_and_b1_at_t1": (lambda: float(gtpo_loss(xs[:, :1], ids[:, :1], adv, _edit(mask[:, :1], 2, 0, True),

@@ -30,6 +30,8 @@ SIZES = ((4, 5), (8, 6))
 # checked by a dozen launches and made NaN where invalid; its kernels NaN such a token themselves. Validating:
 # 28 before the agreement row's kernel checked it, RowCheck 'positive'; 10 before it read the mask as given,
 # where the counted tokens were made for it)
+# (a temperature per completion: 10 unvalidated before the kernels read it at each token's row (padded), where
+# it was spread on the tokens; validating it is still spread, for its check: 10)
 # (rollout weights per completion: 12 / 23 before the agreement's checksum and check read them at each token's
 # row, where their spread on the tokens was made for the checksum, and for the check with a dozen launches)
 # (linear_token_logprobs, one tile: 26 before the kernels wrote NaN at a flagged token and kept the masked-out
@@ -42,12 +44,14 @@ SIZES = ((4, 5), (8, 6))
 BOUND = {("grpo", False): 9, ("gtpo", False): 10, ("grpo", True): 9, ("gtpo", True): 10,
          ("grpo-packed", False): 9, ("grpo-packed", True): 9, ("token_logprobs", False): 7, ("token_logprobs", True): 8,
          ("grpo-tau-token", False): 9, ("grpo-tau-token", True): 9, ("grpo-rollout-seq", False): 9,
-         ("grpo-rollout-seq", True): 9, ("linear_token_logprobs", False): 20, ("linear_token_logprobs", True): 21}
+         ("grpo-rollout-seq", True): 9, ("linear_token_logprobs", False): 20, ("linear_token_logprobs", True): 21, ("grpo-tau-seq", False): 9,
+         ("grpo-tau-seq", True): 10}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2,  # validating: the status word
          ("grpo-packed", False): 1, ("grpo-packed", True): 2, ("token_logprobs", False): 1,
          ("token_logprobs", True): 2, ("grpo-tau-token", False): 1, ("grpo-tau-token", True): 2,
          ("grpo-rollout-seq", False): 1, ("grpo-rollout-seq", True): 2,
-         ("linear_token_logprobs", False): 2, ("linear_token_logprobs", True): 3}  # (the head: its plan's one more)
+         ("linear_token_logprobs", False): 2, ("linear_token_logprobs", True): 3,  # (the head: its plan's one more)
+         ("grpo-tau-seq", False): 1, ("grpo-tau-seq", True): 2}
 # (token_logprobs validating: its flags)
 
 
@@ -56,7 +60,7 @@ def _ranks(rank, world):
     out = {}
     for i, (B, T) in enumerate(SIZES):  # (the second size without a first call: its counts equal the first's)
         cfgs = ("grpo", "gtpo", "grpo-packed", "token_logprobs", "grpo-tau-token", "grpo-rollout-seq",
-                "linear_token_logprobs")
+                "linear_token_logprobs", "grpo-tau-seq")
         rows = counts(rank, world, B, T, configs=cfgs, validates=(False,), warm=i == 0)
         rows += counts(rank, world, B, T, configs=cfgs, validates=(True,), warm=i == 0)
         out[f"{B}x{T}"] = rows

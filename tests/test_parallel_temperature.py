@@ -96,6 +96,19 @@ def _scenarios(rank, world):
             "loss": _rel(out.loss.detach(), one.loss.detach()), "logps": _rel(out.logps, one.logps),
             "entropy": _rel(out.entropy, one.entropy),
             "grad": float((part.grad - full.grad[..., sl]).norm() / full.grad.norm())}
+    # one rank per completion (read at each token's row), the other the same values per token: they agree
+    seq = gtpo_loss(x, ids, adv, group_size=2, old_logps=old, temperature=tau[:, :1], config=cfg, backend="triton")
+    out = gtpo_loss(x[..., sl], ids, adv, group_size=2, old_logps=old, config=cfg, backend="triton",
+                    temperature=tau[:, :1] if rank == 0 else tau[:, :1].expand(B, T).contiguous(),
+                    process_group=dist.group.WORLD, validate=False)
+    res["unvalidated/per completion on one rank, per token on the other"] = {
+        "loss": _rel(out.loss.detach(), seq.loss.detach()), "logps": _rel(out.logps, seq.logps)}
+    t = tau[:, :1].clone()
+    t[2] = -1.0  # an invalid tau per completion: NaN at that completion's tokens, the others' as given
+    out = gtpo_loss(x[..., sl], ids, adv, group_size=2, old_logps=old, temperature=t, config=cfg, backend="triton",
+                    process_group=dist.group.WORLD, validate=False)
+    res["invalid per completion"] = {"not NaN there": float(not (out.logps[2].isnan().all() and out.loss.isnan())),
+                                     "others": _rel(out.logps[[0, 1, 3]], seq.logps[[0, 1, 3]])}
     one = gtpo_loss(x, ids, adv, group_size=2, old_logps=old, temperature=tau, config=cfg, backend="triton")
     others = torch.ones(B, T, dtype=torch.bool)
     others[1, 2] = False

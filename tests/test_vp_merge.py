@@ -98,8 +98,8 @@ i64, i8, f32 = torch.int64, torch.int8, torch.float32
 for arch in (90, 80, 100):
     meta = dict(BLOCK=256, num_warps=4, ROWS=arch != 80)  # (ROWS: the LM head's tile, at its tokens)
     assert _compile_ahead(M._vp_sums_kernel, arch, dict(bad_ptr=i8, ids_ptr=i64, counted_ptr=torch.bool,
-                          rows_ptr=i64), f32, dict(n=32768, V_local=75968, tau_stride=1, id_start=75968),
-                          meta).asm.get("ptx")
+                          rows_ptr=i64), f32, dict(n=32768, V_local=75968, tau_stride=1, id_start=75968,
+                          row_length=512), dict(meta, TEMP_PER_SEQ=arch == 80)).asm.get("ptx")  # (sm_80: tau per row)
     assert _compile_ahead(M._vp_finish_kernel, arch, dict(bad_out=i8, ids_ptr=i64, counted_ptr=torch.bool,
                           rows_ptr=i64), f32, dict(n=32768, V=151936), meta).asm.get("ptx")
     for dt, fp in ((torch.bfloat16, True), (i64, False)):

@@ -121,10 +121,11 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             tau_split = (not host and process_group is not None and not replaying and _per_token_tau(temperature)
                          and epilogue_attached.takes(logits, cfg, backend)
                          and not (b.packed and _per_completion(temperature, b)))
+            # (one per completion, padded: (B,) as given, read at each token's row by the kernels and the agreement)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32,
                                    host and not tau_kernels, in_kernels=fast or rules_in_kernels or tau_split,
-                                   spread=not per_seq)
+                                   spread=not (per_seq or (tau_split and _per_completion(temperature, b))))
             b.tau = tau  # compared across the ranks of a vocabulary split (digest.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace,
                                   in_kernels=rules_in_kernels)

@@ -156,19 +156,25 @@ def input_digests(b):
     """The checksums of INPUTS for a Batch, in that order (Digest fields, or _ABSENT); nothing is launched
     before the row is made. cu_seqlens and the advantages as given; max_seqlen (None: -1) as the
     cu_seqlens field's constant word; per-token inputs at the counted tokens, per-completion rollout
-    weights too (their spread's checksum: the same weights per token or per completion agree)."""
+    weights and temperatures too (their spread's checksum: the same values per token or per completion
+    agree)."""
     cu, given = _ABSENT, b.given or {}
     if given.get("cu_seqlens") is not None:
         cu = Digest("values", _mix_int(-1 if b.max_seqlen is None else b.max_seqlen, _MAX_SEQLEN_AT) & _MASK61,
                     (given["cu_seqlens"], None))
     whole = [given["adv"] if "adv" in given else b.adv, None, None, None, b.n_conf, None, None, None]
-    # (per-completion rollout weights, padded: read at each token's row, as their spread would be, never made)
+    # (per completion, padded: rollout weights and a temperature read at each token's row, as their spread
+    # would be, never made)
     rows = b.rollout_w_seq is not None and not b.packed
-    counted = [None, b.old, b.ref, b.lam, None, None if rows else b.rollout_w, b.rollout_logps, b.tau]
+    tau_rows = b.tau is not None and not b.packed and b.tau.numel() != b.B * b.tok_shape[1]
+    counted = [None, b.old, b.ref, b.lam, None, None if rows else b.rollout_w, b.rollout_logps,
+               None if tau_rows else b.tau]
     out = [cu]
     for x, y in zip(whole, counted):
-        if rows and x is None and y is None and len(out) == INPUTS.index("rollout_is_weights"):
-            out.append(Digest("rows", 0, (b.rollout_w_seq, b.mask, b.tok_shape[1])))
+        per_row = {INPUTS.index("rollout_is_weights"): b.rollout_w_seq if rows else None,
+                   INPUTS.index("temperature (per token)"): b.tau if tau_rows else None}.get(len(out))
+        if per_row is not None:
+            out.append(Digest("rows", 0, (per_row, b.mask, b.tok_shape[1])))
         elif x is not None:
             out.append(Digest.values(x))
         elif y is not None:

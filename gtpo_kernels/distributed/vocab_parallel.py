@@ -126,10 +126,11 @@ def _into(outs, res):
     return tuple(outs)
 
 
-def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id_start=0, rows=None):
+def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id_start=0, rows=None, tau_seq=0):
     """vp_forward's all-reduce merge up to its finish (the epilogue kernel may finish it itself): the merged
     sums (n, 7) and the global row maxima (n,), the same on every rank (backend resolved). rows: vp_forward's
-    (n = its length)."""
+    (n = its length). tau_seq 1 (the Triton backend, padded): temperature holds one tau per completion, read
+    at each token's row."""
     merge, counted = vp_merge.select(backend), _counted(b, backend)  # (Triton: the sums' and finish's launches)
     # on the Triton backend the forward kernel stores the slice's maximum too (vp_merge.local_max's values)
     n = ids_loc.numel() if rows is None else rows.numel()
@@ -137,7 +138,7 @@ def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id
     tau = ops.tau_arg(temperature, b.logits3, backend)
     if rows is None:
         logp_r, ent_r, stats_r, bad_r = dispatch.vocab_fwd(backend, b.logits3.detach(), ids_loc.reshape(-1), counted,
-                                                           tau, b.logits_start, scale, softcap, id_start, M)
+                                                           tau, b.logits_start, scale, softcap, id_start, M, tau_seq)
     else:  # the tile's own statistics, each row's id, mask and tau read at its token
         from ..kernels import vocab_triton
         dispatch.check_transforms(scale, softcap)
@@ -148,7 +149,8 @@ def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id
         M = merge.local_max(stats_r, ent_r, bad_r, b.V)
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
     vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, b.V, id_start,
-                           **({} if rows is None else dict(rows=rows)))
+                           **({} if rows is None else dict(rows=rows)),
+                           **({} if not tau_seq else dict(row_length=b.tok_shape[1])))
     dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
     return vec, M
 

@@ -72,11 +72,13 @@ def _token_of(rows_ptr, o, inb, ROWS: tl.constexpr):
     return o
 
 
-@triton.jit(do_not_specialize=["n", "V_local", "tau_stride", "id_start"])
+@triton.jit(do_not_specialize=["n", "V_local", "tau_stride", "id_start", "row_length"])
 def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
                     vec_out, n, V_local, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True,
-                    TEMP_BY_VALUE: tl.constexpr = False, id_start=0, rows_ptr=None, ROWS: tl.constexpr = False):
-    """ROWS: the slice's statistics, M and vec at position o, the ids, mask and tau at token rows_ptr[o]."""
+                    TEMP_BY_VALUE: tl.constexpr = False, id_start=0, rows_ptr=None, ROWS: tl.constexpr = False,
+                    row_length=1, TEMP_PER_SEQ: tl.constexpr = False):
+    """ROWS: the slice's statistics, M and vec at position o, the ids, mask and tau at token rows_ptr[o].
+    TEMP_PER_SEQ: tau holds one value per row of row_length tokens (padded), token k's at k // row_length."""
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = o < n
     tok = _token_of(rows_ptr, o, inb, ROWS)
@@ -85,7 +87,8 @@ def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr,
     if TEMP_BY_VALUE:  # tau_ptr is tau itself
         inv_t = 1.0 / tau_ptr
     else:
-        inv_t = 1.0 / tl.load(tau_ptr + tok * tau_stride, mask=inb, other=1.0)
+        at = tok // row_length if TEMP_PER_SEQ else tok
+        inv_t = 1.0 / tl.load(tau_ptr + at * tau_stride, mask=inb, other=1.0)
     counted = _counted(counted_ptr, tok, inb, HAS_MASK)
     y = tl.load(ids_ptr + tok, mask=inb, other=-1).to(tl.int64) - id_start  # this slice's id
     logp = tl.load(logp_ptr + o, mask=inb, other=0.0)
@@ -167,9 +170,10 @@ def _mask(counted, other):
     return other if counted is None else _flat(counted)
 
 
-def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local, id_start=0, rows=None):
+def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local, id_start=0, rows=None,
+               row_length=None):
     """rows: the token of each position (the LM head's tile): ids_loc, counted and a per-token temperature are
-    the call's, read there."""
+    the call's, read there. row_length T: the temperature holds one tau per row of T tokens (padded)."""
     n = ent_r.numel()
     by_value = not isinstance(temperature, torch.Tensor)  # a number: a launch argument
     tau = float(temperature) if by_value else temperature.to(device=ent_r.device, dtype=torch.float32).reshape(-1)
@@ -178,7 +182,9 @@ def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, 
     _vp_sums_kernel[_grid(n)](logp_r, stats_r.contiguous(), ent_r, bad_r, ids_loc, _mask(counted, ids_loc), M, tau,
                               0 if by_value else tau.stride(0) if tau.numel() > 1 else 0, vec, n, V_local,
                               BLOCK=BLOCK, HAS_MASK=counted is not None, TEMP_BY_VALUE=by_value, id_start=id_start,
-                              **({} if rows is None else dict(rows_ptr=rows, ROWS=True)))
+                              **({} if rows is None else dict(rows_ptr=rows, ROWS=True)),
+                              **({} if row_length is None or by_value else
+                                 dict(row_length=max(row_length, 1), TEMP_PER_SEQ=True)))
     return vec
 
 
