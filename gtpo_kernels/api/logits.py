@@ -122,10 +122,11 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                          and epilogue_attached.takes(logits, cfg, backend)
                          and not (b.packed and _per_completion(temperature, b)))
             # (one per completion, padded: (B,) as given, read at each token's row by the kernels and the agreement)
+            split_seq = tau_split and _per_completion(temperature, b)
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32,
                                    host and not tau_kernels, in_kernels=fast or rules_in_kernels or tau_split,
-                                   spread=not (per_seq or (tau_split and _per_completion(temperature, b))))
+                                   spread=not (per_seq or split_seq))
             b.tau = tau  # compared across the ranks of a vocabulary split (digest.input_digests)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace,
                                   in_kernels=rules_in_kernels)

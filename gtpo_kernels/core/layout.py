@@ -56,7 +56,8 @@ class Batch:
     max_seqlen: Optional[int] = None
     max_len_: object = None  # default denominator of seq-mean-token-sum-norm (or a Lazy of it): `max_len`
     malformed_: object = None  # 0-d bool: an unvalidated cu_seqlens was malformed (NaN outputs)
-    tau: Optional[torch.Tensor] = None  # (N,) the call's temperature per token, when it gave one (spec 13)
+    tau: Optional[torch.Tensor] = None  # (N,) the call's temperature per token, when it gave one (spec 13); (B,)
+    # one per completion where the kernels read it at each token's row (padded): `tau_per_row`
     mask: Optional[torch.Tensor] = None  # (N,) the caller's completion_mask as given (any dtype), None: all counted
     token_adv: Optional[torch.Tensor] = None  # (N,) an advantage per token in place of Ahat (pipeline/token_terms.py)
 
@@ -74,6 +75,11 @@ class Batch:
     @property
     def packed(self) -> bool:
         return self.cu_seqlens_ is not None
+
+    @property
+    def tau_per_row(self) -> bool:
+        """Whether `tau` holds one temperature per completion, read at each token's row (padded)."""
+        return self.tau is not None and not self.packed and self.tau.numel() != self.B * self.tok_shape[1]
 
     @property
     def V(self) -> int:

@@ -165,16 +165,15 @@ def input_digests(b):
     whole = [given["adv"] if "adv" in given else b.adv, None, None, None, b.n_conf, None, None, None]
     # (per completion, padded: rollout weights and a temperature read at each token's row, as their spread
     # would be, never made)
-    rows = b.rollout_w_seq is not None and not b.packed
-    tau_rows = b.tau is not None and not b.packed and b.tau.numel() != b.B * b.tok_shape[1]
-    counted = [None, b.old, b.ref, b.lam, None, None if rows else b.rollout_w, b.rollout_logps,
-               None if tau_rows else b.tau]
+    rw_rows = b.rollout_w_seq if b.rollout_w_seq is not None and not b.packed else None
+    tau_rows = b.tau if b.tau_per_row else None
+    per_row = [None, None, None, None, None, rw_rows, None, tau_rows]
+    counted = [None, b.old, b.ref, b.lam, None, None if rw_rows is not None else b.rollout_w, b.rollout_logps,
+               None if tau_rows is not None else b.tau]
     out = [cu]
-    for x, y in zip(whole, counted):
-        per_row = {INPUTS.index("rollout_is_weights"): b.rollout_w_seq if rows else None,
-                   INPUTS.index("temperature (per token)"): b.tau if tau_rows else None}.get(len(out))
-        if per_row is not None:
-            out.append(Digest("rows", 0, (per_row, b.mask, b.tok_shape[1])))
+    for x, y, r in zip(whole, counted, per_row):
+        if r is not None:
+            out.append(Digest("rows", 0, (r, b.mask, b.tok_shape[1])))
         elif x is not None:
             out.append(Digest.values(x))
         elif y is not None:

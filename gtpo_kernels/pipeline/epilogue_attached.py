@@ -36,7 +36,7 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     completion (B,) (padded: the kernels read it at each token's row), or None."""
     with torch.no_grad():
         temperature = ops.tau_arg(cfg.temperature if tau is None else tau, b.logits3, backend)  # (a number: by value)
-        per_seq = isinstance(temperature, torch.Tensor) and temperature.numel() != b.given["ids"].numel()
+        per_seq = tau is not None and b.tau_per_row  # (tau is b.tau: one per completion, padded)
         # (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
         if vp.blockwise or (cfg.top_entropy_on and not cfg.batch_term):  # (the top-entropy key reads H first)
             if per_seq:  # (one per completion, padded: spread on the tokens for these passes)

@@ -195,12 +195,13 @@ def forward_tiles(opts, t, need, epi_args=None):
     # every token counted and none put last: tile k holds the flat tokens k.s .. k.e - 1
     consecutive = rows.numel() == N and (live is None or all(n == k.e - k.s for n, k in zip(live, tiles)))
     nan_in_kernels = epi is None and (ws.direct or ws.rows_vp)  # NaN at flagged tokens written by the kernels
+    in_order = rows.numel() == N and live is None  # tile k's rows are the flat tokens k.s .. k.e - 1
     for i, k in enumerate(tiles):
         idx = rows[k.s:k.e]
-        h = ws.rows(idx, (k.s, k.e) if rows.numel() == N and live is None else None)
+        span = (k.s, k.e) if in_order else None
+        h = ws.rows(idx, span)
         z = ws.project(h)
-        ws.statistics(z, idx, (logp, ent, stats, bad), (k.s, k.e) if rows.numel() == N and live is None else None,
-                      nan_in_kernels)
+        ws.statistics(z, idx, (logp, ent, stats, bad), span, nan_in_kernels)
         if opts.fused:  # this tile's coefficients from its own tokens and completions
             if epi is not None:  # the epilogue on the tile's completions (the batch's totals from the mask)
                 run_epilogue(opts, t, epi_args, logp, ent, bad, epi, k.g0, k.g1 + 1)
