@@ -292,12 +292,17 @@ MUTANTS = [
       "invalid.append(stats[:, 1] > 0)", "ties hidden across ranks not flagged"),
 
     # ---- pipeline/head_replay.py -----------------------------------------------------------------------
-    M("H1", "pipeline/head_replay.py", "if m > m0 and (m - m0 >= max_rows or", "if m > m0 and (m - m0 > max_rows or",
+    M("H1", "pipeline/head_replay.py", "lo, hi = m0 + 1, min(n, m0 + max_rows)", "lo, hi = m0 + 1, min(n, m0 + max_rows + 1)",
       "tiles of max_rows + 1 rows",
       equivalent="tiling changes which columns are projected together, not any value beyond summation order "
                  "(test_union_tiles_keep_the_budget kills it by checking plan_union's tiles themselves)"),
-    M("H2", "pipeline/head_replay.py", "        if per_entry * min(k, V) > budget:\n", "        if False:\n",
-      "a kept set larger than the budget not refused"),
+    M("H2", "pipeline/head_replay.py", "    if sizes and per_entry * min(max(sizes), V) > budget:\n",
+      "    if False:\n", "a kept set larger than the budget not refused"),
+    M("H13", "pipeline/head_replay.py", "if per_entry * (mid - m0) * min(S[mid] - S[m0], V) <= budget:",
+      "if per_entry * (mid - m0) * min(S[mid] - S[m0], V) < budget:", "a tile that fills the budget exactly cut",
+      equivalent="tiling only (test_union_tiles_are_the_greedy_ones kills it on plan_union's tiles)"),
+    M("H14", "pipeline/head_replay.py", "off = list(itertools.compress(host[n:], host[:n]))",
+      "off = list(itertools.compress(host[n + 1:], host[:n]))", "the counted tokens' set offsets shifted by one"),
     M("H3", "pipeline/head_replay.py", "return h @ w.t() if bias is None else torch.addmm(bias, h, w.t())",
       "return h @ w.t()",
       "the bias dropped from the projection"),

@@ -126,6 +126,36 @@ def test_union_tiles_keep_the_budget():
         plan_union([3, 9], V=20, per_entry=8, budget=64)
 
 
+
+def _greedy_union_tiles(sizes, V, per_entry, budget, max_rows):
+    """The tiles' definition, row by row: a tile grows while its next row still fits (rows x min(sets'
+    total, V) entries within the budget, at most max_rows rows)."""
+    tiles, m0 = [], 0
+    for m in range(1, len(sizes) + 1):
+        if m == len(sizes) or m + 1 - m0 > max_rows or \
+                per_entry * (m + 1 - m0) * min(sum(sizes[m0:m + 1]), V) > budget:
+            tiles.append((m0, m))
+            m0 = m
+    return tiles
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_union_tiles_are_the_greedy_ones(seed):
+    """plan_union's bisection gives the row-by-row greedy tiles on random sizes, budgets, V and row bounds
+    (zero-size sets, sets over V, single-row tiles), and names the first set over the budget."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(300):
+        n, V, mr = (int(x) for x in torch.randint(1, 40, (3,), generator=g))
+        sizes = torch.randint(0, 50, (n,), generator=g).tolist()
+        per_entry, budget = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(8, 4000, (1,), generator=g))
+        over = [m for m, k in enumerate(sizes) if per_entry * min(k, V) > budget]
+        if over:
+            with pytest.raises(ValueError, match=f"counted token {over[0]}'s kept set of {sizes[over[0]]} ids"):
+                plan_union(sizes, V, per_entry, budget, mr)
+        else:
+            assert plan_union(sizes, V, per_entry, budget, mr) == _greedy_union_tiles(sizes, V, per_entry, budget, mr)
+    assert plan_union([], V=5, per_entry=8, budget=64) == []
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])  # (triton: the sets checked on the device, unvalidated)
 def test_head_replay_refusals_and_nan(backend):
     h, w, bias, ids, mask, adv, tau = _batch(6)

@@ -22,6 +22,8 @@ forms the unions the backward projects.
 """
 from __future__ import annotations
 
+import itertools
+import operator
 import types
 
 import torch
@@ -45,19 +47,26 @@ SET_BYTES = 32  # bytes per logit the kept-set rebuild's block holds (values, th
 def plan_union(sizes, V, per_entry, budget, max_rows=TILE_ROWS):
     """Tiles (m0, m1) over the counted tokens (host ints `sizes`, each kept set's size): each tile's rows x
     min(its sets' total size, V) entries of `per_entry` bytes within `budget` bytes, and at most
-    `max_rows` rows (each token's GEMM work is the tile's union: smaller tiles, smaller unions)."""
-    tiles, m0, K = [], 0, 0
-    for m, k in enumerate(sizes):
-        if per_entry * min(k, V) > budget:
-            raise ValueError(f"memory_budget = {budget} bytes holds no row of kept logits and their gradient: "
-                             f"counted token {m}'s kept set of {k} ids takes {per_entry * min(k, V)} bytes; "
-                             "raise memory_budget")
-        if m > m0 and (m - m0 >= max_rows or per_entry * (m + 1 - m0) * min(K + k, V) > budget):
-            tiles.append((m0, m))
-            m0, K = m, 0
-        K += k
-    if m0 < len(sizes):
-        tiles.append((m0, len(sizes)))
+    `max_rows` rows (each token's GEMM work is the tile's union: smaller tiles, smaller unions). A tile's
+    entries grow with its last row, so its end is found by bisection on the sizes' running sums (host work
+    O(tiles log max_rows) past one pass over the sizes in C)."""
+    if sizes and per_entry * min(max(sizes), V) > budget:
+        m, k = next((m, k) for m, k in enumerate(sizes) if per_entry * min(k, V) > budget)
+        raise ValueError(f"memory_budget = {budget} bytes holds no row of kept logits and their gradient: "
+                         f"counted token {m}'s kept set of {k} ids takes {per_entry * min(k, V)} bytes; "
+                         "raise memory_budget")
+    S = [0, *itertools.accumulate(sizes)]
+    tiles, m0, n = [], 0, len(sizes)
+    while m0 < n:
+        lo, hi = m0 + 1, min(n, m0 + max_rows)  # rows m0..lo-1 fit (one row always does); find the last end
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if per_entry * (mid - m0) * min(S[mid] - S[m0], V) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        tiles.append((m0, lo))
+        m0 = lo
     return tiles
 
 
@@ -119,8 +128,8 @@ def counted_with_offsets(counted, flat):
     c = counted.reshape(-1)
     n = c.numel()
     host = torch.cat([(c if c.dtype == torch.bool else c != 0).to(flat.dtype), flat]).tolist()  # sync: the rows, tiles
-    at = [i for i in range(n) if host[i]]
-    return torch.nonzero_static(c, size=len(at)).squeeze(1), [host[n + i] for i in at] + [host[-1]]
+    off = list(itertools.compress(host[n:], host[:n]))  # (C-speed: no Python loop over the tokens)
+    return torch.nonzero_static(c, size=len(off)).squeeze(1), off + [host[-1]]
 
 
 def with_sets(p, token_ids, flat, invalid, off_host=None):
@@ -138,7 +147,7 @@ def _plan(p, V, off_host=None):
     """p's union tiles, planned from its sets' offsets (a host read, unless given), and their bounds in the
     kept ids."""
     p.off_host = p.offsets.tolist() if off_host is None else off_host  # sync: the tiles
-    p.tiles = plan_union([e - s for s, e in zip(p.off_host[:-1], p.off_host[1:])], V, p.per_entry, p.budget)
+    p.tiles = plan_union(list(map(operator.sub, p.off_host[1:], p.off_host[:-1])), V, p.per_entry, p.budget)
     p.kb = [p.off_host[m0] for m0, _ in p.tiles] + [p.off_host[-1]]
 
 
