@@ -291,6 +291,9 @@ MUTANTS = [
     M("D8", "distributed/vocab_replay.py", "invalid.append((stats[:, 1] > 0) | ((extra > 0) & survives))",
       "invalid.append(stats[:, 1] > 0)", "ties hidden across ranks not flagged"),
 
+    M("R40", "kernels/replay_triton.py", "    ent = tl.where(inv_t == inv_t, ent, float(\"nan\"))",
+      "    ent = ent", "an unvalidated bad tau gives entropy 0 over recorded sets"),
+
     # ---- pipeline/head_replay.py -----------------------------------------------------------------------
     M("H1", "pipeline/head_replay.py", "lo, hi = m0 + 1, min(n, m0 + max_rows)", "lo, hi = m0 + 1, min(n, m0 + max_rows + 1)",
       "tiles of max_rows + 1 rows",

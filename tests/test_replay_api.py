@@ -136,6 +136,33 @@ def test_replay_refusals_and_nan():
     assert torch.isnan(lp[mask]).all()  # a wrong number of sets: every counted token NaN
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf"), 1e-40])
+def test_unvalidated_bad_temperature_over_recorded_sets_is_nan(backend, bad):
+    """Unvalidated, a temperature that is not finite and > 0 (or whose inverse is not finite) on one
+    completion and on one token gives NaN logp and entropy at exactly those counted tokens over recorded
+    sets (spec 13), never a finite number (the replay kernel's clamp of log p once turned a NaN 1 / tau into
+    entropy 0); the other tokens equal the reference's replay with valid temperatures."""
+    z, ids, mask, _, tau = _batch(11)
+    _, _, _, sm = rs.replay_token_logprobs(z.double(), ids, mask, top_k=7)
+    t = tau.float()
+    t[2, :] = bad  # a whole completion
+    t[0, 3] = bad  # one token
+    poisoned = torch.zeros_like(mask)
+    poisoned[2, :], poisoned[0, 3] = True, True
+    ok_tau = torch.where(poisoned, torch.ones_like(tau), tau)
+    rlp, rent, _, _ = rs.replay_token_logprobs(z.double(), ids, mask, temperature=ok_tau, sampling_mask=sm)
+    whole = torch.zeros_like(mask)
+    whole[2, :] = True
+    rlp_c, rent_c, _, _ = rs.replay_token_logprobs(z.double(), ids, mask, temperature=torch.where(
+        whole, torch.ones_like(tau), tau[:, 1:2].expand_as(tau)), sampling_mask=sm)
+    for tt, nan_at, rl, re in ((t, poisoned & mask, rlp, rent), (t[:, 1].clone(), whole & mask, rlp_c, rent_c)):
+        lp, ent = token_logprobs(z, ids, tt, mask, sampling_mask=sm, backend=backend, validate=False)
+        assert torch.isnan(lp[nan_at]).all() and torch.isnan(ent[nan_at]).all(), (lp, ent)
+        keep = mask & ~nan_at
+        assert_value_close("logps (valid tokens)", lp[keep], rl[keep], 1e-5)
+        assert_value_close("entropy (valid tokens)", ent[keep], re[keep], 1e-5)
+
 def test_float64_metrics_are_float64_exact():
     """A float64 call's kept-set metrics meet the float64 reference to 1e-12 (they were once formed in
     float32: 2.5e-8 off)."""

@@ -42,7 +42,8 @@ def _row(x_ptr, rb_ptr, rt_ptr, tok, s0, s1):
 
 @triton.jit
 def _inv_t(tau_ptr, tau_stride, tau_value, tok, TAU_PTR: tl.constexpr):
-    """1 / tau of token tok: read (stride 0: one value for all) or, TAU_PTR off, tau_value."""
+    """1 / tau of token tok: read (stride 0: one value for all; an unvalidated tau that is not finite and > 0
+    comes as NaN, made so by the callers' check: the token's outputs NaN) or, TAU_PTR off, tau_value."""
     if TAU_PTR:
         return 1.0 / tl.load(tau_ptr + tok * tau_stride).to(tl.float32)
     return 1.0 / tau_value
@@ -98,6 +99,7 @@ def _replay_fwd_kernel(
     s_tot = 1.0 + r
     log_s = _log1p(r)
     ent = log_s - tl.sum(u_l, axis=0) / s_tot
+    ent = tl.where(inv_t == inv_t, ent, float("nan"))  # (the clamp at LOG_ZERO would hide a NaN 1 / tau)
     z_y = tl.sum(zy_l, axis=0)
     logp = (z_y - m) * inv_t - log_s
     q = tl.sum(o_l, axis=0) / s_tot
