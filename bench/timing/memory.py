@@ -3,12 +3,13 @@
 CUDA: `max_memory_allocated` minus what was allocated before (`cuda_peak_bytes`). CPU: a fresh
 subprocess per implementation (`child_peaks`) that, for each size, resets the kernel's high-water mark of
 its resident size (/proc/self/clear_refs) after a warm-up and reads VmHWM after one forward + backward;
-glibc is told to give large blocks back to the system (MALLOC_MMAP_THRESHOLD_), so freed tensors do not
-hide in the heap. `python -m bench.timing.memory` is the logits suite's child
+glibc is told to give large blocks back to the system (MALLOC_MMAP_THRESHOLD_), and its free pages before
+each measured step (malloc_trim), so freed tensors do not hide in the heap (small steps measured 0 without). `python -m bench.timing.memory` is the logits suite's child
 (`python -m bench.memory` too).
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -48,6 +49,15 @@ def _status_kb(field):
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _release_free_memory():
+    """Hands the allocator's free pages back to the system (glibc's malloc_trim), so that a step's
+    allocations show in the resident size even where the warm-up's freed memory would have held them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the peak may then under-count memory reused
+        pass
+
+
 def _reset_hwm():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident size to the current one (Linux >= 4.0)
@@ -69,6 +79,7 @@ def measure_peaks(make_run, sizes, inputs_for, step, key_of, excess=lambda inp: 
             r = step(run, inp)
             del r
             gc.collect()
+            _release_free_memory()
             base = _status_kb("VmRSS")
             _reset_hwm()
             r = step(run, inp)
