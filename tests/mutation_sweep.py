@@ -52,6 +52,7 @@ TESTS = {
     "core/sampling.py": ["test_sampling_checks", "test_sampling_replay", "test_replay_api"],
     "objective/verl_modes.py": ["test_verl_modes", "test_trust_round3"],
     "kernels/ops.py": ["test_temperature"],
+    "kernels/eager.py": ["test_eager_ops", "test_api"],
     "pipeline/loss.py": ["test_temperature"],
     "pipeline/head_ops.py": ["test_temperature"],
     "pipeline/epilogue.py": ["test_temperature"],
@@ -293,6 +294,21 @@ MUTANTS = [
 
     M("R40", "kernels/replay_triton.py", "    ent = tl.where(inv_t == inv_t, ent, float(\"nan\"))",
       "    ent = ent", "an unvalidated bad tau gives entropy 0 over recorded sets"),
+
+    # ---- kernels/eager.py ------------------------------------------------------------------------------
+    M("E1", "kernels/eager.py", "if not args or torch.compiler.is_compiling() or type(args[0]) is not torch.Tensor:",
+      "if not args or torch.compiler.is_compiling():", "a fake tensor runs the op's body eagerly"),
+    M("E2", "kernels/eager.py", "zip(names[len(args):], defaults[len(args):])",
+      "zip(names[len(args):], defaults[len(args) + 1:] + defaults[-1:])", "defaults filled one place off"),
+    M("E3", "kernels/eager.py", "            with torch.no_grad():\n                return body(*args)",
+      "            return body(*args)", "an op without gradient records autograd history eagerly"),
+    M("E4", "kernels/eager.py", "            out = backward(ctx, list(grads) if many else grads[0])",
+      "            out = backward(ctx, list(grads[:1]) + [None] * (len(grads) - 1) if many else grads[0])",
+      "only the first output's gradient passed to the op's backward",
+      equivalent="every op with a gradient marks its outputs but the first non-differentiable: their gradients "
+                 "are None either way"),
+    M("E5", "kernels/eager.py", "            setup_context(ctx, args, out)", "            setup_context(ctx, args[:-1] + (None,), out)",
+      "the last argument hidden from setup_context"),
 
     # ---- pipeline/head_replay.py -----------------------------------------------------------------------
     M("H1", "pipeline/head_replay.py", "lo, hi = m0 + 1, min(n, m0 + max_rows)", "lo, hi = m0 + 1, min(n, m0 + max_rows + 1)",

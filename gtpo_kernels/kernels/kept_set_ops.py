@@ -19,6 +19,7 @@ import torch
 from ..core.layout import float_dtype_for
 from ..core.sampling import flat_offsets
 from .kept_set import kept_sets
+from .eager import eager
 
 Tensor = torch.Tensor
 
@@ -57,3 +58,6 @@ def as_rule(x, dtype, like):
     if x is None or isinstance(x, Tensor):
         return x
     return torch.full((), x, dtype=dtype, device=like.device)
+
+
+kept_sets_flat = eager(kept_sets_flat)  # called eagerly without torch.library's per-call Python (kernels/eager.py)

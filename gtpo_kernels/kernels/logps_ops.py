@@ -32,6 +32,7 @@ from . import loss_ops
 from .logps_triton import (BLOCK, DUP_BLOCK, _flat_sets_kernel, _prep_kernel, _scale_kernel,
                            _set_check_kernel)
 from .replay_triton import BLOCK_K, _replay_bwd_kernel, _replay_fwd_kernel
+from .eager import eager
 
 
 def _flat(x):
@@ -208,3 +209,9 @@ def _replay_backward(ctx, grads):
 
 
 replay_epilogue.register_autograd(_replay_backward, setup_context=_replay_setup)
+
+
+# called eagerly without torch.library's per-call Python (kernels/eager.py)
+logps_epilogue = eager(logps_epilogue, _logps_backward, _logps_setup)
+replay_epilogue = eager(replay_epilogue, _replay_backward, _replay_setup)
+logps_epilogue_bwd, replay_epilogue_bwd = eager(logps_epilogue_bwd), eager(replay_epilogue_bwd)

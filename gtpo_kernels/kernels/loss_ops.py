@@ -28,6 +28,7 @@ import torch
 
 from . import kept_rule_triton, ops, top_entropy, vocab_triton
 from .epilogue_triton import _epilogue_kernel
+from .eager import eager
 
 FLOATS = ("tau", "lo", "hi", "delta", "dual_c", "beta", "ent_coef", "penalty", "thr", "max_len", "nitems",
           "sapo_pos", "sapo_neg", "dro_beta", "off_thr", "top_q", "k_pos", "lam_pos", "k_neg", "lam_neg", "cov_lb",
@@ -293,3 +294,8 @@ def _(logits3, ids, mask, temperature, tau_value, logits_start, status=False, ma
     n = ids.numel()
     return [logits3.new_empty(n, dtype=torch.float32), logits3.new_empty(n, dtype=torch.float32),
             logits3.new_empty(n, dtype=torch.int8), logits3.new_empty(1, dtype=torch.int32)]
+
+
+# called eagerly without torch.library's per-call Python (kernels/eager.py)
+fused_loss = eager(fused_loss, _backward, _setup_context)
+token_logps = eager(token_logps)

@@ -20,6 +20,7 @@ import torch
 
 from . import dispatch
 from ..core.layout import float_dtype_for
+from .eager import eager
 
 
 def as_tensor_param(x):
@@ -164,3 +165,9 @@ def conflict_weights(ids: torch.Tensor, mask: Optional[torch.Tensor], adv: torch
 @conflict_weights.register_fake
 def _(ids, mask, adv, cu, T, group_size, w_pos, w_neg):
     return [ids.new_empty(ids.numel(), dtype=torch.float32), adv.new_empty(adv.numel(), dtype=torch.float32)]
+
+
+# called eagerly without torch.library's per-call Python (kernels/eager.py; attach_grad: kernels/autograd.py;
+# vocab_bwd_inplace mutates its argument: the op's call)
+vocab_fwd, vocab_bwd, raw_conflicts, conflict_weights = (eager(op) for op in (vocab_fwd, vocab_bwd, raw_conflicts,
+                                                                              conflict_weights))

@@ -20,6 +20,7 @@ import torch
 from .dispatch import scale_by as _scale
 from .ops import fwd_outputs_like
 from .replay import _impl, finish
+from .eager import eager
 
 
 @torch.library.custom_op("gtpo_kernels::replay_fwd", mutates_args=())
@@ -84,3 +85,8 @@ def _backward(ctx, grad):
 
 
 attach_replay_grad.register_autograd(_backward, setup_context=_setup_context)
+
+
+# called eagerly without torch.library's per-call Python (kernels/eager.py)
+replay_fwd, replay_bwd = eager(replay_fwd), eager(replay_bwd)
+attach_replay_grad = eager(attach_replay_grad, _backward, _setup_context)
