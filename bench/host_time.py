@@ -5,7 +5,8 @@ part of a call a GPU's host pays before and between launches (spec 8: the loss i
 tokens). Two paths: the custom ops called eagerly (kernels/eager.py, what an eager call runs) and through
 torch.library's dispatch (the registered ops, as a compiled graph calls them; forced here by making
 torch.compiler.is_compiling() true). A GPU host adds the launcher's own time per launch (not counted).
-Times are CPU times on the machine that runs it; the 10th percentile and the median of `--reps` calls."""
+Times are CPU times on the machine that runs it; the 10th percentile and the median of `--reps` calls
+of each path, the two paths interleaved in 10 blocks."""
 import os
 import sys
 import time
@@ -40,18 +41,14 @@ def _call(name, B=16, T=64, V=64):
     return lambda: torch.autograd.grad(gtpo_loss(x, ids, adv, **kw, **extra).loss, x)
 
 
-def _times(run, reps):
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
+def _percentiles(ts):
+    ts = sorted(ts)
     return 1e6 * ts[len(ts) // 10], 1e6 * ts[len(ts) // 2]
 
 
-def measure(calls=CALLS, reps=200):
-    """[(call, eager (10th percentile, median) us, registered ops (same))]."""
+def measure(calls=CALLS, reps=200, rounds=10):
+    """[(call, eager (10th percentile, median) us, registered ops (same))]: `reps` calls of each path,
+    interleaved in `rounds` blocks (a load that comes and goes weighs on both alike)."""
     from bench import interpreter
     interpreter.install()
     from triton.runtime import interpreter as ti
@@ -61,13 +58,18 @@ def measure(calls=CALLS, reps=200):
         run()  # warm: the kernels run once (interpreted), the caches fill
         saved_run, saved_compiling = ti.InterpretedFunction.run, torch.compiler.is_compiling
         ti.InterpretedFunction.run = lambda self, *a, **k: None
+        times = {False: [], True: []}
         try:
-            eager = _times(run, reps)
-            torch.compiler.is_compiling = lambda: True
-            registered = _times(run, reps)
+            for _ in range(rounds):
+                for registered in (False, True):
+                    torch.compiler.is_compiling = (lambda: True) if registered else saved_compiling
+                    for _ in range(max(1, reps // rounds)):
+                        t0 = time.perf_counter()
+                        run()
+                        times[registered].append(time.perf_counter() - t0)
         finally:
             ti.InterpretedFunction.run, torch.compiler.is_compiling = saved_run, saved_compiling
-        rows.append((name, eager, registered))
+        rows.append((name, _percentiles(times[False]), _percentiles(times[True])))
     return rows
 
 
