@@ -2,7 +2,8 @@
 gtpo_loss(process_group=...) on `--ranks` gloo processes on the CPU (Triton's interpreter), forward +
 backward, as rank 0 launches them: 4 x 5 tokens, V = 37 split as evenly as the ranks allow (a config
 ending in "-packed": the same tokens packed, cu_seqlens and max_seqlen given, the last token of the last
-completion dropped; "token_logprobs": token_logprobs(process_group=...), forward only; "gtpo-official":
+completion dropped, per-token inputs packed alike and per-completion ones as given; "token_logprobs":
+token_logprobs(process_group=...), forward only; "gtpo-official":
 lam and n_conf given; "grpo-rollout-token" / "-seq": rollout weights per token / per completion; "grpo-tau-token"
 / "-seq": a temperature tensor per token / per completion; "head-3" and
 "head-6": linear_gtpo_loss(process_group=...), dapo, D = 8, the recompute schedule with tiles of 3 and 6
@@ -16,7 +17,8 @@ import torch
 
 
 CONFIGS = ("grpo", "gtpo", "clip-cov", "grpo-packed", "token_logprobs", "gtpo-official", "grpo-rollout-token",
-           "grpo-rollout-seq", "grpo-tau-token", "grpo-tau-seq", "head-3", "head-6", "linear_token_logprobs")
+           "grpo-rollout-seq", "grpo-rollout-seq-packed", "grpo-tau-token", "grpo-tau-seq", "grpo-tau-seq-packed",
+           "head-3", "head-6", "linear_token_logprobs")
 
 
 def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm=True):
@@ -53,7 +55,10 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
             part = (part.reshape(B * T, -1)[keep] if packed else part).clone().requires_grad_()
             form = dict(completion_ids=ids.reshape(-1)[keep], old_logps=old.reshape(-1)[keep], cu_seqlens=cu,
                         max_seqlen=T) if packed else dict(completion_ids=ids, old_logps=old)
-            kw = more.get(cfg, dict(config=name))
+            kw = more.get(name, dict(config=name))
+            if packed:  # per-token inputs on the packed tokens; per-completion ones as given
+                kw = {k: v.reshape(-1)[keep] if isinstance(v, torch.Tensor) and v.shape == (B, T) else v
+                      for k, v in kw.items()}
             call = lambda: gtpo_loss(part, advantages=adv, group_size=2,  # noqa: E731
                                      backend="triton", validate=validate, process_group=dist.group.WORLD,
                                      **form, **kw).loss.backward()

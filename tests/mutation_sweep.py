@@ -569,6 +569,13 @@ MUTANTS = [
     M("L72", "api/logits.py", "spread=not (per_seq or split_seq))",
       "spread=not per_seq)", "a tau per completion on a split vocabulary spread on the tokens (a launch more)",
       tests=["test_parallel_launches"]),
+    M("L73", "api/logits.py", "split_seq = tau_split and _per_completion(temperature, b) and not b.packed",
+      "split_seq = tau_split and _per_completion(temperature, b)",
+      "a packed tau per completion on a split vocabulary read at k // T", tests=["test_parallel_temperature"]),
+    M("L74", "api/logits.py", "                         and epilogue_attached.takes(logits, cfg, backend))",
+      "                         and epilogue_attached.takes(logits, cfg, backend) and not b.packed)",
+      "a packed tau on a split vocabulary checked and spread by torch ops (13 -> 33 launches)",
+      tests=["test_parallel_launches"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -33,6 +33,9 @@ SIZES = ((4, 5), (8, 6))
 # where the counted tokens were made for it)
 # (a temperature per completion: 10 unvalidated before the kernels read it at each token's row (padded), where
 # it was spread on the tokens; validating it is still spread, for its check: 10)
+# (a temperature per completion, packed: 33 unvalidated before its values went to the kernels as given (spread to
+# the tokens, 4 launches), where a dozen launches made its invalid values NaN and b.seg spread it; validating 19.
+# Rollout weights per completion, packed: 19 / 20, spread on the tokens by b.seg for the agreement's checksum)
 # (rollout weights per completion: 12 / 23 before the agreement's checksum and check read them at each token's
 # row, where their spread on the tokens was made for the checksum, and for the check with a dozen launches)
 # (linear_token_logprobs, one tile: 26 before the kernels wrote NaN at a flagged token and kept the masked-out
@@ -46,19 +49,21 @@ BOUND = {("grpo", False): 9, ("gtpo", False): 10, ("grpo", True): 9, ("gtpo", Tr
          ("grpo-packed", False): 9, ("grpo-packed", True): 9, ("token_logprobs", False): 7, ("token_logprobs", True): 8,
          ("grpo-tau-token", False): 9, ("grpo-tau-token", True): 9, ("grpo-rollout-seq", False): 9,
          ("grpo-rollout-seq", True): 9, ("linear_token_logprobs", False): 20, ("linear_token_logprobs", True): 21, ("grpo-tau-seq", False): 9,
-         ("grpo-tau-seq", True): 10}
+         ("grpo-tau-seq", True): 10, ("grpo-tau-seq-packed", False): 13, ("grpo-tau-seq-packed", True): 19,
+         ("grpo-rollout-seq-packed", False): 19, ("grpo-rollout-seq-packed", True): 20}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2,  # validating: the status word
          ("grpo-packed", False): 1, ("grpo-packed", True): 2, ("token_logprobs", False): 1,
          ("token_logprobs", True): 2, ("grpo-tau-token", False): 1, ("grpo-tau-token", True): 2,
          ("grpo-rollout-seq", False): 1, ("grpo-rollout-seq", True): 2,
          ("linear_token_logprobs", False): 2, ("linear_token_logprobs", True): 3,  # (the head: its plan's one more)
-         ("grpo-tau-seq", False): 1, ("grpo-tau-seq", True): 2}
+         ("grpo-tau-seq", False): 1, ("grpo-tau-seq", True): 2, ("grpo-tau-seq-packed", False): 1,
+         ("grpo-tau-seq-packed", True): 2, ("grpo-rollout-seq-packed", False): 1, ("grpo-rollout-seq-packed", True): 2}
 # (token_logprobs validating: its flags)
 
 
 # counted at both sizes (flat in tokens); the others at the first size (CI time: every one at both, nightly)
 FLAT = ("grpo", "gtpo", "grpo-packed", "token_logprobs", "grpo-tau-token")
-MORE = ("grpo-rollout-seq", "linear_token_logprobs", "grpo-tau-seq")
+MORE = ("grpo-rollout-seq", "linear_token_logprobs", "grpo-tau-seq", "grpo-tau-seq-packed", "grpo-rollout-seq-packed")
 
 
 def _ranks(rank, world):

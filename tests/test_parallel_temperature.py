@@ -109,6 +109,24 @@ def _scenarios(rank, world):
                     process_group=dist.group.WORLD, validate=False)
     res["invalid per completion"] = {"not NaN there": float(not (out.logps[2].isnan().all() and out.loss.isnan())),
                                      "others": _rel(out.logps[[0, 1, 3]], seq.logps[[0, 1, 3]])}
+    # packed, one per completion, completions of uneven lengths (4, 5, 4, 5 tokens): spread to the tokens
+    keep = torch.ones(B * T, dtype=torch.bool)
+    keep[[4, 13]] = False
+    xs, i, o = x.reshape(B * T, V)[keep], ids.reshape(-1)[keep], old.reshape(-1)[keep]
+    kw = dict(cu_seqlens=torch.tensor([0, 4, 9, 13, 18]), max_seqlen=T)
+    seq = gtpo_loss(xs, i, adv, group_size=2, old_logps=o, temperature=tau[:, 0], config=cfg, backend="triton", **kw)
+    t = tau[:, 0].clone()
+    for name, tt in (("packed per completion", tau[:, 0]), ("invalid packed per completion", t.index_fill(0, torch.tensor([2]), -1.0))):
+        out = gtpo_loss(xs[..., sl], i, adv, group_size=2, old_logps=o, temperature=tt, config=cfg, backend="triton",
+                        process_group=dist.group.WORLD, validate=False, **kw)
+        ok = torch.ones(18, dtype=torch.bool)
+        if name.startswith("invalid"):
+            ok[9:13] = False  # completion 2's tokens
+            res[name] = {"not NaN there": float(not (out.logps[~ok].isnan().all() and out.loss.isnan())),
+                         "others": _rel(out.logps[ok], seq.logps[ok])}
+        else:
+            res[f"unvalidated/{name}"] = {"loss": _rel(out.loss.detach(), seq.loss.detach()),
+                                          "logps": _rel(out.logps, seq.logps), "entropy": _rel(out.entropy, seq.entropy)}
     one = gtpo_loss(x, ids, adv, group_size=2, old_logps=old, temperature=tau, config=cfg, backend="triton")
     others = torch.ones(B, T, dtype=torch.bool)
     others[1, 2] = False
