@@ -35,7 +35,8 @@ SIZES = ((4, 5), (8, 6))
 # it was spread on the tokens; validating it is still spread, for its check: 10)
 # (a temperature per completion, packed: 33 unvalidated before its values went to the kernels as given (spread to
 # the tokens, 4 launches), where a dozen launches made its invalid values NaN and b.seg spread it; validating 19.
-# Rollout weights per completion, packed: 19 / 20, spread on the tokens by b.seg for the agreement's checksum)
+# Rollout weights per completion, packed: 19 / 20 before their spread for the agreement's checksum read the given
+# cu_seqlens (searchsorted, 4 launches), where the batch's stand-in cu_seqlens and segments were made for it: 13 / 14)
 # (rollout weights per completion: 12 / 23 before the agreement's checksum and check read them at each token's
 # row, where their spread on the tokens was made for the checksum, and for the check with a dozen launches)
 # (linear_token_logprobs, one tile: 26 before the kernels wrote NaN at a flagged token and kept the masked-out
@@ -50,7 +51,7 @@ BOUND = {("grpo", False): 9, ("gtpo", False): 10, ("grpo", True): 9, ("gtpo", Tr
          ("grpo-tau-token", False): 9, ("grpo-tau-token", True): 9, ("grpo-rollout-seq", False): 9,
          ("grpo-rollout-seq", True): 9, ("linear_token_logprobs", False): 20, ("linear_token_logprobs", True): 21, ("grpo-tau-seq", False): 9,
          ("grpo-tau-seq", True): 10, ("grpo-tau-seq-packed", False): 13, ("grpo-tau-seq-packed", True): 19,
-         ("grpo-rollout-seq-packed", False): 19, ("grpo-rollout-seq-packed", True): 20}
+         ("grpo-rollout-seq-packed", False): 13, ("grpo-rollout-seq-packed", True): 14}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2,  # validating: the status word
          ("grpo-packed", False): 1, ("grpo-packed", True): 2, ("token_logprobs", False): 1,
          ("token_logprobs", True): 2, ("grpo-tau-token", False): 1, ("grpo-tau-token", True): 2,

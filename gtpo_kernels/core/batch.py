@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import checks
-from .layout import Batch, Lazy
+from .layout import Batch, Lazy, spread_packed
 
 
 def vocab_contiguous(logits):
@@ -222,6 +222,10 @@ def rollout_weights(b, w, device):
         return w.reshape(-1), None
     if shape == (b.B, 1) or (shape == (b.B,) and not b.packed):
         seq = w.reshape(b.B)
+        cu = (b.given or {}).get("cu_seqlens") if b.packed and b.B else None
+        if cu is not None:  # (on the given cu_seqlens: no stand-in, no segments made)
+            n = b.tok_shape[0]
+            return Lazy(lambda: spread_packed(seq, cu, n)), seq
         return Lazy(lambda: seq[b.seg]), seq
     if b.packed and shape == (b.B,):
         raise ValueError(f"rollout_is_weights of shape ({b.B},) is ambiguous in the packed form: per-token "

@@ -22,6 +22,16 @@ class Lazy:
         self.make = make
 
 
+def spread_packed(x, cu_seqlens, n):
+    """x (B,), one value per completion, spread on the n packed tokens: token k takes its completion's, the
+    number of cu_seqlens[1:] <= k (torch.searchsorted), clamped into [0, B - 1] so that a malformed
+    cu_seqlens (flagged apart) reads in bounds: 4 launches."""
+    B = x.shape[0]
+    seg = torch.searchsorted(cu_seqlens[1:].to(device=x.device, dtype=torch.long),
+                             torch.arange(n, device=x.device), right=True).clamp_(max=max(B - 1, 0))
+    return x[seg]
+
+
 def _lazy(name):
     def get(self):
         v = getattr(self, name)

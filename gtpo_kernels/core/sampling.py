@@ -17,6 +17,7 @@ import numbers
 import torch
 
 from .checks import _check, _selection, check_int_tensor, check_on_device, check_tensor
+from .layout import spread_packed
 
 
 def _is_number(x):
@@ -47,9 +48,7 @@ def per_token(name, x, B, T, n, device, cu_seqlens=None, spread=True):
             return x
         if not packed:
             return x[:, None].expand(B, T).reshape(n)
-        seg = torch.searchsorted(cu_seqlens[1:].to(device=device, dtype=torch.long),
-                                 torch.arange(n, device=device), right=True).clamp_(max=max(B - 1, 0))
-        return x[seg]
+        return spread_packed(x, cu_seqlens, n)
     want = f"({n},) (per token, packed)" if packed else f"({B}, {T}) (per token)"
     raise ValueError(f"{name} must be a number, a tensor per completion ({B},) or ({B}, 1), or {want}; "
                      f"got shape {shape}")
