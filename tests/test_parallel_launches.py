@@ -34,7 +34,8 @@ SIZES = ((4, 5), (8, 6))
 # (a temperature per completion: 10 unvalidated before the kernels read it at each token's row (padded), where
 # it was spread on the tokens; validating it is still spread, for its check: 10)
 # (a temperature per completion, packed: 33 unvalidated before its values went to the kernels as given (spread to
-# the tokens, 4 launches), where a dozen launches made its invalid values NaN and b.seg spread it; validating 19.
+# the tokens, 4 launches), where a dozen launches made its invalid values NaN and b.seg spread it; validating 19
+# before its spread read the given cu_seqlens, where the batch's stand-in was made for it: 14.
 # Rollout weights per completion, packed: 19 / 20 before their spread for the agreement's checksum read the given
 # cu_seqlens (searchsorted, 4 launches), where the batch's stand-in cu_seqlens and segments were made for it: 13 / 14)
 # (rollout weights per completion: 12 / 23 before the agreement's checksum and check read them at each token's
@@ -50,7 +51,7 @@ BOUND = {("grpo", False): 9, ("gtpo", False): 10, ("grpo", True): 9, ("gtpo", Tr
          ("grpo-packed", False): 9, ("grpo-packed", True): 9, ("token_logprobs", False): 7, ("token_logprobs", True): 8,
          ("grpo-tau-token", False): 9, ("grpo-tau-token", True): 9, ("grpo-rollout-seq", False): 9,
          ("grpo-rollout-seq", True): 9, ("linear_token_logprobs", False): 20, ("linear_token_logprobs", True): 21, ("grpo-tau-seq", False): 9,
-         ("grpo-tau-seq", True): 10, ("grpo-tau-seq-packed", False): 13, ("grpo-tau-seq-packed", True): 19,
+         ("grpo-tau-seq", True): 10, ("grpo-tau-seq-packed", False): 13, ("grpo-tau-seq-packed", True): 14,
          ("grpo-rollout-seq-packed", False): 13, ("grpo-rollout-seq-packed", True): 14}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2,  # validating: the status word
          ("grpo-packed", False): 1, ("grpo-packed", True): 2, ("token_logprobs", False): 1,

@@ -186,7 +186,10 @@ def call_temperature(temperature, b, dtype, validate, in_kernels=False, spread=T
     from ..core.sampling import check_temperature
     T = None if b.packed else b.tok_shape[1]
     unchecked = in_kernels and not validate  # the derived batch fields are then never formed (no launch)
-    cu = b.given["cu_seqlens"] if unchecked else b.cu_seqlens  # (malformed: the kernels make everything NaN)
+    # the spread reads cu_seqlens as given (clamped in bounds; malformed: refused validating, else the kernels
+    # make everything NaN), so no stand-in is made for it
+    cu = (b.given or {}).get("cu_seqlens") if b.packed else None
+    cu = b.cu_seqlens if b.packed and cu is None else cu
     tau, bad = check_temperature(temperature, b.B, T, b.given["ids"].numel(), b.given["ids"].device, cu,
                                  None if unchecked else (lambda: b.counted), validate, dtype, flag=not unchecked,
                                  spread=spread or not unchecked, where=b.mask)  # (the mask as given)
