@@ -298,8 +298,8 @@ MUTANTS = [
       "    ent = ent", "an unvalidated bad tau gives entropy 0 over recorded sets"),
 
     # ---- kernels/eager.py ------------------------------------------------------------------------------
-    M("E1", "kernels/eager.py", "if not args or torch.compiler.is_compiling() or type(args[0]) is not torch.Tensor:",
-      "if not args or torch.compiler.is_compiling():", "a fake tensor runs the op's body eagerly"),
+    M("E1", "kernels/eager.py", "if not args or torch.compiler.is_compiling() or type(args[0]) is not torch.Tensor or",
+      "if not args or torch.compiler.is_compiling() or", "a fake tensor runs the op's body eagerly"),
     M("E2", "kernels/eager.py", "zip(names[len(args):], defaults[len(args):])",
       "zip(names[len(args):], defaults[len(args) + 1:] + defaults[-1:])", "defaults filled one place off"),
     M("E3", "kernels/eager.py", "            with torch.no_grad():\n                return body(*args)",
@@ -309,6 +309,10 @@ MUTANTS = [
       "only the first output's gradient passed to the op's backward",
       equivalent="every op with a gradient marks its outputs but the first non-differentiable: their gradients "
                  "are None either way"),
+    M("E6", "kernels/eager.py", "type(args[0]) is not torch.Tensor or args[0].is_meta \\",
+      "type(args[0]) is not torch.Tensor \\", "a meta tensor runs the op's body (its kernels) eagerly"),
+    M("E7", "kernels/eager.py", "_STATE.registered = before or torch.is_grad_enabled()  # (create_graph=True)",
+      "_STATE.registered = before", "a second-order gradient silently 0 under create_graph=True"),
     M("E5", "kernels/eager.py", "            setup_context(ctx, args, out)", "            setup_context(ctx, args[:-1] + (None,), out)",
       "the last argument hidden from setup_context"),
 

@@ -124,3 +124,20 @@ def test_bench_host_time_runs():
     (name, eager, registered), = host_time.measure(calls=("token_logprobs",), reps=4, rounds=2)
     assert name == "token_logprobs" and min(eager + registered) > 0
     assert ti.InterpretedFunction.run is saved and not torch.compiler.is_compiling()
+
+
+def test_second_order_and_meta_inputs_take_the_registered_ops():
+    """A backward that builds a graph (create_graph=True) calls the registered ops, whose missing second-order
+    formula then raises as it did before the eager calls (never a second-order term silently 0); meta inputs
+    get the ops' fake shapes."""
+    d = _inputs(9)
+    x = d["x"].clone().requires_grad_()
+    out = gtpo_loss(x, d["ids"], d["adv"], d["mask"], group_size=2, old_logps=d["old"], config="grpo",
+                    backend="triton")
+    g, = torch.autograd.grad(out.loss, x, create_graph=True)
+    assert torch.isfinite(g).all() and g.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        (g ** 2).sum().backward()
+    meta = [t.to("meta") for t in (d["x"], d["ids"], d["mask"], torch.ones(1))]
+    outs = ops.vocab_fwd(*meta, 0, backend="triton")
+    assert [tuple(o.shape) for o in outs] == [(20,), (20,), (20, 3), (20,)] and all(o.is_meta for o in outs)

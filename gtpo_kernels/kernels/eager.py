@@ -4,8 +4,10 @@ A `torch.library.custom_op` call fills in its defaults, flattens every argument,
 redispatches through autograd before its body runs: about 20 us of host time for a small op and several
 times that for the fused loss's 26 arguments, per call, where the whole call should cost the host a few
 launches (spec 8). `eager(op, backward, setup_context)` returns a callable with the op's signature that:
-- under torch.compile or export, or given a tensor subclass (a fake or functional tensor, a DTensor), calls
-  the op itself, so graphs hold the registered op and its fake implementation;
+- under torch.compile or export, given a tensor subclass (a fake or functional tensor, a DTensor) or a meta
+  tensor, calls the op itself, so graphs hold the registered op and its fake implementation; so too inside a
+  backward that builds a graph (create_graph=True), where the ops' missing second-order formula then raises
+  as the registered ops raise it (never a second-order term silently 0);
 - otherwise runs the op's own Python body directly (below autograd, as the op's dispatch runs it), through
   an autograd.Function made of the op's own `setup_context` and `backward` when it has a gradient.
 The same code runs either way: the values, the gradients and the kernels launched are the op's.
@@ -14,8 +16,11 @@ Ops that mutate an argument keep the op's call (its dispatch bumps the argument'
 from __future__ import annotations
 
 import inspect
+import threading
 
 import torch
+
+_STATE = threading.local()  # .registered: inside a backward with create_graph=True (the registered ops' calls)
 
 
 def eager(op, backward=None, setup_context=None):
@@ -29,7 +34,8 @@ def eager(op, backward=None, setup_context=None):
     function = None if backward is None else _function(body, backward, setup_context, many)
 
     def call(*args, **kwargs):
-        if not args or torch.compiler.is_compiling() or type(args[0]) is not torch.Tensor:
+        if not args or torch.compiler.is_compiling() or type(args[0]) is not torch.Tensor or args[0].is_meta \
+                or getattr(_STATE, "registered", False):
             return op(*args, **kwargs)
         if kwargs or len(args) < len(names):
             args = args + tuple(kwargs.pop(n, d) for n, d in zip(names[len(args):], defaults[len(args):]))
@@ -61,7 +67,12 @@ def _function(body, backward, setup_context, many):
 
         @staticmethod
         def backward(ctx, *grads):
-            out = backward(ctx, list(grads) if many else grads[0])
+            before = getattr(_STATE, "registered", False)
+            _STATE.registered = before or torch.is_grad_enabled()  # (create_graph=True)
+            try:
+                out = backward(ctx, list(grads) if many else grads[0])
+            finally:
+                _STATE.registered = before
             return tuple(None if isinstance(g, (list, tuple)) else g for g in out)
 
     Op.__name__ = body.__name__
