@@ -4,8 +4,8 @@ CUDA: `max_memory_allocated` minus what was allocated before (`cuda_peak_bytes`)
 subprocess per implementation (`child_peaks`) that, for each size, resets the kernel's high-water mark of
 its resident size (/proc/self/clear_refs) after a warm-up and reads VmHWM after one forward + backward;
 glibc is told to give large blocks back to the system (MALLOC_MMAP_THRESHOLD_), and its free pages before
-each measured step (malloc_trim), so freed tensors do not hide in the heap (small steps measured 0 without). `python -m bench.timing.memory` is the logits suite's child
-(`python -m bench.memory` too).
+each measured step (malloc_trim), so freed tensors do not hide in the heap (small steps measured 0 without).
+`python -m bench.timing.memory` is the logits suite's child (`python -m bench.memory` too).
 """
 from __future__ import annotations
 

@@ -222,9 +222,8 @@ def rollout_weights(b, w, device):
         return w.reshape(-1), None
     if shape == (b.B, 1) or (shape == (b.B,) and not b.packed):
         seq = w.reshape(b.B)
-        cu = (b.given or {}).get("cu_seqlens") if b.packed and b.B else None
-        if cu is not None:  # (on the given cu_seqlens: no stand-in, no segments made)
-            n = b.tok_shape[0]
+        if b.packed and b.B:  # (on the given cu_seqlens: no stand-in, no segments made)
+            cu, n = b.given["cu_seqlens"], b.tok_shape[0]
             return Lazy(lambda: spread_packed(seq, cu, n)), seq
         return Lazy(lambda: seq[b.seg]), seq
     if b.packed and shape == (b.B,):

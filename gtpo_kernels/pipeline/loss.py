@@ -188,8 +188,7 @@ def call_temperature(temperature, b, dtype, validate, in_kernels=False, spread=T
     unchecked = in_kernels and not validate  # the derived batch fields are then never formed (no launch)
     # the spread reads cu_seqlens as given (clamped in bounds; malformed: refused validating, else the kernels
     # make everything NaN), so no stand-in is made for it
-    cu = (b.given or {}).get("cu_seqlens") if b.packed else None
-    cu = b.cu_seqlens if b.packed and cu is None else cu
+    cu = b.given["cu_seqlens"] if b.packed else None
     tau, bad = check_temperature(temperature, b.B, T, b.given["ids"].numel(), b.given["ids"].device, cu,
                                  None if unchecked else (lambda: b.counted), validate, dtype, flag=not unchecked,
                                  spread=spread or not unchecked, where=b.mask)  # (the mask as given)
