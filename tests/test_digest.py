@@ -282,6 +282,45 @@ def test_per_row_values_and_checks_equal_their_spread(seed):
             assert expect == (where is None or bool(mask[k].any())), k  # (row 1: every token masked out)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_per_completion_values_of_a_packed_batch_equal_their_spread(seed):
+    """The same for the packed form (kind 'rows' and a RowCheck with rows (cu_seqlens, N): Batch.seq_rows): the
+    row's kernel finds each token's completion in cu_seqlens (int32 or int64; empty completions, a first or
+    last one among them; N past one BLOCK), never spreading the values: the checksum is bitwise the spread's
+    values digest (layout.spread_packed) and the torch form's, and the check fails exactly where a counted
+    token reads a failing value (one whose completion is empty or masked out passes)."""
+    from gtpo_kernels.core.host_read import RowCheck
+    from gtpo_kernels.core.layout import spread_packed
+    g = torch.Generator().manual_seed(400 + seed)
+    lengths = [torch.tensor([4, 0, 5, 3]), torch.tensor([0, 2, 2, 0, 1]), torch.randint(0, 60, (70,), generator=g),
+               torch.tensor([3])][seed]
+    B = lengths.numel()
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to([torch.int64, torch.int32][seed % 2])
+    N = int(cu[-1])
+    w = torch.rand(B, generator=g).to([torch.float32, torch.float64, torch.bfloat16, torch.float32][seed]) + 0.5
+    mask = (torch.rand(N, generator=g) > 0.3).to([torch.bool, torch.float32, torch.int64, torch.bool][seed])
+    if B > 2:
+        mask[int(cu[2]):int(cu[3])] = 0
+        w[2] = float("nan")  # read by no counted token
+    for where in (mask, None):
+        spread = spread_packed(w, cu, N)
+        assert torch.equal(spread.isnan(), w.repeat_interleave(lengths).isnan())  # (the spread itself)
+        kernel, torch_form = _both(digest.Digest("rows", 0, (w, where, (cu, N))))
+        assert kernel == torch_form == [int(digest.values_digest(spread, where))], (kernel, torch_form)
+    for k in range(B if B < 6 else 6):
+        bad_w = w.clone()
+        bad_w[k] = [-0.25, float("inf"), float("nan")][k % 3]
+        for where in (mask, None):
+            sel = torch.ones(N, dtype=torch.bool) if where is None else where.reshape(-1) != 0
+            torch_bad = sel & ~(torch.isfinite(bad_w.double()) & (bad_w.double() >= 0)).repeat_interleave(lengths)
+            expect = bool(torch_bad.any())
+            row = torch.zeros(2, dtype=torch.int64)
+            digest.write_row([], row, [RowCheck(bad_w, where, "atleast", 0, lambda: torch_bad, row_length=(cu, N))])
+            assert row.tolist() == [int(expect), 0], (k, where is None, row)
+            fails = ~(torch.isfinite(bad_w.double()) & (bad_w.double() >= 0))  # (completion by completion)
+            assert expect == any(bool(fails[j]) and bool(sel[int(cu[j]):int(cu[j + 1])].any()) for j in range(B)), k
+
+
 @pytest.mark.parametrize("where", ["none", "counted", "masked_out"])
 def test_a_flushed_subnormal_temperature_is_named(where):
     """A device that flushes float32 subnormals to 0 finds 1 / tau not finite for tau = 3e-39, where torch's

@@ -67,12 +67,12 @@ def _scenarios(rank, bad):
     keep = mask.reshape(-1) != 0
     cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])  # [0, 5, 10, 15, 19]
 
-    def packed(o=old, c=cu, max_seqlen=T, validate=True):
+    def packed(o=old, c=cu, max_seqlen=T, validate=True, m=None, **kw):
         part = xs.reshape(B * T, -1)[keep].clone().requires_grad_()
-        m = None if validate else (torch.arange(19) != 6).float()  # (unvalidated: token 6 masked out)
+        m = m if validate else (torch.arange(19) != 6).float()  # (unvalidated: token 6 masked out)
         out = gtpo_loss(part, ids.reshape(-1)[keep], adv, m, group_size=2, old_logps=o.reshape(-1)[keep],
                         config="grpo", backend="triton", process_group=pg, cu_seqlens=c, max_seqlen=max_seqlen,
-                        validate=validate)
+                        validate=validate, **kw)
         if validate:
             return float(out.loss)
         out.loss.backward()  # unvalidated, malformed: every counted output and gradient row NaN, on every rank;
@@ -145,6 +145,19 @@ def _scenarios(rank, bad):
                                     "completion in cu_seqlens (5)"),  # (on every rank: both refuse)
         "packed_max_seqlen_short_first": (lambda: packed(c=torch.tensor([0, 7, 11, 15, 19]), max_seqlen=6),
                                           "max_seqlen = 6 is shorter than the longest completion in cu_seqlens (7)"),
+        # per completion, packed: checked where a counted token of its completion reads it (cu_seqlens' [5, 10))
+        "packed_rollout_seq_inf": (lambda: packed(rollout_is_weights=_edit(torch.ones(B, 1), 1, inf, me)),
+                                   "rollout_is_weights must be >= 0 and finite at counted positions"),
+        "packed_rollout_seq_nan_at_a_masked_completion": (lambda: packed(
+            m=(torch.arange(19) // 5 != 1).long(), rollout_is_weights=_edit(torch.ones(B, 1), 1, nan, me)), None),
+        "packed_tau_seq_negative": (lambda: packed(temperature=_edit(torch.ones(B), 1, -1.0, me)),
+                                    "temperature must be finite and > 0, with 1 / tau finite, at counted tokens; "
+                                    "flat token position 5 holds -1.0"),
+        "tau_seq_zero": (lambda: loss(temperature=_edit(torch.ones(B, 1), 3, 0.0, me)),
+                         "temperature must be finite and > 0, with 1 / tau finite, at counted tokens; "
+                         "flat token position 15 holds 0.0"),
+        "packed_tau_seq_nan_at_a_masked_completion": (lambda: packed(
+            m=(torch.arange(19) // 5 != 1).long(), temperature=_edit(torch.ones(B), 1, nan, me)), None),
         "packed_malformed_unvalidated": (lambda: packed(c=torch.tensor([0, 5, 4, 15, 19]), validate=False), True),
         "logprobs_flagged_unvalidated": (lambda: logprobs_flagged("triton"), True),
         "logprobs_flagged_unvalidated_torch": (lambda: logprobs_flagged("torch"), True),

@@ -4,7 +4,7 @@ H and flags and the backward's statistics in its first pass. On 2 gloo ranks (V 
 VOCAB_BLOCK: the all-reduce merge), the Triton backend under the interpreter, against one process on the whole
 vocabulary: clip_cov and kl_cov (the epilogue runs twice around their sort, each finishing the merge), with
 the top-entropy mask too, loss_agg='none' (a gradient per token), conflict weights computed in the call,
-packed; a NaN logit in one rank's slice gives NaN at its token on every rank, unvalidated, and the same
+packed (rollout weights and a temperature per completion too, validated or not); a NaN logit in one rank's slice gives NaN at its token on every rank, unvalidated, and the same
 error on every rank, validated; the top-entropy mask alone (its key reads H before the epilogue: the merge's
 own finish runs, `vp_forward`) too."""
 import torch
@@ -72,6 +72,22 @@ def _ranks(rank, world):
             e["grad_norm"] = float(ref.norm())
             e["value"] = out.loss.detach().sum().item()
             errs[f"{'packed' if packed else 'padded'}/{name}"] = e
+    # per completion, packed (completions of 5, 5, 5 and 4 tokens): rollout weights and a temperature, each
+    # read at its token's completion in the given cu_seqlens by the agreement's row and the merge's kernels
+    x, ids, mask, adv, old, kw = _case(True)
+    g = torch.Generator().manual_seed(3)
+    seq = dict(rollout_is_weights=torch.rand(4, 1, generator=g) + 0.5, temperature=torch.rand(4, generator=g) + 0.5)
+    for validate, name in ((True, "grpo-none"), (False, "grpo-none"), (False, "dapo-top-entropy")):
+        full = x.clone().requires_grad_()  # (the top-entropy mask's key reads H first: the tau spread for it)
+        one = _call(full, ids, adv, mask, old, CONFIGS[name], kw, **seq)
+        part = x[..., sl].clone().requires_grad_()
+        out = _call(part, ids, adv, mask, old, CONFIGS[name], kw, process_group=dist.group.WORLD,
+                    validate=validate, **seq)
+        e = {f: _rel(getattr(out, f), getattr(one, f)) for f in ("loss", "logps", "entropy", "per_token_loss")}
+        ref = full.grad[..., sl].double()
+        e.update(grad=float((part.grad.double() - ref).norm() / ref.norm()), grad_norm=float(ref.norm()),
+                 value=out.loss.detach().sum().item())
+        errs[f"packed/per completion, {name}, validate={validate}"] = e
     # a NaN logit in rank 0's slice: NaN at its token on every rank (unvalidated), the same error (validated)
     x, ids, mask, adv, old, kw = _case(False)
     x[2, 1, 3] = float("nan")

@@ -38,6 +38,11 @@ SIZES = ((4, 5), (8, 6))
 # before its spread read the given cu_seqlens, where the batch's stand-in was made for it: 14.
 # Rollout weights per completion, packed: 19 / 20 before their spread for the agreement's checksum read the given
 # cu_seqlens (searchsorted, 4 launches), where the batch's stand-in cu_seqlens and segments were made for it: 13 / 14)
+# (per completion, packed, a temperature or rollout weights: 13 / 14 before the agreement row's kernel and the
+# merge's sums kernel found each token's completion in the given cu_seqlens (vocab_status._seqs_of), where they
+# were spread on the tokens; validating, a temperature per completion 10 (padded) and 14 (packed) before the
+# agreement row checked it at each token's completion, where its spread was made for the check; the validated
+# packed row's eight terms took two launches of six before a launch took eight)
 # (rollout weights per completion: 12 / 23 before the agreement's checksum and check read them at each token's
 # row, where their spread on the tokens was made for the checksum, and for the check with a dozen launches)
 # (linear_token_logprobs, one tile: 26 before the kernels wrote NaN at a flagged token and kept the masked-out
@@ -51,8 +56,8 @@ BOUND = {("grpo", False): 9, ("gtpo", False): 10, ("grpo", True): 9, ("gtpo", Tr
          ("grpo-packed", False): 9, ("grpo-packed", True): 9, ("token_logprobs", False): 7, ("token_logprobs", True): 8,
          ("grpo-tau-token", False): 9, ("grpo-tau-token", True): 9, ("grpo-rollout-seq", False): 9,
          ("grpo-rollout-seq", True): 9, ("linear_token_logprobs", False): 20, ("linear_token_logprobs", True): 21, ("grpo-tau-seq", False): 9,
-         ("grpo-tau-seq", True): 10, ("grpo-tau-seq-packed", False): 13, ("grpo-tau-seq-packed", True): 14,
-         ("grpo-rollout-seq-packed", False): 13, ("grpo-rollout-seq-packed", True): 14}
+         ("grpo-tau-seq", True): 9, ("grpo-tau-seq-packed", False): 9, ("grpo-tau-seq-packed", True): 9,
+         ("grpo-rollout-seq-packed", False): 9, ("grpo-rollout-seq-packed", True): 9}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2,  # validating: the status word
          ("grpo-packed", False): 1, ("grpo-packed", True): 2, ("token_logprobs", False): 1,
          ("token_logprobs", True): 2, ("grpo-tau-token", False): 1, ("grpo-tau-token", True): 2,

@@ -127,6 +127,18 @@ def _scenarios(rank, world):
         else:
             res[f"unvalidated/{name}"] = {"loss": _rel(out.loss.detach(), seq.loss.detach()),
                                           "logps": _rel(out.logps, seq.logps), "entropy": _rel(out.entropy, seq.entropy)}
+    # packed with B == N (4 tokens in completions of 2, 0, 1 and 1): a (B, 1) temperature is one per completion,
+    # spread to the tokens (a (B,) tau would read as one per token there), validated or not
+    xs, i, o = x.reshape(B * T, V)[:4], ids.reshape(-1)[:4], old.reshape(-1)[:4]
+    kw = dict(cu_seqlens=torch.tensor([0, 2, 2, 3, 4]), max_seqlen=2)
+    tt = tau[:, :1] * torch.tensor([[1.0], [0.5], [2.0], [1.5]])
+    seq = gtpo_loss(xs, i, adv, group_size=2, old_logps=o, temperature=tt, config=cfg, backend="triton", **kw)
+    for validate in (False, True):
+        out = gtpo_loss(xs[..., sl], i, adv, group_size=2, old_logps=o, temperature=tt, config=cfg,
+                        backend="triton", process_group=dist.group.WORLD, validate=validate, **kw)
+        res[f"B == N packed per completion, validate={validate}"] = {
+            "loss": _rel(out.loss.detach(), seq.loss.detach()), "logps": _rel(out.logps, seq.logps),
+            "entropy": _rel(out.entropy, seq.entropy)}
     one = gtpo_loss(x, ids, adv, group_size=2, old_logps=old, temperature=tau, config=cfg, backend="triton")
     others = torch.ones(B, T, dtype=torch.bool)
     others[1, 2] = False

@@ -40,7 +40,7 @@ ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", 
                      "HP",  # which hyper-parameters are read by pointer (a config's, fixed across steps; no value)
                      "KEEP", "KEPT", "TOP_K", "TOP_P", "MIN_P", "STATS", "NAN_BAD",  # kept sets rebuilt by rules
                      "IS_FLOAT", "HAS_WHERE", "FP", "IDS",  # the agreement's checksums, the host checks
-                     "F0", "F1", "F2", "F3", "F4", "F5", "N_TERMS", "TOKENS"}  # (a row's: each term's kind, how many)
+                     "F0", "F1", "F2", "F3", "F4", "F5", "F6", "F7", "N_TERMS", "TOKENS"}  # (a row's: each term's kind, how many)
 PER_BATCH_SIZES = {"T", "T_l", "logits_start", "n_t_blocks", "B", "N", "n",  # vary every step
                    "K", "M", "n_tiles", "steps"}  # (the head's union tiles: kept ids, tokens, tiles)
 

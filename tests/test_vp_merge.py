@@ -98,8 +98,10 @@ i64, i8, f32 = torch.int64, torch.int8, torch.float32
 for arch in (90, 80, 100):
     meta = dict(BLOCK=256, num_warps=4, ROWS=arch != 80)  # (ROWS: the LM head's tile, at its tokens)
     assert _compile_ahead(M._vp_sums_kernel, arch, dict(bad_ptr=i8, ids_ptr=i64, counted_ptr=torch.bool,
-                          rows_ptr=i64), f32, dict(n=32768, V_local=75968, tau_stride=1, id_start=75968,
-                          row_length=512), dict(meta, TEMP_PER_SEQ=arch == 80)).asm.get("ptx")  # (sm_80: tau per row)
+                          rows_ptr=i64, cu_ptr=torch.int32), f32, dict(n=32768, V_local=75968, tau_stride=1,
+                          id_start=75968, row_length=512, n_seq=64),
+                          dict(meta, TEMP_PER_SEQ={80: 1, 90: 2, 100: 0}[arch])).asm.get("ptx")
+    # (a tau per completion: sm_80 per row, sm_90 found in a packed batch's cu_seqlens)
     assert _compile_ahead(M._vp_finish_kernel, arch, dict(bad_out=i8, ids_ptr=i64, counted_ptr=torch.bool,
                           rows_ptr=i64), f32, dict(n=32768, V=151936), meta).asm.get("ptx")
     for dt, fp in ((torch.bfloat16, True), (i64, False)):
@@ -107,14 +109,18 @@ for arch in (90, 80, 100):
                               dict(n=32768, size_term=1 << 60, pos=3),
                               dict(IS_FLOAT=dt.is_floating_point, HAS_WHERE=True, FP=fp, BLOCK=1024,
                                    num_warps=4)).asm.get("ptx")
-    terms = {f"{a}{k}": v for k in range(6) for a, v in (("n", 4096), ("s", 1 << 60), ("p", k), ("o", k + 1))}
+    terms = {f"{a}{k}": v for k in range(8) for a, v in (("n", 4096), ("s", 1 << 60), ("p", k), ("o", k + 1))}
     assert _compile_ahead(D._row_kernel, arch, dict(x0=torch.bfloat16, w0=torch.bool, x1=i64, x2=torch.float32,
-                          w2=torch.float32, x4=torch.float32, w4=torch.bool, x5=torch.float32, row_ptr=i64,
-                          ids_ptr=i64, counted_ptr=torch.float32), i64, dict(terms, n_tok=32768, T=512, o_tok=9),
+                          w2=torch.float32, x4=torch.float32, w4=torch.bool, x5=torch.float32, x6=torch.float32,
+                          w6=torch.bool, x7=torch.bfloat16, row_ptr=i64, ids_ptr=i64, counted_ptr=torch.float32,
+                          cu_ptr=torch.int32 if arch == 90 else i64), i64,
+                          dict(terms, n_tok=32768, T=512, o_tok=9, n_cu=64),
                           dict(F0=3 | 8, F1=24 | 64, F2=3 | 48, F3=5 if arch == 80 else 40 | 64,
                                F4={80: 16, 90: 3 | 48 | 64 | 128, 100: 3 | 128}[arch],
                                F5=56 | 66 if arch == 100 else 32 | 64,
-                               N_TERMS=6, TOKENS=True, HAS_MASK=True, CHECKS=arch != 80, BLOCK=1024,
+                               F6=3 | 48 | 256, F7=1 | 56 | 64 | 256,  # (per completion of cu_seqlens: at least 0
+                               # with its checksum; a temperature alone)
+                               N_TERMS=8, TOKENS=True, HAS_MASK=True, CHECKS=arch != 80, BLOCK=1024,
                                num_warps=4)).asm.get("ptx")  # (checks: finite, ids alone, at least, cu_max alone,
     # 0 or 1 (sm_90: per-row weights at least 0 alone; sm_100: their checksum at the tokens), cu alone or on
     # sm_100 a temperature alone at `where`; digest_triton._add_term's F bits)

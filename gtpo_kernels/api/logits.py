@@ -117,12 +117,12 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             # is not finite and > 0 is flagged, and revalidate names it), one per completion read at each token's
             tau_kernels = fast and _per_token_tau(temperature)  # (fast: no kept sets, so no rules' kernel)
             per_seq = tau_kernels and _per_completion(temperature, b)
-            # so too on a split vocabulary's epilogue path, unvalidated (spread to the tokens: padded, or per token)
-            tau_split = (not host and process_group is not None and not replaying and _per_token_tau(temperature)
+            # so too on a split vocabulary's epilogue path (validating: checked by the agreement's row)
+            tau_split = (process_group is not None and not replaying and _per_token_tau(temperature)
                          and epilogue_attached.takes(logits, cfg, backend))
-            # (one per completion, padded: (B,) as given, read at each token's row by the kernels and the agreement;
-            # packed: spread to the tokens)
-            split_seq = tau_split and _per_completion(temperature, b) and not b.packed
+            # (one per completion: (B,) as given, read at each token's completion by the kernels and the agreement;
+            # packed with B == N, where (B,) reads as per token, spread to the tokens)
+            split_seq = tau_split and _per_completion(temperature, b) and 0 < b.B != b.n_tokens
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32,
                                    host and not tau_kernels, in_kernels=fast or rules_in_kernels or tau_split,

@@ -270,8 +270,8 @@ def add_extras(b, device, *, old_logps=None, ref_logps=None, lam=None, n_conf=No
             def fail():
                 raise ValueError("rollout_is_weights must be >= 0 and finite at counted positions "
                                  "(see rollout_is_weights() for TRL's modes)")
-            if b.rollout_w_seq is None or b.packed:  # per token, or read on the tokens (packed: spread)
+            if b.rollout_w_seq is None or not b.B:  # per token
                 checks.check_at_least(b.rollout_w, 0, lambda: b.counted, b.mask, fail)
-            else:  # per completion: read where a counted token of its row reads it, never spread
+            else:  # per completion: read where a counted token of its completion reads it, never spread
                 checks.check_at_least(b.rollout_w_seq, 0, lambda: b.counted, b.mask, fail,
-                                      seg=(b.tok_shape[1], lambda: b.seg))
+                                      seg=(b.seq_rows, lambda: b.seg))

@@ -180,7 +180,8 @@ def check_binary(x, fail):
 def check_at_least(x, lo, counted, where, fail, seg=None):
     """Host check (validate=True only): x finite and >= lo (at counted positions when `counted` is given, as
     check_finite's); fail() raises the error. seg (T, a callable making each token's row): x holds one value
-    per row of T tokens, checked where a counted token reads it."""
+    per row of T tokens (or per completion of the packed form, T = (cu_seqlens, N): Batch.seq_rows),
+    checked where a counted token reads it."""
     made, where = _selection(counted, where)
 
     def bad():

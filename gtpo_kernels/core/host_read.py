@@ -24,7 +24,8 @@ class RowCheck:
     max_seqlen), 'atleast' (x finite and >= V, an int, at `where`) or 'positive' (x finite and > 0 with 1 / x
     finite, at `where`: a temperature). torch_bad(): its torch form (a bool tensor, read only on the failing
     rank). row_length T (not None): x holds one value per row of T tokens, checked where `where` selects a
-    token of its row (where: None or one per token)."""
+    token of its row (where: None or one per token); T = (cu_seqlens, N): one per completion of the packed
+    form (Batch.seq_rows)."""
     __slots__ = ("x", "where", "kind", "V", "torch_bad", "row_length")
 
     def __init__(self, x, where, kind, V, torch_bad, row_length=None):

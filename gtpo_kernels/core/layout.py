@@ -32,6 +32,14 @@ def spread_packed(x, cu_seqlens, n):
     return x[seg]
 
 
+def spread_seq(x, b):
+    """x (B,), one value per completion of Batch b, spread on its tokens (n,) as b.seq_rows reads it."""
+    rows = b.seq_rows
+    if isinstance(rows, tuple):
+        return spread_packed(x, *rows)
+    return x.reshape(-1, 1).expand(-1, rows).reshape(-1)
+
+
 def _lazy(name):
     def get(self):
         v = getattr(self, name)
@@ -67,7 +75,7 @@ class Batch:
     max_len_: object = None  # default denominator of seq-mean-token-sum-norm (or a Lazy of it): `max_len`
     malformed_: object = None  # 0-d bool: an unvalidated cu_seqlens was malformed (NaN outputs)
     tau: Optional[torch.Tensor] = None  # (N,) the call's temperature per token, when it gave one (spec 13); (B,)
-    # one per completion where the kernels read it at each token's row (padded): `tau_per_row`
+    # one per completion where the kernels read it at each token's completion: `tau_per_row`
     mask: Optional[torch.Tensor] = None  # (N,) the caller's completion_mask as given (any dtype), None: all counted
     token_adv: Optional[torch.Tensor] = None  # (N,) an advantage per token in place of Ahat (pipeline/token_terms.py)
 
@@ -88,8 +96,20 @@ class Batch:
 
     @property
     def tau_per_row(self) -> bool:
-        """Whether `tau` holds one temperature per completion, read at each token's row (padded)."""
-        return self.tau is not None and not self.packed and self.tau.numel() != self.B * self.tok_shape[1]
+        """Whether `tau` holds one temperature per completion, read at each token's completion (`seq_rows`;
+        packed with B == N it is spread: per token)."""
+        return self.tau is not None and self.tau.numel() != self.n_tokens
+
+    @property
+    def n_tokens(self) -> int:
+        """N: B * T padded, the packed tokens."""
+        return self.tok_shape[0] * (1 if self.packed else self.tok_shape[1])
+
+    @property
+    def seq_rows(self):
+        """How a value per completion is read at each token: T (padded, token k's at k // T), or (cu_seqlens
+        as given, N) (packed: found there, as spread_packed spreads it)."""
+        return (self.given["cu_seqlens"], self.tok_shape[0]) if self.packed else self.tok_shape[1]
 
     @property
     def V(self) -> int:

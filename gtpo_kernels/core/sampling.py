@@ -75,15 +75,18 @@ def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=Non
     tokens checked, a bool tensor or (with `where`, the mask as given) a callable making it (checks._selection).
     Returns (tau: a number or a `dtype` (n,) tensor, invalid: None or an (n,) bool tensor; None too when
     validating (an invalid tau at a counted token raises, formed by a process group's agreement row) or
-    neither `validate` nor `flag`: the caller's kernels flag such a tau). spread=False (with neither
-    validate nor flag): one per completion stays (B,) (per_token)."""
+    neither `validate` nor `flag`: the caller's kernels flag such a tau). spread=False (validating, or with
+    neither validate nor flag): one per completion stays (B,) (per_token), checked where a counted token of
+    its completion reads it (packed: the caller keeps B != N, where (B,) would read as per token)."""
     if _is_number(temperature):
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
         return float(temperature), None
     if isinstance(temperature, torch.Tensor) and not temperature.dtype.is_floating_point:
         raise TypeError(f"temperature must be a number or a floating-point tensor, got {temperature.dtype}")
-    tau = per_token("temperature", temperature, B, T, n, device, cu_seqlens, spread or validate or flag).to(dtype)
+    tau = per_token("temperature", temperature, B, T, n, device, cu_seqlens, spread or flag and not validate).to(dtype)
+    rows = None if spread or tuple(temperature.shape) not in ((B,), (B, 1)) else T if cu_seqlens is None else (
+        cu_seqlens, n)  # (one per completion, kept: read at each token's, as Batch.seq_rows)
     if not (validate or flag):
         return tau, None
     def invalid():  # (a float32 tau below 2.9e-39: 1 / tau is not finite)
@@ -92,13 +95,19 @@ def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=Non
         made, where = _selection(counted, where)
 
         def bad():
-            return invalid() if counted is None else invalid() & made()
+            out = at_tokens(invalid())
+            return out if counted is None else out & made()
+
+        def at_tokens(x):  # (one per completion: spread on the tokens)
+            if rows is None:
+                return x
+            return x.repeat_interleave(T) if cu_seqlens is None else spread_packed(x, cu_seqlens, n)
 
         def fail():  # (none found here: a subnormal tau the device's division flushed to 0)
             k = _first(bad()) if bool(bad().any()) else None
-            at = "a subnormal value" if k is None else f"flat token position {k} holds {tau[k].item()!r}"
+            at = "a subnormal value" if k is None else f"flat token position {k} holds {at_tokens(tau)[k].item()!r}"
             raise ValueError(f"temperature must be finite and > 0, with 1 / tau finite, at counted tokens; {at}")
-        _check(tau, where, "positive", None, bad, fail)
+        _check(tau, where, "positive", None, bad, fail, rows)
         return tau, None
     return tau, invalid()
 

@@ -14,6 +14,7 @@ import zlib
 import torch
 
 from ..core import checks
+from ..core.layout import spread_packed
 _MASK61 = (1 << 61) - 1
 _K1, _K2, _K3, _K4 = (0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D,
                       0xBF58476D1CE4E5B9 - (1 << 64))  # odd 64-bit mixers, as int64
@@ -163,9 +164,9 @@ def input_digests(b):
         cu = Digest("values", _mix_int(-1 if b.max_seqlen is None else b.max_seqlen, _MAX_SEQLEN_AT) & _MASK61,
                     (given["cu_seqlens"], None))
     whole = [given["adv"] if "adv" in given else b.adv, None, None, None, b.n_conf, None, None, None]
-    # (per completion, padded: rollout weights and a temperature read at each token's row, as their spread
+    # (per completion: rollout weights and a temperature read at each token's completion, as their spread
     # would be, never made)
-    rw_rows = b.rollout_w_seq if b.rollout_w_seq is not None and not b.packed else None
+    rw_rows = b.rollout_w_seq if not b.packed or b.B else None
     tau_rows = b.tau if b.tau_per_row else None
     per_row = [None, None, None, None, None, rw_rows, None, tau_rows]
     counted = [None, b.old, b.ref, b.lam, None, None if rw_rows is not None else b.rollout_w, b.rollout_logps,
@@ -173,7 +174,7 @@ def input_digests(b):
     out = [cu]
     for x, y, r in zip(whole, counted, per_row):
         if r is not None:
-            out.append(Digest("rows", 0, (r, b.mask, b.tok_shape[1])))
+            out.append(Digest("rows", 0, (r, b.mask, b.seq_rows)))
         elif x is not None:
             out.append(Digest.values(x))
         elif y is not None:
@@ -192,7 +193,8 @@ class Digest:
     """An agreement field formed when the row is made (nothing launched before, none for a rank that
     failed): `const` in its slot plus (mod 2**61), kind 'values', values_digest(x, where) (terms (x, where)); kind
     'fingerprint', each tensor option's word at its position (terms [(t, pos)]); kind 'rows', values_digest
-    of x spread on rows of T tokens, at where (terms (x, where, T)); kind 'tokens',
+    of x (one per completion) spread on the tokens, at where (terms (x, where, rows), rows a Batch's seq_rows:
+    T, rows of T tokens, or (cu_seqlens, N) packed); kind 'tokens',
     token_digest in three slots (terms: the Batch; the next two fields are 'filled'). Formed by the
     kernels of kernels/digest_triton (write_row: the whole row in one launch) where the tensors live on the
     row's device and Triton runs there, else by the torch forms above (`write`; bitwise equal)."""
@@ -206,6 +208,8 @@ class Digest:
         return cls("values", 0, (x, where))
 
     def _tensors(self):
+        if self.kind == "rows" and isinstance(self.terms[2], tuple):
+            return [t for t in self.terms[:2] + self.terms[2][:1] if t is not None]
         if self.kind in ("values", "rows"):
             return [t for t in self.terms[:2] if t is not None]
         if self.kind == "fingerprint":
@@ -227,8 +231,10 @@ class Digest:
         if self.kind == "values":
             return (values_digest(*self.terms) + self.const) & _MASK61
         if self.kind == "rows":
-            x, where, T = self.terms
-            return (values_digest(x.reshape(-1).repeat_interleave(T), where) + self.const) & _MASK61
+            x, where, rows = self.terms
+            spread = (spread_packed(x.reshape(-1), *rows) if isinstance(rows, tuple)
+                      else x.reshape(-1).repeat_interleave(rows))
+            return (values_digest(spread, where) + self.const) & _MASK61
         if self.kind == "tokens":
             return token_digest(self.terms)
         digest = self.const
@@ -255,8 +261,9 @@ def write_row(fields, row, row_checks=()):
             x, where = f.terms
             jobs.append([i + 1, x, where, _size_term(x), None, None])
         elif f.kind == "rows":
-            x, where, T = f.terms
-            jobs.append([i + 1, x, where, (x.numel() * T * _K3) % _MASK61, None, None, T])
+            x, where, rows = f.terms
+            n = rows[1] if isinstance(rows, tuple) else x.numel() * rows
+            jobs.append([i + 1, x, where, (n * _K3) % _MASK61, None, None, rows])
         elif f.kind == "fingerprint":
             for k, (t, pos) in enumerate(f.terms):
                 (after if k else jobs).append([i + 1, t, None, _size_term(t), pos, None])

@@ -129,16 +129,18 @@ def _into(outs, res):
 def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id_start=0, rows=None, tau_seq=0):
     """vp_forward's all-reduce merge up to its finish (the epilogue kernel may finish it itself): the merged
     sums (n, 7) and the global row maxima (n,), the same on every rank (backend resolved). rows: vp_forward's
-    (n = its length). tau_seq 1 (the Triton backend, padded): temperature holds one tau per completion, read
-    at each token's row."""
+    (n = its length). tau_seq (the Triton backend): temperature holds one tau per completion, read at each
+    token's row (1, padded) or found in the cu_seqlens given (2, packed)."""
     merge, counted = vp_merge.select(backend), _counted(b, backend)  # (Triton: the sums' and finish's launches)
+    cu = b.given["cu_seqlens"] if tau_seq == 2 else None
     # on the Triton backend the forward kernel stores the slice's maximum too (vp_merge.local_max's values)
     n = ids_loc.numel() if rows is None else rows.numel()
     M = torch.empty(n, dtype=torch.float32, device=b.logits3.device) if backend == "triton" else None
     tau = ops.tau_arg(temperature, b.logits3, backend)
     if rows is None:
         logp_r, ent_r, stats_r, bad_r = dispatch.vocab_fwd(backend, b.logits3.detach(), ids_loc.reshape(-1), counted,
-                                                           tau, b.logits_start, scale, softcap, id_start, M, tau_seq)
+                                                           tau, b.logits_start, scale, softcap, id_start, M, tau_seq,
+                                                           cu)
     else:  # the tile's own statistics, each row's id, mask and tau read at its token
         from ..kernels import vocab_triton
         dispatch.check_transforms(scale, softcap)
@@ -150,7 +152,8 @@ def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
     vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, b.V, id_start,
                            **({} if rows is None else dict(rows=rows)),
-                           **({} if not tau_seq else dict(row_length=b.tok_shape[1])))
+                           **({} if not tau_seq else dict(cu=cu) if cu is not None else
+                              dict(row_length=b.tok_shape[1])))
     dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
     return vec, M
 

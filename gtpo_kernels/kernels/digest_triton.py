@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .vocab_status import _seqs_of
+
 BLOCK = 1024
 MASK61 = tl.constexpr((1 << 61) - 1)
 K1 = tl.constexpr(0x9E3779B97F4A7C15 - (1 << 64))
@@ -51,20 +53,28 @@ def _word(x_ptr, o, inb, IS_FLOAT: tl.constexpr):
 
 @triton.jit
 def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE: tl.constexpr, FP: tl.constexpr,
-          BLOCK: tl.constexpr, CHECK: tl.constexpr = 0, SUM: tl.constexpr = True, PER_ROW: tl.constexpr = False):
+          BLOCK: tl.constexpr, CHECK: tl.constexpr = 0, SUM: tl.constexpr = True, PER_ROW: tl.constexpr = False,
+          cu_ptr=None, n_cu=0, PER_CU: tl.constexpr = False):
     """A tensor's term: values_digest's sum with its size word, or, FP, the option word mix(W, pos); and
     whether any selected value fails CHECK (0 none, 1 not finite, 2 neither 0 nor 1; then with size_term
     the check's bound and SUM off, no term: 3 outside [0, size_term), 4 cu_seqlens not from 0 to
     size_term = N or decreasing, 5 a completion of cu_seqlens longer than size_term = max_seqlen, 6 not
     finite or below size_term, 7 not finite and > 0 with 1 / x finite). PER_ROW (not FP): x holds one value
-    per row of pos tokens, read at n tokens (where's), token o at x[o // pos], as its spread on them."""
+    per row of pos tokens, read at n tokens (where's), token o at x[o // pos], as its spread on them; PER_CU
+    (not FP): x holds one value per completion of the packed form's cu_seqlens (n_cu completions), token o
+    at its completion's (_seqs_of), as its spread (layout.spread_packed) on the n tokens."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     acc = tl.zeros([BLOCK], tl.int64)
     bad = tl.zeros([BLOCK], tl.int32)
     for start in range(0, n, BLOCK):
         o = start + lanes
         inb = o < n
-        xo = o // pos if PER_ROW else o
+        if PER_CU:
+            xo = _seqs_of(cu_ptr, n_cu, o)
+        elif PER_ROW:
+            xo = o // pos
+        else:
+            xo = o
         if SUM:
             h = _mix(_word(x_ptr, xo, inb, IS_FLOAT), o)
         if HAS_WHERE:
@@ -107,11 +117,12 @@ def _term(x_ptr, where_ptr, n, size_term, pos, IS_FLOAT: tl.constexpr, HAS_WHERE
 
 
 @triton.jit
-def _add_term(out_ptr, x_ptr, where_ptr, n, size_term, pos, F: tl.constexpr, BLOCK: tl.constexpr):
+def _add_term(out_ptr, x_ptr, where_ptr, n, size_term, pos, F: tl.constexpr, BLOCK: tl.constexpr, cu_ptr, n_cu):
     """out += the term (mod 2**61) -> whether a selected value failed the check; F's bits: 1 IS_FLOAT,
-    2 HAS_WHERE, 4 FP, 8 k the check (_term's CHECK k, 1 to 7), 64 no term (a check alone), 128 PER_ROW."""
+    2 HAS_WHERE, 4 FP, 8 k the check (_term's CHECK k, 1 to 7), 64 no term (a check alone), 128 PER_ROW,
+    256 PER_CU (cu_ptr, n_cu)."""
     term, bad = _term(x_ptr, where_ptr, n, size_term, pos, (F & 1) != 0, (F & 2) != 0, (F & 4) != 0, BLOCK,
-                      (F // 8) % 8, (F & 64) == 0, (F & 128) != 0)
+                      (F // 8) % 8, (F & 64) == 0, (F & 128) != 0, cu_ptr, n_cu, (F & 256) != 0)
     if (F & 64) == 0:
         tl.store(out_ptr, (tl.load(out_ptr) + term) & MASK61)
     return bad
@@ -151,37 +162,46 @@ def _tokens_into(ids_ptr, counted_ptr, out_ptr, n, T, BLOCK: tl.constexpr, HAS_M
 
 
 @triton.jit(do_not_specialize=["n0", "s0", "p0", "o0", "n1", "s1", "p1", "o1", "n2", "s2", "p2", "o2", "n3", "s3",
-                               "p3", "o3", "n4", "s4", "p4", "o4", "n5", "s5", "p5", "o5", "n_tok", "T", "o_tok"])
+                               "p3", "o3", "n4", "s4", "p4", "o4", "n5", "s5", "p5", "o5", "n6", "s6", "p6", "o6",
+                               "n7", "s7", "p7", "o7", "n_tok", "T", "o_tok", "n_cu"])
 def _row_kernel(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
                 x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
-                ids_ptr, counted_ptr, n_tok, T, o_tok, F0: tl.constexpr, F1: tl.constexpr,
-                F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, N_TERMS: tl.constexpr,
+                x6, w6, n6, s6, p6, o6, x7, w7, n7, s7, p7, o7,
+                ids_ptr, counted_ptr, n_tok, T, o_tok, cu_ptr, n_cu, F0: tl.constexpr, F1: tl.constexpr,
+                F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, F6: tl.constexpr, F7: tl.constexpr,
+                N_TERMS: tl.constexpr,
                 TOKENS: tl.constexpr, HAS_MASK: tl.constexpr, CHECKS: tl.constexpr,
                 BLOCK: tl.constexpr):
     """N_TERMS <= SLOTS terms (tensor i: x_i, where w_i, n_i elements, size word s_i, position p_i, F_i as
     _add_term's) added into row[o_i] (distinct slots) and, TOKENS, the tokens' three fields into
     row[o_tok:o_tok + 3]: a row's checksums in one program, one after the other. CHECKS: some term checks
-    its values; a failure sets the row's error flag, row[0] = 1 (a ValueError, agree._kind)."""
+    its values; a failure sets the row's error flag, row[0] = 1 (a ValueError, agree._kind). cu_ptr, n_cu:
+    the packed form's cu_seqlens and its completions, read by the PER_CU terms."""
     bad = 0
     if N_TERMS > 0:
-        bad = bad | _add_term(row_ptr + o0, x0, w0, n0, s0, p0, F0, BLOCK)
+        bad = bad | _add_term(row_ptr + o0, x0, w0, n0, s0, p0, F0, BLOCK, cu_ptr, n_cu)
     if N_TERMS > 1:
-        bad = bad | _add_term(row_ptr + o1, x1, w1, n1, s1, p1, F1, BLOCK)
+        bad = bad | _add_term(row_ptr + o1, x1, w1, n1, s1, p1, F1, BLOCK, cu_ptr, n_cu)
     if N_TERMS > 2:
-        bad = bad | _add_term(row_ptr + o2, x2, w2, n2, s2, p2, F2, BLOCK)
+        bad = bad | _add_term(row_ptr + o2, x2, w2, n2, s2, p2, F2, BLOCK, cu_ptr, n_cu)
     if N_TERMS > 3:
-        bad = bad | _add_term(row_ptr + o3, x3, w3, n3, s3, p3, F3, BLOCK)
+        bad = bad | _add_term(row_ptr + o3, x3, w3, n3, s3, p3, F3, BLOCK, cu_ptr, n_cu)
     if N_TERMS > 4:
-        bad = bad | _add_term(row_ptr + o4, x4, w4, n4, s4, p4, F4, BLOCK)
+        bad = bad | _add_term(row_ptr + o4, x4, w4, n4, s4, p4, F4, BLOCK, cu_ptr, n_cu)
     if N_TERMS > 5:
-        bad = bad | _add_term(row_ptr + o5, x5, w5, n5, s5, p5, F5, BLOCK)
+        bad = bad | _add_term(row_ptr + o5, x5, w5, n5, s5, p5, F5, BLOCK, cu_ptr, n_cu)
+    if N_TERMS > 6:
+        bad = bad | _add_term(row_ptr + o6, x6, w6, n6, s6, p6, F6, BLOCK, cu_ptr, n_cu)
+    if N_TERMS > 7:
+        bad = bad | _add_term(row_ptr + o7, x7, w7, n7, s7, p7, F7, BLOCK, cu_ptr, n_cu)
     if TOKENS:
         _tokens_into(ids_ptr, counted_ptr, row_ptr + o_tok, n_tok, T, BLOCK, HAS_MASK)
     if CHECKS:
         tl.store(row_ptr, tl.where(bad != 0, 1, tl.load(row_ptr)))
 
 
-SLOTS = 6  # terms per launch of _row_kernel
+SLOTS = 8  # terms per launch of _row_kernel (a packed batch's validated row: cu_seqlens' two checks and the
+# checksums of the advantages, log-probs and per-completion weights with the ids' range check fill eight)
 
 
 def terms(row, slot, x, where, size_term, pos):
@@ -208,11 +228,12 @@ def row_terms(row, jobs, tokens=None):
     """A row's checksums in one launch of _row_kernel per SLOTS terms (the tokens' with the first): jobs
     [(slot, x, where, size_term, pos, check[, T])] at distinct slots, as `terms` takes them, check None or a
     core.host_read.RowCheck of x at where (its kind; slot 0: the check alone, no term), T (or the check's
-    row_length): x holds one value per row of T tokens, read at each token (_term's PER_ROW); tokens None or
+    row_length): x holds one value per row of T tokens, read at each token (_term's PER_ROW), or T = (cu_seqlens,
+    N): one per completion of the packed form's N tokens (PER_CU; one cu_seqlens a launch); tokens None or
     (slot, ids, counted, T): the mask as given (nonzero counts; None: every token), T the rows' length
     (digest.token_row_length)."""
     for i in range(0, max(len(jobs), 1), SLOTS):
-        part, args, flags = jobs[i:i + SLOTS], [], {}
+        part, args, flags, cu = jobs[i:i + SLOTS], [], {}, None
         for k in range(SLOTS):
             if k < len(part):
                 slot, x, where, size_term, pos, check, *rows = part[k]
@@ -224,7 +245,11 @@ def row_terms(row, jobs, tokens=None):
                     if check.kind in BOUNDED:
                         size_term = V_LIMIT if check.V == float("inf") else int(check.V)
                     rows = rows or ([] if check.row_length is None else [check.row_length])
-                if rows:  # (x one value per row of T tokens, read at n tokens)
+                if rows and isinstance(rows[0], tuple):  # (one per completion, read at the N packed tokens)
+                    if cu is not None and cu is not rows[0][0]:
+                        raise ValueError("the terms of one launch read one cu_seqlens")
+                    (cu, n), f = rows[0], f | 256
+                elif rows:  # (x one value per row of T tokens, read at n tokens)
                     f, pos, n = f | 128, rows[0], flat.numel() * rows[0]
                 args += [flat, w, n, size_term, 0 if pos is None else pos, slot]
                 flags[f"F{k}"] = f
@@ -238,6 +263,7 @@ def row_terms(row, jobs, tokens=None):
             args += [flat, flat if counted is None else counted.reshape(-1).contiguous(), flat.numel(), T, slot]
         else:
             args += [row, row, 0, 1, 0]
+        args += [row, 0] if cu is None else [cu.reshape(-1).contiguous(), cu.numel() - 1]
         _row_kernel[(1,)](row, *args, N_TERMS=len(part), TOKENS=tok is not None,
                           HAS_MASK=tok is not None and tok[2] is not None, CHECKS=any(f & 56 for f in flags.values()),
                           BLOCK=BLOCK, **flags)

@@ -79,11 +79,11 @@ def check_transforms(scale, softcap):
 
 
 def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale=1.0, softcap=None, id_start=0,
-              local_max=None, tau_seq=0):
+              local_max=None, tau_seq=0, cu=None):
     """Per token (logp, H, stats, flags) of z' = softcap * tanh(z * scale / softcap) (or z * scale). id_start:
     the vocabulary entry of logits3's column 0 (a slice of the vocabulary): each target is ids - id_start.
     local_max: (n,) float32 the Triton kernel writes the slice's maximum into (vp_merge.local_max's values).
-    tau_seq 1 (Triton, padded): temperature holds one tau per completion."""
+    tau_seq 1 (Triton, padded) or 2 (packed, cu: its cu_seqlens): temperature holds one tau per completion."""
     check_transforms(scale, softcap)
     backend = _resolved(backend, logits3)
     if (local_max is not None or tau_seq) and backend != "triton":
@@ -92,7 +92,7 @@ def vocab_fwd(backend, logits3, ids, counted, temperature, logits_start, scale=1
     return _vocab_impl(backend).vocab_fwd(logits3, ids, counted, _temperature(backend, temperature), logits_start,
                                           scale, softcap, id_start=id_start,
                                           **({} if local_max is None else dict(local_max=local_max)),
-                                          **({} if not tau_seq else dict(tau_seq=tau_seq)))
+                                          **({} if not tau_seq else dict(tau_seq=tau_seq, cu=cu)))
 
 
 def vocab_blocks(backend, logits3, ids, counted, temperature, logits_start, V_whole, scale=1.0, softcap=None,

@@ -61,6 +61,22 @@ def _seq_of(cu_ptr, n_seq, tok, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _seqs_of(cu_ptr, n_seq, tok):
+    """_seq_of for a block of tokens tok (int64): a bisection over cu_seqlens[1:] per lane (log2(n_seq)
+    dependent loads, where _seq_of reads all n_seq), the same value where cu_seqlens never decreases;
+    clamped into [0, n_seq - 1] as _seq_of is (a malformed cu_seqlens, flagged apart, still reads in bounds)."""
+    lo = tl.zeros_like(tok)  # how many of cu_seqlens[1:lo + 1] are <= tok
+    hi = lo + n_seq
+    while tl.max(hi - lo, axis=0) > 0:
+        live = lo < hi
+        mid = (lo + hi) // 2
+        below = tl.load(cu_ptr + 1 + mid, mask=live, other=0).to(tl.int64) <= tok
+        lo = tl.where(live & below, mid + 1, lo)
+        hi = tl.where(live & (below == 0), mid, hi)
+    return tl.maximum(tl.minimum(lo, n_seq - 1), 0)
+
+
+@triton.jit
 def _offsets_bad(off_ptr, n, total, max_len, BLOCK: tl.constexpr):
     """1 when offsets (n + 1,) (cu_seqlens, a sampling mask's) do not run from 0 to total without decreasing,
     or a span is longer than max_len (when >= 0)."""

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .epilogue_terms import _expm1
 from .vocab_jit import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, _log1p
+from .vocab_status import _seqs_of
 
 BLOCK = 256
 
@@ -72,13 +73,14 @@ def _token_of(rows_ptr, o, inb, ROWS: tl.constexpr):
     return o
 
 
-@triton.jit(do_not_specialize=["n", "V_local", "tau_stride", "id_start", "row_length"])
+@triton.jit(do_not_specialize=["n", "V_local", "tau_stride", "id_start", "row_length", "n_seq"])
 def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
                     vec_out, n, V_local, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True,
                     TEMP_BY_VALUE: tl.constexpr = False, id_start=0, rows_ptr=None, ROWS: tl.constexpr = False,
-                    row_length=1, TEMP_PER_SEQ: tl.constexpr = False):
+                    row_length=1, TEMP_PER_SEQ: tl.constexpr = 0, cu_ptr=None, n_seq=0):
     """ROWS: the slice's statistics, M and vec at position o, the ids, mask and tau at token rows_ptr[o].
-    TEMP_PER_SEQ: tau holds one value per row of row_length tokens (padded), token k's at k // row_length."""
+    TEMP_PER_SEQ: tau holds one value per completion: 1, per row of row_length tokens (padded), token k's at
+    k // row_length; 2, per completion of the packed form's cu_ptr (n_seq of them), found there (_seqs_of)."""
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = o < n
     tok = _token_of(rows_ptr, o, inb, ROWS)
@@ -87,7 +89,12 @@ def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr,
     if TEMP_BY_VALUE:  # tau_ptr is tau itself
         inv_t = 1.0 / tau_ptr
     else:
-        at = tok // row_length if TEMP_PER_SEQ else tok
+        if TEMP_PER_SEQ == 2:
+            at = _seqs_of(cu_ptr, n_seq, tok)
+        elif TEMP_PER_SEQ == 1:
+            at = tok // row_length
+        else:
+            at = tok
         inv_t = 1.0 / tl.load(tau_ptr + at * tau_stride, mask=inb, other=1.0)
     counted = _counted(counted_ptr, tok, inb, HAS_MASK)
     y = tl.load(ids_ptr + tok, mask=inb, other=-1).to(tl.int64) - id_start  # this slice's id
@@ -171,9 +178,10 @@ def _mask(counted, other):
 
 
 def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local, id_start=0, rows=None,
-               row_length=None):
+               row_length=None, cu=None):
     """rows: the token of each position (the LM head's tile): ids_loc, counted and a per-token temperature are
-    the call's, read there. row_length T: the temperature holds one tau per row of T tokens (padded)."""
+    the call's, read there. row_length T: the temperature holds one tau per row of T tokens (padded); cu: one
+    per completion of the packed form's cu_seqlens (as given), found there."""
     n = ent_r.numel()
     by_value = not isinstance(temperature, torch.Tensor)  # a number: a launch argument
     tau = float(temperature) if by_value else temperature.to(device=ent_r.device, dtype=torch.float32).reshape(-1)
@@ -183,8 +191,16 @@ def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, 
                               0 if by_value else tau.stride(0) if tau.numel() > 1 else 0, vec, n, V_local,
                               BLOCK=BLOCK, HAS_MASK=counted is not None, TEMP_BY_VALUE=by_value, id_start=id_start,
                               **({} if rows is None else dict(rows_ptr=rows, ROWS=True)),
-                              **({} if row_length is None or by_value else
-                                 dict(row_length=max(row_length, 1), TEMP_PER_SEQ=True)))
+                              **({} if by_value else _per_seq(row_length, cu)))
+    return vec
+
+
+def _per_seq(row_length, cu):
+    """_vp_sums_kernel's arguments for a temperature per completion: per row of row_length tokens, or per
+    completion of cu_seqlens (cu); neither: none."""
+    if cu is not None:
+        return dict(TEMP_PER_SEQ=2, cu_ptr=cu.reshape(-1).contiguous(), n_seq=cu.numel() - 1)
+    return {} if row_length is None else dict(row_length=max(row_length, 1), TEMP_PER_SEQ=1)
     return vec
 
 

@@ -22,6 +22,7 @@ import torch
 
 from ..distributed import vocab_parallel as parallel
 from ..kernels import loss_ops, ops
+from ..core.layout import spread_seq
 from . import epilogue
 
 
@@ -33,19 +34,20 @@ def takes(logits3, cfg, backend):
 
 def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     """GTPOOutput of the call (see the module docstring); tau: the call's temperature per token, or per
-    completion (B,) (padded: the kernels read it at each token's row), or None."""
+    completion (B,) (the kernels read it at each token's completion: b.tau_per_row), or None."""
     with torch.no_grad():
         temperature = ops.tau_arg(cfg.temperature if tau is None else tau, b.logits3, backend)  # (a number: by value)
-        per_seq = tau is not None and b.tau_per_row  # (tau is b.tau: one per completion, padded)
+        per_seq = tau is not None and b.tau_per_row  # (tau is b.tau: one per completion)
         # (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
         if vp.blockwise or (cfg.top_entropy_on and not cfg.batch_term):  # (the top-entropy key reads H first)
-            if per_seq:  # (one per completion, padded: spread on the tokens for these passes)
-                temperature, per_seq = temperature.reshape(b.B, 1).expand(b.tok_shape).reshape(-1), False
+            if per_seq:  # (one per completion: spread on the tokens for these passes)
+                temperature, per_seq = spread_seq(temperature, b), False
             ids = b.ids
             fwd = parallel.vp_forward(b, ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes, id_start=vp.start)
         else:  # the merged sums, finished by the epilogue kernel (no launch of the merge's finish); the ids as
             ids = b.given["ids"]  # given (the epilogue kernel flags every token of a malformed cu_seqlens itself)
-            fwd = parallel.vp_sums(b, ids, temperature, backend, vp.group, id_start=vp.start, tau_seq=int(per_seq))
+            fwd = parallel.vp_sums(b, ids, temperature, backend, vp.group, id_start=vp.start,
+                                   tau_seq=(2 if b.packed else 1) * per_seq)
     by_value = isinstance(temperature, float)
     floats, flags = epilogue.arguments(b, cfg, num_items, temperature if by_value else 1.0, False, not by_value)
     mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = epilogue.tensors(b, cfg)
@@ -53,6 +55,7 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     outs = loss_ops.fused_loss(b.logits3, ids, mask, cu, adv, old, ref, lam, n_conf,
                                num_items if isinstance(num_items, torch.Tensor) else None,
                                None if by_value else temperature, floats, flags, b.logits_start, b.B, roll, rw, hp,
-                               u, [None] * 3, [float("nan")] * 3, list(fwd), inplace, int(per_seq), vp.start, vp.V)
+                               u, [None] * 3, [float("nan")] * 3, list(fwd), inplace,
+                               (2 if b.packed else 1) * per_seq, vp.start, vp.V)
     # validating: a flagged counted row raises (every rank alike)
     return epilogue.output(outs[:12], fwd[3] if len(fwd) == 4 else outs[13], b, cfg, host)

@@ -180,7 +180,8 @@ def call_temperature(temperature, b, dtype, validate, in_kernels=False, spread=T
     `dtype`, its invalid tokens (not finite, or <= 0) refused when validating, NaN when not (their
     outputs are then NaN); in_kernels: unvalidated, left as they are for the Triton vocabulary kernels,
     which read such a tau as NaN themselves (the epilogue path: no launch for it); with spread=False
-    too, one per completion stays (B,) (token_logprobs' kernel reads it at each token's completion)."""
+    too, one per completion stays (B,) (token_logprobs' kernel reads it at each token's completion; validating,
+    it is checked so, where a process group's agreement row reads it)."""
     if temperature is None:
         return None
     from ..core.sampling import check_temperature
@@ -191,7 +192,7 @@ def call_temperature(temperature, b, dtype, validate, in_kernels=False, spread=T
     cu = b.given["cu_seqlens"] if b.packed else None
     tau, bad = check_temperature(temperature, b.B, T, b.given["ids"].numel(), b.given["ids"].device, cu,
                                  None if unchecked else (lambda: b.counted), validate, dtype, flag=not unchecked,
-                                 spread=spread or not unchecked, where=b.mask)  # (the mask as given)
+                                 spread=spread or not (unchecked or validate), where=b.mask)  # (the mask as given)
     return tau if bad is None else torch.where(bad, torch.full_like(tau, float("nan")), tau)
 
 
