@@ -615,6 +615,14 @@ MUTANTS = [
       "if b.rollout_w_seq is None or b.packed:  # per token",
       "packed rollout weights per completion spread on the tokens for their check (4 launches more)",
       tests=["test_parallel_launches"]),
+    # ---- a batch whose completions are not known (unvalidated): every metric NaN
+    M("Q11", "kernels/epilogue_terms.py", "    poison = tl.where(malformed != 0, float(\"nan\"), 0.0)\n",
+      "    poison = 0.0\n", "the epilogue's metrics finite numbers over a malformed cu_seqlens",
+      tests=["test_epilogue", "test_logps_epilogue"]),
+    M("Q12", "pipeline/loss.py", "            poison_metrics(res, poisoned)\n", "",
+      "the eager loss on log-probs keeps finite metrics for a non-finite entropy", tests=["test_logps_epilogue"]),
+    M("Q13", "pipeline/loss.py", "    if b.malformed is not None:\n        poison_metrics(res, b.malformed)\n", "",
+      "the eager surrogate's metrics finite numbers over a malformed cu_seqlens", tests=["test_epilogue"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

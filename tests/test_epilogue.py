@@ -447,7 +447,8 @@ def test_unvalidated_invalid_input_gives_nan_not_a_number(bad):
 @pytest.mark.parametrize("cu", [[0, 2, 3], [1, 2, 5], [0, 4, 2, 5], [0, 3, 7]], ids=str)
 def test_unvalidated_malformed_cu_seqlens_matches_the_eager_path(cu):
     """Packed, validate=False: the epilogue reads cu_seqlens as given; a malformed one (short of N, not from
-    0, decreasing, past N) gives what the eager path gives, NaN at every counted token (none left unwritten)."""
+    0, decreasing, past N) gives what the eager path gives, NaN at every counted token (none left unwritten)
+    and in every metric (no completion is known: the filter's and the clip's counts were finite numbers)."""
     g = torch.Generator().manual_seed(5)
     N, V = 5, 12
     logits = torch.randn(N, V, generator=g)
@@ -467,6 +468,8 @@ def test_unvalidated_malformed_cu_seqlens_matches_the_eager_path(cu):
         torch.testing.assert_close(getattr(o, f), getattr(t, f), equal_nan=True, msg=f)
     assert torch.equal(o.kept, t.kept)
     torch.testing.assert_close(gr, tg, equal_nan=True)
+    for out in (o, t):
+        assert all(bool(torch.isnan(v)) for v in out.metrics.values()), out.metrics
 
 
 # the epilogue's HP code with every float slot read by pointer (pipeline/epilogue.py hyper) and the PPO bounds

@@ -182,6 +182,7 @@ def _nan_where_counted(out, counted):
 @pytest.mark.parametrize("where", ["counted", "uncounted", "cu_seqlens"])
 def test_from_logps_unvalidated_nonfinite_entropy_or_malformed_cu(where):
     """validate=False: a non-finite entropy at a counted token, or malformed cu_seqlens, makes every output
+    (the metrics too: the entropy filter's count was a finite number, and a different one on each path)
     and the gradient at the counted tokens NaN (spec 6), as on the eager path; one at an uncounted token
     is ignored."""
     z, ids, mask, adv, noise = _tokens(7)
@@ -208,6 +209,7 @@ def test_from_logps_unvalidated_nonfinite_entropy_or_malformed_cu(where):
         return
     for o, gr in ((out, grad), (twin, tgrad)):
         _nan_where_counted(o, counted)
+        assert all(bool(torch.isnan(v)) for v in o.metrics.values()), o.metrics
         assert torch.isnan(gr.reshape(counted.shape)[counted]).all()
         assert (gr.reshape(counted.shape)[~counted] == 0).all()
 

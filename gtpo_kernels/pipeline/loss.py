@@ -58,11 +58,20 @@ def conflicts_for(b, cfg, group_size, dt, backend, epilogue=False):
 
 def run_surrogate(b, cfg, logp, ent, num_items, dt, totals=None):
     """The O(N) surrogate on the batch's tokens (totals: the whole batch's counts when b is a slice of
-    it, the fused LM head's tile)."""
-    return surrogate(logp.to(dt), ent.to(dt), b.counted, b.seg, b.B, b.adv, cfg, old=b.old, ref=b.ref,
-                     lam=b.lam, n_conf=b.n_conf, num_items=num_items, max_len=b.max_len,
-                     rollout_w=b.rollout_w, rollout_w_seq=b.rollout_w_seq, rollout_logps=b.rollout_logps,
-                     totals=totals, token_adv=b.token_adv)
+    it, the fused LM head's tile). An unvalidated malformed cu_seqlens: every metric NaN too."""
+    res = surrogate(logp.to(dt), ent.to(dt), b.counted, b.seg, b.B, b.adv, cfg, old=b.old, ref=b.ref,
+                    lam=b.lam, n_conf=b.n_conf, num_items=num_items, max_len=b.max_len,
+                    rollout_w=b.rollout_w, rollout_w_seq=b.rollout_w_seq, rollout_logps=b.rollout_logps,
+                    totals=totals, token_adv=b.token_adv)
+    if b.malformed is not None:
+        poison_metrics(res, b.malformed)
+    return res
+
+
+def poison_metrics(res, flag):
+    """res's metrics NaN where the 0-d bool `flag` is set (its batch's completions are not known)."""
+    for k, v in res["metrics"].items():
+        res["metrics"][k] = torch.where(flag, torch.full_like(v, float("nan")), v)
 
 
 def value_and_coefficients(b, cfg, logp, ent, num_items, dt, cdt):
@@ -96,6 +105,7 @@ def logps_loss(b, cfg, logps, entropy, num_items, dt, host):
             for k in ("logp", "ent", "c", "loss_tok", "seq_entropy") + (("e",) if res["e"] is not None else ()):
                 res[k] = torch.where(poisoned, nan, res[k])
             value = torch.where(poisoned, nan, value)
+            poison_metrics(res, poisoned)
     # the value, with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1)
     attach = res["c"] * (lp - lp.detach())
     if res["e"] is not None:
