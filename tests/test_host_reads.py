@@ -146,3 +146,74 @@ def test_token_logprobs_masked_out_invalid_ids_pass():
         assert sum(seen.values()) == 1, seen
         ref = torch.log_softmax(logits.double(), -1).gather(-1, ids.clamp(max=39)[..., None])[..., 0] * mask
         torch.testing.assert_close(lp.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def _head(seed, B=4, T=6, D=8, V=40):
+    g = torch.Generator().manual_seed(seed)
+    h, w = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    mask[:, 0] = True
+    return h, w, ids, mask, torch.randn(B, generator=g), torch.randn(B, T, generator=g) * 0.1 - 3.0
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_the_lm_head_reads_its_arguments_checks_with_its_tile_plan(validate):
+    """One process: the LM head reads the host to plan its tiles (the recompute backward its rows with a
+    gradient once more) and, validating, its flags once after the tiles; the arguments' value checks ride on
+    the plan's read (core.host_read.carried), where they took a read of their own (3 / 4 / 3 validated)."""
+    from gtpo_kernels import linear_gtpo_loss, linear_token_logprobs
+    h, w, ids, mask, adv, old = _head(3)
+    for what, most in (("fused", 1), ("recompute", 2), ("logprobs", 1)):
+        wp = w.clone().requires_grad_()
+        with host_reads() as seen:
+            if what == "logprobs":
+                linear_token_logprobs(h, w, ids, torch.rand(4, 6) + 0.5, mask, backend="triton", validate=validate)
+            else:
+                linear_gtpo_loss(h, wp, ids, adv, mask, group_size=2, old_logps=old, config="grpo", schedule=what,
+                                 backend="triton", validate=validate, memory_budget=2 * 12 * 40 * 4).loss.backward()
+        assert sum(seen.values()) == most + validate, (what, seen)
+
+
+@pytest.mark.parametrize("what", ["advantage", "old_logps", "mask", "id", "temperature", "two"])
+def test_the_lm_head_s_carried_checks_raise_their_own_errors(what):
+    """The checks read with the tile plan raise the error each raised on its own read (the first made where
+    two fail), before any tile is projected; a bad value at a masked-out token is no error."""
+    from bench.launches import counting
+    from gtpo_kernels import linear_gtpo_loss, linear_token_logprobs
+    h, w, ids, mask, adv, old = _head(4)
+    mask = mask.long()
+    tau = torch.rand(4, 6) + 0.5
+    expect = {"advantage": "advantages must be finite", "old_logps": "old_logps must be finite at counted positions",
+              "mask": "completion_mask must hold only 0 and 1", "id": "flat position 9 holds 40",
+              "temperature": "temperature must be finite and > 0", "two": "completion_mask must hold only 0 and 1"}
+    if what in ("advantage", "two"):
+        adv[2] = float("nan")
+    if what == "old_logps":
+        old[1, 3] = float("inf")
+    if what in ("mask", "two"):
+        mask[0, 2] = 2
+    if what == "id":
+        ids[1, 3] = 40
+        mask[1, 3] = 1
+    if what == "temperature":
+        tau[2, 1], mask[2, 1] = -1.0, 1
+    for call in ("loss", "logprobs"):
+        if call == "logprobs" and what in ("advantage", "old_logps"):
+            continue
+        with counting() as c, pytest.raises(ValueError, match=expect[what]):
+            if call == "loss":
+                linear_gtpo_loss(h, w, ids, adv, mask, group_size=2, old_logps=old, config="grpo", temperature=tau,
+                                 backend="triton")
+            else:
+                linear_token_logprobs(h, w, ids, tau, mask, backend="triton")
+        kernels = [k for k in c.triton_names if "vocab" in k or "epilogue" in k]  # (the checks' own may run)
+        assert not kernels and "mm" not in c.ops, (what, call, kernels, dict(c.ops))  # (nothing projected)
+    out = mask.clone()
+    out[mask != 1] = 0
+    if what in ("advantage", "two"):
+        return  # (an advantage counts at every completion)
+    bad_at = {"old_logps": (1, 3), "mask": (0, 2), "id": (1, 3), "temperature": (2, 1)}[what]
+    out[bad_at] = 0  # the bad value masked out: no error
+    linear_gtpo_loss(h, w, ids, adv, out, group_size=2, old_logps=old, config="grpo", temperature=tau,
+                     backend="triton")

@@ -5,7 +5,7 @@ import numbers
 
 import torch
 
-from ..core import batch, checks
+from ..core import batch, checks, host_read
 from ..core.config import GTPOConfig, as_config
 from ..core.layout import float_dtype_for
 from ..core.vocab_block import VOCAB_BLOCK
@@ -20,6 +20,7 @@ SCHEDULES = ("auto", "fused", "recompute")
 
 
 @checks.backend_kernels
+@host_read.carrying  # one process, validating: the arguments' checks read with the tile plan's read
 def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask=None, *, bias=None,
                      logit_scale=1.0, logit_softcap=None, memory_budget=None, schedule="auto",
                      group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
@@ -69,8 +70,9 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
               slice boundary is a multiple of gtpo_kernels.VOCAB_BLOCK (refused otherwise). Not yet with
               kept sets or the reference backend (refused).
     Under torch.autocast the head computes in its inputs' dtypes (autocast is off inside).
-    Host reads: planning the tiles (the number of counted rows per completion, one read; the recompute
-    backward: the rows with a gradient), and validating, the flags once after the tiles.
+    Host reads: planning the tiles (the number of counted rows per completion, one read, which validating
+    carries the arguments' value checks too; the recompute backward: the rows with a gradient), and
+    validating, the flags once after the tiles.
     """
     with agree.guard(process_group) as g, linear.autocast_off(_device(hidden)):  # spec 12; spec 6 (autocast)
         cfg = as_config(config)
@@ -84,7 +86,9 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
         dt = float_dtype_for(hidden)
         # the arguments' value checks read on the host together, once; with a group, by the agreement's read
-        with checks.one_host_read(defer=agree.deferred(g, hidden)):
+        # (one process, planning tiles: with the plan's read, core.host_read.carried)
+        carry = _carry(backend, sampling_mask, top_k, top_p, min_p)
+        with checks.one_host_read(defer=agree.deferred(g, hidden) or carry):
             b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, cu_seqlens,
                                        max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
                                        temperature, head_dtype, batch_invariant)
@@ -125,6 +129,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
 
 
 @checks.backend_kernels
+@host_read.carrying
 def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,
                           logit_scale=1.0, logit_softcap=None, cu_seqlens=None, max_seqlen=None,
                           memory_budget=None, sampling_mask=None, top_k=None, top_p=None, min_p=None,
@@ -139,7 +144,8 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
         if not api._per_token_tau(temperature):
             temperature = api._with_temperature(GTPOConfig(), temperature).temperature  # validates it
         host = checks.host_checks(validate)
-        with checks.one_host_read(defer=agree.deferred(g, hidden)):  # (as in linear_gtpo_loss)
+        carry = _carry(backend, sampling_mask, top_k, top_p, min_p)  # (as in linear_gtpo_loss)
+        with checks.one_host_read(defer=agree.deferred(g, hidden) or carry):
             b, head, budget = _prepare(hidden, weight, bias, completion_ids, completion_mask, None, cu_seqlens,
                                        max_seqlen, logit_scale, logit_softcap, memory_budget, host, process_group,
                                        temperature, head_dtype, batch_invariant)
@@ -170,6 +176,13 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
                     torch.where(b.counted, ent.to(dt), zero).reshape(b.tok_shape))
         return head_ops.head_logprobs(b, head, hidden, temperature if b.tau is None else b.tau, budget, backend,
                                       host, vp)
+
+
+def _carry(backend, sampling_mask, top_k, top_p, min_p):
+    """Where the call plans tiles (no kept sets, not the reference backend): the carried() block that reads
+    the arguments' value checks with the plan's read; else None (read at the block's end)."""
+    return None if backend == "reference" or replay.requested(sampling_mask, top_k, top_p, min_p) \
+        else host_read.carry()
 
 
 def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, dtype):

@@ -85,6 +85,81 @@ def one_host_read(defer=None):
             fail(bad)
 
 
+class Carried:
+    """For one_host_read(defer=...) on one process: the block's value checks are not read at its end but with
+    the next planned host read (read_planned: the LM head's tile plan), one read for both; whatever takes
+    no planned read settles them (one read of their own, as before). What runs until then takes unchecked
+    values as validate=False does."""
+    row_device = None
+
+    def __init__(self):
+        self.failed = self.raise_first = None
+
+    def __call__(self, failed, raise_first, row_checks=()):
+        self.failed, self.raise_first = failed, raise_first
+
+    def read_with(self, values):
+        """values (a 1-D integer tensor) read on the host -> a list, with the carried flag in the same read
+        (a failed check raises its error first)."""
+        if self.failed is None:
+            return values.tolist()
+        both = torch.cat([values, self.failed.reshape(1).to(values.device, values.dtype)]).tolist()
+        self.failed = None
+        if both[-1]:
+            self.raise_first()
+        return both[:-1]
+
+    def settle(self):
+        """The carried checks read now, if no planned read took them."""
+        if self.failed is not None:
+            failed, self.failed = self.failed, None
+            if failed.reshape(()).tolist():
+                self.raise_first()
+
+
+_CARRY = contextvars.ContextVar("gtpo_carried_checks", default=None)
+
+
+@contextlib.contextmanager
+def carried(on=True):
+    """A Carried (or None when not `on`) for the block's one_host_read(defer=...): the planned read inside
+    (read_planned) takes its checks; read at the block's end otherwise."""
+    if not on:
+        yield None
+        return
+    carry = Carried()
+    token = _CARRY.set(carry)
+    try:
+        yield carry
+    finally:
+        _CARRY.reset(token)
+    carry.settle()
+
+
+def carrying(fn):
+    """fn runs inside carried(): its one_host_read(defer=carry()) value checks ride on its planned read
+    (under torch.compile no check reads the host: nothing to carry)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        with carried():
+            return fn(*args, **kwargs)
+    return run
+
+
+def carry():
+    """The enclosing carried() block's Carried (None outside one, and under torch.compile)."""
+    return None if torch.compiler.is_compiling() else _CARRY.get()
+
+
+def read_planned(values):
+    """A planned host read (the LM head's tile plan) of values (a 1-D integer tensor) -> a list, with the
+    enclosing carried() block's value checks in the same read."""
+    held = carry()
+    return values.tolist() if held is None else held.read_with(values)
+
+
 def _raise_first(items):
     """The first of a deferred block's checks that failed raises its error (each flag read in turn). Where
     none fails on the host although the row's kernel flagged one, a 'positive' check (a temperature) holding

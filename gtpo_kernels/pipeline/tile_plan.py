@@ -2,8 +2,9 @@
 to have no gradient before any logit is read, and the recompute backward's rows.
 
 Planning reads the number of counted rows per completion on the host (1 sync a pass; the fused
-schedule's count of rows known to have no gradient comes with it; the recompute backward reads the rows
-with a nonzero coefficient, 1 sync); nothing inside the tile loops reads the device.
+schedule's count of rows known to have no gradient comes with it, and on one process, validating, the
+arguments' value checks: core.host_read.read_planned; the recompute backward reads the rows with a
+nonzero coefficient, 1 sync); nothing inside the tile loops reads the device.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import bisect
 from typing import NamedTuple
 
 import torch
+
+from ..core.host_read import read_planned
 
 
 class Tile(NamedTuple):
@@ -56,10 +59,10 @@ def plan_rows(opts, t, skip):
     counts_dev = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, t.seg, counted.long())
     live_all = prior_live(opts, t, None, t.seg) if skip else None  # (at every token: read at the rows below)
     if live_all is None:
-        counts = counts_dev.tolist()  # sync: the tiles
+        counts = read_planned(counts_dev)  # sync: the tiles (and, validating, the arguments' checks)
     else:
         per_c = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, t.seg, (live_all & counted).long())
-        both = torch.cat([counts_dev, per_c]).tolist()  # sync: the tiles
+        both = read_planned(torch.cat([counts_dev, per_c]))  # sync: the tiles (and the arguments' checks)
         counts, per_c = both[:B], both[B:]
     n = sum(counts)
     rows = torch.nonzero_static(counted, size=n).squeeze(1)  # the rows projected, in order
