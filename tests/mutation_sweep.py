@@ -629,6 +629,15 @@ MUTANTS = [
     M("Q15", "api/linear.py", "    return None if backend == \"reference\" or replay.requested(",
       "    return None if True or replay.requested(", "the head's checks read on their own (a host read more)",
       tests=["test_host_reads"]),
+    # ---- unvalidated, an invalid temperature over kept sets: the same NaN on both backends
+    M("Q16", "api/logits.py", "logps_loss(b, cfg, logp, ent, num_items, dt, host, nan_all=sampling_mask is not None)",
+      "logps_loss(b, cfg, logp, ent, num_items, dt, host, nan_all=True)",
+      "the eager rebuild by rules makes every output NaN for one flagged token", tests=["test_replay_api"]),
+    M("Q17", "api/linear.py", "value, res = loss.logps_loss(b, cfg, logp, ent, num_items, dt, host, nan_all=sampling_mask is not None)",
+      "value, res = loss.logps_loss(b, cfg, logp, ent, num_items, dt, host, nan_all=True)",
+      "the head's eager rebuild by rules makes every output NaN for one flagged token", tests=["test_replay_api"]),
+    M("Q18", "pipeline/loss.py", "            at_tokens = poisoned & b.counted\n", "            at_tokens = poisoned\n",
+      "a poisoned batch's masked-out tokens NaN on the eager path (0 on the kernels')", tests=["test_replay_api"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

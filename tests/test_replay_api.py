@@ -163,6 +163,53 @@ def test_unvalidated_bad_temperature_over_recorded_sets_is_nan(backend, bad):
         assert_value_close("logps (valid tokens)", lp[keep], rl[keep], 1e-5)
         assert_value_close("entropy (valid tokens)", ent[keep], re[keep], 1e-5)
 
+@pytest.mark.parametrize("entry", ["logits", "head"])
+@pytest.mark.parametrize("sets", ["recorded", "top_k"])
+def test_unvalidated_bad_temperature_in_the_loss_alike_on_both_backends(sets, entry):
+    """gtpo_loss (and linear_gtpo_loss) over kept sets, validate=False, a temperature per completion invalid on
+    one completion: the torch backend gives what the Triton path gives. Sets rebuilt by rules: NaN at that
+    completion's tokens (log-probs, entropies, per-token loss, gradient rows) and in the loss, the other
+    completions' outputs finite and equal (the eager path made every output NaN: it read the rebuild's own NaN
+    entropy as a caller's invalid input). Recorded sets: every output NaN on both (their kernels poison the
+    whole batch for a flagged token)."""
+    from gtpo_kernels import linear_gtpo_loss
+    z, ids, mask, adv, tau = _batch(13)
+    _, _, _, sm = rs.replay_token_logprobs(z.double(), ids, mask, top_k=7)
+    t = tau[:, 0].float().clone()
+    t[1] = -1.0
+    kw = dict(sampling_mask=sm) if sets == "recorded" else dict(top_k=7)
+    g = torch.Generator().manual_seed(1)
+    h, w = torch.randn(*z.shape[:2], 6, generator=g), torch.randn(z.shape[-1], 6, generator=g)
+    outs = {}
+    for backend in ("triton", "torch"):
+        x = (z if entry == "logits" else w).clone().requires_grad_()
+        cfg = GTPOConfig(entropy_coef=0.01)
+        if entry == "logits":
+            out = gtpo_loss(x, ids, adv, mask, group_size=2, config=cfg, temperature=t, backend=backend,
+                            validate=False, **kw)
+        else:
+            out = linear_gtpo_loss(h, x, ids, adv, mask, group_size=2, config=cfg, temperature=t, backend=backend,
+                                   validate=False, **kw)
+        out.loss.backward()
+        outs[backend] = (out, x.grad)
+    others = torch.tensor([True, False, True, True]) if sets == "top_k" else torch.zeros(4, dtype=torch.bool)
+    for backend, (out, grad) in outs.items():
+        assert torch.isnan(out.loss), backend
+        for f in ("logps", "entropy", "per_token_loss"):
+            v = getattr(out, f)
+            assert torch.isnan(v[~others][mask[~others]]).all() and torch.isfinite(v[others]).all(), (backend, f)
+        if entry == "logits":
+            rows = grad.isnan().any(-1)  # (over kept sets only the kept columns carry a gradient)
+            assert rows[~others][mask[~others]].all() and torch.isfinite(grad[others]).all(), backend
+    (o, gr), (e, eg) = outs["triton"], outs["torch"]
+    for f in ("logps", "entropy", "per_token_loss"):
+        assert torch.equal(getattr(o, f).isnan(), getattr(e, f).isnan()), f
+        assert_value_close(f, getattr(o, f)[others], getattr(e, f)[others], 1e-5)
+    assert torch.equal(gr.isnan().any(-1), eg.isnan().any(-1))  # (the rows: NaN where kept, or in every column)
+    if entry == "logits":
+        assert_grad_close("grad", gr[others].double(), eg[others].double(), 1e-4)
+
+
 def test_float64_metrics_are_float64_exact():
     """A float64 call's kept-set metrics meet the float64 reference to 1e-12 (they were once formed in
     float32: 2.5e-8 off)."""

@@ -163,8 +163,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     if rules is not None:  # the sampler's kept sets
         logp, ent, metrics = _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp)
         if fast_replay:
-            return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, host, metrics)
-        loss, res = logps_loss(b, cfg, logp, ent, num_items, dt, host)
+            return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, host, metrics,
+                                             nan_all=sampling_mask is not None)
+        loss, res = logps_loss(b, cfg, logp, ent, num_items, dt, host, nan_all=sampling_mask is not None)
         res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
         return make_output(b, cfg, loss, res, dt, host)
     if attached:

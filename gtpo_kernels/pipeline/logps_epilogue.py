@@ -53,15 +53,18 @@ def _common(b, cfg, num_items, kernel_checks=False):
                 roll=roll, floats=floats, flags=flags, B=b.B, T=T, rw=rw, hp=hp, draws=draws)
 
 
-def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, revalidate=None):
+def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, revalidate=None, nan_all=True):
     """GTPOOutput of the loss on differentiable per-token logps (and entropies, or None: zeros and no
     entropy terms) of the tokens' shape or flat. Validating: with `revalidate` the value checks are the
     kernels' (the batch was prepared without them; a failure runs revalidate() to raise the error that names
-    the argument), else they were made on the host."""
+    the argument), else they were made on the host. nan_all: unvalidated, a non-finite entropy at a counted
+    token makes every output NaN (the caller's entropies, the replay of recorded sets); else only what reads
+    that token is NaN (the sets rebuilt by rules; loss.logps_loss alike)."""
     in_kernel = host and revalidate is not None
     kw = _common(b, cfg, num_items, in_kernel)
     ids = b.given["ids"].reshape(-1) if in_kernel else None
-    outs = logps_ops.logps_epilogue(logps, entropy, check=not host and entropy is not None, ids=ids, **kw)
+    outs = logps_ops.logps_epilogue(logps, entropy, check=not host and entropy is not None and nan_all, ids=ids,
+                                    **kw)
     # (checked in the kernels, the prep kernel's flags are input checks that revalidate() names, not rows)
     out = epilogue.output(outs[:12], None if in_kernel else outs[12], b, cfg, host, revalidate)
     return epilogue.with_metrics(out, {k: v.to(out.loss.dtype) for k, v in (replay_metrics or {}).items()})

@@ -85,11 +85,13 @@ def value_and_coefficients(b, cfg, logp, ent, num_items, dt, cdt):
     return res, value, c, e
 
 
-def logps_loss(b, cfg, logps, entropy, num_items, dt, host):
+def logps_loss(b, cfg, logps, entropy, num_items, dt, host, nan_all=True):
     """The loss from per-token log-probs (and entropies) differentiable elsewhere: the O(N) surrogate,
     then the value with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1).
-    Unvalidated malformed cu_seqlens, or a non-finite entropy at a counted token: every output NaN.
-    -> (loss, res)."""
+    Unvalidated malformed cu_seqlens, or with `nan_all` a non-finite entropy at a counted token (the
+    caller's entropies; the replay of recorded sets, as its kernels do): every output NaN. Without (the
+    sets rebuilt by rules: NaN at a flagged token) only what reads that token is NaN, as on the logits path
+    and the Triton rebuild. -> (loss, res)."""
     zero = torch.zeros((), dtype=dt, device=logps.device)
     lp = torch.where(b.counted, logps.reshape(-1).to(dt), zero)  # gradient only where counted
     ent = zero.expand(lp.shape) if entropy is None else torch.where(b.counted, entropy.reshape(-1).to(dt), zero)
@@ -97,13 +99,14 @@ def logps_loss(b, cfg, logps, entropy, num_items, dt, host):
         res = run_surrogate(b, cfg, lp.detach(), ent.detach(), num_items, dt)
         value = loss_value(b, cfg, res)
         poisoned = b.malformed
-        if entropy is not None and not host:  # an unvalidated non-finite entropy reaches the filter, the
+        if entropy is not None and not host and nan_all:  # an unvalidated non-finite entropy reaches the filter, the
             bad = (b.counted & ~torch.isfinite(ent)).any()  # quantile and the bonus: every output NaN (spec 6)
             poisoned = bad if poisoned is None else poisoned | bad
         if poisoned is not None:  # unvalidated malformed cu_seqlens or entropy: every output and gradient NaN
-            nan = torch.full((), float("nan"), dtype=dt, device=lp.device)
+            nan = torch.full((), float("nan"), dtype=dt, device=lp.device)  # (a masked-out token keeps its 0s)
+            at_tokens = poisoned & b.counted
             for k in ("logp", "ent", "c", "loss_tok", "seq_entropy") + (("e",) if res["e"] is not None else ()):
-                res[k] = torch.where(poisoned, nan, res[k])
+                res[k] = torch.where(poisoned if k == "seq_entropy" else at_tokens, nan, res[k])
             value = torch.where(poisoned, nan, value)
             poison_metrics(res, poisoned)
     # the value, with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1)
