@@ -638,6 +638,11 @@ MUTANTS = [
       "the head's eager rebuild by rules makes every output NaN for one flagged token", tests=["test_replay_api"]),
     M("Q18", "pipeline/loss.py", "            at_tokens = poisoned & b.counted\n", "            at_tokens = poisoned\n",
       "a poisoned batch's masked-out tokens NaN on the eager path (0 on the kernels')", tests=["test_replay_api"]),
+    M("Q19", "kernels/vocab_triton.py", "dict(cu_ptr=cu.reshape(-1).contiguous(), n_seq=cu.numel() - 1)",
+      "dict(cu_ptr=cu, n_seq=cu.numel() - 1)", "a strided cu_seqlens read at stride 1 for a tau per completion",
+      tests=["test_parallel_epilogue"]),
+    M("Q20", "core/host_read.py", "    except Exception:  # a held check that failed raises its own error first, as at a read of its own\n        carry.settle()\n        raise\n",
+      "", "a later error pre-empts a carried check's (the carried flag dropped)", tests=["test_host_reads"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

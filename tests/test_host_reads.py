@@ -175,6 +175,20 @@ def test_the_lm_head_reads_its_arguments_checks_with_its_tile_plan(validate):
         assert sum(seen.values()) == most + validate, (what, seen)
 
 
+@pytest.mark.parametrize("later", ["group_size", "backend", "schedule"])
+def test_a_carried_check_s_error_comes_before_a_later_one(later):
+    """A value check carried to the tile plan's read raises its own error even where the call raises another
+    before the plan (conflict weights without group_size, a backend name, the fused schedule's refusal): its
+    error comes first, as when it was read at the end of the checks' block."""
+    from gtpo_kernels import linear_gtpo_loss
+    h, w, ids, mask, adv, old = _head(5)
+    adv[2] = float("nan")
+    kw = {"group_size": dict(config="gtpo"), "backend": dict(config="grpo", backend="foo"),
+          "schedule": dict(config=GTPOConfig.preset("dapo", top_entropy_quantile=0.5), schedule="fused")}[later]
+    with pytest.raises(ValueError, match="advantages must be finite"):
+        linear_gtpo_loss(h, w, ids, adv, mask, **kw)
+
+
 @pytest.mark.parametrize("what", ["advantage", "old_logps", "mask", "id", "temperature", "two"])
 def test_the_lm_head_s_carried_checks_raise_their_own_errors(what):
     """The checks read with the tile plan raise the error each raised on its own read (the first made where

@@ -77,17 +77,19 @@ def _ranks(rank, world):
     x, ids, mask, adv, old, kw = _case(True)
     g = torch.Generator().manual_seed(3)
     seq = dict(rollout_is_weights=torch.rand(4, 1, generator=g) + 0.5, temperature=torch.rand(4, generator=g) + 0.5)
-    for validate, name in ((True, "grpo-none"), (False, "grpo-none"), (False, "dapo-top-entropy")):
+    strided = dict(kw, cu_seqlens=torch.stack([kw["cu_seqlens"], kw["cu_seqlens"]], 1)[:, 0])  # (a strided view)
+    for validate, name, how in ((True, "grpo-none", kw), (False, "grpo-none", kw), (False, "dapo-top-entropy", kw),
+                                (False, "grpo-none", strided)):
         full = x.clone().requires_grad_()  # (the top-entropy mask's key reads H first: the tau spread for it)
         one = _call(full, ids, adv, mask, old, CONFIGS[name], kw, **seq)
         part = x[..., sl].clone().requires_grad_()
-        out = _call(part, ids, adv, mask, old, CONFIGS[name], kw, process_group=dist.group.WORLD,
+        out = _call(part, ids, adv, mask, old, CONFIGS[name], how, process_group=dist.group.WORLD,
                     validate=validate, **seq)
         e = {f: _rel(getattr(out, f), getattr(one, f)) for f in ("loss", "logps", "entropy", "per_token_loss")}
         ref = full.grad[..., sl].double()
         e.update(grad=float((part.grad.double() - ref).norm() / ref.norm()), grad_norm=float(ref.norm()),
                  value=out.loss.detach().sum().item())
-        errs[f"packed/per completion, {name}, validate={validate}"] = e
+        errs[f"packed/per completion, {name}, validate={validate}{', strided' if how is strided else ''}"] = e
     # a NaN logit in rank 0's slice: NaN at its token on every rank (unvalidated), the same error (validated)
     x, ids, mask, adv, old, kw = _case(False)
     x[2, 1, 3] = float("nan")

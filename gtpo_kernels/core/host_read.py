@@ -88,8 +88,9 @@ def one_host_read(defer=None):
 class Carried:
     """For one_host_read(defer=...) on one process: the block's value checks are not read at its end but with
     the next planned host read (read_planned: the LM head's tile plan), one read for both; whatever takes
-    no planned read settles them (one read of their own, as before). What runs until then takes unchecked
-    values as validate=False does."""
+    no planned read settles them (one read of their own, as before), and so does an error raised before it
+    (a failed check's error comes first, as at its own read). What runs until then takes unchecked values
+    as validate=False does."""
     row_device = None
 
     def __init__(self):
@@ -131,6 +132,9 @@ def carried(on=True):
     token = _CARRY.set(carry)
     try:
         yield carry
+    except Exception:  # a held check that failed raises its own error first, as at a read of its own
+        carry.settle()
+        raise
     finally:
         _CARRY.reset(token)
     carry.settle()

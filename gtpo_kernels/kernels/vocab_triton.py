@@ -143,7 +143,8 @@ def _per_seq(tau_seq, cu, temperature, rows=None):
     if rows is not None or (tau_seq == 2) != (cu is not None):
         raise ValueError("a temperature per completion: padded (tau_seq 1), or packed with cu_seqlens (2), no rows")
     return dict(TEMP_PER_SEQ=tau_seq, tau_len=temperature.numel(),
-                **({} if cu is None else dict(cu_ptr=cu, n_seq=cu.numel() - 1)))
+                **({} if cu is None else dict(cu_ptr=cu.reshape(-1).contiguous(), n_seq=cu.numel() - 1)))
+    # (the kernels read cu_seqlens at stride 1: a strided view of it is copied)
 
 
 def vocab_blocks(logits3, ids, counted, temperature, logits_start, V_whole, scale=1.0, softcap=None, id_start=0):
