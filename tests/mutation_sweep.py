@@ -643,6 +643,18 @@ MUTANTS = [
       tests=["test_parallel_epilogue"]),
     M("Q20", "core/host_read.py", "    except Exception:  # a held check that failed raises its own error first, as at a read of its own\n        carry.settle()\n        raise\n",
       "", "a later error pre-empts a carried check's (the carried flag dropped)", tests=["test_host_reads"]),
+    # ---- a malformed cu_seqlens, unvalidated: the kept sets' metrics NaN too, on every path
+    M("Q21", "kernels/epilogue_terms.py", "(kept_sums / M_safe).to(tl.float32) + poison,", "(kept_sums / M_safe).to(tl.float32),",
+      "the epilogue's kept-set metrics finite over a malformed cu_seqlens", tests=["test_defects_round2"]),
+    M("Q22", "kernels/logps_triton.py", "    tl.store(met_out + 1, 0.0 + nan_met)", "    tl.store(met_out + 1, 0.0)",
+      "the recorded sets' restored fraction finite over a malformed cu_seqlens", tests=["test_defects_round2"]),
+    M("Q23", "api/linear.py", "                metrics = {k: torch.where(b.malformed, float(\"nan\"), v) for k, v in metrics.items()}",
+      "                metrics = metrics", "the head's kept-set metrics finite over a malformed cu_seqlens",
+      tests=["test_defects_round2"]),
+    M("Q24", "pipeline/reference.py", "        r[\"metrics\"] = {k: torch.where(b.malformed, float(\"nan\"), v) for k, v in r[\"metrics\"].items()}",
+      "        pass", "the reference backend's metrics finite over a malformed cu_seqlens", tests=["test_defects_round2"]),
+    M("Q25", "api/logits.py", "        if b.malformed is not None:  # (the kept sets' metrics too: no completion is known)\n            poison_metrics(res, b.malformed)",
+      "        pass", "the eager rebuild's kept-set metrics finite over a malformed cu_seqlens", tests=["test_defects_round2"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -274,6 +274,7 @@ def test_malformed_cu_seqlens_gives_nan(backend, cu):
     out = gtpo_loss(xg, ids, adv, group_size=1, cu_seqlens=cu, validate=False, backend=backend)
     out.loss.backward()
     assert torch.isnan(out.loss) and torch.isnan(out.logps).all() and torch.isnan(xg.grad).any()
+    assert all(bool(torch.isnan(v)) for v in out.metrics.values()), out.metrics  # (no completion is known)
     assert torch.isnan(token_logprobs(x, ids, cu_seqlens=cu, validate=False, backend=backend)[0]).all()
     assert torch.isnan(gtpo_loss_from_logps(-torch.rand(4), ids, adv, entropy=torch.rand(4), group_size=1,
                                             cu_seqlens=cu, validate=False).loss)

@@ -129,6 +129,32 @@ def test_malformed_cu_seqlens_from_logps_every_output_and_gradient_nan():
     assert torch.isnan(out.loss) and torch.isnan(lp.grad).all() and torch.isnan(ent.grad).all()
 
 
+@pytest.mark.parametrize("entry", ["logits", "head", "reference"])
+def test_malformed_cu_seqlens_every_metric_nan(entry):
+    """validate=False, a malformed cu_seqlens: every metric NaN (no completion is known), the kept sets' metrics
+    too (sets rebuilt by top_k, or recorded), on both backends, the LM head and the reference backend (they
+    were finite numbers, and a different one on each path: mean_kept_size 5.78 on Triton, 5.89 on torch)."""
+    from gtpo_kernels import linear_gtpo_loss
+    from gtpo_reference import gtpo_sampling as rs
+    g = torch.Generator().manual_seed(3)
+    N, V = 9, 37
+    x = torch.randn(N, V, generator=g)
+    ids = torch.randint(0, V, (N,), generator=g)
+    h, w = torch.randn(N, 6, generator=g), torch.randn(V, 6, generator=g)
+    adv, cu = torch.tensor([1.0, -1.0, 0.5]), torch.tensor([0, 5, 3, 9])
+    _, _, _, sm = rs.replay_token_logprobs(x.double()[None], ids[None], torch.ones(1, N, dtype=torch.bool), top_k=5)
+    kw = dict(cu_seqlens=cu, max_seqlen=5, validate=False, config="grpo")
+    for backend in (["reference"] if entry == "reference" else ["triton", "torch"]):
+        for sets in ({}, dict(top_k=5), dict(sampling_mask=sm)):
+            if entry == "head":
+                out = linear_gtpo_loss(h, w, ids, adv, backend=backend, **kw, **sets)
+            else:
+                out = gtpo_loss(x.double() if backend == "reference" else x, ids, adv, backend=backend, **kw, **sets)
+            assert torch.isnan(out.loss), (backend, sets)
+            data = {k: v for k, v in out.metrics.items() if k != "grad_in_forward"}  # (the schedule's: a fact)
+            assert all(bool(torch.isnan(v)) for v in data.values()), (backend, list(sets), out.metrics)
+
+
 def test_malformed_cu_seqlens_conflict_weights_all_nan():
     """conflict_weights, validate=False, cu_seqlens [0, 3, 2, 5]: completion 1 is empty in the stand-in
     layout and got n_conf = 1; every weight and count is NaN."""

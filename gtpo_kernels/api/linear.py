@@ -118,6 +118,8 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         if rules is not None:  # the sampler's kept sets: only the union of a tile's sets is projected
             logp, ent, metrics = head_replay_ops.replayed(b, head, hidden, _one_tau(cfg, b), sampling_mask, rules,
                                                       budget, backend, host, vp)
+            if b.malformed is not None:  # (packed: the kept sets' metrics NaN where no completion is known)
+                metrics = {k: torch.where(b.malformed, float("nan"), v) for k, v in metrics.items()}
             if logps_epilogue.uses_epilogue(cfg, backend, logp.dtype, vp):  # the loss math in one kernel
                 # (its status word read only for the entropy filter's warning: replayed raised on the flags)
                 warns = host and cfg.entropy_threshold is not None

@@ -265,9 +265,11 @@ def _roll_add(lp, roll_ptr, o, inb, m, sums, abs_d, max_d, outside, nans, oks):
 
 
 @triton.jit
-def _metrics_store(met_ptr, clip_n, n_kept, conf_n, lam_nan, h_tot, B, Bf, M_safe, HAS_LAM: tl.constexpr, malformed):
-    """metrics[0:4]: clip_frac, filtered_frac, conflict_frac (NaN where a counted lam is), mean_entropy; every
-    one NaN where `malformed` (an unvalidated malformed cu_seqlens: no completion is known)."""
+def _metrics_store(met_ptr, clip_n, n_kept, conf_n, lam_nan, h_tot, B, Bf, M_safe, HAS_LAM: tl.constexpr, malformed,
+                   kept_sums, KEPT: tl.constexpr):
+    """metrics[0:4]: clip_frac, filtered_frac, conflict_frac (NaN where a counted lam is), mean_entropy; KEPT,
+    [9:12]: mean_kept_size, replay_restored_frac, kept_mass (kept_sums / M); every one NaN where `malformed`
+    (an unvalidated malformed cu_seqlens: no completion is known)."""
     poison = tl.where(malformed != 0, float("nan"), 0.0)
     tl.store(met_ptr, clip_n.to(tl.float32) / M_safe + poison)
     tl.store(met_ptr + 1, tl.where(B > 0, (B - n_kept).to(tl.float32) / tl.maximum(Bf, 1.0), 0.0) + poison)
@@ -276,6 +278,8 @@ def _metrics_store(met_ptr, clip_n, n_kept, conf_n, lam_nan, h_tot, B, Bf, M_saf
     else:
         tl.store(met_ptr + 2, poison)
     tl.store(met_ptr + 3, h_tot / M_safe + poison)
+    if KEPT:
+        tl.store(met_ptr + 9 + tl.arange(0, 4), (kept_sums / M_safe).to(tl.float32) + poison, mask=tl.arange(0, 4) < 3)
 
 
 @triton.jit

@@ -313,11 +313,9 @@ def _epilogue_kernel(
                 lam_nan += tl.sum(tl.where(m, lam * 0.0, 0.0), axis=0)
     if AGG != 5:
         tl.store(value_ptr, tl.sum(loss_acc, axis=0))
-    _metrics_store(met_ptr, clip_n, n_kept, conf_n, lam_nan, h_tot, B, Bf, M_safe, HAS_LAM, malformed)
+    _metrics_store(met_ptr, clip_n, n_kept, conf_n, lam_nan, h_tot, B, Bf, M_safe, HAS_LAM, malformed, kept_sums, KEPT)
     if HAS_ROLL:
         _roll_store(met_ptr, roll_sums, roll_abs, roll_max, roll_out, roll_nan, roll_ok, M_safe)
-    if KEPT:  # mean_kept_size, replay_restored_frac, kept_mass
-        tl.store(met_ptr + 9 + tl.arange(0, 4), (kept_sums / M_safe).to(tl.float32), mask=tl.arange(0, 4) < 3)
     if FILTER:
         flagged = flagged | (((n_kept == 0) & (M > 0)).to(tl.int32) * 2)
     if VALIDATE:

@@ -156,9 +156,13 @@ def _flat_sets_kernel(mask_ptr, off_ptr, cu_ptr, tau_ptr,  # the caller's mask, 
             tau = tl.zeros([BLOCK], tl.float32) + tau_value
         tl.store(tau_out + o, tau, mask=inb)
     first = tl.load(off_ptr).to(tl.int64)
-    # spec 13's metrics as replay_metrics gives them (from the offsets as recorded, malformed or not)
-    tl.store(met_out, ((end - first).to(tl.float64) / tl.maximum(M, 1).to(tl.float64)).to(tl.float32))
-    tl.store(met_out + 1, 0.0)  # replay_restored_frac: a recorded set restores nothing
+    # spec 13's metrics as replay_metrics gives them (from the offsets as recorded, malformed or not); NaN where
+    # the caller's cu_seqlens is malformed (no completion is known: every metric NaN, as the epilogue's)
+    nan_met = 0.0
+    if PACKED:
+        nan_met = tl.where(_offsets_bad(cu_ptr, B, N, -1, BLOCK) != 0, float("nan"), 0.0)
+    tl.store(met_out, ((end - first).to(tl.float64) / tl.maximum(M, 1).to(tl.float64)).to(tl.float32) + nan_met)
+    tl.store(met_out + 1, 0.0 + nan_met)  # replay_restored_frac: a recorded set restores nothing
     # malformed offsets poison the epilogue where a token counts; validating, always (the call raises)
     _cu_out(cu_ptr, cu_out, B, T, N, bad * ((M > 0) | VALIDATE).to(tl.int32), BLOCK, PACKED)
 

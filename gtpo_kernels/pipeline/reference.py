@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..core.layout import float_dtype_for, padded_window
 
 
@@ -11,7 +13,6 @@ def kept_window(b, logits, tau, sampling_mask, rules, validate):
     """backend='reference' replay (spec 13): a (n, V) bool, each counted token's kept set (recorded, or
     rebuilt by gtpo_reference.gtpo_sampling's statement of vLLM's rules from the same logits), True on
     every entry of an uncounted token; with the metrics of the replay."""
-    import torch
     from gtpo_reference import gtpo_sampling
     from ..core.sampling import check_sampling_mask_flat, segment_of
     from ..kernels.replay import replay_metrics
@@ -103,6 +104,8 @@ def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=No
                                  rollout_logps=opt(extras["rollout_logps"]), **kw)
     dt = float_dtype_for(logits)  # the reference computes in float64; the contract's outputs are float32
     loss = unpad(r["loss"]) if cfg.loss_agg == "none" else r["loss"]
+    if b.malformed is not None:  # an unvalidated malformed cu_seqlens: no completion is known, every metric NaN
+        r["metrics"] = {k: torch.where(b.malformed, float("nan"), v) for k, v in r["metrics"].items()}
     return output_type(loss=loss.to(dt), logps=unpad(r["logps"]).to(dt), entropy=unpad(r["entropy"]).to(dt),
                        per_token_loss=unpad(r["per_token_loss"]).to(dt), lam=unpad(r["lam"]).to(dt),
                        n_conf=r["n_conf"].to(dt), kept=r["kept"], seq_entropy=r["seq_entropy"].to(dt),
