@@ -128,7 +128,7 @@ def _scenarios(rank, world):
             res[f"unvalidated/{name}"] = {"loss": _rel(out.loss.detach(), seq.loss.detach()),
                                           "logps": _rel(out.logps, seq.logps), "entropy": _rel(out.entropy, seq.entropy)}
     # packed with B == N (4 tokens in completions of 2, 0, 1 and 1): a (B, 1) temperature is one per completion,
-    # spread to the tokens (a (B,) tau would read as one per token there), validated or not
+    # read at each token's completion (its size does not tell: the call says so, Batch.tau_seq), validated or not
     xs, i, o = x.reshape(B * T, V)[:4], ids.reshape(-1)[:4], old.reshape(-1)[:4]
     kw = dict(cu_seqlens=torch.tensor([0, 2, 2, 3, 4]), max_seqlen=2)
     tt = tau[:, :1] * torch.tensor([[1.0], [0.5], [2.0], [1.5]])

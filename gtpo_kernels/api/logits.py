@@ -120,14 +120,13 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             # so too on a split vocabulary's epilogue path (validating: checked by the agreement's row)
             tau_split = (process_group is not None and not replaying and _per_token_tau(temperature)
                          and epilogue_attached.takes(logits, cfg, backend))
-            # (one per completion: (B,) as given, read at each token's completion by the kernels and the agreement;
-            # packed with B == N, where (B,) reads as per token, spread to the tokens)
-            split_seq = tau_split and _per_completion(temperature, b) and 0 < b.B != b.n_tokens
+            # (one per completion: (B,) as given, read at each token's completion by the kernels and the agreement)
+            split_seq = tau_split and _per_completion(temperature, b) and b.B > 0
             tau = call_temperature(temperature if _per_token_tau(temperature) else None, b,
                                    torch.float64 if logits.dtype == torch.float64 else torch.float32,
                                    host and not tau_kernels, in_kernels=fast or rules_in_kernels or tau_split,
                                    spread=not (per_seq or split_seq))
-            b.tau = tau  # compared across the ranks of a vocabulary split (digest.input_digests)
+            b.tau, b.tau_seq = tau, per_seq or split_seq  # compared across the ranks of a vocabulary split (digest)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, inplace,
                                   in_kernels=rules_in_kernels)
 

@@ -75,7 +75,8 @@ class Batch:
     max_len_: object = None  # default denominator of seq-mean-token-sum-norm (or a Lazy of it): `max_len`
     malformed_: object = None  # 0-d bool: an unvalidated cu_seqlens was malformed (NaN outputs)
     tau: Optional[torch.Tensor] = None  # (N,) the call's temperature per token, when it gave one (spec 13); (B,)
-    # one per completion where the kernels read it at each token's completion: `tau_per_row`
+    # one per completion where the kernels read it at each token's completion (tau_seq): `tau_per_row`
+    tau_seq: bool = False
     mask: Optional[torch.Tensor] = None  # (N,) the caller's completion_mask as given (any dtype), None: all counted
     token_adv: Optional[torch.Tensor] = None  # (N,) an advantage per token in place of Ahat (pipeline/token_terms.py)
 
@@ -96,14 +97,9 @@ class Batch:
 
     @property
     def tau_per_row(self) -> bool:
-        """Whether `tau` holds one temperature per completion, read at each token's completion (`seq_rows`;
-        packed with B == N it is spread: per token)."""
-        return self.tau is not None and self.tau.numel() != self.n_tokens
-
-    @property
-    def n_tokens(self) -> int:
-        """N: B * T padded, the packed tokens."""
-        return self.tok_shape[0] * (1 if self.packed else self.tok_shape[1])
+        """Whether `tau` holds one temperature per completion, read at each token's completion (`seq_rows`), as
+        the call that set it says (tau_seq: packed with B == N its size would not tell)."""
+        return self.tau is not None and self.tau_seq
 
     @property
     def seq_rows(self):

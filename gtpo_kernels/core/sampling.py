@@ -77,7 +77,7 @@ def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=Non
     validating (an invalid tau at a counted token raises, formed by a process group's agreement row) or
     neither `validate` nor `flag`: the caller's kernels flag such a tau). spread=False (validating, or with
     neither validate nor flag): one per completion stays (B,) (per_token), checked where a counted token of
-    its completion reads it (packed: the caller keeps B != N, where (B,) would read as per token)."""
+    its completion reads it."""
     if _is_number(temperature):
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
