@@ -7,6 +7,7 @@ import torch
 
 from ..core import batch, checks, host_read
 from ..core.config import GTPOConfig, as_config
+from ..core.flags import nan_where
 from ..core.layout import float_dtype_for
 from ..core.vocab_block import VOCAB_BLOCK
 from ..distributed import agree
@@ -119,7 +120,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
             logp, ent, metrics = head_replay_ops.replayed(b, head, hidden, _one_tau(cfg, b), sampling_mask, rules,
                                                       budget, backend, host, vp)
             if b.malformed is not None:  # (packed: the kept sets' metrics NaN where no completion is known)
-                metrics = {k: torch.where(b.malformed, float("nan"), v) for k, v in metrics.items()}
+                metrics = nan_where(b.malformed, metrics)
             if logps_epilogue.uses_epilogue(cfg, backend, logp.dtype, vp):  # the loss math in one kernel
                 # (its status word read only for the entropy filter's warning: replayed raised on the flags)
                 warns = host and cfg.entropy_threshold is not None

@@ -9,6 +9,7 @@ import torch
 
 from ..core import batch, checks
 from ..core.config import GTPOConfig, as_config
+from ..core.flags import nan_where
 from ..core.layout import float_dtype_for
 from ..core.output import GTPOOutput
 from ..distributed import agree
@@ -17,7 +18,7 @@ from ..distributed import vocab_replay
 from ..kernels import dispatch
 from ..pipeline import epilogue, epilogue_attached, logps_epilogue, reference, replay
 from ..pipeline.loss import (call_temperature, check_loss_args, conflicts_for, forward, fused_loss, logps_loss,
-                             make_output, poison_metrics, vocab_parallel, vocab_summary)
+                             make_output, vocab_parallel, vocab_summary)
 
 @checks.backend_kernels
 def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group_size=None,
@@ -149,9 +150,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             keep, metrics = reference.kept_window(b, logits, cfg.temperature if tau is None else tau,
                                                   sampling_mask, rules, host)
             out = reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau, keep)
-            out.metrics.update({k: v.to(out.loss.dtype) for k, v in metrics.items()})
             if b.malformed is not None:  # (the kept sets' metrics too: no completion is known)
-                out.metrics.update({k: torch.where(b.malformed, float("nan"), out.metrics[k]) for k in metrics})
+                metrics = nan_where(b.malformed, metrics)
+            out.metrics.update({k: v.to(out.loss.dtype) for k, v in metrics.items()})
             return out
         # split over ranks: the epilogue kernel between the merged vocabulary passes (epilogue_attached)
         attached = process_group is not None and rules is None and epilogue_attached.takes(b.logits3, cfg, backend)
@@ -163,13 +164,13 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         return logps_epilogue.recorded_sets(b, cfg, tau, sampling_mask, num_items, host, revalidate)
     if rules is not None:  # the sampler's kept sets
         logp, ent, metrics = _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp)
+        if b.malformed is not None:  # (the kept sets' metrics too: no completion is known)
+            metrics = nan_where(b.malformed, metrics)
         if fast_replay:
             return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, host, metrics,
                                              nan_all=sampling_mask is not None)
         loss, res = logps_loss(b, cfg, logp, ent, num_items, dt, host, nan_all=sampling_mask is not None)
         res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
-        if b.malformed is not None:  # (the kept sets' metrics too: no completion is known)
-            poison_metrics(res, b.malformed)
         return make_output(b, cfg, loss, res, dt, host)
     if attached:
         return epilogue_attached.loss(b, cfg, backend, inplace, host, num_items, vp, tau)

@@ -8,6 +8,12 @@ BAD_ID = 4  # id outside [0, V) (never read)
 BAD_RULE = 8  # a truncation rule (top_k, top_p, min_p) of the token out of its range (unvalidated)
 
 
+def nan_where(flag, values):
+    """values (a dict of tensors) NaN where the 0-d bool `flag` is set: a call's metrics where no completion of
+    its batch is known (an unvalidated malformed cu_seqlens)."""
+    return {k: torch.where(flag, torch.full_like(v, float("nan")), v) for k, v in values.items()}
+
+
 def nan_at_flags(logp, ent, bad):
     """logp and H NaN where the flags are set (a flagged token's outputs: never a finite wrong number)."""
     invalid = bad != 0

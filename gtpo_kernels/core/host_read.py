@@ -122,12 +122,9 @@ _CARRY = contextvars.ContextVar("gtpo_carried_checks", default=None)
 
 
 @contextlib.contextmanager
-def carried(on=True):
-    """A Carried (or None when not `on`) for the block's one_host_read(defer=...): the planned read inside
-    (read_planned) takes its checks; read at the block's end otherwise."""
-    if not on:
-        yield None
-        return
+def carried():
+    """A Carried for the block's one_host_read(defer=...): the planned read inside (read_planned) takes its
+    checks; read at the block's end otherwise."""
     carry = Carried()
     token = _CARRY.set(carry)
     try:

@@ -32,9 +32,9 @@ def spread_packed(x, cu_seqlens, n):
     return x[seg]
 
 
-def spread_seq(x, b):
-    """x (B,), one value per completion of Batch b, spread on its tokens (n,) as b.seq_rows reads it."""
-    rows = b.seq_rows
+def spread_rows(x, rows):
+    """x (B,), one value per completion, spread on the tokens as `rows` (a Batch's seq_rows) reads it: T, rows
+    of T tokens (padded), or (cu_seqlens, N) (packed, spread_packed)."""
     if isinstance(rows, tuple):
         return spread_packed(x, *rows)
     return x.reshape(-1, 1).expand(-1, rows).reshape(-1)

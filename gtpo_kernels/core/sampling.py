@@ -17,7 +17,7 @@ import numbers
 import torch
 
 from .checks import _check, _selection, check_int_tensor, check_on_device, check_tensor
-from .layout import spread_packed
+from .layout import spread_rows
 
 
 def _is_number(x):
@@ -46,9 +46,7 @@ def per_token(name, x, B, T, n, device, cu_seqlens=None, spread=True):
         x = x.reshape(B)
         if not spread:
             return x
-        if not packed:
-            return x[:, None].expand(B, T).reshape(n)
-        return spread_packed(x, cu_seqlens, n)
+        return spread_rows(x, (cu_seqlens, n) if packed else T)
     want = f"({n},) (per token, packed)" if packed else f"({B}, {T}) (per token)"
     raise ValueError(f"{name} must be a number, a tensor per completion ({B},) or ({B}, 1), or {want}; "
                      f"got shape {shape}")
@@ -99,9 +97,7 @@ def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=Non
             return out if counted is None else out & made()
 
         def at_tokens(x):  # (one per completion: spread on the tokens)
-            if rows is None:
-                return x
-            return x.repeat_interleave(T) if cu_seqlens is None else spread_packed(x, cu_seqlens, n)
+            return x if rows is None else spread_rows(x, rows)
 
         def fail():  # (none found here: a subnormal tau the device's division flushed to 0)
             k = _first(bad()) if bool(bad().any()) else None

@@ -14,7 +14,7 @@ import zlib
 import torch
 
 from ..core import checks
-from ..core.layout import spread_packed
+from ..core.layout import spread_rows
 _MASK61 = (1 << 61) - 1
 _K1, _K2, _K3, _K4 = (0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D,
                       0xBF58476D1CE4E5B9 - (1 << 64))  # odd 64-bit mixers, as int64
@@ -232,9 +232,7 @@ class Digest:
             return (values_digest(*self.terms) + self.const) & _MASK61
         if self.kind == "rows":
             x, where, rows = self.terms
-            spread = (spread_packed(x.reshape(-1), *rows) if isinstance(rows, tuple)
-                      else x.reshape(-1).repeat_interleave(rows))
-            return (values_digest(spread, where) + self.const) & _MASK61
+            return (values_digest(spread_rows(x.reshape(-1), rows), where) + self.const) & _MASK61
         if self.kind == "tokens":
             return token_digest(self.terms)
         digest = self.const

@@ -22,7 +22,7 @@ import torch
 
 from ..distributed import vocab_parallel as parallel
 from ..kernels import loss_ops, ops
-from ..core.layout import spread_seq
+from ..core.layout import spread_rows
 from . import epilogue
 
 
@@ -41,7 +41,7 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
         # (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
         if vp.blockwise or (cfg.top_entropy_on and not cfg.batch_term):  # (the top-entropy key reads H first)
             if per_seq:  # (one per completion: spread on the tokens for these passes)
-                temperature, per_seq = spread_seq(temperature, b), False
+                temperature, per_seq = spread_rows(temperature, b.seq_rows), False
             ids = b.ids
             fwd = parallel.vp_forward(b, ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes, id_start=vp.start)
         else:  # the merged sums, finished by the epilogue kernel (no launch of the merge's finish); the ids as

@@ -9,7 +9,7 @@ import torch
 
 from ..core import checks
 from ..core.config import is_zero
-from ..core.flags import nan_at_flags
+from ..core.flags import nan_at_flags, nan_where
 from ..core.layout import float_dtype_for
 from ..core.output import GTPOOutput
 from ..distributed import agree
@@ -64,14 +64,8 @@ def run_surrogate(b, cfg, logp, ent, num_items, dt, totals=None):
                     rollout_w=b.rollout_w, rollout_w_seq=b.rollout_w_seq, rollout_logps=b.rollout_logps,
                     totals=totals, token_adv=b.token_adv)
     if b.malformed is not None:
-        poison_metrics(res, b.malformed)
+        res["metrics"] = nan_where(b.malformed, res["metrics"])
     return res
-
-
-def poison_metrics(res, flag):
-    """res's metrics NaN where the 0-d bool `flag` is set (its batch's completions are not known)."""
-    for k, v in res["metrics"].items():
-        res["metrics"][k] = torch.where(flag, torch.full_like(v, float("nan")), v)
 
 
 def value_and_coefficients(b, cfg, logp, ent, num_items, dt, cdt):
@@ -108,7 +102,7 @@ def logps_loss(b, cfg, logps, entropy, num_items, dt, host, nan_all=True):
             for k in ("logp", "ent", "c", "loss_tok", "seq_entropy") + (("e",) if res["e"] is not None else ()):
                 res[k] = torch.where(poisoned if k == "seq_entropy" else at_tokens, nan, res[k])
             value = torch.where(poisoned, nan, value)
-            poison_metrics(res, poisoned)
+            res["metrics"] = nan_where(poisoned, res["metrics"])
     # the value, with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1)
     attach = res["c"] * (lp - lp.detach())
     if res["e"] is not None:

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from ..core.flags import nan_where
 from ..core.layout import float_dtype_for, padded_window
 
 
@@ -105,7 +106,7 @@ def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=No
     dt = float_dtype_for(logits)  # the reference computes in float64; the contract's outputs are float32
     loss = unpad(r["loss"]) if cfg.loss_agg == "none" else r["loss"]
     if b.malformed is not None:  # an unvalidated malformed cu_seqlens: no completion is known, every metric NaN
-        r["metrics"] = {k: torch.where(b.malformed, float("nan"), v) for k, v in r["metrics"].items()}
+        r["metrics"] = nan_where(b.malformed, r["metrics"])
     return output_type(loss=loss.to(dt), logps=unpad(r["logps"]).to(dt), entropy=unpad(r["entropy"]).to(dt),
                        per_token_loss=unpad(r["per_token_loss"]).to(dt), lam=unpad(r["lam"]).to(dt),
                        n_conf=r["n_conf"].to(dt), kept=r["kept"], seq_entropy=r["seq_entropy"].to(dt),
