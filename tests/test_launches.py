@@ -200,7 +200,7 @@ def _head_counts(schedule, tiles, preset, packed=False, bias=False):
     with counting() as bwd:
         out.loss.backward()
     assert torch.isfinite(out.loss) and w.grad.abs().sum() > 0 and h.grad.abs().sum() > 0
-    return [(c.launches, c.host_reads, dict(c.triton_names)) for c in (fwd, bwd)]
+    return [(c.launches, c.host_reads, dict(c.triton_names), c.creations) for c in (fwd, bwd)]
 
 
 @pytest.mark.parametrize("schedule", ["fused", "recompute"])
@@ -214,7 +214,7 @@ def test_head_runs_the_loss_math_once_and_at_most_ten_launches_a_tile(schedule, 
     kernel, the gradients' buffers)."""
     per_fwd = []
     for k in (2, 4, 8):
-        (lf, rf, kf), (lb, rb, kb) = _head_counts(schedule, k, preset, packed, bias)
+        (lf, rf, kf, cf), (lb, rb, kb, cb) = _head_counts(schedule, k, preset, packed, bias)
         per_fwd.append(lf)
         assert kf["_vocab_fwd_kernel"] == k and kf["_epilogue_kernel"] == (k + 1 if schedule == "fused" else 1), kf
         assert "_epilogue_kernel" not in kb, kb
@@ -222,8 +222,10 @@ def test_head_runs_the_loss_math_once_and_at_most_ten_launches_a_tile(schedule, 
         assert tiles_b >= k, (kf, kb)
         assert lf + lb <= 60 + 10 * (k + (tiles_b if schedule == "recompute" else 0)), (k, lf, lb, kf, kb)
         # host reads: the plan's one (the rows per completion; 3 before the counted rows were listed in a size
-        # the host knows), the recompute backward's rows, a fused tile's count of live rows when packed
+        # the host knows), the recompute backward's rows, and packed without a validated max_seqlen, whether the
+        # longest completion fits a tile (the fused schedule's condition: head_ops._longest_fits)
         assert rf + rb == (1 if schedule == "fused" else 2) + (schedule == "fused" and packed), (rf, rb)
+        assert cf + cb == 0, (cf, cb)  # nothing copied to the device (the fused plan is formed there)
     assert per_fwd[1] - per_fwd[0] == (per_fwd[2] - per_fwd[1]) / 2 <= 2 * 10, per_fwd  # linear in tiles
 
 

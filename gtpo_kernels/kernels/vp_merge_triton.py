@@ -201,7 +201,6 @@ def _per_seq(row_length, cu):
     if cu is not None:
         return dict(TEMP_PER_SEQ=2, cu_ptr=cu.reshape(-1).contiguous(), n_seq=cu.numel() - 1)
     return {} if row_length is None else dict(row_length=max(row_length, 1), TEMP_PER_SEQ=1)
-    return vec
 
 
 def finish(vec, M, ids, counted, V, nan_flagged=False, outs=None, rows=None):

@@ -2,7 +2,8 @@
 to have no gradient before any logit is read, and the recompute backward's rows.
 
 Planning reads the number of counted rows per completion on the host (1 sync a pass; the fused
-schedule's count of rows known to have no gradient comes with it, and on one process, validating, the
+schedule's count of rows known to have no gradient comes with it, its plan formed by a kernel on the Triton
+backend: kernels/tile_plan_triton.py; and on one process, validating, the
 arguments' value checks: core.host_read.read_planned; the recompute backward reads the rows with a
 nonzero coefficient, 1 sync); nothing inside the tile loops reads the device.
 """
@@ -52,12 +53,16 @@ def plan(counts, per_tile, whole):
 def plan_rows(opts, t, skip):
     """(rows, counted rows per completion (device), tiles, live rows per tile or None). skip: the fused
     schedule's gradient (whole completions a tile), whose rows known to have c = e = 0 (prior_live) are
-    put last in their tile; their number per completion is read with the counts (1 sync in all, one
-    more only when a completion spans tiles: token-local coefficients and a completion over a tile). The
-    counted rows are then listed in a size the host knows (nonzero_static: no sync)."""
+    put last in their tile. On the Triton backend one kernel forms that plan on the device and their number
+    per tile is read with the counts (_planned_on_device: 1 sync, nothing copied back); on the torch backend
+    their number per completion is (1 sync in all, one more only when a completion spans tiles: token-local
+    coefficients and a completion over a tile). The counted rows are then listed in a size the host knows
+    (nonzero_static: no sync)."""
     dev, B, counted = t.counted.device, opts.B, t.counted
-    counts_dev = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, t.seg, counted.long())
     live_all = prior_live(opts, t, None, t.seg) if skip else None  # (at every token: read at the rows below)
+    if live_all is not None and opts.backend == "triton":  # the plan formed on the device: nothing copied back
+        return _planned_on_device(opts, t, live_all)
+    counts_dev = torch.zeros(B, dtype=torch.long, device=dev).index_add_(0, t.seg, counted.long())
     if live_all is None:
         counts = read_planned(counts_dev)  # sync: the tiles (and, validating, the arguments' checks)
     else:
@@ -78,6 +83,24 @@ def plan_rows(opts, t, skip):
         per_tile = torch.zeros(len(tiles), dtype=torch.long, device=dev).index_add_(0, tile, live.long()).tolist()
     order = torch.sort(2 * tile + (~live).long(), stable=True).indices  # within each tile, live rows first
     return rows[order], counts_dev, tiles, per_tile
+
+
+def _planned_on_device(opts, t, live_all):
+    """plan_rows' fused schedule, its plan formed by one kernel before the read (kernels/tile_plan_triton):
+    the counts, the live rows per tile and the tiles' number read at once (1 sync, whether or not a completion
+    spans tiles), each counted row's tile already on the device (no copy of the tiles' sizes to it)."""
+    from ..kernels.tile_plan_triton import tile_plan
+    B, counted = opts.B, t.counted
+    planned, tile_of = tile_plan(counted, t.seg, live_all, B, opts.per_tile)
+    host = read_planned(planned)  # sync: the tiles (and, validating, the arguments' checks)
+    counts, per_tile = host[:B], host[B:-1]
+    tiles = plan(counts, opts.per_tile, True)
+    if len(tiles) != host[-1]:
+        raise RuntimeError(f"the device's tile plan has {host[-1]} tiles, the host's {len(tiles)}")
+    n = sum(counts)
+    rows = torch.nonzero_static(counted, size=n).squeeze(1)  # the rows projected, in order
+    order = torch.sort(2 * tile_of[rows] + (~live_all[rows]).long(), stable=True).indices  # live rows first
+    return rows[order], planned[:B], tiles, per_tile[:len(tiles)]
 
 
 # policy terms with a gradient where A = 0: dro's -(dro_beta / 2) (logp - old)^2, kl_cov's penalty on its
