@@ -134,6 +134,8 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
             down_ok = (kl <= lo) | (p >= p_old)
         valid = tl.where(A > 0.0, up_ok, down_ok)
         coef = tl.where(valid, rc, 0.0)
+        finite = (tl.abs(lp) < float("inf")) & (tl.abs(old) < float("inf"))  # else NaN (verl_modes.dppo)
+        coef = tl.where(finite, coef, float("nan"))
         pg = -A * coef * lp
         d_logr = tl.zeros_like(lp)
         d_logp = -A * coef

@@ -52,6 +52,9 @@ def dppo(A, logp, old, log_r, cfg, kind):
         up_ok, down_ok = (kl <= hi) | (p <= p_old), (kl <= lo) | (p >= p_old)
     valid = torch.where(A > 0, up_ok, down_ok)
     coef = torch.where(valid, coef, torch.zeros_like(coef))
+    # a non-finite logp or old log-prob (unchecked input) makes its token NaN, not a 0 that the region chose
+    # (the clamp of log r and the comparisons would otherwise hide it)
+    coef = torch.where(torch.isfinite(logp) & torch.isfinite(old), coef, torch.full_like(coef, float("nan")))
     return -A * coef * logp, None, -A * coef, ~valid & (A != 0)
 
 

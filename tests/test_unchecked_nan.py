@@ -1,0 +1,63 @@
+"""Unchecked bad input gives NaN in every output it touches, for every preset (spec 6: validate=False never
+turns an invalid value into a finite number): a non-finite old log-prob or a NaN logit at a counted token
+makes the loss, that token's per-token loss and log-prob, and its row of the gradient NaN, on both
+backends, on logits and on log-probs. (Before, verl's dppo_tv / dppo_kl put a finite 0 there: their trust
+region's comparisons are False on NaN and their ratio is clamped, so an invalid token was simply dropped.)"""
+import pytest
+import torch
+
+from gtpo_kernels import GTPOConfig, gtpo_loss, gtpo_loss_from_logps
+from gtpo_kernels.core.config import PRESETS
+
+NOT_READING_OLD = ("gpg",)  # its term is -A logp: the old log-probs are not an input it touches
+
+
+def _config(name):
+    return GTPOConfig.preset(name, dro_beta=0.1) if name == "dro" else GTPOConfig.preset(name)
+
+
+def _inputs(seed=0, B=2, T=3, V=7):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g), torch.tensor([1.0, -1.0]),
+            -torch.rand(B, T, generator=g) - 1.0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("bad", ["old-nan", "old-inf", "old-neg-inf", "logit-nan"])
+def test_an_unchecked_bad_value_makes_its_token_and_the_loss_nan(preset, bad, backend):
+    if bad.startswith("old") and preset in NOT_READING_OLD:
+        pytest.skip("the term does not read old_logps")
+    z, ids, adv, old = _inputs()
+    if bad == "logit-nan":
+        z[0, 0, 3] = float("nan")
+    else:
+        old[0, 0] = {"old-nan": float("nan"), "old-inf": float("inf"), "old-neg-inf": float("-inf")}[bad]
+    x = z.clone().requires_grad_()
+    out = gtpo_loss(x, ids, adv, group_size=1, old_logps=old, config=_config(preset), backend=backend,
+                    validate=False)
+    out.loss.backward()
+    assert torch.isnan(out.loss) and torch.isnan(out.per_token_loss[0, 0]), (out.loss, out.per_token_loss)
+    assert torch.isnan(x.grad[0, 0]).all(), x.grad[0, 0]
+    if bad == "logit-nan":
+        assert torch.isnan(out.logps[0, 0])
+    with pytest.raises(ValueError):  # checked, the same input is refused
+        gtpo_loss(z, ids, adv, group_size=1, old_logps=old, config=_config(preset), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("preset", ["dppo_tv", "dppo_kl", "grpo", "cispo", "vanilla"])
+def test_from_logps_a_non_finite_log_prob_makes_its_token_nan(preset, backend):
+    """gtpo_loss_from_logps: a NaN log-prob, or an infinite old log-prob, unchecked: the loss, the token's
+    per-token loss and its gradient NaN."""
+    _, ids, adv, old = _inputs(1)
+    lp = -torch.rand(2, 3, generator=torch.Generator().manual_seed(2)) - 0.5
+    for where, value in (("logp", float("nan")), ("old", float("-inf"))):
+        lp_, old_ = lp.clone(), old.clone()
+        (lp_ if where == "logp" else old_)[1, 2] = value
+        lp_.requires_grad_()
+        out = gtpo_loss_from_logps(lp_, ids, adv, group_size=1, old_logps=old_, config=_config(preset),
+                                   backend=backend, validate=False)
+        out.loss.backward()
+        assert torch.isnan(out.loss) and torch.isnan(out.per_token_loss[1, 2]) and torch.isnan(lp_.grad[1, 2]), \
+            (where, out.loss, out.per_token_loss, lp_.grad)
