@@ -676,6 +676,16 @@ MUTANTS = [
       "the device plan puts a tile's rows known to be dead first", tests=["test_tile_plan_kernel"]),
     M("Q34", "kernels/tile_plan_triton.py", "j = before + tl.cumsum(ci, 0) - ci", "j = before + tl.cumsum(ci, 0) - ci + (t0 > 0)",
       "the counted rows' places off by one after the first block", tests=["test_tile_plan_kernel"]),
+    # ---- dppo's trust region on unchecked non-finite log-probs: NaN, not a dropped token
+    M("Q35", "objective/verl_modes.py",
+      "coef = torch.where(torch.isfinite(logp) & torch.isfinite(old), coef, torch.full_like(coef, float(\"nan\")))",
+      "coef = coef", "dppo's eager term drops a token with a non-finite log-prob (a finite loss)",
+      tests=["test_unchecked_nan"]),
+    M("Q36", "kernels/epilogue_policy.py", "coef = tl.where(finite, coef, float(\"nan\"))", "coef = coef",
+      "dppo's kernel term drops a token with a non-finite log-prob (a finite loss)", tests=["test_unchecked_nan"]),
+    M("Q37", "distributed/vocab_parallel.py", "options = (*options, *_draw_states(options, b.given[\"ids\"].device))",
+      "options = options", "clip_cov's generators in different states on the ranks of a split not refused",
+      tests=["test_parallel_clip_cov"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

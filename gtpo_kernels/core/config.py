@@ -77,7 +77,8 @@ class GTPOConfig:
     clip_cov_ratio, clip_cov_lb, clip_cov_ub   max(1, floor(ratio * counted tokens)) tokens at random among
                           the counted, unclipped ones of covariance in (lb, ub) lose their term
     kl_cov_ratio, ppo_kl_coef   as many counted tokens of largest covariance add coef * |logp - old|
-    generator             clip_cov's torch.Generator, on the tokens' device (None: the device's default)
+    generator             clip_cov's torch.Generator, on the tokens' device (None: the device's default);
+                          with a process_group, in the same state on every rank (compared, refused otherwise)
     """
 
     temperature: float = 1.0

@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 
 from ..core import checks, vocab_block
+from ..core.config import GTPOConfig
 from ..core.flags import nan_at_flags
 from ..kernels import dispatch, ops, vp_merge
+from ..objective import verl_modes
 from . import agree, digest
 
 BYTES_PER_TOKEN = 4 + 7 * 4  # the two all-reduces of vp_forward (float32 statistics)
@@ -37,8 +39,19 @@ def summary(g, b, V_local, key, host, options, replay=(None,) * 4):
     tokens' digest; the sampler's `replay` arguments, REPLAY, each on its own). Nothing without a group."""
     if g.group is not None:
         g.batch, g.host = b, host
+        options = (*options, *_draw_states(options, b.given["ids"].device))
         g.fields = [V_local, *key, *(0,) * (KEY - len(key)), digest.fingerprint_field((host, *options)),
                     *digest.input_digests(b), *(digest.fingerprint_field((x,)) for x in replay), *digest.token_fields(b)]
+
+
+def _draw_states(options, device):
+    """clip_cov's generator state for each config among the options (nested in tuples too): every rank must
+    draw the same numbers (verl_modes.draw_state)."""
+    for o in options:
+        if isinstance(o, GTPOConfig):
+            yield verl_modes.draw_state(o, device)
+        elif isinstance(o, (tuple, list)):
+            yield from _draw_states(o, device)
 
 
 def vocab_layout(g, device, where):
@@ -52,8 +65,9 @@ def vocab_layout(g, device, where):
                    "(tokens, logits rows, logits_start or D, packed)", "every rank must pass the same tokens, "
                    "with its own slice of the vocabulary")
     agree.disagree(where, [row[1 + KEY] for row in rows], "the options (compared by value: dtype, backend, "
-                   "validate, the config; the head's schedule and memory_budget)", "pass the same options on "
-                   "every rank")
+                   "validate, the config; the head's schedule and memory_budget; clip_cov's random generator's "
+                   "state)", "pass the same options on every rank (clip_cov: seed its generator alike on every "
+                   "rank)")
     V = sum(sizes)
     out = [r for r, row in enumerate(rows) if row[-1] >= V]
     if g.host and out:  # (validate is the same on every rank: in the options)

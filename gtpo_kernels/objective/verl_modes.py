@@ -9,6 +9,7 @@ kept on the device (no host read).
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
@@ -99,6 +100,24 @@ def select_count(ratio, M):
     """max(1, floor(ratio * M)) in float64, as verl's max(int(ratio * M), 1) on the host."""
     r = ratio.to(M.device, torch.float64) if isinstance(ratio, torch.Tensor) else ratio
     return torch.clamp(torch.floor(r * M.to(torch.float64)), min=1.0)
+
+
+def draw_generator(cfg, device):
+    """The generator clip_cov draws from on `device`: cfg.generator, else the device's default one."""
+    if cfg.generator is not None:
+        return cfg.generator
+    if device.type == "cpu":
+        return torch.default_generator
+    return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+
+
+def draw_state(cfg, device):
+    """A checksum of clip_cov's generator state (its bytes as the host holds them: a CPU generator's state, a
+    CUDA one's seed and offset; no device read), or None for the other policies: the ranks of a vocabulary
+    split must draw the same numbers, so the agreement compares it (spec 12)."""
+    if cfg.policy_loss != "clip-cov":
+        return None
+    return zlib.crc32(draw_generator(cfg, device).get_state().numpy().tobytes())
 
 
 def uniform_draws(cfg, n, device):

@@ -220,9 +220,7 @@ def draws(b, cfg, n, device, host=False):
     if cfg.policy_loss != "clip-cov":
         return None
     if host:
-        gen = cfg.generator if cfg.generator is not None else (
-            torch.default_generator if device.type == "cpu" else
-            torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()])
+        gen = verl_modes.draw_generator(cfg, device)
         state = gen.get_state()
         b.undraw = lambda: gen.set_state(state)
     return verl_modes.uniform_draws(cfg, n, device)
