@@ -152,7 +152,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
               temperature=1.0, eps_low=0.2, eps_high=0.2, clip=True, use_conflict_mask=True,
               conflict_pos_weight=2.0, conflict_neg_weight=0.0, entropy_threshold=math.log(2),
               entropy_penalty=0.1, initial_entropy=None, entropy_coef=0.0, beta=0.0,
-              loss_agg="seq-mean-token-mean", max_completion_length=None,
+              loss_agg="seq-mean-token-mean", max_completion_length=None, local_count=False,
               policy_loss="ppo", importance_sampling_level="token", delta=None,
               sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
               vespo_k_neg=3.0, vespo_lambda_neg=2.0, use_bias_correction_kl=False,
@@ -164,7 +164,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     Spec 9 (the GRPO family, pieces in gtpo_family.py): policy_loss, importance_sampling_level, delta,
     the sapo/vespo parameters, use_bias_correction_kl, off_policy_mask_threshold (uses rollout_logps
     (B,T) when given, else old_logps), top_entropy_quantile and rollout_is_weights ((B,T) per token, or
-    (B,)/(B,1) per completion); verl's modes and their options (gtpo_verl.py: dual_clip_c ... generator). The defaults give the GTPO loss of spec 4.
+    (B,)/(B,1) per completion); verl's modes and their options (gtpo_verl.py: dual_clip_c ... generator);
+    local_count (bnpo): token-mean over the counted tokens always, num_items_in_batch refused. The
+    defaults give the GTPO loss of spec 4.
 
     Returns a dict with keys: loss (0-d, or (B,T) for loss_agg='none', differentiable w.r.t.
     logits), per_token_loss (B,T) detached (0 where masked), logps (B,T), entropy (B,T) (both
@@ -288,6 +290,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     if agg == "seq-mean-token-mean":
         loss = (tok.sum(dim=1) / n.clamp(min=1)).sum() / max(B, 1)
     elif agg == "token-mean":
+        if num_items_in_batch is not None and local_count:  # bnpo (spec 9): always the local count
+            raise ValueError("num_items_in_batch with local_count=True: bnpo divides by the local count")
         if num_items_in_batch is not None:
             denom = torch.as_tensor(num_items_in_batch, device=device).double()   # > 0, never clamped
         else:

@@ -686,6 +686,11 @@ MUTANTS = [
     M("Q37", "distributed/vocab_parallel.py", "options = (*options, *_draw_states(options, b.given[\"ids\"].device))",
       "options = options", "clip_cov's generators in different states on the ranks of a split not refused",
       tests=["test_parallel_clip_cov"]),
+    # ---- bnpo: always the local count (spec 9)
+    M("Q38", "pipeline/loss.py", "if num_items_in_batch is not None and cfg.local_count and cfg.loss_agg == \"token-mean\":",
+      "if False:", "bnpo divides by a given num_items_in_batch", tests=["test_bnpo_local_count"]),
+    M("Q39", "core/config.py", "loss_agg=\"token-mean\", local_count=True),", "loss_agg=\"token-mean\"),",
+      "the bnpo preset is a plain token-mean (num_items_in_batch taken)", tests=["test_bnpo_local_count"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

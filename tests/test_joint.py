@@ -39,6 +39,7 @@ REFUSALS = {
     "loss_agg='none' with sequence level": r"loss_agg='none' with importance_sampling_level='sequence'",
     "num_items_in_batch with an aggregation other than token-mean (spec 4)": r"num_items_in_batch",
     "num_items_in_batch <= 0": r"num_items_in_batch",
+    "num_items_in_batch with bnpo (spec 9: always the local count)": r"num_items_in_batch with config local_count",
     "beta > 0 without ref_logps": r"ref_logps",
     "schedule='fused' when the coefficients are not tile-local (spec 11)": r"schedule='fused'",
     "entropy missing where the config reads it (spec 10)": r"entropy .*required",
@@ -89,6 +90,8 @@ def expected_refusals(j, cfg, lie=False, N=None):
         out.append(("loss_agg='none' with sequence level", True))
     if j.num_items is not None and cfg.loss_agg != "token-mean":
         out.append(("num_items_in_batch with an aggregation other than token-mean (spec 4)", True))
+    if j.num_items is not None and cfg.local_count and cfg.loss_agg == "token-mean":
+        out.append(("num_items_in_batch with bnpo (spec 9: always the local count)", True))
     if j.num_items is not None and j.num_items[1] == 0:
         # a 0-d tensor is read on the host only when validating (unvalidated: NaN, spec 6)
         out.append(("num_items_in_batch <= 0", j.validate or j.num_items[0] == "float"))

@@ -54,6 +54,8 @@ class GTPOConfig:
     loss_agg              one of LOSS_AGGS ('_' or '-' accepted)
     max_completion_length denominator of 'seq-mean-token-sum-norm' (default: T, or the longest
                           completion in the packed form)
+    local_count           with 'token-mean', always over this call's counted tokens (the 'bnpo' preset:
+                          TRL's bnpo): num_items_in_batch is then refused (use 'dapo' to divide by it)
 
     The GRPO family (spec 9; TRL's names):
     policy_loss           'ppo' (clipped surrogate), 'cispo' (eps_high is then an absolute bound on the
@@ -78,7 +80,9 @@ class GTPOConfig:
                           the counted, unclipped ones of covariance in (lb, ub) lose their term
     kl_cov_ratio, ppo_kl_coef   as many counted tokens of largest covariance add coef * |logp - old|
     generator             clip_cov's torch.Generator, on the tokens' device (None: the device's default);
-                          with a process_group, in the same state on every rank (compared, refused otherwise)
+                          with a process_group, in the same state on every rank (compared, refused otherwise).
+                          It draws one number per token of the layout given (B x T padded, N packed), so one
+                          state chooses a different (equally random) subset in the padded and packed forms
     """
 
     temperature: float = 1.0
@@ -95,6 +99,7 @@ class GTPOConfig:
     beta: float = 0.0
     loss_agg: str = "seq-mean-token-mean"
     max_completion_length: Optional[int] = None
+    local_count: bool = False
     policy_loss: str = "ppo"
     importance_sampling_level: str = "token"
     delta: Optional[float] = None
@@ -183,8 +188,8 @@ class GTPOConfig:
                 self._number(f)
 
     def _check_switches_and_aggregation(self):
-        """clip and use_conflict_mask (bools), loss_agg (normalised), max_completion_length."""
-        for f in ("clip", "use_conflict_mask"):
+        """clip, use_conflict_mask and local_count (bools), loss_agg (normalised), max_completion_length."""
+        for f in ("clip", "use_conflict_mask", "local_count"):
             if not isinstance(getattr(self, f), bool):
                 self._bad(f, "a bool")
         if not isinstance(self.loss_agg, str) or _norm(self.loss_agg) not in LOSS_AGGS:
@@ -278,7 +283,7 @@ PRESETS = {
     "dapo": dict(_NO_GTPO, eps_high=0.28, loss_agg="token-mean"),
     "dr-grpo": dict(_NO_GTPO, loss_agg="seq-mean-token-sum-norm"),
     # spec 9: TRL's loss types
-    "bnpo": dict(_NO_GTPO, loss_agg="token-mean"),
+    "bnpo": dict(_NO_GTPO, loss_agg="token-mean", local_count=True),
     "cispo": dict(_NO_GTPO, policy_loss="cispo", eps_high=5.0, loss_agg="token-mean"),
     "sapo": dict(_NO_GTPO, policy_loss="sapo"),
     "gspo": dict(_NO_GTPO, importance_sampling_level="sequence"),

@@ -31,6 +31,10 @@ def check_loss_args(b, cfg, num_items_in_batch, dt, validate=True, raw=False):
         raise ValueError("loss_agg='none' with importance_sampling_level='sequence' is refused: each token's "
                          "loss then depends on every token of its completion, so a per-token upstream "
                          "gradient has no per-token meaning; aggregate the loss instead")
+    if num_items_in_batch is not None and cfg.local_count and cfg.loss_agg == "token-mean":
+        raise ValueError("num_items_in_batch with config local_count=True (the 'bnpo' preset): bnpo divides by this "
+                         "call's count of tokens, never by num_items_in_batch (spec 9); pass config='dapo', or "
+                         "GTPOConfig(loss_agg='token-mean'), to divide by num_items_in_batch")
     return checks.check_num_items(num_items_in_batch, cfg.loss_agg, b.given["ids"].device, dt, validate, raw)
 
 
