@@ -62,7 +62,7 @@ def parse_args(argv):
                          "(default: CPU full,fwd; CUDA fwd,bwd,full)")
     ap.add_argument("--traffic-size", default="128x32000", help="TOKENSxV for the interpreter byte count")
     ap.add_argument("--no-traffic", action="store_true", help="skip the interpreter byte count")
-    ap.add_argument("--no-aot", action="store_true", help="skip the ahead-of-time sm_90/sm_80 compile report")
+    ap.add_argument("--no-aot", action="store_true", help="skip the ahead-of-time compile report (sm_90 / sm_80 / sm_100 / gfx942)")
     ap.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
     ap.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     ap.add_argument("--check-only", action="store_true", help="only the correctness checks (exit 1 if any fails)")
