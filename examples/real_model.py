@@ -230,10 +230,11 @@ def build(args):
                 return
             s = steps[-1]
             s.setdefault("logs", {}).update({k: v for k, v in logs.items() if isinstance(v, (int, float))})
-            get = lambda k: s["logs"].get(k, float("nan"))  # noqa: E731
-            print(f"step {s['step']:3d} {s['seconds']:6.1f}s reward {get('reward'):.3f} conflict "
-                  f"{get('measured/conflict_frac'):.3f} entropy {get('measured/entropy_full'):.3f} clip "
-                  f"{get('gtpo/clip_frac') if 'gtpo/clip_frac' in s['logs'] else get('clip_ratio/region_mean'):.3f}",
+            # '-': not logged at this step (a step that reuses the last generation, num_iterations > 1)
+            get = lambda k: f"{s['logs'][k]:.3f}" if k in s["logs"] else "-"  # noqa: E731
+            print(f"step {s['step']:3d} {s['seconds']:6.1f}s reward {get('reward')} conflict "
+                  f"{get('measured/conflict_frac')} entropy {get('measured/entropy_full')} clip "
+                  f"{get('gtpo/clip_frac') if 'gtpo/clip_frac' in s['logs'] else get('clip_ratio/region_mean')}",
                   flush=True)
 
     n_data = args.prompts * (args.steps // args.iterations + 2)
