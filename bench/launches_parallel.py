@@ -12,6 +12,7 @@ Launches, of them Triton, host reads, per config and validate."""
 import os
 import sys
 import tempfile
+import traceback
 
 import torch
 
@@ -84,16 +85,21 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
     return rows
 
 
-def _rank(rank, world, path, queue):
+def _rank(rank, world, path, queue, configs=CONFIGS):
     os.environ["TRITON_INTERPRET"] = "1"
     from bench import interpreter
     interpreter.install()
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    torch.manual_seed(0)  # clip-cov draws from the default generator: alike on every rank (spec 12, compared)
     try:
-        rows = counts(rank, world)
+        rows = counts(rank, world, configs=configs)
         if rank == 0:
             queue.put(rows)
+    except Exception:  # every rank raises alike (failure is collective): rank 0 tells main at once
+        if rank == 0:
+            queue.put(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -102,17 +108,24 @@ def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(prog="python -m bench.launches_parallel", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="which rows, comma-separated (default: all)")
     args = ap.parse_args(argv)
+    configs = tuple(args.configs.split(","))
+    if not set(configs) <= set(CONFIGS):
+        ap.error(f"--configs: expected some of {','.join(CONFIGS)}")
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_rank, args=(r, args.ranks, os.path.join(d, "store"), queue))
+        procs = [ctx.Process(target=_rank, args=(r, args.ranks, os.path.join(d, "store"), queue, configs))
                  for r in range(args.ranks)]
         for p in procs:
             p.start()
         rows = queue.get(timeout=600)
         for p in procs:
             p.join()
+    if isinstance(rows, str):  # rank 0's error
+        print(rows, file=sys.stderr)
+        return 1
     print(f"| the call (config; module docstring), process_group=..., {args.ranks} ranks, rank 0 | launches | "
           "of them Triton | host reads |")
     print("|---|---|---|---|")

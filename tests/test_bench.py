@@ -398,3 +398,14 @@ def test_help_states_each_default_once(capsys):
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: bench/out/, git-ignored)" in out and "(default: None)" not in out, out
+
+
+def test_launches_parallel_command_runs_clip_cov_on_fresh_ranks():
+    """`python -m bench.launches_parallel` spawns fresh ranks, whose default generators torch seeds at random:
+    its clip-cov row (draws from the default generator, compared by the agreement) runs only because the
+    ranks seed it alike; the command prints the row and exits 0."""
+    p = subprocess.run([sys.executable, "-m", "bench.launches_parallel", "--configs", "clip-cov"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [line for line in p.stdout.splitlines() if line.startswith("| clip-cov")]
+    assert len(rows) == 2 and all(int(r.split("|")[2]) <= 12 for r in rows), p.stdout
