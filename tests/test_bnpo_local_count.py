@@ -59,3 +59,17 @@ def test_local_count_is_bnpo_s_and_a_bool():
     with pytest.raises(ValueError, match="num_items_in_batch is the denominator of loss_agg='token-mean' only"):
         gtpo_loss(x, ids, adv, mask, group_size=2, config=GTPOConfig.preset("bnpo", loss_agg="seq-mean-token-mean"),
                   num_items_in_batch=5)
+
+
+def test_areal_s_loss_with_the_bnpo_preset():
+    """AReaL's make_loss_fn passes its micro-batch's own count as num_items_in_batch with token-mean; with the
+    bnpo preset (local_count) it passes none: the same loss as dapo's (AReaL's clip range replaces both)."""
+    from gtpo_kernels.integrations import areal
+    g = torch.Generator().manual_seed(0)
+    mb = dict(input_ids=torch.randint(0, 9, (2, 5), generator=g),
+              loss_mask=torch.tensor([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0]]),
+              advantages=torch.tensor([[0., 1., 1., 1., 0.], [0., -1., -1., 0., 0.]]),
+              logprobs=-torch.rand(2, 5, generator=g) - 0.5)
+    logp, ent = mb["logprobs"] + 0.05, torch.rand(2, 5, generator=g)
+    losses = [float(areal.make_loss_fn(config=c)[0](logp, ent, mb)) for c in ("dapo", "bnpo")]
+    assert losses[0] == losses[1] and losses[0] != 0, losses

@@ -100,7 +100,8 @@ def make_loss_fn(eps_clip: float = 0.2, eps_clip_higher=None, config="gtpo", los
         if cfg.use_conflict_mask and lam is None:
             raise KeyError("this GTPOConfig uses the conflict weights: run add_conflict_weights(data, group_size) "
                            "after AReaL's compute_advantages, so that data['gtpo_lam'] reaches the loss")
-        n_items = mask.sum().clamp(min=1) if loss_agg == "token-mean" else None
+        # (this micro-batch's count; bnpo's local_count takes it as its own: none passed)
+        n_items = mask.sum().clamp(min=1) if loss_agg == "token-mean" and not cfg.local_count else None
         out = gtpo_loss_from_logps(logprobs, targets(input_data["input_ids"]), adv, mask,
                                    entropy=entropy.detach(), old_logps=old.detach(), config=cfg,
                                    lam=lam if cfg.use_conflict_mask else None, cu_seqlens=cu,
