@@ -672,7 +672,7 @@ MUTANTS = [
       "a tile's first row placed in the tile before", tests=["test_tile_plan_kernel"]),
     M("Q32", "kernels/tile_plan_triton.py", "lv = c & (tl.load(live_ptr + offs, mask=c, other=0) != 0)", "lv = c",
       "every counted row counted as live in its tile", tests=["test_tile_plan_kernel"]),
-    M("Q33", "pipeline/tile_plan.py", "2 * tile_of[rows] + (~live_all[rows]).long()", "2 * tile_of[rows] + live_all[rows].long()",
+    M("Q33", "pipeline/tile_plan.py", "_live_first(rows, tile_of[rows], live_all[rows])", "_live_first(rows, tile_of[rows], ~live_all[rows])",
       "the device plan puts a tile's rows known to be dead first", tests=["test_tile_plan_kernel"]),
     M("Q34", "kernels/tile_plan_triton.py", "j = before + tl.cumsum(ci, 0) - ci", "j = before + tl.cumsum(ci, 0) - ci + (t0 > 0)",
       "the counted rows' places off by one after the first block", tests=["test_tile_plan_kernel"]),

@@ -81,8 +81,13 @@ def plan_rows(opts, t, skip):
         per_tile = [sum(per_c[k.g0:k.g1 + 1]) for k in tiles]
     else:
         per_tile = torch.zeros(len(tiles), dtype=torch.long, device=dev).index_add_(0, tile, live.long()).tolist()
-    order = torch.sort(2 * tile + (~live).long(), stable=True).indices  # within each tile, live rows first
-    return rows[order], counts_dev, tiles, per_tile
+    return _live_first(rows, tile, live), counts_dev, tiles, per_tile
+
+
+def _live_first(rows, tile, live):
+    """The counted rows tile by tile, within each tile those that may have a gradient first (both plans'
+    order: ranks and backends order their rows alike)."""
+    return rows[torch.sort(2 * tile + (~live).long(), stable=True).indices]
 
 
 def _planned_on_device(opts, t, live_all):
@@ -99,8 +104,7 @@ def _planned_on_device(opts, t, live_all):
         raise RuntimeError(f"the device's tile plan has {host[-1]} tiles, the host's {len(tiles)}")
     n = sum(counts)
     rows = torch.nonzero_static(counted, size=n).squeeze(1)  # the rows projected, in order
-    order = torch.sort(2 * tile_of[rows] + (~live_all[rows]).long(), stable=True).indices  # live rows first
-    return rows[order], planned[:B], tiles, per_tile[:len(tiles)]
+    return _live_first(rows, tile_of[rows], live_all[rows]), planned[:B], tiles, per_tile[:len(tiles)]
 
 
 # policy terms with a gradient where A = 0: dro's -(dro_beta / 2) (logp - old)^2, kl_cov's penalty on its
