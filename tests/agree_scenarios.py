@@ -16,7 +16,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from gloo import progress, run_ranks, sync
+from gloo import progress, sync
 from gtpo_kernels import (GTPOConfig, conflict_weights, gtpo_loss, linear_gtpo_loss, linear_token_logprobs,
                           token_logprobs)
 

@@ -144,3 +144,12 @@ def run_ranks(fn, world, watchdog=None, partial=False):
             if not all(os.path.exists(os.path.join(d, f"{r}.json")) for r in range(world)):
                 raise
         return [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]
+
+
+def run_ranks_ok(fn, world, **kw):
+    """run_ranks(fn, world, **kw), failing the test with the rank's traceback where a rank raised: for the
+    tests whose ranks catch the errors they expect and return every other outcome."""
+    results = run_ranks(fn, world, **kw)
+    for r, res in enumerate(results):
+        assert "exception" not in res, f"rank {r} raised:\n{res['exception']}"
+    return results

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from agree_scenarios import check_agreement, run_agreement
-from gloo import progress, run_ranks, sync
+from gloo import progress, run_ranks_ok, sync
 from gtpo_kernels import conflict_weights, gtpo_loss, linear_gtpo_loss, token_logprobs
 
 SPLITS = {2: [20, 17], 3: [10, 15, 12]}  # V = 37 in uneven slices
@@ -130,9 +130,7 @@ def _run(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_raises_the_same_error(world):
-    results = run_ranks(_run, world, watchdog=WATCHDOG_S)
-    for r, res in enumerate(results):
-        assert "exception" not in res, f"rank {r}:\n{res.get('exception')}"
+    results = run_ranks_ok(_run, world, watchdog=WATCHDOG_S)
     print(f"\n{world} ranks:")
     for key, first in results[0].items():
         if key in ("after", "agreement"):

@@ -494,10 +494,9 @@ def test_rebuilt_sets_across_a_vocabulary_split():
     """D4, D6, D7: on 2 gloo ranks (a split at 9 of 20 ids), rules rebuilt from each rank's top_k candidates:
     the log-probs and the metrics (replay_restored_frac among them) equal the float64 reference's; a token
     with top_k = 0 is refused naming sampling_mask; unvalidated, a token with an invalid top_p is NaN."""
-    from gloo import run_ranks
-    ranks = run_ranks(_split_rank, 2, watchdog=120)
+    from gloo import run_ranks_ok
+    ranks = run_ranks_ok(_split_rank, 2, watchdog=120)
     for r, res in enumerate(ranks):
-        assert "exception" not in res, f"rank {r}: {res.get('exception')}"
         assert 0 < res["ref_restored"] < 1
         assert res["logps"] <= 1e-5 and all(v <= 1e-6 for v in res["metrics"].values()), (r, res)
         assert "top_k with process_group must be > 0" in res["k0"], (r, res["k0"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gloo import run_ranks
+from gloo import run_ranks_ok
 from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
 from gtpo_kernels.distributed import agree
 
@@ -206,9 +206,7 @@ def _rank_checks(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocabulary_parallel_equals_one_process(world):
-    results = run_ranks(_rank_checks, world)
-    for r, res in enumerate(results):
-        assert "exception" not in res, f"rank {r}:\n{res.get('exception')}"
+    results = run_ranks_ok(_rank_checks, world)
     worst = {}
     for res in results:
         for e in res["errs"].values():
@@ -272,7 +270,6 @@ def _strided_mask_ranks(rank, world):
 def test_a_strided_mask_counts_the_same_tokens():
     """A completion_mask that is a strided view (a column slice of a wider mask) is read at its own strides by
     every kernel of a vocabulary-parallel call: the outputs and the gradient equal those of its contiguous copy."""
-    results = run_ranks(_strided_mask_ranks, 2)
+    results = run_ranks_ok(_strided_mask_ranks, 2)
     for r, res in enumerate(results):
-        assert "exception" not in res, f"rank {r}:\n{res.get('exception')}"
         assert all(res["same"]), (r, res["same"])

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import examples
-from gloo import run_ranks
+from gloo import run_ranks_ok
 
 VB = 64  # GTPO_VOCAB_BLOCK in the ranks
 CASES = {1: 16, 2: 24, 4: 16}  # cases drawn per number of ranks (the ranks are spawned once for all)
@@ -182,12 +182,10 @@ def _confident_rows():
 def _run(world, drawn, monkeypatch):
     monkeypatch.setenv("GTPO_VOCAB_BLOCK", str(VB))
     monkeypatch.setenv("GTPO_BITWISE_CASES", json.dumps(drawn))
-    return run_ranks(_bitwise, world, watchdog=600)
+    return run_ranks_ok(_bitwise, world, watchdog=600)
 
 
 def _check(results, world):
-    for r, res in enumerate(results):
-        assert "exception" not in res, f"rank {r}:\n{res.get('exception')}"
     for r, res in enumerate(results):
         for e in res["cases"]:
             assert e["finite"], e

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from gloo import rel_nan as _rel, run_ranks
+from gloo import rel_nan as _rel, run_ranks_ok
 from gtpo_kernels import GTPOConfig, linear_gtpo_loss, linear_token_logprobs
 
 SIZES = [20, 17]
@@ -123,9 +123,7 @@ def _ranks(rank, world):
 
 
 def test_the_head_on_a_split_vocabulary_runs_the_epilogue_and_equals_one_process():
-    results = run_ranks(_ranks, 2)
-    for r, res in enumerate(results):
-        assert "exception" not in res, f"rank {r}:\n{res.get('exception')}"
+    results = run_ranks_ok(_ranks, 2)
     for res in results:
         for key, e in res.items():
             if key.startswith("nan") or key == "launches":

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import gtpo_reference as ref
-from gloo import progress, run_ranks
+from gloo import progress, run_ranks_ok
 from gtpo_kernels import GTPOConfig, gtpo_loss, linear_gtpo_loss, linear_token_logprobs, token_logprobs
 from gtpo_reference import gtpo_sampling as rs
 
@@ -137,9 +137,7 @@ def _scenarios(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_replay_across_a_vocabulary_split(world):
-    ranks = run_ranks(_scenarios, world, watchdog=180)
-    for r, res in enumerate(ranks):
-        assert "exception" not in res, f"rank {r}: {res.get('exception')}"
+    ranks = run_ranks_ok(_scenarios, world, watchdog=180)
     for r, res in enumerate(ranks):
         for key, errs in res.items():
             if key in ("no top_k", "disagree"):

@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from gloo import progress, run_ranks
+from gloo import progress, run_ranks_ok
 from gtpo_kernels import GTPOConfig, gtpo_loss, linear_gtpo_loss, linear_token_logprobs, token_logprobs
 
 SPLIT = (15, 22)  # V = 37
@@ -180,9 +180,7 @@ def _scenarios(rank, world):
 
 
 def test_per_token_temperature_across_a_vocabulary_split():
-    ranks = run_ranks(_scenarios, 2, watchdog=120)
-    for r, res in enumerate(ranks):
-        assert "exception" not in res, f"rank {r}: {res.get('exception')}"
+    ranks = run_ranks_ok(_scenarios, 2, watchdog=120)
     for r, res in enumerate(ranks):
         for key, errs in res.items():
             if key == "disagree" or key.startswith("refused"):

@@ -5,7 +5,7 @@ refused (the candidates cannot show it)."""
 import torch
 import torch.distributed as dist
 
-from gloo import run_ranks
+from gloo import run_ranks_ok
 from gtpo_kernels import token_logprobs
 
 SPLIT = [7, 5]
@@ -33,8 +33,7 @@ def _scenarios(rank, world):
 
 
 def test_ties_are_judged_after_min_p():
-    ranks = run_ranks(_scenarios, 2, watchdog=120)
-    assert all("exception" not in r for r in ranks), ranks
+    ranks = run_ranks_ok(_scenarios, 2, watchdog=120)
     one, _ = token_logprobs(_logits(), torch.zeros(1, 2, dtype=torch.long), 1.0, backend="torch", top_k=3, min_p=0.5)
     assert one.abs().max() == 0  # K = {0}: log 1
     for r in ranks:
