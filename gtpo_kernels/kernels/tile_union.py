@@ -8,8 +8,8 @@ logp, H and, scattered back through U_j, the same gradient as on the full rows.
 The definition below, in torch (the torch backend's path and the kernels' twin), keys each kept id v of a
 token of tile t as t * W + (v - lo), W = V_r + 1, with the column V_r for an id outside [lo, lo + V_r) (a
 vocabulary split: this rank's slice), and sorts the keys once; tile_union_triton.py forms the same in five
-launches. Either way: one copy of the tiles' starts to the device and one host read (the unions' sizes),
-however many tiles there are.
+launches. Either way: one host read (the unions' sizes), however many tiles there are, and no copy to the
+device where kernels/union_plan_triton.py has formed the tiles' starts there (else one copy of them).
 """
 from __future__ import annotations
 
@@ -47,21 +47,31 @@ class Unions(NamedTuple):
         return Unions(ids, starts, local, offsets, y, plan), list(zip(bounds[:-1], bounds[1:])), kb
 
 
-def tile_unions(token_ids, offsets, y, tiles, V_r, lo=0, backend="torch", with_plan=False):
+def tile_unions(token_ids, offsets, y, tiles, V_r, lo=0, backend="torch", with_plan=False, bounds=None):
     """Unions of the tiles `tiles` [(m0, m1)] (host ints, covering 0..M in order) over the counted tokens'
     kept sets (token_ids, offsets (M + 1,) non-decreasing from 0 to len(token_ids): every kept id in one
     set) and sampled ids y (M,): only ids in [lo, lo + V_r) enter the
     unions; the others, and a sampled id outside its union, become -1 (the replay flags such a token; with
     a vocabulary split the merge over the group counts it on the rank that holds it). with_plan: the Unions
-    carry their plan (two launches more), so that a backward rebuilds them with Unions.from_saved."""
+    carry their plan (two launches more), so that a backward rebuilds them with Unions.from_saved.
+    bounds: the tiles' starts and M (tiles + 1,) already on the device (kernels/union_plan_triton.py),
+    read back with the unions' sizes and checked against `tiles`; None: copied there from `tiles`."""
     M = y.numel()
-    bounds = torch.tensor([m0 for m0, _ in tiles] + [M], dtype=torch.long, device=offsets.device)  # (a copy)
+    if bounds is None:
+        bounds = torch.tensor([m0 for m0, _ in tiles] + [M], dtype=torch.long, device=offsets.device)  # (a copy)
+        check = None
+    else:
+        check = [m0 for m0, _ in tiles] + [M]
     if backend == "triton" and M:
         from . import tile_union_triton
         uids, starts_dev, local, loc, ly = tile_union_triton.tile_unions(token_ids, offsets, y, bounds, V_r, lo)
     else:
         uids, starts_dev, local, loc, ly = _tile_unions(token_ids, offsets, y, bounds, V_r, lo)
-    starts = starts_dev.tolist()  # sync: the unions' sizes
+    starts = (starts_dev if check is None else torch.cat([starts_dev, bounds])).tolist()  # sync: the unions' sizes
+    if check is not None:
+        starts, device_bounds = starts[:len(tiles) + 1], starts[len(tiles) + 1:]
+        if device_bounds != check:
+            raise RuntimeError(f"the device's union tiles start at {device_bounds}, the host's at {check}")
     plan = torch.cat([bounds, offsets[bounds], starts_dev]) if with_plan else None
     return Unions(uids[:starts[-1]], starts, local, loc, ly, plan)
 

@@ -35,6 +35,7 @@ from ..kernels import replay as rp
 from ..kernels.kept_set import kept_sets
 from ..kernels.kept_set_triton import kept_sets_tile
 from ..kernels.tile_union import Unions, tile_unions
+from ..kernels.union_plan_triton import union_bounds
 from . import head as hd
 from .replay import at, nonfinite_flag
 from .tiles import flat_rows, rows_of
@@ -49,7 +50,11 @@ def plan_union(sizes, V, per_entry, budget, max_rows=TILE_ROWS):
     min(its sets' total size, V) entries of `per_entry` bytes within `budget` bytes, and at most
     `max_rows` rows (each token's GEMM work is the tile's union: smaller tiles, smaller unions). A tile's
     entries grow with its last row, so its end is found by bisection on the sizes' running sums (host work
-    O(tiles log max_rows) past one pass over the sizes in C)."""
+    O(tiles log max_rows) past one pass over the sizes in C). A negative size (an unvalidated malformed
+    offset: its tokens are NaN whatever their tile) counts as 0; kernels/union_plan_triton.py cuts the
+    same tiles on the device."""
+    if sizes and min(sizes) < 0:
+        sizes = [max(k, 0) for k in sizes]
     if sizes and per_entry * min(max(sizes), V) > budget:
         m, k = next((m, k) for m, k in enumerate(sizes) if per_entry * min(k, V) > budget)
         raise ValueError(f"memory_budget = {budget} bytes holds no row of kept logits and their gradient: "
@@ -147,6 +152,7 @@ def _plan(p, V, off_host=None):
     """p's union tiles, planned from its sets' offsets (a host read, unless given), and their bounds in the
     kept ids."""
     p.off_host = p.offsets.tolist() if off_host is None else off_host  # sync: the tiles
+    p.V_plan = V
     p.tiles = plan_union(list(map(operator.sub, p.off_host[1:], p.off_host[:-1])), V, p.per_entry, p.budget)
     p.kb = [p.off_host[m0] for m0, _ in p.tiles] + [p.off_host[-1]]
 
@@ -253,8 +259,11 @@ def unions(p):
     its weight)."""
     if p.unions is None and p.tiles:
         lo = 0 if p.vp is None else p.vp.start  # (malformed sets, unvalidated: all empty, none of the ids read)
+        bounds = None  # the torch backend: the host's tiles copied to the device
+        if p.backend == "triton":  # the same tiles cut on the device: nothing copied to it
+            bounds = union_bounds(p.offsets, len(p.tiles), p.V_plan, p.per_entry, p.budget, TILE_ROWS)
         p.unions = tile_unions(p.token_ids[:p.off_host[-1]], p.offsets, p.y, p.tiles, p.head.weight.shape[0], lo,
-                               p.backend, p.with_plan)
+                               p.backend, p.with_plan, bounds)
     return p.unions
 
 
