@@ -71,14 +71,19 @@ def _training_step(loss_fn, exp, info, base):
     return out["metrics"]["policy_loss"], actor.theta.grad
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_training_step_equals_the_stock_policy_loss(agg):
+@pytest.mark.parametrize("agg,far", [("token-mean", False), ("seq-mean-token-mean", False), ("token-mean", True)])
+def test_training_step_equals_the_stock_policy_loss(agg, far):
+    """far: tokens with |log r| > 20, which OpenRLHF's PolicyLoss clamps to [-20, 20] before exp (no
+    gradient through the clamp), and so does GTPOPolicyLoss."""
     g = torch.Generator().manual_seed(4 if agg == "token-mean" else 5)
     B, A, P = 6, 7, 3
     old = -torch.rand(B, A, generator=g, dtype=torch.float64) * 3
     base = old + 0.4 * torch.randn(B, A, generator=g, dtype=torch.float64)
     adv = torch.randn(B, A, generator=g, dtype=torch.float64)
     mask = torch.rand(B, A, generator=g) < 0.8
+    if far:
+        base[0, :3], adv[0, :3], mask[0, :3] = old[0, :3] + 25.0, -1.0, True  # r = e^25, unclipped where A < 0
+        base[1, :2], adv[1, :2], mask[1, :2] = old[1, :2] - 23.0, 1.0, True
     exp = Experience(sequences=torch.randint(0, 9, (B, P + A), generator=g), action_mask=mask,
                      attention_mask=torch.ones(B, P + A, dtype=torch.long), action_log_probs=old, advantages=adv,
                      rollout_log_probs=None, info={})

@@ -65,6 +65,27 @@ def test_registered_loss_equals_skyrl_regular(with_rollout):
     assert m1["clip_ratio"] == pytest.approx(m2["clip_ratio"])
 
 
+@pytest.mark.parametrize("loss_type,stock_type", [("gtpo", "regular"), ("gtpo_dual_clip", "dual_clip")])
+def test_far_off_policy_tokens_are_clamped_as_skyrl_clamps_them(loss_type, stock_type):
+    """Tokens with |log r| > 20 (a rollout/training mismatch): SkyRL's safe_exp_delta clamps log r to
+    [-20, 20] before exp (no gradient through the clamp); so does `gtpo`: the same loss and gradient."""
+    g = torch.Generator().manual_seed(11)
+    logp, old, adv, mask, _ = _inputs(g)
+    with torch.no_grad():
+        logp[0, :3], adv[0, :3], mask[0, :3] = old[0, :3] + 25.0, -1.0, 1.0  # r = e^25: unclipped where A < 0
+        logp[1, :2], adv[1, :2], mask[1, :2] = old[1, :2] - 23.0, 1.0, 1.0  # r = e^-23
+    cfg = dict(clip_ratio_c=3.0) if loss_type == "gtpo_dual_clip" else {}
+    ours, _ = ppo_utils.PolicyLossRegistry.get(loss_type)(logp, old, adv, config=_algorithm(loss_type, **cfg),
+                                                          loss_mask=mask)
+    (g1,) = torch.autograd.grad(ours, logp)
+    stock, _ = ppo_utils.PolicyLossRegistry.get(stock_type)(logp, old, adv, config=_algorithm(stock_type, **cfg),
+                                                            loss_mask=mask)
+    (g2,) = torch.autograd.grad(stock, logp)
+    assert g2.abs().sum() > 0 and float(g2[0, :3].abs().sum()) == 0  # the clamp holds the far tokens
+    assert abs(float(ours) - float(stock)) <= 1e-6 * max(1.0, abs(float(stock)))
+    torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("clip_ratio_c", [3.0, 1.5])
 def test_dual_clip_loss_equals_skyrl_dual_clip(clip_ratio_c):
     """PolicyLossRegistry.get('gtpo_dual_clip') = SkyRL's `dual_clip` loss, with ratios where it binds."""

@@ -118,8 +118,9 @@ def _run(loss_fn, model, h, mb, gvt):
     return loss.detach(), pred.grad, model.lm_head.weight.grad.clone(), metrics
 
 
-@pytest.mark.parametrize("stock", ["grpo", "dapo"])
-def test_equals_the_stock_chunked_loss(stock):
+@pytest.mark.parametrize("stock,given", [("grpo", True), ("dapo", True), ("dapo", False)])
+def test_equals_the_stock_chunked_loss(stock, given):
+    """given=False: no global_valid_tokens, torchtitan's losses then divide by 1 (a sum); so does GTPOLoss."""
     DAPOLoss, GRPOLoss, *_ = _rl()
     g = torch.Generator().manual_seed(1 if stock == "grpo" else 2)
     model = _model()
@@ -128,7 +129,7 @@ def test_equals_the_stock_chunked_loss(stock):
     hi = 0.2 if stock == "grpo" else 0.28
     inner = GRPOLoss.Config(clip_eps=0.2) if stock == "grpo" else DAPOLoss.Config(ratio_clip_low=0.2,
                                                                                    ratio_clip_high=0.28)
-    gvt = int(mb.loss_mask.sum()) + 3  # the global count: other micro-batches hold tokens too
+    gvt = int(mb.loss_mask.sum()) + 3 if given else None  # the global count: other micro-batches hold tokens too
     want = _run(ChunkedLossWrapper.Config(num_chunks=2, loss_fn=inner).build(), model, h, mb, gvt)
     ours_fn = GTPOLoss.Config(eps_low=0.2, eps_high=hi, entropy_threshold=None, entropy_penalty=0.0).build()
     assert isinstance(ours_fn, GTPOLoss)

@@ -115,6 +115,9 @@ def test_trl_loss_types_equal_stock_loss(trl_pair, kernel_spy, head_spy, case, o
     torch.testing.assert_close(torch.tensor(trl_pair["ours"]._metrics["train"]["entropy"][-1]),
                                torch.tensor(trl_pair["stock"]._metrics["train"]["entropy"][-1]),
                                rtol=1e-5, atol=1e-6)
+    if opts.get("beta", 0) > 0:  # and TRL's kl (times the ratio with use_bias_correction_kl, as TRL logs it)
+        kl = [trl_pair[k]._metrics["train"]["kl"][-1] for k in ("ours", "stock")]
+        assert kl[1] > 0 and kl[0] == pytest.approx(kl[1], rel=1e-5), kl
     base = {k: v for k, v in opts.items() if k in ("loss_type", "epsilon_high")}
     if opts != base or vllm_mode is not None:  # the option under test changed the stock loss
         _, without, _, _ = _trl_losses(trl_pair, base, None, accum=2, spg=4)

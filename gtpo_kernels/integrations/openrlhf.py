@@ -9,7 +9,8 @@ process that builds the actor, before it is built.
 
 1. `GTPOPolicyLoss`, a subclass of OpenRLHF's `PolicyLoss` with the same constructor: for
    `policy_loss_type='ppo'` the per-token PPO clip is the package's PPO term on OpenRLHF's token
-   advantages (`integrations.token_ppo`), then OpenRLHF's IS correction and `aggregate_loss` (token- or
+   advantages (`integrations.token_ppo`; the log-ratio clamped to [-20, 20] before exp, as OpenRLHF
+   clamps it), then OpenRLHF's IS correction and `aggregate_loss` (token- or
    sequence-mean with the global batch info), as OpenRLHF does. OpenRLHF's `dual_clip` (off by
    default) is refused until the package has a dual clip; `gspo` is left to OpenRLHF's own code.
 2. `GTPOExperienceMaker`, OpenRLHF's `RemoteExperienceMaker` whose `compute_advantages_and_returns`
@@ -34,6 +35,7 @@ from .token_ppo import token_config, token_ppo_losses
 import openrlhf.models.loss as _loss  # noqa: E402  (OpenRLHF is required by this module)
 
 DEFAULT_CONFIG = GTPOConfig.preset("gtpo", entropy_threshold=None, entropy_penalty=0.0)
+LOG_RATIO_CLIP = 20.0  # OpenRLHF's PolicyLoss: ratio = exp(clamp(log r, -20, 20))
 
 
 class GTPOPolicyLoss(_loss.PolicyLoss):
@@ -51,12 +53,13 @@ class GTPOPolicyLoss(_loss.PolicyLoss):
             return super().forward(log_probs, old_log_probs, advantages, action_mask, rollout_log_probs,
                                    dp_size, batch_num_tokens, global_batch_size)
         mask = action_mask if action_mask is not None else torch.ones_like(log_probs)
-        loss = token_ppo_losses(log_probs, old_log_probs, advantages, mask, self._token_cfg).to(log_probs.dtype)
+        loss = token_ppo_losses(log_probs, old_log_probs, advantages, mask, self._token_cfg,
+                                LOG_RATIO_CLIP).to(log_probs.dtype)
         loss = _loss.aggregate_loss(loss, mask, token_level_loss=self.token_level_loss, dp_size=dp_size,
                                     batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
         with torch.no_grad():
             log_ratio = log_probs - old_log_probs
-            r = log_ratio.clamp(-20.0, 20.0).exp()
+            r = log_ratio.clamp(-LOG_RATIO_CLIP, LOG_RATIO_CLIP).exp()
             clipped = r.clamp(1 - self.clip_eps_low, 1 + self.clip_eps_high) * advantages < r * advantages
             clip_ratio = _loss.masked_mean(clipped.float(), action_mask, dim=None)
             ppo_kl = _loss.masked_mean(-log_ratio.detach(), action_mask, dim=None)

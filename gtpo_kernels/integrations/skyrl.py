@@ -5,7 +5,8 @@ Importing this module registers, through SkyRL's own extension points (SkyRL is 
 1. The policy loss `gtpo` in SkyRL's `PolicyLossRegistry` (the worker calls it as every loss:
    `loss_fn(log_probs, old_log_probs, advantages, config=..., loss_mask=..., rollout_logprobs=...)`):
    the PPO clip `-min(r a, clip(r, 1 - eps_clip_low, 1 + eps_clip_high) a)` per token on SkyRL's token
-   advantages (the package's PPO term, `integrations.token_ppo`), then SkyRL's off-policy correction
+   advantages (the package's PPO term, `integrations.token_ppo`; the log-ratio clamped to [-20, 20]
+   before exp, as SkyRL's `safe_exp_delta`), then SkyRL's off-policy correction
    (`algorithm.off_policy_correction`) and SkyRL's sum over `loss_mask` (SkyRL folds its loss
    reduction into the advantages beforehand, as for its own losses). With plain GRPO advantages it is
    SkyRL's `regular` loss. The loss `gtpo_dual_clip` adds SkyRL's dual clip (`clip_ratio_c`: the loss
@@ -47,6 +48,7 @@ from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean  # noqa: E4
 
 LOSS_NAME = "gtpo"
 LOSS_NAME_DUAL_CLIP = "gtpo_dual_clip"
+LOG_RATIO_CLIP = 20.0  # SkyRL's safe_exp_delta: r = exp(clamp(log r, -20, 20))
 # GTPO's conflict weights; the entropy filter and shaping need entropies SkyRL's batch does not carry
 DEFAULT_CONFIG = GTPOConfig.preset("gtpo", entropy_threshold=None, entropy_penalty=0.0)
 
@@ -58,9 +60,9 @@ def gtpo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advan
     dual_clip: with SkyRL's dual clip at config.clip_ratio_c (the loss `gtpo_dual_clip`)."""
     mask = loss_mask if loss_mask is not None else torch.ones_like(log_probs)
     cfg = token_config(config.eps_clip_low, config.eps_clip_high, config.clip_ratio_c if dual_clip else None)
-    loss = token_ppo_losses(log_probs, old_log_probs, advantages, mask, cfg).to(log_probs.dtype)
+    loss = token_ppo_losses(log_probs, old_log_probs, advantages, mask, cfg, LOG_RATIO_CLIP).to(log_probs.dtype)
     with torch.no_grad():
-        r = torch.exp((log_probs - old_log_probs).clamp(-20.0, 20.0))
+        r = torch.exp((log_probs - old_log_probs).clamp(-LOG_RATIO_CLIP, LOG_RATIO_CLIP))
         clipped = (r * advantages > r.clamp(1 - config.eps_clip_low, 1 + config.eps_clip_high) * advantages)
         metrics = {"clip_ratio": masked_mean(clipped.float(), loss_mask).mean().item()}
     loss, loss_mask, off_policy = apply_off_policy_correction(loss, old_log_probs, rollout_logprobs, loss_mask,

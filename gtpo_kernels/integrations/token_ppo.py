@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..pipeline.token_terms import token_terms
 from ..core.config import GTPOConfig
 
@@ -28,12 +30,17 @@ def token_config(eps_low, eps_high, dual_clip_c=None) -> GTPOConfig:
     return GTPOConfig.preset("grpo", eps_low=float(eps_low), eps_high=float(eps_high), loss_agg="none", **extra)
 
 
-def token_ppo_losses(logps, old_logps, token_advantages, mask, config: GTPOConfig):
+def token_ppo_losses(logps, old_logps, token_advantages, mask, config: GTPOConfig, log_ratio_clip=None):
     """Per-token `-min(r a, clip(r) a)` (B, T) with `r = exp(logps - old_logps)`, 0 where `mask` is 0.
 
     logps (B, T) differentiable; old_logps, token_advantages (B, T); mask (B, T) of any dtype (nonzero =
     the token counts); config from `token_config`. Float32 (float64 for float64 logps). The arguments'
-    shapes are checked, by name, in pipeline.token_terms.
+    shapes are checked, by name, in pipeline.token_terms. log_ratio_clip: c > 0 makes
+    `r = exp(clamp(logps - old_logps, -c, c))`, the log-ratio's gradient 0 where it is clamped, as
+    SkyRL's and OpenRLHF's PPO losses guard exp (c = 20 there); None: no clamp.
     """
+    if log_ratio_clip is not None:
+        old = old_logps.detach().to(logps.dtype)
+        logps = torch.clamp(logps, old - log_ratio_clip, old + log_ratio_clip)
     loss, _ = token_terms(config, logps, old_logps, token_advantages, mask, validate=True)
     return loss

@@ -11,8 +11,11 @@ weight. The trainer calls it as any RL loss:
 
 The loss: the PPO clip against the generator's log-probs, summed over the counted tokens (`loss_mask`
 and a finite generator log-prob, as torchtitan's GRPO/DAPO losses) and divided by torchtitan's
-`global_valid_tokens` (GTPO's `token-mean` with `num_items_in_batch`), plus GTPO's entropy filter and
-shaping (spec 2) with the current policy's entropies, which the fused head computes on the way.
+`global_valid_tokens` (GTPO's `token-mean` with `num_items_in_batch`; without it, by 1: a sum, as
+torchtitan's losses), plus GTPO's entropy filter and shaping (spec 2) with the current policy's entropies,
+which the fused head computes on the way. One difference: torchtitan's DAPOLoss clamps log r to
+[-10, 10] before exp; the fused head's ratio is not clamped, so the two differ on a token with
+|log r| > 10 (r above e^10 ~ 22026: a rollout/training mismatch that torchtitan's clamp hides).
 The completions are the runs of counted tokens in each packed row (one sample's completion; a sample
 whose completion is split by masked tokens, e.g. multi-turn, counts as several completions).
 What torchtitan does not carry to its loss: group ids. So GTPO's conflict weights (spec 3) are off
@@ -85,8 +88,8 @@ class GTPOLoss(ChunkedLossWrapper):
         counted = loss_mask.bool() & torch.isfinite(generator_logprobs)
         cu, adv = completions(counted, advantages)
         old = torch.where(counted, generator_logprobs, torch.zeros_like(generator_logprobs))
-        n = global_valid_tokens if global_valid_tokens is not None else counted.sum()
-        n = max(float(n), 1.0)
+        # torchtitan's divisor: max(global_valid_tokens, 1), and 1 (a sum) without it, as its DAPOLoss
+        n = 1.0 if global_valid_tokens is None else max(float(global_valid_tokens), 1.0)
         out = linear_gtpo_loss(pred.reshape(B * L, D), weight, labels.reshape(-1).long(), adv, counted.reshape(-1),
                                bias=bias, old_logps=old.reshape(-1), config=self.gtpo_config,
                                cu_seqlens=cu, max_seqlen=L, num_items_in_batch=n,

@@ -91,7 +91,7 @@ from .trl_config import (TRL_LOSS_TYPES, _loss_kwargs, _loss_mask, _normalizer, 
                          gtpo_config_from_args)
 from .trl_forward import _add_gtpo_head, _base_model, _head_scaling  # noqa: F401  (_head_scaling: read here)
 from .trl_head import _fused_logps_and_entropies, _fused_loss, _logits_logps_and_entropies, _logits_loss
-from .trl_metrics import _log_mismatch, _log_replay
+from .trl_metrics import _log_mismatch, _log_replay, _logged_kl
 from .trl_sampler import _pass_replays, _recorded_sets, _sampler_rules, sampler_settings
 
 __all__ = ["GTPOTrainer", "GTPOTrainerConfig", "gtpo_config_from_args", "sampler_settings", "TRL_LOSS_TYPES"]
@@ -276,9 +276,7 @@ class GTPOTrainer(GRPOTrainer):
         stats = [met["mean_entropy"] * n_tok, met["clip_frac"] * n_tok, met["conflict_frac"] * n_tok,
                  met["filtered_frac"] * n_seq, n_tok, n_seq]
         if self.gtpo_config.beta > 0:
-            ref = inputs["ref_per_token_logps"].to(out.logps.dtype)
-            d = ref - out.logps
-            stats.insert(4, ((torch.exp(d) - d - 1) * m).sum())
+            stats.insert(4, (_logged_kl(self.gtpo_config, out.logps, mask.bool(), inputs) * m).sum())
         s = self.accelerator.reduce(torch.stack([x.detach().float() for x in stats]), reduction="sum")
         tok, seq = s[-2].clamp(min=1.0), s[-1].clamp(min=1.0)
         ent = (s[0] / tok).item()

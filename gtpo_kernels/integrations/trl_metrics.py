@@ -2,6 +2,7 @@
 
 - `_log_mismatch`: spec 14's rollout/training mismatch (`gtpo/rollout_*`), when TRL keeps the engine's
   log-probs;
+- `_logged_kl`: TRL's own `kl` metric's per-token values (the bias correction included);
 - `_log_replay`: spec 13's kept-set metrics (`gtpo/kept_mass` when the sets are rebuilt by the sampler's
   rules, `gtpo/mean_kept_size`, `gtpo/replay_restored_frac`), when the loss replays kept sets.
 
@@ -41,3 +42,18 @@ def _log_replay(trainer, mode, met, n_tok):
     s = trainer.accelerator.reduce(stats, reduction="sum")
     for k, v in zip(names, s[:-1]):
         trainer._metrics[mode][f"gtpo/{k}"].append((v / s[-1].clamp(min=1.0)).item())
+
+
+def _logged_kl(cfg, logps, m, inputs):
+    """TRL's logged per-token KL over the counted tokens `m` (bool, (B, T)): k3 to the reference, times the
+    ratio coef_1 (token or sequence level; 1 on-policy) with use_bias_correction_kl, as TRL multiplies it
+    before logging; 0 where not counted."""
+    d = inputs["ref_per_token_logps"].to(logps.dtype) - logps
+    kl = torch.exp(d) - d - 1
+    old = inputs.get("old_per_token_logps")
+    if cfg.use_bias_correction_kl and old is not None:
+        lr = torch.where(m, logps - old.to(logps.dtype), torch.zeros_like(logps))
+        if cfg.importance_sampling_level == "sequence":
+            lr = lr.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        kl = kl * torch.exp(lr)
+    return torch.where(m, kl, torch.zeros_like(kl)).detach()
