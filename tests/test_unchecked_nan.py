@@ -48,11 +48,18 @@ def test_an_unchecked_bad_value_makes_its_token_and_the_loss_nan(preset, bad, ba
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("preset", ["dppo_tv", "dppo_kl", "grpo", "cispo", "vanilla"])
 def test_from_logps_a_non_finite_log_prob_makes_its_token_nan(preset, backend):
-    """gtpo_loss_from_logps: a NaN log-prob, or an infinite old log-prob, unchecked: the loss, the token's
-    per-token loss and its gradient NaN."""
+    """gtpo_loss_from_logps: a NaN or infinite log-prob, or an infinite old log-prob, unchecked: the loss,
+    the token's per-token loss and its gradient NaN (the torch backend gave a -inf or +inf log-prob a finite
+    per-token loss and a zero gradient); checked, the log-prob is refused by name on both backends."""
     _, ids, adv, old = _inputs(1)
     lp = -torch.rand(2, 3, generator=torch.Generator().manual_seed(2)) - 0.5
-    for where, value in (("logp", float("nan")), ("old", float("-inf"))):
+    for value in (float("nan"), float("-inf"), float("inf")):
+        bad = lp.clone()
+        bad[1, 2] = value
+        with pytest.raises(ValueError, match=f"logps must be finite at counted positions; flat position 5 holds {value}"):
+            gtpo_loss_from_logps(bad, ids, adv, group_size=1, old_logps=old, config=_config(preset), backend=backend)
+    for where, value in (("logp", float("nan")), ("logp", float("-inf")), ("logp", float("inf")),
+                         ("old", float("-inf"))):
         lp_, old_ = lp.clone(), old.clone()
         (lp_ if where == "logp" else old_)[1, 2] = value
         lp_.requires_grad_()

@@ -68,6 +68,7 @@ def _prepare(logps, completion_ids, completion_mask, advantages, entropy, group_
     checks.check_unused_group_size(group_size, b.B, cfg, config)
     if validate:  # the conflict weights' ids (unvalidated: lam = NaN for a completion holding another id)
         checks.check_ids_in_range(b.ids, b.counted, ID_LIMIT)
+        checks.check_finite("logps", logps.detach(), b.counted)
     if entropy is None and cfg.needs_entropy:
         raise ValueError("entropy (per-token entropies, shape of completion_ids) is required by this config: its "
                          "entropy filter, shaping (entropy_penalty), entropy bonus or top_entropy_quantile use "

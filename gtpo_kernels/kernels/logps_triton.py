@@ -51,15 +51,16 @@ def _prep_kernel(logp_ptr, ent_ptr, mask_ptr, cu_ptr, ids_ptr,  # the caller's (
                  HAS_ENT: tl.constexpr, HAS_MASK: tl.constexpr, PACKED: tl.constexpr, CHECK: tl.constexpr,
                  BLOCK: tl.constexpr, VALIDATE: tl.constexpr = False):
     """CHECK (unvalidated, entropies given): a non-finite entropy at a counted token poisons cu_out.
-    VALIDATE: a counted token whose entropy is not finite (BAD_NONFINITE) or whose id is outside
+    VALIDATE: a counted token whose log-prob or entropy is not finite (BAD_NONFINITE) or whose id is outside
     [0, 2**31) (BAD_ID: the conflict weights' range) is flagged, for the epilogue's status word."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     poison = tl.zeros((), tl.int32)
     for t0 in range(0, N, BLOCK):
         o = t0 + lanes
         inb = o < N
-        # a log-prob that is not finite (-inf: the token had no mass) is NaN, as its eager twin's c (lp - lp) makes it
-        tl.store(logp_out + o, _finite_or_nan(tl.load(logp_ptr + o, mask=inb, other=0.0).to(tl.float32)), mask=inb)
+        # a log-prob that is not finite (-inf: the token had no mass) is NaN, as its eager twin makes it
+        raw = tl.load(logp_ptr + o, mask=inb, other=0.0).to(tl.float32)
+        tl.store(logp_out + o, _finite_or_nan(raw), mask=inb)
         if HAS_ENT:
             en = tl.load(ent_ptr + o, mask=inb, other=0.0).to(tl.float32)
         else:
@@ -72,6 +73,7 @@ def _prep_kernel(logp_ptr, ent_ptr, mask_ptr, cu_ptr, ids_ptr,  # the caller's (
             flag = tl.where(m & ((y < 0) | (y >= 2147483648)), BAD_ID, flag)
             if HAS_ENT:
                 flag = tl.where(m & ((tl.abs(en) < float("inf")) == 0), flag | BAD_NONFINITE, flag)
+            flag = tl.where(m & ((tl.abs(raw) < float("inf")) == 0), flag | BAD_NONFINITE, flag)
         tl.store(bad_out + o, flag.to(tl.int8), mask=inb)
         if CHECK:
             m = _counted(mask_ptr, o, inb, HAS_MASK)

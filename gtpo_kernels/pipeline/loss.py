@@ -91,7 +91,10 @@ def logps_loss(b, cfg, logps, entropy, num_items, dt, host, nan_all=True):
     sets rebuilt by rules: NaN at a flagged token) only what reads that token is NaN, as on the logits path
     and the Triton rebuild. -> (loss, res)."""
     zero = torch.zeros((), dtype=dt, device=logps.device)
-    lp = torch.where(b.counted, logps.reshape(-1).to(dt), zero)  # gradient only where counted
+    raw = logps.reshape(-1).to(dt)
+    # a log-prob that is not finite (+-inf, unvalidated): NaN, and so its gradient, as the kernels make it
+    raw = raw + torch.where(torch.isfinite(raw.detach()), zero, torch.full_like(zero, float("nan")))
+    lp = torch.where(b.counted, raw, zero)  # gradient only where counted
     ent = zero.expand(lp.shape) if entropy is None else torch.where(b.counted, entropy.reshape(-1).to(dt), zero)
     with torch.no_grad():
         res = run_surrogate(b, cfg, lp.detach(), ent.detach(), num_items, dt)
