@@ -78,9 +78,10 @@ def verl_call(fn, mode, agg, actor, pl, logp, old, adv, mask, w, B):
     cfg.global_batch_info.update(global_batch_size=B)  # empty rows count, as in this package
     x = logp.clone().requires_grad_()
     tok_adv = adv[:, None].expand_as(logp).clone()
-    loss, _ = fn(old_log_prob=old, log_prob=x, advantages=tok_adv, response_mask=mask, loss_agg_mode=agg,
-                 config=cfg, rollout_is_weights=w)
+    loss, metrics = fn(old_log_prob=old, log_prob=x, advantages=tok_adv, response_mask=mask, loss_agg_mode=agg,
+                       config=cfg, rollout_is_weights=w)
     loss.backward()
+    verl_call.metrics = metrics  # (the last call's, for the metrics' comparison)
     return loss.detach(), x.grad
 
 
@@ -111,7 +112,13 @@ def differences(mode, seed, agg, rollout):
     B = logp.shape[0]
     lv, gv = verl_call(get_fn(mode), mode, agg, actor, pl, logp, old, adv, mask, w, B)
     lo, go = ours(MODES[mode], agg, over, logp, old, adv, mask, w)
+    want = verl_call.metrics
     lp, gp = verl_call(get_fn(f"gtpo_{mode}"), mode, agg, actor, pl, logp, old, adv, mask, w, B)
+    got = verl_call.metrics
+    assert sorted(got) == sorted(want), (mode, got, want)  # the metrics verl's mode logs, by its names
+    for k in want:
+        # (verl takes its means in float32: a bool mask's .float())
+        assert got[k] == pytest.approx(float(want[k]), rel=1e-6, abs=1e-9), (mode, k, got[k], want[k])
     m = mask
     return (worst(lo, lv), worst(go[m], gv[m]), worst(lp, lv), worst(gp[m], gv[m]), bool(gv[m].abs().sum() > 0))
 

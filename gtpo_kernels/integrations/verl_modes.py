@@ -63,7 +63,56 @@ def mode_loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_
         info = dict(getattr(config, "global_batch_info", None) or {})
         loss = agg_loss(loss_mat=loss, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **info)
     # (geo_mean: the mean over the completions, whatever loss_agg_mode says, as verl)
-    return loss, {"actor/pg_clipfrac": float(clip_frac)}
+    return loss, mode_metrics(mode, cfg, log_prob, old_log_prob, advantages, response_mask, clip_frac)
+
+
+def _masked_mean(x, mask):
+    """verl's masked mean: the sum over the mask (values outside it not read) over its sum + 1e-8."""
+    return torch.where(mask != 0, x, torch.zeros_like(x)).mul(mask).sum() / (mask.sum() + 1e-8)
+
+
+def mode_metrics(mode, cfg, log_prob, old_log_prob, advantages, response_mask, clip_frac):
+    """The metrics verl 0.9.1's `mode` logs, by its definitions, read in one host read: `actor/ppo_kl`
+    (the mean of -log r, r clamped to [-20, 20] where the mode clamps it; kl_cov: of |log r|),
+    `actor/pg_clipfrac` (the mode's clipped fraction: PPO's clip, dppo's trust region, cispo's clip,
+    clip_cov's chosen tokens) and `actor/pg_clipfrac_lower` (vanilla's dual clip, dppo's truncation,
+    geo_mean's clip where A < 0; 0 for cispo); gpg logs none, dro and kl_cov only ppo_kl."""
+    if mode == "gpg":
+        return {}
+    with torch.no_grad():
+        mask = response_mask.to(log_prob.dtype)
+        A, lr = advantages.to(log_prob.dtype), (log_prob - old_log_prob).detach()
+        if mode in ("vanilla", "dppo_tv", "dppo_kl", "cispo"):
+            lr = lr.clamp(-20.0, 20.0)
+        r = torch.exp(lr)
+        out = {"actor/ppo_kl": _masked_mean(lr.abs() if mode == "kl_cov" else -lr, mask)}
+        lo, hi = cfg.eps_low, cfg.eps_high
+        if mode == "vanilla":
+            l1, l2 = -A * r, -A * r.clamp(1 - lo, 1 + hi)
+            out["actor/pg_clipfrac"] = _masked_mean((l2 > l1).to(mask.dtype), mask)
+            lower = (torch.maximum(l1, l2) > -A * cfg.dual_clip_c) & (A < 0)
+            out["actor/pg_clipfrac_lower"] = _masked_mean(lower.to(mask.dtype), mask)
+        elif mode in ("dppo_tv", "dppo_kl"):
+            p, q = torch.exp(log_prob.detach()), torch.exp(old_log_prob)
+            if mode == "dppo_tv":
+                valid = torch.where(A > 0, p - q <= hi, p - q >= -lo)
+            else:
+                kl = q * (old_log_prob - log_prob.detach()) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                valid = torch.where(A > 0, (kl <= hi) | (p <= q), (kl <= lo) | (p >= q))
+            valid = valid.to(mask.dtype)
+            out["actor/pg_clipfrac"] = _masked_mean(1 - valid, mask)
+            out["actor/pg_clipfrac_lower"] = _masked_mean((r > cfg.dual_clip_c).to(mask.dtype) * valid, mask)
+        elif mode == "cispo":
+            out["actor/pg_clipfrac"] = _masked_mean((r != r.clamp(1 - lo, 1 + hi)).to(mask.dtype), mask)
+            out["actor/pg_clipfrac_lower"] = torch.zeros((), dtype=mask.dtype, device=mask.device)
+        elif mode == "geo_mean":
+            clipped = (lr != lr.clamp(-lo, hi)).to(mask.dtype)
+            out["actor/pg_clipfrac"] = _masked_mean(clipped * (A > 0), mask)
+            out["actor/pg_clipfrac_lower"] = _masked_mean(clipped * (A < 0), mask)
+        elif mode == "clip_cov":
+            out["actor/pg_clipfrac"] = clip_frac
+        values = torch.stack([v.to(torch.float64) for v in out.values()]).tolist()  # sync: verl logs numbers
+    return dict(zip(out, values))
 
 
 def register_modes(register_policy_loss, agg_loss):
