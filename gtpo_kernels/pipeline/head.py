@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..core.layout import float_dtype_for
 from ..core.vocab_block import VOCAB_BLOCK
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes for one tile of logits and its gradient
@@ -223,8 +224,11 @@ def autocast_off(device):
 
 
 def materialize(hidden, weight, bias, scale, softcap, proj=None):
-    """The whole logits, out of place (autograd flows through): the reference backend only."""
+    """The whole logits, out of place (autograd flows through): the reference backend only. As the tiles
+    form them (spec 11): the GEMM's output, bias included, rounded once to its dtype, then the scale and
+    soft-cap in float32 (float64 for float64)."""
     hidden, weight, bias = upcast(hidden, proj), upcast(weight, proj), upcast(bias, proj)
-    z = hidden @ weight.t()
-    z = (z if bias is None else z + bias) * scale
+    z = hidden @ weight.t() if bias is None else torch.addmm(bias, hidden.reshape(-1, hidden.shape[-1]),
+                                                              weight.t()).reshape(*hidden.shape[:-1], -1)
+    z = z.to(float_dtype_for(z)) * scale
     return z if softcap is None else softcap * torch.tanh(z / softcap)

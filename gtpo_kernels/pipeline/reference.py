@@ -39,7 +39,12 @@ def kept_window(b, logits, tau, sampling_mask, rules, validate):
     keep[pos[seg], token_ids.clamp(0, V - 1)] = True
     if sampling_mask is not None:  # an invalid set (unvalidated): an empty row, NaN outputs
         keep[invalid.reshape(-1)] = False
-    return keep, replay_metrics(offsets, restored)
+        return keep, replay_metrics(offsets, restored)
+    # rebuilt by the rules: kept_mass too, each set's mass under the full softmax at its temperature
+    t = at(t, pos)
+    t = t.reshape(-1, 1).to(torch.float64) if isinstance(t, torch.Tensor) else float(t)
+    full = torch.softmax(flat[pos].detach().to(torch.float64) / t, -1)
+    return keep, replay_metrics(offsets, restored, kept_mass=(full * keep[pos]).sum(-1))
 
 
 def _kept(b, lg, keep):

@@ -58,8 +58,9 @@ def _any(*flags):
 
 
 def at(x, pos):
-    """A number as it is, a per-token (n,) tensor at the positions `pos`."""
-    return x[pos] if isinstance(x, torch.Tensor) else x
+    """A number or a 0-d tensor (one value for every token: a schedule) as it is, a per-token (n,) tensor at
+    the positions `pos`."""
+    return x[pos] if isinstance(x, torch.Tensor) and x.dim() else x
 
 
 def replayed(b, tau, sampling_mask, rules, backend, validate):

@@ -1,0 +1,59 @@
+"""backend='reference' (the float64 oracle behind the public calls) on what the other backends take:
+a 0-d tensor temperature with a truncation rule (it raised IndexError), the kept_mass metric of sets
+rebuilt by the rules (it was missing), and 16-bit LM-head inputs, whose logits the head forms as the
+tiles do: the GEMM's output, bias included, rounded once, then scale and soft-cap in float32 (it rounded
+the bias, the scale and the soft-cap each to bfloat16: logp off by 4e-3)."""
+import pytest
+import torch
+
+import gtpo_kernels as gk
+
+
+def _head(seed=7, B=2, T=3, D=8, V=16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g) * 1.5,
+            torch.randint(0, V, (B, T), generator=g), torch.randn(B, generator=g))
+
+
+@pytest.mark.parametrize("rule", [dict(top_p=0.85), dict(top_k=4, min_p=0.05)])
+def test_a_0d_temperature_with_a_rule_equals_the_number(rule):
+    """(0.75: the same value in float32 and float64.)"""
+    h, w, ids, adv = _head()
+    kw = dict(group_size=2, config="grpo", backend="reference", **rule)
+    for call in (lambda t: gk.gtpo_loss(h @ w.t(), ids, adv, temperature=t, **kw),
+                 lambda t: gk.linear_gtpo_loss(h, w, ids, adv, temperature=t, **kw)):
+        a, b = call(torch.tensor(0.75)), call(0.75)
+        assert torch.equal(a.logps, b.logps) and torch.equal(a.loss, b.loss)
+        assert float(a.metrics["kept_mass"]) == float(b.metrics["kept_mass"])
+    lp, en = gk.linear_token_logprobs(h, w, ids, torch.tensor(0.75), backend="reference", **rule)
+    lp2, en2 = gk.linear_token_logprobs(h, w, ids, 0.75, backend="reference", **rule)
+    assert torch.equal(lp, lp2) and torch.equal(en, en2)
+
+
+@pytest.mark.parametrize("tau", ["number", "per-token"])
+def test_kept_mass_of_rebuilt_sets_equals_the_other_backends(tau):
+    h, w, ids, adv = _head(3, B=3, T=4, V=20)
+    t = 0.7 if tau == "number" else torch.rand(3, 4, generator=torch.Generator().manual_seed(1)) + 0.5
+    got = {}
+    for backend in ("reference", "torch", "triton"):
+        out = gk.linear_gtpo_loss(h, w, ids, adv, group_size=3, config="grpo", temperature=t, top_p=0.8,
+                                  backend=backend)
+        got[backend] = float(out.metrics["kept_mass"])
+    assert 0.5 < got["reference"] < 1
+    assert got["reference"] == pytest.approx(got["torch"], rel=1e-6) == pytest.approx(got["triton"], rel=1e-6)
+
+
+def test_bf16_head_logits_are_rounded_once():
+    g = torch.Generator().manual_seed(0)
+    B, T, D, V = 2, 5, 8, 40
+    h = torch.randn(B, T, D, generator=g).bfloat16()
+    w = (torch.randn(V, D, generator=g) * 1.5).bfloat16()
+    b = (torch.randn(V, generator=g) * 0.3).bfloat16()
+    ids = torch.randint(0, V, (B, T), generator=g)
+    scale, cap = 0.7, 2.5
+    z = torch.addmm(b, h.reshape(-1, D), w.t()).reshape(B, T, V).double() * scale  # the GEMM's output
+    lp64, en64 = gk.token_logprobs(cap * torch.tanh(z / cap), ids, 1.0, backend="reference")
+    for backend in ("reference", "torch", "triton"):
+        lp, en = gk.linear_token_logprobs(h, w, ids, 1.0, bias=b, logit_scale=scale, logit_softcap=cap,
+                                          backend=backend)
+        assert (lp.double() - lp64).abs().max() <= 1e-5 and (en.double() - en64).abs().max() <= 1e-5, backend
