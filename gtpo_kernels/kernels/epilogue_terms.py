@@ -111,14 +111,14 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         k3 = em - d
         dk3 = -em
         # (a beta of 0, a schedule's tensor there: no KL term, as the number 0, where k3 overflowed too)
-        if BIAS_KL:  # (geo_mean: its d_logr is d / d log R; the KL's ratio is the token's, into d_logp)
+        if BIAS_KL:
             kl = tl.where(beta != 0.0, beta * k3 * r, 0.0)
             loss_tok = loss_tok + kl
-            d_logp = d_logp + tl.where(beta != 0.0, beta * dk3 * r, 0.0)
-            if POLICY == 8:
-                d_logp = d_logp + kl
-            else:
+            if SEQ and POLICY != 8:
+                d_logp = d_logp + tl.where(beta != 0.0, beta * dk3 * r, 0.0)
                 d_logr = d_logr + kl
+            else:  # the token's own ratio (geo_mean's d_logr is d / d log R): -r d, as surrogate.kl_term
+                d_logp = d_logp + tl.where(beta != 0.0, -beta * d * r, 0.0)
         else:
             loss_tok = loss_tok + tl.where(beta != 0.0, beta * k3, 0.0)
             d_logp = d_logp + tl.where(beta != 0.0, beta * dk3, 0.0)
