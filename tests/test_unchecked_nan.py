@@ -68,3 +68,36 @@ def test_from_logps_a_non_finite_log_prob_makes_its_token_nan(preset, backend):
         out.loss.backward()
         assert torch.isnan(out.loss) and torch.isnan(out.per_token_loss[1, 2]) and torch.isnan(lp_.grad[1, 2]), \
             (where, out.loss, out.per_token_loss, lp_.grad)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bad", ["decreasing", "wrong-count", "sampled-missing"])
+def test_an_unchecked_malformed_sampling_mask_makes_its_rows_of_the_gradient_nan(bad, backend):
+    """gtpo_loss over recorded kept sets, unvalidated: a malformed layout (offsets decreasing, or one set
+    too few: every token invalid) or a set without its sampled id makes each affected token's logp and its
+    row of the logits' gradient NaN. An empty or malformed set holds no column to carry the NaN
+    coefficient: on Triton every such row was exactly 0; now its sampled id's entry is NaN (both backends)."""
+    g = torch.Generator().manual_seed(3)
+    B, T, V = 3, 4, 9
+    z = torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    sets = [sorted({int(ids[i, t]), (int(ids[i, t]) + 1) % V, (int(ids[i, t]) + 3) % V}) for i in range(B) for t in range(T)]
+    token_ids = torch.tensor([v for s_ in sets for v in s_])
+    offsets = torch.tensor([0] + [len(s_) for s_ in sets]).cumsum(0)
+    hit = torch.zeros(B * T, dtype=torch.bool)
+    if bad == "decreasing":
+        offsets[4] = offsets[7] + 1
+        hit[:] = True
+    elif bad == "wrong-count":
+        offsets = offsets[:-1]
+        hit[:] = True
+    else:  # token 5's set without its sampled id
+        k = int(offsets[5])
+        token_ids[k:int(offsets[6])] = torch.tensor([v for v in range(V) if v != int(ids.reshape(-1)[5])][:3])
+        hit[5] = True
+    x = z.clone().requires_grad_()
+    out = gtpo_loss(x, ids, torch.tensor([1.0, -0.5, 0.3]), group_size=3, config="grpo", sampling_mask=(token_ids, offsets),
+                    backend=backend, validate=False)
+    out.loss.backward()
+    rows = torch.isnan(x.grad.reshape(B * T, V)).any(-1)
+    assert torch.isnan(out.logps.reshape(-1)[hit]).all() and rows[hit].all(), (rows, hit)

@@ -104,4 +104,11 @@ def replay_bwd(logits3, grad3, rows_b, rows_t, y, tau, token_ids, offsets, stats
     g = g * inv * dz
     g = torch.where(active[seg] & ok, g, torch.zeros_like(g))
     grad3.index_put_((b, t, idc), g.to(grad3.dtype), accumulate=True)
+    # a NaN coefficient (an invalid token, unvalidated) makes its row NaN at its sampled id, whatever its set
+    # holds (an empty or malformed one adds nothing above); 0 is added elsewhere
+    nan = torch.isnan(c) if e is None else torch.isnan(c) | torch.isnan(e)
+    yl = y.long()
+    nan = nan & (yl >= 0) & (yl < V)
+    grad3.index_put_((rows_b, rows_t, yl.clamp(0, V - 1)),
+                     torch.where(nan, float("nan"), 0.0).to(grad3.dtype), accumulate=True)
     return grad3

@@ -152,6 +152,10 @@ def _replay_bwd_kernel(
             t_e = e * (logq + h)
             g = tl.where(ok & (v == y), c * q - p * t_e, -p * (c + t_e)) * inv_t * dz
             tl.store(grow + v, g.to(grad_ptr.dtype.element_ty), mask=ok)
+        # a NaN coefficient (an invalid token, unvalidated) makes its row NaN at its sampled id, whatever its
+        # set holds (an empty or malformed one writes nothing above)
+        nan = (c != c) | (e != e)
+        tl.store(grow + y, (c * 0.0 + float("nan")).to(grad_ptr.dtype.element_ty), mask=nan & (y >= 0) & (y < V))
 
 
 

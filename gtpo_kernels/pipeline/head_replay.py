@@ -224,7 +224,8 @@ def backward(hidden, weight, bias, p, g_logp, g_ent, need, stats=None, ent=None)
             dw.index_add_(0, u, hd.product(gz.t(), h[m0:m1], acc))
         if db is not None:
             db.index_add_(0, u, gz.sum(0, dtype=acc))
-    if dh is not None:
+    if dh is not None:  # a NaN coefficient (an invalid token, unvalidated): its row NaN, even where its set is empty
+        dhc.masked_fill_(torch.isnan(g_logp + g_ent)[:, None], float("nan"))
         dh.view(-1, dh.shape[-1]).index_copy_(0, p.pos, dhc.to(dh.dtype))
     p.lse_kept.clear()
     return dh, dw, db
