@@ -98,6 +98,7 @@ def test_trl_loss_types_equal_stock_loss(trl_pair, kernel_spy, head_spy, case, o
     steps_per_generation 4 so that every normalizer's factors matter. The adapter's default head: the
     backbone's hidden states and the LM head's weight into linear_gtpo_loss (no logits)."""
     calls0 = kernel_spy["vocab_fwd"]
+    seen = {w: {k: len(v) for k, v in trl_pair[w]._metrics["train"].items()} for w in ("ours", "stock")}
     ours, stock, g_ours, g_stock = _trl_losses(trl_pair, opts, vllm_mode, accum=2, spg=4)
     assert kernel_spy["vocab_fwd"] > calls0, "gtpo_loss's vocabulary kernel did not run"
     assert trl_pair["ours"]._gtpo_calls > 0
@@ -115,6 +116,13 @@ def test_trl_loss_types_equal_stock_loss(trl_pair, kernel_spy, head_spy, case, o
     torch.testing.assert_close(torch.tensor(trl_pair["ours"]._metrics["train"]["entropy"][-1]),
                                torch.tensor(trl_pair["stock"]._metrics["train"]["entropy"][-1]),
                                rtol=1e-5, atol=1e-6)
+    clip_keys = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                 "clip_ratio/high_max", "cispo_clip_ratio")  # TRL's clip metrics, by its definitions
+    logged = [{k: trl_pair[w]._metrics["train"][k][-1] for k in clip_keys  # (those this case logged)
+               if len(trl_pair[w]._metrics["train"].get(k, [])) > seen[w].get(k, 0)} for w in ("ours", "stock")]
+    assert sorted(logged[0]) == sorted(logged[1]), logged
+    for k, v in logged[1].items():
+        assert logged[0][k] == pytest.approx(v, rel=1e-5, abs=1e-7, nan_ok=True), (k, logged)
     if opts.get("beta", 0) > 0:  # and TRL's kl (times the ratio with use_bias_correction_kl, as TRL logs it)
         kl = [trl_pair[k]._metrics["train"]["kl"][-1] for k in ("ours", "stock")]
         assert kl[1] > 0 and kl[0] == pytest.approx(kl[1], rel=1e-5), kl

@@ -91,7 +91,7 @@ from .trl_config import (TRL_LOSS_TYPES, _loss_kwargs, _loss_mask, _normalizer, 
                          gtpo_config_from_args)
 from .trl_forward import _add_gtpo_head, _base_model, _head_scaling  # noqa: F401  (_head_scaling: read here)
 from .trl_head import _fused_logps_and_entropies, _fused_loss, _logits_logps_and_entropies, _logits_loss
-from .trl_metrics import _log_mismatch, _log_replay, _logged_kl
+from .trl_metrics import _log_clip_ratios, _log_mismatch, _log_replay, _logged_kl
 from .trl_sampler import _pass_replays, _recorded_sets, _sampler_rules, sampler_settings
 
 __all__ = ["GTPOTrainer", "GTPOTrainerConfig", "gtpo_config_from_args", "sampler_settings", "TRL_LOSS_TYPES"]
@@ -287,6 +287,7 @@ class GTPOTrainer(GRPOTrainer):
         self._metrics[mode]["gtpo/filtered_frac"].append((s[3] / seq).item())
         if self.gtpo_config.beta > 0:
             self._metrics[mode]["kl"].append((s[4] / tok).item())
+        _log_clip_ratios(self, mode, self.gtpo_config, out.logps, mask.bool(), inputs)
         if "rollout_k3" in met:
             _log_mismatch(self, mode, met, n_tok)
         _log_replay(self, mode, met, n_tok)  # the loss's kept-set metrics, when it replays kept sets

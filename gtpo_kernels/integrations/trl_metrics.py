@@ -3,6 +3,8 @@
 - `_log_mismatch`: spec 14's rollout/training mismatch (`gtpo/rollout_*`), when TRL keeps the engine's
   log-probs;
 - `_logged_kl`: TRL's own `kl` metric's per-token values (the bias correction included);
+- `_log_clip_ratios`: TRL's own clip metrics of its loss types (`clip_ratio/*` for the PPO term,
+  `cispo_clip_ratio`), by TRL's definitions on the loss's ratio;
 - `_log_replay`: spec 13's kept-set metrics (`gtpo/kept_mass` when the sets are rebuilt by the sampler's
   rules, `gtpo/mean_kept_size`, `gtpo/replay_restored_frac`), when the loss replays kept sets.
 
@@ -57,3 +59,48 @@ def _logged_kl(cfg, logps, m, inputs):
             lr = lr.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
         kl = kl * torch.exp(lr)
     return torch.where(m, kl, torch.zeros_like(kl)).detach()
+
+
+def _log_clip_ratios(trainer, mode, cfg, logps, m, inputs):
+    """TRL's clip metrics, as its loss logs them, over all processes: for the PPO term (TRL's grpo, bnpo,
+    dr_grpo, dapo, luspo) `clip_ratio/{low,high,region}_mean` (counted tokens, or completions at sequence
+    level, whose ratio is below 1 - eps_low with A < 0 / above 1 + eps_high with A > 0; the ratio capped at
+    delta first when set), `clip_ratio/low_min` and `clip_ratio/high_max` (over the completions' means);
+    for cispo `cispo_clip_ratio` (ratio above eps_high with A > 0). m: the counted tokens (bool (B, T))."""
+    if cfg.policy_loss not in ("ppo", "cispo"):
+        return
+    with torch.no_grad():
+        dt = torch.float32
+        mf = m.to(dt)
+        old = inputs.get("old_per_token_logps")
+        lr = torch.zeros_like(mf) if old is None else torch.where(m, (logps.detach() - old).to(dt), 0.0)
+        if cfg.importance_sampling_level == "sequence":
+            lr = lr.sum(-1, keepdim=True) / mf.sum(-1, keepdim=True).clamp(min=1.0)
+        r = torch.exp(lr)
+        adv = inputs["advantages"].to(dt)
+        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+        seq = r.shape[1] == 1
+        w = torch.ones_like(r) if seq else mf  # what TRL's global mean counts: completions or counted tokens
+        if cfg.policy_loss == "cispo":
+            x = ((r > cfg.eps_high) & (adv > 0)).to(dt)
+            tot = trainer.accelerator.reduce(torch.stack([(x * w).sum(), w.sum()]), reduction="sum")
+            trainer._metrics[mode]["cispo_clip_ratio"].append((tot[0] / tot[1].clamp(min=1.0)).item())
+            return
+        if cfg.delta is not None:
+            r = r.clamp(max=cfg.delta)
+        low = ((r < 1 - cfg.eps_low) & (adv < 0)).to(dt)
+        high = ((r > 1 + cfg.eps_high) & (adv > 0)).to(dt)
+        parts = (low, high, torch.maximum(low, high))
+        tot = trainer.accelerator.reduce(torch.stack([(x * w).sum() for x in parts] + [w.sum()]), reduction="sum")
+        for name, k in (("low_mean", 0), ("high_mean", 1), ("region_mean", 2)):
+            trainer._metrics[mode][f"clip_ratio/{name}"].append((tot[k] / tot[3].clamp(min=1.0)).item())
+        per_seq = [x.squeeze(1) if seq else (x * mf).sum(-1) / mf.sum(-1) for x in (low, high)]
+        lows, highs = (trainer.accelerator.gather(x) for x in per_seq)
+        trainer._metrics[mode]["clip_ratio/low_min"].append(_nan_reduce(lows, torch.min))
+        trainer._metrics[mode]["clip_ratio/high_max"].append(_nan_reduce(highs, torch.max))
+
+
+def _nan_reduce(x, fn):
+    """fn over the values that are not NaN (NaN where all are), as a number."""
+    keep = x[~torch.isnan(x)]
+    return float("nan") if keep.numel() == 0 else fn(keep).item()
