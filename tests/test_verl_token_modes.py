@@ -105,8 +105,42 @@ def check_mode(backend, mode, actor, B, T, rollout, seed, step):
     tol = TOL[dt]
     assert_value_close("loss", loss.detach(), want.detach(), tol["loss"])
     assert_grad_close("grad logits", xx.grad, xr.grad.reshape(B, T, V), tol["grad"])
-    assert isinstance(metrics["actor/pg_clipfrac"], float)
+    assert set(metrics) == set(LOGGED[mode]) and all(isinstance(v, float) for v in metrics.values()), metrics
     return True
+
+
+# what verl 0.9.1's modes log
+LOGGED = {m: ("actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower")
+          for m in ("vanilla", "dppo_tv", "dppo_kl", "cispo", "geo_mean")}
+LOGGED.update(gpg=(), dro=("actor/ppo_kl",), kl_cov=("actor/ppo_kl",), clip_cov=("actor/ppo_kl", "actor/pg_clipfrac"))
+
+
+@pytest.mark.parametrize("mode", sorted(LOGGED))
+def test_the_metrics_kernel_equals_its_torch_twin(mode):
+    """verl's metrics of each mode on Triton (one launch: kernels/verl_metrics_triton.py) equal the torch
+    statement (verl_modes.mode_metrics, checked against verl's own functions in test_verl_losses) on float32
+    tokens past one block, a float mask with zeros, ratios beyond the clips and the dual clip, and
+    probabilities near 1 (dppo's divergences)."""
+    g = torch.Generator().manual_seed(len(mode))
+    B, T = 5, 301
+    lp = -torch.rand(B, T, generator=g) * 3
+    lp[0, :40] = -torch.rand(40, generator=g) * 1e-3
+    old = lp + torch.randn(B, T, generator=g) * 0.6
+    old[1, :5] = lp[1, :5] - 25.0  # log r beyond 20: clamped where the mode clamps
+    adv = torch.randn(B, T, generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    actor = ActorConfig(clip_ratio=0.2, clip_ratio_low=0.15, clip_ratio_high=0.28, clip_ratio_c=2.0,
+                        policy_loss=ActorConfig(dro_beta=0.1, clip_cov_ratio=0.2, clip_cov_lb=1.0, clip_cov_ub=5.0,
+                                                kl_cov_ratio=0.2, ppo_kl_coef=1.0))
+    cfg = vm.mode_config(mode, actor)
+    frac = torch.tensor(0.125)
+    got = vm.mode_metrics(mode, cfg, lp, old, adv, mask, frac, backend="triton")
+    want = vm.mode_metrics(mode, cfg, lp, old, adv, mask, frac, backend="torch")
+    assert set(got) == set(want) == set(LOGGED[mode])
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), (k, got, want)
+    if mode in ("vanilla", "dppo_tv", "cispo", "geo_mean"):
+        assert 0 < want["actor/pg_clipfrac"] < 1, want
 
 
 def test_token_modes_launch_count_is_flat_in_tokens():
@@ -144,7 +178,8 @@ def test_token_modes_launch_count_is_flat_in_tokens():
         assert small == large, (mode, small, large)
         # as counted at 2 x 3 tokens: the three kernels; clip_cov: its draws, key kernel and sort too (spec 8's
         # bound: 8, with the caller's seed and aggregation)
-        assert small == {"vanilla": (3, 1, 3), "clip_cov": (6, 1, 4), "geo_mean": (3, 1, 3)}[mode], (mode, small)
+        # (one more, Triton, each: verl's metrics, kernels/verl_metrics_triton.py)
+        assert small == {"vanilla": (4, 1, 4), "clip_cov": (7, 1, 5), "geo_mean": (4, 1, 4)}[mode], (mode, small)
 
 
 def test_token_ppo_validates_and_names_the_argument():
@@ -237,7 +272,7 @@ def test_geo_mean_on_token_advantages_clips_and_runs_in_the_kernel():
     with counting() as c:
         vm.mode_loss("geo_mean", old32, x, adv32, mask, "token-mean", actor, None, token_mean,
                      backend="triton")[0].backward()
-    assert c.triton == 3 and c.launches <= 4, (c.launches, c.triton)  # the three kernels and the seed
+    assert c.triton == 4 and c.launches <= 5, (c.launches, c.triton)  # the three kernels, verl's metrics, the seed
     # what reads a completion's advantage stays on the eager surrogate: the sequence level, the off-policy mask
     from gtpo_kernels.pipeline.token_terms import in_kernel
     cfg = vm.mode_config("vanilla", actor)
@@ -273,3 +308,24 @@ def test_token_terms_refuse_misshapen_inputs_and_nan_invalid_ones(backend):
     loss, _ = vm.mode_loss("vanilla", empty, empty.requires_grad_(), empty, empty, "token-mean", actor, None,
                            token_mean, backend=backend)
     assert loss == 0
+
+
+AOT = """
+import torch
+from bench.aot.compiler import _compile_ahead
+from gtpo_kernels.kernels import verl_metrics_triton as K
+f32 = torch.float32
+for arch in (90, 80, 100):
+    for mode in range(8):
+        assert _compile_ahead(K._verl_metrics_kernel, arch, dict(logp_ptr=f32, old_ptr=f32, adv_ptr=f32,
+                              mask_ptr=torch.bool, extra_ptr=f32, out_ptr=f32), f32,
+                              dict(N=1 << 20, lo=0.2, hi=0.28, c=3.0),
+                              dict(MODE=mode, HAS_EXTRA=mode == 5, BLOCK=1024, num_warps=4)).asm.get("ptx")
+print("compiled")
+"""
+
+
+def test_the_metrics_kernel_compiles_for_the_gpus():
+    """_verl_metrics_kernel, every mode, compiled ahead of time for sm_90, sm_80 and sm_100."""
+    from conftest import compiled_ahead
+    compiled_ahead(AOT)

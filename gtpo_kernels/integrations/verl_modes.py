@@ -12,11 +12,13 @@ clip_cov's choice draws from the device's default generator (torch.manual_seed r
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
 
 from ..core.config import GTPOConfig
+from ..kernels import dispatch
 from ..pipeline.token_terms import token_terms
 
 # verl's mode -> this package's preset
@@ -63,7 +65,7 @@ def mode_loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_
         info = dict(getattr(config, "global_batch_info", None) or {})
         loss = agg_loss(loss_mat=loss, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **info)
     # (geo_mean: the mean over the completions, whatever loss_agg_mode says, as verl)
-    return loss, mode_metrics(mode, cfg, log_prob, old_log_prob, advantages, response_mask, clip_frac)
+    return loss, mode_metrics(mode, cfg, log_prob, old_log_prob, advantages, response_mask, clip_frac, backend)
 
 
 def _masked_mean(x, mask):
@@ -71,27 +73,43 @@ def _masked_mean(x, mask):
     return torch.where(mask != 0, x, torch.zeros_like(x)).mul(mask).sum() / (mask.sum() + 1e-8)
 
 
-def mode_metrics(mode, cfg, log_prob, old_log_prob, advantages, response_mask, clip_frac):
+def mode_metrics(mode, cfg, log_prob, old_log_prob, advantages, response_mask, clip_frac, backend="auto"):
     """The metrics verl 0.9.1's `mode` logs, by its definitions, read in one host read: `actor/ppo_kl`
     (the mean of -log r, r clamped to [-20, 20] where the mode clamps it; kl_cov: of |log r|),
     `actor/pg_clipfrac` (the mode's clipped fraction: PPO's clip, dppo's trust region, cispo's clip,
     clip_cov's chosen tokens) and `actor/pg_clipfrac_lower` (vanilla's dual clip, dppo's truncation,
-    geo_mean's clip where A < 0; 0 for cispo); gpg logs none, dro and kl_cov only ppo_kl."""
+    geo_mean's clip where A < 0; 0 for cispo); gpg logs none, dro and kl_cov only ppo_kl. On Triton one
+    launch (kernels/verl_metrics_triton.py); else the torch statement below, its twin."""
     if mode == "gpg":
         return {}
+    names = ["actor/ppo_kl"]
+    if mode not in ("dro", "kl_cov"):
+        names.append("actor/pg_clipfrac")
+    if mode not in ("dro", "kl_cov", "clip_cov"):
+        names.append("actor/pg_clipfrac_lower")
+    c = cfg.dual_clip_c if cfg.dual_clip_c is not None else 0.0
+    if dispatch.resolve_backend(backend, log_prob.device, log_prob.dtype) == "triton" and log_prob.dtype != torch.float64:
+        from ..kernels.verl_metrics_triton import verl_metrics
+        v = verl_metrics(mode, log_prob, old_log_prob, advantages, response_mask, cfg.eps_low, cfg.eps_high, c,
+                         clip_frac if mode == "clip_cov" else None).tolist()  # sync: verl logs numbers
+        n = 4 * max((len(v) - (mode == "clip_cov")) // 4, 1)
+        s = [math.fsum(v[k:n:4]) for k in range(4)]
+        got = {"actor/ppo_kl": s[0], "actor/pg_clipfrac": s[1], "actor/pg_clipfrac_lower": s[2]}
+        got = {k: x / (s[3] + 1e-8) for k, x in got.items()}
+        if mode == "clip_cov":
+            got["actor/pg_clipfrac"] = v[-1]
+        return {k: got[k] for k in names}
     with torch.no_grad():
         mask = response_mask.to(log_prob.dtype)
         A, lr = advantages.to(log_prob.dtype), (log_prob - old_log_prob).detach()
         if mode in ("vanilla", "dppo_tv", "dppo_kl", "cispo"):
             lr = lr.clamp(-20.0, 20.0)
         r = torch.exp(lr)
-        out = {"actor/ppo_kl": _masked_mean(lr.abs() if mode == "kl_cov" else -lr, mask)}
         lo, hi = cfg.eps_low, cfg.eps_high
+        clip = lower = torch.zeros_like(r)
         if mode == "vanilla":
             l1, l2 = -A * r, -A * r.clamp(1 - lo, 1 + hi)
-            out["actor/pg_clipfrac"] = _masked_mean((l2 > l1).to(mask.dtype), mask)
-            lower = (torch.maximum(l1, l2) > -A * cfg.dual_clip_c) & (A < 0)
-            out["actor/pg_clipfrac_lower"] = _masked_mean(lower.to(mask.dtype), mask)
+            clip, lower = l2 > l1, (torch.maximum(l1, l2) > -A * c) & (A < 0)
         elif mode in ("dppo_tv", "dppo_kl"):
             p, q = torch.exp(log_prob.detach()), torch.exp(old_log_prob)
             if mode == "dppo_tv":
@@ -100,19 +118,17 @@ def mode_metrics(mode, cfg, log_prob, old_log_prob, advantages, response_mask, c
                 kl = q * (old_log_prob - log_prob.detach()) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
                 valid = torch.where(A > 0, (kl <= hi) | (p <= q), (kl <= lo) | (p >= q))
             valid = valid.to(mask.dtype)
-            out["actor/pg_clipfrac"] = _masked_mean(1 - valid, mask)
-            out["actor/pg_clipfrac_lower"] = _masked_mean((r > cfg.dual_clip_c).to(mask.dtype) * valid, mask)
+            clip, lower = 1 - valid, (r > c).to(mask.dtype) * valid
         elif mode == "cispo":
-            out["actor/pg_clipfrac"] = _masked_mean((r != r.clamp(1 - lo, 1 + hi)).to(mask.dtype), mask)
-            out["actor/pg_clipfrac_lower"] = torch.zeros((), dtype=mask.dtype, device=mask.device)
+            clip = r != r.clamp(1 - lo, 1 + hi)
         elif mode == "geo_mean":
-            clipped = (lr != lr.clamp(-lo, hi)).to(mask.dtype)
-            out["actor/pg_clipfrac"] = _masked_mean(clipped * (A > 0), mask)
-            out["actor/pg_clipfrac_lower"] = _masked_mean(clipped * (A < 0), mask)
-        elif mode == "clip_cov":
-            out["actor/pg_clipfrac"] = clip_frac
-        values = torch.stack([v.to(torch.float64) for v in out.values()]).tolist()  # sync: verl logs numbers
-    return dict(zip(out, values))
+            cl = (lr != lr.clamp(-lo, hi)).to(mask.dtype)
+            clip, lower = cl * (A > 0), cl * (A < 0)
+        got = {"actor/ppo_kl": _masked_mean(lr.abs() if mode == "kl_cov" else -lr, mask),
+               "actor/pg_clipfrac": clip_frac if mode == "clip_cov" else _masked_mean(clip.to(mask.dtype), mask),
+               "actor/pg_clipfrac_lower": _masked_mean(lower.to(mask.dtype), mask)}
+        values = torch.stack([got[k].to(torch.float64) for k in names]).tolist()  # sync: verl logs numbers
+    return dict(zip(names, values))
 
 
 def register_modes(register_policy_loss, agg_loss):
