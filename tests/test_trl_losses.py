@@ -74,6 +74,7 @@ TRL_CASES = [
     ("grpo-delta", dict(delta=1.3), None),
     ("dapo-delta", dict(loss_type="dapo", delta=1.3), None),
     ("grpo-kl-bias", dict(beta=0.1, use_bias_correction_kl=True), None),
+    ("grpo-delta-inside-clip", dict(delta=1.1), None),  # delta < 1 + epsilon_high: it caps the clip metrics too
     ("dapo-kl", dict(loss_type="dapo", beta=0.1, use_bias_correction_kl=False), None),
     ("gspo-kl-bias", dict(importance_sampling_level="sequence", beta=0.1), None),
     ("grpo-offpolicy-mask", dict(off_policy_mask_threshold=0.0), None),
