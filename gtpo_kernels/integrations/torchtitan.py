@@ -97,7 +97,24 @@ class GTPOLoss(ChunkedLossWrapper):
         with torch.no_grad():
             metrics = {"loss/mean": out.loss.detach().float(),
                        "trainer/entropy/mean": (out.entropy.reshape(B, L).float() * counted).sum() / n}
+            metrics.update(_ratio_metrics(out.logps.reshape(B, L).float(), old.float(), counted, n,
+                                          self.gtpo_config.eps_low, self.gtpo_config.eps_high))
         return out.loss, metrics
+
+
+def _ratio_metrics(logp, old, counted, n, eps_low, eps_high):
+    """The ratio and log-prob metrics torchtitan's DAPOLoss logs, by its definitions (pre-normalized by its
+    divisor n for a sum over ranks): the mean ratio (log r clamped to [-10, 10], as its loss), the fraction
+    moved by the clip, the mean and largest trainer/generator log-prob difference, the fraction of tokens
+    whose log-probs differ."""
+    c = counted.to(logp.dtype)
+    diff = torch.where(counted, logp - old, torch.zeros_like(logp))
+    r = torch.exp(diff.clamp(-10.0, 10.0))
+    moved = (r - r.clamp(1 - eps_low, 1 + eps_high)).abs() > 1e-6
+    return {"loss/ratio_mean": (r * c).sum() / n, "loss/ratio_clipped_frac": (moved * c).sum() / n,
+            "bit_wise/logprob_diff/mean": diff.sum() / n,
+            "bit_wise/ratio_tokens_different/mean": ((diff.abs() > 1e-6) * c).sum() / n,
+            "bit_wise/logprob_diff/max": diff.abs().max()}
 
 
 def completions(counted: torch.Tensor, advantages: torch.Tensor):
