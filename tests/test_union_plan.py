@@ -39,6 +39,8 @@ def test_the_device_cuts_the_host_tiles(seed):
         assert got == [m0 for m0, _ in tiles] + [n], (case, sizes, tiles, got)
         seen += len(tiles) > 1
     assert seen >= 5  # several cases cut more than one tile
+    huge = plan_union([3] * 9, 40, 8, 1 << 70, 4)  # a budget past 64 bits: what fits is the same
+    assert union_bounds(_offsets([3] * 9), len(huge), 40, 8, 1 << 70, 4).tolist() == [0, 4, 8, 9]
     many = [3] * 600  # past one block of the running sums; tiles of TILE_ROWS rows
     tiles = plan_union(many, 10**6, 8, 1 << 40)
     assert len(tiles) == 3

@@ -145,7 +145,8 @@ def test_the_metrics_kernel_equals_its_torch_twin(mode):
 
 def test_token_modes_launch_count_is_flat_in_tokens():
     """On Triton each mode is gtpo_loss_from_logps' epilogue path: the same count at 2 x 3 and 6 x 5 tokens,
-    within 8 launches of the package's per forward + backward (spec 8: any verl mode), 3 of them Triton
+    the loss within 8 launches of the package's per forward + backward (spec 8: any verl mode), 3 of them Triton,
+    and one more for the metrics verl's mode logs (clip_cov: 9 in all, with the caller's seed and sum)
     (clip_cov: its choice's key kernel and sort, and its draws, too); verl's agg_loss stands as a plain sum
     (its launch and autograd's seed of the loss are not the package's), and geo_mean aggregates in the
     kernel (the stand-in is not called)."""

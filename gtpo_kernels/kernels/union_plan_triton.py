@@ -58,6 +58,9 @@ def union_bounds(offsets, n_tiles, V, per_entry, budget, max_rows):
     the two agree."""
     M = offsets.numel() - 1
     dev = offsets.device
+    # no tile holds more than per_entry * max_rows * V bytes: a larger budget cuts the same tiles (and a budget
+    # of 2**64 bytes or more would not pass as a launch argument)
+    budget = min(int(budget), int(per_entry) * int(max_rows) * max(int(V), 1))
     sums = torch.empty(M + 1, dtype=torch.int64, device=dev)
     bounds = torch.empty(n_tiles + 1, dtype=torch.int64, device=dev)
     _union_plan_kernel[(1,)](offsets.contiguous(), sums, bounds, M, n_tiles, V, per_entry, budget, max_rows,
