@@ -115,8 +115,9 @@ LOGGED = {m: ("actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower")
 LOGGED.update(gpg=(), dro=("actor/ppo_kl",), kl_cov=("actor/ppo_kl",), clip_cov=("actor/ppo_kl", "actor/pg_clipfrac"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # (16-bit log-probs: both in float32)
 @pytest.mark.parametrize("mode", sorted(LOGGED))
-def test_the_metrics_kernel_equals_its_torch_twin(mode):
+def test_the_metrics_kernel_equals_its_torch_twin(mode, dtype):
     """verl's metrics of each mode on Triton (one launch: kernels/verl_metrics_triton.py) equal the torch
     statement (verl_modes.mode_metrics, checked against verl's own functions in test_verl_losses) on float32
     tokens past one block, a float mask with zeros, ratios beyond the clips and the dual clip, and
@@ -134,6 +135,7 @@ def test_the_metrics_kernel_equals_its_torch_twin(mode):
                                                 kl_cov_ratio=0.2, ppo_kl_coef=1.0))
     cfg = vm.mode_config(mode, actor)
     frac = torch.tensor(0.125)
+    lp, old, adv = lp.to(dtype), old.to(dtype), adv.to(dtype)
     got = vm.mode_metrics(mode, cfg, lp, old, adv, mask, frac, backend="triton")
     want = vm.mode_metrics(mode, cfg, lp, old, adv, mask, frac, backend="torch")
     assert set(got) == set(want) == set(LOGGED[mode])

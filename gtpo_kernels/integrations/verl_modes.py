@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from ..core.config import GTPOConfig
+from ..core.layout import float_dtype_for
 from ..kernels import dispatch
 from ..pipeline.token_terms import token_terms
 
@@ -99,9 +100,11 @@ def mode_metrics(mode, cfg, log_prob, old_log_prob, advantages, response_mask, c
         if mode == "clip_cov":
             got["actor/pg_clipfrac"] = v[-1]
         return {k: got[k] for k in names}
-    with torch.no_grad():
-        mask = response_mask.to(log_prob.dtype)
-        A, lr = advantages.to(log_prob.dtype), (log_prob - old_log_prob).detach()
+    with torch.no_grad():  # (16-bit log-probs in float32, as the kernel: the backends log the same numbers)
+        dt = float_dtype_for(log_prob)
+        log_prob, old_log_prob = log_prob.detach().to(dt), old_log_prob.to(dt)
+        mask = response_mask.to(dt)
+        A, lr = advantages.to(dt), log_prob - old_log_prob
         if mode in ("vanilla", "dppo_tv", "dppo_kl", "cispo"):
             lr = lr.clamp(-20.0, 20.0)
         r = torch.exp(lr)
@@ -111,11 +114,11 @@ def mode_metrics(mode, cfg, log_prob, old_log_prob, advantages, response_mask, c
             l1, l2 = -A * r, -A * r.clamp(1 - lo, 1 + hi)
             clip, lower = l2 > l1, (torch.maximum(l1, l2) > -A * c) & (A < 0)
         elif mode in ("dppo_tv", "dppo_kl"):
-            p, q = torch.exp(log_prob.detach()), torch.exp(old_log_prob)
+            p, q = torch.exp(log_prob), torch.exp(old_log_prob)
             if mode == "dppo_tv":
                 valid = torch.where(A > 0, p - q <= hi, p - q >= -lo)
             else:
-                kl = q * (old_log_prob - log_prob.detach()) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                kl = q * (old_log_prob - log_prob) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
                 valid = torch.where(A > 0, (kl <= hi) | (p <= q), (kl <= lo) | (p >= q))
             valid = valid.to(mask.dtype)
             clip, lower = 1 - valid, (r > c).to(mask.dtype) * valid
