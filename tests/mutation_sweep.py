@@ -750,6 +750,8 @@ MUTANTS = [
     M("Q61", "kernels/union_plan_triton.py", "        m0 += tl.sum(fits.to(tl.int64), 0)",
       "        m0 += tl.sum(fits.to(tl.int64), 0) + (j == 1)", "the second union tile starts a row late",
       tests=["test_union_plan"]),
+    M("Q62", "integrations/trl_metrics.py", "    if is_w is not None:  # per completion", "    if False:  # per completion",
+      "TRL's vespo/phi_seq_mean without the engine's importance ratios", tests=["test_trl_losses"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

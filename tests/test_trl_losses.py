@@ -118,7 +118,7 @@ def test_trl_loss_types_equal_stock_loss(trl_pair, kernel_spy, head_spy, case, o
                                torch.tensor(trl_pair["stock"]._metrics["train"]["entropy"][-1]),
                                rtol=1e-5, atol=1e-6)
     clip_keys = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
-                 "clip_ratio/high_max", "cispo_clip_ratio")  # TRL's clip metrics, by its definitions
+                 "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean")  # TRL's, by its definitions
     logged = [{k: trl_pair[w]._metrics["train"][k][-1] for k in clip_keys  # (those this case logged)
                if len(trl_pair[w]._metrics["train"].get(k, [])) > seen[w].get(k, 0)} for w in ("ours", "stock")]
     assert sorted(logged[0]) == sorted(logged[1]), logged

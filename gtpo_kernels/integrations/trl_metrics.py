@@ -4,7 +4,7 @@
   log-probs;
 - `_logged_kl`: TRL's own `kl` metric's per-token values (the bias correction included);
 - `_log_clip_ratios`: TRL's own clip metrics of its loss types (`clip_ratio/*` for the PPO term,
-  `cispo_clip_ratio`), by TRL's definitions on the loss's ratio;
+  `cispo_clip_ratio`, `vespo/phi_seq_mean`), by TRL's definitions on the loss's ratio;
 - `_log_replay`: spec 13's kept-set metrics (`gtpo/kept_mass` when the sets are rebuilt by the sampler's
   rules, `gtpo/mean_kept_size`, `gtpo/replay_restored_frac`), when the loss replays kept sets.
 
@@ -13,6 +13,8 @@ Each mean is weighted by the tokens of each process it averages over, summed wit
 No TRL import.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -67,13 +69,16 @@ def _log_clip_ratios(trainer, mode, cfg, logps, m, inputs):
     level, whose ratio is below 1 - eps_low with A < 0 / above 1 + eps_high with A > 0; the ratio capped at
     delta first when set), `clip_ratio/low_min` and `clip_ratio/high_max` (over the completions' means);
     for cispo `cispo_clip_ratio` (ratio above eps_high with A > 0). m: the counted tokens (bool (B, T))."""
-    if cfg.policy_loss not in ("ppo", "cispo"):
+    if cfg.policy_loss not in ("ppo", "cispo", "vespo"):
         return
     with torch.no_grad():
         dt = torch.float32
         mf = m.to(dt)
         old = inputs.get("old_per_token_logps")
         lr = torch.zeros_like(mf) if old is None else torch.where(m, (logps.detach() - old).to(dt), 0.0)
+        if cfg.policy_loss == "vespo":
+            _log_vespo_phi(trainer, mode, cfg, lr, m, inputs)
+            return
         if cfg.importance_sampling_level == "sequence":
             lr = lr.sum(-1, keepdim=True) / mf.sum(-1, keepdim=True).clamp(min=1.0)
         r = torch.exp(lr)
@@ -98,6 +103,23 @@ def _log_clip_ratios(trainer, mode, cfg, logps, m, inputs):
         lows, highs = (trainer.accelerator.gather(x) for x in per_seq)
         trainer._metrics[mode]["clip_ratio/low_min"].append(_nan_reduce(lows, torch.min))
         trainer._metrics[mode]["clip_ratio/high_max"].append(_nan_reduce(highs, torch.max))
+
+
+def _log_vespo_phi(trainer, mode, cfg, lr, m, inputs):
+    """TRL's `vespo/phi_seq_mean`: the mean over all processes' completions of VESPO's weight phi, formed as
+    the loss forms it (objective.policy.vespo_phi), the engine's importance ratios folded in."""
+    from ..objective.policy import vespo_phi
+    B = lr.shape[0]
+    is_w = inputs.get("importance_sampling_ratio")
+    log_w = None
+    if is_w is not None:  # per completion: the sum of the clamped logs, as TRL
+        lw = torch.log(is_w.to(lr.dtype)).clamp(min=math.log(1e-8), max=20.0)
+        log_w = torch.where(m, lw, torch.zeros_like(lw)).sum(-1) if lw.shape == m.shape else lw.reshape(B, -1).sum(-1)
+    phi = vespo_phi(lr.reshape(-1), m.reshape(-1), lambda x: x.reshape(B, -1).sum(-1),
+                    inputs["advantages"].reshape(B).to(lr.dtype), log_w, cfg)
+    tot = trainer.accelerator.reduce(torch.stack([phi.sum(), torch.tensor(float(B), device=phi.device)]),
+                                     reduction="sum")
+    trainer._metrics[mode]["vespo/phi_seq_mean"].append((tot[0] / tot[1].clamp(min=1.0)).item())
 
 
 def _nan_reduce(x, fn):
