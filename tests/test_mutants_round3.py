@@ -478,6 +478,10 @@ def _split_rank(rank, world):
         res["k0"] = "accepted"
     except ValueError as e:
         res["k0"] = str(e)
+    # unvalidated, top_k = 0 at every token (no candidate to gather: it raised IndexError): every token NaN
+    lp0, _ = token_logprobs(part.contiguous(), ids, 1.0, top_k=0, validate=False, backend="torch",
+                            process_group=dist.group.WORLD)
+    res["k0_nan"] = bool(torch.isnan(lp0).all())
     # unvalidated, an invalid rule value at one token (top_p = 1.5): that token NaN, the others finite
     p = torch.full((B, T), 0.8)
     p[1, 2] = 1.5
@@ -493,13 +497,14 @@ def _split_rank(rank, world):
 def test_rebuilt_sets_across_a_vocabulary_split():
     """D4, D6, D7: on 2 gloo ranks (a split at 9 of 20 ids), rules rebuilt from each rank's top_k candidates:
     the log-probs and the metrics (replay_restored_frac among them) equal the float64 reference's; a token
-    with top_k = 0 is refused naming sampling_mask; unvalidated, a token with an invalid top_p is NaN."""
+    with top_k = 0 is refused naming sampling_mask (unvalidated, top_k = 0 everywhere is NaN everywhere); unvalidated,
+    a token with an invalid top_p is NaN."""
     from gloo import run_ranks_ok
     ranks = run_ranks_ok(_split_rank, 2, watchdog=120)
     for r, res in enumerate(ranks):
         assert 0 < res["ref_restored"] < 1
         assert res["logps"] <= 1e-5 and all(v <= 1e-6 for v in res["metrics"].values()), (r, res)
-        assert "top_k with process_group must be > 0" in res["k0"], (r, res["k0"])
+        assert "top_k with process_group must be > 0" in res["k0"] and res["k0_nan"], (r, res["k0"])
         assert res["bad_nan"] and res["others"] <= 1e-5, (r, res)
 
 

@@ -300,8 +300,7 @@ def _with_temperature(cfg, temperature):
     if isinstance(temperature, bool) or not isinstance(temperature, (numbers.Real, torch.Tensor)):
         raise TypeError(f"temperature must be a number > 0 or a floating-point tensor, got {temperature!r}")
     try:
-        return dataclasses.replace(cfg, temperature=temperature if isinstance(temperature, torch.Tensor)
-                                   else float(temperature))
+        return cfg.replace(temperature=temperature if isinstance(temperature, torch.Tensor) else float(temperature))
     except ValueError as e:  # the config names its field; the value is this call's `temperature=`
         raise ValueError(str(e).replace("GTPOConfig.temperature", "temperature (the call's argument)", 1)) from None
 

@@ -1,6 +1,7 @@
 """GTPOConfig: every option of the loss in one dataclass, with the presets of spec section 5."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -261,7 +262,16 @@ class GTPOConfig:
         return cls(**{**PRESETS[key], **overrides})
 
     def replace(self, **changes) -> "GTPOConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`, checked as a new config; while torch.compile traces (a tensor field's value
+        cannot be read there) the changed number fields alone (a tensor: 0-d floating; a temperature > 0)."""
+        if not torch.compiler.is_compiling():
+            return dataclasses.replace(self, **changes)
+        new = copy.copy(self)
+        for k, v in changes.items():
+            object.__setattr__(new, k, v)
+            if k in _NUMBER_FIELDS and not (isinstance(v, torch.Tensor) and v.dim() == 0) and new._number(k) <= 0:
+                new._bad(k, "> 0") if k == "temperature" else None
+        return new
 
     @property
     def shapes_advantages(self) -> bool:

@@ -108,7 +108,7 @@ def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale
     world = dist.get_world_size(vp.group)
     step = block_rows or rows_per_block(vp.V_max)
     k_all = _param(top_k, slice(0, M), 0, torch.long, dev)
-    kmax = int(k_all.max()) if M else 1  # sync: the candidates' width
+    kmax = max(int(k_all.max()), 1) if M else 1  # sync: the candidates' width (a top_k of 0, unvalidated: NaN)
     ids, counts, restored, invalid, mass = [], [], [], [], []
     for r0 in range(0, M, step):
         sl = slice(r0, min(M, r0 + step))

@@ -18,6 +18,16 @@ def operand(x, like):
     return x.to(like.device, like.dtype) if isinstance(x, torch.Tensor) else x
 
 
+def clip(x, lo=None, hi=None):
+    """torch.clamp(x, lo, hi) where a bound may be a 0-d tensor (a schedule): such a bound as maximum /
+    minimum, which torch.compile traces with fullgraph=True (clamp with a 0-d tensor bound does not)."""
+    if lo is not None:
+        x = torch.maximum(x, lo) if isinstance(lo, torch.Tensor) else x.clamp(min=lo)
+    if hi is not None:
+        x = torch.minimum(x, hi) if isinstance(hi, torch.Tensor) else x.clamp(max=hi)
+    return x
+
+
 def full(x, like):
     """A hyper-parameter (Python number or 0-d tensor) as a tensor of `like`'s shape, dtype and device."""
     return operand(x, like).expand_as(like) if isinstance(x, torch.Tensor) else torch.full_like(like, x)
@@ -42,7 +52,7 @@ def ppo_parts(r, A, cfg):
         r1, dr1, capped = r, r, torch.zeros_like(r, dtype=torch.bool)
     else:
         delta = operand(cfg.delta, r)
-        r1 = torch.clamp(r, max=delta)
+        r1 = clip(r, hi=delta)
         capped = r > delta
         dr1 = torch.where(capped, zero, r)  # d r1 / d log r
     u1 = r1 * A
@@ -51,7 +61,7 @@ def ppo_parts(r, A, cfg):
         pg, d_logr, clipped = -u1, -dr1 * A, capped & (A != 0)
     else:
         lo, hi = operand(1.0 - cfg.eps_low, r), operand(1.0 + cfg.eps_high, r)
-        u2 = torch.clamp(r, lo, hi) * A
+        u2 = clip(r, lo, hi) * A
         on_clip = u1 > u2  # the minimum takes the clipped branch
         outside = (r < lo) | (r > hi)  # clip(r) is a constant there
         d_logr = torch.where(on_clip, torch.where(outside, zero, -r * A), -dr1 * A)
@@ -67,7 +77,7 @@ def ppo_parts(r, A, cfg):
 
 def cispo(r, A, logp, cfg):
     """-sg(min(r, eps_high)) A logp (eps_high: an absolute bound on the ratio)."""
-    coef = torch.clamp(r, max=operand(cfg.eps_high, r))
+    coef = clip(r, hi=operand(cfg.eps_high, r))
     return -coef * A * logp, None, -coef * A, torch.zeros_like(r, dtype=torch.bool)
 
 

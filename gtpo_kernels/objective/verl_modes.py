@@ -13,7 +13,7 @@ import zlib
 
 import torch
 
-from .policy import operand
+from .policy import clip, operand
 
 
 def _none(x):
@@ -34,7 +34,7 @@ def dro(A, logp, log_r, cfg):
 def verl_cispo(A, logp, log_r, cfg):
     """-sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp (verl's two-sided CISPO)."""
     r = torch.exp(log_r.clamp(-20.0, 20.0))
-    coef = torch.clamp(r, operand(1.0 - cfg.eps_low, r), operand(1.0 + cfg.eps_high, r))
+    coef = clip(r, operand(1.0 - cfg.eps_low, r), operand(1.0 + cfg.eps_high, r))
     return -coef * A * logp, None, -coef * A, _none(logp)
 
 
@@ -43,7 +43,7 @@ def dppo(A, logp, old, log_r, cfg, kind):
     valid by the sign of A (A > 0: the step up is within eps_high, else the step down within eps_low).
     c = dual_clip_c (None: no cap). `clipped`: the invalid tokens (A != 0)."""
     r = torch.exp(log_r.clamp(-20.0, 20.0))
-    coef = r if cfg.dual_clip_c is None else torch.clamp(r, max=operand(cfg.dual_clip_c, r))
+    coef = r if cfg.dual_clip_c is None else clip(r, hi=operand(cfg.dual_clip_c, r))
     p, p_old = torch.exp(logp), torch.exp(old)
     lo, hi = operand(cfg.eps_low, r), operand(cfg.eps_high, r)
     if kind == "tv":
@@ -65,7 +65,7 @@ def geo_mean(A, log_r, m, seg_mean, log_w, cfg):
     Returns pg, d pg / d log R, the tokens through which log R moves with their log r (`spread`) and
     the tokens the clip stopped."""
     s = torch.sign(A)
-    xc = torch.clamp(log_r, operand(-cfg.eps_low, log_r), operand(cfg.eps_high, log_r))
+    xc = clip(log_r, operand(-cfg.eps_low, log_r), operand(cfg.eps_high, log_r))
     y = s * torch.minimum(s * log_r, s * xc)
     log_R = seg_mean(torch.where(m, y, torch.zeros_like(y)))
     if log_w is not None:

@@ -312,7 +312,8 @@ def token_logps(b, temperature, host, revalidate=None, rules=None, per_seq=False
     cu = b.given["cu_seqlens"].contiguous() if b.packed and (given or per_seq) else None
     ids = b.given["ids"] if given else b.ids
     rule_t, rule_v = rule_args(rules)
-    logp, ent, bad, status = loss_ops.token_logps(b.logits3, ids, mask, tau, tau_value, b.logits_start, host, values,
+    # (forward only: the logits detached, so that torch.compile traces the op without an autograd formula)
+    logp, ent, bad, status = loss_ops.token_logps(b.logits3.detach(), ids, mask, tau, tau_value, b.logits_start, host, values,
                                                   cu, -1 if b.max_seqlen is None else b.max_seqlen, *rule_t, rule_v, per_seq)
     if host:
         checks.check_on_device(status, lambda: _report_tokens(bad, b, revalidate))

@@ -1,0 +1,60 @@
+"""torch.compile(fullgraph=True) with 0-d tensor hyper-parameters and forward-only calls (spec 8: every float
+option may be a 0-d tensor, a graph input under torch.compile): the compiled call equals the eager one.
+Before, (1) a `temperature=` keyword as a 0-d tensor, or any `temperature=` with a config holding a tensor
+field, failed to trace (the config's checks read the tensors' values when the call put the temperature in
+it); (2) eps_low / eps_high / delta as 0-d tensors failed on the torch backend (torch.clamp with tensor
+bounds); (3) token_logprobs on logits that require grad failed on Triton (an op with no autograd formula)."""
+import pytest
+import torch
+
+from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs
+
+
+def _batch(seed=0, B=4, T=3, V=11):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g),
+            torch.tensor([1.0, -0.5, 0.7, -0.3]), -torch.rand(B, T, generator=g) - 0.5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", ["tau-tensor", "tau-number-beta-tensor", "eps-low-tensor", "eps-high-tensor",
+                                  "delta-tensor"])
+def test_tensor_hyper_parameters_trace_with_fullgraph(case, backend):
+    x, ids, adv, old = _batch()
+    cfg, kw = GTPOConfig.preset("dapo"), {}
+    if case == "tau-tensor":
+        kw["temperature"] = torch.tensor(0.7)
+    elif case == "tau-number-beta-tensor":
+        cfg, kw["temperature"] = GTPOConfig.preset("grpo", beta=torch.tensor(0.05)), 0.7
+        kw["ref_logps"] = old + 0.2
+    elif case == "eps-low-tensor":
+        cfg = GTPOConfig.preset("grpo", eps_low=torch.tensor(0.1))
+    elif case == "eps-high-tensor":
+        cfg = GTPOConfig.preset("dapo", eps_high=torch.tensor(0.25))
+    else:
+        cfg = GTPOConfig.preset("grpo", delta=torch.tensor(1.3))
+
+    def step(z):
+        out = gtpo_loss(z, ids, adv, group_size=2, old_logps=old, config=cfg, backend=backend, **kw)
+        return out.loss, out.logps
+
+    torch._dynamo.reset()
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (l1, p1), (l2, p2) = step(x1), torch.compile(step, fullgraph=True, backend="aot_eager")(x2)
+    l1.backward()
+    l2.backward()
+    assert x1.grad.abs().sum() > 0
+    torch.testing.assert_close(l2, l1, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(p2, p1, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_token_logprobs_on_logits_with_grad_trace_with_fullgraph(backend):
+    x, ids, _, _ = _batch(1)
+    x = x.requires_grad_()
+    step = lambda z: token_logprobs(z, ids, torch.tensor(0.8), top_k=4, backend=backend)  # noqa: E731
+    torch._dynamo.reset()
+    (a, h), (b, k) = step(x), torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    assert not a.requires_grad and not b.requires_grad
+    assert torch.equal(a, b) and torch.equal(h, k)
