@@ -745,7 +745,7 @@ MUTANTS = [
       tests=["test_verl_token_modes"]),
     M("Q59", "integrations/trl_metrics.py", "        if cfg.delta is not None:\n            r = r.clamp(max=cfg.delta)\n",
       "", "TRL's clip metrics without delta's cap", tests=["test_trl_losses"]),
-    M("Q60", "integrations/trl_metrics.py", "    if cfg.use_bias_correction_kl and old is not None:",
+    M("Q60", "integrations/trl_metrics.py", "    if cfg.use_bias_correction_kl:",
       "    if False:", "TRL's kl metric without the bias correction", tests=["test_trl_losses"]),
     M("Q61", "kernels/union_plan_triton.py", "        m0 += tl.sum(fits.to(tl.int64), 0)",
       "        m0 += tl.sum(fits.to(tl.int64), 0) + (j == 1)", "the second union tile starts a row late",

@@ -189,8 +189,7 @@ def _run(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    res = run_ranks_ok(_run, 2, watchdog=120)
-    return res
+    return run_ranks_ok(_run, 2, watchdog=120)
 
 
 def test_a_bad_value_on_one_rank_makes_every_rank_raise_the_check_s_error(results):

@@ -67,8 +67,7 @@ def _run(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    res = run_ranks_ok(_run, 2, watchdog=180)
-    return res
+    return run_ranks_ok(_run, 2, watchdog=180)
 
 
 def test_generators_in_different_states_are_refused_on_every_rank(results):

@@ -269,8 +269,9 @@ class GTPOConfig:
         new = copy.copy(self)
         for k, v in changes.items():
             object.__setattr__(new, k, v)
-            if k in _NUMBER_FIELDS and not (isinstance(v, torch.Tensor) and v.dim() == 0) and new._number(k) <= 0:
-                new._bad(k, "> 0") if k == "temperature" else None
+            if k in _NUMBER_FIELDS and not (isinstance(v, torch.Tensor) and v.dim() == 0):
+                if new._number(k) <= 0 and k == "temperature":  # (_number: a finite number)
+                    new._bad(k, "> 0")
         return new
 
     @property

@@ -275,8 +275,9 @@ class GTPOTrainer(GRPOTrainer):
         met = out.metrics
         stats = [met["mean_entropy"] * n_tok, met["clip_frac"] * n_tok, met["conflict_frac"] * n_tok,
                  met["filtered_frac"] * n_seq, n_tok, n_seq]
+        counted = mask.bool()
         if self.gtpo_config.beta > 0:
-            stats.insert(4, (_logged_kl(self.gtpo_config, out.logps, mask.bool(), inputs) * m).sum())
+            stats.insert(4, (_logged_kl(self.gtpo_config, out.logps, counted, inputs) * m).sum())
         s = self.accelerator.reduce(torch.stack([x.detach().float() for x in stats]), reduction="sum")
         tok, seq = s[-2].clamp(min=1.0), s[-1].clamp(min=1.0)
         ent = (s[0] / tok).item()
@@ -287,7 +288,7 @@ class GTPOTrainer(GRPOTrainer):
         self._metrics[mode]["gtpo/filtered_frac"].append((s[3] / seq).item())
         if self.gtpo_config.beta > 0:
             self._metrics[mode]["kl"].append((s[4] / tok).item())
-        _log_clip_ratios(self, mode, self.gtpo_config, out.logps, mask.bool(), inputs)
+        _log_clip_ratios(self, mode, self.gtpo_config, out.logps, counted, inputs)
         if "rollout_k3" in met:
             _log_mismatch(self, mode, met, n_tok)
         _log_replay(self, mode, met, n_tok)  # the loss's kept-set metrics, when it replays kept sets

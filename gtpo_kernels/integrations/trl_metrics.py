@@ -54,13 +54,18 @@ def _logged_kl(cfg, logps, m, inputs):
     before logging; 0 where not counted."""
     d = inputs["ref_per_token_logps"].to(logps.dtype) - logps
     kl = torch.exp(d) - d - 1
-    old = inputs.get("old_per_token_logps")
-    if cfg.use_bias_correction_kl and old is not None:
-        lr = torch.where(m, logps - old.to(logps.dtype), torch.zeros_like(logps))
-        if cfg.importance_sampling_level == "sequence":
-            lr = lr.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
-        kl = kl * torch.exp(lr)
+    if cfg.use_bias_correction_kl:
+        kl = kl * torch.exp(_log_ratio(logps, m, inputs, logps.dtype, cfg.importance_sampling_level == "sequence"))
     return torch.where(m, kl, torch.zeros_like(kl)).detach()
+
+
+def _log_ratio(logps, m, inputs, dt, sequence):
+    """TRL's log coef_1 in dtype dt: log pi - log pi_old at the counted tokens `m` (B, T), 0 elsewhere and 0
+    on-policy (no old log-probs); `sequence`: its mean over each completion's counted tokens (B, 1)."""
+    old = inputs.get("old_per_token_logps")
+    lr = torch.zeros(m.shape, dtype=dt, device=m.device) if old is None else \
+        torch.where(m, logps.detach().to(dt) - old.to(dt), 0.0)
+    return lr.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1) if sequence else lr
 
 
 def _log_clip_ratios(trainer, mode, cfg, logps, m, inputs):
@@ -74,14 +79,10 @@ def _log_clip_ratios(trainer, mode, cfg, logps, m, inputs):
     with torch.no_grad():
         dt = torch.float32
         mf = m.to(dt)
-        old = inputs.get("old_per_token_logps")
-        lr = torch.zeros_like(mf) if old is None else torch.where(m, (logps.detach() - old).to(dt), 0.0)
-        if cfg.policy_loss == "vespo":
-            _log_vespo_phi(trainer, mode, cfg, lr, m, inputs)
+        if cfg.policy_loss == "vespo":  # (its weight sums the token-level log-ratios over each completion)
+            _log_vespo_phi(trainer, mode, cfg, _log_ratio(logps, m, inputs, dt, False), m, inputs)
             return
-        if cfg.importance_sampling_level == "sequence":
-            lr = lr.sum(-1, keepdim=True) / mf.sum(-1, keepdim=True).clamp(min=1.0)
-        r = torch.exp(lr)
+        r = torch.exp(_log_ratio(logps, m, inputs, dt, cfg.importance_sampling_level == "sequence"))
         adv = inputs["advantages"].to(dt)
         adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
         seq = r.shape[1] == 1
