@@ -702,7 +702,7 @@ MUTANTS = [
       "a tile longer than max_rows", tests=["test_union_plan"]),
     M("Q43", "kernels/union_plan_triton.py", "r * tl.minimum(s - s0, V.to(tl.int64)) <= budget)",
       "r * (s - s0) <= budget)", "a tile's entries counted past V", tests=["test_union_plan"]),
-    M("Q44", "kernels/tile_union.py", "if device_bounds != check:", "if False:",
+    M("Q44", "kernels/tile_union.py", "if device_bounds != host_bounds:", "if False:",
       "a device plan that differs from the host's used unchecked", tests=["test_union_plan"]),
     M("Q45", "pipeline/head_replay.py", "sizes = [max(k, 0) for k in sizes]", "pass",
       "the host plan counts a malformed offset's negative size", tests=["test_union_plan"]),

@@ -57,21 +57,19 @@ def tile_unions(token_ids, offsets, y, tiles, V_r, lo=0, backend="torch", with_p
     bounds: the tiles' starts and M (tiles + 1,) already on the device (kernels/union_plan_triton.py),
     read back with the unions' sizes and checked against `tiles`; None: copied there from `tiles`."""
     M = y.numel()
-    if bounds is None:
-        bounds = torch.tensor([m0 for m0, _ in tiles] + [M], dtype=torch.long, device=offsets.device)  # (a copy)
-        check = None
-    else:
-        check = [m0 for m0, _ in tiles] + [M]
+    host_bounds, copied = [m0 for m0, _ in tiles] + [M], bounds is None
+    if copied:
+        bounds = torch.tensor(host_bounds, dtype=torch.long, device=offsets.device)  # (a copy)
     if backend == "triton" and M:
         from . import tile_union_triton
         uids, starts_dev, local, loc, ly = tile_union_triton.tile_unions(token_ids, offsets, y, bounds, V_r, lo)
     else:
         uids, starts_dev, local, loc, ly = _tile_unions(token_ids, offsets, y, bounds, V_r, lo)
-    starts = (starts_dev if check is None else torch.cat([starts_dev, bounds])).tolist()  # sync: the unions' sizes
-    if check is not None:
+    starts = (starts_dev if copied else torch.cat([starts_dev, bounds])).tolist()  # sync: the unions' sizes
+    if not copied:
         starts, device_bounds = starts[:len(tiles) + 1], starts[len(tiles) + 1:]
-        if device_bounds != check:
-            raise RuntimeError(f"the device's union tiles start at {device_bounds}, the host's at {check}")
+        if device_bounds != host_bounds:
+            raise RuntimeError(f"the device's union tiles start at {device_bounds}, the host's at {host_bounds}")
     plan = torch.cat([bounds, offsets[bounds], starts_dev]) if with_plan else None
     return Unions(uids[:starts[-1]], starts, local, loc, ly, plan)
 
