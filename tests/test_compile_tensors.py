@@ -58,3 +58,38 @@ def test_token_logprobs_on_logits_with_grad_trace_with_fullgraph(backend):
     (a, h), (b, k) = step(x), torch.compile(step, fullgraph=True, backend="aot_eager")(x)
     assert not a.requires_grad and not b.requires_grad
     assert torch.equal(a, b) and torch.equal(h, k)
+
+
+@pytest.mark.parametrize("change", [dict(loss_agg="token_mean"), dict(loss_agg="seq_mean_token_sum"),
+                                    dict(policy_loss="verl_cispo")])
+def test_replace_under_compile_normalises_as_eager(change):
+    """GTPOConfig.replace while compiling builds the same config as eager: names normalised ('_' or '-'),
+    so the compiled loss is the eager one (before, the raw name passed: a finite wrong loss)."""
+    x, ids, adv, old = _batch(2)
+    base = GTPOConfig.preset("grpo", eps_low=torch.tensor(0.15))
+
+    def step(z):
+        return gtpo_loss(z, ids, adv, old_logps=old, config=base.replace(**change), backend="torch").loss
+
+    torch._dynamo.reset()
+    eager, compiled = step(x), torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+    assert base.replace(**change) == GTPOConfig.preset("grpo", eps_low=base.eps_low, **change)
+
+
+@pytest.mark.parametrize("change", [dict(loss_agg="bogus"), dict(eps_low=1.5), dict(importance_sampling_level="seq"),
+                                    dict(temperature=torch.tensor(2)), dict(no_such_field=1)])
+def test_replace_under_compile_refuses_as_eager(change):
+    """What eager refuses is refused while compiling too (a number out of range, an unknown name, a 0-d integer
+    tensor), never traced into a loss; a 0-d floating tensor's value alone is not read there."""
+    base = GTPOConfig.preset("grpo")
+    with pytest.raises((ValueError, TypeError)):
+        base.replace(**change)
+
+    def step(z):
+        return z.sum() * base.replace(**change).eps_high
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as e:
+        torch.compile(step, fullgraph=True, backend="aot_eager")(torch.randn(3))
+    assert "GTPOConfig" in str(e.value) or "Observed exception" in str(e.value) or "repr" in str(e.value), e.value

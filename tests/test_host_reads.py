@@ -76,6 +76,22 @@ def test_from_logps_and_token_logprobs_read_little(validate, most):
     assert sum(seen.values()) == most, seen  # the status word
 
 
+@pytest.mark.parametrize("tau,reads", [(0.7, 0), (torch.tensor(0.7), 1)])
+def test_a_call_temperature_rereads_no_config_tensor(tau, reads):
+    """A call's temperature= with a config holding 0-d tensor fields (schedules): the config's tensors were read
+    when it was built and are not read again per call (before, every one was, each a sync on a GPU); a 0-d
+    tensor temperature= itself is read once, to check it."""
+    logits, ids, mask, adv, old = _inputs(4)
+    cfg = GTPOConfig.preset("grpo", beta=torch.tensor(0.05), eps_high=torch.tensor(0.25))
+    with host_reads() as seen:
+        out = gtpo_loss(logits, ids, adv, mask, old_logps=old, ref_logps=old + 0.1, config=cfg, temperature=tau,
+                        validate=False, backend="triton")
+    assert sum(seen.values()) == reads, seen
+    assert torch.isfinite(out.loss)
+    with pytest.raises(ValueError, match="temperature"):
+        gtpo_loss(logits, ids, adv, mask, old_logps=old, config=cfg, temperature=torch.tensor(-0.7), validate=False)
+
+
 @pytest.mark.parametrize("what", ["ids", "old", "mask", "adv", "flags"])
 def test_each_check_still_raises_its_own_error(what):
     """One read for all of them, and still the error of the check that failed (the first one made)."""

@@ -57,3 +57,18 @@ def test_bf16_head_logits_are_rounded_once():
         lp, en = gk.linear_token_logprobs(h, w, ids, 1.0, bias=b, logit_scale=scale, logit_softcap=cap,
                                           backend=backend)
         assert (lp.double() - lp64).abs().max() <= 1e-5 and (en.double() - en64).abs().max() <= 1e-5, backend
+
+
+@pytest.mark.parametrize("rule", [{}, dict(top_k=5)])
+def test_token_logprobs_is_forward_only_on_every_backend(rule):
+    """token_logprobs on logits that require grad returns tensors with no autograd history on every backend
+    (backend='reference' returned them attached to the logits' graph), equal to the reference's values."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 17, generator=g).requires_grad_()
+    ids = torch.randint(0, 17, (3, 4), generator=g)
+    ref = gk.token_logprobs(x, ids, 0.8, backend="reference", **rule)
+    for backend in ("reference", "torch", "triton"):
+        lp, en = gk.token_logprobs(x, ids, 0.8, backend=backend, **rule)
+        assert not lp.requires_grad and not en.requires_grad and lp.grad_fn is None, backend
+        torch.testing.assert_close(lp.double(), ref[0].double(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(en.double(), ref[1].double(), rtol=1e-5, atol=1e-6)

@@ -64,7 +64,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     policy term (see `rollout_is_weights()` for TRL's four ways to make them).
     rollout_logps   the inference engine's log-probs (completion_ids' shape): the sampling policy of
                     config.off_policy_mask_threshold (default: old_logps).
-    temperature     the sampler's tau, in place of config.temperature (None): a number > 0, or a tensor
+    temperature     the sampler's tau, in place of config.temperature (None): a number > 0 (a 0-d tensor is
+                    read once to check it; a schedule kept on its device goes in config.temperature), or a tensor
                     per completion ((B,) or (B, 1)) or per token (completion_ids' shape) of them (spec 13:
                     each token's logits divided by its own tau; with process_group every rank passes the same).
     sampling_mask   the kept sets the sampler drew from (spec 13): (token_ids, offsets), vLLM's compressed
@@ -233,7 +234,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             checks.refuse_reference_with_group(process_group)
             keep = None if rules is None else reference.kept_window(b, logits, temperature, sampling_mask, rules,
                                                                     host)[0]
-            return reference.token_logprobs(b, logits, temperature, keep)
+            return tuple(x.detach() for x in reference.token_logprobs(b, logits, temperature, keep))  # (no autograd)
         vocab_summary(g, b, logits, host, backend, (temperature,), (sampling_mask, top_k, top_p, min_p))
     vp = vocab_parallel(g, logits, "token_logprobs(process_group=...)")
     dt = float_dtype_for(logits)

@@ -122,11 +122,13 @@ class GTPOConfig:
     ppo_kl_coef: float = 0.1
     generator: Optional[torch.Generator] = None
 
-    def __post_init__(self):
-        for f in _NUMBER_FIELDS:
+    def __post_init__(self, read=None):
+        """Every field checked. read: the fields whose 0-d tensor values are read (None: all, once, here;
+        replace: the changed ones; while torch.compile traces none, their shape and dtype alone)."""
+        object.__setattr__(self, "_read", () if torch.compiler.is_compiling() else read)
+        self._need("temperature", lambda v: v > 0, "> 0")
+        for f in _NUMBER_FIELDS[1:]:  # (after temperature: each 0-d tensor read once)
             self._number(f)
-        if self._number("temperature") <= 0:
-            self._bad("temperature", "> 0")
         self._check_policy_term()
         self._check_masks_and_kl()
         self._check_switches_and_aggregation()
@@ -136,15 +138,23 @@ class GTPOConfig:
         raise ValueError(f"GTPOConfig.{field} must be {expected}, got {getattr(self, field)!r}")
 
     def _number(self, field):
-        """The field's number; a 0-d floating tensor is read once, here (see is_tensor_param)."""
+        """The field's number (None: a 0-d floating tensor not read, see __post_init__)."""
         v = getattr(self, field)
         if isinstance(v, torch.Tensor):
             if v.dim() != 0 or not v.dtype.is_floating_point:
                 self._bad(field, "a finite number or a 0-d floating-point tensor")
+            if self._read is not None and field not in self._read:
+                return None
             v = float(v)
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
             self._bad(field, "a finite number or a 0-d floating-point tensor")
         return v
+
+    def _need(self, field, ok, expected):
+        """Refuse the field unless ok(its number); a tensor not read passes (see __post_init__)."""
+        v = self._number(field)
+        if v is not None and not ok(v):
+            self._bad(field, expected)
 
     def _check_policy_term(self):
         """policy_loss (normalised), importance_sampling_level, the clip range, delta, SAPO's temperatures."""
@@ -158,32 +168,26 @@ class GTPOConfig:
         if level == "sequence" and pl != "ppo":
             self._bad("importance_sampling_level", f"'token' with policy_loss={pl!r} (its policy term has no "
                       "sequence-level form here; TRL warns about it)")
-        if not 0.0 <= self._number("eps_low") < 1.0:
-            self._bad("eps_low", "in [0, 1)")
+        self._need("eps_low", lambda v: 0.0 <= v < 1.0, "in [0, 1)")
         if pl == "cispo":  # an absolute bound on the ratio (TRL's convention)
-            if self._number("eps_high") <= 0:
-                self._bad("eps_high", "> 0 with policy_loss='cispo' (the ratio's upper bound, e.g. 5.0)")
+            self._need("eps_high", lambda v: v > 0, "> 0 with policy_loss='cispo' (the ratio's upper bound, e.g. 5.0)")
         elif pl == "verl-cispo":  # verl's two-sided clip: [1 - eps_low, 1 + eps_high], any width above
-            if self._number("eps_high") < 0:
-                self._bad("eps_high", ">= 0 with policy_loss='verl-cispo'")
-        elif not 0.0 <= self._number("eps_high") < 1.0:
-            self._bad("eps_high", "in [0, 1)")
-        if self.delta is not None and self._number("delta") <= 1.0:
-            self._bad("delta", "None or > 1")
+            self._need("eps_high", lambda v: v >= 0, ">= 0 with policy_loss='verl-cispo'")
+        else:
+            self._need("eps_high", lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+        if self.delta is not None:
+            self._need("delta", lambda v: v > 1.0, "None or > 1")
         for f in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            if self._number(f) <= 0:
-                self._bad(f, "> 0")
+            self._need(f, lambda v: v > 0, "> 0")
 
     def _check_masks_and_kl(self):
         """The off-policy mask, the entropy quantile, the KL term and the entropy control's optional numbers."""
         if self.off_policy_mask_threshold is not None:
             self._number("off_policy_mask_threshold")
-        if not 0.0 < self._number("top_entropy_quantile") <= 1.0:
-            self._bad("top_entropy_quantile", "in (0, 1]")
+        self._need("top_entropy_quantile", lambda v: 0.0 < v <= 1.0, "in (0, 1]")
         if not isinstance(self.use_bias_correction_kl, bool):
             self._bad("use_bias_correction_kl", "a bool")
-        if self._number("beta") < 0:
-            self._bad("beta", ">= 0")
+        self._need("beta", lambda v: v >= 0, ">= 0")
         for f in ("entropy_threshold", "initial_entropy"):
             if getattr(self, f) is not None:
                 self._number(f)
@@ -205,24 +209,21 @@ class GTPOConfig:
         pl = self.policy_loss
         if self.dual_clip_c is not None:
             if pl in ("dppo-tv", "dppo-kl"):
-                if self._number("dual_clip_c") <= 0:
-                    self._bad("dual_clip_c", "None or > 0 (the cap of the truncated ratio)")
+                self._need("dual_clip_c", lambda v: v > 0, "None or > 0 (the cap of the truncated ratio)")
             elif pl not in ("ppo", "clip-cov"):
                 self._bad("dual_clip_c", f"None with policy_loss={pl!r} (an option of the PPO term, of clip_cov "
                           "and of dppo_tv / dppo_kl)")
-            elif self._number("dual_clip_c") <= 1.0:
-                self._bad("dual_clip_c", "None or > 1")
-        if self.dro_beta is not None and self._number("dro_beta") <= 0:
-            self._bad("dro_beta", "None or > 0")
+            else:
+                self._need("dual_clip_c", lambda v: v > 1.0, "None or > 1")
+        if self.dro_beta is not None:
+            self._need("dro_beta", lambda v: v > 0, "None or > 0")
         if pl == "dro" and self.dro_beta is None:
             self._bad("dro_beta", "> 0 with policy_loss='dro' (its quadratic penalty; verl requires it too)")
         for f in ("clip_cov_ratio", "kl_cov_ratio"):
-            if self._number(f) <= 0:
-                self._bad(f, "> 0")
-        if self._number("ppo_kl_coef") < 0:
-            self._bad("ppo_kl_coef", ">= 0")
-        if not self._number("clip_cov_lb") < self._number("clip_cov_ub"):
-            self._bad("clip_cov_lb", f"< clip_cov_ub = {self.clip_cov_ub!r}")
+            self._need(f, lambda v: v > 0, "> 0")
+        self._need("ppo_kl_coef", lambda v: v >= 0, ">= 0")
+        ub = self._number("clip_cov_ub")
+        self._need("clip_cov_lb", lambda v: ub is None or v < ub, f"< clip_cov_ub = {self.clip_cov_ub!r}")
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             self._bad("generator", "None or a torch.Generator")
         if pl == "geo-mean" and self.loss_agg == "none":
@@ -262,16 +263,15 @@ class GTPOConfig:
         return cls(**{**PRESETS[key], **overrides})
 
     def replace(self, **changes) -> "GTPOConfig":
-        """A copy with `changes`, checked as a new config; while torch.compile traces (a tensor field's value
-        cannot be read there) the changed number fields alone (a tensor: 0-d floating; a temperature > 0)."""
-        if not torch.compiler.is_compiling():
-            return dataclasses.replace(self, **changes)
+        """A copy with `changes`, checked as a new config; of the 0-d tensor fields only the changed ones
+        are read (none under torch.compile: trace-safe)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"GTPOConfig.replace: unknown field(s) {sorted(unknown)}")
         new = copy.copy(self)
         for k, v in changes.items():
             object.__setattr__(new, k, v)
-            if k in _NUMBER_FIELDS and not (isinstance(v, torch.Tensor) and v.dim() == 0):
-                if new._number(k) <= 0 and k == "temperature":  # (_number: a finite number)
-                    new._bad(k, "> 0")
+        new.__post_init__(read=tuple(changes))
         return new
 
     @property
