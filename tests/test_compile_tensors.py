@@ -4,6 +4,8 @@ Before, (1) a `temperature=` keyword as a 0-d tensor, or any `temperature=` with
 field, failed to trace (the config's checks read the tensors' values when the call put the temperature in
 it); (2) eps_low / eps_high / delta as 0-d tensors failed on the torch backend (torch.clamp with tensor
 bounds); (3) token_logprobs on logits that require grad failed on Triton (an op with no autograd formula)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -75,6 +77,7 @@ def test_replace_under_compile_normalises_as_eager(change):
     eager, compiled = step(x), torch.compile(step, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
     assert base.replace(**change) == GTPOConfig.preset("grpo", eps_low=base.eps_low, **change)
+    assert set(vars(base.replace(**change))) == set(vars(base)) == {f.name for f in dataclasses.fields(base)}
 
 
 @pytest.mark.parametrize("change", [dict(loss_agg="bogus"), dict(eps_low=1.5), dict(importance_sampling_level="seq"),

@@ -180,3 +180,26 @@ def test_head_replay_refusals_and_nan(backend):
             linear_token_logprobs(hc, wc, ids, 1.0, mask, sampling_mask=bad, backend=backend)
         lp, _ = linear_token_logprobs(hc, wc, ids, 1.0, mask, sampling_mask=bad, backend=backend, validate=False)
         assert torch.isnan(lp[mask][0]) and torch.isfinite(lp[mask][1:]).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("broken", ["negative", "one-short", "decreasing"])
+def test_head_malformed_offsets_unvalidated_give_nan_over_several_tiles(backend, broken):
+    """Malformed recorded offsets, unvalidated, over several union tiles: every counted token's outputs NaN, the
+    loss NaN, the backward runs and dL/dh is NaN at every counted row, on both backends (the torch backend planned
+    the tiles on the raw offsets: a budget error naming a set size the offsets made up, or an IndexError)."""
+    h, w, bias, ids, mask, adv, _ = _batch(8)
+    hc, wc = h.float().requires_grad_(), w.float().requires_grad_()
+    _, _, _, sm = rs.replay_token_logprobs(_logits(h, w, None, 1.0, None), ids, mask, top_k=3)
+    token_ids, off = sm
+    off = {"negative": torch.where(torch.arange(off.numel()) == 3, -7, off), "one-short": off[:-1],
+           "decreasing": torch.cat([off[:4], off[2:3], off[5:]])}[broken]
+    budget = 3 * 2 * 4 * 4  # a few rows of three kept logits: several union tiles
+    out = linear_gtpo_loss(hc, wc, ids, adv, mask, group_size=2, config="grpo", sampling_mask=(token_ids, off),
+                           memory_budget=budget, validate=False, backend=backend)
+    assert torch.isnan(out.loss) and torch.isnan(out.logps[mask]).all() and torch.isnan(out.entropy[mask]).all()
+    out.loss.backward()
+    assert torch.isnan(hc.grad[mask]).all() and (hc.grad[~mask] == 0).all()
+    lp, _ = linear_token_logprobs(hc.detach(), wc.detach(), ids, 1.0, mask, sampling_mask=(token_ids, off),
+                                  memory_budget=budget, validate=False, backend=backend)
+    assert torch.isnan(lp[mask]).all()

@@ -125,14 +125,16 @@ class GTPOConfig:
     def __post_init__(self, read=None):
         """Every field checked. read: the fields whose 0-d tensor values are read (None: all, once, here;
         replace: the changed ones; while torch.compile traces none, their shape and dtype alone)."""
-        object.__setattr__(self, "_read", () if torch.compiler.is_compiling() else read)
-        self._need("temperature", lambda v: v > 0, "> 0")
-        for f in _NUMBER_FIELDS[1:]:  # (after temperature: each 0-d tensor read once)
-            self._number(f)
-        self._check_policy_term()
-        self._check_masks_and_kl()
-        self._check_switches_and_aggregation()
-        self._check_verl_modes()
+        object.__setattr__(self, "_read", () if torch.compiler.is_compiling() else read)  # (not a field)
+        try:
+            self._need("temperature", lambda v: v > 0, "> 0")
+            for f in _NUMBER_FIELDS[1:]:  # (after temperature: each 0-d tensor read once)
+                self._number(f)
+            for check in (self._check_policy_term, self._check_masks_and_kl, self._check_switches_and_aggregation,
+                          self._check_verl_modes):
+                check()
+        finally:
+            self.__dict__.pop("_read")  # (vars(config) holds the fields alone)
 
     def _bad(self, field, expected):
         raise ValueError(f"GTPOConfig.{field} must be {expected}, got {getattr(self, field)!r}")
@@ -227,8 +229,7 @@ class GTPOConfig:
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             self._bad("generator", "None or a torch.Generator")
         if pl == "geo-mean" and self.loss_agg == "none":
-            self._bad("loss_agg", "aggregated with policy_loss='geo-mean' (each token's term depends on its whole "
-                      "completion, so a per-token upstream gradient has no per-token meaning)")
+            self._bad("loss_agg", "aggregated with policy_loss='geo-mean' (a token's term depends on its completion)")
 
     @property
     def top_entropy_on(self) -> bool:
@@ -263,8 +264,7 @@ class GTPOConfig:
         return cls(**{**PRESETS[key], **overrides})
 
     def replace(self, **changes) -> "GTPOConfig":
-        """A copy with `changes`, checked as a new config; of the 0-d tensor fields only the changed ones
-        are read (none under torch.compile: trace-safe)."""
+        """A copy with `changes`, checked as a new config reading only the changed 0-d tensors (trace-safe)."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise TypeError(f"GTPOConfig.replace: unknown field(s) {sorted(unknown)}")

@@ -255,4 +255,5 @@ def check_sampling_mask_flat(sampling_mask, ids, counted, V, validate=True):
         token_ids, offsets = unpack_mask(sampling_mask, None, ids.device)
     flat, mismatch = flat_offsets(offsets, counted)
     malformed, code = mask_problems(token_ids, flat, ids.reshape(-1), V)
-    return token_ids, flat, ((code != 0) & counted) | malformed | mismatch
+    broken = malformed | mismatch  # every set then empty (as kernels/set_check_triton makes them), every token NaN
+    return token_ids, torch.where(broken, 0, flat), ((code != 0) & counted) | broken

@@ -109,6 +109,7 @@ def replay_bwd(logits3, grad3, rows_b, rows_t, y, tau, token_ids, offsets, stats
     nan = torch.isnan(c) if e is None else torch.isnan(c) | torch.isnan(e)
     yl = y.long()
     nan = nan & (yl >= 0) & (yl < V)
-    grad3.index_put_((rows_b, rows_t, yl.clamp(0, V - 1)),
-                     torch.where(nan, float("nan"), 0.0).to(grad3.dtype), accumulate=True)
+    if V:  # (no column: an LM head's empty union, its tokens' dL/dh made NaN by the head)
+        grad3.index_put_((rows_b, rows_t, yl.clamp(0, V - 1)),
+                         torch.where(nan, float("nan"), 0.0).to(grad3.dtype), accumulate=True)
     return grad3
