@@ -163,12 +163,13 @@ def dp_empty(c):
     return {"loss": 0.0, "logps": [], "err_logps": max(rel(lam, rl[rows]), rel(n_conf, rn[rows]))}
 
 
-def dtensor(c, pg):
+def dtensor(c, pg, mesh=None):
+    """gtpo_loss on a Shard(-1) DTensor of c.mesh (or `mesh`: this rank holds the shard at its coordinate)."""
     from torch.distributed.tensor import DTensor, Shard
-    d = c.d
-    chunk = -(-V // c.world)
-    lo, hi = c.rank * chunk, min(V, (c.rank + 1) * chunk)
-    xd = DTensor.from_local(d["x"][..., lo:hi].clone(), c.mesh, [Shard(-1)], run_check=False, shape=d["x"].shape,
+    d, mesh = c.d, c.mesh if mesh is None else mesh
+    chunk, at = -(-V // c.world), mesh.get_coordinate()[0]
+    lo, hi = at * chunk, min(V, (at + 1) * chunk)
+    xd = DTensor.from_local(d["x"][..., lo:hi].clone(), mesh, [Shard(-1)], run_check=False, shape=d["x"].shape,
                             stride=d["x"].stride())
     return summary(gtpo_loss(xd, d["ids"], d["adv"], d["mask"], group_size=G, config="grpo", process_group=pg))
 

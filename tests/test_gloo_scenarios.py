@@ -16,8 +16,19 @@ import torch.distributed as dist
 from gloo import progress, record, run_ranks_ok, sync
 from gloo_cases import B, EMPTY, SPLITS, T, TOL, Ctx, dp_empty, dtensor, logprobs, packed_view, summary
 from gtpo_kernels import GTPOConfig, gtpo_loss
+from gtpo_kernels.core import vocab_block
 
 WATCHDOG_S = 30
+ALIGNED16 = {2: [16, 21], 3: [16, 16, 5]}  # every slice at a multiple of 16, not of 8192
+
+
+def with_block(block, call):
+    """call() with this process's VOCAB_BLOCK as GTPO_VOCAB_BLOCK=block would set it at import."""
+    saved, vocab_block.VOCAB_BLOCK = vocab_block.VOCAB_BLOCK, block
+    try:
+        return call()
+    finally:
+        vocab_block.VOCAB_BLOCK = saved
 
 def _scenarios(c):
     """name -> (call, expected): "same" (every rank returns the same, right numbers), "refuse" (every rank
@@ -102,6 +113,11 @@ def _scenarios(c):
             GTPOConfig(entropy_threshold=3.3, use_conflict_mask=False), max_seqlen=one(5, 2), head=True,
             validate=False, memory_budget=2 * 20 * 4 * 6), "refuse"),
         "DTensor Shard(-1), one rank also passing process_group": (lambda: dtensor(c, one(None, c.other)), "refuse"),
+        # (before, silently wrong: every rank placed its shard at its group rank, not at its mesh coordinate)
+        "DTensor Shard(-1) on a mesh listing the ranks in reverse": (lambda: dtensor(c, None, c.reversed), "refuse"),
+        # (before, a hang: the odd rank merged by blocks, the others by all-reduces)
+        "GTPO_VOCAB_BLOCK 8192 | 16": (lambda: with_block(one(vocab_block.VOCAB_BLOCK, 16), lambda: c.logits(
+            grpo, splits=ALIGNED16)), "refuse"),
     }
     return S
 
@@ -116,10 +132,11 @@ def _outcome(call):
 
 
 def _run(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     c = Ctx(rank, world)
     c.mesh = init_device_mesh("cpu", (world,))
     c.other = dist.new_group(list(range(world)))  # the same ranks, another group object
+    c.reversed = DeviceMesh("cpu", torch.arange(world).flip(0))  # rank r at coordinate world - 1 - r
     out = {}
     for name, (call, expected) in _scenarios(c).items():
         out[name] = dict(_outcome(call), expected=expected)

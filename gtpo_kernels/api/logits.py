@@ -317,7 +317,7 @@ def _group(logits, process_group):
         return process_group
     if not isinstance(logits, DTensor):
         return process_group
-    return parallel.unwrap_dtensor(logits, None)[1]
+    return parallel.unwrap_dtensor(logits, None, in_order=False)[1]
 
 
 def _local_vocab(process_group):

@@ -40,7 +40,8 @@ def summary(g, b, V_local, key, host, options, replay=(None,) * 4):
     if g.group is not None:
         g.batch, g.host = b, host
         options = (*options, *_draw_states(options, b.given["ids"].device))
-        g.fields = [V_local, *key, *(0,) * (KEY - len(key)), digest.fingerprint_field((host, *options)),
+        opts = digest.fingerprint_field((host, vocab_block.VOCAB_BLOCK, *options))  # (the merge: by blocks or not)
+        g.fields = [V_local, *key, *(0,) * (KEY - len(key)), opts,
                     *digest.input_digests(b), *(digest.fingerprint_field((x,)) for x in replay), *digest.token_fields(b)]
 
 
@@ -66,8 +67,8 @@ def vocab_layout(g, device, where):
                    "with its own slice of the vocabulary")
     agree.disagree(where, [row[1 + KEY] for row in rows], "the options (compared by value: dtype, backend, "
                    "validate, the config; the head's schedule and memory_budget; clip_cov's random generator's "
-                   "state)", "pass the same options on every rank (clip_cov: seed its generator alike on every "
-                   "rank)")
+                   "state; gtpo_kernels.VOCAB_BLOCK)", "pass the same options on every rank (clip_cov: seed its "
+                   "generator alike on every rank; GTPO_VOCAB_BLOCK: the same environment on every rank)")
     V = sum(sizes)
     out = [r for r, row in enumerate(rows) if row[-1] >= V]
     if g.host and out:  # (validate is the same on every rank: in the options)
@@ -219,8 +220,9 @@ def _unpack(msg, bad):
     return state, msg[:, 3], marked | bad
 
 
-def unwrap_dtensor(logits, process_group):
-    """A DTensor sharded on its last dimension -> (its local shard, the mesh dimension's group)."""
+def unwrap_dtensor(logits, process_group, in_order=True):
+    """A DTensor sharded on its last dimension -> (its local shard, the mesh dimension's group); in_order: its
+    shard must be this rank's place in the group (a rank's own check: run it inside the agreement's guard)."""
     try:
         from torch.distributed.tensor import DTensor, Shard
     except ImportError:  # pragma: no cover - old torch
@@ -234,6 +236,11 @@ def unwrap_dtensor(logits, process_group):
     group = logits.device_mesh.get_group(dims[0])
     if process_group is not None and process_group is not group:
         raise ValueError("logits is a DTensor: its mesh gives the process group; do not pass another one")
+    at = logits.device_mesh.get_coordinate()[dims[0]]  # the shard's place: slices are laid out in group rank order
+    if in_order and at != dist.get_rank(group):
+        raise ValueError(f"logits: a DTensor whose mesh lists its group's ranks out of order (this rank, "
+                         f"{dist.get_rank(group)} in the group, holds shard {at}) is not supported; build the mesh "
+                         "in rank order")
     return logits.to_local(), group
 
 
