@@ -95,7 +95,7 @@ def parse_args(argv):
                     help="torch.set_num_threads for this run and its memory child processes (default: torch's)")
     ap.add_argument("--settle", type=float, default=60.0, metavar="SECONDS",
                     help="before each suite, wait at most this long for an earlier run's load to decay "
-                         "(default 60; 0: start at once)")
+                         "(default: 60; 0: start at once)")
     ap.add_argument("--save", action="store_true",
                     help="write the JSON and plots into bench/results/ (tracked: the record the README quotes); "
                          "refused while tracked files have uncommitted changes")

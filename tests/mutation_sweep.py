@@ -230,8 +230,8 @@ MUTANTS = [
     M("S19", "core/sampling.py", "return offsets.long()[excl.clamp(max=last)], excl[-1] != last",
       "return offsets.long()[excl.clamp(max=last)], excl[-1] != excl[-1]",
       "unvalidated: a wrong number of sets not made invalid"),
-    M("S20", "core/sampling.py", "return token_ids, flat, ((code != 0) & counted) | malformed | mismatch",
-      "return token_ids, flat, (code != 0) | malformed | mismatch", "uncounted tokens (empty sets) flagged invalid",
+    M("S20", "core/sampling.py", "torch.where(broken, 0, flat), ((code != 0) & counted) | broken",
+      "torch.where(broken, 0, flat), (code != 0) | broken", "uncounted tokens (empty sets) flagged invalid",
       equivalent="uncounted tokens' outputs are set to 0 (finish, counted=) and they carry no gradient: the public "
                  "outputs are unchanged (test_sampling_checks kills it through check_sampling_mask_flat's own output)"),
 
@@ -764,6 +764,20 @@ MUTANTS = [
       "reference.token_logprobs(b, logits, temperature, keep)",
       "token_logprobs' reference backend returns tensors attached to the logits' graph",
       tests=["test_reference_backend"]),
+    # ---- malformed recorded offsets through the LM head on the torch backend
+    M("Q70", "core/sampling.py", "torch.where(broken, 0, flat)", "flat",
+      "malformed offsets keep their sets: the head's tiles planned on sizes they made up", tests=["test_head_replay"]),
+    M("Q71", "kernels/replay_torch.py", "    if V:  # (no column", "    if True:  # (no column",
+      "the NaN write at the sampled id into an empty union's gradient (IndexError)", tests=["test_head_replay"]),
+    # ---- a DTensor's mesh order; VOCAB_BLOCK in the agreement
+    M("Q72", "distributed/vocab_parallel.py", "    if in_order and at != dist.get_rank(group):",
+      "    if False and at != dist.get_rank(group):", "a DTensor on a mesh out of rank order: slices misplaced",
+      tests=["test_gloo_scenarios"]),
+    M("Q73", "distributed/vocab_parallel.py", "fingerprint_field((host, vocab_block.VOCAB_BLOCK, *options))",
+      "fingerprint_field((host, *options))", "ranks with different GTPO_VOCAB_BLOCK merge differently (a hang)",
+      tests=["test_gloo_scenarios"]),
+    M("Q74", "core/config.py", '            self.__dict__.pop("_read")', "            pass",
+      "the check's state left on the config (vars(config) passes it on as a field)", tests=["test_compile_tensors"]),
     M("Q64", "objective/policy.py", "        u2 = clip(r, lo, hi) * A", "        u2 = torch.clamp(r, lo, hi) * A",
       "ppo's 0-d tensor clip bounds through torch.clamp (fullgraph fails)",
       tests=["test_compile_tensors"]),

@@ -391,13 +391,29 @@ def test_linear_suite_times_the_replay_head_against_the_full_head(monkeypatch):
     assert "vs full head" in text and "kept sets at 256x64x1000" in text
 
 
-def test_help_states_each_default_once(capsys):
-    """A flag whose help states its default gets no second "(default: None)" (python -m bench.aot --help)."""
-    from bench.aot.__main__ import main
+@pytest.mark.parametrize("command", ["bench.aot.__main__", "bench.__main__"])
+def test_help_states_each_default_once(capsys, command):
+    """A flag whose help states its default gets no second "(default: ...)" (python -m bench.aot --help,
+    python -m bench --help)."""
+    import importlib
+    main = importlib.import_module(command).main
     with pytest.raises(SystemExit):
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "(default: bench/out/, git-ignored)" in out and "(default: None)" not in out, out
+    assert "(default: None)" not in out and "(default: 60.0)" not in out, out
+    if command == "bench.aot.__main__":
+        assert "(default: bench/out/, git-ignored)" in out, out
+
+
+def test_check_only_checks_and_times_nothing():
+    """`python -m bench --check-only --suite linear`: the checks, no timing (it crashed on the median of no
+    rounds), exit 0, the table saying it was not timed."""
+    pytest.importorskip("trl.kernels")
+    cmd = [sys.executable, "-m", "bench", "--device", "cpu", "--suite", "linear", "--linear-size", "64,16,200",
+           "--check-only", "--settle", "0"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "checked only, not timed" in p.stdout and "interleaved rounds" not in p.stdout, p.stdout[-2000:]
 
 
 def test_launches_parallel_command_runs_clip_cov_on_fresh_ranks():

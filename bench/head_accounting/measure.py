@@ -263,7 +263,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.head_accounting",
                                 description="Count what one call of the fused LM head does outside its kernels "
                                             "(forward + backward, CPU): tile passes, host syncs, allocations "
-                                            "above the budget, GEMM FLOPs against their floor.")
+                                            "above the budget, GEMM FLOPs against their floor.",
+                                epilog="--replay: the head over the sampler's kept sets instead, with its own options "
+                                       "(python -m bench.head_accounting --replay --help)")
     p.add_argument("--cases", nargs="+", choices=tuple(CASES), default=list(CASES),
                    help="which inputs to count on (default: all: " + "; ".join(
                        f"{k}: {v}" for k, v in CASE_NOTES.items()) + ")")

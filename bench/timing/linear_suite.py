@@ -231,6 +231,8 @@ class LinearSuite:
                 by[impl]["model_ms"] = model_ms(impl, self.cfg, inp, self.tile_bytes, self.dtype)
             if status == "ok":
                 runs[impl] = run
+        if not self.repeats:  # --check-only: checked, not timed
+            return [by[i] for i in self.impls]
         self.progress(f"{size_key(N, D, V)}: timing {', '.join(runs)} in interleaved rounds "
                       f"({self.warmup} warm-up + {self.repeats} rounds)")
         times = runner.interleaved({i: (lambda run=run: linear.forward_backward(run, inp)) for i, run in runs.items()},
@@ -314,6 +316,7 @@ def table(res):
     out += ["", f"linear suite: device {res['device']}, {res['dtype']}, preset {res['preset']} (old_logps given), "
             f"hidden and weight require grad; tile {_mb(res['tile_bytes'])} of logits for ours and TRL; "
             f"{res['threads']} threads.",
+            "checked only, not timed (--check-only)." if not res["repeats"] else
             f"times: median (min-max) of {res['repeats']} interleaved rounds after {res['warmup']} warm-up round(s) "
             + ("(CUDA, synchronized)" if res["device"] == "cuda" else "(CPU wall clock)")
             + "; vs TRL: each round's time over TRL's in the same round.",

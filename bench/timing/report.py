@@ -80,11 +80,12 @@ def table(res):
                          else "-")
         lines.append(cells)
     out = [format_rows(head, lines), ""]
-    out.append(f"device {res['device']}, {res['dtype']}, preset {res['preset']} (Liger: grpo). Times: median (min-max) "
+    out.append(f"device {res['device']}, {res['dtype']}, preset {res['preset']} (Liger: grpo). " + (
+               "Checked only, not timed (--check-only)." if not res["repeats"] else f"Times: median (min-max) "
                f"of {res['repeats']} interleaved rounds after {res.get('warmup', '?')} warm-up round(s), every "
                f"implementation forward+backward then forward in each round"
                + (" (CUDA: synchronized, each sample ~20 ms of calls)" if res["device"] == "cuda" else
-                  " (CPU wall clock)") + "; vs eager: each round's time over eager's in the same round.")
+                  " (CPU wall clock)") + "; vs eager: each round's time over eager's in the same round."))
     out.append(load_line(res.get("load")) + " " + res.get("rule", ""))
     out.append("peak above inputs: one forward+backward, gradient included"
                + (" (max_memory_allocated)." if res["device"] == "cuda" else
