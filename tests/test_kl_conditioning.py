@@ -117,29 +117,56 @@ def test_kl_gradient_near_ref_keeps_its_digits(entry, backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("preset", ["grpo", "geo_mean", "gspo"])
-def test_bias_corrected_kl_far_from_ref_keeps_its_digits(preset, backend):
+@pytest.mark.parametrize("preset,layout", [("grpo", "spread"), ("geo_mean", "spread"), ("gspo", "spread"),
+                                           ("gspo", "T=1"), ("luspo", "one counted"), ("gspo", "close"),
+                                           ("luspo", "close, packed")])
+def test_bias_corrected_kl_far_from_ref_keeps_its_digits(preset, layout, backend):
     """use_bias_correction_kl with ref_logps far above logp (ref - logp ~ 14): d(r k3)/dlogp = -r d, which the
     package used to form as r (1 - e^d) + r k3, two terms of size r e^d that cancel in float32 (a relative
     gradient error of 1.0e-3 on both backends); the gradient of the logits now equals the float64
-    reference's at the call's own log-probs to spec 7's 1e-5 (gspo: the completion's ratio, not the token's,
-    whose terms do not cancel)."""
+    reference's at the call's own log-probs to spec 7's 1e-5. At the sequence level (gspo, luspo) the
+    completion's R: d/dlogp_t is R (mean e^d - e^d_t - mean d), whose terms of size R e^d cancel too when the
+    completion's d are close: one token a completion (T=1), one counted token, d within 1e-3 of each other
+    (before: 8.4e-3, 3.9e-3 and ~1e-2 relative error)."""
     g = torch.Generator().manual_seed(5)
-    B, T, V = 4, 3, 8
+    B, T, V = 4, 1 if layout == "T=1" else 3, 8
     z = torch.randn(B, T, V, generator=g) * 2.0
     ids = torch.randint(0, V, (B, T), generator=g)
     adv = torch.randn(B, generator=g)
+    mask = None
+    if layout == "one counted":
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        mask[:, 1] = True
     cfg = GTPOConfig.preset(preset, beta=0.05, use_bias_correction_kl=True)
-    lp = gtpo_loss(z, ids, adv, group_size=2, config=cfg.replace(beta=0.0), backend=backend).logps.detach()
-    refl = lp + 14.0 + 0.5 * torch.rand(B, T, generator=g)
+    lp = gtpo_loss(z, ids, adv, mask, group_size=2, config=cfg.replace(beta=0.0), backend=backend).logps.detach()
+    refl = lp + 14.0 + (1e-3 if layout.startswith("close") else 0.5) * torch.rand(B, T, generator=g)
     old = lp + 0.1 * torch.randn(B, T, generator=g)
     x = z.clone().requires_grad_()
-    out = gtpo_loss(x, ids, adv, group_size=2, old_logps=old, ref_logps=refl, config=cfg, backend=backend)
+    if layout == "close, packed":  # (the packed form: completions of 3, 2, 3 and 1 tokens)
+        cu = torch.tensor([0, 3, 5, 8, 9])
+        keep = torch.tensor([1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0, 0], dtype=torch.bool)
+        mask = keep.reshape(B, T)
+        out = gtpo_loss(x.reshape(B * T, V)[keep], ids.reshape(-1)[keep], adv, cu_seqlens=cu, group_size=2,
+                        old_logps=old.reshape(-1)[keep], ref_logps=refl.reshape(-1)[keep], config=cfg,
+                        backend=backend)
+        lp = torch.where(mask, lp, 0.0)
+        out.loss.backward()
+        got = out.logps.detach()
+        assert torch.equal(got, lp.reshape(-1)[keep]), (got, lp)
+        zr = z.double().requires_grad_()
+        with reference_at((lp.double(), None)):
+            r = ref.gtpo_loss(zr, ids, adv, mask, group_size=2, old_logps=old, ref_logps=refl,
+                              **dataclasses.asdict(cfg))
+        r["loss"].backward()
+        assert zr.grad.abs().sum() > 0
+        assert_grad_close(f"grad logits ({preset}, {layout}, {backend})", x.grad[mask], zr.grad[mask], 1e-5)
+        return
+    out = gtpo_loss(x, ids, adv, mask, group_size=2, old_logps=old, ref_logps=refl, config=cfg, backend=backend)
     out.loss.backward()
     assert torch.equal(out.logps.detach(), lp)  # the log-probs the reference is evaluated at
     zr = z.double().requires_grad_()
     with reference_at((lp.double(), None)):
-        r = ref.gtpo_loss(zr, ids, adv, group_size=2, old_logps=old, ref_logps=refl, **dataclasses.asdict(cfg))
+        r = ref.gtpo_loss(zr, ids, adv, mask, group_size=2, old_logps=old, ref_logps=refl, **dataclasses.asdict(cfg))
     r["loss"].backward()
     assert zr.grad.abs().sum() > 0
-    assert_grad_close(f"grad logits ({preset}, {backend})", x.grad, zr.grad, 1e-5)
+    assert_grad_close(f"grad logits ({preset}, {layout}, {backend})", x.grad, zr.grad, 1e-5)

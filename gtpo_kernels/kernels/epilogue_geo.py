@@ -2,13 +2,14 @@
 its log R (objective/verl_modes.geo_mean, surrogate.geo_mean_log_w), and vespo's phi (policy.vespo_phi,
 surrogate.rollout_log_w). The token terms are epilogue_terms._policy's (POLICY 8, 9); for geo_mean pass 2
 spreads d loss / d log R over the tokens the clip did not stop, as the sequence level spreads d loss / d log r;
-vespo's phi is a constant weight (no gradient through it)."""
+vespo's phi is a constant weight (no gradient through it). And the sequence level's bias-corrected KL: its
+completion's pivot (_kl_pivot), read by pass 2."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .epilogue_terms import _rollout_w, _token_adv, _token_log_r
+from .epilogue_terms import _counted, _expm1, _finite_or_nan, _rollout_w, _token_adv, _token_log_r
 
 LOG_1E8 = tl.constexpr(-18.420680743952367)  # log(1e-8): TRL's floor of vespo's L and of a log rollout weight
 
@@ -98,3 +99,34 @@ def _vespo_phi(l_sum, lw_sum, rw_ptr, i, adv, k_pos, lam_pos, k_neg, lam_neg, RW
     phi = tl.exp(lam + k * L - lam * tl.exp(L))
     phi = tl.where(tl.abs(phi) < float("inf"), phi, 0.0)
     return tl.where(invalid, float("nan"), phi)
+
+
+@triton.jit
+def _kl_pivot(logp_out, ref_ptr, mask_ptr, start, end, n_safe, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
+              ON: tl.constexpr):
+    """ON (the bias-corrected KL at the sequence level): over the completion's counted tokens, P = mean d (float64)
+    and the mean of expm1(d - P), d = ref - logp (surrogate.kl_term's seq_mean form: no term of size R e^d; d - P
+    from float64, whose error e^P would multiply); else 0, 0."""
+    p = tl.zeros((), tl.float64)
+    e = tl.zeros((), tl.float32)
+    if ON:
+        lanes = tl.arange(0, BLOCK).to(tl.int64)
+        acc = tl.zeros([BLOCK], tl.float64)
+        for t0 in range(start, end, BLOCK):
+            acc += _kl_d(logp_out, ref_ptr, mask_ptr, t0 + lanes, end, HAS_MASK)
+        p = tl.sum(acc, axis=0) / n_safe
+        acc_e = tl.zeros([BLOCK], tl.float32)
+        for t0 in range(start, end, BLOCK):
+            o = t0 + lanes
+            acc_e += tl.where(_counted(mask_ptr, o, o < end, HAS_MASK),
+                              _expm1((_kl_d(logp_out, ref_ptr, mask_ptr, o, end, HAS_MASK) - p).to(tl.float32)), 0.0)
+        e = tl.sum(acc_e, axis=0) / n_safe
+    return p, e
+
+
+@triton.jit
+def _kl_d(logp_out, ref_ptr, mask_ptr, o, end, HAS_MASK: tl.constexpr):
+    """d = ref - logp in float64 (exact) at the counted tokens of a block (0 elsewhere; NaN at a ref not finite)."""
+    m = _counted(mask_ptr, o, o < end, HAS_MASK)
+    ref = _finite_or_nan(tl.where(m, tl.load(ref_ptr + o, mask=m, other=0.0).to(tl.float32), 0.0))
+    return tl.where(m, ref.to(tl.float64) - tl.load(logp_out + o, mask=m, other=0.0).to(tl.float64), 0.0)

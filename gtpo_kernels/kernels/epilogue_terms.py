@@ -76,14 +76,15 @@ def _token_adv(adv_ptr, o, inb, m, malformed):
 
 @triton.jit
 def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pmult, emult, sel,
-           lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, kl_coef, BLOCK: tl.constexpr,
+           lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, kl_coef, kl_p, kl_e,
+           BLOCK: tl.constexpr,
            HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, BIAS_KL: tl.constexpr, HAS_LAM: tl.constexpr,
            HAS_E: tl.constexpr, SEQ: tl.constexpr, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr,
            HAS_DUAL: tl.constexpr, POLICY: tl.constexpr):
     """Per token of a block: (loss_tok, d_logp, d_logr, clipped, lam) before the aggregation weights;
     pmult: the policy term's multiplier after lam (_policy_weight: the off-policy mask, the top-entropy mask, the
     rollout weight); emult: the entropy bonus' (the top-entropy mask, 1 without it); sel: clip_cov's and
-    kl_cov's chosen tokens (epilogue_cov._cov_sel)."""
+    kl_cov's chosen tokens (epilogue_cov._cov_sel); kl_p, kl_e: the completion's epilogue_geo._kl_pivot."""
     lp = tl.load(logp_out + o, mask=inb, other=0.0)
     en = tl.load(ent_out + o, mask=inb, other=0.0)
     if SEQ:  # (ppo only: `old` unused)
@@ -114,9 +115,10 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         if BIAS_KL:
             kl = tl.where(beta != 0.0, beta * k3 * r, 0.0)
             loss_tok = loss_tok + kl
-            if SEQ and POLICY != 8:
-                d_logp = d_logp + tl.where(beta != 0.0, beta * dk3 * r, 0.0)
-                d_logr = d_logr + kl
+            if SEQ and POLICY != 8:  # R's derivative spread here: R (mean e^d - e^d_t - mean d), epilogue_geo._kl_pivot
+                a = (ref.to(tl.float64) - lp.to(tl.float64) - kl_p).to(tl.float32)
+                g_kl = tl.exp(kl_p.to(tl.float32)) * (kl_e - _expm1(a)) - kl_p.to(tl.float32)
+                d_logp = d_logp + tl.where(beta != 0.0, beta * r * g_kl, 0.0)
             else:  # the token's own ratio (geo_mean's d_logr is d / d log R): -r d, as surrogate.kl_term
                 d_logp = d_logp + tl.where(beta != 0.0, -beta * d * r, 0.0)
         else:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .epilogue_cov import _cov_keys, _cov_kth, _cov_sel
-from .epilogue_geo import _geo_log_R, _geo_sums, _vespo_phi, _vespo_sums
+from .epilogue_geo import _geo_log_R, _geo_sums, _kl_pivot, _vespo_phi, _vespo_sums
 from .epilogue_hyper import _gate_on, _hyper
 from .epilogue_terms import (_counted, _denom, _finite_or_nan, _fix_cu, _invalid_inputs, _kept_add, _metrics_store,
                              _off_policy_sum, _policy_weight, _roll_add, _roll_store, _rollout_ok, _rollout_w, _span,
@@ -261,6 +261,8 @@ def _epilogue_kernel(
         keep_w = tl.load(scratch_ptr + 3 * B + i)
         denom = _denom(nconf_ptr, i, n_safe, Bf, M_safe, ni, max_len, AGG, NITEMS, HAS_NCONF)
         g_seq = 0.0
+        kl_p, kl_e = _kl_pivot(logp_out, ref_ptr, mask_ptr, start, end, n_safe, BLOCK, HAS_MASK,
+                               SEQ and BIAS_KL and HAS_KL)  # (the sequence level's bias-corrected KL)
         if SEQ or POLICY == 8:  # d loss / d log r (geo_mean: log R) over the completion, spread back on its tokens
             g_acc = tl.zeros([BLOCK], tl.float32)
             for t0 in range(start, end, BLOCK):
@@ -272,8 +274,8 @@ def _epilogue_kernel(
                 a_t = _token_adv(adv_ptr, o, inb, m, malformed) if TOK_ADV else a_hat
                 _, _, d_logr, _, _ = _terms(o, inb, m, a_t, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw,
                                             em, o < 0, lo, hi, delta, dual_c, beta, ent_coef, sapo_pos, sapo_neg,
-                                            dro_beta, kl_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM, HAS_E, SEQ,
-                                            CLIP, HAS_DELTA, HAS_DUAL, POLICY)
+                                            dro_beta, kl_coef, kl_p, kl_e, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM,
+                                            HAS_E, SEQ, CLIP, HAS_DELTA, HAS_DUAL, POLICY)
                 w = tl.where(m, 1.0, 0.0) / denom
                 g_acc += tl.where(m, w * d_logr, 0.0)
             g_seq = tl.sum(g_acc, axis=0) / n_safe
@@ -287,8 +289,8 @@ def _epilogue_kernel(
             a_t = _token_adv(adv_ptr, o, inb, m, malformed) if TOK_ADV else a_hat
             loss_tok, d_logp, d_logr, clipped, lam = _terms(
                 o, inb, m, a_t, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_ptr, pw, em, sel, lo, hi, delta,
-                dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, kl_coef, BLOCK, HAS_OLD, HAS_KL, BIAS_KL, HAS_LAM,
-                HAS_E, SEQ, CLIP, HAS_DELTA, HAS_DUAL, POLICY)
+                dual_c, beta, ent_coef, sapo_pos, sapo_neg, dro_beta, kl_coef, kl_p, kl_e, BLOCK, HAS_OLD, HAS_KL,
+                BIAS_KL, HAS_LAM, HAS_E, SEQ, CLIP, HAS_DELTA, HAS_DUAL, POLICY)
             if AGG == 5:
                 w = tl.where(m, 1.0, 0.0)
             else:
