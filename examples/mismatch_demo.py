@@ -90,11 +90,11 @@ def trainer(pol, ids, hs, engine_lp, adv, **head):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--completions", type=int, default=16)
-    p.add_argument("--tokens", type=int, default=24)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=32000, help="V, the LM head's rows (default: 32000)")
+    p.add_argument("--dim", type=int, default=512, help="D, the hidden size (default: 512)")
+    p.add_argument("--completions", type=int, default=16, help="completions in the batch (default: 16)")
+    p.add_argument("--tokens", type=int, default=24, help="tokens per completion (default: 24)")
+    p.add_argument("--seed", type=int, default=0, help="the random inputs' seed (default: 0)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch's CPU threads (default: torch's own; a GEMM's rounding may depend on it)")
     a = p.parse_args(argv)

@@ -148,8 +148,8 @@ TOL = {
 
 def assert_value_close(name, x, ref, tol, where=None):
     """|x - ref| / max(1, |ref|) <= tol elementwise (spec 7); reports the worst element."""
-    x = torch.as_tensor(x).double()
-    ref = torch.as_tensor(ref).double()
+    x = torch.as_tensor(x).detach().double()
+    ref = torch.as_tensor(ref).detach().double()
     assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)} != reference {tuple(ref.shape)}"
     if where is not None:
         x, ref = x[where], ref[where]

@@ -87,16 +87,16 @@ def test_views_with_strides_equal_their_definition():
 
 
 def test_backend_torch_forms_them_with_torch():
-    """Inside a call with backend='torch' (checks.backend_kernels) no digest kernel runs: the same values."""
-    from gtpo_kernels.core import checks
+    """Inside a call with backend='torch' (entry.backend_kernels) no digest kernel runs: the same values."""
+    from gtpo_kernels.core import entry
     x = torch.randn(50)
-    token = checks._KERNELS.set(False)
+    token = entry._KERNELS.set(False)
     try:
         assert not digest.kernels_on(x.device, [x])
         torch_row = torch.zeros(2, dtype=torch.int64)
         digest.Digest.values(x).write(torch_row, 1)
     finally:
-        checks._KERNELS.reset(token)
+        entry._KERNELS.reset(token)
     kernel_row = torch.zeros(2, dtype=torch.int64)
     digest.write_row([digest.Digest.values(x)], kernel_row)
     assert torch.equal(torch_row, kernel_row) and torch_row[1] != 0
@@ -109,7 +109,7 @@ def test_a_whole_row_in_one_launch_equals_the_torch_forms(n_values):
     the first) and the tokens (packed, a float mask) in one launch of _row_kernel per SLOTS terms, plus one for
     the fingerprint's second tensor; every slot equal to the torch forms' row, the other slots untouched."""
     from bench.launches import counting
-    from gtpo_kernels.core import checks
+    from gtpo_kernels.core import entry
     from gtpo_kernels.kernels import digest_triton
     g = torch.Generator().manual_seed(n_values)
     lengths = torch.tensor([3, 0, 5, 2])
@@ -132,12 +132,12 @@ def test_a_whole_row_in_one_launch_equals_the_torch_forms(n_values):
     with counting() as c:
         kernel_row = row()
         digest.write_row(fields, kernel_row)
-    token = checks._KERNELS.set(False)
+    token = entry._KERNELS.set(False)
     try:
         torch_row = row()
         digest.write_row(fields, torch_row)
     finally:
-        checks._KERNELS.reset(token)
+        entry._KERNELS.reset(token)
     assert torch.equal(kernel_row, torch_row), (kernel_row, torch_row)
     assert kernel_row[0] == 5 and kernel_row[-1] == 5 and (kernel_row[2:-2] != 5).all()
     n_terms = n_values + 1

@@ -12,8 +12,10 @@ off-policy sequence mask (its threshold drawn among the completions' mean log-ra
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume as _assume
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 from bench.launches import counting
 from conftest import assert_grad_close, assert_value_close, compiled_ahead, examples
@@ -25,6 +27,14 @@ AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-tok
 TOL = 1e-5
 # the other token-level policy terms of the kernel (POLICY != 0, epilogue_triton.POLICIES)
 OTHER = ["cispo", "sapo", "gpg", "verl-cispo", "dro", "dppo-tv", "dppo-kl", "geo-mean", "vespo"]
+
+
+def assume(ok):
+    """hypothesis' assume in a property test; a plain test (test_epilogue_masks' fixed cases) must meet the
+    condition with its own draw."""
+    if currently_in_test_context():
+        return _assume(ok)
+    assert ok, "the fixed case draws a value within 1e-4 of a decision's cut: pick another seed"
 
 
 def _term_options(draw, preset):

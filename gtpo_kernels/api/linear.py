@@ -5,7 +5,7 @@ import numbers
 
 import torch
 
-from ..core import batch, checks, host_read
+from ..core import batch, checks, entry, host_read
 from ..core.config import GTPOConfig, as_config
 from ..core.flags import nan_where
 from ..core.layout import float_dtype_for
@@ -20,7 +20,7 @@ from . import logits as api
 SCHEDULES = ("auto", "fused", "recompute")
 
 
-@checks.backend_kernels
+@entry.backend_kernels
 @host_read.carrying  # one process, validating: the arguments' checks read with the tile plan's read
 def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask=None, *, bias=None,
                      logit_scale=1.0, logit_softcap=None, memory_budget=None, schedule="auto",
@@ -132,7 +132,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
         return head_ops.head_loss(b, cfg, head, hidden, budget, schedule, backend, num_items, host, vp)
 
 
-@checks.backend_kernels
+@entry.backend_kernels
 @host_read.carrying
 def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, completion_mask=None, *, bias=None,
                           logit_scale=1.0, logit_softcap=None, cu_seqlens=None, max_seqlen=None,

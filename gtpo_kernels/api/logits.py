@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from ..core import batch, checks
+from ..core import batch, checks, entry
 from ..core.config import GTPOConfig, as_config
 from ..core.flags import nan_where
 from ..core.layout import float_dtype_for
@@ -20,7 +20,7 @@ from ..pipeline import epilogue, epilogue_attached, logps_epilogue, reference, r
 from ..pipeline.loss import (call_temperature, check_loss_args, conflicts_for, forward, fused_loss, logps_loss,
                              make_output, vocab_parallel, vocab_summary)
 
-@checks.backend_kernels
+@entry.backend_kernels
 def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group_size=None,
               old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None, n_conf=None,
               cu_seqlens=None, max_seqlen=None, logits_start=None, num_items_in_batch=None,
@@ -179,7 +179,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     return make_output(b, cfg, loss, res, dt, host)
 
 
-@checks.backend_kernels
+@entry.backend_kernels
 def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None, *, logits_start=None,
                    cu_seqlens=None, max_seqlen=None, sampling_mask=None, top_k=None, top_p=None, min_p=None,
                    validate=True, backend="auto", process_group=None):

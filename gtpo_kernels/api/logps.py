@@ -5,7 +5,7 @@ import warnings
 
 import torch
 
-from ..core import batch, checks
+from ..core import batch, checks, entry
 from ..core.config import GTPOConfig, as_config
 from ..core.layout import float_dtype_for
 from ..core.output import GTPOOutput
@@ -15,7 +15,7 @@ from ..pipeline import logps_epilogue
 from ..pipeline.loss import check_loss_args, conflicts_for, logps_loss, make_output
 
 
-@checks.backend_kernels
+@entry.backend_kernels
 def gtpo_loss_from_logps(logps, completion_ids, advantages, completion_mask=None, *, entropy=None,
                          group_size=None, old_logps=None, ref_logps=None, config=GTPOConfig(), lam=None,
                          n_conf=None, cu_seqlens=None, max_seqlen=None, num_items_in_batch=None,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..core import batch, checks
+from ..core import batch, checks, entry
 from ..core.config import GTPOConfig, as_config
 from ..distributed.data_parallel import dp_conflict_weights
 from ..kernels import dispatch
 from ..objective.conflict import ID_LIMIT, conflict_flat
 from ..objective.grouping import group_layout
 
-@checks.backend_kernels
+@entry.backend_kernels
 def conflict_weights(completion_ids, completion_mask, advantages, group_size=None, *, group_ids=None, config=None,
                      cu_seqlens=None, max_seqlen=None, dtype=torch.float32, validate=True, backend="auto",
                      process_group=None):

@@ -98,13 +98,14 @@ def _counted(completion_mask, tok_shape, N, device, validate):
     return Lazy(lambda: (completion_mask != 0).reshape(-1).contiguous())
 
 
-def _advantages(advantages, B, device, validate):
+def _advantages(advantages, B, device, validate, packed=False):
     """advantages (B,) or (B, 1) -> (B,); non-finite values refused when validating (NaN loss else)."""
     checks.check_tensor("advantages", advantages)
     if advantages.dtype == torch.bool or advantages.dtype.is_complex:
         raise TypeError(f"advantages must be a real tensor, got {advantages.dtype}")
     if tuple(advantages.shape) not in ((B,), (B, 1)):
-        raise ValueError(f"advantages must have shape (B,) or (B, 1) with B = {B}, "
+        of = f" (the completions cu_seqlens delimits: {B + 1} offsets)" if packed else ""
+        raise ValueError(f"advantages must have shape (B,) or (B, 1) with B = {B}{of}, "
                          f"got {tuple(advantages.shape)}")
     checks.check_device("advantages", advantages, device)
     if validate:
@@ -142,7 +143,7 @@ def prepare_tokens(completion_ids, completion_mask=None, advantages=None, *, cu_
     if malformed is not None:  # made on first use: the epilogue kernel reads `given` and flags it itself
         batch.ids_ = Lazy(lambda: torch.where(malformed(), torch.full_like(ids, -1), ids))
     if advantages is not None:
-        adv = _advantages(advantages, B, device, validate)
+        adv = _advantages(advantages, B, device, validate, cu_seqlens is not None)
         batch.given["adv"] = adv
         batch.adv_ = adv if malformed is None else Lazy(lambda: torch.where(malformed(), float("nan"), adv))
     return batch
@@ -166,8 +167,9 @@ def resolve_logits_start(logits, completion_ids, logits_start, cu_seqlens=None):
     if T_l < T:
         raise ValueError(f"logits must hold at least {what} = {T} rows (one per completion token), got {T_l}")
     if T_l > T:
-        raise ValueError(f"logits hold {T_l} rows but completion_ids {T} ({what}): with logits_start=None they "
-                         f"must be equal; pass logits_start={T_l - T - 1} if row {T_l - T - 1} predicts the first "
+        swapped = "" if logits.shape[-1] != T else f" (their last dimension is {what} = {T}: the vocabulary goes last)"
+        raise ValueError(f"logits hold {T_l} rows but completion_ids {T} ({what}){swapped}: with logits_start=None "
+                         f"they must be equal; pass logits_start={T_l - T - 1} if row {T_l - T - 1} predicts the first "
                          f"completion token (a model's (B, P + T, V) logits: logits_start=P - 1), or slice them")
     return 0
 

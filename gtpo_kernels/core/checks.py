@@ -3,7 +3,6 @@ Batch is built from the checked arguments in `batch`)."""
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import math
 import numbers
@@ -13,6 +12,7 @@ import warnings
 
 import torch
 
+from .entry import kernels_allowed
 from .flags import BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF
 from .host_read import check_on_device, in_row, one_host_read, read_once  # noqa: F401 (the checks' home: checks.*)
 
@@ -90,8 +90,6 @@ def check_num_items(num_items, loss_agg, device, dtype, validate=True, raw=False
 # the predicates' one-launch form where Triton runs (kernels/check_triton registers it): (x, where, V) -> a
 # 0-d bool, or None (then torch forms it here)
 DEVICE_ANY = None
-# whether the call may run Triton kernels of its own around its passes (not with backend='torch' or 'reference')
-_KERNELS = contextvars.ContextVar("gtpo_kernels_allowed", default=True)
 
 
 _HERE = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # the package
@@ -109,29 +107,9 @@ def warn_at_caller(message, category=UserWarning):
     warnings.warn(message, category, stacklevel=level + 1)
 
 
-def kernels_allowed():
-    """Whether this call's checks and agreement may launch Triton kernels (its backend is not 'torch')."""
-    return _KERNELS.get()
-
-
-def backend_kernels(fn):
-    """An entry point's decorator: with backend='torch' or 'reference' its checks (and a process group's
-    checksums) are formed by torch alone, as its passes are (no Triton kernel launched for them)."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        if torch.compiler.is_compiling():  # (no host checks run there)
-            return fn(*args, **kwargs)
-        token = _KERNELS.set(kwargs.get("backend", "auto") not in ("torch", "reference"))
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _KERNELS.reset(token)
-    return run
-
-
 def _any_bad(x, where, V, torch_bad):
     """Whether any value fails: DEVICE_ANY's one launch, else torch's torch_bad().any()."""
-    found = None if DEVICE_ANY is None or not _KERNELS.get() else DEVICE_ANY(x, where, V)
+    found = None if DEVICE_ANY is None or not kernels_allowed() else DEVICE_ANY(x, where, V)
     return torch_bad().any() if found is None else found
 
 

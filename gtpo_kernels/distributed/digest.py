@@ -13,7 +13,7 @@ import zlib
 
 import torch
 
-from ..core import checks
+from ..core import checks, entry
 from ..core.layout import spread_rows
 _MASK61 = (1 << 61) - 1
 _K1, _K2, _K3, _K4 = (0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D,
@@ -299,7 +299,7 @@ def _size_term(x):
 
 def kernels_on(device, tensors):
     """Whether the digest kernels run for tensors, into a row on `device`."""
-    if not checks.kernels_allowed() or any(t.device != device for t in tensors):  # (backend='torch': none)
+    if not entry.kernels_allowed() or any(t.device != device for t in tensors):  # (backend='torch': none)
         return False
     from ..kernels import dispatch
     return dispatch.triton_runs_on(device)
