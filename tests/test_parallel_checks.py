@@ -104,7 +104,8 @@ def _scenarios(rank, bad):
                           "ref_logps must be finite at counted positions; flat position 1 holds nan"),
         "lam_inf": (lambda: loss(cfg=official, lam=_edit(lam, (2, 0), inf, me), n_conf=n_conf),
                     "lam must be finite at counted positions; flat position 10 holds inf"),
-        "id_negative": (lambda: loss(i=_edit(ids, (1, 2), -3, me)), "flat position 7 holds -3"),
+        "id_negative": (lambda: loss(i=_edit(ids, (1, 2), -3, me)),  # (V is known after the agreement, not [0, inf))
+                        "(V: the whole vocabulary over the group) at counted positions; flat position 7 holds -3"),
         "n_conf_below_1": (lambda: loss(cfg=official, lam=lam, n_conf=_edit(n_conf, 2, 0.5, me)),
                            "n_conf must be finite and >= 1 (conflict_weights' counts: at least 1 per completion); "
                            "completion 2 holds 0.5"),

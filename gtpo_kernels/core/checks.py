@@ -239,9 +239,9 @@ def check_ids_in_range(ids, counted, V, where=None):
 
     def fail():
         k = int(bad().nonzero()[0, 0])
-        raise ValueError(
-            f"completion_ids must lie in [0, V) = [0, {V}) at counted positions; flat position {k} "
-            f"holds {int(ids[k])} (mask it out, or fix the ids)")
+        span = f"[0, V) = [0, {V})" if V != float("inf") else "[0, V) (V: the whole vocabulary over the group)"
+        raise ValueError(f"completion_ids must lie in {span} at counted positions; flat position {k} holds "
+                         f"{int(ids[k])} (mask it out, or fix the ids)")
     _check(ids, where, "range", V, bad, fail)
 
 
