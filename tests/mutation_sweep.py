@@ -779,9 +779,9 @@ MUTANTS = [
     M("Q74", "core/config.py", '            self.__dict__.pop("_read")', "            pass",
       "the check's state left on the config (vars(config) passes it on as a field)", tests=["test_compile_tensors"]),
     # ---- the sequence level's bias-corrected KL without cancellation; compile around a process group
-    M("Q75", "objective/surrogate.py", "kl_term(logp, ref, log_r, cfg, own, None if own else lambda x: (",
-      "kl_term(logp, ref, log_r, cfg, own, None if True else lambda x: (",
-      "gspo's bias-corrected KL through d log r again: terms of size R e^d cancel", tests=["test_kl_conditioning"]),
+    M("Q75", "objective/surrogate.py", "kl_term(logp, ref, log_r, cfg, None if own else lambda x: (",
+      "kl_term(logp, ref, log_r, cfg, None if True else lambda x: (",
+      "gspo's bias-corrected KL as a token-level ratio's (-r d)", tests=["test_kl_conditioning"]),
     M("Q76", "objective/surrogate.py", "d64 = ref.double() - logp.double()", "d64 = (ref - logp).double()",
       "d rounded in float32 before the pivot: its error times e^P", tests=["test_kl_conditioning"]),
     M("Q77", "kernels/epilogue_terms.py", "a = (ref.to(tl.float64) - lp.to(tl.float64) - kl_p).to(tl.float32)",

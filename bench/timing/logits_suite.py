@@ -103,8 +103,8 @@ class Suite:
         load = runner.load_record(load_before, load_after)
         self._ratios(rows, load)
         out = dict(rows=rows, traffic=traffic, device=self.device, preset=self.preset,
-                   dtype=str(self.dtype).replace("torch.", ""), modes=list(self.modes), repeats=0 if self.check_only else self.repeats,
-                   warmup=self.warmup, timing="interleaved rounds", rule=runner.RULE, load=load,
+                   dtype=str(self.dtype).replace("torch.", ""), modes=list(self.modes),
+                   repeats=0 if self.check_only else self.repeats, warmup=self.warmup, timing="interleaved rounds", rule=runner.RULE, load=load,
                    sizes=[list(s) for s in self.sizes])
         if self.device == "cuda" and not self.check_only:
             out["copy_bandwidth_GBps"] = self._copy_bandwidth()

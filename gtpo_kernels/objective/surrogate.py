@@ -182,14 +182,14 @@ def multipliers(logp, ent, m, seg, B, n_safe, M, adv, cfg, lam, old, rollout_w, 
     return mult, emask
 
 
-def kl_term(logp, ref, log_r, cfg, own=False, seq_mean=None):
-    """beta * k3(ref, logp) (times r with the bias correction, spec 9) -> (value, d/dlogp, d/dlog r). own:
-    r is the token's own ratio (token level, or geo_mean's term, whose d/dlog r is the completion's): both
-    derivatives in d/dlogp, d(r k3)/dlogp = r (1 - e^d) + r k3 = -r d, formed as such (the sum of the two
-    cancels terms of size r e^d: a relative error of 1e-3 at d = 14 in float32). seq_mean (x -> its mean over
-    each token's completion, counted tokens): r is the completion's R (its aggregation weight the same on all
-    its tokens), and d/dlogp_t of the completion's sum is R (mean e^d - e^d_t - mean d) / n per weight, formed
-    as R (e^P (mean expm1(d - P) - expm1(d_t - P)) - P) with P = mean d: no term of size R e^d is formed, and
+def kl_term(logp, ref, log_r, cfg, seq_mean=None):
+    """beta * k3(ref, logp) (times r with the bias correction, spec 9) -> (value, d/dlogp), every derivative
+    in d/dlogp. seq_mean None: r is the token's own ratio (token level, or geo_mean's term, whose d/dlog r is
+    the completion's), d(r k3)/dlogp = r (1 - e^d) + r k3 = -r d, formed as such (the sum of the two cancels
+    terms of size r e^d: a relative error of 1e-3 at d = 14 in float32). seq_mean (x -> its mean over each
+    token's completion, counted tokens): r is the completion's R (its aggregation weight the same on all its
+    tokens), and d/dlogp_t of the completion's sum is R (mean e^d - e^d_t - mean d) / n per weight, formed as
+    R (e^P (mean expm1(d - P) - expm1(d_t - P)) - P) with P = mean d: no term of size R e^d is formed, and
     d - P is formed in float64."""
     d = ref - logp
     # expm1, not exp(d) - 1: near ref = logp the derivative 1 - exp(d) ~ -d would lose its digits to the
@@ -197,19 +197,16 @@ def kl_term(logp, ref, log_r, cfg, own=False, seq_mean=None):
     # 9.5e-6 of the whole gradient at d = 4e-3 where the KL term is a token's only gradient)
     em = torch.expm1(d)
     k3 = em - d  # exp(d) - d - 1
-    dk3 = -em  # d k3 / d logp = 1 - exp(d)
     if not cfg.use_bias_correction_kl:
-        return _times_beta(cfg.beta, k3), _times_beta(cfg.beta, dk3), None
+        return _times_beta(cfg.beta, k3), _times_beta(cfg.beta, -em)  # d k3 / d logp = 1 - exp(d)
     r = torch.exp(log_r)
-    if own:
-        return _times_beta(cfg.beta, k3, r), _times_beta(cfg.beta, -d, r), None
-    if seq_mean is not None:  # (d - P from float64: d's own rounding, times e^P, would be the error)
-        d64 = ref.double() - logp.double()
-        P = seq_mean(d64)
-        e = torch.expm1((d64 - P).to(d.dtype))
-        g = torch.exp(P.to(d.dtype)) * (seq_mean(e) - e) - P.to(d.dtype)
-        return _times_beta(cfg.beta, k3, r), _times_beta(cfg.beta, g, r), None
-    return _times_beta(cfg.beta, k3, r), _times_beta(cfg.beta, dk3, r), _times_beta(cfg.beta, k3, r)
+    if seq_mean is None:
+        return _times_beta(cfg.beta, k3, r), _times_beta(cfg.beta, -d, r)
+    d64 = ref.double() - logp.double()  # (d - P from float64: d's own rounding, times e^P, would be the error)
+    P = seq_mean(d64)
+    e = torch.expm1((d64 - P).to(d.dtype))
+    g = torch.exp(P.to(d.dtype)) * (seq_mean(e) - e) - P.to(d.dtype)
+    return _times_beta(cfg.beta, k3, r), _times_beta(cfg.beta, g, r)
 
 
 def _times_beta(beta, x, r=None):
@@ -292,9 +289,9 @@ def surrogate(logp, ent, m, seg, B, adv, cfg, *, old=None, ref=None, lam=None, n
     if ref is not None and not is_zero(cfg.beta):
         # the KL's ratio is the token's own at token level, and in geo_mean (whose d_logr is d / d log R)
         own = cfg.policy_loss == "geo-mean" or (spread is None and cfg.importance_sampling_level == "token")
-        kl, kl_logp, kl_logr = kl_term(logp, ref, log_r, cfg, own, None if own else lambda x: (
+        kl, kl_logp = kl_term(logp, ref, log_r, cfg, None if own else lambda x: (
             seg_sum(torch.where(m, x, zero), seg, B) / n_safe)[seg])
-        loss_tok, d_logp, d_logr = loss_tok + kl, _add(d_logp, kl_logp), _add(d_logr, kl_logr)
+        loss_tok, d_logp = loss_tok + kl, _add(d_logp, kl_logp)
     e = None
     if not is_zero(cfg.entropy_coef):  # the bonus, masked by the top-entropy mask too
         coef = -cfg.entropy_coef if emask is None else -cfg.entropy_coef * emask
