@@ -166,6 +166,19 @@ def _scenarios(rank, world):
     out = gtpo_loss(x[..., sl], ids, adv, masked, group_size=2, old_logps=old, temperature=t, config=cfg,
                     backend="triton", process_group=dist.group.WORLD)
     res["masked-out bad tau"] = {"loss": _rel(out.loss, want.loss), "logps": _rel(out.logps, want.logps)}
+    for backend in ("triton", "torch"):  # the config's 0-d tau, a schedule changed in place to -1 since the config
+        sched = torch.tensor(0.8)        # checked it: NaN at every token unvalidated (the merge's 1 / tau too),
+        changed = GTPOConfig.preset("grpo", temperature=sched)  # named by every rank validating
+        sched.fill_(-1.0)
+        kw = dict(group_size=2, old_logps=old, config=changed, backend=backend, process_group=dist.group.WORLD)
+        out = gtpo_loss(x[..., sl], ids, adv, validate=False, **kw)
+        res[f"schedule -1, {backend}"] = {"not NaN": float(not (out.logps.isnan().all() and out.entropy.isnan().all()
+                                                                and out.loss.isnan()))}
+        try:
+            gtpo_loss(x[..., sl], ids, adv, **kw)
+            res[f"schedule refusal, {backend}"] = "accepted"
+        except ValueError as e:
+            res[f"schedule refusal, {backend}"] = str(e)
     progress("disagree")
     mine = tau.clone()
     if rank == 1:
@@ -183,7 +196,7 @@ def test_per_token_temperature_across_a_vocabulary_split():
     ranks = run_ranks_ok(_scenarios, 2, watchdog=120)
     for r, res in enumerate(ranks):
         for key, errs in res.items():
-            if key == "disagree" or key.startswith("refused"):
+            if key == "disagree" or key.startswith(("refused", "schedule refusal")):
                 continue
             for what, err in errs.items():
                 tol = 1e-4 if what.startswith("grad") else 1e-5
@@ -191,5 +204,8 @@ def test_per_token_temperature_across_a_vocabulary_split():
     for key in (k for k in ranks[0] if k.startswith("refused")):  # validating: every rank names it alike
         said = [res[key] for res in ranks]
         assert said[0][0] == said[1][0] and all("temperature must be finite" in x[1] for x in said), (key, said)
+    for key in (k for k in ranks[0] if k.startswith("schedule refusal")):
+        said = [res[key] for res in ranks]
+        assert said[0] == said[1] and "GTPOConfig.temperature must be > 0, got tensor(-1.)" in said[0], (key, said)
     said = [res["disagree"] for res in ranks]
     assert said[0] == said[1] and "temperature (per token)" in said[0], said

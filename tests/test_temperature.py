@@ -153,11 +153,14 @@ def test_bad_temperatures_are_refused_or_nan():
     # a bad number from the call's `temperature=` is named as that argument, not as the config's field
     for call in (lambda: gtpo_loss(z, ids, adv, group_size=2, temperature=0.0, backend="torch"),
                  lambda: token_logprobs(z, ids, 0, backend="torch"),
-                 lambda: linear_gtpo_loss(z, torch.eye(11), ids, adv, group_size=2, temperature=-1.0)):
-        with pytest.raises(ValueError, match=r"^temperature \(the call's argument\) must be > 0, got (0|-1)\.0$"):
+                 lambda: linear_gtpo_loss(z, torch.eye(11), ids, adv, group_size=2, temperature=-1.0),
+                 lambda: token_logprobs(z, ids, 1e-39, backend="triton")):  # (1 / tau overflows float32)
+        with pytest.raises(ValueError, match=r"^temperature \(the call's argument\) must be > 0, with 1 / temperature "
+                                             r"finite in float32, got (0|-1|1e-39)(\.0)?$"):
             call()
     with pytest.raises(ValueError, match="GTPOConfig.temperature must be > 0"):
         GTPOConfig(temperature=0.0)
+    GTPOConfig(temperature=3e-39)  # (1 / tau finite in float32: taken)
     with pytest.raises(TypeError, match="temperature must be a number > 0 or a floating-point tensor"):
         gtpo_loss(z, ids, adv, group_size=2, temperature="hot", backend="torch")
     # a number overrides the config's

@@ -7,7 +7,7 @@ import torch
 
 from ..core import batch, checks, entry, host_read
 from ..core.config import GTPOConfig, as_config
-from ..core.flags import nan_where
+from ..core.flags import nan_where, tau_or_nan
 from ..core.layout import float_dtype_for
 from ..core.vocab_block import VOCAB_BLOCK
 from ..distributed import agree
@@ -201,11 +201,11 @@ def _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, dt
 
 def _one_tau(cfg, b):
     """The replay's temperature: the call's per-token b.tau, or the config's one value as a number (a 0-d
-    tensor, e.g. a schedule, read on the host: it lives there)."""
+    tensor, e.g. a schedule, read on the host: it lives there; NaN where it is no longer > 0)."""
     if b.tau is not None:
         return b.tau
     t = cfg.temperature
-    return float(t) if isinstance(t, torch.Tensor) else t
+    return tau_or_nan(float(t)) if isinstance(t, torch.Tensor) else t
 
 
 def _device(hidden):

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from .entry import kernels_allowed
-from .flags import BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF
+from .flags import BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF, NonFiniteRowError
 from .host_read import check_on_device, in_row, one_host_read, read_once  # noqa: F401 (the checks' home: checks.*)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -289,8 +289,8 @@ def raise_on_flags(bad, tok_shape):
         what = "has a top_k, top_p or min_p value out of its range"
     else:
         what = "has a target id outside [0, V)"
-    raise ValueError(f"logits: the row predicting completion token {where} {what}; "
-                     f"{nz.shape[0]} counted row(s) are invalid")
+    error = NonFiniteRowError if f & BAD_NONFINITE else ValueError
+    raise error(f"logits: the row predicting completion token {where} {what}; {nz.shape[0]} counted row(s) are invalid")
 
 
 def require_advantages(advantages):

@@ -50,8 +50,7 @@ class GTPOConfig:
     entropy_coef          optional differentiable entropy bonus (- coef * H per token)
     beta                  weight of the k3 KL term against ref_logps (0: no reference model)
     (every float above may also be a 0-d floating tensor, e.g. a schedule the trainer updates in place:
-    under torch.compile it is then a graph input, and a new value does not recompile; a CPU tensor
-    is read without a device sync)
+    under torch.compile a graph input, a new value does not recompile; a CPU tensor read without a sync)
     loss_agg              one of LOSS_AGGS ('_' or '-' accepted)
     max_completion_length denominator of 'seq-mean-token-sum-norm' (default: T, or the longest
                           completion in the packed form)
@@ -127,7 +126,8 @@ class GTPOConfig:
         replace: the changed ones; while torch.compile traces none, their shape and dtype alone)."""
         object.__setattr__(self, "_read", () if torch.compiler.is_compiling() else read)  # (not a field)
         try:
-            self._need("temperature", lambda v: v > 0, "> 0")
+            self._need("temperature", lambda v: v > 0 and 1 / v <= 3.4028234663852886e38,  # (float32's largest)
+                       "> 0, with 1 / temperature finite in float32")
             for f in _NUMBER_FIELDS[1:]:  # (after temperature: each 0-d tensor read once)
                 self._number(f)
             for check in (self._check_policy_term, self._check_masks_and_kl, self._check_switches_and_aggregation,

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
+import math
 
 import torch
+
+from .flags import NonFiniteRowError
 
 # whether the call may run Triton kernels of its own around its passes (not with backend='torch' or 'reference')
 _KERNELS = contextvars.ContextVar("gtpo_kernels_allowed", default=True)
@@ -35,9 +39,27 @@ def backend_kernels(fn):
         token = _KERNELS.set(kwargs.get("backend", "auto") not in ("torch", "reference"))
         try:
             return fn(*args, **kwargs)
+        except NonFiniteRowError:
+            _refuse_temperature(fn, args, kwargs)
+            raise
         finally:
             _KERNELS.reset(token)
     return run
+
+
+def _refuse_temperature(fn, args, kwargs):
+    """Every counted row flagged not finite, validating: where the config's temperature is a 0-d tensor
+    changed in place to a value that is not > 0 since the config checked it (a schedule), the error names
+    it (read here, on the error's path alone: the kernels NaN such a tau without a read)."""
+    from .config import GTPOConfig
+    try:
+        config = inspect.signature(fn).bind(*args, **kwargs).arguments.get("config")
+    except TypeError:
+        return
+    tau = getattr(config, "temperature", None) if isinstance(config, GTPOConfig) else None
+    if isinstance(tau, torch.Tensor) and tau.numel() == 1 and not 0 < float(tau) < math.inf:
+        raise ValueError(f"GTPOConfig.temperature must be > 0, got {tau!r}: the 0-d tensor was changed in place "
+                         "since the config checked it") from None
 
 
 def _grouped(args, kwargs):

@@ -8,6 +8,20 @@ BAD_ID = 4  # id outside [0, V) (never read)
 BAD_RULE = 8  # a truncation rule (top_k, top_p, min_p) of the token out of its range (unvalidated)
 
 
+class NonFiniteRowError(ValueError):
+    """A counted row whose statistics are not finite (checks.raise_on_flags): NaN or +inf logits, or a
+    temperature that is not > 0 (the entry point then names the temperature, core/entry.py)."""
+
+
+def tau_or_nan(tau):
+    """The temperature as the torch passes take it: NaN where it is not finite and > 0 (a number, or a
+    tensor elementwise, read nowhere): a 0-d schedule changed in place to 0 or below, unvalidated, makes its
+    tokens' outputs NaN, as the Triton kernels' 1 / tau does (vocab_jit._inv_tau), never a finite number."""
+    if isinstance(tau, torch.Tensor):
+        return torch.where((tau > 0) & (tau < float("inf")), tau, float("nan"))
+    return tau if 0 < tau < float("inf") else float("nan")
+
+
 def nan_where(flag, values):
     """values (a dict of tensors) NaN where the 0-d bool `flag` is set: a call's metrics where no completion of
     its batch is known (an unvalidated malformed cu_seqlens)."""

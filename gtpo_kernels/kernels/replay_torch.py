@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
+from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, tau_or_nan
 from ..core.layout import float_dtype_for
 from ..core.sampling import segment_of
 from .vocab_torch import _LOG_ZERO, _transform, _transform_grad
@@ -48,7 +48,7 @@ def replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids, offsets, scale=1.0, s
     M = y.numel()
     acc = float_dtype_for(logits3)
     dev = logits3.device
-    tau = torch.as_tensor(tau, dtype=acc, device=dev).expand(M)
+    tau = tau_or_nan(torch.as_tensor(tau, dtype=acc, device=dev)).expand(M)
     seg, ok, idc, z = _gather(logits3, rows_b, rows_t, token_ids, offsets, acc, scale, softcap)
     inv = (1.0 / tau)[seg]
     bad_e = torch.isnan(z) | (z == float("inf"))
@@ -69,7 +69,7 @@ def replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids, offsets, scale=1.0, s
     ent = log_s - _segsum(ex * d, seg, M) / s_tot
     logp = (z_y - m_safe) * (1.0 / tau) - log_s
     q = _segsum(torch.where(hit, torch.zeros_like(ex), ex), seg, M) / s_tot
-    flags = nonfinite.to(torch.int8) * BAD_NONFINITE
+    flags = (nonfinite | torch.isnan(tau)).to(torch.int8) * BAD_NONFINITE  # (a NaN 1 / tau: tau_or_nan)
     flags |= (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF
     flags |= (bad_id | (found != 1)).to(torch.int8) * BAD_ID
     return logp, ent, torch.stack([m_safe, log_s, q], 1), flags

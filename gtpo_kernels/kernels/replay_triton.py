@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, _inv_cap, _log1p, _store_token, _transform,
-                        _transform_grad)
+from .vocab_jit import (BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, _inv_cap, _inv_tau, _log1p, _store_token,
+                        _transform, _transform_grad)
 
 BLOCK_K = 128  # kept ids per block: sets are tens to hundreds of ids (top_k 50 .. 512)
 LOG_ZERO = tl.constexpr(-1.0e4)  # log p clamp where p underflows: keeps p * (log p + H) finite
@@ -45,7 +45,7 @@ def _inv_t(tau_ptr, tau_stride, tau_value, tok, TAU_PTR: tl.constexpr):
     """1 / tau of token tok: read (stride 0: one value for all; an unvalidated tau that is not finite and > 0
     comes as NaN, made so by the callers' check: the token's outputs NaN) or, TAU_PTR off, tau_value."""
     if TAU_PTR:
-        return 1.0 / tl.load(tau_ptr + tok * tau_stride).to(tl.float32)
+        return _inv_tau(tl.load(tau_ptr + tok * tau_stride).to(tl.float32))
     return 1.0 / tau_value
 
 
@@ -103,7 +103,7 @@ def _replay_fwd_kernel(
     z_y = tl.sum(zy_l, axis=0)
     logp = (z_y - m) * inv_t - log_s
     q = tl.sum(o_l, axis=0) / s_tot
-    bad = tl.reduce_or(flag_l, axis=0)
+    bad = tl.reduce_or(flag_l, axis=0) | tl.where(inv_t != inv_t, BAD_NONFINITE, 0)  # (a tau not > 0: _inv_tau)
     bad = tl.where(z_y == float("-inf"), bad | BAD_TARGET_NEG_INF, bad)
     bad = tl.where(tl.sum(found, axis=0) != 1, bad | BAD_ID, bad)
     _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF
+from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, tau_or_nan
 from ..core.layout import float_dtype_for
 from ..core.vocab_block import VOCAB_BLOCK, n_blocks
 
@@ -52,10 +52,10 @@ def _transform_grad(z, scale, softcap):
 
 def _inv_tau(temperature, idx, dtype):
     """1 / tau as a (rows, 1) column for the token rows `idx`: one value (a number or a one-element
-    tensor), or each row's own from a per-token (n,) tensor."""
+    tensor, NaN unless finite and > 0), or each row's own from a per-token (n,) tensor (loss.call_temperature's)."""
     if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
         return (1.0 / temperature[idx].to(dtype))[:, None]
-    inv = 1.0 / temperature
+    inv = 1.0 / tau_or_nan(temperature)
     return inv.reshape(1, 1).to(dtype) if isinstance(inv, torch.Tensor) else inv
 
 
@@ -198,12 +198,9 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
         flag |= (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF
         flag |= (~y_ok).to(torch.int8) * BAD_ID
         m, r, u = merge_blocks(block_stats(z, inv_t), inv_t)
+        flag |= torch.isnan(r).to(torch.int8) * BAD_NONFINITE  # (a NaN 1 / tau too, as the Triton kernel flags it)
         del z
-        c_logp, c_ent, c_stats = finish(m, r, u, z_y, inv_t)
-        logp[idx] = c_logp
-        ent[idx] = c_ent
-        stats[idx] = c_stats
-        bad[idx] = flag
+        logp[idx], ent[idx], stats[idx], bad[idx] = *finish(m, r, u, z_y, inv_t), flag
     return logp, ent, stats, bad
 
 
@@ -270,7 +267,7 @@ def vocab_merge(blocks, zy, nonfinite, ids, counted, temperature, V_whole, state
         out[idx] = torch.stack([m, r, u], 1)
         return out
     c_logp, c_ent, c_stats = finish(m, r, u, z_y, inv_t)
-    flag = nonfinite[idx].to(torch.int8) * BAD_NONFINITE
+    flag = (nonfinite[idx]).to(torch.int8) * BAD_NONFINITE
     flag |= (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF
     flag |= ((y < 0) | (y >= V_whole)).to(torch.int8) * BAD_ID
     logp[idx], ent[idx], stats[idx], bad[idx] = c_logp, c_ent, c_stats, flag
