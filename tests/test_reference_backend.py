@@ -72,3 +72,24 @@ def test_token_logprobs_is_forward_only_on_every_backend(rule):
         assert not lp.requires_grad and not en.requires_grad and lp.grad_fn is None, backend
         torch.testing.assert_close(lp.double(), ref[0].double(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(en.double(), ref[1].double(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+@pytest.mark.parametrize("name, bad, good", [("top_k", -1, 4), ("top_p", float("nan"), 0.8), ("top_p", 0.0, 0.8),
+                                             ("min_p", 1.5, 0.1)])
+def test_an_invalid_rule_value_unvalidated_is_nan_on_every_backend(backend, name, bad, good):
+    """A per-token rule value out of its range at one counted token, unvalidated: that token's log-prob and
+    its logits row's gradient are NaN, and the loss, on every backend (the reference backend gave a finite
+    log-prob and gradient, the rule taken as off); the other tokens' log-probs stay finite."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(2, 3, 10, generator=g) * 2
+    x = torch.full((2, 3), good, dtype=torch.int64 if name == "top_k" else torch.float32)
+    x[1, 1] = bad
+    zz = z.clone().requires_grad_()
+    out = gk.gtpo_loss(zz, z.argmax(-1), torch.tensor([1.0, -1.0]), group_size=2, old_logps=torch.full((2, 3), -1.0),
+                       config="grpo", backend=backend, validate=False, **{name: x})
+    out.loss.backward()
+    others = torch.ones(2, 3, dtype=torch.bool)
+    others[1, 1] = False
+    assert torch.isnan(out.logps[1, 1]) and torch.isnan(out.loss) and torch.isnan(zz.grad[1, 1]).any()
+    assert torch.isfinite(out.logps[others]).all()  # (NaN may spread in the gradient: spec 13)

@@ -13,11 +13,13 @@ from ..core.layout import float_dtype_for, padded_window
 def kept_window(b, logits, tau, sampling_mask, rules, validate):
     """backend='reference' replay (spec 13): a (n, V) bool, each counted token's kept set (recorded, or
     rebuilt by gtpo_reference.gtpo_sampling's statement of vLLM's rules from the same logits), True on
-    every entry of an uncounted token; with the metrics of the replay."""
+    every entry of an uncounted token; with the metrics of the replay. A counted token whose set is invalid
+    or whose rule value is out of its range (unvalidated) gets an empty row: _kept makes it NaN, with its
+    gradient, and the metrics are NaN (never a finite number from a set that means nothing)."""
     from gtpo_reference import gtpo_sampling
     from ..core.sampling import check_sampling_mask_flat, segment_of
     from ..kernels.replay import replay_metrics
-    from .replay import at
+    from .replay import _any, at
     V = logits.shape[-1]
     flat = logits.reshape(-1, V) if b.packed else logits[:, b.logits_start:b.logits_start + b.tok_shape[1]].reshape(-1, V)
     if b.packed:
@@ -28,7 +30,8 @@ def kept_window(b, logits, tau, sampling_mask, rules, validate):
         offsets = offsets[torch.cat([pos, pos.new_full((1,), b.counted.numel())])]  # over the counted tokens
         restored = None
     else:
-        (top_k, top_p, min_p), _ = rules
+        (top_k, top_p, min_p), rule_bad = rules
+        invalid = _any(*rule_bad)
         t = 1.0 if tau is None else tau
         token_ids, offsets, restored = gtpo_sampling.kept_sets(flat[pos].detach(), at(t, pos), at(top_k, pos),
                                                                at(top_p, pos), at(min_p, pos),
@@ -37,19 +40,26 @@ def kept_window(b, logits, tau, sampling_mask, rules, validate):
     keep[pos] = False
     seg = segment_of(offsets, token_ids.numel())
     keep[pos[seg], token_ids.clamp(0, V - 1)] = True
-    if sampling_mask is not None:  # an invalid set (unvalidated): an empty row, NaN outputs
-        keep[invalid.reshape(-1)] = False
-        return keep, replay_metrics(offsets, restored)
+    bad = None if invalid is None else invalid.reshape(-1) & b.counted.reshape(-1)
+    if bad is not None:  # (unvalidated) an empty row: NaN outputs
+        keep[bad] = False
+    if sampling_mask is not None:
+        return keep, _nan_if(bad, replay_metrics(offsets, restored))
     # rebuilt by the rules: kept_mass too, each set's mass under the full softmax at its temperature
     t = at(t, pos)
     t = t.reshape(-1, 1).to(torch.float64) if isinstance(t, torch.Tensor) else float(t)
     full = torch.softmax(flat[pos].detach().to(torch.float64) / t, -1)
-    return keep, replay_metrics(offsets, restored, kept_mass=(full * keep[pos]).sum(-1))
+    return keep, _nan_if(bad, replay_metrics(offsets, restored, kept_mass=(full * keep[pos]).sum(-1)))
+
+
+def _nan_if(bad, metrics):
+    return metrics if bad is None else nan_where(bad.any(), metrics)
 
 
 def _kept(b, lg, keep):
     """The window's logits with every entry outside a kept set at -inf (the same distribution); the
-    packed form's padding rows keep everything."""
+    packed form's padding rows keep everything; an empty set (an invalid one) NaN on the whole row, so
+    that the row's outputs and its gradient are NaN."""
     import torch
     from ..core.layout import packed_layout, pad
     if b.packed:
@@ -59,7 +69,9 @@ def _kept(b, lg, keep):
         k = ext[pad(b, torch.arange(N, device=keep.device), L, pos, fill=N)]
     else:
         k = keep.reshape(*b.tok_shape, -1)
-    return torch.where(k, lg.double(), float("-inf"))
+    empty = ~k.any(-1, keepdim=True)
+    nan = torch.where(empty, float("nan"), 0.0).to(torch.float64)
+    return torch.where(k | empty, lg.double() + nan, float("-inf"))
 
 
 def _scaled(b, lg, pad, tau):
