@@ -97,7 +97,7 @@ def policy_term(policy, logp, old, A, m, rollout_w, *, eps_low, eps_high, clip, 
         chosen = idx[torch.argsort(keys[candidates], stable=True)[:clip_num]]
         corr = torch.ones_like(pg)
         corr[chosen[:, 0], chosen[:, 1]] = 0.0
-        return pg * corr, removed | ((corr == 0) & (A != 0))
+        return pg * corr, removed | (corr == 0)  # verl's pg_clipfrac: every chosen token, A = 0 included
     # kl-cov: -A * ratio, plus ppo_kl_coef * |log ratio| on the top tokens by covariance
     pg = -A * ratio
     if m.any():

@@ -420,10 +420,10 @@ def test_covariance_means_over_counted_tokens(preset, over):
     torch.testing.assert_close(grads["torch"], grads["reference"], atol=1e-10, rtol=1e-7)
 
 
-def test_clip_cov_clip_frac_leaves_out_zero_advantages():
+def test_clip_cov_clip_frac_counts_zero_advantages():
     """V17: clip_cov choosing every candidate (ratio 1, wide bounds; a clip range the ratios stay inside), with
-    completions of advantage 0: their chosen tokens are not 'clipped' (their term is 0 anyway); clip_frac
-    equals the reference's."""
+    completions of advantage 0: their chosen tokens count as clipped too, as in verl's pg_clipfrac (every
+    corr == 0), so clip_frac is 1, equal to the reference's."""
     from gtpo_kernels import GTPOConfig
     logits, ids, mask, old = _verl_case(72)
     adv = torch.tensor([1.0, 0.0, -1.0, 0.0], dtype=torch.float64)
@@ -434,7 +434,7 @@ def test_clip_cov_clip_frac_leaves_out_zero_advantages():
                                 generator=torch.Generator().manual_seed(0))
         fr.append(gtpo_loss(logits, ids, adv, mask, group_size=1, old_logps=old, config=cfg,
                             backend=b).metrics["clip_frac"])
-    assert 0 < float(fr[1]) < 1
+    assert float(fr[1]) == 1.0
     torch.testing.assert_close(fr[0], fr[1])
 
 

@@ -33,8 +33,8 @@ def _verl():
 
 
 def batch(seed, B=None, T=None):
-    """Ragged float64 log-probs (one row may be empty), old log-probs near them, per-completion advantages,
-    rollout weights."""
+    """Ragged float64 log-probs (one row may be empty), old log-probs near them, per-completion advantages
+    (the last one 0 when B > 2), rollout weights."""
     g = torch.Generator().manual_seed(seed)
     B = B or int(torch.randint(2, 7, (1,), generator=g))
     T = T or int(torch.randint(1, 9, (1,), generator=g))
@@ -44,6 +44,8 @@ def batch(seed, B=None, T=None):
     logp = -torch.rand(B, T, generator=g, dtype=F64) * 3 - 0.01
     old = (logp + 0.4 * torch.randn(B, T, generator=g, dtype=F64)).clamp(max=-1e-3)
     adv = torch.randn(B, generator=g, dtype=F64)
+    if B > 2:
+        adv[-1] = 0.0  # a group whose rewards tie: its tokens' advantage is exactly 0 (clip_cov may choose them)
     w = torch.rand(B, T, generator=g, dtype=F64) * 1.5 + 0.25
     return logp, old, adv, mask, w, g
 

@@ -58,13 +58,13 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
         pg, d_logr, clipped, _, _ = _ppo_parts(r, A, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
         d_logp = tl.zeros_like(lp)
     elif POLICY == 10:  # clip_cov (verl_modes.clip_cov): the PPO term times 0 (value and gradient; NaN stays
-        # NaN, as verl's pg * corr) where chosen; clipped: the chosen tokens (A != 0) and the dual clip's
+        # NaN, as verl's pg * corr) where chosen; clipped: every chosen token (verl's corr == 0) and the dual clip's
         pg, d_logr, _, _, dual = _ppo_parts(r, A, lo, hi, delta, dual_c, CLIP, HAS_DELTA, HAS_DUAL)
         keep = tl.where(sel, 0.0, 1.0)
         pg = pg * keep
         d_logr = d_logr * keep
         d_logp = tl.zeros_like(lp)
-        clipped = tl.maximum(sel.to(tl.int32) * (A != 0.0).to(tl.int32), dual)
+        clipped = tl.maximum(sel.to(tl.int32), dual)
     elif POLICY == 11:  # kl_cov (verl_modes.kl_cov): -A r, + ppo_kl_coef |log r| where chosen
         coef = tl.where(sel, kl_coef, 0.0)
         sgn = tl.where(log_r > 0.0, 1.0, tl.where(log_r < 0.0, -1.0, 0.0))

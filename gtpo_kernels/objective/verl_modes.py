@@ -135,14 +135,14 @@ def clip_cov(pg, d_logr, dual, on_clip, A, logp, m, M, M_safe, cfg):
     the tokens its dual clip capped, or None): a uniformly random choice (cfg.generator) of
     max(1, floor(clip_cov_ratio M)) counted, unclipped tokens whose covariance lies in (clip_cov_lb,
     clip_cov_ub) get their term times 0 (value and gradient; NaN stays NaN). The tokens it reports as clipped
-    are verl's pg_clipfrac's: the chosen ones (and the dual clip's), not those the PPO clip stopped."""
+    are verl's pg_clipfrac's (its corr == 0): every chosen one, a zero advantage's included (and the dual
+    clip's), not those the PPO clip stopped."""
     cov = covariance(A, logp, m, M_safe)
     cand = m & ~on_clip & (cov > operand(cfg.clip_cov_lb, cov)) & (cov < operand(cfg.clip_cov_ub, cov))
     u = uniform_draws(cfg, logp.numel(), logp.device).reshape(logp.shape)
     sel = first_k(torch.where(cand, u, 2.0), cand, select_count(cfg.clip_cov_ratio, M))
     keep = (~sel).to(pg.dtype)  # a product, as verl's pg * corr: a chosen NaN term stays NaN
-    chosen = sel & (A != 0)
-    return pg * keep, d_logr * keep, chosen if dual is None else chosen | dual
+    return pg * keep, d_logr * keep, sel if dual is None else sel | dual
 
 
 def kl_cov(A, logp, log_r, m, M, M_safe, cfg):
