@@ -92,6 +92,8 @@ def test_dual_clip_equals_areals(c_clip):
     torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="c_clip must be a number > 1"):
         ga.make_loss_fn(c_clip=0.5)
+    with pytest.raises(ValueError, match=r"eps_clip_higher \(or eps_clip\) \(GTPOConfig\.eps_high\) must be in"):
+        ga.make_loss_fn(eps_clip=0.2, eps_clip_higher=1.5)  # the PPO clip's range: named by AReaL's setting
 
 
 def test_conflict_weights_and_entropies_reach_the_loss():

@@ -137,3 +137,10 @@ def test_advantage_step_gives_the_reference_conflict_weights():
             L = int(lens[i])
             torch.testing.assert_close(e.advantages[row, :L].double(), lam[i, :L] * a[i], atol=1e-6, rtol=1e-6)
             assert (e.advantages[row, L:] == 0).all()
+
+
+def test_a_clip_range_out_of_range_is_refused_by_openrlhfs_name():
+    """clip_eps_low >= 1 is not a PPO clip range here (GTPOConfig: [0, 1)): refused, when the actor builds
+    the loss, naming OpenRLHF's setting."""
+    with pytest.raises(ValueError, match=r"clip_eps_low \(GTPOConfig\.eps_low\) must be in \[0, 1\)"):
+        go.GTPOPolicyLoss(clip_eps_low=1.0, clip_eps_high=0.28, policy_loss_type="ppo")

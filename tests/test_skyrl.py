@@ -216,3 +216,13 @@ def test_entropy_config_without_entropies_is_refused():
     t.gtpo_config = GTPOConfig.preset("gtpo")
     with pytest.raises(KeyError, match="entropy"):
         t.compute_advantages_and_returns(data)
+
+
+def test_a_clip_range_out_of_range_is_refused_by_skyrls_name():
+    """eps_clip_low >= 1 is not a PPO clip range here (GTPOConfig: [0, 1)): refused naming SkyRL's setting."""
+    g = torch.Generator().manual_seed(4)
+    logp, old, adv, mask, _ = _inputs(g)
+    with pytest.raises(ValueError, match=r"eps_clip_low \(GTPOConfig\.eps_low\) must be in \[0, 1\)"):
+        gs.gtpo_policy_loss(logp, old, adv, _algorithm("gtpo", eps_clip_low=1.0), mask)
+    with pytest.raises(ValueError, match=r"eps_clip_high \(GTPOConfig\.eps_high\) must be in \[0, 1\)"):
+        gs.gtpo_policy_loss(logp, old, adv, _algorithm("gtpo", eps_clip_high=1.5), mask)

@@ -54,6 +54,8 @@ def options(mode, g):
     """The mode's settings, drawn: (actor kwargs for verl, PolicyLossConfig kwargs, GTPOConfig overrides)."""
     u = lambda lo, hi: float(lo + (hi - lo) * torch.rand((), generator=g, dtype=F64))  # noqa: E731
     lo, hi = u(0.1, 0.3), u(0.1, 0.35)
+    if mode == "cispo" and float(torch.rand((), generator=g)) < 0.5:
+        lo = u(1.0, 10.0)  # 1 - clip_ratio_low <= 0: no lower bound (CISPO's own setting)
     actor, pl, over = dict(clip_ratio=0.2, clip_ratio_low=lo, clip_ratio_high=hi), {}, dict(eps_low=lo, eps_high=hi)
     if mode in ("vanilla", "dppo_tv", "dppo_kl"):
         c = u(1.05, 3.0)
@@ -123,6 +125,20 @@ def differences(mode, seed, agg, rollout):
         assert got[k] == pytest.approx(float(want[k]), rel=1e-6, abs=1e-9), (mode, k, got[k], want[k])
     m = mask
     return (worst(lo, lv), worst(go[m], gv[m]), worst(lp, lv), worst(gp[m], gv[m]), bool(gv[m].abs().sum() > 0))
+
+
+def test_verl_settings_out_of_range_are_refused_by_their_verl_names():
+    """A clip range the PPO clip does not take (clip_ratio_low >= 1 but for cispo) or clip_cov bounds that
+    select nothing are refused naming verl's setting, not only the GTPOConfig field it becomes."""
+    _, get_fn, *_ = _verl()
+    logp, old, adv, mask, w, _ = batch(3)
+    B = logp.shape[0]
+    with pytest.raises(ValueError, match=r"clip_ratio_low \(or clip_ratio\) \(GTPOConfig\.eps_low\) must be in \[0, 1\)"):
+        verl_call(get_fn("gtpo_vanilla"), "vanilla", "token-mean", dict(clip_ratio=0.2, clip_ratio_low=1.5,
+                                                                        clip_ratio_high=0.2), {}, logp, old, adv, mask, w, B)
+    with pytest.raises(ValueError, match=r"policy_loss\.clip_cov_lb \(GTPOConfig\.clip_cov_lb\) must be < clip_cov_ub"):
+        verl_call(get_fn("gtpo_clip_cov"), "clip_cov", "token-mean", dict(clip_ratio=0.2),
+                  dict(clip_cov_lb=2.0, clip_cov_ub=1.0), logp, old, adv, mask, w, B)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

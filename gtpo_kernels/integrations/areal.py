@@ -32,6 +32,7 @@ from ..api.logps import gtpo_loss_from_logps
 from ..api.weights import conflict_weights
 from ..core.config import as_config
 from .rows import first_counted, shift_left, shift_right
+from .token_ppo import peer_names
 
 AGGS = ("token-mean", "seq-mean-token-mean")
 
@@ -83,9 +84,10 @@ def make_loss_fn(eps_clip: float = 0.2, eps_clip_higher=None, config="gtpo", los
         raise ValueError(f"loss_agg must be one of {AGGS}, got {loss_agg!r}")
     if c_clip is not None and not (isinstance(c_clip, (int, float)) and not isinstance(c_clip, bool) and c_clip > 1):
         raise ValueError(f"c_clip must be a number > 1 (AReaL's dual clip) or None, got {c_clip!r}")
-    cfg = as_config(config).replace(eps_low=float(eps_clip), loss_agg=loss_agg,
-                                    eps_high=float(eps_clip if eps_clip_higher is None else eps_clip_higher),
-                                    dual_clip_c=None if c_clip is None else float(c_clip))
+    with peer_names(dict(eps_low="eps_clip", eps_high="eps_clip_higher (or eps_clip)")):
+        cfg = as_config(config).replace(eps_low=float(eps_clip), loss_agg=loss_agg,
+                                        eps_high=float(eps_clip if eps_clip_higher is None else eps_clip_higher),
+                                        dual_clip_c=None if c_clip is None else float(c_clip))
 
     def loss_fn(logprobs, entropy, input_data, **unused):
         mask = input_data["loss_mask"].bool()

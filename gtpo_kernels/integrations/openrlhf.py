@@ -44,7 +44,8 @@ class GTPOPolicyLoss(_loss.PolicyLoss):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.policy_loss_type == "ppo":  # checked here: the actor builds the loss once, at start
-            self._token_cfg = token_config(self.clip_eps_low, self.clip_eps_high, self.dual_clip)
+            self._token_cfg = token_config(self.clip_eps_low, self.clip_eps_high, self.dual_clip,
+                                           ("clip_eps_low", "clip_eps_high", "dual_clip"))
 
     def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
                 batch_num_tokens=None, global_batch_size=None):

@@ -59,7 +59,8 @@ def gtpo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advan
     """SkyRL policy loss `gtpo` (module docstring): -> (loss, metrics) as SkyRL's losses return;
     dual_clip: with SkyRL's dual clip at config.clip_ratio_c (the loss `gtpo_dual_clip`)."""
     mask = loss_mask if loss_mask is not None else torch.ones_like(log_probs)
-    cfg = token_config(config.eps_clip_low, config.eps_clip_high, config.clip_ratio_c if dual_clip else None)
+    cfg = token_config(config.eps_clip_low, config.eps_clip_high, config.clip_ratio_c if dual_clip else None,
+                       ("eps_clip_low", "eps_clip_high", "clip_ratio_c"))
     loss = token_ppo_losses(log_probs, old_log_probs, advantages, mask, cfg, LOG_RATIO_CLIP).to(log_probs.dtype)
     with torch.no_grad():
         r = torch.exp((log_probs - old_log_probs).clamp(-LOG_RATIO_CLIP, LOG_RATIO_CLIP))

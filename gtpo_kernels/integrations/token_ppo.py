@@ -9,6 +9,7 @@ options off, and no aggregation: the trainer aggregates.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -19,15 +20,32 @@ from ..core.config import GTPOConfig
 _HAS_DUAL_CLIP = "dual_clip_c" in {f.name for f in dataclasses.fields(GTPOConfig)}
 
 
-def token_config(eps_low, eps_high, dual_clip_c=None) -> GTPOConfig:
-    """The per-token PPO clip with the trainer's clip range (and dual clip, where the package has it)."""
+@contextlib.contextmanager
+def peer_names(names):
+    """A config the block builds from a trainer's settings refuses a value naming the trainer's setting
+    too: names maps a GTPOConfig field to it ("GTPOConfig.eps_low" -> "eps_clip_low (GTPOConfig.eps_low)")."""
+    try:
+        yield
+    except ValueError as e:
+        said = str(e)
+        for field, name in names.items():
+            said = said.replace(f"GTPOConfig.{field} ", f"{name} (GTPOConfig.{field}) ")
+        if said == str(e):
+            raise
+        raise ValueError(said) from None
+
+
+def token_config(eps_low, eps_high, dual_clip_c=None, names=None) -> GTPOConfig:
+    """The per-token PPO clip with the trainer's clip range (and dual clip, where the package has it);
+    names: the trainer's names of eps_low, eps_high, dual_clip_c for its errors (peer_names)."""
     extra = {}
     if dual_clip_c is not None:
         if not _HAS_DUAL_CLIP:
             raise NotImplementedError("dual clip (a trainer's clip_ratio_c / dual_clip) is not available in this "
                                       "version of gtpo-kernels; turn it off in the trainer's config")
         extra["dual_clip_c"] = float(dual_clip_c)
-    return GTPOConfig.preset("grpo", eps_low=float(eps_low), eps_high=float(eps_high), loss_agg="none", **extra)
+    with peer_names(dict(zip(("eps_low", "eps_high", "dual_clip_c"), names or ()))):
+        return GTPOConfig.preset("grpo", eps_low=float(eps_low), eps_high=float(eps_high), loss_agg="none", **extra)
 
 
 def token_ppo_losses(logps, old_logps, token_advantages, mask, config: GTPOConfig, log_ratio_clip=None):

@@ -21,6 +21,7 @@ from ..core.config import GTPOConfig
 from ..core.layout import float_dtype_for
 from ..kernels import dispatch
 from ..pipeline.token_terms import token_terms
+from .token_ppo import peer_names
 
 # verl's mode -> this package's preset
 MODES = {"vanilla": "vanilla", "gpg": "gpg", "dppo_tv": "dppo-tv", "dppo_kl": "dppo-kl", "dro": "dro",
@@ -52,7 +53,11 @@ def mode_config(mode: str, config) -> GTPOConfig:
                     clip_cov_ub=_or(get("clip_cov_ub"), 5.0))
     elif mode == "kl_cov":
         over.update(kl_cov_ratio=_or(get("kl_cov_ratio"), 2e-4), ppo_kl_coef=_or(get("ppo_kl_coef"), 1.0))
-    return GTPOConfig.preset(MODES[mode], **over)
+    names = dict(eps_low="clip_ratio_low (or clip_ratio)", eps_high="clip_ratio_high (or clip_ratio)",
+                 dual_clip_c="clip_ratio_c", **{k: f"policy_loss.{k}" for k in over if k.startswith(("clip_cov", "kl_cov"))},
+                 dro_beta="policy_loss.dro_beta", ppo_kl_coef="policy_loss.ppo_kl_coef")
+    with peer_names(names):
+        return GTPOConfig.preset(MODES[mode], **over)
 
 
 def mode_loss(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
