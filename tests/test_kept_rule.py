@@ -169,7 +169,7 @@ def test_numbers_that_float32_rounds_to_a_ranges_open_end():
 
 
 def test_invalid_rule_nan_at_its_token_and_the_twins_error():
-    """top_k -1 at a counted token, a NaN top_p of a completion, a NaN logit outside the kept set: unvalidated
+    """top_k -2 at a counted token, a NaN top_p of a completion, a NaN logit outside the kept set: unvalidated
     those tokens' outputs NaN (the loss NaN, the other tokens finite); validating, the error the torch path
     gives, naming the argument (the row, for the logit); gtpo_loss and token_logprobs."""
     g = torch.Generator().manual_seed(2)
@@ -177,7 +177,7 @@ def test_invalid_rule_nan_at_its_token_and_the_twins_error():
     z, ids = torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)
     adv = torch.randn(B, generator=g)
     k = torch.full((B, T), 5)
-    k[1, 2] = -1
+    k[1, 2] = -2
     p = torch.full((B,), 0.9)
     p[2] = float("nan")
     z_nan = z.clone()

@@ -83,13 +83,13 @@ def test_kernel_compiles_for_the_gpus():
 
 
 def test_invalid_rule_values_list_what_they_count():
-    """Unvalidated rule values out of range (top_k -1, top_p NaN or 1.5, min_p 1.5): the threshold kernel counts
+    """Unvalidated rule values out of range (top_k -2, top_p NaN or 1.5, min_p 1.5): the threshold kernel counts
     each set as the rules leave it (the value used as it is, as the torch rebuild does: the caller's flags make
     those tokens NaN), and the listing writes exactly those ids: every id in [0, V), the torch rebuild's sets."""
     z, y, g = _tile(11)
     n, V = z.shape
     top_k = torch.randint(1, 9, (n,), generator=g)
-    top_k[0] = -1
+    top_k[0] = -2
     top_p = torch.full((n,), 0.9)
     top_p[1], top_p[2] = float("nan"), 1.5
     min_p = torch.zeros(n)

@@ -75,7 +75,7 @@ def test_token_logprobs_is_forward_only_on_every_backend(rule):
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
-@pytest.mark.parametrize("name, bad, good", [("top_k", -1, 4), ("top_p", float("nan"), 0.8), ("top_p", 0.0, 0.8),
+@pytest.mark.parametrize("name, bad, good", [("top_k", -2, 4), ("top_p", float("nan"), 0.8), ("top_p", 0.0, 0.8),
                                              ("min_p", 1.5, 0.1)])
 def test_an_invalid_rule_value_unvalidated_is_nan_on_every_backend(backend, name, bad, good):
     """A per-token rule value out of its range at one counted token, unvalidated: that token's log-prob and

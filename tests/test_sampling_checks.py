@@ -84,14 +84,14 @@ def test_mask_with_rules_refused():
     ("top_p", 0.0, ValueError, r"top_p must be in \(0, 1\]"),
     ("top_p", 1.5, ValueError, r"top_p must be in \(0, 1\]"),
     ("top_p", math.nan, ValueError, r"top_p must be in \(0, 1\]"),
-    ("top_k", -1, ValueError, r"top_k must be an integer >= 0"),
+    ("top_k", -2, ValueError, r"top_k must be an integer >= -1"),
     ("top_k", 2.5, TypeError, r"top_k must be an int"),
-    ("min_p", 1.0, ValueError, r"min_p must be in \[0, 1\)"),
-    ("min_p", -0.1, ValueError, r"min_p must be in \[0, 1\)"),
+    ("min_p", 1.5, ValueError, r"min_p must be in \[0, 1\]"),
+    ("min_p", -0.1, ValueError, r"min_p must be in \[0, 1\]"),
     ("top_p", torch.tensor([0.9, 0.0]), ValueError, r"top_p must be in \(0, 1\] \(1: off\) at counted tokens; flat token position 3"),
-    ("top_k", torch.tensor([[3, 4, -2], [0, 1, 2]]), ValueError, r"top_k must be an integer >= 0 .*position 2"),
+    ("top_k", torch.tensor([[3, 4, -2], [0, 1, 2]]), ValueError, r"top_k must be an integer >= -1 .*position 2"),
     ("top_k", torch.tensor([3.0, 4.0]), TypeError, r"top_k must be an integer tensor"),
-    ("min_p", torch.tensor([0.1, 1.0]), ValueError, r"min_p must be in \[0, 1\) .*position 3"),
+    ("min_p", torch.tensor([0.1, 1.5]), ValueError, r"min_p must be in \[0, 1\] .*position 3"),
     ("top_p", torch.tensor([0.9, 0.8, 0.7]), ValueError, r"top_p must be a number, a tensor per completion \(2,\)"),
 ])
 def test_rule_refusals(name, value, err, match):
@@ -172,7 +172,7 @@ def test_flat_layout_mask():
 
 
 def test_unvalidated_rules_and_temperature_give_nan():
-    """Unvalidated, a token with top_p 0, top_k -1, min_p 1 or tau <= 0 gets NaN outputs after the
+    """Unvalidated, a token with top_p 0, top_k -2, min_p 1.5 or tau <= 0 gets NaN outputs after the
     recompute and the replay; the other tokens stay finite (the invalid values act as 'off' meanwhile)."""
     from gtpo_kernels.kernels.kept_set import kept_sets
     from gtpo_kernels.kernels.replay import counted_rows, replay_logprobs
@@ -184,9 +184,9 @@ def test_unvalidated_rules_and_temperature_give_nan():
     n = Bc * Tc
     args = (Bc, Tc, n, DEV)
     tau, bad_t = check_temperature(torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]), *args, validate=False)
-    k, bad_k = check_rule("top_k", torch.tensor([[5, 5, -1, 5], [5, 5, 5, 5]]), *args, validate=False)
+    k, bad_k = check_rule("top_k", torch.tensor([[5, 5, -2, 5], [5, 5, 5, 5]]), *args, validate=False)
     p, bad_p = check_rule("top_p", torch.tensor([[0.9, 0.9, 0.9, 0.0], [0.9, 0.9, 0.9, 0.9]]), *args, validate=False)
-    mp, bad_m = check_rule("min_p", torch.tensor([[0.0] * 4, [1.0, 0.0, 0.0, 0.0]]), *args, validate=False)
+    mp, bad_m = check_rule("min_p", torch.tensor([[0.0] * 4, [1.5, 0.0, 0.0, 0.0]]), *args, validate=False)
     invalid = bad_t | bad_k | bad_p | bad_m
     assert invalid.nonzero().squeeze(1).tolist() == [1, 2, 3, 4]
     rb, rt = counted_rows(counted, (Bc, Tc))
@@ -195,3 +195,23 @@ def test_unvalidated_rules_and_temperature_give_nan():
     lp, h, _ = replay_logprobs(z, rb, rt, y.reshape(-1), tau_safe, ids, off, invalid=invalid | nonfinite)
     assert torch.isnan(lp[invalid]).all() and torch.isnan(h[invalid]).all()
     assert torch.isfinite(lp[~invalid]).all() and torch.isfinite(h[~invalid]).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "reference"])
+def test_vllms_off_and_end_values_are_taken(backend):
+    """vLLM's own ranges: top_k -1 is off (as 0: "0 (or -1) to consider all tokens"), per token too; min_p 1
+    keeps the entries tied at the maximum (vllm SamplingParams: min_p in [0, 1]). Validated, every backend."""
+    from gtpo_kernels import token_logprobs
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(2, 3, 9, generator=g)
+    z[0, 1, [2, 5]] = z[0, 1].max() + 1.0  # two entries tied at the maximum
+    ids = torch.randint(0, 9, (2, 3), generator=g)
+    ids[0, 1] = 5
+    off, _ = token_logprobs(z, ids, backend=backend)
+    for k in (-1, torch.tensor([[-1, 0, 3], [-1, -1, 0]])):
+        lp, _ = token_logprobs(z, ids, top_k=k, backend=backend)
+        cut = torch.isfinite(lp) if isinstance(k, int) else (k <= 0).expand_as(lp)
+        torch.testing.assert_close(lp[cut], off[cut], rtol=1e-6, atol=1e-6)
+    lp, ent = token_logprobs(z, ids, min_p=1.0, backend=backend)
+    torch.testing.assert_close(lp[0, 1], torch.tensor(-math.log(2.0)), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent[0, 1], torch.tensor(math.log(2.0)), rtol=1e-6, atol=1e-6)

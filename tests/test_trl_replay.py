@@ -231,7 +231,7 @@ def test_sampler_settings_map_trl_fields(tmp_path):
     assert sampler_settings(a) == dict(temperature=0.9, top_k=8, top_p=0.7, min_p=None)
     assert gtpo_config_from_args(a).temperature == 0.9
     for kw, match in [(dict(top_k=-2), r"GRPOConfig\.top_k"), (dict(top_p=0.0), r"GRPOConfig\.top_p"),
-                      (dict(top_p=1.5), r"GRPOConfig\.top_p"), (dict(min_p=1.0), r"GRPOConfig\.min_p"),
+                      (dict(top_p=1.5), r"GRPOConfig\.top_p"), (dict(min_p=1.5), r"GRPOConfig\.min_p"),
                       (dict(generation_kwargs={"top_k": 2.5}), r"generation_kwargs\['top_k'\]"),
                       (dict(temperature=0.0), r"GRPOConfig\.temperature")]:
         with pytest.raises(ValueError, match=match):

@@ -107,11 +107,11 @@ def _replay_case(seed=3, B=4, T=3, V=12):
 
 
 def test_invalid_per_token_rule_unvalidated_gives_nan():
-    """top_k as a per-token tensor with -1 at one token, validate=False: that token's log-prob is NaN (spec 13:
+    """top_k as a per-token tensor with -2 at one token, validate=False: that token's log-prob is NaN (spec 13:
     never a finite wrong number), the others equal the reference's."""
     logits, ids, _ = _replay_case()
     k = torch.full(ids.shape, 4)
-    k[1, 2] = -1
+    k[1, 2] = -2
     lp, _ = token_logprobs(logits, ids, 1.0, top_k=k, validate=False, backend="torch")
     assert torch.isnan(lp[1, 2]), lp
     ok = torch.ones_like(ids, dtype=torch.bool)

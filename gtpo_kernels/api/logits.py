@@ -72,7 +72,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                     layout, one set per counted token in the packed order: log-probs, entropies and the
                     gradient are then over each set (exactly 0 outside it). Or, when the engine recorded
                     none, top_k / top_p / min_p (numbers, or per completion / per token tensors) rebuild
-                    the sets by vLLM's rules from these logits (the sampled token restored if left out).
+                    the sets by vLLM's rules from these logits (the sampled token restored if left out;
+                    vLLM's ranges: top_k 0 or -1 off, top_p in (0, 1], min_p in [0, 1]).
                     Not with inplace; with process_group the rules need top_k (docs/parallelism.md).
     inplace         write the gradient into the logits' storage (saves one logits-sized buffer; the
                     logits are overwritten during backward). Off by default; refused on logits whose rows

@@ -108,10 +108,10 @@ def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=Non
     return tau, invalid()
 
 
-_RULES = {  # name: (test of a valid value, what is expected, integer?)
-    "top_k": (lambda x: x >= 0, "an integer >= 0 (0: off)", True),
+_RULES = {  # name: (test of a valid value, what is expected, integer?); vLLM's ranges (top_k -1: off, as 0)
+    "top_k": (lambda x: x >= -1, "an integer >= -1 (0 or -1: off)", True),
     "top_p": (lambda x: (x > 0) & (x <= 1), "in (0, 1] (1: off)", False),
-    "min_p": (lambda x: (x >= 0) & (x < 1), "in [0, 1) (0: off)", False),
+    "min_p": (lambda x: (x >= 0) & (x <= 1), "in [0, 1] (0: off; 1: the entries tied at the maximum)", False),
 }
 
 

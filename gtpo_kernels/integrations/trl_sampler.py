@@ -61,8 +61,8 @@ def sampler_settings(args) -> dict:
     p, mp = raw["top_p"], raw["min_p"]
     if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1):
         raise ValueError(f"{where('top_p')} must be in (0, 1] (1: off), got {p!r}")
-    if mp is not None and (isinstance(mp, bool) or not isinstance(mp, numbers.Real) or not 0 <= mp < 1):
-        raise ValueError(f"{where('min_p')} must be in [0, 1) (0 or None: off), got {mp!r}")
+    if mp is not None and (isinstance(mp, bool) or not isinstance(mp, numbers.Real) or not 0 <= mp <= 1):
+        raise ValueError(f"{where('min_p')} must be in [0, 1] (0 or None: off), got {mp!r}")
     return dict(temperature=float(t),
                 top_k=None if k is None or int(k) in (0, -1) else int(k),
                 top_p=None if p is None or p == 1 else float(p),

@@ -17,7 +17,7 @@ least (at most about 32 steps a search) and moves its ends onto the nearest entr
 The row of one program is read again on each pass (from L2 at real sizes); every other output is O(1) per token.
 Masses are e^(s_v - max s) in float32 summed in float64, compared as vLLM's cumulative sum is, so a cut that
 lands within a rounding of 1 - top_p may differ from a sort's (the sampled token is restored either way).
-Invalid rule values read per token (top_k < 0, top_p outside (0, 1], min_p outside [0, 1), NaN) give t_s =
+Invalid rule values read per token (top_k < -1, top_p outside (0, 1], min_p outside [0, 1], NaN) give t_s =
 NaN, which the forward kernel flags (BAD_RULE): that token's outputs NaN. A number was checked on the host, in
 float64: one that float32 rounds to its range's open end keeps what the rules keep there.
 
@@ -158,8 +158,8 @@ def _kept_rule_kernel(
         # a value read per token out of its range (a number was checked on the host, in float64: one that
         # float32 rounds to the range's open end, top_p 1e-50 -> 0 or min_p 1 - 1e-9 -> 1, keeps what the
         # rules keep there, the largest entry or the entries tied at the maximum)
-        bad = ((k < 0) & (TOP_K == 2)) | (~((p > 0.0) & (p <= 1.0)) & (TOP_P == 2)) \
-            | (~((mp >= 0.0) & (mp < 1.0)) & (MIN_P == 2))
+        bad = ((k < -1) & (TOP_K == 2)) | (~((p > 0.0) & (p <= 1.0)) & (TOP_P == 2)) \
+            | (~((mp >= 0.0) & (mp <= 1.0)) & (MIN_P == 2))
         # pass: the row's maximum (NaN left out), then what min-p keeps: its count and keys' range
         mx = tl.full((), float("-inf"), tl.float32)
         for v0 in range(0, V, BLOCK_V):
