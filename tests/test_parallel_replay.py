@@ -120,6 +120,13 @@ def _scenarios(rank, world):
             lp, ent = linear_token_logprobs(h.float(), w[sl].float(), ids, tau, mask, memory_budget=2 * 2 * V * 4,
                                             backend=backend, process_group=dist.group.WORLD, **kw)
             res[f"{key}/linear_token_logprobs"] = {"logps": _rel(lp, hlp), "entropy": _rel(ent, hent)}
+    for backend in ("torch", "triton"):  # one counted token's top_k invalid, unvalidated: the metrics NaN
+        k = torch.full((B, T), 5)
+        k[tuple(mask.nonzero()[0].tolist())] = -2
+        out = gtpo_loss(x[..., sl], ids, adv, mask, group_size=2, config=cfg, backend=backend, validate=False,
+                        process_group=dist.group.WORLD, top_k=k)
+        finite = [n for n in ("mean_kept_size", "kept_mass") if not torch.isnan(out.metrics[n])]
+        res[f"{backend}/invalid top_k, unvalidated"] = {"finite metrics": float(len(finite))}
     progress("refusals")
     for name, kw in (("no top_k", dict(top_p=0.9)), ("disagree", None)):
         if kw is None:  # one rank drops an id from one set: the ranks' sets differ

@@ -222,5 +222,5 @@ def replayed(b, tau, sampling_mask, rules, vp, host, scale=1.0, softcap=None):
     mass = None if lse_full is None else torch.exp(lse_kept - lse_full)  # the full softmax's mass on the set
     n = b.counted.numel()
     zero = torch.zeros(n, dtype=logp.dtype, device=logp.device)
-    metrics = rp.replay_metrics(offsets, restored, mass)
+    metrics = rp.replay_metrics(offsets, restored, mass, bad=bad)
     return zero.scatter(0, pos, logp), zero.scatter(0, pos, ent), metrics

@@ -297,9 +297,10 @@ def _roll_store(met_ptr, sums, abs_d, max_d, outside, nans, oks, M_safe):
 
 
 @triton.jit
-def _kept_add(kst_ptr, o, inb, m):
+def _kept_add(kst_ptr, o, inb, m, bad):
     """A block's sums of the counted tokens' (size, restored, mass) of their kept sets (kst (N, 3)), float64,
-    as a (4,) vector (the last 0)."""
+    as a (4,) vector (the last 0); NaN where a counted token is flagged (its set means nothing)."""
     col = tl.arange(0, 4)
     x = tl.load(kst_ptr + o[:, None] * 3 + col[None, :], mask=(inb & m)[:, None] & (col < 3)[None, :], other=0.0)
+    x = tl.where((inb & m & bad)[:, None] & (col < 3)[None, :], float("nan"), x)
     return tl.sum(x.to(tl.float64), axis=0)

@@ -149,7 +149,7 @@ def _epilogue_kernel(
                 lam = tl.full([BLOCK], 1.0, tl.float32)
             tl.store(lam_out + o, lam, mask=inb)
             if KEPT:
-                kept_sums += _kept_add(kst_ptr, o, inb, m)
+                kept_sums += _kept_add(kst_ptr, o, inb, m, bad)
             if HAS_ROLL:
                 roll_sums, roll_abs, roll_max, roll_out, roll_nan, roll_ok = _roll_add(
                     lp, roll_ptr, o, inb, m, roll_sums, roll_abs, roll_max, roll_out, roll_nan, roll_ok)

@@ -144,12 +144,12 @@ def kept_mass_from_logps(logp_full, logp_kept):
     return torch.exp(logp_full.detach() - logp_kept.detach())
 
 
-def replay_metrics(offsets, restored=None, kept_mass=None, M=None):
+def replay_metrics(offsets, restored=None, kept_mass=None, M=None, bad=None):
     """metrics of spec 13 over the M counted tokens (0-d float64 tensors, no host read; the callers cast
     them to the call's dtype, so a float64 call's are float64-exact): mean_kept_size,
     replay_restored_frac (0 with a recorded mask) and kept_mass (when the per-token masses are given).
     M: the number of counted tokens (a tensor too) when `offsets` also spans uncounted ones (flat
-    layout), else offsets' sets."""
+    layout), else offsets' sets. bad: the tokens flagged (poisoned)."""
     n = (offsets.numel() - 1 if M is None else M)
     n = n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1)
     f64 = torch.float64
@@ -158,4 +158,14 @@ def replay_metrics(offsets, restored=None, kept_mass=None, M=None):
                                     else restored.to(f64).sum() / n)}
     if kept_mass is not None:
         out["kept_mass"] = kept_mass.to(f64).sum() / n
-    return out
+    return poisoned(out, bad)
+
+
+def poisoned(metrics, bad):
+    """The replay's metrics NaN where any token of `bad` (bool, None: none) is set: a counted token flagged
+    unvalidated (an invalid set, rule value or temperature, a row with NaN / +inf) has a set that means
+    nothing, averaged in they would be finite wrong numbers (spec 13). Two launches and one a metric."""
+    if bad is None:
+        return metrics
+    nan = torch.where(bad.any(), float("nan"), 0.0)
+    return {k: v + nan for k, v in metrics.items()}

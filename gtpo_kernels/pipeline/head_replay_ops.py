@@ -108,12 +108,13 @@ def head_replay_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids:
             hr.unions(p)
     plan = hr.saved_plan(p) if need_plan else _no_plan(counted)
     metrics = p.metrics if token_ids is None else rp.replay_metrics(p.offsets)
+    bad = flags.any() if p.invalid is None else flags.any() | p.invalid.any()  # NaN metrics (rp.poisoned)
     zero = torch.zeros(n, dtype=lp.dtype, device=lp.device)
     stats = lp.new_zeros(0, 3) if stats is None else lp.new_zeros(n, 3).index_copy_(0, p.pos, stats)
     return [zero.scatter(0, p.pos, lp), zero.scatter(0, p.pos, ent),
             torch.zeros(n, dtype=torch.int8, device=lp.device).scatter(0, p.pos, flags), *sets,
             torch.stack([metrics.get(k, torch.zeros((), dtype=torch.float64, device=lp.device)).to(torch.float64)
-                         for k in METRICS]), stats, *plan]
+                         for k in METRICS]) + torch.where(bad, float("nan"), 0.0), stats, *plan]
 
 
 @head_replay_fwd.register_fake

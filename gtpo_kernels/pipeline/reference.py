@@ -40,20 +40,18 @@ def kept_window(b, logits, tau, sampling_mask, rules, validate):
     keep[pos] = False
     seg = segment_of(offsets, token_ids.numel())
     keep[pos[seg], token_ids.clamp(0, V - 1)] = True
+    if isinstance(tau, torch.Tensor) and tau.numel() > 1:  # a per-token tau NaN where invalid (call_temperature)
+        invalid = _any(invalid, torch.isnan(tau.reshape(-1)))
     bad = None if invalid is None else invalid.reshape(-1) & b.counted.reshape(-1)
     if bad is not None:  # (unvalidated) an empty row: NaN outputs
         keep[bad] = False
     if sampling_mask is not None:
-        return keep, _nan_if(bad, replay_metrics(offsets, restored))
+        return keep, replay_metrics(offsets, restored, bad=bad)
     # rebuilt by the rules: kept_mass too, each set's mass under the full softmax at its temperature
     t = at(t, pos)
     t = t.reshape(-1, 1).to(torch.float64) if isinstance(t, torch.Tensor) else float(t)
     full = torch.softmax(flat[pos].detach().to(torch.float64) / t, -1)
-    return keep, _nan_if(bad, replay_metrics(offsets, restored, kept_mass=(full * keep[pos]).sum(-1)))
-
-
-def _nan_if(bad, metrics):
-    return metrics if bad is None else nan_where(bad.any(), metrics)
+    return keep, replay_metrics(offsets, restored, kept_mass=(full * keep[pos]).sum(-1), bad=bad)
 
 
 def _kept(b, lg, keep):

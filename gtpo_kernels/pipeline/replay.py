@@ -76,8 +76,9 @@ def replayed(b, tau, sampling_mask, rules, backend, validate):
         rows_b, rows_t = rp.flat_rows(b.tok_shape, b.logits_start, logits3.device)
         logp, ent, flags = rp.replay_logprobs(logits3, rows_b, rows_t, b.ids, tau, token_ids, offsets, invalid,
                                               backend=backend, counted=b.counted)
-        metrics = rp.replay_metrics(offsets, M=b.counted.sum())
-        return logp, ent, torch.where(b.counted, flags, torch.zeros_like(flags)), metrics
+        flags = torch.where(b.counted, flags, torch.zeros_like(flags))
+        bad = flags != 0 if invalid is None else (flags != 0) | (invalid.reshape(-1) & b.counted)
+        return logp, ent, flags, rp.replay_metrics(offsets, M=b.counted.sum(), bad=bad)
     # the sets rebuilt for every flat token (an uncounted one's is empty): one custom op, so that the call
     # traces whole (their total size is the one size known only after it runs)
     acc = float_dtype_for(logits3)
@@ -89,7 +90,8 @@ def replayed(b, tau, sampling_mask, rules, backend, validate):
     logp, ent, flags = rp.replay_logprobs(logits3, rows_b, rows_t, b.ids, tau, token_ids, offsets, invalid,
                                           backend=backend, counted=b.counted)
     flags = flags | nonfinite_flag(nonfinite)  # a row with NaN / +inf: invalid input, as without kept sets
-    return logp, ent, flags, rp.replay_metrics(offsets, restored, mass, M=b.counted.sum())
+    bad = ((flags != 0) | invalid) & b.counted if invalid is not None else (flags != 0) & b.counted
+    return logp, ent, flags, rp.replay_metrics(offsets, restored, mass, M=b.counted.sum(), bad=bad)
 
 
 def nonfinite_flag(nonfinite):
