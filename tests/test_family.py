@@ -241,6 +241,12 @@ def test_rollout_is_weights_match_reference(mode, clip_min):
     rw = ref.rollout_is_weights(old.double(), roll.double(), mask, mode, clip_min=clip_min, clip_max=1.8)
     assert_value_close("weights", w, rw, 1e-6)
     assert ((w > 0) & (w < 1.8)).any()
+    # bf16 log-probs: float32 weights of those values (exp in bf16 was 3.3e-3 off)
+    ob, rb = old.bfloat16(), roll.bfloat16()
+    w = rollout_is_weights(ob, rb, mask, mode, clip_min=clip_min, clip_max=1.8)
+    rw = ref.rollout_is_weights(ob.double(), rb.double(), mask, mode, clip_min=clip_min, clip_max=1.8)
+    assert w.dtype == torch.float32
+    assert_value_close("weights (bf16 inputs)", w, rw, 1e-6)
 
 
 @pytest.mark.parametrize("call,match", [

@@ -19,7 +19,8 @@ def rollout_is_weights(old_logps, rollout_logps, completion_mask, mode, clip_min
     Per token the ratio is exp(m * (old - rollout)); per sequence the exp of the completion's masked
     sum. '*_truncate' clamps the ratios to [clip_min, clip_max]
     (clip_min None: no lower bound); '*_mask' sets ratios outside [clip_min, clip_max] to 0 (clip_min None:
-    0). NaN differences (tokens the engine could not score) count as 0. No gradient."""
+    0). NaN differences (tokens the engine could not score) count as 0. Float64 for float64 old_logps,
+    float32 otherwise (16-bit log-probs are not exponentiated in 16 bits). No gradient."""
     if mode not in ROLLOUT_IS_MODES:
         raise ValueError(f"mode must be one of {ROLLOUT_IS_MODES}, got {mode!r}")
     checks.check_float_tensor("old_logps", old_logps)
@@ -35,8 +36,10 @@ def rollout_is_weights(old_logps, rollout_logps, completion_mask, mode, clip_min
     if clip_max is None or (clip_min is not None and not clip_min <= clip_max):
         raise ValueError(f"need clip_min <= clip_max (clip_max a number), got clip_min={clip_min!r}, "
                          f"clip_max={clip_max!r}")
+    acc = torch.float64 if old_logps.dtype == torch.float64 else torch.float32
+    m = m.to(acc)
     with torch.no_grad():
-        diff = torch.nan_to_num((old_logps - rollout_logps.to(old_logps.dtype)) * m, nan=0.0) * m
+        diff = torch.nan_to_num((old_logps.to(acc) - rollout_logps.to(acc)) * m, nan=0.0) * m
         if mode.startswith("sequence"):
             diff = diff.sum(-1, keepdim=True)  # (B, 1): one weight per completion
         w = torch.exp(diff)
