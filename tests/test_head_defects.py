@@ -81,6 +81,19 @@ def test_autocast_leaves_float32_inputs_float32(schedule):
     _close(got, _reference(h, w, ids, adv, mask, group_size=2, config="grpo"), f"autocast, {schedule}")
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_backward_inside_autocast_is_the_float32_one(backend):
+    """backward() run inside torch.autocast (bf16), as _head does: the reference backend's GEMMs ran their
+    backward in bf16 there (weight gradient 2.6e-3 off); every backend gives the float32 run's gradients."""
+    h, w, ids, adv = _inputs(4, 3)
+    kw = dict(group_size=2, config=GTPOConfig(entropy_threshold=None), backend=backend)
+    plain = _head(h, w, ids, adv, **kw)
+    with torch.autocast("cpu", torch.bfloat16):
+        got = _head(h, w, ids, adv, **kw)
+    for a, b, name in zip(got[1:], plain[1:], ("hidden", "weight")):
+        assert a.dtype == torch.float32 and torch.equal(a, b), f"grad {name} under autocast differs"
+
+
 @pytest.mark.parametrize("preset", ["gtpo", "gspo"])
 def test_lying_max_seqlen_does_not_plan_the_tiles(preset):
     """Packed, validate=False, max_seqlen = 2 while completions hold up to 6 tokens, tiles of 3 rows:

@@ -224,9 +224,36 @@ def autocast_off(device):
 
 
 def materialize(hidden, weight, bias, scale, softcap, proj=None):
-    """The whole logits, out of place (autograd flows through): the reference backend only. As the tiles
-    form them (spec 11): the GEMM's output, bias included, rounded once to its dtype, then the scale and
-    soft-cap in float32 (float64 for float64)."""
+    """The whole logits, out of place (autograd flows through, its backward with torch.autocast off too,
+    wherever backward() runs: spec 6): the reference backend only. As the tiles form them (spec 11): the
+    GEMM's output, bias included, rounded once to its dtype, then the scale and soft-cap in float32
+    (float64 for float64)."""
+    leaves = [t for t in (hidden, weight, bias) if t is not None]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in leaves):
+        return _logits(hidden, weight, bias, scale, softcap, proj)
+    return _NoAutocastBackward.apply(lambda *a: _logits(*a, scale, softcap, proj), hidden, weight, bias)
+
+
+class _NoAutocastBackward(torch.autograd.Function):
+    """f(*inputs) whose backward runs f's graph with torch.autocast off on the inputs' device (a caller's
+    backward() inside an autocast region would run the GEMMs' backward in 16 bits)."""
+
+    @staticmethod
+    def forward(ctx, f, *inputs):
+        ctx.inputs = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        with torch.enable_grad():
+            ctx.out = f(*ctx.inputs)
+        return ctx.out.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        wrt = [t for t in ctx.inputs if t is not None and t.requires_grad]
+        with autocast_off(g.device):
+            grads = iter(torch.autograd.grad(ctx.out, wrt, g))
+        return (None, *(next(grads) if t is not None and t.requires_grad else None for t in ctx.inputs))
+
+
+def _logits(hidden, weight, bias, scale, softcap, proj):
     hidden, weight, bias = upcast(hidden, proj), upcast(weight, proj), upcast(bias, proj)
     z = hidden @ weight.t() if bias is None else torch.addmm(bias, hidden.reshape(-1, hidden.shape[-1]),
                                                               weight.t()).reshape(*hidden.shape[:-1], -1)
