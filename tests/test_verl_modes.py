@@ -311,3 +311,25 @@ def test_fused_head_keeps_rows_of_zero_advantage_where_the_term_needs_them(mode)
     out.loss.backward()
     assert float(out.metrics["grad_in_forward"]) == 1.0
     assert float((hh.grad - want).norm() / want.norm()) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_verl_cispo_takes_a_lower_clip_of_one_or_more(backend):
+    """verl-cispo with eps_low >= 1 (1 - eps_low <= 0: no lower bound, CISPO's own setting, as verl takes it)
+    equals the float64 reference, and every such eps_low gives the same loss; eps_low 0.2 clips some ratios
+    below 0.8 here, so the loss differs."""
+    g = torch.Generator().manual_seed(4)
+    B, T, V = 4, 5, 11
+    z = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    old = torch.log_softmax(z, -1).gather(-1, ids[..., None])[..., 0] + 0.6 * torch.randn(B, T, generator=g,
+                                                                                           dtype=torch.float64)
+    losses = []
+    for lo in (1.0, 1.5, 0.2):
+        cfg = GTPOConfig.preset("verl-cispo", eps_low=lo, eps_high=4.0, entropy_threshold=None)
+        r = ref.gtpo_loss(z, ids, adv, group_size=2, old_logps=old, **dataclasses.asdict(cfg))
+        out = gtpo_loss(z.float(), ids, adv.float(), group_size=2, old_logps=old.float(), config=cfg, backend=backend)
+        assert_value_close("loss", out.loss, r["loss"], TOL[torch.float32]["loss"])
+        losses.append(float(out.loss))
+    assert losses[0] == losses[1] and abs(losses[0] - losses[2]) > 1e-4, losses
