@@ -5,6 +5,8 @@ and token_logprobs with each rank's slice of the logits and a recorded `sampling
 moves O(M) bytes whatever the sets' sizes; linear_gtpo_loss and linear_token_logprobs with each rank's
 slice of the LM head's rows likewise (hidden's gradient summed over the ranks, head gradients 1e-4); top_p without top_k is refused naming sampling_mask; ranks
 passing different sets all raise the same error. Tolerances: spec 7 (values 1e-5, gradient 1e-5 in float32)."""
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -127,6 +129,25 @@ def _scenarios(rank, world):
                         process_group=dist.group.WORLD, top_k=k)
         finite = [n for n in ("mean_kept_size", "kept_mass") if not torch.isnan(out.metrics[n])]
         res[f"{backend}/invalid top_k, unvalidated"] = {"finite metrics": float(len(finite))}
+        # min_p 1 (vLLM's upper end) keeps the entries tied at the maximum, one of them in each of two slices
+        xt = x.clone()
+        xt[0, :, [3, V - 2]] = x.abs().max() + 1.0
+        it = ids.clone()
+        it[0] = torch.tensor([3, V - 2] * T)[:T]
+        lp, h = token_logprobs(xt[..., sl], it, 1.0, mask, backend=backend, process_group=dist.group.WORLD, top_k=5,
+                               min_p=1.0)
+        res[f"{backend}/min_p 1"] = {"logp": abs(float(lp[0, 0]) + math.log(2.0)), "entropy": abs(float(h[0, 0]) -
+                                                                                                  math.log(2.0))}
+        # the config's 0-d temperature set in place to -1 since: refused by that name on every rank
+        sched = torch.tensor(0.9)
+        changed = GTPOConfig(temperature=sched, entropy_threshold=None)
+        sched.fill_(-1.0)
+        try:
+            gtpo_loss(x[..., sl], ids, adv, mask, group_size=2, config=changed, backend=backend,
+                      process_group=dist.group.WORLD, top_k=4)
+            res[f"{backend}/schedule -1"] = "accepted"
+        except ValueError as e:
+            res[f"{backend}/schedule -1"] = str(e)
     progress("refusals")
     for name, kw in (("no top_k", dict(top_p=0.9)), ("disagree", None)):
         if kw is None:  # one rank drops an id from one set: the ranks' sets differ
@@ -147,12 +168,14 @@ def test_replay_across_a_vocabulary_split(world):
     ranks = run_ranks_ok(_scenarios, world, watchdog=180)
     for r, res in enumerate(ranks):
         for key, errs in res.items():
-            if key in ("no top_k", "disagree"):
+            if key in ("no top_k", "disagree") or key.endswith("schedule -1"):
                 continue
             for what, err in errs.items():
                 tol = 0.0 if what == "outside" else (1e-6 if what in ("mean_kept_size", "kept_mass") else
                                                      1e-4 if what.startswith("grad ") else 1e-5)
                 assert err <= tol, f"rank {r}, {key}: {what} off by {err:.2e}"
-    for name, want in (("no top_k", "need top_k as well"), ("disagree", "disagree on sampling_mask")):
+    for name, want in (("no top_k", "need top_k as well"), ("disagree", "disagree on sampling_mask"),
+                       ("torch/schedule -1", "GTPOConfig.temperature must be > 0"),
+                       ("triton/schedule -1", "GTPOConfig.temperature must be > 0")):
         said = [res[name] for res in ranks]
         assert all(s == said[0] for s in said) and want in said[0], (name, said)

@@ -65,7 +65,7 @@ def test_a_schedule_changed_in_place_is_the_value_it_holds(backend, path):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("value", [-1.0, 0.0, math.nan, math.inf])
+@pytest.mark.parametrize("value", [-1.0, 0.0, math.nan, math.inf, 1e-39])
 def test_a_schedule_changed_in_place_to_an_invalid_value_is_nan_or_refused(backend, path, value):
     d = _inputs()
     tau = torch.tensor(0.9)
@@ -76,5 +76,16 @@ def test_a_schedule_changed_in_place_to_an_invalid_value_is_nan_or_refused(backe
     assert torch.isnan(out.loss)
     assert torch.isnan(out.logps[counted]).all() and torch.isnan(out.entropy[counted]).all()
     assert torch.isnan(leaf.grad[counted]).flatten(1).any(1).all()  # a NaN in every counted row's gradient
-    with pytest.raises(ValueError, match=r"GTPOConfig\.temperature must be > 0, got tensor\("):
+    with pytest.raises(ValueError, match=r"GTPOConfig\.temperature must be > 0, with 1 / temperature finite in float32, got tensor\("):
         _call(path, cfg, backend, True, d)
+
+
+def test_tau_or_nan_is_nan_exactly_where_tau_is_unusable():
+    """core.flags.tau_or_nan, the torch passes' guard: a temperature kept where finite, > 0 and 1 / tau finite
+    in float32; NaN elsewhere (0, < 0, NaN, inf, below 2.9e-39), for numbers and tensors alike."""
+    from gtpo_kernels.core.flags import tau_or_nan
+    values = [0.7, 3e-39, 0.0, -1.0, math.nan, math.inf, 1e-39]
+    keep = [True, True, False, False, False, False, False]
+    t = tau_or_nan(torch.tensor(values, dtype=torch.float64))
+    assert torch.isnan(t).tolist() == [not k for k in keep]
+    assert [not math.isnan(tau_or_nan(v)) for v in values] == keep

@@ -9,7 +9,7 @@ import torch
 
 from ..core import batch, checks, entry
 from ..core.config import GTPOConfig, as_config
-from ..core.flags import nan_where
+from ..core.flags import nan_where, tau_or_nan
 from ..core.layout import float_dtype_for
 from ..core.output import GTPOOutput
 from ..distributed import agree
@@ -278,7 +278,7 @@ def _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp=None):
     if cfg is not None and tau is None:
         tau = cfg.temperature
     if isinstance(tau, torch.Tensor) and tau.dim() == 0:
-        tau = float(tau)  # a schedule: one value (a CPU tensor: no device sync)
+        tau = tau_or_nan(float(tau))  # a schedule: one value (a CPU tensor: no device sync; NaN if no longer > 0)
     if vp is not None:  # each rank reads the kept logits of its slice; O(M) merge (spec 12, 13)
         return vocab_replay.replayed(b, tau, sampling_mask, rules, vp, host)
     logp, ent, flags, metrics = replay.replayed(b, tau, sampling_mask, rules, backend, host)

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from .flags import FLT_MAX
+
 POLICY_LOSSES = ("ppo", "cispo", "sapo", "vespo",
                  # verl 0.9.1's loss modes (spec 9)
                  "gpg", "dppo-tv", "dppo-kl", "dro", "verl-cispo", "geo-mean", "clip-cov", "kl-cov")
@@ -38,7 +40,7 @@ _NUMBER_FIELDS = ("temperature", "eps_low", "eps_high", "conflict_pos_weight", "
 class GTPOConfig:
     """Options of `gtpo_loss` (defaults: the paper's GTPO, spec sections 2-5).
 
-    temperature           logits are divided by it before the softmax (> 0)
+    temperature           logits are divided by it before the softmax (> 0, 1 / temperature finite in float32)
     eps_low, eps_high     PPO clip range [1 - eps_low, 1 + eps_high], each in [0, 1) (verl-cispo: >= 0)
     clip                  False: plain surrogate -lam * r * Ahat
     use_conflict_mask     conflict-token weights lambda (spec 3)
@@ -52,8 +54,7 @@ class GTPOConfig:
     (every float above may also be a 0-d floating tensor, e.g. a schedule the trainer updates in place:
     under torch.compile a graph input, a new value does not recompile; a CPU tensor read without a sync)
     loss_agg              one of LOSS_AGGS ('_' or '-' accepted)
-    max_completion_length denominator of 'seq-mean-token-sum-norm' (default: T, or the longest
-                          completion in the packed form)
+    max_completion_length denominator of 'seq-mean-token-sum-norm' (default: T; packed: the longest completion)
     local_count           with 'token-mean', always over this call's counted tokens (the 'bnpo' preset:
                           TRL's bnpo): num_items_in_batch is then refused (use 'dapo' to divide by it)
 
@@ -126,8 +127,7 @@ class GTPOConfig:
         replace: the changed ones; while torch.compile traces none, their shape and dtype alone)."""
         object.__setattr__(self, "_read", () if torch.compiler.is_compiling() else read)  # (not a field)
         try:
-            self._need("temperature", lambda v: v > 0 and 1 / v <= 3.4028234663852886e38,  # (float32's largest)
-                       "> 0, with 1 / temperature finite in float32")
+            self._need("temperature", lambda v: v > 0 and 1 / v <= FLT_MAX, "> 0, with 1 / temperature finite in float32")
             for f in _NUMBER_FIELDS[1:]:  # (after temperature: each 0-d tensor read once)
                 self._number(f)
             for check in (self._check_policy_term, self._check_masks_and_kl, self._check_switches_and_aggregation,

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .flags import NonFiniteRowError
+from .flags import NonFiniteRowError, tau_or_nan
 
 # whether the call may run Triton kernels of its own around its passes (not with backend='torch' or 'reference')
 _KERNELS = contextvars.ContextVar("gtpo_kernels_allowed", default=True)
@@ -57,9 +57,9 @@ def _refuse_temperature(fn, args, kwargs):
     except TypeError:
         return
     tau = getattr(config, "temperature", None) if isinstance(config, GTPOConfig) else None
-    if isinstance(tau, torch.Tensor) and tau.numel() == 1 and not 0 < float(tau) < math.inf:
-        raise ValueError(f"GTPOConfig.temperature must be > 0, got {tau!r}: the 0-d tensor was changed in place "
-                         "since the config checked it") from None
+    if isinstance(tau, torch.Tensor) and tau.numel() == 1 and math.isnan(tau_or_nan(float(tau))):
+        raise ValueError(f"GTPOConfig.temperature must be > 0, with 1 / temperature finite in float32, got {tau!r}: "
+                         "the 0-d tensor was changed in place since the config checked it") from None
 
 
 def _grouped(args, kwargs):

@@ -9,8 +9,12 @@ BAD_RULE = 8  # a truncation rule (top_k, top_p, min_p) of the token out of its 
 
 
 class NonFiniteRowError(ValueError):
-    """A counted row whose statistics are not finite (checks.raise_on_flags): NaN or +inf logits, or a
-    temperature that is not > 0 (the entry point then names the temperature, core/entry.py)."""
+    """A counted row whose statistics are not finite (checks.raise_on_flags; a split's rebuild that cannot
+    hold it): NaN or +inf logits, or a temperature that is not > 0 (the entry point then names the
+    temperature, core/entry.py)."""
+
+
+FLT_MAX = 3.4028234663852886e38  # float32's largest: a tau below 1 / FLT_MAX (2.9e-39) has no float32 1 / tau
 
 
 def tau_or_nan(tau):
@@ -18,8 +22,8 @@ def tau_or_nan(tau):
     tensor elementwise, read nowhere): a 0-d schedule changed in place to 0 or below, unvalidated, makes its
     tokens' outputs NaN, as the Triton kernels' 1 / tau does (vocab_jit._inv_tau), never a finite number."""
     if isinstance(tau, torch.Tensor):
-        return torch.where((tau > 0) & (tau < float("inf")), tau, float("nan"))
-    return tau if 0 < tau < float("inf") else float("nan")
+        return torch.where((tau > 0) & (tau < float("inf")) & (tau.reciprocal() <= FLT_MAX), tau, float("nan"))
+    return tau if 0 < tau < float("inf") and 1 / tau <= FLT_MAX else float("nan")
 
 
 def nan_where(flag, values):

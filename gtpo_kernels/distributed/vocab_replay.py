@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import checks
-from ..core.flags import BAD_NONFINITE, BAD_TARGET_NEG_INF
+from ..core.flags import BAD_NONFINITE, BAD_TARGET_NEG_INF, NonFiniteRowError
 from ..core.sampling import check_sampling_mask, segment_of
 from ..kernels import replay as rp
 from ..kernels.kept_set import _block, _param, rows_per_block
@@ -139,7 +139,7 @@ def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale
         tp = _param(top_p, sl, 1.0, acc, dev)
         tp = torch.where((tp > 0) & (tp <= 1), tp, torch.ones_like(tp))
         mp = _param(min_p, sl, 0.0, acc, dev)
-        mp = torch.where((mp >= 0) & (mp < 1), mp, torch.zeros_like(mp))
+        mp = torch.where((mp >= 0) & (mp <= 1), mp, torch.zeros_like(mp))
         keep = _block(cv, k, tp, mp)
         # a tie at the k-th value hidden beyond a slice's own candidates (vLLM keeps every tie)
         kth = torch.sort(cv, dim=1, descending=True).values.gather(1, (k.clamp(min=1) - 1)[:, None])
@@ -181,7 +181,7 @@ def missing_k(top_k, y, host, counted=None):
 def refuse_unbuilt(invalid, host):
     """Validating, the rebuilt sets' invalid tokens raise (the same on every rank: merged flags)."""
     if host and bool(invalid.any()):
-        raise ValueError("top_k with process_group: exact ties at a token's top_k-th value are split across "
+        raise NonFiniteRowError("top_k with process_group: exact ties at a token's top_k-th value are split across "
                          "ranks (or its logits hold NaN / +inf), so its kept set cannot be rebuilt from the "
                          "ranks' candidates; pass the sets the engine recorded as sampling_mask")
 

@@ -100,9 +100,11 @@ def _kept(z, v, inv_temp, t_s, t_id, y):
 
 @triton.jit
 def _inv_tau(tau):
-    """1 / tau of a temperature read from memory, NaN where tau is not finite and > 0 (an unvalidated
-    per-token temperature: that token's outputs and gradient NaN, never a finite number)."""
-    return 1.0 / tl.where((tau > 0) & (tau < float("inf")), tau, float("nan"))
+    """1 / tau of a temperature read from memory, NaN where tau is not finite and > 0 or 1 / tau overflows
+    (an unvalidated per-token temperature, or a schedule set in place: that token's outputs and gradient
+    NaN, never a finite number nor an infinite log-prob)."""
+    inv = 1.0 / tl.where((tau > 0) & (tau < float("inf")), tau, float("nan"))
+    return tl.where(inv < float("inf"), inv, float("nan"))
 
 
 @triton.jit
