@@ -94,6 +94,25 @@ def test_backward_inside_autocast_is_the_float32_one(backend):
         assert a.dtype == torch.float32 and torch.equal(a, b), f"grad {name} under autocast differs"
 
 
+def test_reference_head_backward_twice_and_second_order():
+    """backend='reference': backward(retain_graph=True) then backward() doubles the gradients, and a
+    second-order gradient flows (nonzero, never silently 0), with and without autocast."""
+    h, w, ids, adv = _inputs(4, 3)
+    kw = dict(group_size=2, config=GTPOConfig(entropy_threshold=None), backend="reference")
+    for cast in (False, True):
+        hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=cast):
+            loss = linear_gtpo_loss(hh, ww, ids, adv, **kw).loss
+            loss.backward(retain_graph=True)
+            once = ww.grad.clone()
+            loss.backward()
+        torch.testing.assert_close(ww.grad, 2 * once)
+        hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=cast):
+            gw, = torch.autograd.grad(linear_gtpo_loss(hh, ww, ids, adv, **kw).loss, ww, create_graph=True)
+            assert torch.autograd.grad(gw.pow(2).sum(), ww)[0].norm() > 0
+
+
 @pytest.mark.parametrize("preset", ["gtpo", "gspo"])
 def test_lying_max_seqlen_does_not_plan_the_tiles(preset):
     """Packed, validate=False, max_seqlen = 2 while completions hold up to 6 tokens, tiles of 3 rows:

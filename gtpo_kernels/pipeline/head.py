@@ -224,10 +224,10 @@ def autocast_off(device):
 
 
 def materialize(hidden, weight, bias, scale, softcap, proj=None):
-    """The whole logits, out of place (autograd flows through, its backward with torch.autocast off too,
-    wherever backward() runs: spec 6): the reference backend only. As the tiles form them (spec 11): the
-    GEMM's output, bias included, rounded once to its dtype, then the scale and soft-cap in float32
-    (float64 for float64)."""
+    """The whole logits, out of place (autograd flows through): the reference backend only. As the tiles
+    form them (spec 11): the GEMM's output, bias included, rounded once to its dtype, then the scale and
+    soft-cap in float32 (float64 for float64). Its backward runs with torch.autocast off too, wherever
+    backward() runs (spec 6)."""
     leaves = [t for t in (hidden, weight, bias) if t is not None]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in leaves):
         return _logits(hidden, weight, bias, scale, softcap, proj)
@@ -235,22 +235,26 @@ def materialize(hidden, weight, bias, scale, softcap, proj=None):
 
 
 class _NoAutocastBackward(torch.autograd.Function):
-    """f(*inputs) whose backward runs f's graph with torch.autocast off on the inputs' device (a caller's
-    backward() inside an autocast region would run the GEMMs' backward in 16 bits)."""
+    """f(*inputs) whose backward forms f again and differentiates it with torch.autocast off on the inputs'
+    device (a caller's backward() inside an autocast region would run the GEMMs' backward in 16 bits): a
+    backward run again (retain_graph) or differentiated again (create_graph) works as autograd's own."""
 
     @staticmethod
     def forward(ctx, f, *inputs):
-        ctx.inputs = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs]
-        with torch.enable_grad():
-            ctx.out = f(*ctx.inputs)
-        return ctx.out.detach()
+        ctx.f, ctx.none = f, [t is None for t in inputs]
+        ctx.save_for_backward(*[t for t in inputs if t is not None])
+        return f(*inputs)
 
     @staticmethod
     def backward(ctx, g):
-        wrt = [t for t in ctx.inputs if t is not None and t.requires_grad]
-        with autocast_off(g.device):
-            grads = iter(torch.autograd.grad(ctx.out, wrt, g))
-        return (None, *(next(grads) if t is not None and t.requires_grad else None for t in ctx.inputs))
+        higher = torch.is_grad_enabled()  # create_graph: the gradient itself differentiable
+        saved = iter(ctx.saved_tensors)
+        xs = [None if none else next(saved) for none in ctx.none]
+        with torch.enable_grad(), autocast_off(g.device):
+            xs = [x if x is None or higher else x.detach().requires_grad_(x.requires_grad) for x in xs]
+            wrt = [x for x in xs if x is not None and x.requires_grad]
+            grads = iter(torch.autograd.grad(ctx.f(*xs), wrt, g, create_graph=higher))
+        return (None, *(next(grads) if x is not None and x.requires_grad else None for x in xs))
 
 
 def _logits(hidden, weight, bias, scale, softcap, proj):
