@@ -278,3 +278,20 @@ def test_torch_replay_over_a_vocabulary_sized_set_keeps_float32_accuracy():
     assert_value_close("entropy", ent.detach(), hr.detach(), TOL[torch.float32]["value"])
     assert xr.grad.abs().sum() > 0
     assert_grad_close("grad logits", x.grad.reshape(-1, V), xr.grad.reshape(-1, V), TOL[torch.float32]["grad"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("tau", [-1.0, 0.0, float("nan")])
+def test_replay_with_an_invalid_number_tau_is_nan_and_flagged(backend, tau):
+    """A temperature passed by value (a number: the kernels take it as a launch argument) that is not finite
+    and > 0 gives NaN log-probs and entropies, flagged BAD_NONFINITE, on both twins (the Triton kernel took
+    1 / tau as it came: finite numbers at -1, a division by zero at 0)."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 3, 9, generator=g)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    rb, rt = counted_rows(mask, mask.shape)
+    ids, off = torch.arange(9).repeat(6), torch.arange(7) * 9
+    lp, h, flags = replay_logprobs(z, rb, rt, z.argmax(-1).reshape(-1), tau, ids, off, backend=backend)
+    assert torch.isnan(lp).all() and torch.isnan(h).all() and (flags == 1).all()
+    lp, _, flags = replay_logprobs(z, rb, rt, z.argmax(-1).reshape(-1), 0.7, ids, off, backend=backend)
+    assert torch.isfinite(lp).all() and (flags == 0).all()

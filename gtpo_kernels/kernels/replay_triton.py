@@ -42,11 +42,11 @@ def _row(x_ptr, rb_ptr, rt_ptr, tok, s0, s1):
 
 @triton.jit
 def _inv_t(tau_ptr, tau_stride, tau_value, tok, TAU_PTR: tl.constexpr):
-    """1 / tau of token tok: read (stride 0: one value for all; an unvalidated tau that is not finite and > 0
-    comes as NaN, made so by the callers' check: the token's outputs NaN) or, TAU_PTR off, tau_value."""
+    """1 / tau of token tok: read (stride 0: one value for all) or, TAU_PTR off, tau_value; NaN where tau is
+    not finite and > 0 (vocab_jit._inv_tau): the token's outputs NaN."""
     if TAU_PTR:
         return _inv_tau(tl.load(tau_ptr + tok * tau_stride).to(tl.float32))
-    return 1.0 / tau_value
+    return _inv_tau(tau_value)
 
 
 @triton.jit(do_not_specialize=["V", "s0", "s1", "tau_stride", "tau_value"])

@@ -81,7 +81,7 @@ def _vocab_bwd_kernel(
     else:
         tok = i * T + t
     if TEMP_BY_VALUE:
-        inv_temp = 1.0 / temp_ptr
+        inv_temp = _inv_tau(temp_ptr)
     else:
         if TEMP_PER_SEQ == 1:
             at = i

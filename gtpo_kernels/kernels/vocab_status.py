@@ -28,7 +28,7 @@ def _token(seq, temp_ptr, temp_stride, tok, mask_ptr, TEMP_BY_VALUE: tl.constexp
     NaN where not finite and > 0) and whether it counts (the caller's mask as given, any dtype: nonzero
     counts)."""
     if TEMP_BY_VALUE:
-        inv_temp = 1.0 / temp_ptr
+        inv_temp = _inv_tau(temp_ptr)
     else:
         inv_temp = _inv_tau(tl.load(temp_ptr + seq * temp_stride))
     if HAS_MASK:

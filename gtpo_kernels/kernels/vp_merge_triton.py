@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .epilogue_terms import _expm1
-from .vocab_jit import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, _log1p
+from .vocab_jit import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, _inv_tau, _log1p
 from .vocab_status import _seqs_of
 
 BLOCK = 256
@@ -87,7 +87,7 @@ def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr,
     m, ls, ent, s, nonfinite, live = _slice(stats_ptr, ent_ptr, bad_ptr, o, inb, V_local)
     M = tl.load(M_ptr + o, mask=inb, other=0.0)
     if TEMP_BY_VALUE:  # tau_ptr is tau itself
-        inv_t = 1.0 / tau_ptr
+        inv_t = _inv_tau(tau_ptr)
     else:
         if TEMP_PER_SEQ == 2:
             at = _seqs_of(cu_ptr, n_seq, tok)
