@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.flags import nan_where
 from .dispatch import check_transforms, resolve_backend
 
 
@@ -164,8 +165,5 @@ def replay_metrics(offsets, restored=None, kept_mass=None, M=None, bad=None):
 def poisoned(metrics, bad):
     """The replay's metrics NaN where any token of `bad` (bool, None: none) is set: a counted token flagged
     unvalidated (an invalid set, rule value or temperature, a row with NaN / +inf) has a set that means
-    nothing, averaged in they would be finite wrong numbers (spec 13). Two launches and one a metric."""
-    if bad is None:
-        return metrics
-    nan = torch.where(bad.any(), float("nan"), 0.0)
-    return {k: v + nan for k, v in metrics.items()}
+    nothing, averaged in they would be finite wrong numbers (spec 13)."""
+    return metrics if bad is None else nan_where(bad.any(), metrics)

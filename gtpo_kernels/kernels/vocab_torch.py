@@ -267,7 +267,7 @@ def vocab_merge(blocks, zy, nonfinite, ids, counted, temperature, V_whole, state
         out[idx] = torch.stack([m, r, u], 1)
         return out
     c_logp, c_ent, c_stats = finish(m, r, u, z_y, inv_t)
-    flag = (nonfinite[idx]).to(torch.int8) * BAD_NONFINITE
+    flag = nonfinite[idx].to(torch.int8) * BAD_NONFINITE
     flag |= (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF
     flag |= ((y < 0) | (y >= V_whole)).to(torch.int8) * BAD_ID
     logp[idx], ent[idx], stats[idx], bad[idx] = c_logp, c_ent, c_stats, flag

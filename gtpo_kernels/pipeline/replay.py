@@ -77,8 +77,7 @@ def replayed(b, tau, sampling_mask, rules, backend, validate):
         logp, ent, flags = rp.replay_logprobs(logits3, rows_b, rows_t, b.ids, tau, token_ids, offsets, invalid,
                                               backend=backend, counted=b.counted)
         flags = torch.where(b.counted, flags, torch.zeros_like(flags))
-        bad = flags != 0 if invalid is None else (flags != 0) | (invalid.reshape(-1) & b.counted)
-        return logp, ent, flags, rp.replay_metrics(offsets, M=b.counted.sum(), bad=bad)
+        return logp, ent, flags, rp.replay_metrics(offsets, M=b.counted.sum(), bad=_flagged(flags, invalid, b))
     # the sets rebuilt for every flat token (an uncounted one's is empty): one custom op, so that the call
     # traces whole (their total size is the one size known only after it runs)
     acc = float_dtype_for(logits3)
@@ -90,8 +89,13 @@ def replayed(b, tau, sampling_mask, rules, backend, validate):
     logp, ent, flags = rp.replay_logprobs(logits3, rows_b, rows_t, b.ids, tau, token_ids, offsets, invalid,
                                           backend=backend, counted=b.counted)
     flags = flags | nonfinite_flag(nonfinite)  # a row with NaN / +inf: invalid input, as without kept sets
-    bad = ((flags != 0) | invalid) & b.counted if invalid is not None else (flags != 0) & b.counted
+    bad = _flagged(flags, invalid, b)
     return logp, ent, flags, rp.replay_metrics(offsets, restored, mass, M=b.counted.sum(), bad=bad)
+
+
+def _flagged(flags, invalid, b):
+    """The counted tokens whose outputs are NaN (flagged, or invalid unvalidated): the metrics' poison."""
+    return _any(flags != 0, None if invalid is None else invalid.reshape(-1)) & b.counted
 
 
 def nonfinite_flag(nonfinite):
