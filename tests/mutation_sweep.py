@@ -728,7 +728,7 @@ MUTANTS = [
     M("Q52", "kernels/replay_torch.py", "    nan = nan & (yl >= 0) & (yl < V)\n", "    nan = nan & (yl < 0)\n",
       "a NaN coefficient over an empty set leaves a zero gradient row (torch)", tests=["test_unchecked_nan"]),
     M("Q53", "pipeline/head_replay.py",
-      "        dhc.masked_fill_(torch.isnan(g_logp + g_ent)[:, None], float(\"nan\"))\n", "",
+      "        dhc.masked_fill_(nan_rows[:, None], float(\"nan\"))\n", "",
       "the head's dL/dh rows of tokens whose sets project nothing stay 0", tests=["test_union_plan"]),
     M("Q54", "pipeline/replay.py", "return x[pos] if isinstance(x, torch.Tensor) and x.dim() else x",
       "return x[pos] if isinstance(x, torch.Tensor) else x", "a 0-d temperature indexed per token (reference)",
@@ -845,6 +845,9 @@ MUTANTS = [
       "a schedule set to 1e-39 over recorded sets (Triton): log-probs -inf, not NaN", tests=["test_temperature_schedule"]),
     M("Q96", "pipeline/head.py", "higher = torch.is_grad_enabled()  # create_graph", "higher = False  # create_graph",
       "the reference head's second-order gradient silently 0", tests=["test_head_defects"]),
+    M("Q99", "pipeline/head_replay.py", "            g.masked_fill_(poisoned, float(\"nan\"))", "            pass",
+      "the head over kept sets: dL/dW and dL/db finite (0 with malformed offsets) at a NaN coefficient",
+      tests=["test_head_replay"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -186,20 +186,42 @@ def test_head_replay_refusals_and_nan(backend):
 @pytest.mark.parametrize("broken", ["negative", "one-short", "decreasing"])
 def test_head_malformed_offsets_unvalidated_give_nan_over_several_tiles(backend, broken):
     """Malformed recorded offsets, unvalidated, over several union tiles: every counted token's outputs NaN, the
-    loss NaN, the backward runs and dL/dh is NaN at every counted row, on both backends (the torch backend planned
-    the tiles on the raw offsets: a budget error naming a set size the offsets made up, or an IndexError)."""
+    loss NaN, the backward runs, dL/dh is NaN at every counted row and dL/dW, dL/db NaN everywhere (as the whole
+    vocabulary's gradient and the reference backend's; they were 0: every set empty), on both backends (the torch
+    backend planned the tiles on the raw offsets: a budget error naming a set size the offsets made up, or an
+    IndexError)."""
     h, w, bias, ids, mask, adv, _ = _batch(8)
-    hc, wc = h.float().requires_grad_(), w.float().requires_grad_()
+    hc, wc, bc = h.float().requires_grad_(), w.float().requires_grad_(), bias.float().requires_grad_()
     _, _, _, sm = rs.replay_token_logprobs(_logits(h, w, None, 1.0, None), ids, mask, top_k=3)
     token_ids, off = sm
     off = {"negative": torch.where(torch.arange(off.numel()) == 3, -7, off), "one-short": off[:-1],
            "decreasing": torch.cat([off[:4], off[2:3], off[5:]])}[broken]
     budget = 3 * 2 * 4 * 4  # a few rows of three kept logits: several union tiles
-    out = linear_gtpo_loss(hc, wc, ids, adv, mask, group_size=2, config="grpo", sampling_mask=(token_ids, off),
-                           memory_budget=budget, validate=False, backend=backend)
+    out = linear_gtpo_loss(hc, wc, ids, adv, mask, bias=bc, group_size=2, config="grpo",
+                           sampling_mask=(token_ids, off), memory_budget=budget, validate=False, backend=backend)
     assert torch.isnan(out.loss) and torch.isnan(out.logps[mask]).all() and torch.isnan(out.entropy[mask]).all()
     out.loss.backward()
     assert torch.isnan(hc.grad[mask]).all() and (hc.grad[~mask] == 0).all()
+    assert torch.isnan(wc.grad).all() and torch.isnan(bc.grad).all()
     lp, _ = linear_token_logprobs(hc.detach(), wc.detach(), ids, 1.0, mask, sampling_mask=(token_ids, off),
                                   memory_budget=budget, validate=False, backend=backend)
     assert torch.isnan(lp[mask]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["rules", "mask"])
+def test_head_kept_sets_with_one_invalid_temperature_nan_the_weight_gradient(backend, how):
+    """One counted token's temperature -1, unvalidated, over kept sets (rebuilt by top_k, or recorded): the loss
+    NaN and dL/dW, dL/db NaN everywhere, as over the whole vocabulary and on the reference backend (the package's
+    backends had NaN only at the union of the kept sets' columns, finite elsewhere); dL/dh NaN at that row."""
+    h, w, bias, ids, mask, adv, _ = _batch(3)
+    hc, wc, bc = h.float().requires_grad_(), w.float().requires_grad_(), bias.float().requires_grad_()
+    tau = torch.rand(4, 5, dtype=torch.float64).float() + 0.5
+    tau[1, 0] = -1.0
+    _, _, _, sm = rs.replay_token_logprobs(_logits(h, w, None, 1.0, None), ids, mask, top_k=3)
+    kept = dict(top_k=3) if how == "rules" else dict(sampling_mask=sm)
+    out = linear_gtpo_loss(hc, wc, ids, adv, mask, bias=bc, group_size=2, config="grpo", temperature=tau,
+                           memory_budget=_budget(2, 48), validate=False, backend=backend, **kept)
+    out.loss.backward()
+    assert torch.isnan(out.loss) and torch.isnan(hc.grad[1, 0]).all()
+    assert torch.isnan(wc.grad).all() and torch.isnan(bc.grad).all()

@@ -224,9 +224,14 @@ def backward(hidden, weight, bias, p, g_logp, g_ent, need, stats=None, ent=None)
             dw.index_add_(0, u, hd.product(gz.t(), h[m0:m1], acc))
         if db is not None:
             db.index_add_(0, u, gz.sum(0, dtype=acc))
-    if dh is not None:  # a NaN coefficient (an invalid token, unvalidated): its row NaN, even where its set is empty
-        dhc.masked_fill_(torch.isnan(g_logp + g_ent)[:, None], float("nan"))
+    nan_rows = torch.isnan(g_logp + g_ent)  # a NaN coefficient (an invalid token, unvalidated, malformed sets)
+    if dh is not None:  # its row NaN, even where its set is empty
+        dhc.masked_fill_(nan_rows[:, None], float("nan"))
         dh.view(-1, dh.shape[-1]).index_copy_(0, p.pos, dhc.to(dh.dtype))
+    if dw is not None or db is not None:  # then every entry NaN, as the whole vocabulary's gradient would be
+        poisoned = nan_rows.any()
+        for g in (x for x in (dw, db) if x is not None):
+            g.masked_fill_(poisoned, float("nan"))
     p.lse_kept.clear()
     return dh, dw, db
 
