@@ -848,6 +848,10 @@ MUTANTS = [
     M("Q99", "pipeline/head_replay.py", "            g.masked_fill_(poisoned, float(\"nan\"))", "            pass",
       "the head over kept sets: dL/dW and dL/db finite (0 with malformed offsets) at a NaN coefficient",
       tests=["test_head_replay"]),
+    M("Q100", "pipeline/reference.py", "    t = cfg.temperature\n    if tau is not None or",
+      "    t = None\n    if tau is not None or",
+      "backend='reference' hands the oracle a schedule changed in place to -1: refused unvalidated",
+      tests=["test_temperature_schedule"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

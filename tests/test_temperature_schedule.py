@@ -3,7 +3,8 @@ kernels read it where it is, every call, without a host read. Changed in place t
 equals one with that number in the config; changed to a value that is not finite and > 0 (0, -1, NaN, inf),
 an unvalidated call gives NaN at every counted token (log-prob, entropy, loss, a NaN in each counted row's
 gradient), never a finite number, on every path that divides by tau (the vocabulary passes, the kept-set
-replay, the LM head, on both backends), and a validated call refuses it naming GTPOConfig.temperature."""
+replay, the LM head, on both backends and the oracle's, backend="reference", which refused it unvalidated),
+and a validated call refuses it naming GTPOConfig.temperature."""
 import math
 
 import pytest
@@ -48,7 +49,7 @@ def _call(path, cfg, backend, validate, d):
     return out, leaf
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "reference"])
 @pytest.mark.parametrize("path", PATHS)
 def test_a_schedule_changed_in_place_is_the_value_it_holds(backend, path):
     d = _inputs()
@@ -63,7 +64,7 @@ def test_a_schedule_changed_in_place_is_the_value_it_holds(backend, path):
     torch.testing.assert_close(la.grad, lb.grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "reference"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("value", [-1.0, 0.0, math.nan, math.inf, 1e-39])
 def test_a_schedule_changed_in_place_to_an_invalid_value_is_nan_or_refused(backend, path, value):

@@ -147,6 +147,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                                      rules=rules[0] if rules_in_kernels else None, inplace=inplace, per_seq=per_seq)
         if backend == "reference":
             checks.refuse_reference_with_group(process_group)
+            tau = reference.config_tau(b, cfg, tau, host)
             if rules is None:
                 return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau)
             keep, metrics = reference.kept_window(b, logits, cfg.temperature if tau is None else tau,

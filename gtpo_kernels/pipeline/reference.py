@@ -3,10 +3,11 @@ validation. It takes the padded window of the logits and returns the public call
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
-from ..core.flags import nan_where
+from ..core.flags import NonFiniteRowError, nan_where, tau_or_nan
 from ..core.layout import float_dtype_for, padded_window
 
 
@@ -94,6 +95,19 @@ def token_logprobs(b, logits, temperature, keep=None):
     lp, ent = gtpo_reference.token_logprobs(lg, ids, float(temperature), m)
     dt = float_dtype_for(logits)
     return unpad(lp).to(dt), unpad(ent).to(dt)
+
+
+def config_tau(b, cfg, tau, validate):
+    """The oracle's per-token temperature: the call's `tau` (n,), or None for the config's number. A config's 0-d
+    tensor (a schedule) changed in place to a value not > 0 since the config checked it (read here: it lives on
+    the host) is refused validating (NonFiniteRowError: the entry point names it), else NaN at every token (every
+    output NaN, as the kernels make it; the oracle itself refuses such a value)."""
+    t = cfg.temperature
+    if tau is not None or not isinstance(t, torch.Tensor) or not math.isnan(tau_or_nan(float(t))):
+        return tau
+    if validate:
+        raise NonFiniteRowError("the config's temperature is no longer > 0")
+    return torch.full((math.prod(b.tok_shape),), float("nan"), dtype=torch.float64, device=b.given["ids"].device)
 
 
 def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=None, keep=None):
