@@ -186,6 +186,10 @@ def _dp_scenarios(rank, world, bad):
         "dp_short_max_seqlen_unvalidated": (short_max_seqlen, "returns"),
         "dp_config_differs": (lambda: conflict_weights(pad_ids[mine], None, pad_adv[mine], G, config=cfg,
                                                        process_group=pg), "disagree on the options"),
+        # validating, a counted negative id on one rank is refused on every rank (it was lam = NaN on that rank)
+        "dp_negative_id_validated": (lambda: conflict_weights(
+            torch.where(torch.tensor(me) & (torch.arange(T) == 1), -3, pad_ids[mine]), None, pad_adv[mine], G,
+            process_group=pg), "refused their arguments"),
         "dp_dtype_differs": (lambda: conflict_weights(pad_ids[mine], None, pad_adv[mine], G, process_group=pg,
                                                       dtype=torch.float64 if me else torch.float32),
                              "disagree on the options"),

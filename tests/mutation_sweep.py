@@ -852,6 +852,9 @@ MUTANTS = [
       "    t = None\n    if tau is not None or",
       "backend='reference' hands the oracle a schedule changed in place to -1: refused unvalidated",
       tests=["test_temperature_schedule"]),
+    M("Q101", "distributed/data_parallel.py", "        checks.check_ids_in_range(b.ids, b.counted, ID_LIMIT)",
+      "        pass", "data-parallel conflict_weights validating takes a counted negative id",
+      tests=["test_collective_failures"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

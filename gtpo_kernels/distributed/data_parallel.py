@@ -15,7 +15,7 @@ import torch
 from ..core import batch, checks
 from ..core.config import GTPOConfig, as_config
 from ..kernels import dispatch
-from ..objective.conflict import conflict_flat
+from ..objective.conflict import ID_LIMIT, conflict_flat
 from ..objective.grouping import group_codes, group_layout
 from . import agree, digest
 
@@ -84,6 +84,8 @@ def _local(completion_ids, completion_mask, advantages, group_size, group_ids, c
     host = checks.host_checks(validate)
     b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
                              max_seqlen=max_seqlen, validate=host, allow_empty=True)  # any number of rows
+    if host:  # as one process: unvalidated, a completion with such an id gets lam = NaN (objective/conflict.py)
+        checks.check_ids_in_range(b.ids, b.counted, ID_LIMIT)
     kind, keys = _key_kind(group_ids), None
     if group_ids is not None:
         if group_size is not None:
