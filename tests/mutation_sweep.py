@@ -855,6 +855,13 @@ MUTANTS = [
     M("Q101", "distributed/data_parallel.py", "        checks.check_ids_in_range(b.ids, b.counted, ID_LIMIT)",
       "        pass", "data-parallel conflict_weights validating takes a counted negative id",
       tests=["test_collective_failures"]),
+    M("Q102", "objective/policy.py", "    return torch.where(A == 0, torch.zeros((), dtype=x.dtype, device=x.device), x * A)",
+      "    return x * A", "an overflowing ratio times a zero advantage: NaN (torch)", tests=["test_ratio_overflow"]),
+    M("Q103", "kernels/epilogue_policy.py", "    return tl.where(A == 0.0, 0.0, x * A)", "    return x * A",
+      "an overflowing ratio times a zero advantage: NaN (the epilogue kernel)", tests=["test_ratio_overflow"]),
+    M("Q104", "objective/policy.py", "slope = torch.where(sig < 1.0, sig * (1.0 - sig) * r,",
+      "slope = torch.where(sig <= 1.0, sig * (1.0 - sig) * r,", "SAPO's slope at an overflowing ratio: NaN (torch)",
+      tests=["test_ratio_overflow"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -9,6 +9,12 @@ import triton.language as tl
 
 
 @triton.jit
+def _times_adv(x, A):
+    """x A, exactly 0 where A = 0 (policy.times_adv: a ratio overflowing to inf times a zero advantage)."""
+    return tl.where(A == 0.0, 0.0, x * A)
+
+
+@triton.jit
 def _ppo_parts(r, A, lo, hi, delta, dual_c, CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
     """(pg, d pg / d log r, clipped, on_clip, dual) of policy.ppo_parts: on_clip where the minimum takes the
     clipped branch (verl's clip_by_origin, which clip_cov reads), dual where the dual clip capped (int32 0 / 1)."""
@@ -20,19 +26,19 @@ def _ppo_parts(r, A, lo, hi, delta, dual_c, CLIP: tl.constexpr, HAS_DELTA: tl.co
         r1 = r
         dr1 = r
         capped = (r != r).to(tl.int32) * 0
-    u1 = r1 * A
+    u1 = _times_adv(r1, A)
     on_clip = capped * 0
     if CLIP:
         u2 = tl.minimum(tl.maximum(r, lo, propagate_nan=tl.PropagateNan.ALL), hi,
                         propagate_nan=tl.PropagateNan.ALL) * A
         on_clip = (u1 > u2).to(tl.int32)
         outside = (r < lo) | (r > hi)
-        d_logr = tl.where(on_clip != 0, tl.where(outside, 0.0, -r * A), -dr1 * A)
+        d_logr = tl.where(on_clip != 0, tl.where(outside, 0.0, -_times_adv(r, A)), -_times_adv(dr1, A))
         clipped = tl.where(on_clip != 0, outside.to(tl.int32), capped) * (A != 0.0).to(tl.int32)
         pg = -tl.minimum(u1, u2, propagate_nan=tl.PropagateNan.ALL)
     else:
         pg = -u1
-        d_logr = -dr1 * A
+        d_logr = -_times_adv(dr1, A)
         clipped = capped * (A != 0.0).to(tl.int32)
     dual = capped * 0
     if HAS_DUAL:
@@ -68,8 +74,8 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
     elif POLICY == 11:  # kl_cov (verl_modes.kl_cov): -A r, + ppo_kl_coef |log r| where chosen
         coef = tl.where(sel, kl_coef, 0.0)
         sgn = tl.where(log_r > 0.0, 1.0, tl.where(log_r < 0.0, -1.0, 0.0))
-        pg = -A * r + coef * tl.abs(log_r)
-        d_logr = -A * r + coef * sgn
+        pg = -_times_adv(r, A) + coef * tl.abs(log_r)
+        d_logr = -_times_adv(r, A) + coef * sgn
         d_logp = tl.zeros_like(lp)
         clipped = (r != r).to(tl.int32) * 0
     elif POLICY == 1:  # cispo: -sg(min(r, eps_high)) A logp
@@ -82,7 +88,7 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
         tau = tl.where(A > 0.0, sapo_pos + zero, sapo_neg + zero)
         sig = tl.sigmoid(tau * (r - 1.0))
         pg = -(4.0 / tau) * sig * A
-        d_logr = -4.0 * sig * (1.0 - sig) * r * A
+        d_logr = -4.0 * tl.where(sig < 1.0, sig * (1.0 - sig) * r, 0.0) * A  # (policy.sapo: 0 at r = inf)
         d_logp = tl.zeros_like(lp)
         clipped = (r != r).to(tl.int32) * 0
     elif POLICY == 3:  # gpg: -A logp

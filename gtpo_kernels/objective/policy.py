@@ -33,6 +33,12 @@ def full(x, like):
     return operand(x, like).expand_as(like) if isinstance(x, torch.Tensor) else torch.full_like(like, x)
 
 
+def times_adv(x, A):
+    """x A, exactly 0 where A = 0 (a ratio that overflows to inf, log r > 88.7 in float32, times a zero
+    advantage or a completion the entropy filter dropped: 0 as for any finite ratio, not NaN)."""
+    return torch.where(A == 0, torch.zeros((), dtype=x.dtype, device=x.device), x * A)
+
+
 def ppo(r, A, cfg):
     """-min(r1 A, clip(r, 1 - eps_low, 1 + eps_high) A), r1 = r or min(r, delta); clip=False: -r1 A;
     with dual_clip_c (verl's dual clip) at most -A c where A < 0.
@@ -55,16 +61,16 @@ def ppo_parts(r, A, cfg):
         r1 = clip(r, hi=delta)
         capped = r > delta
         dr1 = torch.where(capped, zero, r)  # d r1 / d log r
-    u1 = r1 * A
+    u1 = times_adv(r1, A)
     if not cfg.clip:
         on_clip = torch.zeros_like(r, dtype=torch.bool)
-        pg, d_logr, clipped = -u1, -dr1 * A, capped & (A != 0)
+        pg, d_logr, clipped = -u1, -times_adv(dr1, A), capped & (A != 0)
     else:
         lo, hi = operand(1.0 - cfg.eps_low, r), operand(1.0 + cfg.eps_high, r)
         u2 = clip(r, lo, hi) * A
         on_clip = u1 > u2  # the minimum takes the clipped branch
         outside = (r < lo) | (r > hi)  # clip(r) is a constant there
-        d_logr = torch.where(on_clip, torch.where(outside, zero, -r * A), -dr1 * A)
+        d_logr = torch.where(on_clip, torch.where(outside, zero, -times_adv(r, A)), -times_adv(dr1, A))
         clipped = torch.where(on_clip, outside, capped) & (A != 0)
         pg = -torch.minimum(u1, u2)
     dual = None
@@ -86,7 +92,9 @@ def sapo(r, A, cfg):
     torch.where of two Python floats would round the temperatures to float32)."""
     tau = torch.where(A > 0, full(cfg.sapo_temperature_pos, r), full(cfg.sapo_temperature_neg, r))
     sig = torch.sigmoid(tau * (r - 1.0))
-    return -(4.0 / tau) * sig * A, -4.0 * sig * (1.0 - sig) * r * A, None, torch.zeros_like(r, dtype=torch.bool)
+    # sigma (1 - sigma) r: 0 where sigma rounds to 1 (r = inf, an overflowing ratio, included: not NaN)
+    slope = torch.where(sig < 1.0, sig * (1.0 - sig) * r, torch.zeros((), dtype=r.dtype, device=r.device))
+    return -(4.0 / tau) * sig * A, -4.0 * slope * A, None, torch.zeros_like(r, dtype=torch.bool)
 
 
 def vespo_phi(log_r, m, seg_sum, adv, rollout_w, cfg):

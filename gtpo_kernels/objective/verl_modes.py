@@ -13,7 +13,7 @@ import zlib
 
 import torch
 
-from .policy import clip, operand
+from .policy import clip, operand, times_adv
 
 
 def _none(x):
@@ -152,4 +152,5 @@ def kl_cov(A, logp, log_r, m, M, M_safe, cfg):
     cov = covariance(A, logp, m, M_safe)
     sel = first_k(torch.where(m, cov, -math.inf), m, select_count(cfg.kl_cov_ratio, M), descending=True)
     coef = torch.where(sel, operand(cfg.ppo_kl_coef, r), torch.zeros((), dtype=r.dtype, device=r.device))
-    return -A * r + coef * log_r.abs(), -A * r + coef * torch.sign(log_r), None, _none(r)
+    u = times_adv(r, A)  # (0 at A = 0 whatever r: an overflowing ratio too)
+    return -u + coef * log_r.abs(), -u + coef * torch.sign(log_r), None, _none(r)
