@@ -9,6 +9,7 @@ comment says "TRL differs". Like gtpo_reference.py it stands alone (no import of
 """
 from __future__ import annotations
 
+import fractions
 import math
 
 import torch
@@ -178,8 +179,17 @@ def top_entropy_mask(H, m, rho):
     counted = H.detach()[m]
     if counted.numel() == 0:
         return torch.zeros_like(m)
-    # TRL differs: it takes the quantile of a float32 copy of the entropies; float64 here.
-    threshold = torch.quantile(counted, 1.0 - rho)
+    # The position (n - 1)(1 - rho) exactly, rho read as the decimal it is written as (0.7 = 7/10: position 3 of
+    # 11 tokens, where float64's 1 - 0.7 = 0.30000000000000004 would put it past 3 and mask that token out; TRL's
+    # float32 quantile rounds it to 3 too). The entropies in float64 (TRL: a float32 copy).
+    srt = counted.sort().values
+    pos = (srt.numel() - 1) * (1 - fractions.Fraction(repr(float(rho))))
+    lo = math.floor(pos)
+    hi = min(lo + 1, srt.numel() - 1)
+    frac = pos - lo
+    threshold = srt[lo] if frac == 0 or srt[hi] == srt[lo] else srt[lo] + (srt[hi] - srt[lo]) * float(frac)
+    if torch.isnan(srt).any():  # as torch.quantile: a NaN entropy, a NaN threshold (no token kept)
+        threshold = srt.new_tensor(float("nan"))
     return (H.detach() >= threshold) & m
 
 

@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import gtpo_reference as ref
+from gtpo_reference import gtpo_family
 from batches import cases, reference_logps
 from conftest import TOL, assert_grad_close, assert_value_close, examples
 from gtpo_kernels import GTPOConfig, gtpo_loss, gtpo_loss_from_logps, rollout_is_weights
@@ -286,3 +287,25 @@ def test_none_aggregation_with_sequence_ratios_is_refused():
     ids = torch.randint(0, 7, (4, 5))
     with pytest.raises(ValueError, match="loss_agg='none' with importance_sampling_level='sequence'"):
         gtpo_loss(x, ids, torch.randn(4), config=GTPOConfig.preset("gspo", loss_agg="none"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@pytest.mark.parametrize("rho,kept", [(0.7, 8), (0.2, 3), (0.9, 10)])
+def test_top_entropy_quantile_at_a_whole_position(backend, rho, kept):
+    """(n - 1)(1 - rho) a whole number (10 x 0.3 = 3 for rho = 0.7 over 11 tokens): the threshold is that token's
+    entropy, which keeps its policy term, in the package (float32, as TRL's torch.quantile on a float32 copy) and
+    in the reference, which reads rho as the decimal it is written as (its float64 1 - 0.7 = 0.30000000000000004
+    put the position past 3 and masked that token out: 7 kept, the loss -0.63 against -0.72)."""
+    g = torch.Generator().manual_seed(3)
+    ent = torch.tensor([5e-4, 8e-4, 9e-4, 1e-3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])[torch.randperm(11, generator=g)]
+    logps = (-torch.rand(1, 11, generator=g) - 0.1).double()
+    old = (logps + 0.05 * torch.randn(1, 11, generator=g, dtype=torch.float64)).float()
+    ids, adv = torch.arange(11).reshape(1, 11), torch.tensor([1.0])
+    lp = logps.float().requires_grad_()
+    out = gtpo_loss_from_logps(lp, ids, adv, entropy=ent.reshape(1, 11), old_logps=old, backend=backend,
+                               config=GTPOConfig.preset("grpo", top_entropy_quantile=rho))
+    out.loss.backward()
+    assert int((lp.grad != 0).sum()) == kept
+    assert (lp.grad.reshape(-1)[ent >= ent.sort().values[11 - kept]] != 0).all()
+    keep = gtpo_family.top_entropy_mask(ent.double().reshape(1, 11), torch.ones(1, 11, dtype=torch.bool), rho)
+    assert int(keep.sum()) == kept
