@@ -250,6 +250,27 @@ def test_rollout_is_weights_match_reference(mode, clip_min):
     assert_value_close("weights (bf16 inputs)", w, rw, 1e-6)
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("clip_min,clip_max", [(0.8, None), (None, None), (1.2, 1.2), (1.5, 1.2), (None, 1.3)])
+def test_rollout_is_weights_bounds_as_trl(mode, clip_min, clip_max):
+    """TRL's bounds (GRPOConfig's checks, mirrored by the reference): clip_max None is an open upper bound (mask
+    below clip_min alone; refused before), both None refused for a truncate mode, clip_min < clip_max (equal
+    bounds were taken before); the weights as the reference's, or the same refusal."""
+    g = torch.Generator().manual_seed(7)
+    old = -torch.rand(3, 5, generator=g) * 3
+    roll = old + torch.randn(3, 5, generator=g) * 0.4
+    try:
+        rw = ref.rollout_is_weights(old.double(), roll.double(), None, mode, clip_min=clip_min, clip_max=clip_max)
+    except ValueError as e:
+        with pytest.raises(ValueError, match="clip_m"):
+            rollout_is_weights(old, roll, None, mode, clip_min=clip_min, clip_max=clip_max)
+        assert "clip_m" in str(e)
+        return
+    w = rollout_is_weights(old, roll, None, mode, clip_min=clip_min, clip_max=clip_max)
+    assert_value_close("weights", w, rw, 1e-6)
+    assert w.unique().numel() >= 2 and (w > 0).any()
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: GTPOConfig(policy_loss="ppo2"), "policy_loss must be one of"),
     (lambda: GTPOConfig(importance_sampling_level="seq"), "importance_sampling_level must be one of"),

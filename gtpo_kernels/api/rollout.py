@@ -17,10 +17,11 @@ def rollout_is_weights(old_logps, rollout_logps, completion_mask, mode, clip_min
     folds one log w per completion into its weight).
 
     Per token the ratio is exp(m * (old - rollout)); per sequence the exp of the completion's masked
-    sum. '*_truncate' clamps the ratios to [clip_min, clip_max]
-    (clip_min None: no lower bound); '*_mask' sets ratios outside [clip_min, clip_max] to 0 (clip_min None:
-    0). NaN differences (tokens the engine could not score) count as 0. Float64 for float64 old_logps,
-    float32 otherwise (16-bit log-probs are not exponentiated in 16 bits). No gradient."""
+    sum. '*_truncate' clamps the ratios to [clip_min, clip_max]; '*_mask' sets ratios outside
+    [clip_min, clip_max] to 0; a bound None is open (TRL's clip_max=None masks below clip_min alone). As TRL's
+    GRPOConfig: clip_min < clip_max, and a truncate mode needs one of them. NaN differences (tokens the engine
+    could not score) count as 0. Float64 for float64 old_logps, float32 otherwise (16-bit log-probs are not
+    exponentiated in 16 bits). No gradient."""
     if mode not in ROLLOUT_IS_MODES:
         raise ValueError(f"mode must be one of {ROLLOUT_IS_MODES}, got {mode!r}")
     checks.check_float_tensor("old_logps", old_logps)
@@ -33,9 +34,15 @@ def rollout_is_weights(old_logps, rollout_logps, completion_mask, mode, clip_min
     else:
         checks.check_same_shape("completion_mask", completion_mask, tuple(old_logps.shape))
         m = (completion_mask != 0).to(old_logps.dtype)
-    if clip_max is None or (clip_min is not None and not clip_min <= clip_max):
-        raise ValueError(f"need clip_min <= clip_max (clip_max a number), got clip_min={clip_min!r}, "
-                         f"clip_max={clip_max!r}")
+    for name, bound in (("clip_min", clip_min), ("clip_max", clip_max)):
+        if bound is not None and not (isinstance(bound, (int, float)) and not isinstance(bound, bool)
+                                      and bound == bound):
+            raise ValueError(f"{name} must be a number or None, got {bound!r}")
+    if mode.endswith("truncate") and clip_min is None and clip_max is None:
+        raise ValueError(f"clip_min or clip_max must be set for mode={mode!r} (TRL's GRPOConfig refuses it too)")
+    if clip_min is not None and clip_max is not None and not clip_min < clip_max:
+        raise ValueError(f"clip_min ({clip_min!r}) must be less than clip_max ({clip_max!r}), as TRL's GRPOConfig "
+                         "requires")
     acc = torch.float64 if old_logps.dtype == torch.float64 else torch.float32
     m = m.to(acc)
     with torch.no_grad():
@@ -46,7 +53,8 @@ def rollout_is_weights(old_logps, rollout_logps, completion_mask, mode, clip_min
         if mode.endswith("truncate"):
             return torch.clamp(w, min=clip_min, max=clip_max)
         lo = 0.0 if clip_min is None else clip_min
-        return torch.where((w < lo) | (w > clip_max), torch.zeros_like(w), w)
+        hi = float("inf") if clip_max is None else clip_max
+        return torch.where((w < lo) | (w > hi), torch.zeros_like(w), w)
 
 
 def rollout_mismatch(logps, rollout_logps, completion_mask=None):
