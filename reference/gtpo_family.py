@@ -193,12 +193,17 @@ def top_entropy_mask(H, m, rho):
     return (H.detach() >= threshold) & m
 
 
-def k3(ref, logp, r=None):
+def k3(ref, logp, r=None, old=None):
     """k3 = exp(ref - logp) - (ref - logp) - 1 (spec 4), times the ratio r (unclamped, with its
-    gradient) for DeepSeek-V3.2's bias correction (spec 9; TRL use_bias_correction_kl)."""
+    gradient) for DeepSeek-V3.2's bias correction (spec 9; TRL use_bias_correction_kl). old: given where r is the
+    token's own exp(logp - old); then k3 r is formed as exp(ref - old) - (d + 1) r, the same number whose first
+    term has no gradient, where autograd's r (1 - e^d) + k3 r adds two terms of size e^d r that cancel (e^d = 1e23
+    at d = 53 leaves nothing of the gradient -d r)."""
     d = ref - logp
     kl = torch.exp(d) - d - 1.0
-    return kl if r is None else kl * r
+    if r is None:
+        return kl
+    return kl * r if old is None else torch.exp(ref - old) - (d + 1.0) * r
 
 
 def _k3_of(d):

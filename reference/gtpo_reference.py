@@ -279,7 +279,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         tok = tok * rollout_w
     if beta != 0:
         ref = _zero_where_masked(torch.as_tensor(ref_logps, device=device).double().reshape(B, T), m)
-        tok = tok + beta * fam.k3(ref, logp, r if use_bias_correction_kl else None)
+        tok = tok + beta * fam.k3(ref, logp, r if use_bias_correction_kl else None,
+                                  old if importance_sampling_level == "token" else None)
     if entropy_coef != 0:
         # differentiable entropy bonus; the top-entropy mask masks it too (spec 9). TRL differs: its bonus
         # is entropy_coef * the token mean of H over the (entropy-)masked tokens, whatever the loss_agg.

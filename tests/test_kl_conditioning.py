@@ -170,3 +170,33 @@ def test_bias_corrected_kl_far_from_ref_keeps_its_digits(preset, layout, backend
     r["loss"].backward()
     assert zr.grad.abs().sum() > 0
     assert_grad_close(f"grad logits ({preset}, {layout}, {backend})", x.grad, zr.grad, 1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bias_corrected_kl_very_far_from_ref_in_the_reference(backend):
+    """ref - logp ~ 50 (e^d ~ 5e21), token level: the float64 reference formed d(r k3)/dlogp as autograd's
+    r (1 - e^d) + r k3, two terms of size r e^d whose cancellation left no digit of -r d (a relative gradient error
+    of 0.8 through the LM head, the helper's draw); it now forms r k3 as e^(ref - old) - (d + 1) r, whose gradient
+    is the analytic beta w r (logp - ref) to 1e-12 (A = 0: the KL is each token's only gradient), and the package
+    matches it to spec 7's 1e-5 (values: e^d in float32, 1e-5 relative)."""
+    g = torch.Generator().manual_seed(9)
+    B, T, V = 2, 3, 8
+    z = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2.0
+    ids = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.zeros(B)
+    lp, _ = ref.token_logprobs(z, ids)
+    refl = (lp + 50.0 + torch.rand(B, T, generator=g, dtype=torch.float64)).float()
+    old = (lp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    cfg = GTPOConfig.preset("grpo", beta=0.05, use_bias_correction_kl=True)
+    x = lp.detach().requires_grad_()
+    with reference_at((x, None)):
+        r = ref.gtpo_loss(z, ids, adv.double(), group_size=2, old_logps=old, ref_logps=refl, **dataclasses.asdict(cfg))
+    gx, = torch.autograd.grad(r["loss"], x)
+    exact = 0.05 / (B * T) * torch.exp(x.detach() - old.double()) * (x.detach() - refl.double())
+    assert exact.abs().min() > 0
+    assert float((gx - exact).norm() / exact.norm()) <= 1e-12
+    xf = lp.float().requires_grad_()
+    out = gtpo_loss_from_logps(xf, ids, adv, group_size=2, old_logps=old, ref_logps=refl, config=cfg, backend=backend)
+    out.loss.backward()
+    assert float(((out.loss.double() - r["loss"]) / r["loss"]).abs()) <= 1e-5
+    assert_grad_close("grad logps", xf.grad, gx, 1e-5)
