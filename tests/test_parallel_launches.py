@@ -52,12 +52,14 @@ SIZES = ((4, 5), (8, 6))
 # did not count those two as launches; validated, the flags' read is one launch, counted since)
 # (token_logprobs: 16 before the merge's finish kernel wrote its outputs as returned, NaN at a flagged token,
 # and a number tau went by value, where a CPU tensor of it was copied to the device)
-BOUND = {("grpo", False): 9, ("gtpo", False): 10, ("grpo", True): 9, ("gtpo", True): 10,
-         ("grpo-packed", False): 9, ("grpo-packed", True): 9, ("token_logprobs", False): 7, ("token_logprobs", True): 8,
-         ("grpo-tau-token", False): 9, ("grpo-tau-token", True): 9, ("grpo-rollout-seq", False): 9,
-         ("grpo-rollout-seq", True): 9, ("linear_token_logprobs", False): 20, ("linear_token_logprobs", True): 21, ("grpo-tau-seq", False): 9,
-         ("grpo-tau-seq", True): 9, ("grpo-tau-seq-packed", False): 9, ("grpo-tau-seq-packed", True): 9,
-         ("grpo-rollout-seq-packed", False): 9, ("grpo-rollout-seq-packed", True): 9}
+# (the loss: 9 / 10 (grpo / gtpo) before this slice's forward pass and the agreement row's program ran in one
+# launch before the agreement, vp_first_triton, where the row's kernel and the forward kernel were two around it)
+BOUND = {("grpo", False): 8, ("gtpo", False): 9, ("grpo", True): 8, ("gtpo", True): 9,
+         ("grpo-packed", False): 8, ("grpo-packed", True): 8, ("token_logprobs", False): 7, ("token_logprobs", True): 8,
+         ("grpo-tau-token", False): 8, ("grpo-tau-token", True): 8, ("grpo-rollout-seq", False): 8,
+         ("grpo-rollout-seq", True): 8, ("linear_token_logprobs", False): 20, ("linear_token_logprobs", True): 21, ("grpo-tau-seq", False): 8,
+         ("grpo-tau-seq", True): 8, ("grpo-tau-seq-packed", False): 8, ("grpo-tau-seq-packed", True): 8,
+         ("grpo-rollout-seq-packed", False): 8, ("grpo-rollout-seq-packed", True): 8}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2,  # validating: the status word
          ("grpo-packed", False): 1, ("grpo-packed", True): 2, ("token_logprobs", False): 1,
          ("token_logprobs", True): 2, ("grpo-tau-token", False): 1, ("grpo-tau-token", True): 2,
@@ -93,6 +95,7 @@ def test_vocabulary_parallel_launches_are_few_and_flat_in_tokens():
         assert {c for c, _ in by_size[1]} >= set(FLAT), by_size
         for key, (n, triton, reads) in by_size[0].items():
             assert n <= BOUND[key], (key, n)
-            # the merge's and the checksums' kernels ran (not torch ops); token_logprobs: no epilogue, no backward
-            assert triton >= (4 if key[0].endswith("token_logprobs") else 5), (key, triton)
+            # the merge's and the checksums' kernels ran (not torch ops; the loss: the checksums in the forward's
+            # launch); token_logprobs: no epilogue, no backward
+            assert triton >= 4, (key, triton)
             assert reads <= READS[key], (key, reads)

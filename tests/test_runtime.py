@@ -15,14 +15,14 @@ from batches import cases
 from conftest import assert_grad_close, assert_value_close
 from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
 from gtpo_kernels.kernels import (check_triton, conflict_triton, digest_triton, dispatch, epilogue_triton,
-                                  kept_rule_triton, tile_union_triton, vocab_triton, vp_merge_triton)
+                                  kept_rule_triton, tile_union_triton, vocab_triton, vp_first_triton, vp_merge_triton)
 
 KERNELS = [vocab_triton._vocab_fwd_kernel, vocab_triton._vocab_bwd_kernel,
            conflict_triton._raw_conflicts_kernel, epilogue_triton._epilogue_kernel, kept_rule_triton._kept_rule_kernel,
            vp_merge_triton._vp_sums_kernel, vp_merge_triton._vp_finish_kernel,
            digest_triton._terms_kernel, digest_triton._row_kernel, check_triton._any_outside_kernel,
            tile_union_triton._keys_kernel, tile_union_triton._first_kernel, tile_union_triton._starts_kernel,
-           tile_union_triton._columns_kernel]
+           tile_union_triton._columns_kernel, vp_first_triton._vp_first_kernel]
 ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", "BLOCK_T", "BLOCK",  # block sizes,
                      "VOCAB_BLOCK",  # gtpo_kernels.VOCAB_BLOCK: fixed per process (spec 14), never per batch
                      "HAS_MASK", "TEMP_BY_VALUE", "NAN_FLAGGED", "HAS_G", "BLOCKS_OUT", "ROWS",  # switches
@@ -31,6 +31,7 @@ ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", 
                      "POLICY", "RW", "OFF_POLICY", "HAS_STATUS", "CU_CHECK", "CU_NAN",  # policy term, weights,
                      # mask, status
                      "TEMP_PER_SEQ",  # a temperature per completion: a layout switch (its index), no size
+                     "TARGET_Z",  # the merge's sums kernel reads the owner's target logit: a switch
                      "VP_MAX",  # the forward kernel stores the vocabulary-parallel merge's first input: a switch
                      "OUT_AT_ROW",  # the head's tile of a vocabulary slice: outputs at the tile's row, a switch
                      "VP",  # the epilogue finishes the vocabulary-parallel merge: a switch
@@ -39,7 +40,7 @@ ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", 
                      "PHASE",  # the epilogue's key launch (clip_cov, kl_cov) or the loss: a mode
                      "HP",  # which hyper-parameters are read by pointer (a config's, fixed across steps; no value)
                      "KEEP", "KEPT", "TOP_K", "TOP_P", "MIN_P", "STATS", "NAN_BAD",  # kept sets rebuilt by rules
-                     "IS_FLOAT", "HAS_WHERE", "FP", "IDS",  # the agreement's checksums, the host checks
+                     "IS_FLOAT", "HAS_WHERE", "FP", "IDS", "ROW_MASK",  # the agreement's checksums, the host checks
                      "F0", "F1", "F2", "F3", "F4", "F5", "F6", "F7", "N_TERMS", "TOKENS"}  # (a row's: each term's kind, how many)
 PER_BATCH_SIZES = {"T", "T_l", "logits_start", "n_t_blocks", "B", "N", "n",  # vary every step
                    "K", "M", "n_tiles", "steps"}  # (the head's union tiles: kept ids, tokens, tiles)

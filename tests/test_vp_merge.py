@@ -137,14 +137,28 @@ assert _compile_ahead(F._vocab_fwd_kernel, 90, dict(logits_ptr=torch.bfloat16, i
                       T=512, V=75968, logits_start=0, temp_stride=1, scale=1.0, softcap=0.0, NB=1, id_start=0),
                       dict(HAS_SCALE=False, HAS_SOFTCAP=False, BLOCK_V=fwd_block_v(151936), HAS_MASK=False,
                            VP_MAX=True, ROWS=True, OUT_AT_ROW=True, num_warps=8)).asm.get("ptx")
+# the first launch of a split loss: the slice's forward pass and the agreement's row (vp_first_triton)
+from gtpo_kernels.kernels import vp_first_triton as P
+terms = {f"{a}{k}": v for k in range(8) for a, v in (("n", 4096), ("s", 1 << 60), ("p", k), ("o", k + 1))}
+for arch in (90, 80):
+    assert _compile_ahead(P._vp_first_kernel, arch, dict(logits_ptr=torch.bfloat16, mask_ptr=torch.bool, bad_ptr=i8,
+                          seq_cu_ptr=i64, row_ptr=i64, x0=torch.bfloat16, w0=torch.bool, x1=i64, ids_ptr=i64,
+                          counted_ptr=torch.bool, cu_ptr=i64), f32,
+                          dict(terms, stride_lb=75968 * 512, stride_lt=75968, T=512, V=75968, logits_start=0,
+                               n_tok_f=32768, temp_stride=1, n_seq=64, n_tok=32768, T_tok=512, o_tok=9, n_cu=64),
+                          dict(F0=3 | 8, F1=24 | 64, F2=0, F3=0, F4=0, F5=0, F6=0, F7=0, N_TERMS=2, TOKENS=True,
+                               ROW_MASK=True, CHECKS=arch == 90, BLOCK=1024, BLOCK_V=fwd_block_v(151936),
+                               HAS_MASK=True, TEMP_BY_VALUE=False, TEMP_PER_SEQ=2 if arch == 90 else 0,
+                               VOCAB_BLOCK=8192, num_warps=4)).asm.get("ptx")
 print("compiled")
 '''
 
 
 def test_kernels_compile_for_the_gpus():
     """The merge's two kernels and the agreement's two checksum kernels compiled ahead of time for sm_90,
-    sm_80 and sm_100, and the forward kernel storing the slice's maximum (VP_MAX) for sm_90, by Triton's
-    compiler (a process without the interpreter)."""
+    sm_80 and sm_100, the forward kernel storing the slice's maximum (VP_MAX) for sm_90, and a split loss's
+    first launch (the forward pass and the agreement's row) for sm_90 and sm_80, by Triton's compiler (a
+    process without the interpreter)."""
     compiled_ahead(AOT)
 
 

@@ -162,7 +162,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         conflicts_for(b, cfg, group_size, dt, backend, epilogue=fast_replay or attached)
         vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch,  # by value (spec 12)
                                                     attached), (sampling_mask, top_k, top_p, min_p))  # (the path too)
-    vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)")  # (its kernels read b.ids - vp.start)
+    vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)",  # (its kernels read b.ids - vp.start)
+                        first=g.error is None and attached and epilogue_attached.first(b, cfg))
     if fast_replay and sampling_mask is not None:  # (sets_in_kernels: validating, the kernels check)
         return logps_epilogue.recorded_sets(b, cfg, tau, sampling_mask, num_items, host, revalidate)
     if rules is not None:  # the sampler's kept sets

@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 
-from .digest import Digest, kernels_on, write_row
+from .digest import Digest, kernels_on, row_launch, write_row
 
 # the agreement's collective: an all-gather into one tensor (named all_gather_into_tensor before torch 2.13)
 GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
@@ -139,12 +139,29 @@ def _row(g, width, device):
     return row
 
 
-def agree(g, width, device, where):
+def row_to_fold(g, width, device):
+    """(the row with its constants, the one program that forms the rest: digest.row_launch) where another
+    launch may run that program before `agree(..., row=row)`, else None (this rank failed, a field lives on the
+    device, a device-side condition joins the flag, or the row takes more than that program)."""
+    if g.error is not None or len(g.fields) != width or any(isinstance(f, torch.Tensor) for f in g.fields) \
+            or any(bad is not None for bad, _ in g.later):
+        return None
+    try:  # (a failure here is left to _row, which holds it as this rank's)
+        row = torch.tensor([0] + [f.const if isinstance(f, Digest) else int(f) for f in g.fields],
+                           dtype=torch.int64).to(device)
+        launch = row_launch(g.fields, row, g.row_checks)
+    except Exception:  # noqa: BLE001
+        return None
+    return None if launch is None else (row, launch)
+
+
+def agree(g, width, device, where, row=None):
     """The one small collective: every rank's [error flag, *g.fields] -> the fields of every rank (lists
     of ints, rank order); one host read. If any rank failed, every rank raises the same ValueError
-    naming the failing rank(s); a failing rank chains its own error."""
+    naming the failing rank(s); a failing rank chains its own error. row: this rank's row, formed already
+    (row_to_fold's, its program run by another launch)."""
     import torch.distributed as dist
-    mine = _row(g, width, device)
+    mine = _row(g, width, device) if row is None else row
     every = mine.new_empty(dist.get_world_size(g.group) * mine.numel())
     getattr(dist, GATHER)(every, mine, group=g.group)
     rows = every.view(-1, mine.numel()).tolist()

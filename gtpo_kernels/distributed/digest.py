@@ -249,12 +249,37 @@ def write_row(fields, row, row_checks=()):
     error flag (row[0] = 1, a ValueError): on the term of the same tensor where a checksum reads it, else a
     term of their own; by their torch forms where the kernels do not run."""
     from ..kernels import digest_triton
-    jobs, tokens, after = [], None, []
+    jobs, tokens, after, torch_forms = _row_work(fields, row, row_checks)
+    for form in torch_forms:
+        form()
+    if jobs or tokens is not None:
+        digest_triton.row_terms(row, [tuple(j) for j in jobs], tokens)
+        for slot, t, _, size, pos, _, *_ in after:
+            digest_triton.terms(row, slot, t, None, size, pos)
+
+
+def row_launch(fields, row, row_checks=()):
+    """write_row's whole work as the one program of digest_triton._row_body: (its arguments after the row, its
+    switches), which another launch may run (vp_first_triton); None where it takes more (a torch form, a
+    fingerprint's second tensor option, more than SLOTS terms). Nothing is launched here."""
+    from ..kernels import digest_triton
+    jobs, tokens, after, torch_forms = _row_work(fields, row, row_checks)
+    if torch_forms or after:
+        return None
+    launches = digest_triton.row_launches(row, [tuple(j) for j in jobs], tokens)
+    return launches[0] if len(launches) == 1 else None
+
+
+def _row_work(fields, row, row_checks):
+    """write_row's work: (the kernels' jobs, the tokens' job, the fingerprints' later options, the torch forms
+    as callables), nothing run."""
+    from ..kernels import digest_triton
+    jobs, tokens, after, torch_forms = [], None, [], []
     for i, f in enumerate(fields):
         if not isinstance(f, Digest) or f.kind == "filled":
             continue
         if not kernels_on(row.device, f._tensors()):
-            f.write(row, i + 1)
+            torch_forms.append(lambda f=f, i=i: f.write(row, i + 1))
         elif f.kind == "values":
             x, where = f.terms
             jobs.append([i + 1, x, where, _size_term(x), None, None])
@@ -270,7 +295,7 @@ def write_row(fields, row, row_checks=()):
             tokens = (i + 1, _given_ids(b), b.mask, token_row_length(b))
     for c in row_checks:
         if not kernels_on(row.device, [c.x] + ([] if c.where is None else [c.where])):
-            row[:1].masked_fill_(c.torch_bad().any().to(row.device).reshape(1), 1)
+            torch_forms.append(lambda c=c: row[:1].masked_fill_(c.torch_bad().any().to(row.device).reshape(1), 1))
             continue
         same = (c.kind not in digest_triton.BOUNDED and c.row_length is None  # (a check on rows: a term of its own)
                 and next((j for j in jobs if j[4] is None and j[5] is None and len(j) == 6 and _same(j[1], c.x)
@@ -279,10 +304,7 @@ def write_row(fields, row, row_checks=()):
             same[5] = c
         else:
             jobs.append([0, c.x, c.where, 0, None, c])
-    if jobs or tokens is not None:
-        digest_triton.row_terms(row, [tuple(j) for j in jobs], tokens)
-        for slot, t, _, size, pos, _, *_ in after:
-            digest_triton.terms(row, slot, t, None, size, pos)
+    return jobs, tokens, after, torch_forms
 
 
 def _same(a, b):

@@ -10,9 +10,12 @@ single-process pass's own merge (vp_blocks): bitwise the single-process outputs,
 Every rank ends with the same per-token statistics, so the loss, the outputs and the metrics are
 identical on every rank; the backward pass runs on each slice with them and communicates nothing (each rank's gradient is its slice of the single-process gradient).
 
-Before any of that, `vocab_layout` makes the one small collective (agree.py): every rank's error flag,
+Before any other collective, `vocab_layout` makes the one small collective (agree.py): every rank's error flag,
 slice size, shapes, options and a digest of its tokens, so that a rank that failed its checks, ranks
-that disagree, or ids outside the whole vocabulary make every rank raise the same error.
+that disagree, or ids outside the whole vocabulary make every rank raise the same error. The loss's merged
+sums (`Pending`) form that row in the forward kernel's launch, which runs first (kernels/vp_first_triton: it
+reads only this rank's tensors; the merge's sums kernel reads the target logit once the slice's first id is
+known).
 """
 from __future__ import annotations
 
@@ -55,12 +58,16 @@ def _draw_states(options, device):
             yield from _draw_states(o, device)
 
 
-def vocab_layout(g, device, where):
+WIDTH = 1 + KEY + 4 + len(digest.INPUTS) + len(REPLAY)  # the agreement's fields: 27 int64 with the flag
+
+
+def vocab_layout(g, device, where, row=None):
     """The one small collective, before any other (spec 12): every rank's error flag, slice size,
     shapes, options and tokens -> VocabParallel (this slice's first id, the whole vocabulary's size, the
     largest slice). A rank that failed its checks, ranks that disagree, or (validating) counted ids
-    outside the whole vocabulary: every rank raises the same error (none is left waiting)."""
-    rows = agree.agree(g, 1 + KEY + 4 + len(digest.INPUTS) + len(REPLAY), device, where)  # 27 int64 with the flag
+    outside the whole vocabulary: every rank raises the same error (none is left waiting). row: this rank's
+    row, formed already (Pending)."""
+    rows = agree.agree(g, WIDTH, device, where, row)
     sizes = [row[0] for row in rows]
     agree.disagree(where, [tuple(row[1:1 + KEY]) for row in rows], "the shapes of the per-token inputs "
                    "(tokens, logits rows, logits_start or D, packed)", "every rank must pass the same tokens, "
@@ -91,6 +98,20 @@ def vocab_layout(g, device, where):
                        "every rank replays the same kept sets: pass the same sampling_mask / top_k / top_p / min_p")
     rank = dist.get_rank(g.group)
     return VocabParallel(g.group, sum(sizes[:rank]), V, max(sizes), tuple(int(x) for x in sizes))
+
+
+class Pending:
+    """A call's agreement before its first launch (spec 8): the row with its constants (`plan`: agree.row_to_fold's
+    (row, program), or None where it cannot fold), formed by the launch of this slice's forward pass
+    (vp_first_triton, in vp_sums), then made (`made`: vocab_layout, the same collective and host read) -> `vp`."""
+
+    def __init__(self, g, device, where):
+        self.g, self.device, self.where, self.group, self.vp = g, device, where, g.group, None
+        self.plan = agree.row_to_fold(g, WIDTH, device)
+
+    def made(self, row=None):
+        self.vp = vocab_layout(self.g, self.device, self.where, row)
+        return self.vp
 
 
 def local_ids(ids, vocab_start):
@@ -141,18 +162,29 @@ def _into(outs, res):
     return tuple(outs)
 
 
-def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id_start=0, rows=None, tau_seq=0):
+def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id_start=0, rows=None, tau_seq=0,
+            pending=None):
     """vp_forward's all-reduce merge up to its finish (the epilogue kernel may finish it itself): the merged
     sums (n, 7) and the global row maxima (n,), the same on every rank (backend resolved). rows: vp_forward's
     (n = its length). tau_seq (the Triton backend): temperature holds one tau per completion, read at each
-    token's row (1, padded) or found in the cu_seqlens given (2, packed)."""
+    token's row (1, padded) or found in the cu_seqlens given (2, packed). pending (a Pending with a plan; the
+    Triton backend, no rows, no transform): this slice's pass and the agreement's row in one launch, then the
+    agreement (group, id_start: its); None where its layout merges by blocks (this slice's pass was spent)."""
     merge, counted = vp_merge.select(backend), _counted(b, backend)  # (Triton: the sums' and finish's launches)
     cu = b.given["cu_seqlens"] if tau_seq == 2 else None
     # on the Triton backend the forward kernel stores the slice's maximum too (vp_merge.local_max's values)
     n = ids_loc.numel() if rows is None else rows.numel()
     M = torch.empty(n, dtype=torch.float32, device=b.logits3.device) if backend == "triton" else None
     tau = ops.tau_arg(temperature, b.logits3, backend)
-    if rows is None:
+    if pending is not None:
+        from ..kernels.vp_first_triton import vp_first
+        logp_r, ent_r, stats_r, bad_r = vp_first(b.logits3.detach(), counted, tau, b.logits_start, M, *pending.plan,
+                                                 tau_seq, cu)
+        vp = pending.made(pending.plan[0])  # (every rank raises here alike if the ranks disagree)
+        if vp.blockwise:
+            return None
+        group, id_start = vp.group, vp.start
+    elif rows is None:
         logp_r, ent_r, stats_r, bad_r = dispatch.vocab_fwd(backend, b.logits3.detach(), ids_loc.reshape(-1), counted,
                                                            tau, b.logits_start, scale, softcap, id_start, M, tau_seq,
                                                            cu)
@@ -165,10 +197,12 @@ def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id
     if M is None:
         M = merge.local_max(stats_r, ent_r, bad_r, b.V)
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
+    target = backend == "triton" and rows is None and scale == 1.0 and softcap is None  # (the owner reads z_y)
     vec = merge.local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, b.V, id_start,
                            **({} if rows is None else dict(rows=rows)),
                            **({} if not tau_seq else dict(cu=cu) if cu is not None else
-                              dict(row_length=b.tok_shape[1])))
+                              dict(row_length=b.tok_shape[1])),
+                           **(dict(target=(b.logits3.detach(), b.logits_start)) if target else {}))
     dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
     return vec, M
 

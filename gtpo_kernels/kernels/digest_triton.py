@@ -161,22 +161,20 @@ def _tokens_into(ids_ptr, counted_ptr, out_ptr, n, T, BLOCK: tl.constexpr, HAS_M
     tl.store(out_ptr + 2, tl.max(top, axis=0))
 
 
-@triton.jit(do_not_specialize=["n0", "s0", "p0", "o0", "n1", "s1", "p1", "o1", "n2", "s2", "p2", "o2", "n3", "s3",
-                               "p3", "o3", "n4", "s4", "p4", "o4", "n5", "s5", "p5", "o5", "n6", "s6", "p6", "o6",
-                               "n7", "s7", "p7", "o7", "n_tok", "T", "o_tok", "n_cu"])
-def _row_kernel(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
-                x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
-                x6, w6, n6, s6, p6, o6, x7, w7, n7, s7, p7, o7,
-                ids_ptr, counted_ptr, n_tok, T, o_tok, cu_ptr, n_cu, F0: tl.constexpr, F1: tl.constexpr,
-                F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, F6: tl.constexpr, F7: tl.constexpr,
-                N_TERMS: tl.constexpr,
-                TOKENS: tl.constexpr, HAS_MASK: tl.constexpr, CHECKS: tl.constexpr,
-                BLOCK: tl.constexpr):
+@triton.jit
+def _row_body(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
+              x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
+              x6, w6, n6, s6, p6, o6, x7, w7, n7, s7, p7, o7,
+              ids_ptr, counted_ptr, n_tok, T, o_tok, cu_ptr, n_cu, F0: tl.constexpr, F1: tl.constexpr,
+              F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, F6: tl.constexpr, F7: tl.constexpr,
+              N_TERMS: tl.constexpr, TOKENS: tl.constexpr, HAS_MASK: tl.constexpr, CHECKS: tl.constexpr,
+              BLOCK: tl.constexpr):
     """N_TERMS <= SLOTS terms (tensor i: x_i, where w_i, n_i elements, size word s_i, position p_i, F_i as
     _add_term's) added into row[o_i] (distinct slots) and, TOKENS, the tokens' three fields into
     row[o_tok:o_tok + 3]: a row's checksums in one program, one after the other. CHECKS: some term checks
     its values; a failure sets the row's error flag, row[0] = 1 (a ValueError, agree._kind). cu_ptr, n_cu:
-    the packed form's cu_seqlens and its completions, read by the PER_CU terms."""
+    the packed form's cu_seqlens and its completions, read by the PER_CU terms. The program of _row_kernel,
+    and the last program of the vocabulary-parallel forward's launch (vp_first_triton)."""
     bad = 0
     if N_TERMS > 0:
         bad = bad | _add_term(row_ptr + o0, x0, w0, n0, s0, p0, F0, BLOCK, cu_ptr, n_cu)
@@ -198,6 +196,25 @@ def _row_kernel(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2,
         _tokens_into(ids_ptr, counted_ptr, row_ptr + o_tok, n_tok, T, BLOCK, HAS_MASK)
     if CHECKS:
         tl.store(row_ptr, tl.where(bad != 0, 1, tl.load(row_ptr)))
+
+
+@triton.jit(do_not_specialize=["n0", "s0", "p0", "o0", "n1", "s1", "p1", "o1", "n2", "s2", "p2", "o2", "n3", "s3",
+                               "p3", "o3", "n4", "s4", "p4", "o4", "n5", "s5", "p5", "o5", "n6", "s6", "p6", "o6",
+                               "n7", "s7", "p7", "o7", "n_tok", "T", "o_tok", "n_cu"])
+def _row_kernel(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
+                x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
+                x6, w6, n6, s6, p6, o6, x7, w7, n7, s7, p7, o7,
+                ids_ptr, counted_ptr, n_tok, T, o_tok, cu_ptr, n_cu, F0: tl.constexpr, F1: tl.constexpr,
+                F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, F6: tl.constexpr, F7: tl.constexpr,
+                N_TERMS: tl.constexpr,
+                TOKENS: tl.constexpr, HAS_MASK: tl.constexpr, CHECKS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """A row's checksums in one program (_row_body)."""
+    _row_body(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
+              x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
+              x6, w6, n6, s6, p6, o6, x7, w7, n7, s7, p7, o7,
+              ids_ptr, counted_ptr, n_tok, T, o_tok, cu_ptr, n_cu, F0, F1, F2, F3, F4, F5, F6, F7,
+              N_TERMS, TOKENS, HAS_MASK, CHECKS, BLOCK)
 
 
 SLOTS = 8  # terms per launch of _row_kernel (a packed batch's validated row: cu_seqlens' two checks and the
@@ -232,6 +249,13 @@ def row_terms(row, jobs, tokens=None):
     N): one per completion of the packed form's N tokens (PER_CU; one cu_seqlens a launch); tokens None or
     (slot, ids, counted, T): the mask as given (nonzero counts; None: every token), T the rows' length
     (digest.token_row_length)."""
+    for args, meta in row_launches(row, jobs, tokens):
+        _row_kernel[(1,)](row, *args, **meta)
+
+
+def row_launches(row, jobs, tokens=None):
+    """row_terms' launches of _row_kernel as [(args after row_ptr, constexpr switches)], one per SLOTS terms."""
+    out = []
     for i in range(0, max(len(jobs), 1), SLOTS):
         part, args, flags, cu = jobs[i:i + SLOTS], [], {}, None
         for k in range(SLOTS):
@@ -264,6 +288,6 @@ def row_terms(row, jobs, tokens=None):
         else:
             args += [row, row, 0, 1, 0]
         args += [row, 0] if cu is None else [cu.reshape(-1).contiguous(), cu.numel() - 1]
-        _row_kernel[(1,)](row, *args, N_TERMS=len(part), TOKENS=tok is not None,
-                          HAS_MASK=tok is not None and tok[2] is not None, CHECKS=any(f & 56 for f in flags.values()),
-                          BLOCK=BLOCK, **flags)
+        out.append((args, dict(N_TERMS=len(part), TOKENS=tok is not None, HAS_MASK=tok is not None and tok[2] is not None,
+                               CHECKS=any(f & 56 for f in flags.values()), BLOCK=BLOCK, **flags)))
+    return out

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..core.vocab_block import VOCAB_BLOCK as _VOCAB_BLOCK
-from .vocab_status import _fold_status, _offsets_bad, _seq_of, _token, _uncounted
+from .vocab_status import _fold_status, _offsets_bad, _tau_at, _token, _uncounted
 from .vp_merge_triton import _live_max
 from .vocab_jit import (_MAX, _SUM, BAD_ID, BAD_NONFINITE, BAD_RULE, BAD_TARGET_NEG_INF, BIG, LN2, LOG2E,
                         NEG_SENTINEL, _inv_cap, _kept, _log1p, _store_token, _transform)
@@ -146,6 +146,31 @@ def _merge_block(m, r, u, m_b, r_b, u_b, c2):
 
 
 @triton.jit
+def _row_stats(row, V, scale, softcap, inv_cap, c2, inv_temp, k_s, k_id, y, stats_ptr, tok, NB,
+               HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, VOCAB_BLOCK: tl.constexpr,
+               KEEP: tl.constexpr, BLOCKS_OUT: tl.constexpr):
+    """A row's statistics (m, r = S - 1, u): each block of VOCAB_BLOCK entries in order, its own statistics
+    (lane-wise, reduced across lanes at its end), folded into the row's by the one merge (_merge_block); with
+    BLOCKS_OUT each block's stored at stats_ptr (token tok's NB blocks) instead."""
+    HALF: tl.constexpr = BLOCK_V // 2
+    lanes = tl.arange(0, HALF)
+    m_r = NEG_SENTINEL * 1.0
+    r_r = 0.0
+    u_r = 0.0
+    for s0 in range(0, V, VOCAB_BLOCK):
+        m_b, r_b, u_b = _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE, HAS_SOFTCAP,
+                                     BLOCK_V, VOCAB_BLOCK, inv_temp, k_s, k_id, y, KEEP)
+        if BLOCKS_OUT:
+            blk = stats_ptr + (tok * NB + s0 // VOCAB_BLOCK) * 3
+            tl.store(blk, m_b)
+            tl.store(blk + 1, r_b)
+            tl.store(blk + 2, u_b)
+        else:
+            m_r, r_r, u_r = _merge_block(m_r, r_r, u_r, m_b, r_b, u_b, c2)
+    return m_r, r_r, u_r
+
+
+@triton.jit
 def _finalize(m, r, u, z_y, y_ok, inv_temp):
     """Per token from the row's merged statistics (m, r, u) and its transformed target logit z_y:
     (logp, H, m as stored, log S, q = 1 - p_y, flags); see the module docstring."""
@@ -217,12 +242,7 @@ def _vocab_fwd_kernel(
     else:
         tok = pid
     at = pid if OUT_AT_ROW else tok  # where the outputs go
-    if TEMP_PER_SEQ == 1:
-        seq = pid // T
-    elif TEMP_PER_SEQ == 2:
-        seq = _seq_of(cu_ptr, n_seq, tok, 1024)
-    else:
-        seq = tok
+    seq = _tau_at(pid, tok, T, cu_ptr, n_seq, TEMP_PER_SEQ)
     inv_temp, counted = _token(seq, temp_ptr, temp_stride, tok, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
     inv_cap = _inv_cap(softcap, HAS_SOFTCAP)
     logp, ent, m, log_s, q, bad = _uncounted()
@@ -233,29 +253,14 @@ def _vocab_fwd_kernel(
         y = tl.load(ids_ptr + tok).to(tl.int64) - id_start
         y_ok = (y >= 0) & (y < V)
         c2 = inv_temp * LOG2E  # d / ln 2: exp(d) = exp2((z - m) * c2)
-        HALF: tl.constexpr = BLOCK_V // 2
-        lanes = tl.arange(0, HALF)
-        # each block of VOCAB_BLOCK entries in order: its own statistics (lane-wise, reduced across lanes
-        # at its end), folded into the row's by the one merge (_merge_block)
-        m_r = NEG_SENTINEL * 1.0
-        r_r = 0.0
-        u_r = 0.0
         if KEEP:
             k_s = tl.load(keep_s_ptr + tok)
             k_id = tl.load(keep_id_ptr + tok)
         else:
             k_s = 0.0
             k_id = 0
-        for s0 in range(0, V, VOCAB_BLOCK):
-            m_b, r_b, u_b = _block_stats(row, s0, V, lanes, scale, softcap, inv_cap, c2, HAS_SCALE, HAS_SOFTCAP,
-                                         BLOCK_V, VOCAB_BLOCK, inv_temp, k_s, k_id, y, KEEP)
-            if BLOCKS_OUT:
-                blk = stats_ptr + (tok * NB + s0 // VOCAB_BLOCK) * 3
-                tl.store(blk, m_b)
-                tl.store(blk + 1, r_b)
-                tl.store(blk + 2, u_b)
-            else:
-                m_r, r_r, u_r = _merge_block(m_r, r_r, u_r, m_b, r_b, u_b, c2)
+        m_r, r_r, u_r = _row_stats(row, V, scale, softcap, inv_cap, c2, inv_temp, k_s, k_id, y, stats_ptr, tok, NB,
+                                   HAS_SCALE, HAS_SOFTCAP, BLOCK_V, VOCAB_BLOCK, KEEP, BLOCKS_OUT)
         z_y = tl.load(row + y, mask=y_ok, other=float("nan")).to(tl.float32)
         z_y = _transform(z_y, scale, softcap, inv_cap, HAS_SCALE, HAS_SOFTCAP)
         if BLOCKS_OUT:
@@ -278,51 +283,3 @@ def _vocab_fwd_kernel(
             tl.store(max_ptr + at, _live_max(m, log_s, ent, bad, V))
         if HAS_STATUS:
             _fold_status(status_ptr, work_ptr, bad, mask_ptr, tok, cu_ptr, n_seq, max_seqlen, MASK_VALUES, CU_CHECK)
-
-
-@triton.jit(do_not_specialize=["NB", "V", "temp_stride"])
-def _vocab_merge_kernel(
-    blocks_ptr, zy_ptr, ids_ptr, mask_ptr,  # (n, NB, 3) block statistics in global block order; (n,) z_y; ids; mask
-    logp_ptr, ent_ptr, stats_ptr, bad_ptr,  # outputs as _vocab_fwd_kernel's
-    NB, V,  # blocks per token; the whole vocabulary's size (the ids' range)
-    temp_ptr, temp_stride,
-    state_ptr=None,  # (n, 3) the running (m, r, u): read first with HAS_INIT, written instead of outputs with FOLD
-    HAS_MASK: tl.constexpr = True,
-    TEMP_BY_VALUE: tl.constexpr = False,
-    NAN_FLAGGED: tl.constexpr = False,
-    HAS_INIT: tl.constexpr = False,
-    FOLD: tl.constexpr = False,
-):
-    """The vocabulary-parallel merge: per counted token, blocks' statistics folded in global block order by
-    _merge_block into the running row statistics (from the empty row, or with HAS_INIT from state_ptr), then
-    _finalize: the very code of _vocab_fwd_kernel, so that with slice boundaries at multiples of VOCAB_BLOCK
-    the outputs are bitwise the single-process ones. FOLD: the folded statistics written to state_ptr (the
-    next rank folds its blocks into them); NB = 0 with HAS_INIT: the finalize of statistics folded before."""
-    tok = tl.program_id(0).to(tl.int64)
-    inv_temp, counted = _token(tok, temp_ptr, temp_stride, tok, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
-    logp, ent, m, log_s, q, bad = _uncounted()
-    m_r = NEG_SENTINEL * 1.0
-    r_r = 0.0
-    u_r = 0.0
-    if counted:
-        if HAS_INIT:
-            m_r = tl.load(state_ptr + tok * 3)
-            r_r = tl.load(state_ptr + tok * 3 + 1)
-            u_r = tl.load(state_ptr + tok * 3 + 2)
-        c2 = inv_temp * LOG2E
-        for b in range(0, NB):
-            blk = blocks_ptr + (tok * NB + b) * 3
-            m_r, r_r, u_r = _merge_block(m_r, r_r, u_r, tl.load(blk), tl.load(blk + 1), tl.load(blk + 2), c2)
-        if not FOLD:
-            y = tl.load(ids_ptr + tok).to(tl.int64)
-            z_y = tl.load(zy_ptr + tok)
-            logp, ent, m, log_s, q, bad = _finalize(m_r, r_r, u_r, z_y, (y >= 0) & (y < V), inv_temp)
-    if FOLD:
-        tl.store(state_ptr + tok * 3, m_r)
-        tl.store(state_ptr + tok * 3 + 1, r_r)
-        tl.store(state_ptr + tok * 3 + 2, u_r)
-    else:
-        if NAN_FLAGGED:
-            logp = tl.where(bad != 0, float("nan"), logp)
-            ent = tl.where(bad != 0, float("nan"), ent)
-        _store_token(logp_ptr, ent_ptr, stats_ptr, bad_ptr, tok, logp, ent, m, log_s, q, bad)

@@ -61,6 +61,17 @@ def _seq_of(cu_ptr, n_seq, tok, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _tau_at(pid, tok, T, cu_ptr, n_seq, TEMP_PER_SEQ: tl.constexpr):
+    """Where a token's temperature is read: its completion (TEMP_PER_SEQ 1: the padded row pid // T of T
+    tokens; 2: found in the packed form's cu_seqlens, _seq_of), else the token itself."""
+    if TEMP_PER_SEQ == 1:
+        return pid // T
+    elif TEMP_PER_SEQ == 2:
+        return _seq_of(cu_ptr, n_seq, tok, 1024)
+    return tok
+
+
+@triton.jit
 def _seqs_of(cu_ptr, n_seq, tok):
     """_seq_of for a block of tokens tok (int64): a bisection over cu_seqlens[1:] per lane (log2(n_seq)
     dependent loads, where _seq_of reads all n_seq), the same value where cu_seqlens never decreases;

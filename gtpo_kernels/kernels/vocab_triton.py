@@ -16,7 +16,8 @@ import triton
 
 from .vocab_bwd_triton import _vocab_bwd_kernel
 from ..core.vocab_block import VOCAB_BLOCK, n_blocks
-from .vocab_fwd_triton import _vocab_fwd_kernel, _vocab_merge_kernel
+from .vocab_fwd_triton import _vocab_fwd_kernel
+from .vocab_merge_triton import _vocab_merge_kernel
 
 __all__ = ["MAX_BLOCK_V", "block_v_for", "fwd_block_v", "num_warps_for", "interpreted", "temperature_arg",
            "vocab_fwd", "vocab_blocks", "vocab_merge", "vocab_bwd", "_vocab_fwd_kernel", "_vocab_merge_kernel",

@@ -73,14 +73,18 @@ def _token_of(rows_ptr, o, inb, ROWS: tl.constexpr):
     return o
 
 
-@triton.jit(do_not_specialize=["n", "V_local", "tau_stride", "id_start", "row_length", "n_seq"])
+@triton.jit(do_not_specialize=["n", "V_local", "tau_stride", "id_start", "row_length", "n_seq", "T", "logits_start"])
 def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
                     vec_out, n, V_local, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True,
                     TEMP_BY_VALUE: tl.constexpr = False, id_start=0, rows_ptr=None, ROWS: tl.constexpr = False,
-                    row_length=1, TEMP_PER_SEQ: tl.constexpr = 0, cu_ptr=None, n_seq=0):
+                    row_length=1, TEMP_PER_SEQ: tl.constexpr = 0, cu_ptr=None, n_seq=0, logits_ptr=None, stride_lb=0,
+                    stride_lt=0, T=1, logits_start=0, TARGET_Z: tl.constexpr = False):
     """ROWS: the slice's statistics, M and vec at position o, the ids, mask and tau at token rows_ptr[o].
     TEMP_PER_SEQ: tau holds one value per completion: 1, per row of row_length tokens (padded), token k's at
-    k // row_length; 2, per completion of the packed form's cu_ptr (n_seq of them), found there (_seqs_of)."""
+    k // row_length; 2, per completion of the packed form's cu_ptr (n_seq of them), found there (_seqs_of).
+    TARGET_Z: the owner reads its target logit from the logits (token k's row: (k // T, logits_start + k % T),
+    as the forward kernel's), (z_y - m_r) / tau, where the forward kernel ran before the slice's first id was
+    known (vp_first_triton); else from the forward's logp (logp_r + log S_r)."""
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = o < n
     tok = _token_of(rows_ptr, o, inb, ROWS)
@@ -108,7 +112,13 @@ def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr,
     r_r = _expm1(ls)
     u_r = tl.where(live, (ls - ent) * s, 0.0)
     owned = counted & (y >= 0) & (y < V_local)
-    t_r = logp + ls  # (z_y - m_r) / tau on the owner
+    if TARGET_Z:
+        i = tok // T
+        z_y = tl.load(logits_ptr + i * stride_lb + (tok - i * T + logits_start) * stride_lt + y, mask=owned,
+                      other=0.0).to(tl.float32)
+        t_r = (z_y - m) * inv_t  # (m: the slice's maximum as stored, 0 where it has no finite entry)
+    else:
+        t_r = logp + ls  # (z_y - m_r) / tau on the owner
     v = vec_out + 7 * o
     tl.store(v, ws, mask=inb)                                          # S
     tl.store(v + 1, tl.where(live, w * (u_r + s * delta), 0.0), mask=inb)  # U
@@ -178,10 +188,11 @@ def _mask(counted, other):
 
 
 def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local, id_start=0, rows=None,
-               row_length=None, cu=None):
+               row_length=None, cu=None, target=None):
     """rows: the token of each position (the LM head's tile): ids_loc, counted and a per-token temperature are
     the call's, read there. row_length T: the temperature holds one tau per row of T tokens (padded); cu: one
-    per completion of the packed form's cu_seqlens (as given), found there."""
+    per completion of the packed form's cu_seqlens (as given), found there. target: (logits3, logits_start), the
+    slice's raw logits (no transform), where the owner reads its target logit (TARGET_Z; not with rows)."""
     n = ent_r.numel()
     by_value = not isinstance(temperature, torch.Tensor)  # a number: a launch argument
     tau = float(temperature) if by_value else temperature.to(device=ent_r.device, dtype=torch.float32).reshape(-1)
@@ -191,8 +202,18 @@ def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, 
                               0 if by_value else tau.stride(0) if tau.numel() > 1 else 0, vec, n, V_local,
                               BLOCK=BLOCK, HAS_MASK=counted is not None, TEMP_BY_VALUE=by_value, id_start=id_start,
                               **({} if rows is None else dict(rows_ptr=rows, ROWS=True)),
-                              **({} if by_value else _per_seq(row_length, cu)))
+                              **({} if by_value else _per_seq(row_length, cu)), **_target(target, n))
     return vec
+
+
+def _target(target, n):
+    """_vp_sums_kernel's arguments for TARGET_Z (target: (logits3, logits_start)), or none."""
+    if target is None:
+        return {}
+    logits3, start = target
+    B = logits3.shape[0]
+    return dict(logits_ptr=logits3, stride_lb=logits3.stride(0), stride_lt=logits3.stride(1), T=n // B if B else 1,
+                logits_start=start, TARGET_Z=True)
 
 
 def _per_seq(row_length, cu):

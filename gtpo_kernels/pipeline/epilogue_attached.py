@@ -22,6 +22,7 @@ import torch
 
 from ..distributed import vocab_parallel as parallel
 from ..kernels import loss_ops, ops
+from ..core import vocab_block
 from ..core.layout import spread_rows
 from . import epilogue
 
@@ -32,20 +33,36 @@ def takes(logits3, cfg, backend):
     return backend == "triton" and logits3.dtype != torch.float64 and epilogue.covers(cfg)
 
 
+def first(b, cfg):
+    """Whether this rank's forward pass may run before the agreement, its row formed in the same launch
+    (vocab_parallel.Pending; spec 8): the merged sums' path (not the top-entropy key's, which reads H first),
+    on a slice whose size is no multiple of VOCAB_BLOCK (so not all the slices merge by blocks, or this is the
+    last rank's: then its pass is spent and the block merge runs). A per-rank choice that changes no number."""
+    return not (cfg.top_entropy_on and not cfg.batch_term) and b.logits3.shape[-1] % vocab_block.VOCAB_BLOCK != 0
+
+
 def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
     """GTPOOutput of the call (see the module docstring); tau: the call's temperature per token, or per
-    completion (B,) (the kernels read it at each token's completion: b.tau_per_row), or None."""
+    completion (B,) (the kernels read it at each token's completion: b.tau_per_row), or None. vp: the
+    VocabParallel, or a Pending agreement (first), made in the forward pass's launch."""
     with torch.no_grad():
         temperature = ops.tau_arg(cfg.temperature if tau is None else tau, b.logits3, backend)  # (a number: by value)
         per_seq = tau is not None and b.tau_per_row  # (tau is b.tau: one per completion)
+        fwd = None
+        if isinstance(vp, parallel.Pending):  # this slice's pass and the agreement's row in one launch
+            ids = b.given["ids"]
+            if vp.plan is not None:
+                fwd = parallel.vp_sums(b, ids, temperature, backend, None, pending=vp,
+                                       tau_seq=(2 if b.packed else 1) * per_seq)
+            vp = vp.vp if vp.vp is not None else vp.made()
         # (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
-        if vp.blockwise or (cfg.top_entropy_on and not cfg.batch_term):  # (the top-entropy key reads H first)
+        if fwd is None and (vp.blockwise or (cfg.top_entropy_on and not cfg.batch_term)):  # (the key reads H first)
             if per_seq:  # (one per completion: spread on the tokens for these passes)
                 temperature, per_seq = spread_rows(temperature, b.seq_rows), False
             ids = b.ids
             fwd = parallel.vp_forward(b, ids, temperature, backend, vp.group, vp.V, sizes=vp.sizes, id_start=vp.start)
-        else:  # the merged sums, finished by the epilogue kernel (no launch of the merge's finish); the ids as
-            ids = b.given["ids"]  # given (the epilogue kernel flags every token of a malformed cu_seqlens itself)
+        elif fwd is None:  # the merged sums, finished by the epilogue kernel (no launch of the merge's finish); the ids
+            ids = b.given["ids"]  # as given (the epilogue kernel flags every token of a malformed cu_seqlens itself)
             fwd = parallel.vp_sums(b, ids, temperature, backend, vp.group, id_start=vp.start,
                                    tau_seq=(2 if b.packed else 1) * per_seq)
     by_value = isinstance(temperature, float)

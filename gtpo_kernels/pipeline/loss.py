@@ -233,9 +233,12 @@ def vocab_summary(g, b, logits, host, backend, temperature, replay=(None,) * 4):
     parallel.summary(g, b, logits.shape[-1], key, host, (str(logits.dtype), backend, temperature), replay)
 
 
-def vocab_parallel(g, logits, where):
+def vocab_parallel(g, logits, where, first=False):
     """The vocabulary-parallel layout (spec 12) after the one small collective, or None without a group:
-    if any rank failed its checks (held by the guard g) or the ranks disagree, every rank raises."""
+    if any rank failed its checks (held by the guard g) or the ranks disagree, every rank raises. first: a
+    Pending agreement instead, made by the first launch (epilogue_attached.first)."""
     if g.group is None:
         return None
+    if first:
+        return parallel.Pending(g, agree.collective_device(g.group, logits), where)
     return parallel.vocab_layout(g, agree.collective_device(g.group, logits), where)
