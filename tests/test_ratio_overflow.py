@@ -60,3 +60,29 @@ def test_an_overflowing_ratio_at_a_zero_advantage_adds_nothing(entry, name, back
         grad, = torch.autograd.grad(lp, x, lpf.grad.double())
     assert_value_close("loss", out.loss, r["loss"], 1e-5)
     assert_grad_close("grad", grad.double(), zr.grad, 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("name", ["grpo", "no-clip", "sapo", "kl-cov"])
+@pytest.mark.parametrize("entry", ["logits", "logps"])
+def test_a_nan_ratio_at_a_zero_advantage_stays_nan(entry, name, backend):
+    """Invalid input, unvalidated (a NaN logit in a counted row, a NaN log-prob) on a completion whose advantage
+    is 0: the loss and that row's gradient NaN (spec 6: never a finite number), where the zero above is only for
+    a ratio that overflowed (a first version of it made this row's gradient 0)."""
+    z, ids, adv, old = _batch(5)
+    old[0, 1] = -1.0
+    cfg = _config(name)
+    if entry == "logits":
+        x = z.float()
+        x[0, 1, 3] = float("nan")
+        x.requires_grad_()
+        out = gtpo_loss(x, ids, adv, group_size=2, old_logps=old, config=cfg, backend=backend, validate=False)
+    else:
+        lp, _ = ref.token_logprobs(z, ids)
+        x = lp.float()
+        x[0, 1] = float("nan")
+        x.requires_grad_()
+        out = gtpo_loss_from_logps(x, ids, adv, group_size=2, old_logps=old, config=cfg, backend=backend,
+                                   validate=False)
+    out.loss.backward()
+    assert torch.isnan(out.loss) and torch.isnan(x.grad[0, 1]).any()

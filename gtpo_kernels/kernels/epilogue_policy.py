@@ -10,8 +10,9 @@ import triton.language as tl
 
 @triton.jit
 def _times_adv(x, A):
-    """x A, exactly 0 where A = 0 (policy.times_adv: a ratio overflowing to inf times a zero advantage)."""
-    return tl.where(A == 0.0, 0.0, x * A)
+    """x A, exactly 0 where A = 0 and x = inf (policy.times_adv: a ratio overflowing to inf times a zero advantage;
+    a NaN x stays NaN)."""
+    return tl.where(x == float("inf"), tl.where(A == 0.0, 0.0, x * A), x * A)
 
 
 @triton.jit
@@ -88,7 +89,7 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
         tau = tl.where(A > 0.0, sapo_pos + zero, sapo_neg + zero)
         sig = tl.sigmoid(tau * (r - 1.0))
         pg = -(4.0 / tau) * sig * A
-        d_logr = -4.0 * tl.where(sig < 1.0, sig * (1.0 - sig) * r, 0.0) * A  # (policy.sapo: 0 at r = inf)
+        d_logr = -4.0 * tl.where(sig == 1.0, 0.0, sig * (1.0 - sig) * r) * A  # (policy.sapo: 0 at r = inf)
         d_logp = tl.zeros_like(lp)
         clipped = (r != r).to(tl.int32) * 0
     elif POLICY == 3:  # gpg: -A logp

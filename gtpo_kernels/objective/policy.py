@@ -34,9 +34,10 @@ def full(x, like):
 
 
 def times_adv(x, A):
-    """x A, exactly 0 where A = 0 (a ratio that overflows to inf, log r > 88.7 in float32, times a zero
-    advantage or a completion the entropy filter dropped: 0 as for any finite ratio, not NaN)."""
-    return torch.where(A == 0, torch.zeros((), dtype=x.dtype, device=x.device), x * A)
+    """x A, exactly 0 where A = 0 and x = inf (a ratio that overflows to inf, log r > 88.7 in float32, times a
+    zero advantage or a completion the entropy filter dropped: 0 as for any finite ratio, not NaN); a NaN x (invalid
+    input, unvalidated) stays NaN."""
+    return torch.where((A == 0) & torch.isinf(x), torch.zeros((), dtype=x.dtype, device=x.device), x * A)
 
 
 def ppo(r, A, cfg):
@@ -92,8 +93,8 @@ def sapo(r, A, cfg):
     torch.where of two Python floats would round the temperatures to float32)."""
     tau = torch.where(A > 0, full(cfg.sapo_temperature_pos, r), full(cfg.sapo_temperature_neg, r))
     sig = torch.sigmoid(tau * (r - 1.0))
-    # sigma (1 - sigma) r: 0 where sigma rounds to 1 (r = inf, an overflowing ratio, included: not NaN)
-    slope = torch.where(sig < 1.0, sig * (1.0 - sig) * r, torch.zeros((), dtype=r.dtype, device=r.device))
+    # sigma (1 - sigma) r: 0 where sigma rounds to 1 (r = inf, an overflowing ratio, included: not NaN; NaN stays)
+    slope = torch.where(sig == 1.0, torch.zeros((), dtype=r.dtype, device=r.device), sig * (1.0 - sig) * r)
     return -(4.0 / tau) * sig * A, -4.0 * slope * A, None, torch.zeros_like(r, dtype=torch.bool)
 
 
