@@ -2,7 +2,10 @@
 a 0-d tensor temperature with a truncation rule (it raised IndexError), the kept_mass metric of sets
 rebuilt by the rules (it was missing), and 16-bit LM-head inputs, whose logits the head forms as the
 tiles do: the GEMM's output, bias included, rounded once, then scale and soft-cap in float32 (it rounded
-the bias, the scale and the soft-cap each to bfloat16: logp off by 4e-3)."""
+the bias, the scale and the soft-cap each to bfloat16: logp off by 4e-3). Validating, it refuses what the
+other backends refuse, with the same error (a counted row of logits holding NaN or +inf, or giving its own
+target a logit of -inf: checks.raise_on_flags), where it returned a NaN loss or NaN / -inf log-probs;
+unvalidated that token's outputs stay NaN / -inf, as before."""
 import pytest
 import torch
 
@@ -93,3 +96,57 @@ def test_an_invalid_rule_value_unvalidated_is_nan_on_every_backend(backend, name
     others[1, 1] = False
     assert torch.isnan(out.logps[1, 1]) and torch.isnan(out.loss) and torch.isnan(zz.grad[1, 1]).any()
     assert torch.isfinite(out.logps[others]).all()  # (NaN may spread in the gradient: spec 13)
+
+
+_B, _T, _V, _D = 3, 4, 9, 5
+
+
+def _inputs(value, packed):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(_B, _T, _V, generator=g)
+    ids = torch.randint(0, _V, (_B, _T), generator=g)
+    mask = torch.ones(_B, _T, dtype=torch.bool)
+    mask[2, 3] = False
+    col = int(ids[1, 2]) if value == float("-inf") else (int(ids[1, 2]) + 1) % _V
+    x[1, 2, col] = value
+    x[2, 3, 0] = float("nan")  # a masked-out row: never refused
+    kw = dict(completion_mask=mask)
+    if packed:
+        x, ids = x[mask], ids[mask]
+        kw = dict(cu_seqlens=torch.tensor([0, 4, 8, 11]))
+    return x, ids, torch.tensor([1.0, -0.5, 0.25]), kw
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_reference_backend_refuses_the_rows_the_others_refuse(value, packed):
+    """gtpo_loss and token_logprobs, padded and packed: the same error on the three backends (the reference's
+    was none); unvalidated, the token's log-prob not finite and the others finite."""
+    x, ids, adv, kw = _inputs(value, packed)
+    errors = {}
+    for backend in ("torch", "triton", "reference"):
+        for name, call in (("loss", lambda: gk.gtpo_loss(x, ids, adv, group_size=1, config="grpo", backend=backend,
+                                                         **kw)),
+                           ("logprobs", lambda: gk.token_logprobs(x, ids, 1.0, backend=backend, **kw))):
+            with pytest.raises(ValueError) as e:
+                call()
+            errors[backend, name] = str(e.value)
+    for name in ("loss", "logprobs"):
+        assert errors["reference", name] == errors["torch", name] == errors["triton", name], errors
+        assert ("token (6,)" if packed else "token (1, 2)") in errors["reference", name], errors
+    lp, _ = gk.token_logprobs(x, ids, 1.0, backend="reference", validate=False, **kw)
+    at = 6 if packed else (1, 2)
+    assert not torch.isfinite(lp[at]) and torch.isfinite(lp.reshape(-1)[:6 if packed else 4]).all()
+
+
+def test_reference_head_refuses_a_nan_row():
+    """The head's hidden state NaN at a counted token: its row of logits NaN, refused as on the other backends."""
+    g = torch.Generator().manual_seed(6)
+    h, w = torch.randn(_B, _T, _D, generator=g), torch.randn(_V, _D, generator=g)
+    h[0, 1, 2] = float("nan")
+    ids, adv = torch.randint(0, _V, (_B, _T), generator=g), torch.tensor([1.0, -0.5, 0.25])
+    for backend in ("triton", "reference"):
+        with pytest.raises(ValueError, match=r"token \(0, 1\) contains NaN or \+inf"):
+            gk.linear_gtpo_loss(h, w, ids, adv, group_size=1, config="grpo", backend=backend)
+        with pytest.raises(ValueError, match=r"token \(0, 1\) contains NaN or \+inf"):
+            gk.linear_token_logprobs(h, w, ids, 1.0, backend=backend)

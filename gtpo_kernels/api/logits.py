@@ -149,10 +149,10 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             checks.refuse_reference_with_group(process_group)
             tau = reference.config_tau(b, cfg, tau, host)
             if rules is None:
-                return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau)
+                return reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau, None, host)
             keep, metrics = reference.kept_window(b, logits, cfg.temperature if tau is None else tau,
                                                   sampling_mask, rules, host)
-            out = reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau, keep)
+            out = reference.gtpo_loss(b, logits, cfg, group_size, extras, num_items, GTPOOutput, tau, keep, host)
             if b.malformed is not None:  # (the kept sets' metrics too: no completion is known)
                 metrics = nan_where(b.malformed, metrics)
             out.metrics.update({k: v.to(out.loss.dtype) for k, v in metrics.items()})
@@ -237,7 +237,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             checks.refuse_reference_with_group(process_group)
             keep = None if rules is None else reference.kept_window(b, logits, temperature, sampling_mask, rules,
                                                                     host)[0]
-            return tuple(x.detach() for x in reference.token_logprobs(b, logits, temperature, keep))  # (no autograd)
+            return tuple(x.detach() for x in reference.token_logprobs(b, logits, temperature, keep, host))  # (detached)
         vocab_summary(g, b, logits, host, backend, (temperature,), (sampling_mask, top_k, top_p, min_p))
     vp = vocab_parallel(g, logits, "token_logprobs(process_group=...)")
     dt = float_dtype_for(logits)
