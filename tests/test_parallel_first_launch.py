@@ -7,7 +7,8 @@ ranks, Triton under the interpreter, grpo / gtpo / clip_cov, padded and packed, 
   choice that changes no number), and within spec 7 of the single-process call (values 1e-5, gradients 1e-4);
 - a slice at a multiple of VOCAB_BLOCK runs the agreement first; where every boundary is one (the block merge)
   but the last rank's slice is not, that rank's pass is spent and the block merge gives the single-process bits;
-- a rank whose checks fail does not run the pass, and every rank raises the same error."""
+- a rank whose checks fail does not run the pass, and every rank raises the same error; so too where the first
+  launch itself fails on a rank while another runs the agreement first (it was left waiting in the agreement)."""
 import os
 
 import pytest
@@ -91,6 +92,21 @@ def _calls(rank, world):
         out["disagree"] = None
     except ValueError as e:
         out["disagree"], out["disagree_first"] = str(e), any(first)
+    # the first launch itself fails on rank 0 (a compile or resource error, say): held as rank 0's failure, so
+    # that a rank which runs the agreement first is not left waiting in it
+    from gtpo_kernels.kernels import vp_first_triton
+    real_launch = vp_first_triton.vp_first
+
+    def broken(*a, **k):
+        raise RuntimeError("the first launch failed")
+    vp_first_triton.vp_first = broken if rank == 0 else real_launch
+    try:
+        gtpo_loss(x[..., start:start + sizes[rank]], ids, completion_mask=mask, config="grpo", backend="triton",
+                  process_group=dist.group.WORLD, **kw)
+        out["launch_failed"] = None
+    except ValueError as e:
+        out["launch_failed"] = str(e)
+    vp_first_triton.vp_first = real_launch
     return out
 
 
@@ -98,7 +114,7 @@ def _run(sizes, monkeypatch, block=None):
     monkeypatch.setenv("GTPO_TEST_SIZES", ",".join(map(str, sizes)))
     if block is not None:
         monkeypatch.setenv("GTPO_VOCAB_BLOCK", str(block))
-    return run_ranks_ok(_calls, len(sizes), watchdog=600)
+    return run_ranks_ok(_calls, len(sizes), watchdog=300)
 
 
 def _check(results, expect_first, merged_sums=True):
@@ -121,7 +137,10 @@ def _check(results, expect_first, merged_sums=True):
         assert res["ran_first"] == (expect_first[r] and r != 0), r  # (rank 0 failed its checks)
         assert res["disagree"] and "disagree on advantages" in res["disagree"], res["disagree"]
         assert res["disagree_first"] == expect_first[r]
+        if expect_first[0]:  # (rank 0 ran the first launch)
+            assert res["launch_failed"] and "rank(s) [0] refused" in res["launch_failed"], res["launch_failed"]
     assert len({res["refused"] for res in results}) == 1 and len({res["disagree"] for res in results}) == 1
+    assert len({res["launch_failed"] for res in results}) == 1
 
 
 @pytest.mark.parametrize("sizes", [(20, 17)])

@@ -147,7 +147,7 @@ for arch in (90, 80):
                           dict(terms, stride_lb=75968 * 512, stride_lt=75968, T=512, V=75968, logits_start=0,
                                n_tok_f=32768, temp_stride=1, n_seq=64, n_tok=32768, T_tok=512, o_tok=9, n_cu=64),
                           dict(F0=3 | 8, F1=24 | 64, F2=0, F3=0, F4=0, F5=0, F6=0, F7=0, N_TERMS=2, TOKENS=True,
-                               ROW_MASK=True, CHECKS=arch == 90, BLOCK=1024, BLOCK_V=fwd_block_v(151936),
+                               ROW_MASK=True, CHECKS=arch == 90, BLOCK=P.ROW_BLOCK, BLOCK_V=fwd_block_v(151936),
                                HAS_MASK=True, TEMP_BY_VALUE=False, TEMP_PER_SEQ=2 if arch == 90 else 0,
                                VOCAB_BLOCK=8192, num_warps=4)).asm.get("ptx")
 print("compiled")

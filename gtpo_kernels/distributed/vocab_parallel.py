@@ -178,8 +178,12 @@ def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id
     tau = ops.tau_arg(temperature, b.logits3, backend)
     if pending is not None:
         from ..kernels.vp_first_triton import vp_first
-        logp_r, ent_r, stats_r, bad_r = vp_first(b.logits3.detach(), counted, tau, b.logits_start, M, *pending.plan,
-                                                 tau_seq, cu)
+        try:
+            logp_r, ent_r, stats_r, bad_r = vp_first(b.logits3.detach(), counted, tau, b.logits_start, M,
+                                                     *pending.plan, tau_seq, cu)
+        except Exception as e:  # noqa: BLE001 - held as this rank's failure: the agreement raises on every rank
+            pending.g.error = e
+            pending.made()
         vp = pending.made(pending.plan[0])  # (every rank raises here alike if the ranks disagree)
         if vp.blockwise:
             return None

@@ -1,10 +1,10 @@
 """A vocabulary-parallel call's first launch (spec 8, 12): this rank's forward pass over its slice and the
 agreement's row in one launch, before the agreement's collective.
 
-    _vp_first_kernel   programs 0 .. n-1: token k's statistics over the slice (vocab_fwd_triton's, with the
+    _vp_first_kernel   programs 1 .. n: token k - 1's statistics over the slice (vocab_fwd_triton's, with the
                        slice's maximum stored for the first all-reduce, VP_MAX), without its target logit: the
                        slice's first id is known only after the agreement, so the merge's sums kernel reads it
-                       (vp_merge_triton, TARGET_Z); program n: the agreement's row (digest_triton._row_body)
+                       (vp_merge_triton, TARGET_Z); program 0: the agreement's row (digest_triton._row_body)
 
 Neither reads what the other writes. Without it the row's kernel and the forward kernel were two launches
 around the agreement; the forward reads only this rank's own tensors, so it may run before the ranks agree
@@ -39,12 +39,13 @@ def _vp_first_kernel(logits_ptr, mask_ptr, logp_ptr, ent_ptr, stats_ptr, bad_ptr
                      TOKENS: tl.constexpr, ROW_MASK: tl.constexpr, CHECKS: tl.constexpr, BLOCK: tl.constexpr,
                      BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, TEMP_BY_VALUE: tl.constexpr,
                      TEMP_PER_SEQ: tl.constexpr, VOCAB_BLOCK: tl.constexpr):
-    """Programs 0 .. n_tok_f - 1: vocab_fwd_triton._vocab_fwd_kernel's (mask as given, tau by value or read per
-    token / per completion (TEMP_PER_SEQ 1 padded, 2 packed: seq_cu_ptr), VP_MAX) with no target (its flags
-    BAD_ID, its logp NaN: the sums kernel reads the target); program n_tok_f: _row_body's (the row's arguments
-    as digest_triton.row_launches makes them)."""
-    pid = tl.program_id(0).to(tl.int64)
-    if pid == n_tok_f:
+    """Program 0: _row_body's (the row's arguments as digest_triton.row_launches makes them; first, so that its
+    loop over the tokens overlaps the others); programs 1 .. n_tok_f: token p - 1's, vocab_fwd_triton.
+    _vocab_fwd_kernel's (mask as given, tau by value or read per token / per completion (TEMP_PER_SEQ 1 padded,
+    2 packed: seq_cu_ptr), VP_MAX) with no target (its flags BAD_ID, its logp NaN: the sums kernel reads the
+    target)."""
+    pid = tl.program_id(0).to(tl.int64) - 1  # (the token; -1: the row)
+    if pid < 0:
         _row_body(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
                   x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
                   x6, w6, n6, s6, p6, o6, x7, w7, n7, s7, p7, o7,
@@ -64,6 +65,9 @@ def _vp_first_kernel(logits_ptr, mask_ptr, logp_ptr, ent_ptr, stats_ptr, bad_ptr
         tl.store(max_ptr + pid, _live_max(m, log_s, ent, bad, V))
 
 
+ROW_BLOCK = 256
+
+
 def vp_first(logits3, counted, temperature, logits_start, local_max, row, row_launch, tau_seq=0, cu=None):
     """The slice's (logp (NaN: no target), H, stats, flags) per token and its row maxima into `local_max` (n,),
     and the agreement's `row` formed by `row_launch` (agree.row_to_fold's), in one launch. logits3 (B, T_l, V)
@@ -78,7 +82,9 @@ def vp_first(logits3, counted, temperature, logits_start, local_max, row, row_la
     seq = _per_seq(tau_seq, cu, temperature)
     tau, tau_stride = temperature_arg(temperature, dev, seq.get("tau_len", n))
     args, meta = row_launch
-    meta = dict(meta, ROW_MASK=meta.pop("HAS_MASK"))
+    # (the row's loops over ROW_BLOCK elements, not digest_triton.BLOCK: the sums and checks are the same, and the
+    # kernel's registers stay the forward kernel's, 64 where BLOCK's 1024 made them 128 for every program, sm_90)
+    meta = {**{k: v for k, v in meta.items() if k != "HAS_MASK"}, "ROW_MASK": meta["HAS_MASK"], "BLOCK": ROW_BLOCK}
     bv = fwd_block_v(V)
     _vp_first_kernel[(n + 1,)](logits3, counted if counted is not None else local_max, *outs, local_max,
                                logits3.stride(0), logits3.stride(1), n // B if B else 0, V, logits_start, n, tau,
