@@ -872,7 +872,7 @@ MUTANTS = [
     M("Q110", "kernels/epilogue_policy.py", "tl.where(sig == 1.0, 0.0, sig * (1.0 - sig) * r)",
       "tl.where(sig < 1.0, sig * (1.0 - sig) * r, 0.0)", "SAPO's slope at a NaN ratio: 0 (the epilogue kernel)",
       tests=["test_ratio_overflow"]),
-    M("Q111", "pipeline/reference.py", "torch.where(target, BAD_TARGET_NEG_INF, 0)) * m", "torch.where(target, BAD_TARGET_NEG_INF, 0)) * 0",
+    M("Q111", "pipeline/reference.py", "row_flags(nonfinite_rows(lg), z_y) * m)", "row_flags(nonfinite_rows(lg), z_y) * 0)",
       "backend='reference', validating, takes a NaN / +inf row or a -inf target (a NaN loss)",
       tests=["test_reference_backend"]),
     M("Q112", "distributed/vocab_parallel.py", "            pending.g.error = e\n            pending.made()\n",

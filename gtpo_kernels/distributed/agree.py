@@ -113,6 +113,13 @@ def _kind_name(code):
     return _KINDS[code - 1] if code - 1 < len(_KINDS) else "an exception"
 
 
+def _constants(fields, device):
+    """[0 (the error flag), *fields] as one int64 tensor on `device`: a Digest's constant, a device field's 0
+    (formed into its slot after), a number as it is."""
+    return torch.tensor([0] + [f.const if isinstance(f, Digest) else 0 if isinstance(f, torch.Tensor) else int(f)
+                               for f in fields], dtype=torch.int64).to(device)
+
+
 def _row(g, width, device):
     """[error flag, *fields] as one int64 tensor on `device` (device fields are not read on the host; a
     Digest is formed into its slot, by one kernel where its tensors live on `device`)."""
@@ -121,8 +128,7 @@ def _row(g, width, device):
             fields = list(g.fields)
             if len(fields) != width:
                 raise RuntimeError(f"agree: {len(fields)} fields, expected {width}")
-            row = torch.tensor([0] + [f.const if isinstance(f, Digest) else 0 if isinstance(f, torch.Tensor)
-                                      else int(f) for f in fields], dtype=torch.int64).to(device)
+            row = _constants(fields, device)
             on_dev = [i for i, f in enumerate(fields) if isinstance(f, torch.Tensor)]
             if on_dev:
                 row[[i + 1 for i in on_dev]] = torch.stack([fields[i].reshape(()).to(device, torch.int64)
@@ -147,8 +153,7 @@ def row_to_fold(g, width, device):
             or any(bad is not None for bad, _ in g.later):
         return None
     try:  # (a failure here is left to _row, which holds it as this rank's)
-        row = torch.tensor([0] + [f.const if isinstance(f, Digest) else int(f) for f in g.fields],
-                           dtype=torch.int64).to(device)
+        row = _constants(g.fields, device)
         launch = row_launch(g.fields, row, g.row_checks)
     except Exception:  # noqa: BLE001
         return None

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from ..core.flags import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, tau_or_nan
+from ..core.flags import BAD_ID, tau_or_nan
 from ..core.layout import float_dtype_for
 from ..core.sampling import segment_of
-from .vocab_torch import _LOG_ZERO, _transform, _transform_grad
+from .vocab_torch import _LOG_ZERO, _transform, _transform_grad, row_flags
 
 
 def _segsum(x, seg, M):
@@ -72,8 +72,7 @@ def replay_fwd(logits3, rows_b, rows_t, y, tau, token_ids, offsets, scale=1.0, s
     ent = log_s - _segsum(ex * d, seg, M) / s_tot
     logp = (z_y - m_safe) * (1.0 / tau) - log_s
     q = _segsum(torch.where(hit, torch.zeros_like(ex), ex), seg, M) / s_tot
-    flags = (nonfinite | torch.isnan(tau)).to(torch.int8) * BAD_NONFINITE  # (a NaN 1 / tau: tau_or_nan)
-    flags |= (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF
+    flags = row_flags(nonfinite | torch.isnan(tau), z_y)  # (a NaN 1 / tau: tau_or_nan)
     flags |= (bad_id | (found != 1)).to(torch.int8) * BAD_ID
     return logp, ent, torch.stack([m_safe, log_s, q], 1), flags
 

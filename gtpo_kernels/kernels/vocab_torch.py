@@ -169,8 +169,13 @@ def _target(z, y, V, acc):
     return torch.where(y_ok, z.gather(1, yc).squeeze(1) if V else nan, nan), y_ok
 
 
-def _nonfinite(z):
+def nonfinite_rows(z):
     return (torch.isnan(z) | (z == float("inf"))).any(-1)
+
+
+def row_flags(nonfinite, z_y):
+    """Flags (core/flags) of rows with NaN or +inf (`nonfinite`: nonfinite_rows's) and target logits z_y (-inf)."""
+    return nonfinite.to(torch.int8) * BAD_NONFINITE | (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF
 
 
 def _slice_ids(ids, id_start):
@@ -194,8 +199,7 @@ def vocab_fwd(logits3, ids, counted, temperature, logits_start, scale=1.0, softc
     bad = torch.zeros(n, device=dev, dtype=torch.int8)
     for idx, inv_t, z in _chunks(logits3, counted, T, logits_start, temperature, scale, softcap, acc):
         z_y, y_ok = _target(z, ids[idx].long(), V, acc)
-        flag = _nonfinite(z).to(torch.int8) * BAD_NONFINITE
-        flag |= (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF
+        flag = row_flags(nonfinite_rows(z), z_y)
         flag |= (~y_ok).to(torch.int8) * BAD_ID
         m, r, u = merge_blocks(block_stats(z, inv_t), inv_t)
         flag |= torch.isnan(r).to(torch.int8) * BAD_NONFINITE  # (a NaN 1 / tau too, as the Triton kernel flags it)
@@ -236,7 +240,7 @@ def vocab_blocks(logits3, ids, counted, temperature, logits_start, scale=1.0, so
     nonfinite = torch.zeros(n, device=dev, dtype=torch.bool)
     for idx, inv_t, z in _chunks(logits3, counted, T, logits_start, temperature, scale, softcap, acc):
         zy[idx] = _target(z, ids[idx].long(), V, acc)[0]
-        nonfinite[idx] = _nonfinite(z)
+        nonfinite[idx] = nonfinite_rows(z)
         blocks[idx] = block_stats(z, inv_t)
         del z
     return blocks, zy, nonfinite
@@ -267,8 +271,7 @@ def vocab_merge(blocks, zy, nonfinite, ids, counted, temperature, V_whole, state
         out[idx] = torch.stack([m, r, u], 1)
         return out
     c_logp, c_ent, c_stats = finish(m, r, u, z_y, inv_t)
-    flag = nonfinite[idx].to(torch.int8) * BAD_NONFINITE
-    flag |= (z_y == float("-inf")).to(torch.int8) * BAD_TARGET_NEG_INF
+    flag = row_flags(nonfinite[idx], z_y)
     flag |= ((y < 0) | (y >= V_whole)).to(torch.int8) * BAD_ID
     logp[idx], ent[idx], stats[idx], bad[idx] = c_logp, c_ent, c_stats, flag
     return logp, ent, stats, bad

@@ -8,8 +8,9 @@ import math
 import torch
 
 from ..core import checks
-from ..core.flags import BAD_NONFINITE, BAD_TARGET_NEG_INF, NonFiniteRowError, nan_where, tau_or_nan
+from ..core.flags import NonFiniteRowError, nan_where, tau_or_nan
 from ..core.layout import float_dtype_for, padded_window
+from ..kernels.vocab_torch import nonfinite_rows, row_flags
 
 
 def kept_window(b, logits, tau, sampling_mask, rules, validate):
@@ -86,21 +87,20 @@ def _scaled(b, lg, pad, tau):
     return lg.double() / pad_rows(b, tau.reshape(-1), L, pos, fill=1.0).double()[..., None]
 
 
-def check_rows(lg, ids, m, unpad, b):
-    """Validating: the rows the other backends refuse (checks.raise_on_flags, the same error): a counted row of
-    the window holding NaN or +inf, or giving its own target a logit of -inf (the oracle would return NaN or
-    -inf)."""
-    nonfinite = (torch.isnan(lg) | (lg == float("inf"))).any(-1)
-    target = lg.gather(-1, ids.clamp(0, max(lg.shape[-1] - 1, 0))[..., None]).squeeze(-1) == float("-inf")
-    flags = torch.where(nonfinite, BAD_NONFINITE, torch.where(target, BAD_TARGET_NEG_INF, 0)) * m
-    checks.raise_on_flags(unpad(flags).reshape(-1), b.tok_shape)
+def _window(b, logits, validate):
+    """padded_window(b, logits); validating, the rows the other backends refuse first raise their error
+    (vocab_torch.row_flags, checks.raise_on_flags): a counted row holding NaN or +inf, or giving its own target
+    a logit of -inf (the oracle would return NaN or -inf)."""
+    lg, ids, m, unpad, pad = win = padded_window(b, logits)
+    if validate and lg.shape[-1]:
+        z_y = lg.gather(-1, ids.clamp(0, lg.shape[-1] - 1)[..., None]).squeeze(-1)
+        checks.raise_on_flags(unpad(row_flags(nonfinite_rows(lg), z_y) * m).reshape(-1), b.tok_shape)
+    return win
 
 
 def token_logprobs(b, logits, temperature, keep=None, validate=False):
     import gtpo_reference
-    lg, ids, m, unpad, pad = padded_window(b, logits)
-    if validate and lg.shape[-1]:
-        check_rows(lg, ids, m, unpad, b)
+    lg, ids, m, unpad, pad = _window(b, logits, validate)
     if keep is not None:
         lg = _kept(b, lg, keep)
     if hasattr(temperature, "dim") and temperature.numel() > 1:
@@ -125,13 +125,11 @@ def config_tau(b, cfg, tau, validate):
 
 def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=None, keep=None, validate=False):
     """tau: a per-token (n,) temperature in place of cfg's, or None; keep: kept_window's sets, or None;
-    validate: the rows the other backends refuse are refused (check_rows)."""
+    validate: the rows the other backends refuse are refused (_window)."""
     import gtpo_reference
     kw = {k: float(v) if hasattr(v, "dim") else v for k, v in dataclasses.asdict(cfg).items()}
     kw["generator"] = cfg.generator  # the caller's (asdict copies it; clip_cov's draw advances it)
-    lg, ids, m, unpad, pad = padded_window(b, logits)
-    if validate and lg.shape[-1]:
-        check_rows(lg, ids, m, unpad, b)
+    lg, ids, m, unpad, pad = _window(b, logits, validate)
     if keep is not None:
         lg = _kept(b, lg, keep)
     if tau is not None:
