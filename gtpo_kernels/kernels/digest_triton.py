@@ -174,7 +174,7 @@ def _row_body(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n
     row[o_tok:o_tok + 3]: a row's checksums in one program, one after the other. CHECKS: some term checks
     its values; a failure sets the row's error flag, row[0] = 1 (a ValueError, agree._kind). cu_ptr, n_cu:
     the packed form's cu_seqlens and its completions, read by the PER_CU terms. The program of _row_kernel,
-    and the last program of the vocabulary-parallel forward's launch (vp_first_triton)."""
+    and the first program of the vocabulary-parallel forward's launch (vp_first_triton)."""
     bad = 0
     if N_TERMS > 0:
         bad = bad | _add_term(row_ptr + o0, x0, w0, n0, s0, p0, F0, BLOCK, cu_ptr, n_cu)

@@ -102,7 +102,6 @@ def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr,
         inv_t = 1.0 / tl.load(tau_ptr + at * tau_stride, mask=inb, other=1.0)
     counted = _counted(counted_ptr, tok, inb, HAS_MASK)
     y = tl.load(ids_ptr + tok, mask=inb, other=-1).to(tl.int64) - id_start  # this slice's id
-    logp = tl.load(logp_ptr + o, mask=inb, other=0.0)
     m_eff = tl.where(live, m, float("-inf"))
     M_safe = tl.where(tl.abs(M) < float("inf"), M, 0.0)
     delta = tl.where(live, (m_eff - M_safe) * inv_t, 0.0)
@@ -118,7 +117,7 @@ def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr,
                       other=0.0).to(tl.float32)
         t_r = (z_y - m) * inv_t  # (m: the slice's maximum as stored, 0 where it has no finite entry)
     else:
-        t_r = logp + ls  # (z_y - m_r) / tau on the owner
+        t_r = tl.load(logp_ptr + o, mask=inb, other=0.0) + ls  # (z_y - m_r) / tau on the owner
     v = vec_out + 7 * o
     tl.store(v, ws, mask=inb)                                          # S
     tl.store(v + 1, tl.where(live, w * (u_r + s * delta), 0.0), mask=inb)  # U
