@@ -32,6 +32,7 @@ ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", 
                      # mask, status
                      "TEMP_PER_SEQ",  # a temperature per completion: a layout switch (its index), no size
                      "TARGET_Z",  # the merge's sums kernel reads the owner's target logit: a switch
+                     "CONFLICT", "C_PACKED", "C_HAS_MASK",  # its programs for the conflict weights too: switches
                      "VP_MAX",  # the forward kernel stores the vocabulary-parallel merge's first input: a switch
                      "OUT_AT_ROW",  # the head's tile of a vocabulary slice: outputs at the tile's row, a switch
                      "VP",  # the epilogue finishes the vocabulary-parallel merge: a switch

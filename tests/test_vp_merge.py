@@ -102,6 +102,14 @@ for arch in (90, 80, 100):
                           id_start=75968, row_length=512, n_seq=64),
                           dict(meta, TEMP_PER_SEQ={80: 1, 90: 2, 100: 0}[arch])).asm.get("ptx")
     # (a tau per completion: sm_80 per row, sm_90 found in a packed batch's cu_seqlens)
+    # with the call's conflict weights as more programs (CONFLICT; sm_80 padded, sm_90 and sm_100 packed)
+    assert _compile_ahead(M._vp_sums_kernel, arch, dict(bad_ptr=i8, ids_ptr=i64, counted_ptr=torch.bool,
+                          logits_ptr=torch.bfloat16, c_ids=i64, c_mask=torch.bool, c_cu=i64), f32,
+                          dict(n=32768, V_local=75968, tau_ptr=0.7, tau_stride=0, id_start=0, stride_lb=75968 * 512,
+                               stride_lt=75968, T=512, logits_start=0, n_sums=128, c_B=64, c_T=512, c_N=32768,
+                               c_G=8, w_pos=2.0, w_neg=0.0, n_groups=8),
+                          dict(meta, ROWS=False, TEMP_BY_VALUE=True, TARGET_Z=True, CONFLICT=True,
+                               C_PACKED=arch != 80, C_HAS_MASK=True, BLOCK_G=8, BLOCK_T=128)).asm.get("ptx")
     assert _compile_ahead(M._vp_finish_kernel, arch, dict(bad_out=i8, ids_ptr=i64, counted_ptr=torch.bool,
                           rows_ptr=i64), f32, dict(n=32768, V=151936), meta).asm.get("ptx")
     for dt, fp in ((torch.bfloat16, True), (i64, False)):
@@ -155,8 +163,8 @@ print("compiled")
 
 
 def test_kernels_compile_for_the_gpus():
-    """The merge's two kernels and the agreement's two checksum kernels compiled ahead of time for sm_90,
-    sm_80 and sm_100, the forward kernel storing the slice's maximum (VP_MAX) for sm_90, and a split loss's
+    """The merge's two kernels (the sums' with the call's conflict weights too) and the agreement's two
+    checksum kernels compiled ahead of time for sm_90, sm_80 and sm_100, the forward kernel storing the slice's maximum (VP_MAX) for sm_90, and a split loss's
     first launch (the forward pass and the agreement's row) for sm_90 and sm_80, by Triton's compiler (a
     process without the interpreter)."""
     compiled_ahead(AOT)

@@ -159,7 +159,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             return out
         # split over ranks: the epilogue kernel between the merged vocabulary passes (epilogue_attached)
         attached = process_group is not None and rules is None and epilogue_attached.takes(b.logits3, cfg, backend)
-        conflicts_for(b, cfg, group_size, dt, backend, epilogue=fast_replay or attached)
+        conflicts_for(b, cfg, group_size, dt, backend, epilogue=fast_replay or attached, defer=attached)
         vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch,  # by value (spec 12)
                                                     attached), (sampling_mask, top_k, top_p, min_p))  # (the path too)
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)",  # (its kernels read b.ids - vp.start)

@@ -79,6 +79,7 @@ class Batch:
     tau_seq: bool = False
     mask: Optional[torch.Tensor] = None  # (N,) the caller's completion_mask as given (any dtype), None: all counted
     token_adv: Optional[torch.Tensor] = None  # (N,) an advantage per token in place of Ahat (pipeline/token_terms.py)
+    conflicts: object = None  # the conflict weights computed in the call, their launch deferred (lam / n_conf: its)
 
     given: Optional[dict] = None  # ids, adv, cu_seqlens as the caller gave them (the epilogue kernel reads these)
 

@@ -150,6 +150,7 @@ def token_digest(b):
 INPUTS = ("cu_seqlens and max_seqlen", "advantages", "old_logps", "ref_logps", "lam", "n_conf",
           "rollout_is_weights", "rollout_logps", "temperature (per token)")
 _ABSENT = 1
+_COMPUTED = 2  # lam or n_conf computed in the call (from the inputs compared: no values to read before the row)
 _MAX_SEQLEN_AT = 1 << 40  # the position of max_seqlen's word in the cu_seqlens field
 
 
@@ -163,17 +164,22 @@ def input_digests(b):
     if given.get("cu_seqlens") is not None:
         cu = Digest("values", _mix_int(-1 if b.max_seqlen is None else b.max_seqlen, _MAX_SEQLEN_AT) & _MASK61,
                     (given["cu_seqlens"], None))
-    whole = [given["adv"] if "adv" in given else b.adv, None, None, None, b.n_conf, None, None, None]
+    d = b.conflicts  # (deferred: lam and n_conf made by a later launch, from the ids, mask and advantages compared)
+    lam = _COMPUTED if d is not None and b.lam is d.lam else b.lam
+    n_conf = _COMPUTED if d is not None and b.n_conf is d.n_conf else b.n_conf
+    whole = [given["adv"] if "adv" in given else b.adv, None, None, None, n_conf, None, None, None]
     # (per completion: rollout weights and a temperature read at each token's completion, as their spread
     # would be, never made)
     rw_rows = b.rollout_w_seq if not b.packed or b.B else None
     tau_rows = b.tau if b.tau_per_row else None
     per_row = [None, None, None, None, None, rw_rows, None, tau_rows]
-    counted = [None, b.old, b.ref, b.lam, None, None if rw_rows is not None else b.rollout_w, b.rollout_logps,
+    counted = [None, b.old, b.ref, lam, None, None if rw_rows is not None else b.rollout_w, b.rollout_logps,
                None if tau_rows is not None else b.tau]
     out = [cu]
     for x, y, r in zip(whole, counted, per_row):
-        if r is not None:
+        if x is _COMPUTED or y is _COMPUTED:
+            out.append(_COMPUTED)
+        elif r is not None:
             out.append(Digest("rows", 0, (r, b.mask, b.seq_rows)))
         elif x is not None:
             out.append(Digest.values(x))

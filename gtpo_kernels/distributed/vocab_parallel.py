@@ -163,13 +163,15 @@ def _into(outs, res):
 
 
 def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id_start=0, rows=None, tau_seq=0,
-            pending=None):
+            pending=None, conflicts=None):
     """vp_forward's all-reduce merge up to its finish (the epilogue kernel may finish it itself): the merged
     sums (n, 7) and the global row maxima (n,), the same on every rank (backend resolved). rows: vp_forward's
     (n = its length). tau_seq (the Triton backend): temperature holds one tau per completion, read at each
     token's row (1, padded) or found in the cu_seqlens given (2, packed). pending (a Pending with a plan; the
     Triton backend, no rows, no transform): this slice's pass and the agreement's row in one launch, then the
-    agreement (group, id_start: its); None where its layout merges by blocks (this slice's pass was spent)."""
+    agreement (group, id_start: its); None where its layout merges by blocks (this slice's pass was spent).
+    conflicts (the Triton backend): the call's deferred conflict weights (conflict_triton.Deferred), run by the
+    sums' launch (no launch of their own)."""
     merge, counted = vp_merge.select(backend), _counted(b, backend)  # (Triton: the sums' and finish's launches)
     cu = b.given["cu_seqlens"] if tau_seq == 2 else None
     # on the Triton backend the forward kernel stores the slice's maximum too (vp_merge.local_max's values)
@@ -206,7 +208,8 @@ def vp_sums(b, ids_loc, temperature, backend, group, scale=1.0, softcap=None, id
                            **({} if rows is None else dict(rows=rows)),
                            **({} if not tau_seq else dict(cu=cu) if cu is not None else
                               dict(row_length=b.tok_shape[1])),
-                           **(dict(target=(b.logits3.detach(), b.logits_start)) if target else {}))
+                           **(dict(target=(b.logits3.detach(), b.logits_start)) if target else {}),
+                           **({} if conflicts is None else dict(conflicts=conflicts)))
     dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
     return vec, M
 

@@ -141,11 +141,19 @@ def _conflict_weights_kernel(
     B, T, N, G, w_pos, w_neg,  # completions, padded length, tokens, group size, the weights
     PACKED: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """lam and n_conf of spec 3 for one group of G consecutive completions (one program each): a pass
+    """_conflict_group: one program per group."""
+    _conflict_group(tl.program_id(0).to(tl.int64), tl.num_programs(0), ids_ptr, mask_ptr, adv_ptr, cu_ptr, lam_ptr,
+                    nconf_ptr, B, T, N, G, w_pos, w_neg, PACKED, HAS_MASK, BLOCK_G, BLOCK_T)
+
+
+@triton.jit
+def _conflict_group(grp, n_groups, ids_ptr, mask_ptr, adv_ptr, cu_ptr, lam_ptr, nconf_ptr, B, T, N, G, w_pos, w_neg,
+                    PACKED: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr):
+    """lam and n_conf of spec 3 for group `grp` (of n_groups) of G consecutive completions: a pass
     for each completion's last counted token and invalid ids, one in forward alignment (lam_f written),
     one in backward alignment (lam = lam_f lam_b). A counted id outside [0, 2**31) makes its completion's
-    lam and n_conf NaN; a malformed cu_seqlens makes every one NaN (each program then fills its share)."""
-    grp = tl.program_id(0).to(tl.int64)
+    lam and n_conf NaN; a malformed cu_seqlens makes every one NaN (each group then fills its share).
+    Its own launch (_conflict_weights_kernel), or programs of the merge's sums launch (vp_merge_triton)."""
     gi = tl.arange(0, BLOCK_G)
     rows = grp * G + gi
     in_g = gi < G
@@ -158,7 +166,7 @@ def _conflict_weights_kernel(
             lo = tl.load(cu_ptr + k, mask=k < B, other=0).to(tl.int64)
             hi = tl.load(cu_ptr + k + 1, mask=k < B, other=0).to(tl.int64)
             broken = broken | (tl.max(tl.where((k < B) & (hi < lo), 1, 0)) > 0)
-        share = tl.cdiv(N, tl.num_programs(0))
+        share = tl.cdiv(N, n_groups)
         first = grp * share
         end = tl.where(broken, tl.minimum(first + share, N), first)  # then this program's share of lam: NaN
         for t0 in range(first, end, BLOCK_T):
@@ -222,3 +230,34 @@ def conflict_weights(ids, mask, adv, cu, T, group_size, w_pos, w_neg, lam, n_con
         ids, ids if mask is None else mask, adv, ids if cu is None else cu, lam, n_conf,
         B, T, N, group_size, float(w_pos), float(w_neg),
         PACKED=cu is not None, HAS_MASK=mask is not None, BLOCK_G=block_g, BLOCK_T=max(16, 1024 // block_g))
+
+
+class Deferred:
+    """The call's conflict weights (conflict_weights' arguments), their launch deferred: folded into a later
+    launch as programs of its own (`fold`: the merge's sums kernel on a split vocabulary, vp_merge_triton), or
+    made by their own (`launch`) where no launch took them. lam (N,) and n_conf (B,) float32 are written by
+    whichever runs, once; neither reads the host."""
+
+    def __init__(self, ids, mask, adv, cu, T, group_size, w_pos, w_neg):
+        self.args = (ids, mask, adv, cu, T, group_size, float(w_pos), float(w_neg))
+        self.lam = torch.empty(ids.numel(), dtype=torch.float32, device=ids.device)
+        self.n_conf = torch.empty(adv.numel(), dtype=torch.float32, device=ids.device)
+        self.done = False
+
+    def launch(self):
+        if not self.done:
+            self.done = True
+            conflict_weights(*self.args, self.lam, self.n_conf)
+
+    def fold(self, n_sums):
+        """The kernel arguments of its groups as programs n_sums and after of another launch (the c_ names of
+        vp_merge_triton._vp_sums_kernel) and the number of those programs; it is then done."""
+        ids, mask, adv, cu, T, G, w_pos, w_neg = self.args
+        self.done = True
+        block_g = triton.next_power_of_2(G)
+        n_groups = adv.numel() // G
+        return n_groups, dict(
+            n_sums=n_sums, CONFLICT=True, c_ids=ids, c_mask=ids if mask is None else mask, c_adv=adv,
+            c_cu=ids if cu is None else cu, c_lam=self.lam, c_nconf=self.n_conf, c_B=adv.numel(), c_T=T,
+            c_N=ids.numel(), c_G=G, w_pos=w_pos, w_neg=w_neg, n_groups=max(n_groups, 1), C_PACKED=cu is not None,
+            C_HAS_MASK=mask is not None, BLOCK_G=block_g, BLOCK_T=max(16, 1024 // block_g))

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .conflict_triton import _conflict_group
 from .epilogue_terms import _expm1
 from .vocab_jit import BAD_ID, BAD_NONFINITE, BAD_TARGET_NEG_INF, _inv_tau, _log1p
 from .vocab_status import _seqs_of
@@ -73,19 +74,47 @@ def _token_of(rows_ptr, o, inb, ROWS: tl.constexpr):
     return o
 
 
-@triton.jit(do_not_specialize=["n", "V_local", "tau_stride", "id_start", "row_length", "n_seq", "T", "logits_start"])
+@triton.jit(do_not_specialize=["n", "V_local", "tau_stride", "id_start", "row_length", "n_seq", "T", "logits_start",
+                               "n_sums", "c_B", "c_T", "c_N", "c_G", "n_groups"])
 def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
                     vec_out, n, V_local, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr = True,
                     TEMP_BY_VALUE: tl.constexpr = False, id_start=0, rows_ptr=None, ROWS: tl.constexpr = False,
                     row_length=1, TEMP_PER_SEQ: tl.constexpr = 0, cu_ptr=None, n_seq=0, logits_ptr=None, stride_lb=0,
-                    stride_lt=0, T=1, logits_start=0, TARGET_Z: tl.constexpr = False):
+                    stride_lt=0, T=1, logits_start=0, TARGET_Z: tl.constexpr = False,
+                    n_sums=0, CONFLICT: tl.constexpr = False, c_ids=None, c_mask=None, c_adv=None, c_cu=None,
+                    c_lam=None, c_nconf=None, c_B=0, c_T=0, c_N=0, c_G=1, w_pos=1.0, w_neg=1.0, n_groups=1,
+                    C_PACKED: tl.constexpr = False, C_HAS_MASK: tl.constexpr = False, BLOCK_G: tl.constexpr = 1,
+                    BLOCK_T: tl.constexpr = 16):
     """ROWS: the slice's statistics, M and vec at position o, the ids, mask and tau at token rows_ptr[o].
     TEMP_PER_SEQ: tau holds one value per completion: 1, per row of row_length tokens (padded), token k's at
     k // row_length; 2, per completion of the packed form's cu_ptr (n_seq of them), found there (_seqs_of).
     TARGET_Z: the owner reads its target logit from the logits (token k's row: (k // T, logits_start + k % T),
     as the forward kernel's), (z_y - m_r) / tau, where the forward kernel ran before the slice's first id was
-    known (vp_first_triton); else from the forward's logp (logp_r + log S_r)."""
-    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    known (vp_first_triton); else from the forward's logp (logp_r + log S_r). CONFLICT: programs n_sums and
+    after compute the call's conflict weights, a group each (conflict_triton._conflict_group, the c_ arguments
+    as its own launch's), so that they take no launch of their own (spec 8)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if CONFLICT:
+        if pid < n_sums:
+            _sums(pid, logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
+                  vec_out, n, V_local, BLOCK, HAS_MASK, TEMP_BY_VALUE, id_start, rows_ptr, ROWS, row_length,
+                  TEMP_PER_SEQ, cu_ptr, n_seq, logits_ptr, stride_lb, stride_lt, T, logits_start, TARGET_Z)
+        else:
+            _conflict_group(pid - n_sums, n_groups, c_ids, c_mask, c_adv, c_cu, c_lam, c_nconf, c_B, c_T, c_N, c_G,
+                            w_pos, w_neg, C_PACKED, C_HAS_MASK, BLOCK_G, BLOCK_T)
+    else:
+        _sums(pid, logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
+              vec_out, n, V_local, BLOCK, HAS_MASK, TEMP_BY_VALUE, id_start, rows_ptr, ROWS, row_length,
+              TEMP_PER_SEQ, cu_ptr, n_seq, logits_ptr, stride_lb, stride_lt, T, logits_start, TARGET_Z)
+
+
+@triton.jit
+def _sums(pid, logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride, vec_out, n,
+          V_local, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr, TEMP_BY_VALUE: tl.constexpr, id_start, rows_ptr,
+          ROWS: tl.constexpr, row_length, TEMP_PER_SEQ: tl.constexpr, cu_ptr, n_seq, logits_ptr, stride_lb,
+          stride_lt, T, logits_start, TARGET_Z: tl.constexpr):
+    """_vp_sums_kernel's BLOCK tokens of program pid."""
+    o = pid * BLOCK + tl.arange(0, BLOCK)
     inb = o < n
     tok = _token_of(rows_ptr, o, inb, ROWS)
     m, ls, ent, s, nonfinite, live = _slice(stats_ptr, ent_ptr, bad_ptr, o, inb, V_local)
@@ -187,21 +216,26 @@ def _mask(counted, other):
 
 
 def local_sums(logp_r, ent_r, stats_r, bad_r, ids_loc, counted, M, temperature, V_local, id_start=0, rows=None,
-               row_length=None, cu=None, target=None):
+               row_length=None, cu=None, target=None, conflicts=None):
     """rows: the token of each position (the LM head's tile): ids_loc, counted and a per-token temperature are
     the call's, read there. row_length T: the temperature holds one tau per row of T tokens (padded); cu: one
     per completion of the packed form's cu_seqlens (as given), found there. target: (logits3, logits_start), the
-    slice's raw logits (no transform), where the owner reads its target logit (TARGET_Z; not with rows)."""
+    slice's raw logits (no transform), where the owner reads its target logit (TARGET_Z; not with rows).
+    conflicts: a conflict_triton.Deferred, whose groups run as more programs of this launch."""
     n = ent_r.numel()
+    grid, more = _grid(n), {}
+    if conflicts is not None and not conflicts.done:
+        n_groups, more = conflicts.fold(grid[0])
+        grid = (grid[0] + n_groups,)
     by_value = not isinstance(temperature, torch.Tensor)  # a number: a launch argument
     tau = float(temperature) if by_value else temperature.to(device=ent_r.device, dtype=torch.float32).reshape(-1)
     vec = torch.empty((n, 7), dtype=torch.float32, device=ent_r.device)
     ids_loc = _flat(ids_loc)
-    _vp_sums_kernel[_grid(n)](logp_r, stats_r.contiguous(), ent_r, bad_r, ids_loc, _mask(counted, ids_loc), M, tau,
+    _vp_sums_kernel[grid](logp_r, stats_r.contiguous(), ent_r, bad_r, ids_loc, _mask(counted, ids_loc), M, tau,
                               0 if by_value else tau.stride(0) if tau.numel() > 1 else 0, vec, n, V_local,
                               BLOCK=BLOCK, HAS_MASK=counted is not None, TEMP_BY_VALUE=by_value, id_start=id_start,
                               **({} if rows is None else dict(rows_ptr=rows, ROWS=True)),
-                              **({} if by_value else _per_seq(row_length, cu)), **_target(target, n))
+                              **({} if by_value else _per_seq(row_length, cu)), **_target(target, n), **more)
     return vec
 
 

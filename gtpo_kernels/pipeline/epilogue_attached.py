@@ -53,7 +53,7 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
             ids = b.given["ids"]
             if vp.plan is not None:
                 fwd = parallel.vp_sums(b, ids, temperature, backend, None, pending=vp,
-                                       tau_seq=(2 if b.packed else 1) * per_seq)
+                                       tau_seq=(2 if b.packed else 1) * per_seq, conflicts=b.conflicts)
             vp = vp.vp if vp.vp is not None else vp.made()
         # (the epilogue reads the flags itself: a flagged counted token's outputs are NaN)
         if fwd is None and (vp.blockwise or (cfg.top_entropy_on and not cfg.batch_term)):  # (the key reads H first)
@@ -64,7 +64,9 @@ def loss(b, cfg, backend, inplace, host, num_items, vp, tau=None):
         elif fwd is None:  # the merged sums, finished by the epilogue kernel (no launch of the merge's finish); the ids
             ids = b.given["ids"]  # as given (the epilogue kernel flags every token of a malformed cu_seqlens itself)
             fwd = parallel.vp_sums(b, ids, temperature, backend, vp.group, id_start=vp.start,
-                                   tau_seq=(2 if b.packed else 1) * per_seq)
+                                   tau_seq=(2 if b.packed else 1) * per_seq, conflicts=b.conflicts)
+    if b.conflicts is not None:  # the conflict weights computed in the call, where no launch took them
+        b.conflicts.launch()
     by_value = isinstance(temperature, float)
     floats, flags = epilogue.arguments(b, cfg, num_items, temperature if by_value else 1.0, False, not by_value)
     mask, adv, old, ref, lam, n_conf, cu, roll, rw, hp, u = epilogue.tensors(b, cfg)

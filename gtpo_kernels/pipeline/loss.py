@@ -38,20 +38,27 @@ def check_loss_args(b, cfg, num_items_in_batch, dt, validate=True, raw=False):
     return checks.check_num_items(num_items_in_batch, cfg.loss_agg, b.given["ids"].device, dt, validate, raw)
 
 
-def conflicts_for(b, cfg, group_size, dt, backend, epilogue=False):
+def conflicts_for(b, cfg, group_size, dt, backend, epilogue=False, defer=False):
     """The conflict weights the loss uses: given (b.lam / b.n_conf) or computed here; 1 off the mask.
     epilogue: for the epilogue kernel, which reads them only where counted: with number weights, one
-    kernel on the call's tensors as given (b.given; the batch's derived fields are never formed)."""
+    kernel on the call's tensors as given (b.given; the batch's derived fields are never formed); defer:
+    that kernel's launch deferred (b.conflicts, a conflict_triton.Deferred: a split vocabulary's sums launch
+    runs it, spec 8)."""
     if cfg.use_conflict_mask and (b.lam is None or
                                   (b.n_conf is None and cfg.loss_agg == "gtpo-official")):
         group_size = checks.check_group_size(group_size, b.B)
         w = (cfg.conflict_pos_weight, cfg.conflict_neg_weight)
         if epilogue and not any(isinstance(x, torch.Tensor) for x in w):
             g = b.given
-            lam_c, n_conf_c = ops.conflict_weights(
-                g["ids"].contiguous(), None if b.mask is None else b.mask.contiguous(), g["adv"].contiguous(),
-                None if g["cu_seqlens"] is None else g["cu_seqlens"].contiguous(),
-                0 if b.packed else b.tok_shape[1], group_size, float(w[0]), float(w[1]))
+            args = (g["ids"].contiguous(), None if b.mask is None else b.mask.contiguous(), g["adv"].contiguous(),
+                    None if g["cu_seqlens"] is None else g["cu_seqlens"].contiguous(),
+                    0 if b.packed else b.tok_shape[1], group_size, float(w[0]), float(w[1]))
+            if defer:
+                from ..kernels.conflict_triton import Deferred
+                b.conflicts = Deferred(*args)
+                lam_c, n_conf_c = b.conflicts.lam, b.conflicts.n_conf
+            else:
+                lam_c, n_conf_c = ops.conflict_weights(*args)
         else:
             lam_c, n_conf_c = conflict_flat(b, group_size, cfg, dt, backend)
         b.lam = b.lam if b.lam is not None else lam_c
