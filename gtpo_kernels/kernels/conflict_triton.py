@@ -152,7 +152,8 @@ def _conflict_group(grp, n_groups, ids_ptr, mask_ptr, adv_ptr, cu_ptr, lam_ptr, 
     """lam and n_conf of spec 3 for group `grp` (of n_groups) of G consecutive completions: a pass
     for each completion's last counted token and invalid ids, one in forward alignment (lam_f written),
     one in backward alignment (lam = lam_f lam_b). A counted id outside [0, 2**31) makes its completion's
-    lam and n_conf NaN; a malformed cu_seqlens makes every one NaN (each group then fills its share).
+    lam and n_conf NaN, a NaN advantage its group's; a malformed cu_seqlens makes every one NaN (each group
+    then fills its share).
     Its own launch (_conflict_weights_kernel), or programs of the merge's sums launch (vp_merge_triton)."""
     gi = tl.arange(0, BLOCK_G)
     rows = grp * G + gi
@@ -175,6 +176,7 @@ def _conflict_group(grp, n_groups, ids_ptr, mask_ptr, adv_ptr, cu_ptr, lam_ptr, 
     start, n = _row_bounds(cu_ptr, rows, in_g, N, T, PACKED)
     adv = tl.load(adv_ptr + rows, mask=in_g, other=0).to(tl.float32)
     pos, neg = adv > 0, adv < 0
+    lost = tl.max(tl.where(adv != adv, 1, 0)) > 0  # a NaN advantage: its whole group NaN (its sign decides all)
     act = pos | neg
     L = tl.where(broken, 0, tl.max(n))  # (no pass runs over a malformed cu_seqlens)
     last = tl.full([BLOCK_G], -1, tl.int64)
@@ -196,7 +198,7 @@ def _conflict_group(grp, n_groups, ids_ptr, mask_ptr, adv_ptr, cu_ptr, lam_ptr, 
                    False, PACKED, HAS_MASK)
         conf, alive = _run(raw, inside, alive)
         n_f += tl.sum(conf.to(tl.int32), axis=1)
-        lam_f = tl.where(bad[:, None], nan, _weight(conf, pos, neg, w_pos, w_neg))
+        lam_f = tl.where(bad[:, None] | lost, nan, _weight(conf, pos, neg, w_pos, w_neg))
         tl.store(lam_ptr + offs, lam_f, mask=inside)
     tl.debug_barrier()  # the backward pass reads lam_f back
     alive = in_g
@@ -214,7 +216,7 @@ def _conflict_group(grp, n_groups, ids_ptr, mask_ptr, adv_ptr, cu_ptr, lam_ptr, 
         lam_f = tl.load(lam_ptr + offs, mask=inside, other=1.0)
         tl.store(lam_ptr + offs, lam_f * _weight(conf, pos, neg, w_pos, w_neg), mask=inside)
     n_conf = tl.maximum(tl.maximum(n_f, n_b), 1).to(tl.float32)
-    tl.store(nconf_ptr + rows, tl.where(bad | broken, nan, n_conf), mask=in_g)
+    tl.store(nconf_ptr + rows, tl.where(bad | broken | lost, nan, n_conf), mask=in_g)
 
 
 def conflict_weights(ids, mask, adv, cu, T, group_size, w_pos, w_neg, lam, n_conf):

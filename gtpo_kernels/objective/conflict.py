@@ -68,7 +68,8 @@ def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
     with a counted id outside [0, 2**31) (unvalidated) gets lam = NaN and n_conf = NaN; its invalid tokens
     take part in no one's conflicts. An unvalidated malformed cu_seqlens (b.malformed) makes every one NaN.
     An unvalidated max_seqlen shorter than a completion makes its whole group NaN: the runs compared
-    within a group (a suffix aligned at each completion's end) would miss the tokens left out."""
+    within a group (a suffix aligned at each completion's end) would miss the tokens left out; so too an
+    unvalidated NaN advantage, whose sign decides every member's conflicts."""
     bad_tok = invalid_ids(b.ids, b.counted)
     counted = b.counted & ~bad_tok
     over = None
@@ -91,12 +92,13 @@ def conflict_flat(b, group_size, cfg, dtype, backend, layout=None):
                                     dtype)
     lam = lam[b.seg, pos] if b.packed else lam.reshape(-1)
     bad = torch.zeros(b.B, dtype=torch.int32, device=lam.device).index_add_(0, b.seg, bad_tok.to(torch.int32)) > 0
-    if over is not None:  # a truncated completion: NaN for its whole group
-        cut = torch.zeros(b.B, dtype=torch.int32, device=lam.device).index_add_(0, b.seg, over.to(torch.int32)) > 0
-        group = (torch.arange(b.B, device=lam.device) // group_size) if layout is None else layout.code
-        n_groups = (b.B + group_size - 1) // group_size if layout is None else layout.n_groups
-        hit = torch.zeros(n_groups, dtype=torch.int32, device=lam.device).index_add_(0, group, cut.to(torch.int32)) > 0
-        bad = bad | hit[group]
+    cut = torch.isnan(b.adv)  # a NaN advantage or a truncated completion: NaN for its whole group
+    if over is not None:
+        cut = cut | (torch.zeros(b.B, dtype=torch.int32, device=lam.device).index_add_(0, b.seg, over.to(torch.int32)) > 0)
+    group = (torch.arange(b.B, device=lam.device) // group_size) if layout is None else layout.code
+    n_groups = (b.B + group_size - 1) // group_size if layout is None else layout.n_groups
+    hit = torch.zeros(n_groups, dtype=torch.int32, device=lam.device).index_add_(0, group, cut.to(torch.int32)) > 0
+    bad = bad | hit[group]
     if b.malformed is not None:  # an unvalidated malformed cu_seqlens: every weight NaN (its stand-in is no layout)
         bad = bad | b.malformed
     nan = torch.full((), float("nan"), dtype=dtype, device=lam.device)
