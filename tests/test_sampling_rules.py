@@ -249,3 +249,18 @@ def test_recompute_is_blockwise(monkeypatch):
     for j, r in enumerate(fine):
         have = ids[int(off[r]):int(off[r + 1])]
         assert torch.equal(have, torch.sort(torch.unique(torch.cat([want[j].nonzero().squeeze(1), y[r:r + 1]]))).values)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "reference"])
+def test_top_p_mass_just_above_the_cut(backend):
+    """Two tied maxima over a tail of mass ~1e-8, top_p = 0.5: the cumulative mass at the first maximum is
+    0.5 + ~1e-8, above the cut 1 - top_p, so both stay (logp -ln 2, entropy ln 2, the float64 oracle's).
+    The torch path summed the masses in float32, rounded that mass onto the cut and dropped one maximum
+    (logp 0, entropy 0); every backend now sums them in float64, as the Triton kernel does."""
+    from gtpo_kernels import token_logprobs
+    z = torch.tensor([[[20.0, 20.0, 1.0, 1.0, 0.5, 0.0]]])
+    ids = torch.tensor([[1]])
+    want, want_h, _, _ = ref.replay_token_logprobs(z.double(), ids, None, top_p=0.5)
+    lp, h = token_logprobs(z, ids, 1.0, backend=backend, top_p=0.5)
+    assert abs(float(want) + math.log(2)) < 1e-12
+    assert abs(float(lp) - float(want)) < 1e-6 and abs(float(h) - float(want_h)) < 1e-6, (float(lp), float(h))

@@ -72,8 +72,9 @@ def _block(s, k, top_p, min_p):
     mx = torch.where(mx == ninf, torch.zeros_like(mx), mx)
     keep &= torch.exp(s - mx) >= min_p[:, None]  # min_p = 0 keeps every entry
     srt, idx = _ascending(torch.where(keep, s, torch.full_like(s, ninf)), k)
-    # top-p on what remains (top_p = 1: off, so that underflowed masses are not removed)
-    prob = torch.softmax(srt, dim=-1)
+    # top-p on what remains (top_p = 1: off, so that underflowed masses are not removed); the masses summed in
+    # float64, as the Triton kernel's: a cumulative mass just above the cut is not rounded onto it
+    prob = torch.softmax(srt.to(torch.float64), dim=-1)
     cum = torch.cumsum(prob, dim=-1)
     drop = (cum <= (1.0 - top_p)[:, None]) & (top_p < 1)[:, None]
     drop[:, -1] = False
