@@ -150,3 +150,49 @@ def test_reference_head_refuses_a_nan_row():
             gk.linear_gtpo_loss(h, w, ids, adv, group_size=1, config="grpo", backend=backend)
         with pytest.raises(ValueError, match=r"token \(0, 1\) contains NaN or \+inf"):
             gk.linear_token_logprobs(h, w, ids, 1.0, backend=backend)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_rebuilt_sets_over_a_non_finite_row_unvalidated_are_nan(value):
+    """Sets rebuilt by top_k over a counted row holding NaN (outside the top 4) or +inf, unvalidated: the token's
+    log-prob, entropy, the loss and the row's gradient NaN on the three backends (the reference returned a
+    finite log-prob, entropy and gradient for NaN, as its statement passes over a NaN entry; -inf for +inf)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 12, generator=g)
+    x[0, 0, x[0, 0].argmin()] = value
+    ids, adv = torch.randint(0, 12, (2, 3), generator=g), torch.tensor([1.0, -0.5])
+    for backend in ("triton", "torch", "reference"):
+        z = x.clone().requires_grad_()
+        out = gk.gtpo_loss(z, ids, adv, group_size=1, config="grpo", backend=backend, validate=False, top_k=4)
+        out.loss.backward()
+        assert torch.isnan(out.logps[0, 0]) and torch.isnan(out.entropy[0, 0]) and torch.isnan(out.loss), backend
+        assert torch.isnan(z.grad[0, 0]).any() and torch.isfinite(z.grad[1]).all(), backend
+        assert torch.isfinite(out.logps[1]).all(), backend
+
+
+def test_a_recorded_set_reads_only_its_own_logits():
+    """Validating, a NaN logit outside a recorded set is not read (spec 13): the reference returns what the other
+    backends return, where it refused the row."""
+    z = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(0))
+    z[0, 0, 6] = float("nan")
+    ids, sm = torch.tensor([[2]]), (torch.tensor([1, 2, 3]), torch.tensor([0, 3]))
+    got = [gk.token_logprobs(z, ids, 1.0, backend=b, sampling_mask=sm)[0] for b in ("triton", "torch", "reference")]
+    want = torch.log_softmax(z[0, 0, 1:4].double(), -1)[1]
+    assert all(abs(float(g) - float(want)) < 1e-6 for g in got), (got, want)
+
+
+def test_a_short_max_seqlen_steers_nothing_in_the_reference():
+    """Packed, unvalidated, max_seqlen shorter than a completion: the reference gives the values of the true
+    max_seqlen (it raised IndexError: its padded window was max_seqlen long), as the Triton backend does."""
+    g = torch.Generator().manual_seed(4)
+    cu, ids = torch.tensor([0, 6, 10, 15, 18]), torch.tensor([5, 7, 9, 4, 8, 2, 5, 7, 8, 2, 1, 2, 3, 4, 5, 1, 2, 5])
+    x, adv = torch.randn(18, 20, generator=g), torch.tensor([1.0, -1.0, 0.5, -0.5])  # (shared prefixes: conflicts)
+    cfg = gk.GTPOConfig.preset("gtpo", entropy_threshold=None)
+    outs = [gk.gtpo_loss(x, ids, adv, group_size=2, config=cfg, cu_seqlens=cu, max_seqlen=ms, validate=False,
+                         backend="reference") for ms in (6, 4)]
+    assert torch.isfinite(outs[0].loss) and torch.equal(outs[0].loss, outs[1].loss)
+    assert torch.equal(outs[0].logps, outs[1].logps) and torch.equal(outs[0].lam, outs[1].lam)
+    assert (outs[0].lam != 1).any()
+    lp = [gk.token_logprobs(x, ids, 0.9, backend="reference", cu_seqlens=cu, max_seqlen=ms, validate=False, top_k=5)[0]
+          for ms in (6, 4)]
+    assert torch.equal(lp[0], lp[1]) and torch.isfinite(lp[0]).all()

@@ -118,11 +118,12 @@ def float_dtype_for(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def packed_layout(b):
+def packed_layout(b, longest=False):
     """Packed form: the padded length L (max_seqlen, or the longest completion: a host read) and
-    pos[k], the position of token k inside its completion."""
+    pos[k], the position of token k inside its completion. longest: L the longest completion whatever
+    max_seqlen says (the reference backend: an unvalidated max_seqlen steers nothing there)."""
     cu = b.cu_seqlens.long()
-    L = b.max_seqlen if b.max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
+    L = b.max_seqlen if b.max_seqlen is not None and not longest else (int((cu[1:] - cu[:-1]).max()) if b.B else 0)
     return L, torch.arange(b.ids.numel(), device=b.ids.device) - cu[b.seg]
 
 
@@ -142,8 +143,8 @@ def padded_tokens(b, x):
 
 
 def padded_window(b, logits):
-    """For the reference backend: the logits rows that predict tokens as (B, L, V), ids (B, L), mask
-    (B, L), `unpad` (a padded (B, L) result -> the caller's token shape) and `pad` (the reverse). A counted
+    """For the reference backend: the logits rows that predict tokens as (B, L, V) (L: the longest
+    completion), ids (B, L), mask (B, L), `unpad` (a padded (B, L) result -> the caller's token shape) and `pad` (the reverse). A counted
     row whose id is outside [0, V) (unvalidated; malformed cu_seqlens make every id -1) is NaN, so that its
     outputs and gradient are NaN as on the other backends (the reference would clamp the id)."""
     if not b.packed:
@@ -152,7 +153,7 @@ def padded_window(b, logits):
         win = (logits[:, b.logits_start:b.logits_start + T], b.ids.reshape(b.tok_shape),
                b.counted.reshape(b.tok_shape), same, same)
     else:
-        L, pos = packed_layout(b)
+        L, pos = packed_layout(b, longest=True)
         rows = torch.arange(b.ids.numel(), device=logits.device) + b.logits_start
         win = (logits[pad(b, rows, L, pos, fill=b.logits_start)], pad(b, b.ids.long(), L, pos),
                pad(b, b.counted, L, pos), (lambda x: x[b.seg, pos]), (lambda x: pad(b, x, L, pos)))

@@ -39,6 +39,11 @@ def kept_window(b, logits, tau, sampling_mask, rules, validate):
         token_ids, offsets, restored = gtpo_sampling.kept_sets(flat[pos].detach(), at(t, pos), at(top_k, pos),
                                                                at(top_p, pos), at(min_p, pos),
                                                                b.ids.reshape(-1)[pos].long())
+        # a row holding NaN or +inf (unvalidated): the rules' set means nothing there (the oracle's statement
+        # would pass over a NaN), its outputs NaN as the other backends make them
+        nf = torch.zeros(b.counted.numel(), dtype=torch.bool, device=flat.device)
+        nf[pos] = nonfinite_rows(flat[pos].detach())
+        invalid = _any(invalid, nf)
     keep = torch.ones(flat.shape, dtype=torch.bool, device=flat.device)
     keep[pos] = False
     seg = segment_of(offsets, token_ids.numel())
@@ -64,7 +69,7 @@ def _kept(b, lg, keep):
     import torch
     from ..core.layout import packed_layout, pad
     if b.packed:
-        L, pos = packed_layout(b)
+        L, pos = packed_layout(b, longest=True)
         N = keep.shape[0]
         ext = torch.cat([keep, keep.new_ones(1, keep.shape[1])])
         k = ext[pad(b, torch.arange(N, device=keep.device), L, pos, fill=N)]
@@ -83,26 +88,27 @@ def _scaled(b, lg, pad, tau):
     if not b.packed:
         return lg.double() / pad(tau.reshape(b.tok_shape)).double()[..., None]
     from ..core.layout import pad as pad_rows, packed_layout
-    L, pos = packed_layout(b)
+    L, pos = packed_layout(b, longest=True)
     return lg.double() / pad_rows(b, tau.reshape(-1), L, pos, fill=1.0).double()[..., None]
 
 
-def _window(b, logits, validate):
-    """padded_window(b, logits); validating, the rows the other backends refuse first raise their error
-    (vocab_torch.row_flags, checks.raise_on_flags): a counted row holding NaN or +inf, or giving its own target
-    a logit of -inf (the oracle would return NaN or -inf)."""
-    lg, ids, m, unpad, pad = win = padded_window(b, logits)
+def _window(b, logits, validate, keep=None):
+    """padded_window(b, logits), with keep (kept_window's sets) every entry outside a set -inf (_kept);
+    validating, the rows the other backends refuse first raise their error (vocab_torch.row_flags,
+    checks.raise_on_flags): a counted row holding NaN or +inf (within its kept set: a recorded set reads only
+    its own logits), or giving its own target a logit of -inf (the oracle would return NaN or -inf)."""
+    lg, ids, m, unpad, pad = padded_window(b, logits)
+    if keep is not None:
+        lg = _kept(b, lg, keep)
     if validate and lg.shape[-1]:
         z_y = lg.gather(-1, ids.clamp(0, lg.shape[-1] - 1)[..., None]).squeeze(-1)
         checks.raise_on_flags(unpad(row_flags(nonfinite_rows(lg), z_y) * m).reshape(-1), b.tok_shape)
-    return win
+    return lg, ids, m, unpad, pad
 
 
 def token_logprobs(b, logits, temperature, keep=None, validate=False):
     import gtpo_reference
-    lg, ids, m, unpad, pad = _window(b, logits, validate)
-    if keep is not None:
-        lg = _kept(b, lg, keep)
+    lg, ids, m, unpad, pad = _window(b, logits, validate, keep)
     if hasattr(temperature, "dim") and temperature.numel() > 1:
         lg, temperature = _scaled(b, lg, pad, temperature), 1.0
     lp, ent = gtpo_reference.token_logprobs(lg, ids, float(temperature), m)
@@ -129,9 +135,7 @@ def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=No
     import gtpo_reference
     kw = {k: float(v) if hasattr(v, "dim") else v for k, v in dataclasses.asdict(cfg).items()}
     kw["generator"] = cfg.generator  # the caller's (asdict copies it; clip_cov's draw advances it)
-    lg, ids, m, unpad, pad = _window(b, logits, validate)
-    if keep is not None:
-        lg = _kept(b, lg, keep)
+    lg, ids, m, unpad, pad = _window(b, logits, validate, keep)
     if tau is not None:
         lg, kw["temperature"] = _scaled(b, lg, pad, tau), 1.0
     opt = (lambda x: None if x is None else pad(x))
