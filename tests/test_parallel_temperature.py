@@ -206,6 +206,6 @@ def test_per_token_temperature_across_a_vocabulary_split():
         assert said[0][0] == said[1][0] and all("temperature must be finite" in x[1] for x in said), (key, said)
     for key in (k for k in ranks[0] if k.startswith("schedule refusal")):
         said = [res[key] for res in ranks]
-        assert said[0] == said[1] and "GTPOConfig.temperature must be > 0, with 1 / temperature finite in float32, got tensor(-1.)" in said[0], (key, said)
+        assert said[0] == said[1] and "GTPOConfig.temperature must be > 0, with temperature and 1 / temperature finite in float32, got tensor(-1.)" in said[0], (key, said)
     said = [res["disagree"] for res in ranks]
     assert said[0] == said[1] and "temperature (per token)" in said[0], said

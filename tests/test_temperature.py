@@ -154,9 +154,11 @@ def test_bad_temperatures_are_refused_or_nan():
     for call in (lambda: gtpo_loss(z, ids, adv, group_size=2, temperature=0.0, backend="torch"),
                  lambda: token_logprobs(z, ids, 0, backend="torch"),
                  lambda: linear_gtpo_loss(z, torch.eye(11), ids, adv, group_size=2, temperature=-1.0),
-                 lambda: token_logprobs(z, ids, 1e-39, backend="triton")):  # (1 / tau overflows float32)
-        with pytest.raises(ValueError, match=r"^temperature \(the call's argument\) must be > 0, with 1 / temperature "
-                                             r"finite in float32, got (0|-1|1e-39)(\.0)?$"):
+                 lambda: token_logprobs(z, ids, 1e-39, backend="triton"),  # (1 / tau overflows float32)
+                 lambda: token_logprobs(z, ids, 1e39, backend="triton", top_k=3),  # (tau overflows float32)
+                 lambda: gtpo_loss(z, ids, adv, group_size=2, temperature=1e39, backend="torch", top_p=0.9)):
+        with pytest.raises(ValueError, match=r"^temperature \(the call's argument\) must be > 0, with temperature and "
+                                             r"1 / temperature finite in float32, got (0|-1|1e-39|1e\+39)(\.0)?$"):
             call()
     with pytest.raises(ValueError, match="GTPOConfig.temperature must be > 0"):
         GTPOConfig(temperature=0.0)

@@ -77,7 +77,7 @@ def test_a_schedule_changed_in_place_to_an_invalid_value_is_nan_or_refused(backe
     assert torch.isnan(out.loss)
     assert torch.isnan(out.logps[counted]).all() and torch.isnan(out.entropy[counted]).all()
     assert torch.isnan(leaf.grad[counted]).flatten(1).any(1).all()  # a NaN in every counted row's gradient
-    with pytest.raises(ValueError, match=r"GTPOConfig\.temperature must be > 0, with 1 / temperature finite in float32, got tensor\("):
+    with pytest.raises(ValueError, match=r"GTPOConfig\.temperature must be > 0, with temperature and 1 / temperature finite in float32, got tensor\("):
         _call(path, cfg, backend, True, d)
 
 

@@ -40,7 +40,7 @@ _NUMBER_FIELDS = ("temperature", "eps_low", "eps_high", "conflict_pos_weight", "
 class GTPOConfig:
     """Options of `gtpo_loss` (defaults: the paper's GTPO, spec sections 2-5).
 
-    temperature           logits are divided by it before the softmax (> 0, 1 / temperature finite in float32)
+    temperature           logits are divided by it before the softmax (> 0; it and 1 / it finite in float32)
     eps_low, eps_high     PPO clip range [1 - eps_low, 1 + eps_high], each in [0, 1) (verl-cispo: >= 0)
     clip                  False: plain surrogate -lam * r * Ahat
     use_conflict_mask     conflict-token weights lambda (spec 3)
@@ -127,7 +127,8 @@ class GTPOConfig:
         replace: the changed ones; while torch.compile traces none, their shape and dtype alone)."""
         object.__setattr__(self, "_read", () if torch.compiler.is_compiling() else read)  # (not a field)
         try:
-            self._need("temperature", lambda v: v > 0 and 1 / v <= FLT_MAX, "> 0, with 1 / temperature finite in float32")
+            self._need("temperature", lambda v: FLT_MAX >= v > 0 and 1 / v <= FLT_MAX,
+                       "> 0, with temperature and 1 / temperature finite in float32")
             for f in _NUMBER_FIELDS[1:]:  # (after temperature: each 0-d tensor read once)
                 self._number(f)
             for check in (self._check_policy_term, self._check_masks_and_kl, self._check_switches_and_aggregation,

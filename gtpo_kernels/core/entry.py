@@ -58,7 +58,7 @@ def _refuse_temperature(fn, args, kwargs):
         return
     tau = getattr(config, "temperature", None) if isinstance(config, GTPOConfig) else None
     if isinstance(tau, torch.Tensor) and tau.numel() == 1 and math.isnan(tau_or_nan(float(tau))):
-        raise ValueError(f"GTPOConfig.temperature must be > 0, with 1 / temperature finite in float32, got {tau!r}: "
+        raise ValueError(f"GTPOConfig.temperature must be > 0, with temperature and 1 / temperature finite in float32, got {tau!r}: "
                          "the 0-d tensor was changed in place since the config checked it") from None
 
 
