@@ -95,6 +95,37 @@ def test_kept_set_logprobs_against_the_reference(rules):
     assert _rel(ent, ent_r[0]) <= 1e-12
 
 
+TIED = [dict(top_p=0.1), dict(top_p=0.6), dict(top_k=2), dict(top_k=3, top_p=0.3), dict(min_p=0.9, top_p=0.2)]
+
+
+@pytest.mark.parametrize("rules", TIED, ids=lambda r: "-".join(f"{k}{v}" for k, v in r.items()))
+def test_kept_set_entropy_of_rows_tied_at_the_maximum(rules):
+    """kept_set_entropy when a row's maximum is tied: top-p drops the tied entries of lowest id first, so
+    the lowest-id maximum need not be kept; the entropy is over the rules' set exactly (float64 reference:
+    gtpo_sampling.kept_sets without labels; float64 within 1e-12 with its gradient, float32 within 1e-5)."""
+    plugin = _verl()
+    from gtpo_reference import gtpo_sampling as rs
+    g = torch.Generator().manual_seed(3)
+    z = (torch.randn(24, 11, generator=g, dtype=F64) * 2).round()  # integer logits: ties everywhere
+    z[:, 4:7] = z.max(-1, keepdim=True).values + 1  # three maxima tied (ids 4, 5, 6), the argmax 4
+    z[0] = torch.tensor([3.0, 3.0, 3.0, 0.0, -1.0] + [-4.0] * 6)
+    z[1, 7] = z[1].max() + 2  # a row with one maximum
+    token_ids, offsets, _ = rs.kept_sets(z, top_k=rules.get("top_k"), top_p=rules.get("top_p"),
+                                         min_p=rules.get("min_p"))
+    sets = [token_ids[int(offsets[r]):int(offsets[r + 1])] for r in range(len(z))]
+    assert any(int(z[r].argmax()) not in s for r, s in enumerate(sets)) or "top_p" not in rules
+    xr = z.clone().requires_grad_()
+    _, ent_r = rs.replay_logprobs(xr, torch.stack([s[-1] for s in sets]), (token_ids, offsets))
+    x = z.clone().requires_grad_()
+    ent = plugin.kept_set_entropy(x, **rules)
+    assert _rel(ent, ent_r) <= 1e-12, (ent.tolist(), ent_r.tolist())
+    w = torch.randn(len(z), generator=g, dtype=F64)
+    (w * ent).sum().backward()
+    (w * ent_r).sum().backward()
+    assert float((x.grad - xr.grad).abs().max()) <= 1e-10
+    assert _rel(plugin.kept_set_entropy(z.float(), **rules), ent_r.detach()) <= 1e-5
+
+
 # ------------------------------------------------------------------ verl's engine
 
 def _engine():

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..core.config import GTPOConfig
-from ..kernels.kept_set import kept_sets as _kept_sets
+from ..kernels.kept_set import kept_sets as _kept_sets, rows_per_block as _rows_per_block
 from ..kernels.replay import replay_logprobs as _replay_logprobs
 
 import verl.utils.torch_functional as verl_F  # noqa: E402  (verl is required by this module)
@@ -87,10 +87,20 @@ def kept_set_logprobs(logits, labels, *, top_k=None, top_p=None, min_p=None, bac
 
 
 def kept_set_entropy(logits, *, top_k=None, top_p=None, min_p=None, backend="auto", **_verl_kwargs):
-    """verl's `entropy_from_logits` over each row's kept set (the rules' set: the row's largest logit, always
-    kept, stands in for the label); extra keywords of verl's chunked variant (chunk_size) are ignored."""
-    return kept_set_logprobs(logits, logits.detach().argmax(-1), top_k=top_k, top_p=top_p, min_p=min_p,
+    """verl's `entropy_from_logits` over each row's kept set (the rules' set: `_kept_label`, always kept,
+    stands in for the label); extra keywords of verl's chunked variant (chunk_size) are ignored."""
+    return kept_set_logprobs(logits, _kept_label(logits), top_k=top_k, top_p=top_p, min_p=min_p,
                              backend=backend)[1]
+
+
+def _kept_label(logits):
+    """The id of each row's maximum, the highest one where it is tied: kept by every rule (min-p and top-k
+    keep the maximum; top-p sorts ties by ascending id and always keeps the last), so never added back.
+    A block of rows at a time (one reversed copy of a block, not of the logits)."""
+    V = logits.shape[-1]
+    rows = logits.detach().reshape(-1, V)
+    last = [V - 1 - blk.flip(-1).argmax(-1) for blk in rows.split(_rows_per_block(V))]
+    return torch.cat(last).reshape(logits.shape[:-1])  # (split gives one block even of no rows)
 
 
 def replay_rules_of(data) -> Optional[dict]:
