@@ -125,39 +125,47 @@ def _replay_kwargs(trainer, rows, completion_mask, counted) -> dict:
 def _flat_sampling_mask(rows, completion_mask, counted, name="sampling_mask"):
     """Per-completion kept sets -> gtpo_loss's sampling_mask for the tokens `counted` selects.
 
-    rows: a list with one (token_ids, offsets) per completion (row): the kept sets of that completion's
-    tokens where completion_mask is nonzero, in order (tool / environment tokens included: any set
-    holding the token, they are not in the loss), vLLM's compressed layout per completion: offsets
-    (n_i + 1,) non-decreasing, set j = token_ids[offsets[j]:offsets[j + 1]]. A list travels with its rows
-    through TRL's shuffle and split. counted: the pass's counted tokens (a subset of completion_mask).
+    rows: a list with one (token_ids, offsets) per completion (row): the kept sets of its generated tokens,
+    set j that of completion position j (TRL pads completions on the right; tool / environment tokens
+    included: any set holding the token, they are not in the loss), vLLM's compressed layout per
+    completion: offsets (n_i + 1,) non-decreasing, set j = token_ids[offsets[j]:offsets[j + 1]]. A list
+    travels with its rows through TRL's shuffle and split. completion_mask: nonzero up to the last of the
+    n_i tokens, or zero throughout (a completion masked out, as TRL's mask_truncated_completions does: its
+    sets are not used). counted: the pass's counted tokens (a subset of completion_mask).
     Returns (token_ids, offsets) over the counted tokens, row-major (gtpo_loss's packed order)."""
-    B = completion_mask.size(0)
+    B, T = completion_mask.shape
     if not isinstance(rows, (list, tuple)) or len(rows) != B:
         got = f"{len(rows)} entries" if isinstance(rows, (list, tuple)) else type(rows).__name__
         raise ValueError(f"{name} must be a list with one (token_ids, offsets) per completion ({B}), got {got}")
-    cm, cnt = completion_mask != 0, counted != 0
-    n = cm.sum(1).tolist()
+    cm = completion_mask != 0
+    cnt = cm & (counted != 0)
     dev = completion_mask.device
-    sizes, ids = [], []
+    ends = torch.where(cm, torch.arange(1, T + 1, device=dev), 0).amax(1).tolist() if T else [0] * B
+    sizes, ids, keep = [], [], []
     for i, r in enumerate(rows):
         if not (isinstance(r, (tuple, list)) and len(r) == 2 and all(
                 isinstance(x, torch.Tensor) and x.dim() == 1 and not x.dtype.is_floating_point
                 and x.dtype != torch.bool for x in r)):
             raise ValueError(f"{name}[{i}] must be a pair (token_ids, offsets) of 1-D integer tensors")
         tok, off = r[0].to(dev, torch.long), r[1].to(dev, torch.long)
-        if off.numel() != n[i] + 1:
-            raise ValueError(f"{name}[{i}]: offsets has {off.numel()} entries for the completion's {n[i]} "
-                             f"tokens (completion_mask): want {n[i] + 1}, one set per token")
+        n = off.numel() - 1
+        if ends[i] and n != ends[i]:
+            raise ValueError(f"{name}[{i}]: offsets has {off.numel()} entries for the completion's {ends[i]} "
+                             f"tokens (completion_mask): want {ends[i] + 1}, one set per token")
+        if not 0 <= n <= T:
+            raise ValueError(f"{name}[{i}]: offsets has {off.numel()} entries for a completion masked out "
+                             f"(completion_mask 0) of at most {T} tokens: want 1 to {T + 1}, one set per token")
         lo, hi = int(off[0]), int(off[-1])
         if lo < 0 or hi > tok.numel():
             raise ValueError(f"{name}[{i}]: offsets span [{lo}, {hi}) outside token_ids' {tok.numel()} entries")
         sizes.append(off[1:] - off[:-1])
         ids.append(tok[lo:hi])
+        keep.append(cnt[i, :n])  # the counted tokens among the completion's n
     sizes = torch.cat(sizes) if sizes else torch.zeros(0, dtype=torch.long, device=dev)
     ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long, device=dev)
+    keep = torch.cat(keep) if keep else torch.zeros(0, dtype=torch.bool, device=dev)
     if bool((sizes < 0).any()):
         raise ValueError(f"{name}: offsets must be non-decreasing within each completion")
-    keep = cnt[cm]  # the counted tokens among each completion's tokens, row-major
     token_ids = ids[keep.repeat_interleave(sizes)]
     offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), sizes[keep].cumsum(0)])
     return token_ids, offsets
