@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gtpo_kernels.core.sampling import (check_exclusive, check_rule, check_sampling_mask, check_temperature,
-                                        mask_problems, per_token)
+                                        mask_problems, per_token, sampler_rules)
 
 B, T = 2, 3
 N = B * T
@@ -141,6 +141,30 @@ def test_temperature_forms():
     assert tau.tolist() == [0.5, 0.5, 0.5, 2.0, 2.0]
     tau, _ = check_temperature(torch.arange(1.0, 6.0), 2, None, 5, DEV, cu_seqlens=cu)
     assert tau.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_sampler_rules_normalize_and_refuse():
+    """A trainer's sampler settings -> the replay keywords: off values (top_k None / 0 / -1, top_p None / 1,
+    min_p None / 0) None, an integral float top_k an int; bad values refused naming the field as `name`
+    spells it (the ranges of check_rule's numbers, temperature finite and > 0)."""
+    off = dict(temperature=1.0, top_k=None, top_p=None, min_p=None)
+    for k, p, mp in ((None, None, None), (0, 1.0, 0.0), (-1, 1, 0)):
+        assert sampler_rules(1, k, p, mp) == off
+    got = sampler_rules(0.7, 20.0, 0.9, 0.05)
+    assert got == dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05) and type(got["top_k"]) is int
+    name = "cfg.{}".format
+    for kw, match in [(dict(top_k=math.inf), r"cfg\.top_k must be an integer >= -1"),
+                      (dict(top_k=math.nan), r"cfg\.top_k must be an integer"), (dict(top_k=2.5), r"cfg\.top_k"),
+                      (dict(top_k=-2), r"cfg\.top_k"), (dict(top_k=True), r"cfg\.top_k"),
+                      (dict(top_k="3"), r"cfg\.top_k"),
+                      (dict(top_p=0.0), r"cfg\.top_p must be in \(0, 1\]"), (dict(top_p=math.nan), r"cfg\.top_p"),
+                      (dict(top_p=math.inf), r"cfg\.top_p"), (dict(min_p=1.5), r"cfg\.min_p must be in \[0, 1\]"),
+                      (dict(min_p=math.nan), r"cfg\.min_p"), (dict(min_p=False), r"cfg\.min_p"),
+                      (dict(temperature=math.inf), r"cfg\.temperature must be finite and > 0"),
+                      (dict(temperature=math.nan), r"cfg\.temperature"), (dict(temperature=0.0), r"cfg\.temperature"),
+                      (dict(temperature=None), r"cfg\.temperature"), (dict(temperature=True), r"cfg\.temperature")]:
+        with pytest.raises(ValueError, match=match):
+            sampler_rules(**{**off, **kw}, name=name)
 
 
 def test_packed_ambiguous_shape_refused():

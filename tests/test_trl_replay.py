@@ -233,7 +233,11 @@ def test_sampler_settings_map_trl_fields(tmp_path):
     for kw, match in [(dict(top_k=-2), r"GRPOConfig\.top_k"), (dict(top_p=0.0), r"GRPOConfig\.top_p"),
                       (dict(top_p=1.5), r"GRPOConfig\.top_p"), (dict(min_p=1.5), r"GRPOConfig\.min_p"),
                       (dict(generation_kwargs={"top_k": 2.5}), r"generation_kwargs\['top_k'\]"),
-                      (dict(temperature=0.0), r"GRPOConfig\.temperature")]:
+                      (dict(top_k=float("inf")), r"GRPOConfig\.top_k"),
+                      (dict(top_k=float("nan")), r"GRPOConfig\.top_k"),
+                      (dict(generation_kwargs={"top_k": float("inf")}), r"generation_kwargs\['top_k'\]"),
+                      (dict(temperature=0.0), r"GRPOConfig\.temperature"),
+                      (dict(temperature=float("inf")), r"GRPOConfig\.temperature")]:
         with pytest.raises(ValueError, match=match):
             sampler_settings(types.SimpleNamespace(**{**off, **kw}))
 

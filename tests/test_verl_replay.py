@@ -44,7 +44,10 @@ def test_sampler_settings_from_verl_rollout():
     assert plugin.sampler_settings(types.SimpleNamespace(temperature=1.0, top_k=0, top_p=0.95))["top_k"] is None
     for kw, match in [(dict(top_k=-2), "rollout.top_k"), (dict(top_k=2.5), "rollout.top_k"),
                       (dict(top_p=0.0), "rollout.top_p"), (dict(top_p=1.2), "rollout.top_p"),
-                      (dict(temperature=0.0), "rollout.temperature")]:
+                      (dict(top_k=float("inf")), "rollout.top_k"), (dict(top_k=float("nan")), "rollout.top_k"),
+                      (dict(min_p=float("nan")), "rollout.min_p"),
+                      (dict(temperature=0.0), "rollout.temperature"),
+                      (dict(temperature=float("inf")), "rollout.temperature")]:
         with pytest.raises(ValueError, match=match):
             plugin.sampler_settings(OmegaConf.create({"temperature": 1.0, "top_k": -1, "top_p": 1.0, **kw}))
 

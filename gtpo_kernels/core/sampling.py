@@ -115,6 +115,23 @@ _RULES = {  # name: (test of a valid value, what is expected, integer?); vLLM's 
 }
 
 
+def sampler_rules(temperature, top_k=None, top_p=None, min_p=None, name=str) -> dict:
+    """A trainer's sampler settings (Python numbers) as the replay keywords {temperature, top_k, top_p,
+    min_p}, a rule that is off None: top_k None / 0 / -1, top_p None / 1, min_p None / 0. temperature
+    finite and > 0, top_k an integer (5.0 too), the rest in _RULES' ranges, bools refused; a bad value
+    raises ValueError naming the field as name(field) spells it."""
+    t = temperature
+    if not (_is_number(t) and math.isfinite(t) and t > 0):
+        raise ValueError(f"{name('temperature')} must be finite and > 0 (the sampler's temperature), got {t!r}")
+    out = dict(temperature=float(t))
+    for f, x, off in (("top_k", top_k, (0, -1)), ("top_p", top_p, (1,)), ("min_p", min_p, (0,))):
+        ok, want, integer = _RULES[f]
+        if x is not None and not (_is_number(x) and math.isfinite(x) and (not integer or x == int(x)) and ok(x)):
+            raise ValueError(f"{name(f)} must be {want}, got {x!r}")
+        out[f] = None if x is None or x in off else int(x) if integer else float(x)
+    return out
+
+
 def check_rule(name, x, B, T, n, device, cu_seqlens=None, counted=None, validate=True, dtype=torch.float32,
                flag=True):
     """One of top_k, top_p, min_p: None, a number, or a tensor per completion / per token.

@@ -21,10 +21,10 @@ No TRL import (`gtpo_kernels.integrations.trl` re-exports `sampler_settings`).
 from __future__ import annotations
 
 import json
-import math
-import numbers
 
 import torch
+
+from ..core.sampling import sampler_rules
 
 # the sampler settings TRL hands both generators (vLLM's SamplingParams, transformers' GenerationConfig);
 # generation_kwargs overrides them there (TRL: "they will override them"), and so here
@@ -43,30 +43,10 @@ def sampler_settings(args) -> dict:
     top_k, top_p, min_p} from GRPOConfig's fields of those names, generation_kwargs' entries overriding
     them (as TRL passes them to vLLM and to transformers' generate). A rule that is off is None: top_k
     None / 0 / -1 (TRL's and vLLM's "off"), top_p None / 1.0, min_p None / 0.0. Bad values are refused
-    naming the field."""
+    naming the field (core.sampling.sampler_rules)."""
     gen = _generation_kwargs(args)
     raw = {f: gen[f] if f in gen else getattr(args, f, None) for f in _SAMPLER_FIELDS}
-
-    def where(f):
-        return f"generation_kwargs[{f!r}]" if f in gen else f"GRPOConfig.{f}"
-
-    t = raw["temperature"]
-    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (math.isfinite(t) and t > 0):
-        raise ValueError(f"{where('temperature')} must be a number > 0 (the sampler's temperature), got {t!r}")
-    k = raw["top_k"]
-    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Real) or k != int(k)):
-        raise ValueError(f"{where('top_k')} must be an integer (0 or -1: off), got {k!r}")
-    if k is not None and int(k) < -1:
-        raise ValueError(f"{where('top_k')} must be >= 1, or 0 / -1 / None for off, got {k!r}")
-    p, mp = raw["top_p"], raw["min_p"]
-    if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1):
-        raise ValueError(f"{where('top_p')} must be in (0, 1] (1: off), got {p!r}")
-    if mp is not None and (isinstance(mp, bool) or not isinstance(mp, numbers.Real) or not 0 <= mp <= 1):
-        raise ValueError(f"{where('min_p')} must be in [0, 1] (0 or None: off), got {mp!r}")
-    return dict(temperature=float(t),
-                top_k=None if k is None or int(k) in (0, -1) else int(k),
-                top_p=None if p is None or p == 1 else float(p),
-                min_p=None if mp is None or mp == 0 else float(mp))
+    return sampler_rules(**raw, name=lambda f: f"generation_kwargs[{f!r}]" if f in gen else f"GRPOConfig.{f}")
 
 
 def _sampler_refusals(args) -> list:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
-import numbers
 from typing import Optional
 
 import torch
 
 from ..core.config import GTPOConfig
+from ..core.sampling import sampler_rules
 from ..kernels.kept_set import kept_sets as _kept_sets, rows_per_block as _rows_per_block
 from ..kernels.replay import replay_logprobs as _replay_logprobs
 
@@ -53,22 +53,13 @@ def sampler_settings(rollout) -> dict:
     """The distribution verl's rollout samples from, as the replay keywords: {temperature, top_k, top_p,
     min_p} from `actor_rollout_ref.rollout` (a RolloutConfig or its DictConfig section). A rule that is off
     is None: top_k -1 / 0 / None (vLLM's and HF's "off"), top_p 1.0, min_p None / 0.0 (verl 0.9.1 has no
-    min_p field: read when a later verl has one). Bad values are refused naming the field."""
+    min_p field: read when a later verl has one). Bad values are refused naming the field
+    (core.sampling.sampler_rules)."""
     def get(name, default=None):
         return rollout.get(name, default) if hasattr(rollout, "get") else getattr(rollout, name, default)
 
-    t, k, p, mp = get("temperature", 1.0), get("top_k", -1), get("top_p", 1.0), get("min_p", None)
-    where = "actor_rollout_ref.rollout."
-    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not t > 0:
-        raise ValueError(f"{where}temperature must be a number > 0 to replay the sampler, got {t!r}")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Real) or k != int(k) or k < -1):
-        raise ValueError(f"{where}top_k must be an integer >= 1, or -1 / 0 for off, got {k!r}")
-    if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1):
-        raise ValueError(f"{where}top_p must be in (0, 1] (1: off), got {p!r}")
-    if mp is not None and (isinstance(mp, bool) or not isinstance(mp, numbers.Real) or not 0 <= mp <= 1):
-        raise ValueError(f"{where}min_p must be in [0, 1] (0: off), got {mp!r}")
-    return dict(temperature=float(t), top_k=None if k is None or int(k) in (-1, 0) else int(k),
-                top_p=None if p is None or p == 1 else float(p), min_p=None if not mp else float(mp))
+    return sampler_rules(get("temperature", 1.0), get("top_k", -1), get("top_p", 1.0), get("min_p", None),
+                         name="actor_rollout_ref.rollout.{}".format)
 
 
 def kept_set_logprobs(logits, labels, *, top_k=None, top_p=None, min_p=None, backend="auto"):
