@@ -20,8 +20,9 @@ def conflict_weights(completion_ids, completion_mask, advantages, group_size=Non
     Call it once per batch when the advantages are computed (groups must be whole), then pass
     `lam=lam[rows], n_conf=n_conf[rows]` to `gtpo_loss` for any micro-batch of rows. lam has the shape
     of completion_ids ((B, T), or (N,) packed) and n_conf is (B,). Weights come from `config`
-    (default GTPOConfig(): w_pos = 2.0, w_neg = 0.0). Counted ids must lie in [0, 2**31) (checked
-    when validating; unvalidated, a completion holding another id gets lam = NaN). backend: 'auto' (a
+    (default GTPOConfig(): w_pos = 2.0, w_neg = 0.0). Counted ids must lie in [0, 2**31) and the
+    advantages be finite (checked when validating; unvalidated, a completion holding another id gets
+    lam = NaN, and a NaN advantage its whole group, whose conflicts its sign decides). backend: 'auto' (a
     Triton kernel on CUDA, sort-based torch ops on the CPU), 'triton' or 'torch'; neither syncs with the
     host when validate=False (packed form: give max_seqlen too).
 
