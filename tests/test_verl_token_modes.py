@@ -332,3 +332,16 @@ def test_the_metrics_kernel_compiles_for_the_gpus():
     """_verl_metrics_kernel, every mode, compiled ahead of time for sm_90, sm_80 and sm_100."""
     from conftest import compiled_ahead
     compiled_ahead(AOT)
+
+
+@pytest.mark.parametrize("mode", ["gpg", "dro", "kl_cov"])
+def test_modes_that_never_read_clip_ratio_take_any(mode):
+    """gpg, dro and kl_cov: verl's functions never read clip_ratio, so a value outside PPO's [0, 1) (verl's dual
+    clip takes clip_ratio_high = 2.0) is not refused there (it was: 'eps_high must be in [0, 1)'); the modes
+    that read it still check it."""
+    pl = ActorConfig(dro_beta=0.1)  # (dro's own setting, which verl requires too)
+    actor = ActorConfig(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=2.0, clip_ratio_c=3.0, policy_loss=pl)
+    cfg = vm.mode_config(mode, actor)
+    assert cfg.policy_loss == vm.MODES[mode]
+    with pytest.raises(ValueError, match="clip_ratio_high"):
+        vm.mode_config("vanilla", actor)

@@ -26,6 +26,8 @@ from .token_ppo import peer_names
 # verl's mode -> this package's preset
 MODES = {"vanilla": "vanilla", "gpg": "gpg", "dppo_tv": "dppo-tv", "dppo_kl": "dppo-kl", "dro": "dro",
          "cispo": "verl-cispo", "geo_mean": "geo-mean", "clip_cov": "clip-cov", "kl_cov": "kl-cov"}
+# the modes whose verl function reads clip_ratio (low / high): the others never see it, so it is not checked
+READS_CLIP = ("vanilla", "dppo_tv", "dppo_kl", "cispo", "geo_mean", "clip_cov")
 
 
 def _or(x, default):
@@ -33,15 +35,16 @@ def _or(x, default):
 
 
 def mode_config(mode: str, config) -> GTPOConfig:
-    """The GTPOConfig of verl's `mode` under verl's actor config (clip_ratio, clip_ratio_low/high,
-    clip_ratio_c, policy_loss.*), with the defaults verl's functions fall back to."""
+    """The GTPOConfig of verl's `mode` under verl's actor config (clip_ratio, clip_ratio_low/high where the mode
+    reads them, clip_ratio_c, policy_loss.*), with the defaults verl's functions fall back to."""
     if config is None:
         raise ValueError(f"the gtpo_{mode} policy loss needs the actor config")
     pl = getattr(config, "policy_loss", None)
     get = (lambda k: None) if pl is None else (lambda k: getattr(pl, k, None))
-    over = dict(eps_low=_or(config.clip_ratio_low, config.clip_ratio),
-                eps_high=_or(config.clip_ratio_high, config.clip_ratio),
-                loss_agg="seq-mean-token-mean" if mode == "geo_mean" else "none")
+    over = dict(loss_agg="seq-mean-token-mean" if mode == "geo_mean" else "none")
+    if mode in READS_CLIP:
+        over.update(eps_low=_or(config.clip_ratio_low, config.clip_ratio),
+                    eps_high=_or(config.clip_ratio_high, config.clip_ratio))
     if mode == "vanilla":
         over["dual_clip_c"] = config.get("clip_ratio_c", 3.0)
     elif mode in ("dppo_tv", "dppo_kl"):
