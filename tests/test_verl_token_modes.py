@@ -203,6 +203,17 @@ def test_token_ppo_validates_and_names_the_argument():
     adv[0, 1] = float("inf")
     with pytest.raises(ValueError, match="token_advantages must be finite at counted positions; flat position 1"):
         token_ppo_losses(lp, old, adv, mask, cfg)
+    # with SkyRL's and OpenRLHF's log-ratio clamp, a log-prob of +-inf at a counted token is refused (the clamp
+    # made it a finite ratio: a finite loss of 3e8); at a token that does not count it is ignored
+    adv[0, 1] = 1.0
+    for v in (float("inf"), float("-inf")):
+        bad = lp.clone()
+        bad[0, 2] = v
+        with pytest.raises(ValueError, match="logps must be finite at counted positions; flat position 2"):
+            token_ppo_losses(bad, old, adv, mask, cfg, log_ratio_clip=20.0)
+        bad = lp.clone()
+        bad[1, 3] = v
+        assert torch.isfinite(token_ppo_losses(bad, old, adv, mask, cfg, log_ratio_clip=20.0)).all()
 
 
 def geo_mean_reference(x, ids, old, adv, mask, actor, w):

@@ -11,8 +11,9 @@ process that builds the actor, before it is built.
    `policy_loss_type='ppo'` the per-token PPO clip is the package's PPO term on OpenRLHF's token
    advantages (`integrations.token_ppo`; the log-ratio clamped to [-20, 20] before exp, as OpenRLHF
    clamps it), then OpenRLHF's IS correction and `aggregate_loss` (token- or
-   sequence-mean with the global batch info), as OpenRLHF does. OpenRLHF's `dual_clip` (off by
-   default) is refused until the package has a dual clip; `gspo` is left to OpenRLHF's own code.
+   sequence-mean with the global batch info), as OpenRLHF does, its `dual_clip` (off by default)
+   included; a log-prob of +-inf at a counted token is refused (the clamp would make it a finite
+   ratio); `gspo` is left to OpenRLHF's own code.
 2. `GTPOExperienceMaker`, OpenRLHF's `RemoteExperienceMaker` whose `compute_advantages_and_returns`
    runs OpenRLHF's estimator (e.g. `group_norm`) and then rewrites every experience's advantages with
    `gtpo_token_advantages` over the whole rollout batch: response ids (the last `action_mask.shape[1]`

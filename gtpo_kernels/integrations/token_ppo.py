@@ -55,10 +55,12 @@ def token_ppo_losses(logps, old_logps, token_advantages, mask, config: GTPOConfi
     the token counts); config from `token_config`. Float32 (float64 for float64 logps). The arguments'
     shapes are checked, by name, in pipeline.token_terms. log_ratio_clip: c > 0 makes
     `r = exp(clamp(logps - old_logps, -c, c))`, the log-ratio's gradient 0 where it is clamped, as
-    SkyRL's and OpenRLHF's PPO losses guard exp (c = 20 there); None: no clamp.
+    SkyRL's and OpenRLHF's PPO losses guard exp (c = 20 there); None: no clamp. A log-prob that is not finite
+    is left as it is (the clamp would make +-inf a finite ratio): refused at a counted token, as any other.
     """
     if log_ratio_clip is not None:
         old = old_logps.detach().to(logps.dtype)
-        logps = torch.clamp(logps, old - log_ratio_clip, old + log_ratio_clip)
+        logps = torch.where(torch.isfinite(logps), torch.clamp(logps, old - log_ratio_clip, old + log_ratio_clip),
+                            logps)
     loss, _ = token_terms(config, logps, old_logps, token_advantages, mask, validate=True)
     return loss
