@@ -920,6 +920,12 @@ MUTANTS = [
     M("Q124", "core/sampling.py", "(_is_number(x) and math.isfinite(x) and (not integer or x == int(x)) and ok(x))",
       "(_is_number(x) and (not integer or x == int(x)) and ok(x))",
       "a trainer's top_k = inf: OverflowError, not the error naming the field", tests=["test_sampling_checks"]),
+    M("Q125", "integrations/verl_modes.py", "    if mode in READS_CLIP:", "    if True:",
+      "gpg / dro / kl_cov refuse a clip_ratio their verl functions never read", tests=["test_verl_token_modes"]),
+    M("Q126", "integrations/token_ppo.py", "logps = torch.where(torch.isfinite(logps), torch.clamp(",
+      "logps = torch.where(torch.isfinite(logps) | True, torch.clamp(",
+      "SkyRL's / OpenRLHF's clamp makes a log-prob of +-inf a finite ratio (validated)",
+      tests=["test_verl_token_modes"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]
