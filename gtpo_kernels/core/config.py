@@ -191,9 +191,8 @@ class GTPOConfig:
         if not isinstance(self.use_bias_correction_kl, bool):
             self._bad("use_bias_correction_kl", "a bool")
         self._need("beta", lambda v: v >= 0, ">= 0")
-        for f in ("entropy_threshold", "initial_entropy"):
-            if getattr(self, f) is not None:
-                self._number(f)
+        for f in (f for f in ("entropy_threshold", "initial_entropy") if getattr(self, f) is not None):
+            self._number(f)
 
     def _check_switches_and_aggregation(self):
         """clip, use_conflict_mask and local_count (bools), loss_agg (normalised), max_completion_length."""

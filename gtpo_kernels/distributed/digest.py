@@ -155,29 +155,25 @@ _MAX_SEQLEN_AT = 1 << 40  # the position of max_seqlen's word in the cu_seqlens 
 
 
 def input_digests(b):
-    """The checksums of INPUTS for a Batch, in that order (Digest fields, or _ABSENT); nothing is launched
-    before the row is made. cu_seqlens and the advantages as given; max_seqlen (None: -1) as the
-    cu_seqlens field's constant word; per-token inputs at the counted tokens, per-completion rollout
-    weights and temperatures too (their spread's checksum: the same values per token or per completion
-    agree)."""
+    """The checksums of INPUTS for a Batch, in that order (Digest fields, _ABSENT or _COMPUTED); nothing is
+    launched before the row is made. cu_seqlens and the advantages as given; max_seqlen (None: -1) as the
+    cu_seqlens field's constant word; per-token inputs at the counted tokens, per-completion rollout weights
+    and temperatures too (their spread's checksum: the same values per token or per completion agree)."""
     cu, given = _ABSENT, b.given or {}
     if given.get("cu_seqlens") is not None:
         cu = Digest("values", _mix_int(-1 if b.max_seqlen is None else b.max_seqlen, _MAX_SEQLEN_AT) & _MASK61,
                     (given["cu_seqlens"], None))
-    d = b.conflicts  # (deferred: lam and n_conf made by a later launch, from the ids, mask and advantages compared)
-    lam = _COMPUTED if d is not None and b.lam is d.lam else b.lam
-    n_conf = _COMPUTED if d is not None and b.n_conf is d.n_conf else b.n_conf
-    whole = [given["adv"] if "adv" in given else b.adv, None, None, None, n_conf, None, None, None]
-    # (per completion: rollout weights and a temperature read at each token's completion, as their spread
-    # would be, never made)
+    made = () if b.conflicts is None else (b.conflicts.lam, b.conflicts.n_conf)  # (deferred: not yet made)
+    whole = [given["adv"] if "adv" in given else b.adv, None, None, None, b.n_conf, None, None, None]
+    # (per completion: rollout weights and a temperature read at each token's completion, never spread)
     rw_rows = b.rollout_w_seq if not b.packed or b.B else None
     tau_rows = b.tau if b.tau_per_row else None
     per_row = [None, None, None, None, None, rw_rows, None, tau_rows]
-    counted = [None, b.old, b.ref, lam, None, None if rw_rows is not None else b.rollout_w, b.rollout_logps,
+    counted = [None, b.old, b.ref, b.lam, None, None if rw_rows is not None else b.rollout_w, b.rollout_logps,
                None if tau_rows is not None else b.tau]
     out = [cu]
     for x, y, r in zip(whole, counted, per_row):
-        if x is _COMPUTED or y is _COMPUTED:
+        if any(x is t or y is t for t in made):  # (lam, n_conf computed: from the ids, mask, advantages compared)
             out.append(_COMPUTED)
         elif r is not None:
             out.append(Digest("rows", 0, (r, b.mask, b.seq_rows)))
