@@ -96,3 +96,32 @@ def test_replace_under_compile_refuses_as_eager(change):
     with pytest.raises(Exception) as e:
         torch.compile(step, fullgraph=True, backend="aot_eager")(torch.randn(3))
     assert "GTPOConfig" in str(e.value) or "Observed exception" in str(e.value) or "repr" in str(e.value), e.value
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("rule", [dict(top_k=4), dict(top_p=0.7)])
+@pytest.mark.parametrize("where", ["call", "config"])
+def test_a_0d_temperature_with_rules_traces_with_fullgraph(where, rule, backend):
+    """A 0-d tensor temperature (the call's or the config's schedule) with sets rebuilt by top_k / top_p, the
+    batch's tensors graph inputs (a trainer's compiled step): the torch backend read its value on the host
+    (float(tau)), which fullgraph cannot trace ('Could not guard on data-dependent expression'); traced it now
+    stays a tensor. The compiled loss, log-probs and gradient equal the eager ones."""
+    x, ids, adv, old = _batch(3)
+    tau = torch.tensor(0.8)
+    cfg = GTPOConfig.preset("dapo", temperature=tau) if where == "config" else "dapo"
+    kw = dict(rule, **({} if where == "config" else dict(temperature=tau)))
+
+    def step(z, ids, adv, old):
+        out = gtpo_loss(z, ids, adv, group_size=2, old_logps=old, config=cfg, backend=backend, **kw)
+        return out.loss, out.logps
+
+    torch._dynamo.reset()
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (l1, p1), (l2, p2) = step(x1, ids, adv, old), torch.compile(step, fullgraph=True, backend="aot_eager")(
+        x2, ids, adv, old)
+    l1.backward()
+    l2.backward()
+    assert x1.grad.abs().sum() > 0
+    torch.testing.assert_close(l2, l1, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(p2, p1, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-7)

@@ -279,8 +279,10 @@ def _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp=None):
     row raises."""
     if cfg is not None and tau is None:
         tau = cfg.temperature
-    if isinstance(tau, torch.Tensor) and tau.dim() == 0:
-        tau = tau_or_nan(float(tau))  # a schedule: one value (a CPU tensor: no device sync; NaN if no longer > 0)
+    if isinstance(tau, torch.Tensor) and tau.dim() == 0:  # a schedule: one value, NaN if no longer > 0
+        tau = tau_or_nan(float(tau)) if not torch.compiler.is_compiling() else \
+            tau_or_nan(tau.to(b.logits3.device, float_dtype_for(b.logits3))).expand(b.given["ids"].numel())
+        # (read on the host: a CPU tensor, no device sync; traced, it stays a tensor, one per token)
     if vp is not None:  # each rank reads the kept logits of its slice; O(M) merge (spec 12, 13)
         return vocab_replay.replayed(b, tau, sampling_mask, rules, vp, host)
     logp, ent, flags, metrics = replay.replayed(b, tau, sampling_mask, rules, backend, host)
@@ -290,8 +292,7 @@ def _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp=None):
 
 
 def _per_token_tau(temperature):
-    """Whether a call's temperature is a tensor per completion or per token (a 0-d tensor is one value,
-    a schedule, as in the config)."""
+    """Whether a call's temperature is a tensor per completion or per token (0-d: one value, a schedule)."""
     return isinstance(temperature, torch.Tensor) and temperature.dim() > 0
 
 
