@@ -103,7 +103,8 @@ def importance_ratio(logp, old, m, level):
 def vespo_phi(logp, old, m, A, rollout_w, k_pos, lambda_pos, k_neg, lambda_neg):
     """VESPO's per-completion weight phi (B, 1), no gradient (spec 9; TRL get_gamma_weights):
     L = clamp(sum_t m clamp(logp - old, -20, 20) + sum_t log w_rollout, log 1e-8, 20), w = exp(L),
-    log phi = lam_v + k L - lam_v w with (k, lam_v) chosen by the sign of the raw A; non-finite -> 0."""
+    log phi = lam_v + k L - lam_v w with (k, lam_v) chosen by the sign of the raw A; non-finite -> 0, but a NaN
+    input (invalid, unchecked) gives NaN: it is no overflow."""
     mf = m.double()
     L = (torch.clamp(logp - old, -20.0, 20.0) * mf).sum(dim=1, keepdim=True)
     if rollout_w is not None:
@@ -122,7 +123,8 @@ def vespo_phi(logp, old, m, A, rollout_w, k_pos, lambda_pos, k_neg, lambda_neg):
     lam_v = torch.where(nonneg, torch.full_like(w, lambda_pos), torch.full_like(w, lambda_neg))
     lam_v = lam_v.clamp(min=1e-4)            # as TRL (not in the spec)
     log_phi = lam_v + k * L - lam_v * w
-    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    phi = torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.where(torch.isnan(L), L, phi)  # (L is NaN only from a NaN input: its clamps bound the rest)
 
 
 def policy_term(policy, r, Ahat, logp, *, clip, eps_low, eps_high, delta, sapo_temperature_pos,
@@ -153,7 +155,11 @@ def policy_term(policy, r, Ahat, logp, *, clip, eps_low, eps_high, delta, sapo_t
         # TRL differs: torch.where on Python floats makes it float32 (1.05 -> 1.0499999523).
         tau = torch.where(Ahat > 0, torch.full_like(Ahat, sapo_temperature_pos),
                           torch.full_like(Ahat, sapo_temperature_neg))
-        return -torch.sigmoid(tau * (r - 1.0)) * 4.0 / tau * Ahat, none_removed
+        # sigmoid(x) as exp(-softplus(-x)): autograd's gradient is then sigmoid(x) sigmoid(-x), exact where sigmoid(x)
+        # rounds to 1 (sigmoid's own backward forms 1 - sigmoid(x): 0 beyond x ~ 37); -x <= tau, below softplus's
+        # threshold, since r >= 0
+        gate = torch.exp(-torch.nn.functional.softplus(-tau * (r - 1.0)))
+        return -gate * 4.0 / tau * Ahat, none_removed
     # "vespo": -sg(phi) * Ahat * logp (phi from vespo_phi, already detached)
     return -phi * Ahat * logp, none_removed
 

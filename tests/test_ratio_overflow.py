@@ -86,3 +86,25 @@ def test_a_nan_ratio_at_a_zero_advantage_stays_nan(entry, name, backend):
                                    validate=False)
     out.loss.backward()
     assert torch.isnan(out.loss) and torch.isnan(x.grad[0, 1]).any()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("shift", [3.0, 4.0])
+def test_a_saturated_sapo_gate_keeps_its_gradient(shift, backend):
+    """SAPO where sigmoid(tau_s (r - 1)) rounds to 1 in float32 (r = e^3, e^4: tau_s (r - 1) = 19, 53): the slope
+    sigma(x) sigma(-x) r (4e-7, 1e-21) is a float32 number; it was set to 0 with 1 - sigma (a gradient of 0, a
+    relative error of 1). Within spec 7 of the float64 reference."""
+    g = torch.Generator().manual_seed(0)
+    x, ids, adv = torch.randn(2, 2, 8, generator=g), torch.tensor([[3, 1], [0, 5]]), torch.tensor([1.0, 0.5])
+    lp, _ = ref.token_logprobs(x.double(), ids, 1.0)
+    old = (lp - shift).float()
+    cfg = GTPOConfig.preset("sapo")
+    xr = x.double().requires_grad_()
+    want = ref.gtpo_loss(xr, ids, adv, old_logps=old, **{k: v for k, v in vars(cfg).items() if k != "generator"})
+    want["loss"].backward()
+    assert xr.grad.abs().max() > 0
+    z = x.clone().requires_grad_()
+    out = gtpo_loss(z, ids, adv, old_logps=old, config=cfg, backend=backend)
+    out.loss.backward()
+    assert_value_close("loss", out.loss, want["loss"], 1e-5)
+    assert_grad_close("grad", z.grad, xr.grad, 1e-5)

@@ -87,9 +87,10 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
         clipped = (r != r).to(tl.int32) * 0
     elif POLICY == 2:  # sapo: -(4 / tau) sigmoid(tau (r - 1)) A, tau by the sign of A
         tau = tl.where(A > 0.0, sapo_pos + zero, sapo_neg + zero)
-        sig = tl.sigmoid(tau * (r - 1.0))
+        x = tau * (r - 1.0)
+        sig = tl.sigmoid(x)
         pg = -(4.0 / tau) * sig * A
-        d_logr = -4.0 * tl.where(sig == 1.0, 0.0, sig * (1.0 - sig) * r) * A  # (policy.sapo: 0 at r = inf)
+        d_logr = -4.0 * tl.where(r == float("inf"), 0.0, sig * tl.sigmoid(-x) * r) * A  # (policy.sapo's slope)
         d_logp = tl.zeros_like(lp)
         clipped = (r != r).to(tl.int32) * 0
     elif POLICY == 3:  # gpg: -A logp

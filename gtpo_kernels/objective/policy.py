@@ -92,9 +92,11 @@ def sapo(r, A, cfg):
     """-(4 / tau_s) sigmoid(tau_s (r - 1)) A, tau_s by the sign of A (spec 9), in r's dtype (a
     torch.where of two Python floats would round the temperatures to float32)."""
     tau = torch.where(A > 0, full(cfg.sapo_temperature_pos, r), full(cfg.sapo_temperature_neg, r))
-    sig = torch.sigmoid(tau * (r - 1.0))
-    # sigma (1 - sigma) r: 0 where sigma rounds to 1 (r = inf, an overflowing ratio, included: not NaN; NaN stays)
-    slope = torch.where(sig == 1.0, torch.zeros((), dtype=r.dtype, device=r.device), sig * (1.0 - sig) * r)
+    x = tau * (r - 1.0)
+    sig = torch.sigmoid(x)
+    # sigma(x) sigma(-x) r (not 1 - sigma, which rounds to 0 long before it underflows); 0 at r = inf (an
+    # overflowing ratio: not NaN); NaN stays
+    slope = torch.where(r == math.inf, torch.zeros((), dtype=r.dtype, device=r.device), sig * torch.sigmoid(-x) * r)
     return -(4.0 / tau) * sig * A, -4.0 * slope * A, None, torch.zeros_like(r, dtype=torch.bool)
 
 
