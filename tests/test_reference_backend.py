@@ -196,3 +196,34 @@ def test_a_short_max_seqlen_steers_nothing_in_the_reference():
     lp = [gk.token_logprobs(x, ids, 0.9, backend="reference", cu_seqlens=cu, max_seqlen=ms, validate=False, top_k=5)[0]
           for ms in (6, 4)]
     assert torch.equal(lp[0], lp[1]) and torch.isfinite(lp[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int8, torch.uint8])
+def test_small_integer_ids_validated(dtype):
+    """completion_ids of any integer dtype (spec 6), validating: the reference gathered with them and raised
+    'Expected dtype int32/int64 for index'; now the value of the other backends."""
+    g = torch.Generator().manual_seed(8)
+    x, ids, adv = torch.randn(2, 3, 9, generator=g), torch.randint(0, 9, (2, 3), generator=g), torch.tensor([1.0, -1.0])
+    old = -torch.rand(2, 3, generator=g) - 0.5
+    got = [gk.gtpo_loss(x, ids.to(dtype), adv, group_size=1, old_logps=old, config="grpo", backend=b).loss
+           for b in ("reference", "torch")]
+    assert torch.isfinite(got[0]) and abs(float(got[0]) - float(got[1])) < 1e-6, got
+
+
+@pytest.mark.parametrize("fill", [float("nan"), 0.0])
+def test_a_temperature_at_masked_out_tokens_is_not_read(fill):
+    """A temperature per token holding NaN or 0 where the mask is 0 (not read, validation takes it): the masked-out
+    rows' gradient exactly 0 on the three backends (the reference divided every row by its tau: NaN there)."""
+    g = torch.Generator().manual_seed(9)
+    x, ids, adv = torch.randn(2, 3, 9, generator=g), torch.randint(0, 9, (2, 3), generator=g), torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    tau = torch.rand(2, 3, generator=g) + 0.5
+    tau[~mask] = fill
+    old = -torch.rand(2, 3, generator=g) - 0.5
+    for backend in ("triton", "torch", "reference"):
+        z = x.clone().requires_grad_()
+        out = gk.gtpo_loss(z, ids, adv, mask, group_size=1, old_logps=old, config="grpo", temperature=tau,
+                           backend=backend)
+        out.loss.backward()
+        assert torch.equal(z.grad[~mask], torch.zeros_like(z.grad[~mask])), backend
+        assert z.grad[mask].abs().sum() > 0 and torch.isfinite(out.loss), backend

@@ -22,7 +22,7 @@ def _inputs(seed=0, B=2, T=3, V=7):
             -torch.rand(B, T, generator=g) - 1.0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "reference"])
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("bad", ["old-nan", "old-inf", "old-neg-inf", "logit-nan"])
 def test_an_unchecked_bad_value_makes_its_token_and_the_loss_nan(preset, bad, backend):
@@ -101,3 +101,32 @@ def test_an_unchecked_malformed_sampling_mask_makes_its_rows_of_the_gradient_nan
     out.loss.backward()
     rows = torch.isnan(x.grad.reshape(B * T, V)).any(-1)
     assert torch.isnan(out.logps.reshape(-1)[hit]).all() and rows[hit].all(), (rows, hit)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "reference"])
+@pytest.mark.parametrize("bad", ["n_conf-half", "n_conf-inf", "lam-inf", "rollout-negative", "rollout-seq-nan"])
+def test_an_unchecked_bad_weight_makes_the_loss_nan(bad, backend):
+    """n_conf below 1 or not finite, lam not finite at a counted token, a negative or NaN rollout weight,
+    unchecked: the loss NaN on the three backends (backend='reference' passed them to the oracle, which
+    returned a finite loss: 0.43 for n_conf 0.5); checked, refused."""
+    z, ids, adv, old = _inputs(4)
+    kw = dict(old_logps=old, lam=torch.ones(2, 3), n_conf=torch.tensor([2.0, 1.0]))
+    cfg = GTPOConfig.preset("gtpo-official", entropy_threshold=None) if bad.startswith(("n_conf", "lam")) else \
+        GTPOConfig.preset("grpo")
+    if bad == "n_conf-half":
+        kw["n_conf"][0] = 0.5
+    elif bad == "n_conf-inf":
+        kw["n_conf"][1] = float("inf")
+    elif bad == "lam-inf":
+        kw["lam"][1, 1] = float("inf")
+    elif bad == "rollout-negative":
+        kw["rollout_is_weights"] = torch.full((2, 3), 0.9)
+        kw["rollout_is_weights"][0, 2] = -1.0
+    else:
+        kw["rollout_is_weights"] = torch.tensor([[0.9], [float("nan")]])
+    x = z.clone().requires_grad_()
+    out = gtpo_loss(x, ids, adv, group_size=2, config=cfg, backend=backend, validate=False, **kw)
+    out.loss.backward()
+    assert torch.isnan(out.loss), (bad, backend, out.loss)
+    with pytest.raises(ValueError):
+        gtpo_loss(z, ids, adv, group_size=2, config=cfg, backend=backend, **kw)

@@ -80,16 +80,18 @@ def _kept(b, lg, keep):
     return torch.where(k | empty, lg.double() + nan, float("-inf"))
 
 
-def _scaled(b, lg, pad, tau):
+def _scaled(b, lg, pad, tau, m):
     """A per-token temperature (n,) as the oracle takes it: the window's logits divided row by row (in
-    autograd: the gradient reaches the logits through the division), then temperature 1. The packed form's
-    padding rows (copies of a real row, masked out) divide by 1: a 0 there would send NaN into that row's
-    gradient."""
+    autograd: the gradient reaches the logits through the division), then temperature 1. Rows that do not
+    count (m False: masked out, the packed form's padding) divide by 1: a tau there is not read, and a 0 or
+    NaN would send NaN into that row's gradient."""
     if not b.packed:
-        return lg.double() / pad(tau.reshape(b.tok_shape)).double()[..., None]
-    from ..core.layout import pad as pad_rows, packed_layout
-    L, pos = packed_layout(b, longest=True)
-    return lg.double() / pad_rows(b, tau.reshape(-1), L, pos, fill=1.0).double()[..., None]
+        t = pad(tau.reshape(b.tok_shape)).double()
+    else:
+        from ..core.layout import pad as pad_rows, packed_layout
+        L, pos = packed_layout(b, longest=True)
+        t = pad_rows(b, tau.reshape(-1), L, pos, fill=1.0).double()
+    return lg.double() / torch.where(m, t, 1.0)[..., None]
 
 
 def _window(b, logits, validate, keep=None):
@@ -101,7 +103,7 @@ def _window(b, logits, validate, keep=None):
     if keep is not None:
         lg = _kept(b, lg, keep)
     if validate and lg.shape[-1]:
-        z_y = lg.gather(-1, ids.clamp(0, lg.shape[-1] - 1)[..., None]).squeeze(-1)
+        z_y = lg.gather(-1, ids.long().clamp(0, lg.shape[-1] - 1)[..., None]).squeeze(-1)
         checks.raise_on_flags(unpad(row_flags(nonfinite_rows(lg), z_y) * m).reshape(-1), b.tok_shape)
     return lg, ids, m, unpad, pad
 
@@ -110,7 +112,7 @@ def token_logprobs(b, logits, temperature, keep=None, validate=False):
     import gtpo_reference
     lg, ids, m, unpad, pad = _window(b, logits, validate, keep)
     if hasattr(temperature, "dim") and temperature.numel() > 1:
-        lg, temperature = _scaled(b, lg, pad, temperature), 1.0
+        lg, temperature = _scaled(b, lg, pad, temperature, m), 1.0
     lp, ent = gtpo_reference.token_logprobs(lg, ids, float(temperature), m)
     dt = float_dtype_for(logits)
     return unpad(lp).to(dt), unpad(ent).to(dt)
@@ -137,7 +139,8 @@ def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=No
     kw["generator"] = cfg.generator  # the caller's (asdict copies it; clip_cov's draw advances it)
     lg, ids, m, unpad, pad = _window(b, logits, validate, keep)
     if tau is not None:
-        lg, kw["temperature"] = _scaled(b, lg, pad, tau), 1.0
+        lg, kw["temperature"] = _scaled(b, lg, pad, tau, m), 1.0
+    extras, adv = _unchecked(b, extras)
     opt = (lambda x: None if x is None else pad(x))
     if b.packed and kw["max_completion_length"] is None:
         kw["max_completion_length"] = int(b.max_len)  # the longest completion
@@ -146,7 +149,7 @@ def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=No
         w = w.reshape(-1)  # per completion
     elif w is not None:
         w = pad(w)
-    r = gtpo_reference.gtpo_loss(lg, ids, b.adv, m, group_size=group_size, old_logps=opt(extras["old_logps"]),
+    r = gtpo_reference.gtpo_loss(lg, ids, adv, m, group_size=group_size, old_logps=opt(extras["old_logps"]),
                                  ref_logps=opt(extras["ref_logps"]), lam=opt(extras["lam"]), n_conf=extras["n_conf"],
                                  num_items_in_batch=num_items, rollout_is_weights=w,
                                  rollout_logps=opt(extras["rollout_logps"]), **kw)
@@ -158,3 +161,26 @@ def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=No
                        per_token_loss=unpad(r["per_token_loss"]).to(dt), lam=unpad(r["lam"]).to(dt),
                        n_conf=r["n_conf"].to(dt), kept=r["kept"], seq_entropy=r["seq_entropy"].to(dt),
                        metrics={k: v.to(dt) for k, v in r["metrics"].items()})
+
+
+def _unchecked(b, extras):
+    """(extras, advantages) with what validation refuses NaN, as objective/surrogate.py makes it unvalidated
+    (validated, nothing changes): an old / ref log-prob or lam that is not finite at a counted token, a rollout
+    weight not >= 0 and finite (at a counted token, or per completion), an n_conf not finite and >= 1, an
+    advantage not finite. The oracle then gives NaN wherever they reach (never a finite number)."""
+    nan = torch.tensor(float("nan"), dtype=torch.float64)
+    c = b.counted.reshape(-1)
+
+    def fix(x, ok, tokens=True):
+        if x is None:
+            return None
+        v = x.reshape(-1).to(torch.float64)
+        bad = ~ok(v) & (c if tokens and v.numel() == c.numel() else True)
+        return torch.where(bad, nan.to(v.device), v).reshape(x.shape)
+    finite = torch.isfinite
+    out = dict(extras)
+    for k in ("old_logps", "ref_logps", "lam"):
+        out[k] = fix(extras[k], finite)
+    out["rollout_is_weights"] = fix(extras["rollout_is_weights"], lambda v: finite(v) & (v >= 0))
+    out["n_conf"] = fix(extras["n_conf"], lambda v: finite(v) & (v >= 1), tokens=False)
+    return out, fix(b.adv, finite, tokens=False)
