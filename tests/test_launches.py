@@ -315,6 +315,32 @@ def test_rules_rebuilt_sets_at_most_eight_launches(packed, validate):
                        "_vocab_bwd_kernel": 1}, kernels
 
 
+@pytest.mark.parametrize("per", ["token", "completion"])
+@pytest.mark.parametrize("validate", [False, True])
+def test_rules_with_a_temperature_tensor_stay_on_the_path(validate, per):
+    """Sets rebuilt by top_k with a temperature per token or per completion: gtpo_loss validating took 23 / 24
+    launches and token_logprobs unvalidated 17 / 18 (the temperature's check and NaN fill formed by a dozen
+    torch ops, where the kernels flag and NaN such a tau themselves); now at most 7 and 3, the same errors
+    (tests/test_temperature.py) and NaN tokens as before."""
+    def prepare(k, B, T, logits, ids, adv, mask, kw):
+        kw.pop("ref_logps")
+        g = torch.Generator().manual_seed(k)
+        tau = torch.rand(B, T, generator=g) + 0.5 if per == "token" else torch.rand(B, generator=g) + 0.5
+        x = logits.requires_grad_()
+        return lambda: gtpo_loss(x, ids, adv, mask, config="gtpo", validate=validate, backend="triton", top_k=6,
+                                 temperature=tau, **kw), x
+    counts = _counts(prepare, False, ((4, 3), (8, 4)))
+    assert counts[0] == counts[1], counts
+    launches, reads, _, kernels = counts[0]
+    assert reads == int(validate) and launches <= 7, counts
+    B, T, V = 4, 3, 24
+    logits, ids, *_ = _batch(B, T, 0, False)
+    tau = torch.rand(B, T) + 0.5 if per == "token" else torch.rand(B) + 0.5
+    with counting() as c:
+        token_logprobs(logits, ids, tau, top_k=6, validate=validate, backend="triton")
+    assert c.launches <= 3 and c.host_reads == int(validate), (c.launches, dict(c.ops))
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("policy", ["cispo", "sapo", "gpg", "verl-cispo", "dppo-tv", "dppo-kl", "geo-mean", "vespo"])
 def test_other_token_level_policy_terms_take_at_most_four(policy, packed):

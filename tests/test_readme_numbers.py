@@ -107,9 +107,10 @@ def test_presets_table_is_the_code():
     """docs/usage.md's presets table: each row is GTPOConfig.preset(name)'s fields."""
     from gtpo_kernels import GTPOConfig
     rows = _table("docs/usage.md", "preset")
-    assert len(rows) >= 19  # every preset but dro (its dro_beta has no default)
+    assert len(rows) >= 20  # every preset (dro's row with a dro_beta: it has no default)
     for name, conflict, h_max, gamma, policy, clip, agg in rows:
-        c = GTPOConfig.preset(name.split()[0].strip("`"))
+        n = name.split()[0].strip("`")
+        c = GTPOConfig.preset(n, **({"dro_beta": 0.1} if n == "dro" else {}))
         assert conflict == (f"{c.conflict_pos_weight} / {c.conflict_neg_weight}" if c.use_conflict_mask else "off")
         h = c.entropy_threshold if c.use_conflict_mask or c.entropy_threshold is not None else None
         assert h_max == ("off" if h is None else "ln 2" if math.isclose(h, math.log(2)) else f"{h:g}"), name

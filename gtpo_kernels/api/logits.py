@@ -118,8 +118,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             num_items = check_loss_args(b, cfg, num_items_in_batch, dt, host and not in_kernels, raw=fast or fast_replay)
             # a tau tensor on the three-launch path goes to the kernels as given (checked there: a token whose tau
             # is not finite and > 0 is flagged, and revalidate names it), one per completion read at each token's
-            tau_kernels = fast and _per_token_tau(temperature)  # (fast: no kept sets, so no rules' kernel)
-            per_seq = tau_kernels and _per_completion(temperature, b)
+            tau_kernels = (fast or rules_in_kernels) and _per_token_tau(temperature)  # (rules: spread, flagged alike)
+            per_seq = fast and tau_kernels and _per_completion(temperature, b)
             # so too on a split vocabulary's epilogue path (validating: checked by the agreement's row)
             tau_split = (process_group is not None and not replaying and _per_token_tau(temperature)
                          and epilogue_attached.takes(logits, cfg, backend))
@@ -218,7 +218,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
                 kern = one and not replay.requested(sampling_mask, top_k, top_p, min_p)  # (no kept sets' launch)
                 per_seq = kern and (fast or not host) and _per_completion(temperature, b)
                 temperature = b.tau = call_temperature(temperature, b, tau_dtype, host and not fast,
-                                                       in_kernels=fast or (kern and not host), spread=not per_seq)
+                                                       in_kernels=fast or (one and not host), spread=not per_seq)
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)  # (one: spec 8)
             # (rules: the kept sets' kernel one more; unvalidated it flags an invalid tensor value itself)
             rules = _replay_rules(b, sampling_mask, top_k, top_p, min_p, host, process_group, False,

@@ -3,7 +3,8 @@
 `pip install gtpo-kernels[verl]` declares the entry point `verl.plugins: gtpo = gtpo_kernels.integrations.verl`;
 `import verl` imports this module (verl swallows a plugin's import error at debug level: if the loss
 mode `gtpo` is reported unsupported, `import gtpo_kernels.integrations.verl` shows why). Importing it
-registers, through verl's own extension points (verl is not patched):
+registers, through verl's own extension points (verl's code is patched only to replay the sampler's
+kept sets, point 4):
 
 1. The policy loss `gtpo` (`register_policy_loss`): the PPO clip `-min(r A, clip(r, 1 - eps_low,
    1 + eps_high) A)` on the token advantages, eps from the actor's `clip_ratio_low` / `clip_ratio_high`
