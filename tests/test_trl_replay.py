@@ -498,3 +498,32 @@ def test_replay_metrics_aggregate_over_processes():
     tr._metrics["train"].clear()
     _log_replay(tr, "train", {"clip_frac": t(0.1)}, t(10.0))  # no kept sets: nothing, no collective
     assert not tr._metrics["train"]
+
+
+@needs_trl
+def test_trl_logits_head_passes_at_generation_kwargs_temperature(tmp_path):
+    """gtpo_head='logits' with generation_kwargs={'temperature': 0.5} over GRPOConfig.temperature 1.0: the loss
+    divides by 0.5 (the sampler's), so the old-policy and reference passes must too. They fell back to TRL's
+    own pass, at 1.0: on the first step (policy = old = ref) the ratio was not 1 (|logp - old| 0.29), the KL
+    6.8e-3, the loss 2.8e-3. Now as the fused head: ratio 1, KL 0, loss 0."""
+    from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig
+    mdir = tmp_path / "model"
+    tiny_model(len(tiny_tokenizer()), seed=1).save_pretrained(mdir)  # (a path: TRL builds the ref model, beta > 0)
+    for head in ("logits", "fused"):
+        tr = _trl_setup(tmp_path / head, GTPOTrainer, GTPOTrainerConfig, model=str(mdir), gtpo_loss=None,
+                        gtpo_head=head, bf16=False, temperature=1.0, generation_kwargs={"temperature": 0.5},
+                        beta=0.1, num_iterations=2, gradient_accumulation_steps=1, steps_per_generation=1)
+        tr.model.train()
+        torch.manual_seed(0)
+        batch = tr._generate_and_score_completions([{"prompt": p} for p in ["1+2=", "3+4="] for _ in range(4)])
+        seen = {}
+        log = tr._gtpo_log
+        tr._gtpo_log = lambda mode, out, *a: (seen.update(out=out), log(mode, out, *a))[1]
+        tr.current_gradient_accumulation_steps = 1
+        with torch.no_grad():
+            loss = tr._compute_loss(tr.model, batch)
+        m = batch["completion_mask"].bool()
+        cur = seen["out"].logps
+        for name in ("old_per_token_logps", "ref_per_token_logps"):
+            assert (cur - batch[name])[m].abs().max() < 1e-5, (head, name)
+        assert abs(loss.item()) < 1e-6 and tr._metrics["train"]["kl"][-1] < 1e-6, (head, loss.item())

@@ -252,15 +252,18 @@ class GTPOTrainer(GRPOTrainer):
         (trl_head._fused_logps_and_entropies), or with gtpo_head='logits' and the sampler's kept sets on,
         the model's logits and token_logprobs (trl_head._logits_logps_and_entropies). With kept sets, both
         over the same sets as the loss (the sampler's top_k / top_p / min_p, or the rollout's recorded
-        sampling_mask). Anything else (a gradient, the MoE aux loss, multimodal inputs, gtpo_head='logits'
-        without kept sets, a TRL whose method differs from 1.16's) is TRL's own: refused with kept sets,
-        where TRL's would be over the whole vocabulary."""
+        sampling_mask), and with gtpo_head='logits' at generation_kwargs' temperature where it is not
+        args.temperature (TRL's pass divides by the latter). Anything else (a gradient, the MoE aux loss,
+        multimodal inputs, gtpo_head='logits' without either, a TRL whose method differs from 1.16's) is TRL's
+        own: refused with kept sets, where TRL's would be over the whole vocabulary."""
         others = {k: v for k, v in kwargs.items() if k not in ("batch_size", "compute_entropy", "compute_aux_loss")}
         rows = getattr(self, "_gtpo_sampling_rows", None)
         trl_own = bool(torch.is_grad_enabled() or args or kwargs.get("compute_aux_loss") or
                        any(v is not None for v in others.values()) or not _TRL_LOGPS_API)
         replay = _pass_replays(self, rows, input_ids.size(0), trl_own)  # refuses kept sets TRL's pass would drop
-        if not trl_own and (self.gtpo_head == "fused" or replay):
+        # (generation_kwargs' temperature, which the loss and the sampler use, over TRL's args.temperature)
+        tau = float(self.gtpo_config.temperature) != float(self.args.temperature)
+        if not trl_own and (self.gtpo_head == "fused" or replay or tau):
             fn = _fused_logps_and_entropies if self.gtpo_head == "fused" else _logits_logps_and_entropies
             return fn(self, model, input_ids, attention_mask, logits_to_keep, kwargs.get("batch_size"),
                       kwargs.get("compute_entropy", False), rows)

@@ -178,9 +178,10 @@ def _fused_logps_and_entropies(trainer, model, input_ids, attention_mask, logits
 
 def _logits_logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
                                 compute_entropy, rows=None):
-    """The old-policy and reference pass of gtpo_head='logits' with the sampler's kept sets on: the
-    model's logits of the last K + 1 positions (as _logits_loss) and token_logprobs over the kept sets,
-    chunked over rows as TRL does -> (logps, entropies or None, None)."""
+    """The old-policy and reference pass of gtpo_head='logits' with the sampler's kept sets on, or at a
+    temperature other than TRL's args.temperature (generation_kwargs'): the model's logits of the last K + 1
+    positions (as _logits_loss) and token_logprobs over the kept sets (none: the vocabulary) at the loss's
+    temperature, chunked over rows as TRL does -> (logps, entropies or None, None)."""
     K = logits_to_keep
     tau = trainer.gtpo_config.temperature
     all_logps, all_ent = [], []
