@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import gtpo_reference as ref
 from gtpo_reference import gtpo_verl as gv
 from conftest import TOL, assert_grad_close, assert_value_close, examples
+from gtpo_kernels import gtpo_loss
 from gtpo_kernels.integrations import verl_modes as vm
 from test_verl_modes import margins
 
@@ -356,3 +357,29 @@ def test_modes_that_never_read_clip_ratio_take_any(mode):
     assert cfg.policy_loss == vm.MODES[mode]
     with pytest.raises(ValueError, match="clip_ratio_high"):
         vm.mode_config("vanilla", actor)
+
+
+@pytest.mark.parametrize("mode,low,high", [("dppo_tv", 1.0, 0.2), ("dppo_kl", 0.2, 1.5)])
+def test_dppo_takes_a_threshold_of_one_or_more(mode, low, high):
+    """dppo's clip_ratio_low / high are a divergence's thresholds, not a ratio's bounds: verl runs 1.0 (TV: no
+    constraint) or 1.5 (KL); the package refused them ('must be in [0, 1)'). The loss and its gradient on both
+    backends against the float64 reference of the same thresholds."""
+    actor = ActorConfig(clip_ratio=0.2, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=3.0, policy_loss=None)
+    cfg = vm.mode_config(mode, actor)
+    assert (cfg.eps_low, cfg.eps_high) == (low, high)
+    g = torch.Generator().manual_seed(5)
+    x, ids = torch.randn(2, 4, 9, generator=g) * 2, torch.randint(0, 9, (2, 4), generator=g)
+    lp, _ = ref.token_logprobs(x.double(), ids, 1.0)
+    old = (lp + torch.randn(2, 4, generator=g, dtype=torch.float64)).float()
+    adv = torch.tensor([1.0, -0.7])
+    full = dataclasses.replace(cfg, loss_agg="token-mean")
+    xr = x.double().requires_grad_()
+    want = ref.gtpo_loss(xr, ids, adv, old_logps=old, **{k: v for k, v in vars(full).items() if k != "generator"})
+    want["loss"].backward()
+    assert xr.grad.abs().sum() > 0
+    for backend in ("triton", "torch"):
+        z = x.clone().requires_grad_()
+        out = gtpo_loss(z, ids, adv, old_logps=old, config=full, backend=backend)
+        out.loss.backward()
+        assert_value_close(f"{backend} loss", out.loss, want["loss"], TOL[torch.float32]["loss"])
+        assert_grad_close(f"{backend} grad", z.grad, xr.grad, TOL[torch.float32]["grad"])

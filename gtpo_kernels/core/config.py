@@ -41,7 +41,7 @@ class GTPOConfig:
     """Options of `gtpo_loss` (defaults: the paper's GTPO, spec sections 2-5).
 
     temperature           logits are divided by it before the softmax (> 0; it and 1 / it finite in float32)
-    eps_low, eps_high     PPO clip range [1 - eps_low, 1 + eps_high], each in [0, 1) (verl-cispo: >= 0)
+    eps_low, eps_high     PPO clip range [1 - eps_low, 1 + eps_high], each in [0, 1) (verl-cispo, dppo: >= 0)
     clip                  False: plain surrogate -lam * r * Ahat
     use_conflict_mask     conflict-token weights lambda (spec 3)
     conflict_pos_weight   lambda on conflict tokens of positive completions (w_pos)
@@ -171,8 +171,8 @@ class GTPOConfig:
         if level == "sequence" and pl != "ppo":
             self._bad("importance_sampling_level", f"'token' with policy_loss={pl!r} (its policy term has no "
                       "sequence-level form here; TRL warns about it)")
-        # verl-cispo: any width (1 - eps_low <= 0: no lower bound, CISPO's); cispo: TRL's absolute bound on r
-        top, span = (math.inf, ">= 0 with policy_loss='verl-cispo'") if pl == "verl-cispo" else (1.0, "in [0, 1)")
+        # verl-cispo: any width (1 - eps_low <= 0: no lower bound, CISPO's); dppo: a divergence's threshold, any
+        top, span = (math.inf, f">= 0 with policy_loss={pl!r}") if pl in ("verl-cispo", "dppo-tv", "dppo-kl") else (1.0, "in [0, 1)")
         self._need("eps_low", lambda v: 0.0 <= v < top, span)
         if pl == "cispo":
             self._need("eps_high", lambda v: v > 0, "> 0 with policy_loss='cispo' (the ratio's upper bound, e.g. 5.0)")
