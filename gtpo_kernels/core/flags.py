@@ -20,8 +20,8 @@ FLT_MAX = 3.4028234663852886e38  # float32's largest: a tau below 1 / FLT_MAX (2
 def tau_or_nan(tau):
     """The temperature as the torch passes take it: NaN where it is not > 0 or it or 1 / it is not finite in
     float32 (a number, or a tensor elementwise, read nowhere): a 0-d schedule changed in place to 0 or below,
-    unvalidated, makes its
-    tokens' outputs NaN, as the Triton kernels' 1 / tau does (vocab_jit._inv_tau), never a finite number."""
+    unvalidated, makes its tokens' outputs NaN, as the Triton kernels' 1 / tau does (vocab_jit._inv_tau), never
+    a finite number."""
     if isinstance(tau, torch.Tensor):
         return torch.where((tau > 0) & (tau <= FLT_MAX) & (tau.reciprocal() <= FLT_MAX), tau, float("nan"))
     return tau if 0 < tau <= FLT_MAX and 1 / tau <= FLT_MAX else float("nan")

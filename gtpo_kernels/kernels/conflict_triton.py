@@ -227,11 +227,16 @@ def conflict_weights(ids, mask, adv, cu, T, group_size, w_pos, w_neg, lam, n_con
     N = ids.numel()
     if B == 0:
         return
-    block_g = triton.next_power_of_2(group_size)
     _conflict_weights_kernel[(B // group_size,)](
         ids, ids if mask is None else mask, adv, ids if cu is None else cu, lam, n_conf,
         B, T, N, group_size, float(w_pos), float(w_neg),
-        PACKED=cu is not None, HAS_MASK=mask is not None, BLOCK_G=block_g, BLOCK_T=max(16, 1024 // block_g))
+        PACKED=cu is not None, HAS_MASK=mask is not None, **_tiles(group_size))
+
+
+def _tiles(group_size):
+    """A group's (BLOCK_G, BLOCK_T) tile, from the group size only (no recompile as the lengths change)."""
+    block_g = triton.next_power_of_2(group_size)
+    return dict(BLOCK_G=block_g, BLOCK_T=max(16, 1024 // block_g))
 
 
 class Deferred:
@@ -256,10 +261,9 @@ class Deferred:
         vp_merge_triton._vp_sums_kernel) and the number of those programs; it is then done."""
         ids, mask, adv, cu, T, G, w_pos, w_neg = self.args
         self.done = True
-        block_g = triton.next_power_of_2(G)
         n_groups = adv.numel() // G
         return n_groups, dict(
             n_sums=n_sums, CONFLICT=True, c_ids=ids, c_mask=ids if mask is None else mask, c_adv=adv,
             c_cu=ids if cu is None else cu, c_lam=self.lam, c_nconf=self.n_conf, c_B=adv.numel(), c_T=T,
             c_N=ids.numel(), c_G=G, w_pos=w_pos, w_neg=w_neg, n_groups=max(n_groups, 1), C_PACKED=cu is not None,
-            C_HAS_MASK=mask is not None, BLOCK_G=block_g, BLOCK_T=max(16, 1024 // block_g))
+            C_HAS_MASK=mask is not None, **_tiles(G))

@@ -94,15 +94,13 @@ def _vp_sums_kernel(logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr,
     after compute the call's conflict weights, a group each (conflict_triton._conflict_group, the c_ arguments
     as its own launch's), so that they take no launch of their own (spec 8)."""
     pid = tl.program_id(0).to(tl.int64)
+    sums = True
     if CONFLICT:
-        if pid < n_sums:
-            _sums(pid, logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
-                  vec_out, n, V_local, BLOCK, HAS_MASK, TEMP_BY_VALUE, id_start, rows_ptr, ROWS, row_length,
-                  TEMP_PER_SEQ, cu_ptr, n_seq, logits_ptr, stride_lb, stride_lt, T, logits_start, TARGET_Z)
-        else:
+        sums = pid < n_sums
+        if pid >= n_sums:
             _conflict_group(pid - n_sums, n_groups, c_ids, c_mask, c_adv, c_cu, c_lam, c_nconf, c_B, c_T, c_N, c_G,
                             w_pos, w_neg, C_PACKED, C_HAS_MASK, BLOCK_G, BLOCK_T)
-    else:
+    if sums:
         _sums(pid, logp_ptr, stats_ptr, ent_ptr, bad_ptr, ids_ptr, counted_ptr, M_ptr, tau_ptr, tau_stride,
               vec_out, n, V_local, BLOCK, HAS_MASK, TEMP_BY_VALUE, id_start, rows_ptr, ROWS, row_length,
               TEMP_PER_SEQ, cu_ptr, n_seq, logits_ptr, stride_lb, stride_lt, T, logits_start, TARGET_Z)
