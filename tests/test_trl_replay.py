@@ -305,6 +305,19 @@ def _flat(sets_rows, counted_rows):
     return (torch.cat(tid) if tid else torch.zeros(0, dtype=torch.long)), torch.tensor(off)
 
 
+def _recorded_batch(tmp_path, head, rollout, **args):
+    """(GTPOTrainer with `head` and the rollout_func `rollout`, one generation batch of PROMPTS through TRL's
+    _generate_and_score_completions, in train mode)."""
+    from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig
+    tr = _trl_setup(tmp_path, GTPOTrainer, GTPOTrainerConfig, gtpo_head=head, gtpo_loss=None, temperature=TAU,
+                    steps_per_generation=2, bf16=False, **args)
+    tr.rollout_func = rollout
+    tr.current_gradient_accumulation_steps = 1
+    torch.manual_seed(0)
+    tr.model.train()
+    return tr, tr._generate_and_score_completions(PROMPTS)
+
+
 @needs_trl
 @pytest.mark.parametrize("head", ["logits", "fused"])
 def test_trl_recorded_sampling_mask_through_shuffle_and_split(tmp_path, head):
@@ -312,20 +325,13 @@ def test_trl_recorded_sampling_mask_through_shuffle_and_split(tmp_path, head):
     over those sets (float64 oracle: gtpo_reference.gtpo_sampling), the batch carries them as a list that
     TRL's shuffle and split move with their rows, and each micro-batch's loss equals gtpo_loss with the
     micro-batch's sets of the counted tokens (env_mask's tokens left out), and not the whole vocabulary's."""
-    from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig
     from gtpo_reference import gtpo_sampling as rs
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
     if head == "fused" and _head_replays() is not None:
         pytest.skip(f"the fused LM head does not replay kept sets yet: {_head_replays()}")
     V = len(tiny_tokenizer())
     rollout, recorded = _rollout_with_sets(V)
-    tr = _trl_setup(tmp_path, GTPOTrainer, GTPOTrainerConfig, gtpo_head=head, gtpo_loss=None, temperature=TAU,
-                    steps_per_generation=2, bf16=False, top_p=0.9)  # the rules the recorded sets replace
-    tr.rollout_func = rollout
-    tr.current_gradient_accumulation_steps = 1
-    torch.manual_seed(0)
-    tr.model.train()
-    batch = tr._generate_and_score_completions(PROMPTS)
+    tr, batch = _recorded_batch(tmp_path, head, rollout, top_p=0.9)  # (top_p: the rules the recorded sets replace)
     comp, sets, env = recorded[-1]
     assert isinstance(batch["sampling_mask"], list) and len(batch["sampling_mask"]) == len(comp)
     ids, m = batch["completion_ids"], batch["completion_mask"]
@@ -368,7 +374,6 @@ def test_trl_recorded_sampling_mask_with_truncated_completions_masked(tmp_path, 
     recorded a set per generated token; the sets still line up with the tokens (a masked-out completion's are
     not used): old-policy log-probs over the recorded sets (float64 oracle) and each loss = gtpo_loss with the
     counted tokens' sets."""
-    from gtpo_kernels.integrations.trl import GTPOTrainer, GTPOTrainerConfig
     from gtpo_kernels.integrations.trl_sampler import _flat_sampling_mask
     from gtpo_reference import gtpo_sampling as rs
     if head == "fused" and _head_replays() is not None:
@@ -384,13 +389,7 @@ def test_trl_recorded_sampling_mask_with_truncated_completions_masked(tmp_path, 
             out["sampling_mask"][i] = (torch.cat([t[:int(o[-2])], torch.tensor([1, 4])]),
                                         torch.cat([o[:-1], o[-2:-1] + 2]))
         return out
-    tr = _trl_setup(tmp_path, GTPOTrainer, GTPOTrainerConfig, gtpo_head=head, gtpo_loss=None, temperature=TAU,
-                    steps_per_generation=2, bf16=False, mask_truncated_completions=True)
-    tr.rollout_func = ending
-    tr.current_gradient_accumulation_steps = 1
-    torch.manual_seed(0)
-    tr.model.train()
-    batch = tr._generate_and_score_completions(PROMPTS)
+    tr, batch = _recorded_batch(tmp_path, head, ending, mask_truncated_completions=True)
     comp, sets, env = recorded[-1]
     ids, m = batch["completion_ids"], batch["completion_mask"]
     assert m[1::2].sum() == 0 and all(int(r.sum()) == len(c) for r, c in zip(m[::2], comp[::2]))
