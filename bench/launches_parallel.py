@@ -8,7 +8,8 @@ lam and n_conf given; "grpo-rollout-token" / "-seq": rollout weights per token /
 / "-seq": a temperature tensor per token / per completion; "head-3" and
 "head-6": linear_gtpo_loss(process_group=...), dapo, D = 8, the recompute schedule with tiles of 3 and 6
 rows; "linear_token_logprobs": linear_token_logprobs(process_group=...), D = 8, one tile, forward only).
-Launches, of them Triton, host reads, per config and validate."""
+Launches, of them Triton, host reads, tensors made from host data (each a host-to-device copy on a GPU), per
+config and validate."""
 import os
 import sys
 import tempfile
@@ -24,7 +25,7 @@ CONFIGS = ("grpo", "gtpo", "clip-cov", "grpo-packed", "token_logprobs", "gtpo-of
 
 def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm=True):
     """On each rank of a gloo group (Triton's interpreter): [(config, validate, launches, of them Triton,
-    host reads)] of one gtpo_loss(process_group=...) forward + backward (after a first call, unless not
+    host reads, tensors made from host data)] of one gtpo_loss(process_group=...) forward + backward (after a first call, unless not
     `warm`) at B x T tokens, V = 37 split as evenly as the ranks allow."""
     import torch.distributed as dist
     from bench.launches import counting
@@ -81,7 +82,7 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
                 part.grad = None
             with counting() as c:
                 call()
-            rows.append((cfg, validate, c.launches, c.triton, c.host_reads))
+            rows.append((cfg, validate, c.launches, c.triton, c.host_reads, c.creations))
     return rows
 
 
@@ -127,10 +128,10 @@ def main(argv=None):
         print(rows, file=sys.stderr)
         return 1
     print(f"| the call (config; module docstring), process_group=..., {args.ranks} ranks, rank 0 | launches | "
-          "of them Triton | host reads |")
-    print("|---|---|---|---|")
-    for cfg, validate, n, tr, reads in rows:
-        print(f"| {cfg}, validate={validate} | {n} | {tr} | {reads} |")
+          "of them Triton | host reads | tensors from host data |")
+    print("|---|---|---|---|---|")
+    for cfg, validate, n, tr, reads, made in rows:
+        print(f"| {cfg}, validate={validate} | {n} | {tr} | {reads} | {made} |")
     return 0 if all(p.exitcode == 0 for p in procs) else 1
 
 

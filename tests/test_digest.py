@@ -348,3 +348,40 @@ def test_a_flushed_subnormal_temperature_is_named(where):
     else:
         with pytest.raises(ValueError, match="temperature must be finite and > 0.*a subnormal value"):
             got["raise_first"]()
+
+
+def test_a_row_without_its_constants_rebuilds_the_row_with_them():
+    """agree's row: the host's values travel as their checksum (the last slot) and the raw field as it is,
+    written whole by the row's kernel (no tensor made from host data, the row's prior contents overwritten),
+    equal to the torch forms' row made on the host; agree.rebuilt adds the Digests' constants back: the fields
+    of the row with them (write_row with the constants in place), slot for slot."""
+    from bench.launches import counting
+    from gtpo_kernels.core import entry
+    from gtpo_kernels.distributed import agree
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 3, 3, 8, 10])
+    mask = (torch.rand(10, generator=g) > 0.2).float()
+    b = batch.prepare_tokens(torch.randint(0, 50, (10,), generator=g), mask, cu_seqlens=cu)
+    fields = [37, 4, 10, digest.Digest("values", 12345, (torch.randn(10, generator=g), mask)),
+              digest.fingerprint_field(("torch", 1.5, torch.randn(3, generator=g), torch.tensor(0.25))), 11,
+              digest.Digest.values(torch.randn(4, generator=g)), *digest.token_fields(b)]
+    layout = agree._layout(fields, 1)
+    assert [k for k, _ in layout].count("digest") == 3 and layout[0] == ("raw", 37)
+    with counting() as c:
+        kernel_row = torch.full((len(fields) + 2,), 5, dtype=torch.int64)
+        digest.write_row(fields, kernel_row, head=agree._head_args(layout))
+    assert c.creations == 0 and c.triton_names["_row_kernel"] == 1, (c.creations, dict(c.triton_names))
+    token = entry._KERNELS.set(False)
+    try:
+        torch_row = torch.tensor(agree._head(layout), dtype=torch.int64)
+        digest.write_row(fields, torch_row, head=False)
+        legacy = torch.tensor([0] + [f.const if isinstance(f, digest.Digest) else f for f in fields])
+        digest.write_row(fields, legacy)
+    finally:
+        entry._KERNELS.reset(token)
+    assert torch.equal(kernel_row, torch_row), (kernel_row, torch_row)
+    assert kernel_row[-1] == agree._key(layout) and kernel_row[1] == 37 and kernel_row[2] == kernel_row[3] == 0
+    assert agree.rebuilt(layout, kernel_row.tolist()) == legacy[1:].tolist()
+    assert legacy[4] != kernel_row[4]  # (the constant is not in the row)
+    moved = agree._layout([38, 5, *fields[2:]], 1)  # the raw field is not in the key; the others are
+    assert agree._key(moved) != agree._key(layout) and agree._key(agree._layout([38, *fields[1:]], 1)) == agree._key(layout)

@@ -83,8 +83,8 @@ def _conflict_checks(rank, world, counter):
                 "one": _exact(lam, one_lam[rows, :T]) and _exact(n, one_n[rows]),
                 "ref": _exact(lam, ref_lam[rows, :T]) and _exact(n, ref_n[rows]),
                 "lam_not_all_one": bool((ref_lam != 1).any()), "shape": list(lam.shape) == [rows.stop - rows.start, T],
-                # received per padded token of the gathered batch, less the one shape check (7 int64 per rank)
-                "gathered_bytes_per_token": (counter["all_gather"] - before - 8 * 7 * world) / (
+                # received per padded token of the gathered batch, less the one shape check (8 int64 per rank)
+                "gathered_bytes_per_token": (counter["all_gather"] - before - 8 * 8 * world) / (
                     world * max(ROWS[world]) * max(T_RANK[world]))}
             # packed: each rank's rows without padding (holes kept, masked out)
             pids, pm, pcu, keep = _packed(ids[rows, :T], mask[rows, :T])
@@ -103,6 +103,23 @@ def _conflict_checks(rank, world, counter):
         k = keys[rows] if rank == 0 else [int(x) for x in keys[rows]]
         lam, n = conflict_weights(sids[rows], smask[rows], sadv[rows], group_ids=k, process_group=grp)
         res[f"{seed}/group_ids/mixed"] = {"ref": _exact(lam, want_lam[rows]) and _exact(n, want_n[rows])}
+    # an unvalidated NaN advantage (row 6, group 1): its group's weights NaN, as in one process (they were
+    # finite: its sign travelled as 0, inactive), the other groups' as before; padded and packed
+    ids, mask, adv = _batch(0, world)
+    adv = adv.clone()
+    adv[6] = float("nan")
+    pids, pm, pcu, keep = _packed(ids[rows, :T], mask[rows, :T])
+    for backend in ("torch", "triton"):
+        one_lam, one_n = conflict_weights(ids, mask, adv, G, backend=backend, validate=False)
+        lam, n = conflict_weights(ids[rows, :T], mask[rows, :T], adv[rows], G, backend=backend, validate=False,
+                                  process_group=grp)
+        plam, pn = conflict_weights(pids, pm, adv[rows], G, cu_seqlens=pcu, backend=backend, validate=False,
+                                    process_group=grp)
+        res[f"nan/{backend}"] = {"one": _exact(lam.nan_to_num(7.0), one_lam[rows, :T].nan_to_num(7.0))
+                                 and _exact(n.nan_to_num(7.0), one_n[rows].nan_to_num(7.0))
+                                 and _exact(plam.nan_to_num(7.0), one_lam[rows, :T][keep].nan_to_num(7.0))
+                                 and _exact(pn.nan_to_num(7.0), n.nan_to_num(7.0)),
+                                 "group_nan": bool(torch.isnan(one_n[4:8]).all() and torch.isfinite(one_n[:4]).all())}
     # errors on every rank, never a hang (after each, the ranks are still in step: the next call works)
     ids, mask, adv = _batch(0, world)
     a, m, d = ids[rows, :T], mask[rows, :T], adv[rows]
@@ -246,7 +263,7 @@ def test_data_parallel(world):
     print(f"\n{world} ranks, rank 0: " + ", ".join(f"{k} {v:.2g}" for k, v in results[0]["loss"].items()))
     for r, res in enumerate(results):
         for key, e in res["conflicts"].items():
-            for f in ("one", "ref", "lam_not_all_one", "shape"):
+            for f in ("one", "ref", "lam_not_all_one", "shape", "group_nan"):
                 if f in e:
                     assert e[f] is True, (r, key, f)
             if "gathered_bytes_per_token" in e:

@@ -4,7 +4,9 @@ launches plus aten ops that launch a kernel, collectives included), at two token
 the slices' statistics is one kernel between its two all-reduces (the forward kernel stores the first
 all-reduce's input, the epilogue kernel finishes the second's sums), the agreement's checksums one
 kernel for the whole row it all-gathers (no per-field launch), one host read unvalidated
-(the agreement's), and nothing grows with the tokens; linear_token_logprobs (one tile of the LM head) too."""
+(the agreement's), no tensor made from host data (a host-to-device copy on a GPU: the row's host values are
+written by its kernel, their checksum a launch argument), and nothing grows with the tokens;
+linear_token_logprobs (one tile of the LM head) too."""
 import os
 
 from gloo import run_ranks_ok
@@ -92,11 +94,12 @@ def _ranks(rank, world):
 def test_vocabulary_parallel_launches_are_few_and_flat_in_tokens():
     results = run_ranks_ok(_ranks, 2)
     for res in results:
-        by_size = [{(c, v): (n, tr, reads) for c, v, n, tr, reads in rows} for rows in res.values()]
+        by_size = [{(c, v): (n, tr, reads, made) for c, v, n, tr, reads, made in rows} for rows in res.values()]
         assert {k: v for k, v in by_size[0].items() if k in by_size[1]} == by_size[1], by_size  # flat in tokens
         assert {c for c, _ in by_size[1]} >= set(FLAT), by_size
-        for key, (n, triton, reads) in by_size[0].items():
+        for key, (n, triton, reads, made) in by_size[0].items():
             assert n <= BOUND[key], (key, n)
+            assert made == 0, (key, made)  # (1 before the row's kernel wrote its host values: torch.tensor(...).to)
             # the merge's and the checksums' kernels ran (not torch ops; the loss: the checksums in the forward's
             # launch); token_logprobs: no epilogue, no backward
             assert triton >= 4, (key, triton)

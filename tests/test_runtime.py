@@ -37,6 +37,7 @@ ALLOWED_CONSTEXPR = {"BLOCK_V", "HAS_E", "HAS_SCALE", "HAS_SOFTCAP", "BLOCK_G", 
                      "OUT_AT_ROW",  # the head's tile of a vocabulary slice: outputs at the tile's row, a switch
                      "VP",  # the epilogue finishes the vocabulary-parallel merge: a switch
                      "CHECKS",  # the agreement row's kernel checks values too: a switch
+                     "HEAD",  # and writes the row's host values (their checksum by value): a switch
                      "TOP_ENT", "TOK_ADV",  # the top-entropy mask, advantages per token: switches
                      "PHASE",  # the epilogue's key launch (clip_cov, kl_cov) or the loss: a mode
                      "HP",  # which hyper-parameters are read by pointer (a config's, fixed across steps; no value)

@@ -122,13 +122,14 @@ for arch in (90, 80, 100):
                           w2=torch.float32, x4=torch.float32, w4=torch.bool, x5=torch.float32, x6=torch.float32,
                           w6=torch.bool, x7=torch.bfloat16, row_ptr=i64, ids_ptr=i64, counted_ptr=torch.float32,
                           cu_ptr=torch.int32 if arch == 90 else i64), i64,
-                          dict(terms, n_tok=32768, T=512, o_tok=9, n_cu=64),
+                          dict(terms, n_tok=32768, T=512, o_tok=9, n_cu=64, n_fields=27, raw0=75968, key=(1 << 61) | 99),
                           dict(F0=3 | 8, F1=24 | 64, F2=3 | 48, F3=5 if arch == 80 else 40 | 64,
                                F4={80: 16, 90: 3 | 48 | 64 | 128, 100: 3 | 128}[arch],
                                F5=56 | 66 if arch == 100 else 32 | 64,
                                F6=3 | 48 | 256, F7=1 | 56 | 64 | 256,  # (per completion of cu_seqlens: at least 0
                                # with its checksum; a temperature alone)
-                               N_TERMS=8, TOKENS=True, HAS_MASK=True, CHECKS=arch != 80, BLOCK=1024,
+                               N_TERMS=8, TOKENS=True, HAS_MASK=True, CHECKS=arch != 80, HEAD=0 if arch == 80 else 2,
+                               BLOCK=1024,
                                num_warps=4)).asm.get("ptx")  # (checks: finite, ids alone, at least, cu_max alone,
     # 0 or 1 (sm_90: per-row weights at least 0 alone; sm_100: their checksum at the tokens), cu alone or on
     # sm_100 a temperature alone at `where`; digest_triton._add_term's F bits)
@@ -153,9 +154,10 @@ for arch in (90, 80):
                           seq_cu_ptr=i64, row_ptr=i64, x0=torch.bfloat16, w0=torch.bool, x1=i64, ids_ptr=i64,
                           counted_ptr=torch.bool, cu_ptr=i64), f32,
                           dict(terms, stride_lb=75968 * 512, stride_lt=75968, T=512, V=75968, logits_start=0,
-                               n_tok_f=32768, temp_stride=1, n_seq=64, n_tok=32768, T_tok=512, o_tok=9, n_cu=64),
+                               n_tok_f=32768, temp_stride=1, n_seq=64, n_tok=32768, T_tok=512, o_tok=9, n_cu=64,
+                               n_fields=27, raw0=75968, key=(1 << 61) | 99),
                           dict(F0=3 | 8, F1=24 | 64, F2=0, F3=0, F4=0, F5=0, F6=0, F7=0, N_TERMS=2, TOKENS=True,
-                               ROW_MASK=True, CHECKS=arch == 90, BLOCK=P.ROW_BLOCK, BLOCK_V=fwd_block_v(151936),
+                               ROW_MASK=True, CHECKS=arch == 90, HEAD=2, BLOCK=P.ROW_BLOCK, BLOCK_V=fwd_block_v(151936),
                                HAS_MASK=True, TEMP_BY_VALUE=False, TEMP_PER_SEQ=2 if arch == 90 else 0,
                                VOCAB_BLOCK=8192, num_warps=4)).asm.get("ptx")
 print("compiled")

@@ -208,6 +208,11 @@ def check_same_shape(name, x, tok_shape):
     check_shape(name, x, tok_shape, "completion_ids' shape")
 
 
+def check_float_dtype(name, dtype):
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point torch.dtype (torch.float32, torch.float64, ...), got {dtype!r}")
+
+
 def check_float_tensor(name, x):
     check_tensor(name, x)
     if not x.dtype.is_floating_point:
@@ -230,7 +235,7 @@ def check_logits(logits, ndim, what, sliced=False):
         raise ValueError("logits must have a vocabulary dimension V >= 1")
 
 
-def check_ids_in_range(ids, counted, V, where=None):
+def check_ids_in_range(ids, counted, V, where=None, name="completion_ids"):
     """Host check (validate=True only): ids in [0, V) at counted positions (counted, where: as check_finite's)."""
     made, where = _selection(counted, where)
 
@@ -240,7 +245,7 @@ def check_ids_in_range(ids, counted, V, where=None):
     def fail():
         k = int(bad().nonzero()[0, 0])
         span = f"[0, V) = [0, {V})" if V != float("inf") else "[0, V) (V: the whole vocabulary over the group)"
-        raise ValueError(f"completion_ids must lie in {span} at counted positions; flat position {k} holds "
+        raise ValueError(f"{name} must lie in {span} at counted positions; flat position {k} holds "
                          f"{int(ids[k])} (mask it out, or fix the ids)")
     _check(ids, where, "range", V, bad, fail)
 

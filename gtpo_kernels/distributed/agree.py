@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 
-from .digest import Digest, kernels_on, row_launch, write_row
+from .digest import _MASK61, Digest, kernels_on, row_launch, write_row
 
 # the agreement's collective: an all-gather into one tensor (named all_gather_into_tensor before torch 2.13)
 GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
@@ -34,6 +34,7 @@ class guard:
 
     def __init__(self, group):
         self.group, self.error, self.fields, self.later, self.row_checks = group, None, None, [], []
+        self.layout = None  # (agree: each field's part in the row)
 
     def __enter__(self):
         return self
@@ -113,60 +114,97 @@ def _kind_name(code):
     return _KINDS[code - 1] if code - 1 < len(_KINDS) else "an exception"
 
 
-def _constants(fields, device):
-    """[0 (the error flag), *fields] as one int64 tensor on `device`: a Digest's constant, a device field's 0
-    (formed into its slot after), a number as it is."""
-    return torch.tensor([0] + [f.const if isinstance(f, Digest) else 0 if isinstance(f, torch.Tensor) else int(f)
-                               for f in fields], dtype=torch.int64).to(device)
+def _layout(fields, raw):
+    """Each field's part in the row: ('raw', value) for the first `raw` (compared as they are: they may differ
+    between ranks), ('digest', const) for a Digest formed on the device (its constant kept on the host; a
+    'tokens' one's and the next two's 0), ('device', 0) for a tensor field, ('host', int) for a number."""
+    def part(i, f):
+        if i < raw:
+            return "raw", int(f)
+        if isinstance(f, Digest):
+            return ("digest", f.const) if f.kind not in ("tokens", "filled") else ("device", 0)
+        return ("device", 0) if isinstance(f, torch.Tensor) else ("host", int(f))
+    return [part(i, f) for i, f in enumerate(fields)]
 
 
-def _row(g, width, device):
-    """[error flag, *fields] as one int64 tensor on `device` (device fields are not read on the host; a
-    Digest is formed into its slot, by one kernel where its tensors live on `device`)."""
+def _key(layout):
+    """The constants' checksum (62 bits, the top one set: an int64 launch argument of one type)."""
+    import hashlib
+    kept = repr([(kind, None if kind == "raw" else v) for kind, v in layout]).encode()
+    return (int.from_bytes(hashlib.blake2b(kept, digest_size=8).digest(), "little") >> 3) | (1 << 61)
+
+
+def _head(layout):
+    """The row's values known on the host: [0 (the error flag), the raw fields, 0 elsewhere, the key]."""
+    return [0] + [v if kind == "raw" else 0 for kind, v in layout] + [_key(layout)]
+
+
+def _head_args(layout):
+    """digest_triton.row_launches' head for this layout: its kernel writes the row's host values (a raw field in
+    slot 1 at most), or None where it cannot."""
+    raws = [v for kind, v in layout if kind == "raw"]
+    return None if len(raws) > 1 else (len(layout), raws[0] if raws else None, _key(layout))
+
+
+def _row(g, width, device, raw):
+    """[error flag, *fields, key] as one int64 tensor on `device`: a field the ranks compare by value (`raw`)
+    as it is, a Digest's terms and a device field formed into their slots, 0 elsewhere: the host's constants
+    travel as their checksum (`_key`), so nothing is copied to the device where the row's kernel runs (it writes
+    the row whole); else the host's values are one tensor made on the host."""
     try:
         if g.error is None:
             fields = list(g.fields)
             if len(fields) != width:
                 raise RuntimeError(f"agree: {len(fields)} fields, expected {width}")
-            row = _constants(fields, device)
-            on_dev = [i for i, f in enumerate(fields) if isinstance(f, torch.Tensor)]
-            if on_dev:
-                row[[i + 1 for i in on_dev]] = torch.stack([fields[i].reshape(()).to(device, torch.int64)
-                                                            for i in on_dev])
-            write_row(fields, row, g.row_checks)  # the checksums and checks: one launch where the kernels run
+            layout = _layout(fields, raw)
+            head = _head_args(layout) if kernels_on(device, []) else None
+            row = torch.empty(width + 2, dtype=torch.int64, device=device) if head else \
+                torch.tensor(_head(layout), dtype=torch.int64).to(device)
+            write_row(fields, row, g.row_checks, head or False)  # the checksums and checks: one launch where the kernels run
+            for i, f in enumerate(fields):  # (a device field: a launch each)
+                if isinstance(f, torch.Tensor):
+                    row[i + 1] = f.reshape(()).to(device, torch.int64)
             for bad, error in g.later:  # (one launch each)
                 if bad is not None:
                     row[:1].masked_fill_(bad.to(device, torch.bool).reshape(1), _kind(error))
+            g.layout = layout
             return row
     except Exception as e:  # noqa: BLE001 - held like any other local failure
         g.error = e
-    row = torch.zeros(width + 1, dtype=torch.int64, device=device)
+    row = torch.zeros(width + 2, dtype=torch.int64, device=device)
     row[0] = _kind(g.error)
     return row
 
 
-def row_to_fold(g, width, device):
-    """(the row with its constants, the one program that forms the rest: digest.row_launch) where another
-    launch may run that program before `agree(..., row=row)`, else None (this rank failed, a field lives on the
-    device, a device-side condition joins the flag, or the row takes more than that program)."""
+def row_to_fold(g, width, device, raw=1):
+    """(the row, the one program that forms it whole: digest.row_launch) where another launch may run that
+    program before `agree(..., row=row)`, else None (this rank failed, a field lives on the device, a
+    device-side condition joins the flag, or the row takes more than that program)."""
     if g.error is not None or len(g.fields) != width or any(isinstance(f, torch.Tensor) for f in g.fields) \
-            or any(bad is not None for bad, _ in g.later):
+            or any(bad is not None for bad, _ in g.later) or not kernels_on(device, []):
         return None
     try:  # (a failure here is left to _row, which holds it as this rank's)
-        row = _constants(g.fields, device)
-        launch = row_launch(g.fields, row, g.row_checks)
+        layout = _layout(g.fields, raw)
+        head = _head_args(layout)
+        row = torch.empty(width + 2, dtype=torch.int64, device=device)
+        launch = None if head is None else row_launch(g.fields, row, g.row_checks, head)
     except Exception:  # noqa: BLE001
         return None
-    return None if launch is None else (row, launch)
+    if launch is None:
+        return None
+    g.layout = layout
+    return row, launch
 
 
-def agree(g, width, device, where, row=None):
-    """The one small collective: every rank's [error flag, *g.fields] -> the fields of every rank (lists
+def agree(g, width, device, where, row=None, raw=1):
+    """The one small collective: every rank's [error flag, *g.fields, key] -> the fields of every rank (lists
     of ints, rank order); one host read. If any rank failed, every rank raises the same ValueError
     naming the failing rank(s); a failing rank chains its own error. row: this rank's row, formed already
-    (row_to_fold's, its program run by another launch)."""
+    (row_to_fold's, its program run by another launch). raw: how many leading fields travel as they are;
+    the others' host values travel as their checksum, and only where it differs between ranks (every rank
+    sees that alike) are they all-gathered themselves (a second collective, on the way to an error)."""
     import torch.distributed as dist
-    mine = _row(g, width, device) if row is None else row
+    mine = _row(g, width, device, raw) if row is None else row
     every = mine.new_empty(dist.get_world_size(g.group) * mine.numel())
     getattr(dist, GATHER)(every, mine, group=g.group)
     rows = every.view(-1, mine.numel()).tolist()
@@ -178,7 +216,17 @@ def agree(g, width, device, where, row=None):
         raise ValueError(f"{where}: rank(s) {failed} refused their arguments ({why}; the error chained on "
                          f"the failing rank says why); every rank of the group raises this error, none is "
                          f"left waiting") from g.error
-    return [row[1:] for row in rows]
+    layouts = [g.layout] * len(rows)
+    if len({row[-1] for row in rows}) > 1:  # the host's values differ somewhere: gathered to be named
+        layouts = [None] * len(rows)
+        dist.all_gather_object(layouts, g.layout, group=g.group)
+    return [rebuilt(layout, row) for layout, row in zip(layouts, rows)]
+
+
+def rebuilt(layout, row):
+    """A gathered row's fields (a list of ints) from its layout (_layout's): a Digest's constant added back."""
+    return [(c + v) & _MASK61 if kind == "digest" else c if kind == "host" else v
+            for (kind, c), v in zip(layout, row[1:-1])]
 
 
 def odd_ranks(values):

@@ -49,7 +49,7 @@ def dp_conflict_weights(completion_ids, completion_mask, advantages, group_size,
             agree.fail_if(g, batch.cu_malformed(cu_seqlens, N), ValueError(
                 f"cu_seqlens must start at 0, never decrease and end at N = {N} (completion_ids' length)"))
         g.fields = g.local.fields
-    rows = agree.agree(g, 6, agree.collective_device(group, completion_ids), where)  # 2. 56 bytes per rank
+    rows = agree.agree(g, 6, agree.collective_device(group, completion_ids), where, raw=6)  # 2. 64 bytes per rank
     packed, Bs, Ts, options, gs, kinds = (list(c) for c in zip(*rows))
     _check_agreed(packed, Bs, gs, kinds, where)
     agree.disagree(where, options, "the options (compared by value: the config, dtype, validate, backend)",
@@ -81,6 +81,7 @@ def _local(completion_ids, completion_mask, advantages, group_size, group_ids, c
     kind]. max_seqlen is this rank's own: the whole batch's padded length is read from its lengths."""
     cfg = GTPOConfig() if config is None else as_config(config)
     checks.require_advantages(advantages)
+    checks.check_float_dtype("dtype", dtype)
     host = checks.host_checks(validate)
     b = batch.prepare_tokens(completion_ids, completion_mask, advantages, cu_seqlens=cu_seqlens,
                              max_seqlen=max_seqlen, validate=host, allow_empty=True)  # any number of rows
@@ -124,9 +125,11 @@ def _check_agreed(packed, Bs, gs, kinds, where):
 
 def _payload(b, packed, T_max, B_max, key_col):
     """This rank's ids, mask and advantages' signs (int64 keys too) as one int64 vector, padded to the
-    longest rank (16 bytes per token and 8 per completion)."""
+    longest rank (16 bytes per token and 8 per completion). A NaN advantage's sign travels as 2 (_signs: NaN
+    again, so that its group's weights are NaN as in one process)."""
     ids, m = b.ids.long(), b.counted.long()
-    sign = torch.sign(b.adv.detach()).nan_to_num(0.0).long()
+    adv = b.adv.detach()
+    sign = torch.where(torch.isnan(adv), 2.0, torch.sign(adv)).long()
     if packed:
         cu = b.cu_seqlens.long()
         fields = [(ids, T_max), (m, T_max), (cu[1:] - cu[:-1], B_max), (sign, B_max)] + [(k, B_max) for k in key_col]
@@ -155,11 +158,16 @@ def _gather_batch(loc, group_ids, packed, Bs, Ts, kinds, group):
         lengths = torch.cat([p[2] for p in part])
         all_cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
         whole = batch.prepare_tokens(torch.cat([p[0] for p in part]), torch.cat([p[1] for p in part]).bool(),
-                                     torch.cat([p[3] for p in part]).float(), cu_seqlens=all_cu,
+                                     _signs(torch.cat([p[3] for p in part])), cu_seqlens=all_cu,
                                      validate=False)
         return whole, torch.cat([p[4] for p in part]) if key_col else None
     width = 2 * T_max + 1 + len(key_col)
     rows = torch.cat([x.reshape(B_max, width)[:Bs[r]] for r, x in enumerate(gathered)])
-    whole = batch.prepare_tokens(rows[:, :T_max], rows[:, T_max:2 * T_max].bool(), rows[:, 2 * T_max].float(),
+    whole = batch.prepare_tokens(rows[:, :T_max], rows[:, T_max:2 * T_max].bool(), _signs(rows[:, 2 * T_max]),
                                  validate=False)
     return whole, rows[:, 2 * T_max + 1] if key_col else None
+
+
+def _signs(x):
+    """The gathered signs as the advantages the weights are computed from (_payload's 2: NaN)."""
+    return torch.where(x == 2, float("nan"), x.float())

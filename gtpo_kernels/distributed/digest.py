@@ -193,11 +193,10 @@ def token_fields(b):
 
 class Digest:
     """An agreement field formed when the row is made (nothing launched before, none for a rank that
-    failed): `const` in its slot plus (mod 2**61), kind 'values', values_digest(x, where) (terms (x, where)); kind
-    'fingerprint', each tensor option's word at its position (terms [(t, pos)]); kind 'rows', values_digest
-    of x (one per completion) spread on the tokens, at where (terms (x, where, rows), rows a Batch's seq_rows:
-    T, rows of T tokens, or (cu_seqlens, N) packed); kind 'tokens',
-    token_digest in three slots (terms: the Batch; the next two fields are 'filled'). Formed by the
+    failed): `const` plus (mod 2**61), kind 'values', values_digest(x, where) (terms (x, where)); 'fingerprint',
+    each tensor option's word at its position (terms [(t, pos)]); 'rows', values_digest of x (one per
+    completion) spread on the tokens, at where (terms (x, where, rows), rows a Batch's seq_rows: T, or
+    (cu_seqlens, N) packed); 'tokens', token_digest in three slots (terms: the Batch; the next two 'filled'). By the
     kernels of kernels/digest_triton (write_row: the whole row in one launch) where the tensors live on the
     row's device and Triton runs there, else by the torch forms above (`write`; bitwise equal)."""
     __slots__ = ("kind", "const", "terms")
@@ -221,67 +220,69 @@ class Digest:
             return [_given_ids(b)] + ([] if b.mask is None else [b.mask])
         return []
 
-    def write(self, row, slot):
-        """The torch form's value into row[slot:] (write_row forms the kernels' in one launch)."""
+    def write(self, row, slot, const=True):
+        """The torch form's value into row[slot:] (write_row forms the kernels' in one launch; const False: the
+        terms alone, the constant left out)."""
         if self.kind == "filled":
             return
-        value = torch.stack(list(self.value())) if self.kind == "tokens" else self.value().reshape(1)
+        value = torch.stack(list(self.value())) if self.kind == "tokens" else self.value(const).reshape(1)
         row[slot:slot + value.numel()] = value.to(row.device)
 
-    def value(self):
-        """The torch form's value (0-d int64 tensors; 'tokens': three)."""
+    def value(self, const=True):
+        """The torch form's value (0-d int64 tensors; 'tokens': three); const False: the terms alone."""
+        c = self.const if const else 0
         if self.kind == "values":
-            return (values_digest(*self.terms) + self.const) & _MASK61
+            return (values_digest(*self.terms) + c) & _MASK61
         if self.kind == "rows":
             x, where, rows = self.terms
-            return (values_digest(spread_rows(x.reshape(-1), rows), where) + self.const) & _MASK61
+            return (values_digest(spread_rows(x.reshape(-1), rows), where) + c) & _MASK61
         if self.kind == "tokens":
             return token_digest(self.terms)
-        digest = self.const
+        digest = c
         for t, pos in self.terms:
             digest = digest + _mix(_float_bits(t.reshape(())) if t.numel() == 1 else values_digest(t), pos)
         return digest & _MASK61
 
 
-def write_row(fields, row, row_checks=()):
-    """Every Digest among `fields` formed into `row` (field i at slot i + 1): those the kernels form in one
-    launch (digest_triton.row_terms; one more per SLOTS terms, and for each tensor option of a fingerprint
-    after its first, which adds into the same slot after it), the others by their torch forms. row_checks
-    (core.host_read.RowCheck): their predicates formed in the same launch, a failing one setting the row's
-    error flag (row[0] = 1, a ValueError): on the term of the same tensor where a checksum reads it, else a
-    term of their own; by their torch forms where the kernels do not run."""
+def write_row(fields, row, row_checks=(), head=None):
+    """Every Digest among `fields` formed into `row` (field i at slot i + 1): by the kernels in one launch
+    (digest_triton.row_terms; one more per SLOTS terms, and per tensor option of a fingerprint after its first,
+    added into its slot after), the others by their torch forms. row_checks (core.host_read.RowCheck): their
+    predicates in the same launch, a failure setting row[0] = 1 (a ValueError), by their torch forms where the
+    kernels do not run. head (agree's row): False, the Digests' terms alone (no constant) into a row written
+    already; or row_launches' head: the first launch writes the row whole first (a launch even with no term)."""
     from ..kernels import digest_triton
-    jobs, tokens, after, torch_forms = _row_work(fields, row, row_checks)
-    for form in torch_forms:
+    jobs, tokens, after, torch_forms = _row_work(fields, row, row_checks, head is None)
+    for form in torch_forms if not head else ():
         form()
-    if jobs or tokens is not None:
-        digest_triton.row_terms(row, [tuple(j) for j in jobs], tokens)
+    if jobs or tokens is not None or head:
+        digest_triton.row_terms(row, [tuple(j) for j in jobs], tokens, head or None)
+        for form in torch_forms if head else ():
+            form()
         for slot, t, _, size, pos, _, *_ in after:
             digest_triton.terms(row, slot, t, None, size, pos)
 
 
-def row_launch(fields, row, row_checks=()):
+def row_launch(fields, row, row_checks=(), head=None):
     """write_row's whole work as the one program of digest_triton._row_body: (its arguments after the row, its
-    switches), which another launch may run (vp_first_triton); None where it takes more (a torch form, a
-    fingerprint's second tensor option, more than SLOTS terms). Nothing is launched here."""
+    switches) for another launch to run (vp_first_triton); None where it takes more. Nothing is launched."""
     from ..kernels import digest_triton
-    jobs, tokens, after, torch_forms = _row_work(fields, row, row_checks)
+    jobs, tokens, after, torch_forms = _row_work(fields, row, row_checks, head is None)
     if torch_forms or after:
         return None
-    launches = digest_triton.row_launches(row, [tuple(j) for j in jobs], tokens)
+    launches = digest_triton.row_launches(row, [tuple(j) for j in jobs], tokens, head)
     return launches[0] if len(launches) == 1 else None
 
 
-def _row_work(fields, row, row_checks):
-    """write_row's work: (the kernels' jobs, the tokens' job, the fingerprints' later options, the torch forms
-    as callables), nothing run."""
+def _row_work(fields, row, row_checks, const=True):
+    """write_row's work: (the kernels' jobs, the tokens' job, later options, the torch forms), nothing run."""
     from ..kernels import digest_triton
     jobs, tokens, after, torch_forms = [], None, [], []
     for i, f in enumerate(fields):
         if not isinstance(f, Digest) or f.kind == "filled":
             continue
         if not kernels_on(row.device, f._tensors()):
-            torch_forms.append(lambda f=f, i=i: f.write(row, i + 1))
+            torch_forms.append(lambda f=f, i=i: f.write(row, i + 1, const))
         elif f.kind == "values":
             x, where = f.terms
             jobs.append([i + 1, x, where, _size_term(x), None, None])

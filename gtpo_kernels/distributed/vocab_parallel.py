@@ -58,7 +58,7 @@ def _draw_states(options, device):
             yield from _draw_states(o, device)
 
 
-WIDTH = 1 + KEY + 4 + len(digest.INPUTS) + len(REPLAY)  # the agreement's fields: 27 int64 with the flag
+WIDTH = 1 + KEY + 4 + len(digest.INPUTS) + len(REPLAY)  # the agreement's fields: 28 int64 with the flag and key
 
 
 def vocab_layout(g, device, where, row=None):

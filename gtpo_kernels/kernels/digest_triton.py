@@ -26,6 +26,7 @@ K2 = tl.constexpr(0x632BE59BD9B4E019)
 K3 = tl.constexpr(0x2545F4914F6CDD1D)
 K4 = tl.constexpr(0xBF58476D1CE4E5B9 - (1 << 64))
 NAN_BITS = tl.constexpr(0x7FF8000000000000)
+HEAD_SLOTS = tl.constexpr(64)  # a row written whole (_row_body's HEAD) has at most this many slots
 
 
 @triton.jit
@@ -165,16 +166,23 @@ def _tokens_into(ids_ptr, counted_ptr, out_ptr, n, T, BLOCK: tl.constexpr, HAS_M
 def _row_body(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
               x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
               x6, w6, n6, s6, p6, o6, x7, w7, n7, s7, p7, o7,
-              ids_ptr, counted_ptr, n_tok, T, o_tok, cu_ptr, n_cu, F0: tl.constexpr, F1: tl.constexpr,
-              F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, F6: tl.constexpr, F7: tl.constexpr,
-              N_TERMS: tl.constexpr, TOKENS: tl.constexpr, HAS_MASK: tl.constexpr, CHECKS: tl.constexpr,
-              BLOCK: tl.constexpr):
+              ids_ptr, counted_ptr, n_tok, T, o_tok, cu_ptr, n_cu, n_fields, raw0, key, F0: tl.constexpr,
+              F1: tl.constexpr, F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr,
+              F6: tl.constexpr, F7: tl.constexpr, N_TERMS: tl.constexpr, TOKENS: tl.constexpr, HAS_MASK: tl.constexpr,
+              CHECKS: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr):
     """N_TERMS <= SLOTS terms (tensor i: x_i, where w_i, n_i elements, size word s_i, position p_i, F_i as
     _add_term's) added into row[o_i] (distinct slots) and, TOKENS, the tokens' three fields into
     row[o_tok:o_tok + 3]: a row's checksums in one program, one after the other. CHECKS: some term checks
     its values; a failure sets the row's error flag, row[0] = 1 (a ValueError, agree._kind). cu_ptr, n_cu:
-    the packed form's cu_seqlens and its completions, read by the PER_CU terms. The program of _row_kernel,
-    and the first program of the vocabulary-parallel forward's launch (vp_first_triton)."""
+    the packed form's cu_seqlens and its completions, read by the PER_CU terms. HEAD (1; 2 with raw0 in slot 1):
+    first the whole row row[0:n_fields + 2] is written, 0 but for raw0 and the constants' `key` in the last slot
+    (agree: the row's constants are not copied to the device). The program of _row_kernel, and the first
+    program of the vocabulary-parallel forward's launch (vp_first_triton)."""
+    if HEAD > 0:
+        k = tl.arange(0, HEAD_SLOTS).to(tl.int64)
+        head = tl.where(k == n_fields + 1, key, tl.where((k == 1) & (HEAD == 2), raw0, 0))
+        tl.store(row_ptr + k, head, mask=k < n_fields + 2)
+        tl.debug_barrier()  # (the terms below add into these slots)
     bad = 0
     if N_TERMS > 0:
         bad = bad | _add_term(row_ptr + o0, x0, w0, n0, s0, p0, F0, BLOCK, cu_ptr, n_cu)
@@ -200,21 +208,20 @@ def _row_body(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n
 
 @triton.jit(do_not_specialize=["n0", "s0", "p0", "o0", "n1", "s1", "p1", "o1", "n2", "s2", "p2", "o2", "n3", "s3",
                                "p3", "o3", "n4", "s4", "p4", "o4", "n5", "s5", "p5", "o5", "n6", "s6", "p6", "o6",
-                               "n7", "s7", "p7", "o7", "n_tok", "T", "o_tok", "n_cu"])
+                               "n7", "s7", "p7", "o7", "n_tok", "T", "o_tok", "n_cu", "n_fields", "raw0", "key"])
 def _row_kernel(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
                 x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
                 x6, w6, n6, s6, p6, o6, x7, w7, n7, s7, p7, o7,
-                ids_ptr, counted_ptr, n_tok, T, o_tok, cu_ptr, n_cu, F0: tl.constexpr, F1: tl.constexpr,
-                F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, F6: tl.constexpr, F7: tl.constexpr,
-                N_TERMS: tl.constexpr,
-                TOKENS: tl.constexpr, HAS_MASK: tl.constexpr, CHECKS: tl.constexpr,
-                BLOCK: tl.constexpr):
+                ids_ptr, counted_ptr, n_tok, T, o_tok, cu_ptr, n_cu, n_fields, raw0, key, F0: tl.constexpr,
+                F1: tl.constexpr, F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr,
+                F6: tl.constexpr, F7: tl.constexpr, N_TERMS: tl.constexpr, TOKENS: tl.constexpr,
+                HAS_MASK: tl.constexpr, CHECKS: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr):
     """A row's checksums in one program (_row_body)."""
     _row_body(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
               x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
               x6, w6, n6, s6, p6, o6, x7, w7, n7, s7, p7, o7,
-              ids_ptr, counted_ptr, n_tok, T, o_tok, cu_ptr, n_cu, F0, F1, F2, F3, F4, F5, F6, F7,
-              N_TERMS, TOKENS, HAS_MASK, CHECKS, BLOCK)
+              ids_ptr, counted_ptr, n_tok, T, o_tok, cu_ptr, n_cu, n_fields, raw0, key, F0, F1, F2, F3, F4, F5, F6,
+              F7, N_TERMS, TOKENS, HAS_MASK, CHECKS, HEAD, BLOCK)
 
 
 SLOTS = 8  # terms per launch of _row_kernel (a packed batch's validated row: cu_seqlens' two checks and the
@@ -241,20 +248,24 @@ BOUNDED = ("range", "cu", "cu_max", "atleast")  # kinds whose bound V takes the 
 V_LIMIT = 1 << 62  # a range check's V = inf, as an int64 bound no id reaches
 
 
-def row_terms(row, jobs, tokens=None):
+def row_terms(row, jobs, tokens=None, head=None):
     """A row's checksums in one launch of _row_kernel per SLOTS terms (the tokens' with the first): jobs
     [(slot, x, where, size_term, pos, check[, T])] at distinct slots, as `terms` takes them, check None or a
     core.host_read.RowCheck of x at where (its kind; slot 0: the check alone, no term), T (or the check's
     row_length): x holds one value per row of T tokens, read at each token (_term's PER_ROW), or T = (cu_seqlens,
     N): one per completion of the packed form's N tokens (PER_CU; one cu_seqlens a launch); tokens None or
     (slot, ids, counted, T): the mask as given (nonzero counts; None: every token), T the rows' length
-    (digest.token_row_length)."""
-    for args, meta in row_launches(row, jobs, tokens):
+    (digest.token_row_length). head: row_launches'."""
+    for args, meta in row_launches(row, jobs, tokens, head):
         _row_kernel[(1,)](row, *args, **meta)
 
 
-def row_launches(row, jobs, tokens=None):
-    """row_terms' launches of _row_kernel as [(args after row_ptr, constexpr switches)], one per SLOTS terms."""
+def row_launches(row, jobs, tokens=None, head=None):
+    """row_terms' launches of _row_kernel as [(args after row_ptr, constexpr switches)], one per SLOTS terms.
+    head None, or (the fields' number, slot 1's raw value or None, the constants' key): the first launch
+    writes the whole row first (_row_body's HEAD)."""
+    if head is not None and head[0] + 2 > HEAD_SLOTS.value:
+        raise ValueError(f"a row written whole holds at most {HEAD_SLOTS.value} slots")
     out = []
     for i in range(0, max(len(jobs), 1), SLOTS):
         part, args, flags, cu = jobs[i:i + SLOTS], [], {}, None
@@ -288,6 +299,9 @@ def row_launches(row, jobs, tokens=None):
         else:
             args += [row, row, 0, 1, 0]
         args += [row, 0] if cu is None else [cu.reshape(-1).contiguous(), cu.numel() - 1]
+        first = head if i == 0 else None
+        args += [0, 0, 0] if first is None else [first[0], first[1] or 0, first[2]]
         out.append((args, dict(N_TERMS=len(part), TOKENS=tok is not None, HAS_MASK=tok is not None and tok[2] is not None,
-                               CHECKS=any(f & 56 for f in flags.values()), BLOCK=BLOCK, **flags)))
+                               CHECKS=any(f & 56 for f in flags.values()), BLOCK=BLOCK,
+                               HEAD=0 if first is None else 1 + (first[1] is not None), **flags)))
     return out

@@ -27,16 +27,17 @@ from .vp_merge_triton import _live_max
 @triton.jit(do_not_specialize=["T", "logits_start", "n_tok_f", "temp_stride", "n_seq", "n0", "s0", "p0", "o0", "n1",
                                "s1", "p1", "o1", "n2", "s2", "p2", "o2", "n3", "s3", "p3", "o3", "n4", "s4", "p4", "o4",
                                "n5", "s5", "p5", "o5", "n6", "s6", "p6", "o6", "n7", "s7", "p7", "o7", "n_tok", "T_tok",
-                               "o_tok", "n_cu"])
+                               "o_tok", "n_cu", "n_fields", "raw0", "key"])
 def _vp_first_kernel(logits_ptr, mask_ptr, logp_ptr, ent_ptr, stats_ptr, bad_ptr, max_ptr, stride_lb, stride_lt,
                      T, V, logits_start, n_tok_f, temp_ptr, temp_stride, seq_cu_ptr, n_seq,
                      row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
                      x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
                      x6, w6, n6, s6, p6, o6, x7, w7, n7, s7, p7, o7,
-                     ids_ptr, counted_ptr, n_tok, T_tok, o_tok, cu_ptr, n_cu,
+                     ids_ptr, counted_ptr, n_tok, T_tok, o_tok, cu_ptr, n_cu, n_fields, raw0, key,
                      F0: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr,
                      F5: tl.constexpr, F6: tl.constexpr, F7: tl.constexpr, N_TERMS: tl.constexpr,
-                     TOKENS: tl.constexpr, ROW_MASK: tl.constexpr, CHECKS: tl.constexpr, BLOCK: tl.constexpr,
+                     TOKENS: tl.constexpr, ROW_MASK: tl.constexpr, CHECKS: tl.constexpr, HEAD: tl.constexpr,
+                     BLOCK: tl.constexpr,
                      BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, TEMP_BY_VALUE: tl.constexpr,
                      TEMP_PER_SEQ: tl.constexpr, VOCAB_BLOCK: tl.constexpr):
     """Program 0: _row_body's (the row's arguments as digest_triton.row_launches makes them; first, so that its
@@ -49,8 +50,8 @@ def _vp_first_kernel(logits_ptr, mask_ptr, logp_ptr, ent_ptr, stats_ptr, bad_ptr
         _row_body(row_ptr, x0, w0, n0, s0, p0, o0, x1, w1, n1, s1, p1, o1, x2, w2, n2, s2, p2, o2,
                   x3, w3, n3, s3, p3, o3, x4, w4, n4, s4, p4, o4, x5, w5, n5, s5, p5, o5,
                   x6, w6, n6, s6, p6, o6, x7, w7, n7, s7, p7, o7,
-                  ids_ptr, counted_ptr, n_tok, T_tok, o_tok, cu_ptr, n_cu, F0, F1, F2, F3, F4, F5, F6, F7,
-                  N_TERMS, TOKENS, ROW_MASK, CHECKS, BLOCK)
+                  ids_ptr, counted_ptr, n_tok, T_tok, o_tok, cu_ptr, n_cu, n_fields, raw0, key, F0, F1, F2, F3,
+                  F4, F5, F6, F7, N_TERMS, TOKENS, ROW_MASK, CHECKS, HEAD, BLOCK)
     else:
         inv_temp, counted = _token(_tau_at(pid, pid, T, seq_cu_ptr, n_seq, TEMP_PER_SEQ), temp_ptr, temp_stride, pid,
                                    mask_ptr, TEMP_BY_VALUE, HAS_MASK)
