@@ -12,6 +12,7 @@ import torch
 
 from ..core import checks
 from ..core.config import as_config
+from ..objective.conflict import ID_LIMIT
 from ..objective.grouping import group_layout
 from ..objective.surrogate import entropy_control
 from .weights import conflict_weights
@@ -50,6 +51,7 @@ def _row_advantages(advantages, mask, B, T):
         if T == 0:  # no token: every row is inactive (its advantage multiplies nothing)
             return advantages.new_zeros(B)
         # verl's outcome advantages: the row's value at its counted tokens (0 elsewhere)
+        checks.check_finite("advantages", advantages, mask.reshape(-1))
         return outcome_rows(advantages, mask, "advantages (B, T) must hold one value per row at its counted "
                             "tokens (an outcome advantage, as verl's GRPO-family estimators give); token-varying "
                             "advantages (GAE) cannot be GTPO-shaped")
@@ -85,6 +87,9 @@ def gtpo_token_advantages(advantages, responses, response_mask, entropy, uid, co
     m = _counted(response_mask, responses)
     adv = _row_advantages(advantages, m, B, T).to(responses.device)
     entropy = _entropy_arg(entropy, cfg, B, T, adv.dtype, responses.device)
+    if cfg.shapes_advantages:  # (a NaN one would be filtered out: a finite 0)
+        checks.check_finite("entropy", entropy, m.reshape(-1))
+    checks.check_ids_in_range(responses.reshape(-1), m.reshape(-1), ID_LIMIT, name="responses")
     dt = torch.float64 if adv.dtype == torch.float64 else torch.float32
 
     # spec 3: conflict weights, grouped by uid (checked here, so that errors name it)
@@ -103,8 +108,8 @@ def gtpo_token_advantages(advantages, responses, response_mask, entropy, uid, co
 
 def _check_responses(responses):
     """responses must be a (B, T) tensor -> (B, T)."""
-    if not isinstance(responses, torch.Tensor) or responses.dim() != 2:
-        raise ValueError(f"responses must be a (B, T) tensor of token ids, got "
+    if not isinstance(responses, torch.Tensor) or responses.dim() != 2 or responses.shape[0] == 0:
+        raise ValueError(f"responses must be a (B, T) tensor of token ids with B >= 1, got "
                          f"{tuple(responses.shape) if isinstance(responses, torch.Tensor) else type(responses).__name__}")
     return responses.shape
 

@@ -43,6 +43,7 @@ def conflict_weights(completion_ids, completion_mask, advantages, group_size=Non
     if process_group is not None:
         return dp_conflict_weights(completion_ids, completion_mask, advantages, group_size, group_ids, config,
                                     cu_seqlens, max_seqlen, dtype, validate, backend, process_group)
+    checks.check_float_dtype("dtype", dtype)  # (the weights hold NaN where unvalidated input is invalid)
     cfg = GTPOConfig() if config is None else as_config(config)
     checks.require_advantages(advantages)
     host = checks.host_checks(validate)
