@@ -184,7 +184,9 @@ def unpack_mask(sampling_mask, M, device):
         raise ValueError(f"sampling_mask.offsets must have shape {want}, got {tuple(offsets.shape)}")
     if token_ids.dim() != 1:
         raise ValueError(f"sampling_mask.token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-    return token_ids.to(device=device, dtype=torch.long), offsets.to(device=device, dtype=torch.long)
+    # (stride 1, as the kernels read them: a strided int64 view is copied, a contiguous one is not)
+    return (token_ids.to(device=device, dtype=torch.long).contiguous(),
+            offsets.to(device=device, dtype=torch.long).contiguous())
 
 
 def segment_of(offsets, K):

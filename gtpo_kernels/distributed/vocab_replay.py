@@ -108,7 +108,9 @@ def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale
     world = dist.get_world_size(vp.group)
     step = block_rows or rows_per_block(vp.V_max)
     k_all = _param(top_k, slice(0, M), 0, torch.long, dev)
-    kmax = max(int(k_all.max()), 1) if M else 1  # sync: the candidates' width (a top_k of 0, unvalidated: NaN)
+    # sync: the candidates' width (a top_k of 0, unvalidated: NaN), at most the largest slice: a top_k above the
+    # vocabulary keeps every entry, in the same buffers as a top_k of V (spec 13: the memory budget holds)
+    kmax = min(max(int(k_all.max()), 1), max(vp.V_max, 1)) if M else 1
     ids, counts, restored, invalid, mass = [], [], [], [], []
     for r0 in range(0, M, step):
         sl = slice(r0, min(M, r0 + step))
@@ -135,7 +137,7 @@ def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale
         cv, ci = torch.cat(gv, 1), torch.cat(gi, 1)
         order = torch.sort(torch.where(ci < 0, torch.full_like(ci, 1 << 62), ci), dim=1, stable=True).indices
         cv, ci = cv.gather(1, order), ci.gather(1, order)  # ascending ids: top-p's tie rule
-        k = k_all[sl].clamp(min=0)
+        k = k_all[sl].clamp(min=0, max=cv.shape[1])  # (every candidate of every rank: the whole vocabulary)
         tp = _param(top_p, sl, 1.0, acc, dev)
         tp = torch.where((tp > 0) & (tp <= 1), tp, torch.ones_like(tp))
         mp = _param(min_p, sl, 0.0, acc, dev)
@@ -156,7 +158,8 @@ def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale
         # a hidden tie matters only if the k-th value survives min-p (vLLM applies min-p after top-k: a tie
         # that min-p removes is no tie): min-p keeps s >= max s + log(min_p)
         survives = kth.squeeze(1) >= gmx + torch.log(mp)  # min_p = 0: log 0 = -inf, every value survives
-        invalid.append((stats[:, 1] > 0) | ((extra > 0) & survives))
+        # unvalidated, a sampled id outside the whole vocabulary is no rank's: its token NaN (as on one process)
+        invalid.append((stats[:, 1] > 0) | ((extra > 0) & survives) | (yc < 0) | (yc >= vp.V))
         lse_full = gsafe + torch.log(stats[:, 0])
         mass.append(lse_full)  # the full normalizer's log (kept_mass = exp(LSE_K - this))
     cat = lambda xs, dt: torch.cat(xs) if xs else torch.zeros(0, dtype=dt, device=dev)  # noqa: E731
