@@ -114,9 +114,14 @@ def test_tensor_hyper_parameters_stay_on_the_path(packed):
         assert kernels == {"_vocab_fwd_kernel": 1, "_epilogue_kernel": 1, "_vocab_bwd_kernel": 1}, kernels
 
 
-def test_num_items_tensor_and_per_token_temperature_stay_on_the_path():
-    counts = _loss_counts("dapo", False, validate=False, num_items_in_batch=torch.tensor(37.0))
-    assert counts[0] == counts[1] and counts[0][0] <= 4 and counts[0][1] == 0, counts
+@pytest.mark.parametrize("num_items", [37, 37.0, "tensor"])
+def test_num_items_tensor_and_per_token_temperature_stay_on_the_path(num_items):
+    """num_items_in_batch a tensor (read by pointer) or a number (by value; its rounding to the loss's dtype
+    checked on the host without a tensor, where a CPU tensor was made and read: 1 host read and 1 tensor
+    from host data counted)."""
+    n = torch.tensor(37.0) if num_items == "tensor" else num_items
+    counts = _loss_counts("dapo", False, validate=False, num_items_in_batch=n)
+    assert counts[0] == counts[1] and counts[0][0] <= 4 and counts[0][1:3] == (0, 0), counts
 
 
 @pytest.mark.parametrize("per", ["completion", "token"])
@@ -315,30 +320,37 @@ def test_rules_rebuilt_sets_at_most_eight_launches(packed, validate):
                        "_vocab_bwd_kernel": 1}, kernels
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("per", ["token", "completion"])
 @pytest.mark.parametrize("validate", [False, True])
-def test_rules_with_a_temperature_tensor_stay_on_the_path(validate, per):
+def test_rules_with_a_temperature_tensor_stay_on_the_path(validate, per, packed):
     """Sets rebuilt by top_k with a temperature per token or per completion: gtpo_loss validating took 23 / 24
     launches and token_logprobs unvalidated 17 / 18 (the temperature's check and NaN fill formed by a dozen
-    torch ops, where the kernels flag and NaN such a tau themselves); now at most 7 and 3, the same errors
-    (tests/test_temperature.py) and NaN tokens as before."""
+    torch ops, where the kernels flag and NaN such a tau themselves); then 6 / 7 and 2 / 3, one per completion
+    spread on the tokens (packed: 9 and 5, the spread's searchsorted and three ops more); now the rules' kernel
+    reads it at each token's completion as the vocabulary kernels do: 5 and 2 in every form, the four kernels
+    alone, the same errors (tests/test_temperature.py) and NaN tokens as before."""
     def prepare(k, B, T, logits, ids, adv, mask, kw):
         kw.pop("ref_logps")
         g = torch.Generator().manual_seed(k)
-        tau = torch.rand(B, T, generator=g) + 0.5 if per == "token" else torch.rand(B, generator=g) + 0.5
+        tau = torch.rand(ids.shape, generator=g) + 0.5 if per == "token" else torch.rand(B, generator=g) + 0.5
         x = logits.requires_grad_()
         return lambda: gtpo_loss(x, ids, adv, mask, config="gtpo", validate=validate, backend="triton", top_k=6,
                                  temperature=tau, **kw), x
-    counts = _counts(prepare, False, ((4, 3), (8, 4)))
+    counts = _counts(prepare, packed, ((4, 3), (8, 4)))
     assert counts[0] == counts[1], counts
-    launches, reads, _, kernels = counts[0]
-    assert reads == int(validate) and launches <= 7, counts
+    launches, reads, creations, kernels = counts[0]
+    assert reads == int(validate) and creations == 0 and launches <= 5, counts
+    assert kernels == {"_kept_rule_kernel": 1, "_vocab_fwd_kernel": 1, "_epilogue_kernel": 1,
+                       "_vocab_bwd_kernel": 1}, kernels
     B, T, V = 4, 3, 24
-    logits, ids, *_ = _batch(B, T, 0, False)
-    tau = torch.rand(B, T) + 0.5 if per == "token" else torch.rand(B) + 0.5
-    with counting() as c:
-        token_logprobs(logits, ids, tau, top_k=6, validate=validate, backend="triton")
-    assert c.launches <= 3 and c.host_reads == int(validate), (c.launches, dict(c.ops))
+    logits, ids, _, mask, kw = _batch(B, T, 0, packed)
+    tau = torch.rand(ids.shape) + 0.5 if per == "token" else torch.rand(B) + 0.5
+    form = {k: kw[k] for k in ("cu_seqlens", "max_seqlen")} if packed else {}
+    token_logprobs(logits, ids, tau, mask, top_k=6, validate=validate, backend="triton", **form)  # (its status
+    with counting() as c:  # word's counter is made on a device's first validated call)
+        token_logprobs(logits, ids, tau, mask, top_k=6, validate=validate, backend="triton", **form)
+    assert c.launches <= 2 and c.host_reads == int(validate) and c.creations == 0, (c.launches, dict(c.ops))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])

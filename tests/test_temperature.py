@@ -297,3 +297,48 @@ def test_a_temperature_whose_inverse_overflows_is_refused_or_nan(backend):
         token_logprobs(z, ids, tau, backend=backend)
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
         gtpo_loss(z, ids, torch.tensor([1.0, -1.0, 0.5]), group_size=3, temperature=tau, backend=backend)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_rules_with_a_temperature_per_completion(packed):
+    """The sets rebuilt by top_k / top_p / min_p with a temperature per completion: the rules' kernel reads it
+    at each token's completion (padded: its row; packed: found in cu_seqlens), where it was spread on the
+    tokens first. token_logprobs against the float64 replay; gtpo_loss's log-probs, loss and gradient equal to
+    the same temperature spread per token by hand (validated and not); the torch backend alike."""
+    import gtpo_reference as ref
+    gen = torch.Generator().manual_seed(13)
+    B, T, V = 4, 5, 31
+    z = torch.randn(B, T, V, generator=gen) * 3
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.rand(B, T, generator=gen) > 0.2
+    mask[:, 0] = True
+    adv = torch.randn(B, generator=gen)
+    tau = torch.tensor([0.4, 1.3, 0.8, 2.0])
+    rules = dict(top_k=7, top_p=0.85, min_p=0.02)
+    rlp, rent = ref.replay_token_logprobs(z.double() / tau.double()[:, None, None], ids, mask, **rules)[:2]
+    if packed:
+        lengths = mask.sum(1)
+        form = dict(cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                    max_seqlen=int(lengths.max()))
+        x, y, m, rlp, rent = z[mask], ids[mask], None, rlp[mask], rent[mask]
+        per_token = tau.repeat_interleave(lengths)
+    else:
+        form, x, y, m, per_token = {}, z, ids, mask, tau[:, None].expand(B, T).contiguous()
+    assert not torch.equal(rlp, ref.replay_token_logprobs(z.double(), ids, mask, **rules)[0][mask] if packed
+                           else ref.replay_token_logprobs(z.double(), ids, mask, **rules)[0])  # (tau matters)
+    for backend in ("triton", "torch"):
+        for validate in (False, True):
+            lp, ent = token_logprobs(x, y, tau, m, **rules, validate=validate, backend=backend, **form)
+            assert_value_close("logps", lp, rlp, 1e-5)
+            assert_value_close("entropy", ent, rent, 1e-5)
+            outs = []
+            for t in (tau, per_token):
+                xx = x.clone().requires_grad_()
+                out = gtpo_loss(xx, y, adv, m, group_size=2, temperature=t, config="gspo", **rules,
+                                validate=validate, backend=backend, **form)
+                out.loss.backward()
+                outs.append((out.loss.detach(), out.logps.detach(), xx.grad))
+            for a, b in zip(*outs):
+                assert_value_close("per completion vs per token", a, b, 1e-6)
+            assert_value_close("logps", outs[0][1], rlp, 1e-5)
+            assert (outs[0][2] != 0).any()

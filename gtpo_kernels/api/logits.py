@@ -119,7 +119,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             # a tau tensor on the three-launch path goes to the kernels as given (checked there: a token whose tau
             # is not finite and > 0 is flagged, and revalidate names it), one per completion read at each token's
             tau_kernels = (fast or rules_in_kernels) and _per_token_tau(temperature)  # (rules: spread, flagged alike)
-            per_seq = fast and tau_kernels and _per_completion(temperature, b)
+            per_seq = tau_kernels and _per_completion(temperature, b)  # (the rules' kernel reads it so too)
             # so too on a split vocabulary's epilogue path (validating: checked by the agreement's row)
             tau_split = (process_group is not None and not replaying and _per_token_tau(temperature)
                          and epilogue_attached.takes(logits, cfg, backend))
@@ -215,8 +215,7 @@ def token_logprobs(logits, completion_ids, temperature=1.0, completion_mask=None
             tau_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
             per_seq = False  # a tau per completion read in the one kernel, not spread to the tokens first
             if _per_token_tau(temperature):  # in the one kernel: checked there (fast), else NaN there
-                kern = one and not replay.requested(sampling_mask, top_k, top_p, min_p)  # (no kept sets' launch)
-                per_seq = kern and (fast or not host) and _per_completion(temperature, b)
+                per_seq = one and (fast or not host) and _per_completion(temperature, b)  # (the rules' kernel too)
                 temperature = b.tau = call_temperature(temperature, b, tau_dtype, host and not fast,
                                                        in_kernels=fast or (one and not host), spread=not per_seq)
             backend = dispatch.resolve_backend(backend, logits.device, logits.dtype)  # (one: spec 8)

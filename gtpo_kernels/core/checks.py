@@ -79,12 +79,25 @@ def check_num_items(num_items, loss_agg, device, dtype, validate=True, raw=False
         return torch.where(ok, x, torch.full((), float("nan"), dtype=dtype, device=device))
     if isinstance(num_items, numbers.Real) and not isinstance(num_items, bool) and math.isfinite(num_items) \
             and num_items > 0:
-        x = float(torch.tensor(float(num_items), dtype=dtype))  # a host number: no device involved
+        x = _rounded(float(num_items), dtype)  # a host number: no device involved
         if math.isfinite(x) and x > 0:
             return float(num_items)
         raise ValueError(f"num_items_in_batch must be finite and > 0 in the loss's dtype {dtype}, got "
                          f"{num_items!r} (it rounds to {x})")
     raise ValueError(f"num_items_in_batch must be a finite number > 0 or a one-element tensor, got {num_items!r}")
+
+
+def _rounded(v, dtype):
+    """v rounded to `dtype` on the host (inf past its range), without a tensor for float32 / float64."""
+    import struct
+    if dtype == torch.float64:
+        return v
+    if dtype == torch.float32:
+        try:
+            return struct.unpack("f", struct.pack("f", v))[0]
+        except OverflowError:
+            return math.inf
+    return float(torch.tensor(v, dtype=dtype))
 
 
 # the predicates' one-launch form where Triton runs (kernels/check_triton registers it): (x, where, V) -> a

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .vocab_status import _token
+from .vocab_status import _tau_at, _token
 from .vocab_jit import _MAX, _MIN, _SUM
 
 # a bound on any search's steps: each at least halves a range of at most 2^32 keys (or ids), so 33 suffice;
@@ -126,12 +126,12 @@ def _rule(ptr, stride, value, tok, MODE: tl.constexpr, off, dtype: tl.constexpr)
 
 
 @triton.jit(do_not_specialize=["T", "V", "logits_start", "temp_stride", "k_stride", "k_val", "p_stride",
-                               "mp_stride"])
+                               "mp_stride", "n_seq"])
 def _kept_rule_kernel(
     logits_ptr, ids_ptr, mask_ptr,  # (B, T_l, V) rows (vocabulary stride 1); (B*T,) ids; (B*T,) counted flag
     ts_ptr, tid_ptr, kst_ptr,  # outputs: (B*T,) float32 t_s, int64 t_id; (B*T, 3) float32 (|K|, restored, mass)
     stride_lb, stride_lt, T, V, logits_start,
-    temp_ptr, temp_stride,  # tau as the forward kernel reads it
+    temp_ptr, temp_stride, seq_cu_ptr, n_seq,  # tau as the forward kernel reads it (TEMP_PER_SEQ: its _tau_at)
     k_ptr, k_stride, k_val,  # top_k: int64 per token (MODE 2), or by value (1)
     p_ptr, p_stride, p_val,  # top_p
     mp_ptr, mp_stride, mp_val,  # min_p
@@ -139,9 +139,11 @@ def _kept_rule_kernel(
     HAS_MASK: tl.constexpr, TEMP_BY_VALUE: tl.constexpr, BLOCK_V: tl.constexpr,
     STATS: tl.constexpr = True,  # False: kst is not written (token_logprobs: no metrics), one pass fewer
     NAN_BAD: tl.constexpr = True,  # False: an invalid rule value's threshold is left as found (listed sets)
+    TEMP_PER_SEQ: tl.constexpr = 0,  # tau one per completion: 1 padded (a row of T tokens), 2 packed (seq_cu_ptr)
 ):
     pid = tl.program_id(0).to(tl.int64)
-    inv_temp, counted = _token(pid, temp_ptr, temp_stride, pid, mask_ptr, TEMP_BY_VALUE, HAS_MASK)
+    inv_temp, counted = _token(_tau_at(pid, pid, T, seq_cu_ptr, n_seq, TEMP_PER_SEQ), temp_ptr, temp_stride, pid,
+                               mask_ptr, TEMP_BY_VALUE, HAS_MASK)
     t_s = tl.full((), 0, tl.float32)
     t_id = tl.full((), 0, tl.int64)
     size = tl.full((), 0, tl.float32)
@@ -273,15 +275,16 @@ def _rule_arg(x, like, dtype):
 
 
 def kept_thresholds(logits3, ids, counted, temperature, logits_start, top_k=None, top_p=None, min_p=None,
-                    outs=None, stats=True, nan_bad=True):
+                    outs=None, stats=True, nan_bad=True, tau_seq=0, cu=None):
     """The kept sets of the rules as thresholds (module docstring), one launch: (t_s (n,) float32, t_id (n,)
     int64, kst (n, 3) float32). logits3 (B, T_l, V) with vocabulary stride 1; ids (B*T,); counted (B*T,) of
     any dtype (nonzero counts) or None; temperature as vocab_triton.temperature_arg takes it; each rule None,
     a number, or a 0-d or (n,) tensor (top_k integer, top_p and min_p float32). outs: (t_s, t_id) to write.
     stats=False: kst is left unset (one pass fewer). nan_bad=False: a token's invalid rule value leaves its
-    threshold as found (the value used as it is, a negative top_k as off; the caller flags the token), not NaN."""
+    threshold as found (the value used as it is, a negative top_k as off; the caller flags the token), not NaN.
+    tau_seq: the temperature one per completion (B,), read at each token's (1 padded, 2 packed: `cu`)."""
     import torch
-    from .vocab_triton import block_v_for, num_warps_for, temperature_arg
+    from .vocab_triton import _per_seq, block_v_for, num_warps_for, temperature_arg
     B, _T_l, V = logits3.shape
     n = ids.numel()
     dev = logits3.device
@@ -290,14 +293,17 @@ def kept_thresholds(logits3, ids, counted, temperature, logits_start, top_k=None
     kst = torch.empty((n, 3), device=dev, dtype=torch.float32)
     if n == 0:
         return t_s, t_id, kst
-    tau, tau_stride = temperature_arg(temperature, dev, n)
+    seq = _per_seq(tau_seq, cu, temperature)
+    tau, tau_stride = temperature_arg(temperature, dev, seq.get("tau_len", n))
     km, kp, ks, kv = _rule_arg(top_k, ids, torch.int64)
     pm, pp, ps, pv = _rule_arg(top_p, t_s, torch.float32)
     mm, mpp, ms, mv = _rule_arg(min_p, t_s, torch.float32)
     bv = block_v_for(V)
     _kept_rule_kernel[(n,)](logits3, ids, ids if counted is None else counted, t_s, t_id, kst,
                             logits3.stride(0), logits3.stride(1), n // B, V, logits_start, tau, tau_stride,
+                            seq.get("cu_ptr", t_id), seq.get("n_seq", 0),
                             kp, ks, int(kv), pp, ps, float(pv), mpp, ms, float(mv), TOP_K=km, TOP_P=pm, MIN_P=mm,
                             HAS_MASK=counted is not None, TEMP_BY_VALUE=isinstance(tau, float), BLOCK_V=bv,
-                            STATS=stats, NAN_BAD=nan_bad, num_warps=num_warps_for(bv))
+                            STATS=stats, NAN_BAD=nan_bad, TEMP_PER_SEQ=seq.get("TEMP_PER_SEQ", 0),
+                            num_warps=num_warps_for(bv))
     return t_s, t_id, kst

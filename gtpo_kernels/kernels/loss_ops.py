@@ -162,7 +162,8 @@ def fused_loss(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Te
         logp, ent, stats, bad = given if len(given) == 4 else (*given, stats, bad)
     elif rule_args is not None:  # the kept sets as thresholds: one launch (kernels/kept_rule_triton.py)
         t_s, t_id, kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *rule_args,
-                                                          outs=(t_s, t_id))
+                                                          outs=(t_s, t_id), tau_seq=tau_seq,
+                                                          cu=cu if tau_seq == 2 else None)
         keep = (t_s, t_id)
     if n and given is None:
         vocab_triton.vocab_fwd(logits3, ids, mask, tau, logits_start, outs=(logp, ent, stats, bad), keep=keep,
@@ -276,7 +277,8 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
     given = None if rule_values is None else _given_rules((top_k, top_p, min_p), rule_values)
     if given is not None:
         t_s, t_id, _kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *given,
-                                                           stats=False)
+                                                           stats=False, tau_seq=meta.get("TEMP_PER_SEQ", 0),
+                                                           cu=meta.get("cu_ptr"))
         meta.update(keep_s_ptr=t_s, keep_id_ptr=t_id, KEEP=True)
     try:
         vocab_triton._launch(logits3, ids, mask, outs, n // B, V, logits_start, tau, 1.0, None,
