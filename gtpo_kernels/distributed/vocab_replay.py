@@ -97,6 +97,38 @@ def merge(logits3, rows_b, rows_t, y, tau, token_ids, offsets, vp, scale=1.0, so
     return logp, ent, flags.to(torch.int8), (mx + log_s).detach()
 
 
+def merge_grad(logits3, rows_b, rows_t, y, tau, token_ids, offsets, vp, lse, ent, g_logp, g_ent, scale=1.0,
+               softcap=None):
+    """dL/dlogits3 of this slice for merge's logp and H, from the forward's merged LSE over each set and H
+    (M,) (not finite where the forward flagged the token or it was invalid: no gradient there) and the
+    upstream gradients g_logp, g_ent (M,): with p_k = exp(s_k - LSE), d logp/ds_k = [k = y] - p_k and
+    dH/ds_k = -p_k (s_k - LSE + H) at this slice's entries. Everything global came from the forward: the
+    backward communicates nothing (spec 12), so a rank whose slice is frozen may skip it."""
+    M, K = offsets.numel() - 1, token_ids.numel()
+    V_r = logits3.shape[-1]
+    if M == 0 or V_r == 0:
+        return torch.zeros_like(logits3)
+    ok = torch.isfinite(lse + ent)
+    g_logp, g_ent = torch.where(ok, g_logp, 0.0), torch.where(ok, g_ent, 0.0)  # (a NaN upstream: kept, the caller's)
+    seg, cols = segment_of(offsets, K), token_ids - vp.start
+    mine = (cols >= 0) & (cols < V_r)  # (the others' entries at a column of this slice, their gradient 0: no sync)
+    cols = cols.clamp(0, V_r - 1)
+    tau_m = tau if not isinstance(tau, torch.Tensor) else tau.to(logits3.device)
+    tau_k = tau_m if not isinstance(tau_m, torch.Tensor) else tau_m[seg]
+    y_loc = y.long() - vp.start
+    owned = (y_loc >= 0) & (y_loc < V_r)
+    with torch.enable_grad():
+        z = logits3.detach().requires_grad_()
+        s = _values(z, rows_b[seg], rows_t[seg], cols, scale, softcap, tau_k)
+        s_y = _values(z, rows_b, rows_t, y_loc.clamp(0, V_r - 1), scale, softcap, tau_m)
+        d = s.detach() - lse[seg]
+        pk = torch.exp(d)
+        gs = -pk * (g_logp[seg] + g_ent[seg] * (d + ent[seg]))
+        gs = torch.where(mine & ok[seg] & (pk > 0), gs, 0.0)  # (an entry at -inf: p_k = 0, no 0 * inf)
+        gz, = torch.autograd.grad([s, s_y], [z], [gs, torch.where(owned, g_logp, 0.0)])
+    return gz
+
+
 def rebuilt_sets(logits3, rows_b, rows_t, y, tau, top_k, top_p, min_p, vp, scale=1.0, softcap=None,
                  block_rows=None):
     """The kept sets of the counted tokens rebuilt by vLLM's rules from each rank's top_k candidates:

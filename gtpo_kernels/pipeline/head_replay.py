@@ -98,7 +98,8 @@ def _replay(z, ids, offsets, y, tau, invalid, p, vp=None):
     """A tile's rows over their sets (columns of z): (logp, H, stats, flags) as the replay kernel gives them,
     nothing NaN'd yet (_finish, once per pass). With a vocabulary split, z holds this rank's columns (vp.start:
     the first one's id, or 0 where ids and y are already columns, -1 elsewhere), the statistics are merged
-    over the group and logp, H come NaN'd where flagged or `invalid` (stats None); differentiable w.r.t. z."""
+    over the group, logp, H come NaN'd where flagged or `invalid` and stats is the sets' LSE (M, 1), which
+    the backward (with H) differentiates from, communicating nothing."""
     rows = _rows(p, z.shape[0])
     if p.vp is None:
         return rp.replay_values(z.unsqueeze(0), *rows, y, tau, ids, offsets, p.head.scale, p.head.cap, p.backend)
@@ -107,7 +108,7 @@ def _replay(z, ids, offsets, y, tau, invalid, p, vp=None):
     bad = fl != 0 if invalid is None else (fl != 0) | invalid
     nan = torch.full_like(lp, float("nan"))
     p.lse_kept.append(lse)
-    return torch.where(bad, nan, lp), torch.where(bad, nan, en), None, fl
+    return torch.where(bad, nan, lp), torch.where(bad, nan, en), lse[:, None], fl
 
 
 def state(hidden, weight, bias, ids, counted, tau, o, pos=None):
@@ -184,7 +185,7 @@ def flat_sets(p, counted):
 
 def forward(hidden, p):
     """logp, H, stats, flags of the counted tokens (M,) over their kept sets (rebuilt by p.rules, else p's),
-    NaN where flagged or invalid (stats None with a vocabulary split)."""
+    NaN where flagged or invalid (stats: the sets' LSE (M, 1) with a vocabulary split)."""
     if p.rules is not None:
         return _rebuild_forward(hidden, p)
     h, un = _hidden(hidden, p), unions(p)
@@ -197,8 +198,8 @@ def forward(hidden, p):
 def backward(hidden, weight, bias, p, g_logp, g_ent, need, stats=None, ent=None):
     """dL/dh, dL/dW, dL/db (None where not `need`ed) from the upstream gradients (M,) of logp and H: per
     union tile the projection again, the replay's gradient (from the forward's stats and entropies (M, 3),
-    (M,); with a vocabulary split, the merge differentiated again) and the two gradient GEMMs on the union:
-    about 7 launches a tile, the rest once per call."""
+    (M,); with a vocabulary split, stats (M, 1) the sets' merged LSE: no collective) and the two gradient
+    GEMMs on the union: about 7 launches a tile, the rest once per call."""
     acc = float_dtype_for(weight)
     dh = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need[0] else None  # any strides
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
@@ -213,11 +214,10 @@ def backward(hidden, weight, bias, p, g_logp, g_ent, need, stats=None, ent=None)
             gz = rp.replay_grad(_project(h[m0:m1], w_u, b_u).unsqueeze(0), *_rows(p, m1 - m0), ly, tau, ids, off,
                                 stats[m0:m1], ent[m0:m1], g_logp[m0:m1], g_ent[m0:m1], p.head.scale, p.head.cap,
                                 p.backend)[0]
-        else:
-            with torch.enable_grad():
-                z = _project(h[m0:m1], w_u, b_u).detach().requires_grad_()
-                lp, en, _, _ = _replay(z, ids, off, ly, tau, None if p.invalid is None else p.invalid[m0:m1], p)
-                gz, = torch.autograd.grad([lp, en], [z], [g_logp[m0:m1], g_ent[m0:m1]])
+        else:  # (the forward's invalid tokens: H NaN there, no gradient)
+            gz = vocab_replay.merge_grad(_project(h[m0:m1], w_u, b_u).unsqueeze(0), *_rows(p, m1 - m0), ly, tau, ids,
+                                         off, p.columns, stats[m0:m1, 0], ent[m0:m1], g_logp[m0:m1], g_ent[m0:m1],
+                                         p.head.scale, p.head.cap)[0]
         if dhc is not None:
             torch.mm(gz, w_u, out=dhc[m0:m1])
         if dw is not None:
@@ -232,7 +232,6 @@ def backward(hidden, weight, bias, p, g_logp, g_ent, need, stats=None, ent=None)
         poisoned = nan_rows.any()
         for g in (x for x in (dw, db) if x is not None):
             g.masked_fill_(poisoned, float("nan"))
-    p.lse_kept.clear()
     return dh, dw, db
 
 
@@ -246,7 +245,7 @@ def _finish(out, p, invalid):
     split's merge did that per tile)."""
     lp, en, fl = (_cat([o[i] for o in out], p, dt) for i, dt in ((0, None), (1, None), (3, torch.int8)))
     if p.vp is not None:
-        return lp, en, None, fl
+        return lp, en, _cat([o[2] for o in out], p) if out else lp.new_zeros(0, 1), fl
     st = _cat([o[2] for o in out], p) if out else lp.new_zeros(0, 3)
     return rp.finish(lp, en, st, fl, invalid)
 

@@ -4,7 +4,8 @@ head (head_ops.py), so that a step calling linear_gtpo_loss / linear_token_logpr
 
     head_replay_fwd  (hidden, weight, bias, tokens, the recorded sets or the rules) -> per flat token
                      (logp, H, flags), the rebuilt sets (flat layout; empty for recorded ones), the
-                     metrics of spec 13, the replay's statistics (n, 3) (none with a vocabulary split)
+                     metrics of spec 13, the replay's statistics (n, 3) (with a vocabulary split, the sets'
+                     merged LSE (n, 1): the backward communicates nothing)
                      and, when a gradient is wanted, the counted rows and the union tiles as planned and
                      formed (tile_union.Unions.saved); its autograd rule runs head_replay_bwd
     head_replay_bwd  the union tiles' backward from those statistics, entropies and tiles: dL/dh, dL/dW,
@@ -73,7 +74,7 @@ def options_key(backend, scale, cap, proj, budget, vp, tau, rules) -> str:
 
 def _autograd_inside():
     """Autograd recording inside an op's implementation, which the dispatcher runs below autograd: the
-    union tiles' backward differentiates the replay (and, with a vocabulary split, its merge) per tile."""
+    union tiles' backward differentiates the replay (with a vocabulary split, its values' gather) per tile."""
     exclude = torch._C._dispatch_tls_local_exclude_set()
     for k in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther):
         exclude = exclude.remove(k)
@@ -110,7 +111,7 @@ def head_replay_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids:
     metrics = p.metrics if token_ids is None else rp.replay_metrics(p.offsets)
     bad = flags.any() if p.invalid is None else flags.any() | p.invalid.any()  # NaN metrics (rp.poisoned)
     zero = torch.zeros(n, dtype=lp.dtype, device=lp.device)
-    stats = lp.new_zeros(0, 3) if stats is None else lp.new_zeros(n, 3).index_copy_(0, p.pos, stats)
+    stats = lp.new_zeros(n, stats.shape[1]).index_copy_(0, p.pos, stats)  # (a split: (n, 1), the sets' LSE)
     return [zero.scatter(0, p.pos, lp), zero.scatter(0, p.pos, ent),
             torch.zeros(n, dtype=torch.int8, device=lp.device).scatter(0, p.pos, flags), *sets,
             torch.stack([metrics.get(k, torch.zeros((), dtype=torch.float64, device=lp.device)).to(torch.float64)
@@ -126,7 +127,7 @@ def _(hidden, weight, bias, ids, counted, tau, token_ids, flat, invalid, top_k, 
     return [hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=torch.int8),
             hidden.new_empty(K, dtype=torch.long), hidden.new_empty(m, dtype=torch.long),
             hidden.new_empty(max(m - 1, 0), dtype=torch.bool), hidden.new_empty(len(METRICS), dtype=torch.float64),
-            hidden.new_empty(n if _OPTIONS[key].vp is None else 0, 3, dtype=acc), *_fake_plan(need_plan, hidden)]
+            hidden.new_empty(n, 3 if _OPTIONS[key].vp is None else 1, dtype=acc), *_fake_plan(need_plan, hidden)]
 
 
 def _no_plan(like):
@@ -152,7 +153,7 @@ def head_replay_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], tau:
                     g_ent: Tensor, key: str, need: List[bool]) -> List[Tensor]:
     p = hr.with_saved(hr.state(hidden, weight, bias, None, None, tau, _OPTIONS[key], pos=plan[0]), plan[1:], invalid)
     acc = _acc(weight, p.head.proj)
-    saved = (None, None) if p.vp is not None else (stats[p.pos], ent[p.pos])  # the forward's, at the counted rows
+    saved = (stats[p.pos], ent[p.pos])  # the forward's, at the counted rows (a split: the sets' LSE, H)
     with _autograd_inside():
         dh, dw, db = hr.backward(hidden, weight, bias, p, g_logp[p.pos].to(acc), g_ent[p.pos].to(acc), need, *saved)
     return [hidden.new_empty(0) if dh is None else dh,
