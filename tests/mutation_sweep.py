@@ -991,6 +991,13 @@ MUTANTS = [
       "x = float(torch.tensor(float(num_items), dtype=dtype))  #",
       "num_items_in_batch as a number rounded through a host tensor (a counted read and tensor from host data)",
       tests=["test_launches"]),
+    M("Q148", "distributed/vocab_replay.py", "gs = -pk * (g_logp[seg] + g_ent[seg] * (d + ent[seg]))",
+      "gs = -pk * g_logp[seg]", "the split head's backward over kept sets without the entropy's gradient",
+      tests=["test_parallel_head_replay_backward"]),
+    M("Q149", "distributed/vocab_replay.py", "gs = torch.where(mine & ok[seg] & (pk > 0), gs, 0.0)",
+      "gs = torch.where(ok[seg] & (pk > 0), gs, 0.0)",
+      "the split head's backward puts the other slices' entries on a clamped column of this one",
+      tests=["test_parallel_head_replay_backward"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]
