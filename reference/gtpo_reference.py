@@ -164,7 +164,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     Spec 9 (the GRPO family, pieces in gtpo_family.py): policy_loss, importance_sampling_level, delta,
     the sapo/vespo parameters, use_bias_correction_kl, off_policy_mask_threshold (uses rollout_logps
     (B,T) when given, else old_logps), top_entropy_quantile and rollout_is_weights ((B,T) per token, or
-    (B,)/(B,1) per completion); verl's modes and their options (gtpo_verl.py: dual_clip_c ... generator);
+    (B,)/(B,1) per completion); verl's modes and their options (gtpo_verl.py: dual_clip_c ... generator,
+    which may also be clip_cov's keys themselves, (B, T) float64: a packed batch's draws laid out padded);
     local_count (bnpo): token-mean over the counted tokens always, num_items_in_batch refused. The
     defaults give the GTPO loss of spec 4.
 

@@ -91,7 +91,8 @@ def policy_term(policy, logp, old, A, m, rollout_w, *, eps_low, eps_high, clip, 
         # the spec's draw: a uniform key per position (row-major, the generator's stream), the candidates
         # with the smallest keys chosen: a uniformly random subset of the given size
         candidates = m & ~clip_by_origin & (cov > clip_cov_lb) & (cov < clip_cov_ub)
-        keys = torch.rand(logp.shape, dtype=torch.float64, device=logp.device, generator=generator)
+        keys = generator if isinstance(generator, torch.Tensor) else \
+            torch.rand(logp.shape, dtype=torch.float64, device=logp.device, generator=generator)  # (or given)
         clip_num = max(int(clip_cov_ratio * float(mf.sum())), 1)
         idx = torch.nonzero(candidates)
         chosen = idx[torch.argsort(keys[candidates], stable=True)[:clip_num]]

@@ -122,3 +122,20 @@ def test_a_0d_temperature_with_rules_traces_with_fullgraph(where, rule, backend)
         return out.loss, out.logps
 
     _compiled_equals_eager(step, x, ids, adv, old)
+
+
+def test_a_preset_made_inside_a_compiled_step():
+    """GTPOConfig.preset(...) inside torch.compile(fullgraph=True) traces (it read dataclasses.fields(cls),
+    which dynamo refused: 'dataclass fields failure'), and gives eager's loss."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 8, generator=g)
+    ids = torch.randint(0, 8, (4, 3), generator=g)
+    adv = torch.tensor([1.0, -0.7, 0.4, -1.3])
+    old = -torch.rand(4, 3, generator=g) - 1
+
+    def step(z):
+        return gtpo_loss(z, ids, adv, old_logps=old, config=GTPOConfig.preset("grpo", eps_high=0.28),
+                         backend="torch").loss
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="eager")(x)
+    assert torch.equal(got, step(x)) and got != 0

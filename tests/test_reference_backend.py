@@ -227,3 +227,49 @@ def test_a_temperature_at_masked_out_tokens_is_not_read(fill):
         out.loss.backward()
         assert torch.equal(z.grad[~mask], torch.zeros_like(z.grad[~mask])), backend
         assert z.grad[mask].abs().sum() > 0 and torch.isfinite(out.loss), backend
+
+
+def test_the_loss_constants_take_no_gradient_on_any_backend():
+    """Advantages, old / reference log-probs and rollout weights are constants of the loss (spec 10: it is
+    differentiable w.r.t. the logits): the reference backend passed them to the oracle in autograd, so each
+    got a gradient there (adv.grad -0.22 ...) and None on the others."""
+    g = torch.Generator().manual_seed(1)
+    B, T, V = 4, 3, 11
+    x = torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    lp = torch.log_softmax(x, -1).gather(-1, ids[..., None])[..., 0]
+    for backend in ("torch", "triton", "reference"):
+        adv = torch.tensor([1.0, -0.8, 0.5, -0.3], requires_grad=True)
+        old = (lp + 0.1).detach().requires_grad_()
+        ref = (lp - 0.2).detach().requires_grad_()
+        w = (torch.rand(B, T, generator=torch.Generator().manual_seed(2)) + 0.5).requires_grad_()
+        z = x.clone().requires_grad_()
+        out = gk.gtpo_loss(z, ids, adv, group_size=2, old_logps=old, ref_logps=ref, rollout_is_weights=w,
+                           config=gk.GTPOConfig.preset("grpo", beta=0.05), backend=backend)
+        out.loss.backward()
+        assert z.grad is not None and (z.grad != 0).any(), backend
+        assert adv.grad is None and old.grad is None and ref.grad is None and w.grad is None, backend
+
+
+def test_clip_cov_packed_draws_one_number_a_token_on_every_backend():
+    """clip_cov's draws in the packed form: one per packed token on every backend (the reference drew them
+    in the padded layout, so it chose other tokens: loss 0.0529 against 0.0902)."""
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 4, 5, 12
+    x = 3 * torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, -1] = False
+    mask[2, -2:] = False
+    adv = torch.tensor([1.0, -0.7, 0.4, -1.3])
+    old = torch.log_softmax(x, -1).gather(-1, ids[..., None])[..., 0] + 0.2 * torch.randn(B, T, generator=g)
+    cu = torch.tensor([0] + mask.sum(1).cumsum(0).tolist())
+    outs = {}
+    for backend in ("reference", "torch", "triton"):
+        cfg = gk.GTPOConfig.preset("clip-cov", clip_cov_ratio=0.3, clip_cov_lb=-5.0,
+                                   generator=torch.Generator().manual_seed(3))
+        outs[backend] = gk.gtpo_loss(x[mask], ids[mask], adv, old_logps=old[mask], cu_seqlens=cu, max_seqlen=5,
+                                     config=cfg, backend=backend)
+    zeroed = {k: (o.per_token_loss == 0).nonzero().flatten().tolist() for k, o in outs.items()}
+    assert zeroed["reference"] == zeroed["torch"] == zeroed["triton"] and zeroed["torch"], zeroed
+    assert abs(float(outs["reference"].loss) - float(outs["torch"].loss)) < 1e-6, outs

@@ -257,8 +257,7 @@ class GTPOConfig:
         key = _norm(name) if isinstance(name, str) else None
         if key not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(overrides) - fields
+        unknown = set(overrides) - set(cls.__dataclass_fields__)  # (not dataclasses.fields(cls): compile traces it)
         if unknown:
             raise TypeError(f"GTPOConfig.preset: unknown field(s) {sorted(unknown)}")
         return cls(**{**PRESETS[key], **overrides})

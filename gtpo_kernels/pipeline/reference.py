@@ -11,6 +11,7 @@ from ..core import checks
 from ..core.flags import NonFiniteRowError, nan_where, tau_or_nan
 from ..core.layout import float_dtype_for, padded_window
 from ..kernels.vocab_torch import nonfinite_rows, row_flags
+from ..objective import verl_modes
 
 
 def kept_window(b, logits, tau, sampling_mask, rules, validate):
@@ -142,6 +143,8 @@ def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=No
         lg, kw["temperature"] = _scaled(b, lg, pad, tau, m), 1.0
     extras, adv = _unchecked(b, extras)
     opt = (lambda x: None if x is None else pad(x))
+    if b.packed and cfg.policy_loss == "clip-cov":  # the draws one per packed token, as the other backends make them
+        kw["generator"] = pad(verl_modes.uniform_draws(cfg, b.ids.numel(), logits.device))
     if b.packed and kw["max_completion_length"] is None:
         kw["max_completion_length"] = int(b.max_len)  # the longest completion
     w = extras["rollout_is_weights"]
@@ -174,7 +177,7 @@ def _unchecked(b, extras):
     def fix(x, ok, tokens=True):
         if x is None:
             return None
-        v = x.reshape(-1).to(torch.float64)
+        v = x.detach().reshape(-1).to(torch.float64)  # (constants of the loss on every backend: no gradient)
         bad = ~ok(v) & (c if tokens and v.numel() == c.numel() else True)
         return torch.where(bad, nan.to(v.device), v).reshape(x.shape)
     finite = torch.isfinite
