@@ -1007,6 +1007,12 @@ MUTANTS = [
     M("Q152", "core/config.py", "unknown = set(overrides) - set(cls.__dataclass_fields__)",
       "unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}",
       "GTPOConfig.preset inside torch.compile(fullgraph=True) fails to trace", tests=["test_compile_tensors"]),
+    M("Q153", "objective/verl_modes.py", "return pg, spread, (s * log_r > s * xc) & (s != 0)",
+      "return pg, spread, ~spread & (A != 0)", "geo_mean (torch) counts a NaN advantage's tokens as clipped",
+      tests=["test_reference_backend"]),
+    M("Q154", "kernels/epilogue_policy.py", "clipped = ((sgn * log_r > sgn * xc) & (sgn != 0.0)).to(tl.int32)",
+      "clipped = (spread.to(tl.int32) == 0).to(tl.int32) * (A != 0.0).to(tl.int32)",
+      "geo_mean (Triton) counts a NaN log r's token as clipped", tests=["test_reference_backend"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

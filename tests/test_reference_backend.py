@@ -273,3 +273,29 @@ def test_clip_cov_packed_draws_one_number_a_token_on_every_backend():
     zeroed = {k: (o.per_token_loss == 0).nonzero().flatten().tolist() for k, o in outs.items()}
     assert zeroed["reference"] == zeroed["torch"] == zeroed["triton"] and zeroed["torch"], zeroed
     assert abs(float(outs["reference"].loss) - float(outs["torch"].loss)) < 1e-6, outs
+
+
+@pytest.mark.parametrize("bad", [None, "adv", "old"])
+def test_geo_mean_clip_frac_agrees_with_a_nan(bad):
+    """geo_mean's clip_frac counts the tokens whose log r the clip stopped; unvalidated, a NaN advantage or a
+    -inf old log-prob counted its tokens as clipped on torch and Triton (clip_frac 0.25 / 0.0625, finite, where
+    the oracle's comparisons give 0): the three backends agree, clipped tokens present."""
+    g = torch.Generator().manual_seed(4)
+    B, T, V = 4, 4, 9
+    x = torch.randn(B, T, V, generator=g) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    lp = torch.log_softmax(x, -1).gather(-1, ids[..., None])[..., 0]
+    old = lp + torch.tensor([[0.6, -0.6, 0.05, 0.9]]).expand(B, T)  # log r = -0.6, 0.6, -0.05, -0.9
+    adv = torch.tensor([1.0, -0.8, 0.5, -0.3])
+    if bad == "adv":
+        adv[0] = float("nan")
+    if bad == "old":
+        old[0, 1] = float("-inf")
+    fr = {}
+    for backend in ("torch", "triton", "reference"):
+        out = gk.gtpo_loss(x, ids, adv, group_size=2, old_logps=old, config="geo-mean", backend=backend,
+                           validate=bad is None)
+        fr[backend] = float(out.metrics["clip_frac"])
+        assert torch.isfinite(out.loss) == (bad is None)
+    assert fr["torch"] == fr["triton"] == fr["reference"], fr
+    assert fr["torch"] >= (0.375 if bad is None else 0.25), fr

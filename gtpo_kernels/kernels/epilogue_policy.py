@@ -120,7 +120,7 @@ def _policy(r, log_r, lp, old, A, lo, hi, delta, dual_c, sapo_pos, sapo_neg, dro
         pg = -A * tl.exp(lr_seq) + zero
         d_logr = pg
         d_logp = tl.zeros_like(lp)
-        clipped = (spread.to(tl.int32) == 0).to(tl.int32) * (A != 0.0).to(tl.int32)
+        clipped = ((sgn * log_r > sgn * xc) & (sgn != 0.0)).to(tl.int32)  # (NaN: not clipped, as the oracle)
     elif POLICY == 9:  # vespo (policy.vespo): -sg(phi) A logp, phi = lr_seq the completion's (epilogue_geo)
         pg = -lr_seq * A * lp
         d_logr = tl.zeros_like(lp)

@@ -72,7 +72,7 @@ def geo_mean(A, log_r, m, seg_mean, log_w, cfg):
         log_R = log_R + log_w
     pg = -A * torch.exp(log_R)
     spread = (s * log_r <= s * xc) & (s != 0)
-    return pg, spread, ~spread & (A != 0)
+    return pg, spread, (s * log_r > s * xc) & (s != 0)  # (a NaN log r or advantage: not counted as clipped)
 
 
 def covariance(A, logp, m, M_safe):
