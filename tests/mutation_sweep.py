@@ -1013,6 +1013,12 @@ MUTANTS = [
     M("Q154", "kernels/epilogue_policy.py", "clipped = ((sgn * log_r > sgn * xc) & (sgn != 0.0)).to(tl.int32)",
       "clipped = (spread.to(tl.int32) == 0).to(tl.int32) * (A != 0.0).to(tl.int32)",
       "geo_mean (Triton) counts a NaN log r's token as clipped", tests=["test_reference_backend"]),
+    M("Q155", "kernels/vocab_bwd_triton.py", "            if KEEP:  # exactly 0 outside the set, a NaN coefficient's token too (spec 13)\n                g = tl.where(z == float(\"-inf\"), 0.0, g)\n",
+      "", "the rules' backward multiplies a NaN coefficient into the entries outside the kept set",
+      tests=["test_reference_backend"]),
+    M("Q156", "kernels/vocab_bwd_triton.py", "            if KEEP:\n                g = tl.where(z == float(\"-inf\"), 0.0, g)\n",
+      "", "the rules' backward (its partial block) multiplies a NaN coefficient into the entries outside the set",
+      tests=["test_reference_backend"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -299,3 +299,34 @@ def test_geo_mean_clip_frac_agrees_with_a_nan(bad):
         assert torch.isfinite(out.loss) == (bad is None)
     assert fr["torch"] == fr["triton"] == fr["reference"], fr
     assert fr["torch"] >= (0.375 if bad is None else 0.25), fr
+
+
+@pytest.mark.parametrize("block", [None, 8])  # (8: the Triton kernels' whole blocks and a partial one)
+def test_rules_a_nan_coefficient_leaves_zeros_outside_the_set(block, monkeypatch):
+    """Sets rebuilt by top_k, unvalidated, a NaN old log-prob at one counted token: its gradient row is NaN on
+    its kept set and exactly 0 outside it (spec 13) on every backend (the Triton backward multiplied the NaN
+    coefficient into every entry: 12 of 12 NaN where the others give 4 and 8 zeros); the other rows finite."""
+    from gtpo_kernels.kernels import vocab_triton
+    if block:
+        monkeypatch.setattr(vocab_triton, "MAX_BLOCK_V", block)
+    g = torch.Generator().manual_seed(5)
+    B, T, V = 4, 3, 12
+    x = torch.randn(B, T, V, generator=g) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    lp = torch.log_softmax(x, -1).gather(-1, ids[..., None])[..., 0]
+    old = lp + 0.1
+    old[0, 1] = float("nan")
+    adv = torch.tensor([1.0, -0.8, 0.5, -0.3])
+    pattern = {}
+    for backend in ("torch", "triton", "reference"):
+        z = x.clone().requires_grad_()
+        out = gk.gtpo_loss(z, ids, adv, group_size=2, old_logps=old, config="grpo", top_k=3, validate=False,
+                           backend=backend)
+        out.loss.backward()
+        row = z.grad[0, 1]
+        pattern[backend] = torch.isnan(row).tolist()
+        assert 3 <= int(torch.isnan(row).sum()) <= 4 and bool((row[~torch.isnan(row)] == 0).all()), (backend, row)
+        others = torch.ones(B, T, dtype=torch.bool)
+        others[0, 1] = False
+        assert torch.isfinite(z.grad[others]).all() and (z.grad[others] != 0).any(), backend
+    assert pattern["torch"] == pattern["triton"] == pattern["reference"], pattern

@@ -131,6 +131,8 @@ def _vocab_bwd_kernel(
             if KEEP:
                 z = _kept(z, v0 + lanes, inv_temp, k_s, k_id, y)
             g = _bwd_grad(z, m, c2, ls2, a_co, b_co, HAS_E) * dz
+            if KEEP:  # exactly 0 outside the set, a NaN coefficient's token too (spec 13)
+                g = tl.where(z == float("-inf"), 0.0, g)
             tl.store(grad_row + v0 + lanes, g.to(grad_ptr.dtype.element_ty))
         if v_full < V:  # the partial last block
             offs = v_full + lanes
@@ -140,6 +142,8 @@ def _vocab_bwd_kernel(
             if KEEP:
                 z = _kept(z, offs, inv_temp, k_s, k_id, y)
             g = _bwd_grad(z, m, c2, ls2, a_co, b_co, HAS_E) * dz
+            if KEEP:
+                g = tl.where(z == float("-inf"), 0.0, g)
             tl.store(grad_row + offs, g.to(grad_ptr.dtype.element_ty), mask=in_v)
         # the target entry, written once: (c (1 - p_y) - e p_y (log p_y + H)) / tau with 1 - p_y = q from
         # the forward. The barrier orders it after every thread's store of its block (which wrote the
