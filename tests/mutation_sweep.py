@@ -1019,6 +1019,10 @@ MUTANTS = [
     M("Q156", "kernels/vocab_bwd_triton.py", "            if KEEP:\n                g = tl.where(z == float(\"-inf\"), 0.0, g)\n",
       "", "the rules' backward (its partial block) multiplies a NaN coefficient into the entries outside the set",
       tests=["test_reference_backend"]),
+    M("Q157", "distributed/agree.py", "    def part(i, f):\n        if isinstance(f, Digest):",
+      "    def part(i, f):\n        if i < raw:\n            return \"raw\", int(f)\n        if isinstance(f, Digest):",
+      "the agreement's raw fields read as ints: a data-parallel config holding a 0-d tensor refused",
+      tests=["test_parallel_dp"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -120,6 +120,13 @@ def _conflict_checks(rank, world, counter):
                                  and _exact(plam.nan_to_num(7.0), one_lam[rows, :T][keep].nan_to_num(7.0))
                                  and _exact(pn.nan_to_num(7.0), n.nan_to_num(7.0)),
                                  "group_nan": bool(torch.isnan(one_n[4:8]).all() and torch.isfinite(one_n[:4]).all())}
+    # a config holding a 0-d tensor (a schedule) fingerprints as a Digest in the agreement's row: taken as its
+    # number is (from aa0e0c2 to 99ea72f every rank refused it with a TypeError)
+    ids, mask, adv = _batch(0, world)
+    one_lam, one_n = conflict_weights(ids, mask, adv, G, config=GTPOConfig(conflict_pos_weight=2.0))
+    lam, n = conflict_weights(ids[rows, :T], mask[rows, :T], adv[rows], G, process_group=grp,
+                              config=GTPOConfig(conflict_pos_weight=torch.tensor(2.0)))
+    res["tensor_config"] = {"one": _exact(lam, one_lam[rows, :T]) and _exact(n, one_n[rows])}
     # errors on every rank, never a hang (after each, the ranks are still in step: the next call works)
     ids, mask, adv = _batch(0, world)
     a, m, d = ids[rows, :T], mask[rows, :T], adv[rows]
@@ -135,6 +142,8 @@ def _conflict_checks(rank, world, counter):
                          if rank == world - 1 else conflict_weights(a, m, d, G, process_group=grp)),
         "local": lambda: conflict_weights(a, m[:, :-1] if rank == 1 else m, d, G, process_group=grp),
         "no_grouping": lambda: conflict_weights(a, m, d, process_group=grp),
+        "tensor_option": lambda: conflict_weights(a, m, d, G, process_group=grp, config=GTPOConfig(
+            conflict_pos_weight=torch.tensor(2.0 + (rank == 0)))),
     }
     for name, call in cases.items():
         try:
@@ -278,6 +287,7 @@ def test_data_parallel(world):
         assert "rank(s) [1] refused their arguments" in raised["local"], raised  # the same error everywhere
         assert ("completion_mask" in raised["local"]) == (r == 1), raised  # its own, chained, on rank 1
         assert "group_size is required" in raised["no_grouping"], raised
+        assert "disagree on the options" in raised["tensor_option"], raised
         assert raised["after"] is True
         loss = res["loss"]
         for k in ("token-mean/equal", "token-mean/uneven", "seq-mean/equal/naive", "seq-mean/uneven/scaled",

@@ -119,11 +119,11 @@ def _layout(fields, raw):
     between ranks), ('digest', const) for a Digest formed on the device (its constant kept on the host; a
     'tokens' one's and the next two's 0), ('device', 0) for a tensor field, ('host', int) for a number."""
     def part(i, f):
-        if i < raw:
-            return "raw", int(f)
-        if isinstance(f, Digest):
+        if isinstance(f, Digest):  # (among the raw ones too: a config holding a 0-d tensor fingerprints so)
             return ("digest", f.const) if f.kind not in ("tokens", "filled") else ("device", 0)
-        return ("device", 0) if isinstance(f, torch.Tensor) else ("host", int(f))
+        if isinstance(f, torch.Tensor):
+            return "device", 0
+        return ("raw" if i < raw else "host"), int(f)
     return [part(i, f) for i, f in enumerate(fields)]
 
 
