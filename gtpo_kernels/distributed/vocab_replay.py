@@ -57,6 +57,18 @@ def _values(logits3, rows_b, rows_t, cols, scale, softcap, tau):
     return z / tau
 
 
+def _taus(tau, seg, device):
+    """(tau per token (M,) or a number, tau at each set entry of `seg`): as _values takes them."""
+    tau_m = tau if not isinstance(tau, torch.Tensor) else tau.to(device)
+    return tau_m, tau_m if not isinstance(tau_m, torch.Tensor) else tau_m[seg]
+
+
+def _target(y, vp, V_r):
+    """(each sampled id as this slice's column, whether this slice owns it)."""
+    y_loc = y.long() - vp.start
+    return y_loc, (y_loc >= 0) & (y_loc < V_r)
+
+
 def merge(logits3, rows_b, rows_t, y, tau, token_ids, offsets, vp, scale=1.0, softcap=None):
     """(logp, H, flags, LSE over the set) (M,) of the counted tokens over their kept sets (global ids),
     merged over the group; rows_b, rows_t, y (M,); tau a number or (M,) tensor."""
@@ -70,8 +82,7 @@ def merge(logits3, rows_b, rows_t, y, tau, token_ids, offsets, vp, scale=1.0, so
     seg = segment_of(offsets, K)
     mine = (token_ids >= vp.start) & (token_ids < vp.start + V_r)
     cols, seg = token_ids[mine] - vp.start, seg[mine]  # (sync: this slice's share of the sets)
-    tau_m = tau if not isinstance(tau, torch.Tensor) else tau.to(dev)
-    tau_k = tau_m if not isinstance(tau_m, torch.Tensor) else tau_m[seg]
+    tau_m, tau_k = _taus(tau, seg, dev)
     s = _values(logits3, rows_b[seg], rows_t[seg], cols, scale, softcap, tau_k)
     ninf = torch.full((M,), float("-inf"), dtype=acc, device=dev)
     finite = torch.isfinite(s.detach())
@@ -82,8 +93,7 @@ def merge(logits3, rows_b, rows_t, y, tau, token_ids, offsets, vp, scale=1.0, so
     zero = torch.zeros(M, dtype=acc, device=dev)
     S_r = zero.index_add(0, seg, e)
     A_r = zero.index_add(0, seg, torch.where(e > 0, e * (s - mx[seg]), torch.zeros_like(e)))
-    y_loc = y.long() - vp.start
-    owned = (y_loc >= 0) & (y_loc < V_r)
+    y_loc, owned = _target(y, vp, V_r)
     s_y = _values(logits3, rows_b, rows_t, y_loc.clamp(0, max(V_r - 1, 0)), scale, softcap, tau_m) \
         if V_r else zero
     t_r = torch.where(owned, s_y - mx, zero)
@@ -113,10 +123,8 @@ def merge_grad(logits3, rows_b, rows_t, y, tau, token_ids, offsets, vp, lse, ent
     seg, cols = segment_of(offsets, K), token_ids - vp.start
     mine = (cols >= 0) & (cols < V_r)  # (the others' entries at a column of this slice, their gradient 0: no sync)
     cols = cols.clamp(0, V_r - 1)
-    tau_m = tau if not isinstance(tau, torch.Tensor) else tau.to(logits3.device)
-    tau_k = tau_m if not isinstance(tau_m, torch.Tensor) else tau_m[seg]
-    y_loc = y.long() - vp.start
-    owned = (y_loc >= 0) & (y_loc < V_r)
+    tau_m, tau_k = _taus(tau, seg, logits3.device)
+    y_loc, owned = _target(y, vp, V_r)
     with torch.enable_grad():
         z = logits3.detach().requires_grad_()
         s = _values(z, rows_b[seg], rows_t[seg], cols, scale, softcap, tau_k)

@@ -271,14 +271,15 @@ def token_logps(logits3: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.T
         work, key = _counter(logits3.device)
         meta.update(status_ptr=word, work_ptr=work, HAS_STATUS=True, MASK_VALUES=mask_values and mask is not None,
                     CU_CHECK=cu is not None)
-    meta.update(vocab_triton._per_seq((2 if cu is not None else 1) if tau_per_seq else 0, cu, temperature))
+    tau_seq = (2 if cu is not None else 1) if tau_per_seq else 0
+    meta.update(vocab_triton._per_seq(tau_seq, cu, temperature))
     B, _, V = logits3.shape
     tau = tau_value if temperature is None else temperature
     given = None if rule_values is None else _given_rules((top_k, top_p, min_p), rule_values)
     if given is not None:
         t_s, t_id, _kst = kept_rule_triton.kept_thresholds(logits3, ids, mask, tau, logits_start, *given,
-                                                           stats=False, tau_seq=meta.get("TEMP_PER_SEQ", 0),
-                                                           cu=meta.get("cu_ptr"))
+                                                           stats=False, tau_seq=tau_seq,
+                                                           cu=cu if tau_seq == 2 else None)
         meta.update(keep_s_ptr=t_s, keep_id_ptr=t_id, KEEP=True)
     try:
         vocab_triton._launch(logits3, ids, mask, outs, n // B, V, logits_start, tau, 1.0, None,
