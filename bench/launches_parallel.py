@@ -5,7 +5,8 @@ ending in "-packed": the same tokens packed, cu_seqlens and max_seqlen given, th
 completion dropped, per-token inputs packed alike and per-completion ones as given; "token_logprobs":
 token_logprobs(process_group=...), forward only; "gtpo-official":
 lam and n_conf given; "grpo-rollout-token" / "-seq": rollout weights per token / per completion; "grpo-tau-token"
-/ "-seq": a temperature tensor per token / per completion; "head-3" and
+/ "-seq": a temperature tensor per token / per completion; "grpo-top-k" / "token_logprobs-top-k": the sets
+rebuilt by top_k = 5 (each rank's candidates gathered; spec 13); "head-3" and
 "head-6": linear_gtpo_loss(process_group=...), dapo, D = 8, the recompute schedule with tiles of 3 and 6
 rows; "linear_token_logprobs": linear_token_logprobs(process_group=...), D = 8, one tile, forward only).
 Launches, of them Triton, host reads, tensors made from host data (each a host-to-device copy on a GPU), per
@@ -20,7 +21,7 @@ import torch
 
 CONFIGS = ("grpo", "gtpo", "clip-cov", "grpo-packed", "token_logprobs", "gtpo-official", "grpo-rollout-token",
            "grpo-rollout-seq", "grpo-rollout-seq-packed", "grpo-tau-token", "grpo-tau-seq", "grpo-tau-seq-packed",
-           "head-3", "head-6", "linear_token_logprobs")
+           "head-3", "head-6", "linear_token_logprobs", "grpo-top-k", "token_logprobs-top-k")
 
 
 def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm=True):
@@ -47,7 +48,8 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
             "grpo-rollout-token": dict(config="grpo", rollout_is_weights=torch.rand(B, T, generator=g) + 0.5),
             "grpo-rollout-seq": dict(config="grpo", rollout_is_weights=torch.rand(B, 1, generator=g) + 0.5),
             "grpo-tau-token": dict(config="grpo", temperature=torch.rand(B, T, generator=g) + 0.5),
-            "grpo-tau-seq": dict(config="grpo", temperature=torch.rand(B, 1, generator=g) + 0.5)}
+            "grpo-tau-seq": dict(config="grpo", temperature=torch.rand(B, 1, generator=g) + 0.5),
+            "grpo-top-k": dict(config="grpo", top_k=5)}
     D = 8
     h, w = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g)
     for cfg in configs:
@@ -74,9 +76,10 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
                 call = lambda: linear_token_logprobs(h, w[start:start + sizes[rank]], ids, 1.0,  # noqa: E731
                                                      backend="triton", validate=validate,
                                                      process_group=dist.group.WORLD)
-            if cfg == "token_logprobs":
+            if cfg.startswith("token_logprobs"):
+                rules = dict(top_k=5) if cfg.endswith("-top-k") else {}
                 call = lambda: token_logprobs(part.detach(), ids, 1.0, backend="triton",  # noqa: E731
-                                              validate=validate, process_group=dist.group.WORLD)
+                                              validate=validate, process_group=dist.group.WORLD, **rules)
             if warm:
                 call()
                 part.grad = None

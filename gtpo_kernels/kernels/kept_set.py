@@ -77,7 +77,7 @@ def _block(s, k, top_p, min_p):
     prob = torch.softmax(srt.to(torch.float64), dim=-1)
     cum = torch.cumsum(prob, dim=-1)
     drop = (cum <= (1.0 - top_p)[:, None]) & (top_p < 1)[:, None]
-    drop[:, -1] = False
+    drop[:, -1:].fill_(False)  # (fill_: no 0-d tensor made from a Python bool, a host-to-device copy on a GPU)
     kept_sorted = (srt > ninf) & ~drop
     return torch.zeros_like(keep).scatter_(1, idx, kept_sorted)
 
