@@ -1023,6 +1023,12 @@ MUTANTS = [
       "    def part(i, f):\n        if i < raw:\n            return \"raw\", int(f)\n        if isinstance(f, Digest):",
       "the agreement's raw fields read as ints: a data-parallel config holding a 0-d tensor refused",
       tests=["test_parallel_dp"]),
+    M("Q158", "kernels/kept_set.py", "    drop[:, -1:].fill_(False)", "    drop[:, -1] = False",
+      "top-p's last kept entry set from a 0-d tensor made from a Python bool (a host-to-device copy a call)",
+      tests=["test_parallel_launches"]),
+    M("Q159", "api/logits.py", "            warns = host and (fast_replay or cfg.entropy_threshold is not None)",
+      "            warns = host", "a split replay reads the epilogue's status word when nothing needs it",
+      tests=["test_parallel_launches"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

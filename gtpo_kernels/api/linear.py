@@ -121,7 +121,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                                                       budget, backend, host, vp)
             if b.malformed is not None:  # (packed: the kept sets' metrics NaN where no completion is known)
                 metrics = nan_where(b.malformed, metrics)
-            if logps_epilogue.uses_epilogue(cfg, backend, logp.dtype, vp):  # the loss math in one kernel
+            if logps_epilogue.uses_epilogue(cfg, backend, logp.dtype):  # the loss math in one kernel
                 # (its status word read only for the entropy filter's warning: replayed raised on the flags)
                 warns = host and cfg.entropy_threshold is not None
                 return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, warns, replay_metrics=metrics,

@@ -81,8 +81,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     validate        host-side checks (ids in range, mask values, non-finite counted rows). Inside
                     torch.compile or CUDA-graph capture they are skipped (no sync, no graph break); an
                     invalid counted token then gives NaN outputs there and a NaN loss, as validate=False.
-    backend         'auto' (Triton on CUDA, chunked torch on CPU and for float64), 'triton', 'torch' or
-                    'reference'.
+    backend         'auto' (Triton on CUDA, chunked torch on CPU, float64), 'triton', 'torch' or 'reference'.
     process_group   vocabulary-parallel logits (spec 12): this rank's logits hold the r-th contiguous slice
                     of the vocabulary (rank order; sizes may differ), ids are global. Loss and outputs are
                     identical on every rank; the gradient is this rank's slice. A DTensor sharded on the
@@ -98,8 +97,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
                       rollout_is_weights=rollout_is_weights, rollout_logps=rollout_logps)
         replaying = replay.requested(sampling_mask, top_k, top_p, min_p)
         fast = epilogue.eligible(logits, cfg, backend, replaying, process_group)  # checks in its kernel
-        # the sampler's kept sets with the loss math in the epilogue kernel (recorded sets: 8 launches, spec 8)
-        fast_replay = replaying and epilogue.eligible(logits, cfg, backend, False, process_group)
+        # the kept sets' loss math in the epilogue kernel (recorded sets: 8 launches, spec 8; split: merged log-probs)
+        replay_epi = replaying and epilogue.eligible(logits, cfg, backend, False, None)
+        fast_replay = replay_epi and process_group is None
         # the recorded sets' path checks in its kernels too (the sets: their status, then the host); not with a
         # per-token temperature: its host check must come after the batch's, as on the eager path
         sets_in_kernels = fast_replay and sampling_mask is not None and not _per_token_tau(temperature)
@@ -159,7 +159,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             return out
         # split over ranks: the epilogue kernel between the merged vocabulary passes (epilogue_attached)
         attached = process_group is not None and rules is None and epilogue_attached.takes(b.logits3, cfg, backend)
-        conflicts_for(b, cfg, group_size, dt, backend, epilogue=fast_replay or attached, defer=attached)
+        conflicts_for(b, cfg, group_size, dt, backend, epilogue=replay_epi or attached, defer=attached)
         vocab_summary(g, b, logits, host, backend, (cfg, group_size, num_items_in_batch,  # by value (spec 12)
                                                     attached), (sampling_mask, top_k, top_p, min_p))  # (the path too)
     vp = vocab_parallel(g, logits, "gtpo_loss(process_group=...)",  # (its kernels read b.ids - vp.start)
@@ -170,8 +170,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         logp, ent, metrics = _replayed(b, cfg, tau, sampling_mask, rules, backend, host, vp)
         if b.malformed is not None:  # (the kept sets' metrics too: no completion is known)
             metrics = nan_where(b.malformed, metrics)
-        if fast_replay:
-            return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, host, metrics,
+        if replay_epi:  # (split, replayed raised on the flags: the status word is read for the warning only)
+            warns = host and (fast_replay or cfg.entropy_threshold is not None)
+            return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, warns, metrics,
                                              nan_all=sampling_mask is not None)
         loss, res = logps_loss(b, cfg, logp, ent, num_items, dt, host, nan_all=sampling_mask is not None)
         res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})

@@ -29,9 +29,10 @@ from ..kernels import logps_ops, loss_ops
 from . import epilogue
 
 
-def uses_epilogue(cfg, backend, dtype, group=None):
-    """Whether the epilogue computes the loss of a call on log-probs of `dtype` (see the docstring)."""
-    return backend == "triton" and group is None and dtype != torch.float64 and epilogue.covers(cfg)
+def uses_epilogue(cfg, backend, dtype):
+    """Whether the epilogue computes the loss of a call on log-probs of `dtype` (see the docstring); on a
+    split vocabulary too, on the merged log-probs, alike on every rank."""
+    return backend == "triton" and dtype != torch.float64 and epilogue.covers(cfg)
 
 
 def _arguments(b, cfg, num_items, kernel_checks=False):
