@@ -1029,6 +1029,12 @@ MUTANTS = [
     M("Q159", "api/logits.py", "            warns = host and (fast_replay or cfg.entropy_threshold is not None)",
       "            warns = host", "a split replay reads the epilogue's status word when nothing needs it",
       tests=["test_parallel_launches"]),
+    M("Q160", "core/sampling.py", "_rounded(float(x), dtype)), None", "float(x)), None",
+      "a rule given as a number is decided in float64 by the reference backend, in float32 by the others",
+      tests=["test_rule_numbers"]),
+    M("Q161", "core/sampling.py", "min(int(x), _TOP_K_MAX)", "int(x)",
+      "a top_k past int64 overflows the torch backend's tensor and the Triton launch's argument",
+      tests=["test_rule_numbers"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from .checks import _check, _selection, check_int_tensor, check_on_device, check_tensor
+from .checks import _check, _rounded, _selection, check_int_tensor, check_on_device, check_tensor
 from .layout import spread_rows
 
 
@@ -37,7 +37,8 @@ def per_token(name, x, B, T, n, device, cu_seqlens=None, spread=True):
     packed = cu_seqlens is not None
     if packed and B == n and shape == (n,):
         raise ValueError(f"{name} of shape {shape} is ambiguous when B == N = {n} (per completion or per "
-                         f"token): pass a number, or expand it per token and pass a ({n},) tensor with B != N")
+                         f"token): pass a number, or one per completion as a ({n}, 1) tensor (a ({n},) tensor "
+                         f"is per token only where the batch's B != N)")
     if not packed and shape == (B, T):
         return x.reshape(n)
     if packed and shape == (n,):
@@ -108,6 +109,7 @@ def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=Non
     return tau, invalid()
 
 
+_TOP_K_MAX = 2 ** 31 - 1
 _RULES = {  # name: (test of a valid value, what is expected, integer?); vLLM's ranges (top_k -1: off, as 0)
     "top_k": (lambda x: x >= -1, "an integer >= -1 (0 or -1: off)", True),
     "top_p": (lambda x: (x > 0) & (x <= 1), "in (0, 1] (1: off)", False),
@@ -140,12 +142,16 @@ def check_rule(name, x, B, T, n, device, cu_seqlens=None, counted=None, validate
     ok, want, integer = _RULES[name]
     if x is None:
         return None, None
+    if isinstance(x, bool):
+        raise TypeError(f"{name} must be {'an int' if integer else 'a float'} or a tensor of them, got {x!r}")
     if _is_number(x):
         if integer and not isinstance(x, numbers.Integral):
             raise TypeError(f"{name} must be an int or an integer tensor, got {x!r}")
         if not (math.isfinite(x) and ok(x)):
             raise ValueError(f"{name} must be {want}, got {x!r}")
-        return (int(x) if integer else float(x)), None
+        # a top_k past any vocabulary (ids lie below 2**31) keeps every entry, as one of 2**31 - 1 does (it
+        # fits every kernel's argument); a threshold in the logits' dtype, as a tensor's (every backend alike)
+        return (min(int(x), _TOP_K_MAX) if integer else _rounded(float(x), dtype)), None
     check_tensor(name, x)
     if integer:
         check_int_tensor(name, x)
