@@ -43,8 +43,9 @@ come from TRL's own fields and are refused in gtpo_kwargs: `temperature`, `epsil
 `off_policy_mask_threshold` and `top_entropy_quantile`. With vLLM importance-sampling correction
 (`use_vllm=True`, `vllm_importance_sampling_correction=True`, any `vllm_importance_sampling_mode`) the
 batch's `importance_sampling_ratio` is passed as `rollout_is_weights` (VESPO folds it into its weight,
-as TRL does) and `sampling_per_token_logps` as `rollout_logps` (the sampling policy of the off-policy
-mask, as TRL's).
+as TRL does, over the completion's tokens only: TRL sums its log over every position, padding included,
+so where the clip range excludes 1 and padding's ratio of 1 is clipped, TRL's VESPO weight differs) and
+`sampling_per_token_logps` as `rollout_logps` (the sampling policy of the off-policy mask, as TRL's).
 
 Refused, with an error naming them: TRL's own entropy bonus (`entropy_coef`, `use_adaptive_entropy`:
 TRL adds it as a micro-batch token mean outside the loss type's normalizer, which the fused kernel
