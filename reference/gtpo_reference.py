@@ -240,7 +240,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         kept = torch.ones(B, dtype=torch.bool, device=device)    # the paper's gate
     else:
         kept = Hbar <= entropy_threshold
-    Ahat = (kept.double() * (A - entropy_penalty * Hbar)).unsqueeze(1)   # (B, 1)
+    # (no shaping: A itself, so that an unvalidated NaN entropy reaches no other token through 0 * NaN)
+    shaped = A if isinstance(entropy_penalty, (int, float)) and entropy_penalty == 0 else A - entropy_penalty * Hbar
+    Ahat = (kept.double() * shaped).unsqueeze(1)   # (B, 1)
 
     # ---- spec 4, 9: ratio and per-token policy term ------------------------------------------
     if old_logps is not None:

@@ -6,7 +6,7 @@ tensor; each invalid kept set NaN unvalidated and the twin's error validating; t
 torch.compile(fullgraph=True). Tolerances: spec 7 (float32: 1e-5)."""
 import pytest
 import torch
-from conftest import assert_grad_close
+from conftest import assert_grad_close, assert_value_close
 from test_logps_epilogue import TOL, _compare, _metrics_equal, _nan_where_counted
 from test_sampling_replay import rollout
 
@@ -114,8 +114,9 @@ def test_rules_replay_takes_the_epilogue():
 @pytest.mark.parametrize("bad", ["repeated", "missing", "offsets", "count", "nan_logit"])
 def test_invalid_kept_sets_unvalidated_nan_validated_the_twins_error(bad):
     """A kept set repeating an id, a sampled token missing from its set, malformed offsets, a wrong number
-    of sets, a NaN kept logit: validate=False gives NaN at every counted token (as the twin), validate=True
-    the twin's error."""
+    of sets, a NaN kept logit: validate=False gives NaN at the affected token (spec 13; the others' log-probs
+    finite and the twin's) and in the loss, at every counted token where no set can be attributed (malformed
+    offsets, a wrong number of sets), as the twin; validate=True the twin's error."""
     z, ids, adv, mask, taus, (tok, off), _ = _sets(5, False)
     tok, off, z, ids = tok.clone(), off.clone(), z.clone(), ids.clone()
     pos = mask.nonzero()
@@ -135,15 +136,27 @@ def test_invalid_kept_sets_unvalidated_nan_validated_the_twins_error(bad):
     else:
         b, t = pos[4].tolist()
         z[b, t, tok[int(off[4])]] = float("nan")
-    errors = {}
+    errors, outs = {}, {}
     for backend in ("triton", "torch"):
-        out = gtpo_loss(z, ids, adv, mask, sampling_mask=(tok, off), config="gtpo", group_size=2, validate=False,
-                        backend=backend)
-        _nan_where_counted(out, mask)
+        out = outs[backend] = gtpo_loss(z, ids, adv, mask, sampling_mask=(tok, off), config="gtpo", group_size=2,
+                                        validate=False, backend=backend)
+        if bad in ("offsets", "count"):
+            _nan_where_counted(out, mask)
+        else:  # the affected token alone among the log-probs: (b, t) above
+            assert torch.isnan(out.loss), backend
+            hit = torch.zeros_like(mask)
+            hit[b, t] = True
+            for f in ("logps", "entropy"):
+                v = getattr(out, f)
+                assert torch.isnan(v[hit]).all() and torch.isfinite(v[mask & ~hit]).all(), (backend, f, bad)
         with pytest.raises(ValueError) as e:
             gtpo_loss(z, ids, adv, mask, sampling_mask=(tok, off), config="gtpo", group_size=2, backend=backend)
         errors[backend] = str(e.value)
     assert errors["triton"] == errors["torch"], errors
+    for f in ("logps", "entropy", "per_token_loss"):
+        a, e = getattr(outs["triton"], f), getattr(outs["torch"], f)
+        assert torch.equal(a.isnan(), e.isnan()), f
+        assert_value_close(f, a[~a.isnan()], e[~e.isnan()], TOL)
 
 
 @pytest.mark.parametrize("bad", ["none", "adv", "old", "mask", "id", "max_seqlen", "weight"])

@@ -159,7 +159,7 @@ def replay_epilogue(logits3: Tensor, ids: Tensor, token_ids: Tensor, offsets: Te
         _replay_fwd_kernel[(n,)](logits3, rows, rows, ids, tau_n, kept, flat, outs[1], outs[2], stats, flags_t, V,
                                  1, 0, 1, 1.0, 1.0, 1.0, TAU_PTR=True, HAS_SCALE=False, HAS_SOFTCAP=False,
                                  BLOCK_K=BLOCK_K)  # (rows: offsets formed by _flat_sets_kernel)
-        _set_check_kernel[(n,)](flat if mask is None else mask, flat, kept, flags_t, outs[2], cu_out, met, B, n,
+        _set_check_kernel[(n,)](flat if mask is None else mask, flat, kept, flags_t, outs[2], met,
                                 HAS_MASK=mask is not None, DUP_BLOCK=DUP_BLOCK)
     loss_ops.epilogue(outs[1], outs[2], flags_t, mask, cu_out, adv, old, ref, lam, n_conf, num_items, floats, flags,
                       B, roll, outs[:12], rw=rw, hp=hp, draws=draws)

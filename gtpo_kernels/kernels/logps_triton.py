@@ -169,12 +169,13 @@ def _flat_sets_kernel(mask_ptr, off_ptr, cu_ptr, tau_ptr,  # the caller's mask, 
     _cu_out(cu_ptr, cu_out, B, T, N, bad * ((M > 0) | VALIDATE).to(tl.int32), BLOCK, PACKED)
 
 
-@triton.jit(do_not_specialize=["B", "N"])
-def _set_check_kernel(mask_ptr, flat_ptr, ids_ptr, flags_ptr, ent_ptr, cu_out, met_ptr, B, N,
-                      HAS_MASK: tl.constexpr, DUP_BLOCK: tl.constexpr):
+@triton.jit
+def _set_check_kernel(mask_ptr, flat_ptr, ids_ptr, flags_ptr, ent_ptr, met_ptr, HAS_MASK: tl.constexpr,
+                      DUP_BLOCK: tl.constexpr):
     """Token `tok` after the replay: its flags kept where counted (0 elsewhere, BAD_ID added when its set
-    repeats an id); a flagged counted token or a non-finite entropy there poisons cu_out, and the sets'
-    metrics (met[0:2], _flat_sets_kernel's): NaN, a set that means nothing averaged in."""
+    repeats an id); a flagged counted token or a non-finite entropy there makes the sets' metrics
+    (met[0:2], _flat_sets_kernel's) NaN, a set that means nothing averaged in; the epilogue NaNs what reads
+    that token (its flag, spec 13: the affected token's outputs)."""
     tok = tl.program_id(0).to(tl.int64)
     if HAS_MASK:
         m = tl.load(mask_ptr + tok) != 0
@@ -191,7 +192,6 @@ def _set_check_kernel(mask_ptr, flat_ptr, ids_ptr, flags_ptr, ent_ptr, cu_out, m
     tl.store(flags_ptr + tok, flag.to(tl.int8))
     en = tl.load(ent_ptr + tok)
     if m & ((flag != 0) | ((tl.abs(en) < float("inf")) == 0)):
-        tl.store(cu_out + B, N + 1)
         tl.store(met_ptr + tl.arange(0, 2), tl.full([2], float("nan"), tl.float32))
 
 

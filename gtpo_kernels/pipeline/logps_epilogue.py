@@ -59,8 +59,8 @@ def logps_loss(b, cfg, logps, entropy, num_items, host, replay_metrics=None, rev
     entropy terms) of the tokens' shape or flat. Validating: with `revalidate` the value checks are the
     kernels' (the batch was prepared without them; a failure runs revalidate() to raise the error that names
     the argument), else they were made on the host. nan_all: unvalidated, a non-finite entropy at a counted
-    token makes every output NaN (the caller's entropies, the replay of recorded sets); else only what reads
-    that token is NaN (the sets rebuilt by rules; loss.logps_loss alike)."""
+    token makes every output NaN (the caller's entropies); else only what reads that token is NaN (the kept
+    sets' replay, which NaNs a flagged token; loss.logps_loss alike)."""
     in_kernel = host and revalidate is not None
     kw = _common(b, cfg, num_items, in_kernel)
     ids = b.given["ids"].reshape(-1) if in_kernel else None

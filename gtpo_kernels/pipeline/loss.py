@@ -94,9 +94,9 @@ def logps_loss(b, cfg, logps, entropy, num_items, dt, host, nan_all=True):
     """The loss from per-token log-probs (and entropies) differentiable elsewhere: the O(N) surrogate,
     then the value with d/dlogps = c and d/dentropy = e attached (x - sg(x) is 0 with gradient 1).
     Unvalidated malformed cu_seqlens, or with `nan_all` a non-finite entropy at a counted token (the
-    caller's entropies; the replay of recorded sets, as its kernels do): every output NaN. Without (the
-    sets rebuilt by rules: NaN at a flagged token) only what reads that token is NaN, as on the logits path
-    and the Triton rebuild. -> (loss, res)."""
+    caller's entropies): every output NaN. Without (the kept sets, recorded or rebuilt by rules: NaN at a
+    flagged token) only what reads that token is NaN, as on the logits path and the Triton replay.
+    -> (loss, res)."""
     zero = torch.zeros((), dtype=dt, device=logps.device)
     raw = logps.reshape(-1).to(dt)
     # a log-prob that is not finite (+-inf, unvalidated): NaN, and so its gradient, as the kernels make it
