@@ -6,7 +6,8 @@ completion dropped, per-token inputs packed alike and per-completion ones as giv
 token_logprobs(process_group=...), forward only; "gtpo-official":
 lam and n_conf given; "grpo-rollout-token" / "-seq": rollout weights per token / per completion; "grpo-tau-token"
 / "-seq": a temperature tensor per token / per completion; "grpo-top-k" / "token_logprobs-top-k": the sets
-rebuilt by top_k = 5 (each rank's candidates gathered; spec 13); "head-3" and
+rebuilt by top_k = 5 (each rank's candidates gathered; spec 13); "grpo-recorded": recorded sets
+(sampling_mask, each token's id and about half the vocabulary); "head-3" and
 "head-6": linear_gtpo_loss(process_group=...), dapo, D = 8, the recompute schedule with tiles of 3 and 6
 rows; "linear_token_logprobs": linear_token_logprobs(process_group=...), D = 8, one tile, forward only).
 Launches, of them Triton, host reads, tensors made from host data (each a host-to-device copy on a GPU), per
@@ -21,7 +22,7 @@ import torch
 
 CONFIGS = ("grpo", "gtpo", "clip-cov", "grpo-packed", "token_logprobs", "gtpo-official", "grpo-rollout-token",
            "grpo-rollout-seq", "grpo-rollout-seq-packed", "grpo-tau-token", "grpo-tau-seq", "grpo-tau-seq-packed",
-           "head-3", "head-6", "linear_token_logprobs", "grpo-top-k", "token_logprobs-top-k")
+           "head-3", "head-6", "linear_token_logprobs", "grpo-top-k", "token_logprobs-top-k", "grpo-recorded")
 
 
 def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm=True):
@@ -49,7 +50,8 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
             "grpo-rollout-seq": dict(config="grpo", rollout_is_weights=torch.rand(B, 1, generator=g) + 0.5),
             "grpo-tau-token": dict(config="grpo", temperature=torch.rand(B, T, generator=g) + 0.5),
             "grpo-tau-seq": dict(config="grpo", temperature=torch.rand(B, 1, generator=g) + 0.5),
-            "grpo-top-k": dict(config="grpo", top_k=5)}
+            "grpo-top-k": dict(config="grpo", top_k=5),
+            "grpo-recorded": dict(config="grpo", sampling_mask=_recorded(ids, V))}
     D = 8
     h, w = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g)
     for cfg in configs:
@@ -87,6 +89,14 @@ def counts(rank, world, B=4, T=5, configs=CONFIGS, validates=(False, True), warm
                 call()
             rows.append((cfg, validate, c.launches, c.triton, c.host_reads, c.creations))
     return rows
+
+
+def _recorded(ids, V):
+    """Recorded kept sets (token_ids, offsets) of every token: its sampled id and about half the vocabulary
+    (the same on every rank: a generator of their own)."""
+    keep = torch.rand(ids.numel(), V, generator=torch.Generator().manual_seed(11)) < 0.5
+    keep[torch.arange(ids.numel()), ids.reshape(-1)] = True
+    return keep.nonzero()[:, 1], torch.cat([torch.zeros(1, dtype=torch.long), keep.sum(1).cumsum(0)])
 
 
 def _rank(rank, world, path, queue, configs=CONFIGS):
