@@ -7,6 +7,7 @@ positions, and everything is computed in float64. It stands alone: no dependency
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -241,7 +242,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     else:
         kept = Hbar <= entropy_threshold
     # (no shaping: A itself, so that an unvalidated NaN entropy reaches no other token through 0 * NaN)
-    shaped = A if isinstance(entropy_penalty, (int, float)) and entropy_penalty == 0 else A - entropy_penalty * Hbar
+    shaped = A if isinstance(entropy_penalty, numbers.Real) and entropy_penalty == 0 else A - entropy_penalty * Hbar
     Ahat = (kept.double() * shaped).unsqueeze(1)   # (B, 1)
 
     # ---- spec 4, 9: ratio and per-token policy term ------------------------------------------
@@ -277,6 +278,9 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
         tok = tok * fam.off_policy_mask(A, logp, sampling_logp, m, off_policy_mask_threshold)
     entropy_mask = fam.top_entropy_mask(H, m, top_entropy_quantile) if top_entropy_quantile < 1 else None
     if entropy_mask is not None:
+        # a NaN counted entropy (unvalidated) makes the quantile, so every counted token's mask, NaN (spec 6)
+        unknown = torch.isnan(H.detach()[m]).any()
+        entropy_mask = torch.where(m & unknown, torch.full_like(H, float("nan")), entropy_mask.double()).detach()
         tok = tok * entropy_mask
     if rollout_w is not None and policy_loss not in ("vespo", "geo-mean"):  # they fold them in (spec 9)
         tok = tok * rollout_w

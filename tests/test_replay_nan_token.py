@@ -58,3 +58,18 @@ def test_an_invalid_recorded_set_is_nan_at_its_token_alone(kind, preset):
         both = torch.isfinite(grad) & torch.isfinite(rgrad)
         assert (both[~hit].all(-1) | rgrad[~hit].isnan().any(-1)).all(), backend
         torch.testing.assert_close(grad[both].double(), rgrad[both].double(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["recorded", "top_k"])
+def test_the_top_entropy_quantile_reads_the_nan_of_an_invalid_token(form):
+    """The quantile spans every counted entropy: with one NaN among them (an invalid set or rule, unvalidated)
+    every counted token's mask, so its per-token loss, is NaN on every backend, the oracle's included (the
+    kernels took the threshold from the finite entropies, the oracle kept no token: two finite answers)."""
+    z, ids, adv, old = _batch()
+    top_k = torch.full((B, T), 3)
+    top_k.view(-1)[BAD] = -7
+    kw = dict(sampling_mask=_sets(ids, "missing")) if form == "recorded" else dict(top_k=top_k)
+    cfg = gk.GTPOConfig.preset("grpo", top_entropy_quantile=0.5, loss_agg="none")
+    for backend in ("reference", "torch", "triton"):
+        out = gk.gtpo_loss(z, ids, adv, config=cfg, group_size=2, old_logps=old, backend=backend, validate=False, **kw)
+        assert torch.isnan(out.per_token_loss).all(), (backend, out.per_token_loss)

@@ -1,6 +1,7 @@
 """The sampler's rules given as numbers (spec 13): decided in the logits' precision on every backend, as a
 tensor of the same values is (a float32 cut for float32 logits, whichever backend); a top_k past any
 vocabulary keeps every entry; a bool is refused naming the rule."""
+import numpy as np
 import pytest
 import torch
 
@@ -43,10 +44,23 @@ def test_a_top_k_past_every_vocabulary_keeps_every_entry(top_k):
 
 
 @pytest.mark.parametrize("rule", ["top_k", "top_p", "min_p"])
-def test_a_bool_rule_is_refused_by_name(rule):
+@pytest.mark.parametrize("true", [True, np.bool_(True)])
+def test_a_bool_rule_is_refused_by_name(rule, true):
     x, ids = torch.randn(1, 2, 5), torch.tensor([[1, 2]])
-    with pytest.raises(TypeError, match=rf"^{rule} must be an? (int|float) or a tensor of them, got True$"):
-        gk.token_logprobs(x, ids, 1.0, backend="torch", **{rule: True})
+    with pytest.raises(TypeError, match=rf"^{rule} must be an? (int|float) or a tensor of them, got (np\.)?True_?$"):
+        gk.token_logprobs(x, ids, 1.0, backend="torch", **{rule: true})
+
+
+def test_a_number_is_checked_as_rounded_as_a_tensor_is():
+    """top_p = 1e-46 rounds to 0 in float32: refused as the same value in a tensor is, saying so."""
+    x, ids = torch.randn(1, 2, 5), torch.tensor([[1, 2]])
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\] \(1: off\), got 1e-46 \(0\.0 in the logits'"):
+            gk.token_logprobs(x, ids, 1.0, backend=backend, top_p=1e-46)
+        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+            gk.token_logprobs(x, ids, 1.0, backend=backend, top_p=torch.tensor([1e-46], dtype=torch.float64))
+    lp, _ = gk.token_logprobs(x.double(), ids, 1.0, backend="torch", top_p=1e-46)  # float64: a valid cut
+    assert torch.isfinite(lp).all()
 
 
 def test_the_ambiguous_packed_shape_says_what_to_pass():

@@ -110,6 +110,10 @@ def check_temperature(temperature, B, T, n, device, cu_seqlens=None, counted=Non
 
 
 _TOP_K_MAX = 2 ** 31 - 1
+try:  # a NumPy bool is no int either
+    from numpy import bool_ as np_bool
+except ImportError:  # pragma: no cover
+    np_bool = bool
 _RULES = {  # name: (test of a valid value, what is expected, integer?); vLLM's ranges (top_k -1: off, as 0)
     "top_k": (lambda x: x >= -1, "an integer >= -1 (0 or -1: off)", True),
     "top_p": (lambda x: (x > 0) & (x <= 1), "in (0, 1] (1: off)", False),
@@ -142,16 +146,19 @@ def check_rule(name, x, B, T, n, device, cu_seqlens=None, counted=None, validate
     ok, want, integer = _RULES[name]
     if x is None:
         return None, None
-    if isinstance(x, bool):
+    if isinstance(x, (bool, np_bool)):
         raise TypeError(f"{name} must be {'an int' if integer else 'a float'} or a tensor of them, got {x!r}")
     if _is_number(x):
         if integer and not isinstance(x, numbers.Integral):
             raise TypeError(f"{name} must be an int or an integer tensor, got {x!r}")
-        if not (math.isfinite(x) and ok(x)):
-            raise ValueError(f"{name} must be {want}, got {x!r}")
         # a top_k past any vocabulary (ids lie below 2**31) keeps every entry, as one of 2**31 - 1 does (it
-        # fits every kernel's argument); a threshold in the logits' dtype, as a tensor's (every backend alike)
-        return (min(int(x), _TOP_K_MAX) if integer else _rounded(float(x), dtype)), None
+        # fits every kernel's argument); a threshold in the logits' dtype, as a tensor's (every backend alike),
+        # checked as rounded (a top_p that rounds to 0 is refused, as in a tensor)
+        v = min(int(x), _TOP_K_MAX) if integer else _rounded(float(x), dtype) if math.isfinite(x) else x
+        if not (math.isfinite(v) and ok(v)):
+            rounded = "" if integer or v == x else f" ({v!r} in the logits' dtype)"
+            raise ValueError(f"{name} must be {want}, got {x!r}{rounded}")
+        return v, None
     check_tensor(name, x)
     if integer:
         check_int_tensor(name, x)

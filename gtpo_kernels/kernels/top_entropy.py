@@ -68,7 +68,13 @@ def _top_entropy_thr(srt_ptr, M, N, q, DESCENDING: tl.constexpr):
         v_hi = tl.load(srt_ptr + hi, mask=some, other=float("inf")).to(tl.float32)
     frac = pos - lo.to(tl.float32)
     thr = v_lo + (v_hi - v_lo) * frac
-    return tl.where(v_hi == v_lo, v_lo, thr)
+    thr = tl.where(v_hi == v_lo, v_lo, thr)
+    # a NaN counted entropy (flagged or not; sorted last, first when descending) makes the quantile NaN
+    if DESCENDING:
+        edge = tl.load(srt_ptr, mask=some, other=0.0).to(tl.float32)
+    else:
+        edge = tl.load(srt_ptr + (N - 1), mask=some, other=0.0).to(tl.float32)
+    return tl.where(edge != edge, float("nan"), thr)
 
 
 @triton.jit
@@ -77,5 +83,6 @@ def _top_entropy_w(ent_out, o, inb, m, thr, M, BLOCK: tl.constexpr, TOP_ENT: tl.
     without the mask."""
     if TOP_ENT:
         en = tl.load(ent_out + o, mask=inb, other=0.0)
-        return (m & (en >= thr) & (M > 0)).to(tl.float32)
+        keep = (m & (en >= thr) & (M > 0)).to(tl.float32)
+        return tl.where(m, tl.where(thr != thr, float("nan"), keep), keep)  # (a NaN quantile: counted NaN)
     return tl.full([BLOCK], 1.0, tl.float32)

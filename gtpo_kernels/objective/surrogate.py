@@ -74,7 +74,9 @@ def top_entropy_mask(ent, m, M, rho):
     v_lo, v_hi = srt.gather(0, lo.reshape(1))[0], srt.gather(0, hi.reshape(1))[0]  # static shapes (compile)
     thr = v_lo + (v_hi - v_lo) * (pos - lo.to(pos.dtype))
     thr = torch.where(v_hi == v_lo, v_lo, thr)  # inf - inf
-    return m & (ent >= thr) & (M > 0)
+    keep = (m & (ent >= thr) & (M > 0)).to(ent.dtype)
+    # a NaN counted entropy (unvalidated; sorted last) makes the quantile, so every counted token's mask, NaN
+    return torch.where(m & torch.isnan(srt[-1]), torch.full_like(keep, float("nan")), keep)
 
 
 def aggregation_weights(mf, seg, B, n_safe, M_safe, cfg, n_conf, num_items, max_len):
