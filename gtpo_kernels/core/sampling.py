@@ -151,14 +151,12 @@ def check_rule(name, x, B, T, n, device, cu_seqlens=None, counted=None, validate
     if _is_number(x):
         if integer and not isinstance(x, numbers.Integral):
             raise TypeError(f"{name} must be an int or an integer tensor, got {x!r}")
+        if not (math.isfinite(x) and ok(x)):
+            raise ValueError(f"{name} must be {want}, got {x!r}")
         # a top_k past any vocabulary (ids lie below 2**31) keeps every entry, as one of 2**31 - 1 does (it
-        # fits every kernel's argument); a threshold in the logits' dtype, as a tensor's (every backend alike),
-        # checked as rounded (a top_p that rounds to 0 is refused, as in a tensor)
-        v = min(int(x), _TOP_K_MAX) if integer else _rounded(float(x), dtype) if math.isfinite(x) else x
-        if not (math.isfinite(v) and ok(v)):
-            rounded = "" if integer or v == x else f" ({v!r} in the logits' dtype)"
-            raise ValueError(f"{name} must be {want}, got {x!r}{rounded}")
-        return v, None
+        # fits every kernel's argument); a threshold in the logits' dtype, as a tensor's (every backend alike;
+        # checked in float64: one that rounds to its range's open end keeps what the rules keep there)
+        return (min(int(x), _TOP_K_MAX) if integer else _rounded(float(x), dtype)), None
     check_tensor(name, x)
     if integer:
         check_int_tensor(name, x)
