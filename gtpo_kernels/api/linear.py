@@ -124,8 +124,7 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
             if logps_epilogue.uses_epilogue(cfg, backend, logp.dtype):  # the loss math in one kernel
                 # (its status word read only for the entropy filter's warning: replayed raised on the flags)
                 warns = host and cfg.entropy_threshold is not None
-                return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, warns, replay_metrics=metrics,
-                                                 nan_all=False)
+                return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, warns, metrics, nan_all=False)
             value, res = loss.logps_loss(b, cfg, logp, ent, num_items, dt, host, nan_all=False)
             res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
             return loss.make_output(b, cfg, value, res, dt, host)

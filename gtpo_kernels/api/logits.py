@@ -172,8 +172,7 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
             metrics = nan_where(b.malformed, metrics)
         if replay_epi:  # (split, replayed raised on the flags: the status word is read for the warning only)
             warns = host and (fast_replay or cfg.entropy_threshold is not None)
-            return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, warns, metrics,
-                                             nan_all=False)
+            return logps_epilogue.logps_loss(b, cfg, logp, ent, num_items, warns, metrics, nan_all=False)
         loss, res = logps_loss(b, cfg, logp, ent, num_items, dt, host, nan_all=False)
         res["metrics"].update({k: v.to(dt) for k, v in metrics.items()})
         return make_output(b, cfg, loss, res, dt, host)
