@@ -1044,6 +1044,13 @@ MUTANTS = [
     M("Q165", "objective/surrogate.py",
       "    return torch.where(m & torch.isnan(srt[-1]), torch.full_like(keep, float(\"nan\")), keep)", "    return keep",
       "the eager quantile passes over a NaN counted entropy (sorted last)", tests=["test_replay_nan_token"]),
+    M("Q166", "distributed/vocab_replay.py", "    logp, ent = logp + poison, ent + poison",
+      "    logp, ent = torch.where(bad, nan, logp), torch.where(bad, nan, ent)",
+      "the split kept sets' NaN tokens pass no gradient (a malformed cu_seqlens: a zero gradient)",
+      tests=["test_parallel_replay_nan_grad"]),
+    M("Q167", "kernels/kept_set.py", "held | ((yl >= 0) & (yl < V))", "True",
+      "an out-of-range sampled id adds the clamped column V - 1 to its kept set",
+      tests=["test_parallel_replay_nan_grad"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -261,7 +261,10 @@ def replayed(b, tau, sampling_mask, rules, vp, host, scale=1.0, softcap=None):
         n = b.counted.numel()
         checks.raise_on_flags(torch.zeros(n, dtype=flags.dtype, device=flags.device).scatter(0, pos, flags),
                               b.tok_shape)
-    logp, ent = torch.where(bad, nan, logp), torch.where(bad, nan, ent)
+    # NaN where invalid, the upstream gradient passed on: a NaN coefficient reaches the token's kept entries of
+    # this slice, as on one process (a malformed cu_seqlens: every gradient entry of the sets NaN, spec 6)
+    poison = torch.where(bad, nan, torch.zeros_like(nan))
+    logp, ent = logp + poison, ent + poison
     mass = None if lse_full is None else torch.exp(lse_kept - lse_full)  # the full softmax's mass on the set
     n = b.counted.numel()
     zero = torch.zeros(n, dtype=logp.dtype, device=logp.device)

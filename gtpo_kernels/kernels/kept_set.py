@@ -108,9 +108,11 @@ def kept_sets(logits3, rows_b, rows_t, y, tau, top_k=None, top_p=None, min_p=Non
         tp = _param(top_p, sl, 1.0, acc, dev)
         mp = _param(min_p, sl, 0.0, acc, dev)
         keep = _block(s, k, tp, mp)
-        yc = y[sl].long().clamp(0, V - 1)[:, None]
-        rest = ~keep.gather(1, yc).squeeze(1)
-        keep.scatter_(1, yc, True)
+        yl = y[sl].long()[:, None]
+        yc = yl.clamp(0, max(V - 1, 0))
+        held = keep.gather(1, yc)
+        rest = ~held.squeeze(1)
+        keep.scatter_(1, yc, held | ((yl >= 0) & (yl < V)))  # (an id outside [0, V) is not a column: its token NaN)
         mass.append(torch.where(keep, torch.softmax(s, -1), torch.zeros_like(s)).sum(-1))
         nz = keep.nonzero()  # row-major: ids ascending within each row
         ids.append(nz[:, 1])
