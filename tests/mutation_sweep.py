@@ -1051,6 +1051,11 @@ MUTANTS = [
     M("Q167", "kernels/kept_set.py", "held | ((yl >= 0) & (yl < V))", "True",
       "an out-of-range sampled id adds the clamped column V - 1 to its kept set",
       tests=["test_parallel_replay_nan_grad"]),
+    M("Q168", "kernels/epilogue_triton.py", "shaped = tl.where(penalty == 0.0, adv, adv - penalty * hbar)",
+      "shaped = adv - penalty * hbar", "the kernel's shaping at a 0-d tensor gamma of 0 spreads a NaN Hbar",
+      tests=["test_replay_nan_token"]),
+    M("Q169", "objective/surrogate.py", "torch.where(pen == 0, adv, adv - pen * seq_ent)", "adv - pen * seq_ent",
+      "the eager shaping at a 0-d tensor gamma of 0 spreads a NaN Hbar", tests=["test_replay_nan_token"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

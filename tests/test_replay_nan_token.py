@@ -27,8 +27,12 @@ def _sets(ids, kind):
 
 
 @pytest.mark.parametrize("kind", ["missing", "repeated", "range"])
-@pytest.mark.parametrize("preset", ["grpo", "gtpo"])
+@pytest.mark.parametrize("preset", ["grpo", "gtpo", "gtpo-penalty-0"])
 def test_an_invalid_recorded_set_is_nan_at_its_token_alone(kind, preset):
+    """gtpo-penalty-0: the shaping's gamma a 0-d tensor 0 (a schedule at 0) spreads the token's NaN entropy no
+    more than the number 0 does (torch and Triton once formed A - 0 * NaN)."""
+    if preset == "gtpo-penalty-0":
+        preset = gk.GTPOConfig.preset("gtpo", entropy_penalty=torch.tensor(0.0))
     z, ids, adv, old = _batch()
     sm = _sets(ids, kind)
     hit = torch.zeros(B * T, dtype=torch.bool)

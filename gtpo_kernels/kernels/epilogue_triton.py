@@ -199,7 +199,7 @@ def _epilogue_kernel(
         else:
             kept = n_i >= 0
         if PENALTY:
-            shaped = adv - penalty * hbar
+            shaped = tl.where(penalty == 0.0, adv, adv - penalty * hbar)  # (a 0 schedule: no 0 * NaN Hbar)
         else:
             shaped = adv
         tl.store(hbar_out + i, hbar)
