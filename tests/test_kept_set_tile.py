@@ -23,7 +23,7 @@ def _tile(seed, n=9, V=40):
     z[3, 4] = float("nan")
     z[4, 7] = float("inf")
     z[5] = float("-inf")
-    y[6] = 45  # outside the vocabulary (unvalidated): its clamp is restored, as the torch rebuild does
+    y[6] = 45  # outside the vocabulary (unvalidated): no column of the set, nor restored (its token is NaN)
     z[7] = z[7] * 0.01  # nearly flat: top-p keeps many
     z[8, :5] = float("-inf")  # banned entries: never kept
     return z, y, g

@@ -243,7 +243,7 @@ def _kept_rule_kernel(
                 s = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
                 # (the vocabulary kernels' test, vocab_jit._kept: every entry at or above the threshold is min-p's)
                 rule = _by_rule(s, offs, t_s, t_id)
-                inside = rule | (offs == y)
+                inside = rule | ((offs == y) & (offs < V))  # (an id past V: no entry, as a masked lane is none)
                 e = tl.where(s == s, tl.exp(s - mx_safe), 0.0).to(tl.float64)
                 size += tl.reduce(inside.to(tl.float32), 0, _SUM)
                 y_in += tl.reduce((rule & (offs == y)).to(tl.int32), 0, _SUM)

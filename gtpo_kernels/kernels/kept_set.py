@@ -110,9 +110,9 @@ def kept_sets(logits3, rows_b, rows_t, y, tau, top_k=None, top_p=None, min_p=Non
         keep = _block(s, k, tp, mp)
         yl = y[sl].long()[:, None]
         yc = yl.clamp(0, max(V - 1, 0))
-        held = keep.gather(1, yc)
-        rest = ~held.squeeze(1)
-        keep.scatter_(1, yc, held | ((yl >= 0) & (yl < V)))  # (an id outside [0, V) is not a column: its token NaN)
+        held, inr = keep.gather(1, yc), (yl >= 0) & (yl < V)  # (an id outside [0, V) is no column: its token NaN)
+        rest = (~held & inr).squeeze(1)
+        keep.scatter_(1, yc, held | inr)
         mass.append(torch.where(keep, torch.softmax(s, -1), torch.zeros_like(s)).sum(-1))
         nz = keep.nonzero()  # row-major: ids ascending within each row
         ids.append(nz[:, 1])

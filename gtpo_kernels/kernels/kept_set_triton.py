@@ -61,7 +61,7 @@ def kept_sets_tile(z, y, tau, top_k=None, top_p=None, min_p=None, scale=1.0, sof
         z.detach().to(torch.float32, copy=True), scale, softcap)
     zt = zt.contiguous()
     tau = float(tau) if not isinstance(tau, torch.Tensor) else tau
-    y = y.long().clamp(0, max(V - 1, 0))  # as kept_sets: an id outside the vocabulary restores its clamp
+    y = y.long()  # (as kept_sets: an id outside the vocabulary is no column of the set, nor restored)
     # (an invalid rule value: its threshold as found, so that the count and the listing agree; the caller's
     # flags make that token NaN, as with the torch rebuild)
     t_s, t_id, kst = kept_thresholds(zt.unsqueeze(0), y, None, tau, 0, top_k, top_p, min_p, nan_bad=False)
