@@ -255,7 +255,6 @@ def replayed(b, tau, sampling_mask, rules, vp, host, scale=1.0, softcap=None):
                 invalid = invalid | x[pos]
         refuse_unbuilt(invalid, host)
     logp, ent, flags, lse_kept = merge(logits3, rows_b, rows_t, y, tau_m, token_ids, offsets, vp, scale, softcap)
-    nan = torch.full_like(logp, float("nan"))
     bad = (flags != 0) | invalid
     if host:
         n = b.counted.numel()
@@ -263,7 +262,7 @@ def replayed(b, tau, sampling_mask, rules, vp, host, scale=1.0, softcap=None):
                               b.tok_shape)
     # NaN where invalid, the upstream gradient passed on: a NaN coefficient reaches the token's kept entries of
     # this slice, as on one process (a malformed cu_seqlens: every gradient entry of the sets NaN, spec 6)
-    poison = torch.where(bad, nan, torch.zeros_like(nan))
+    poison = torch.where(bad, float("nan"), 0.0).to(logp.dtype)
     logp, ent = logp + poison, ent + poison
     mass = None if lse_full is None else torch.exp(lse_kept - lse_full)  # the full softmax's mass on the set
     n = b.counted.numel()
