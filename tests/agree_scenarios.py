@@ -96,6 +96,14 @@ def _vocab_scenarios(rank, world, bad):
         "top_p_differs": (lambda: loss(top_k=5, top_p=odd(0.8, 0.9)), "disagree on top_p"),
         "min_p_differs": (lambda: loss(top_k=5, min_p=odd(0.2, 0.1)), "disagree on min_p"),
         "head_top_k_differs": (lambda: head(top_k=odd(3, 4)), "disagree on top_k"),
+        # a check that fails on one rank before its head is made (the head once read it, UnboundLocalError there
+        # and the other ranks left waiting in the agreement)
+        "head_temperature_refused_on_one_rank": (lambda: head(temperature=odd(-1.0, 1.0)), "refused their arguments"),
+        "head_config_refused_on_one_rank": (lambda: head(config=odd("nope", "grpo")), "refused their arguments"),
+        "linear_logprobs_temperature_refused": (lambda: linear_token_logprobs(h, ws, ids, odd(-1.0, 1.0), mask,
+                                                                             cu_seqlens=cu, process_group=pg),
+                                                "refused their arguments"),
+        "head_batch_invariant_differs": (lambda: head(batch_invariant=odd(True, False)), "disagree on the options"),
         "logprobs_max_seqlen_differs": (lambda: token_logprobs(xs, ids, 1.0, mask, cu_seqlens=cu,
                                                                max_seqlen=odd(5, 4), process_group=pg),
                                         "disagree on cu_seqlens and max_seqlen"),

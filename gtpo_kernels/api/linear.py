@@ -113,8 +113,10 @@ def linear_gtpo_loss(hidden, weight, completion_ids, advantages, completion_mask
                                                                                            process_group))
         span = head_ops.coefficient_span(cfg)
         _summary(g, b, hidden, weight, host, (backend, cfg, schedule, budget, span, group_size, num_items_in_batch,
-                                              logit_scale, logit_softcap, str(head.proj)), (sampling_mask, top_k, top_p, min_p))
-    vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)", head.invariant)
+                                              logit_scale, logit_softcap, str(head.proj), head.invariant),
+                 (sampling_mask, top_k, top_p, min_p))
+    # (batch_invariant as given: a rank whose checks failed inside the guard has no head, and the agreement raises)
+    vp = _vocab_parallel(g, hidden, "linear_gtpo_loss(process_group=...)", batch_invariant is True)
     with linear.autocast_off(hidden.device):
         if rules is not None:  # the sampler's kept sets: only the union of a tile's sets is projected
             logp, ent, metrics = head_replay_ops.replayed(b, head, hidden, _one_tau(cfg, b), sampling_mask, rules,
@@ -164,9 +166,9 @@ def linear_token_logprobs(hidden, weight, completion_ids, temperature=1.0, compl
                                       sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p)
         one = None if b.tau is not None else temperature  # a per-token tau: compared by value (b.tau)
         _summary(g, b, hidden, weight, host, (backend, one, "logprobs", budget, logit_scale, logit_softcap,
-                                              str(head.proj)),
+                                              str(head.proj), head.invariant),
                  (sampling_mask, top_k, top_p, min_p))
-    vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)", head.invariant)
+    vp = _vocab_parallel(g, hidden, "linear_token_logprobs(process_group=...)", batch_invariant is True)
     with linear.autocast_off(hidden.device):
         if rules is not None:
             with torch.no_grad():
