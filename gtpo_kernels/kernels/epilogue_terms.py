@@ -112,13 +112,15 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         k3 = em - d
         dk3 = -em
         # (a beta of 0, a schedule's tensor there: no KL term, as the number 0, where k3 overflowed too)
-        if BIAS_KL:
-            kl = tl.where(beta != 0.0, beta * k3 * r, 0.0)
+        if BIAS_KL:  # k3 r, as surrogate.kl_term: e^(d + log r) - (d + 1) r where k3 overflows
+            kr = tl.where(k3 < float("inf"), k3 * r, tl.exp(d + log_r) - (d + 1.0) * r)
+            kl = tl.where(beta != 0.0, beta * kr, 0.0)
             loss_tok = loss_tok + kl
             if SEQ and POLICY != 8:  # R's derivative spread here: R (mean e^d - e^d_t - mean d), epilogue_geo._kl_pivot
                 a = (ref.to(tl.float64) - lp.to(tl.float64) - kl_p).to(tl.float32)
-                g_kl = tl.exp(kl_p.to(tl.float32)) * (kl_e - _expm1(a)) - kl_p.to(tl.float32)
-                d_logp = d_logp + tl.where(beta != 0.0, beta * r * g_kl, 0.0)
+                re_p = tl.exp((kl_p + log_r.to(tl.float64)).to(tl.float32))  # R e^P, no e^P alone
+                g_kl = re_p * (kl_e - _expm1(a)) - kl_p.to(tl.float32) * r
+                d_logp = d_logp + tl.where(beta != 0.0, beta * g_kl, 0.0)
             else:  # the token's own ratio (geo_mean's d_logr is d / d log R): -r d, as surrogate.kl_term
                 d_logp = d_logp + tl.where(beta != 0.0, -beta * d * r, 0.0)
         else:

@@ -204,13 +204,17 @@ def kl_term(logp, ref, log_r, cfg, seq_mean=None):
     if not cfg.use_bias_correction_kl:
         return _times_beta(cfg.beta, k3), _times_beta(cfg.beta, -em)  # d k3 / d logp = 1 - exp(d)
     r = torch.exp(log_r)
+    # k3 r; where k3 overflows (d > 88 in float32) e^(d + log r) - (d + 1) r, the same number, finite where it is
+    # (a small r times an infinite k3 was inf, or NaN once r underflowed to 0)
+    kr = torch.where(k3 < math.inf, k3 * r, torch.exp(d + log_r) - (d + 1) * r)
     if seq_mean is None:
-        return _times_beta(cfg.beta, k3, r), _times_beta(cfg.beta, -d, r)
+        return _times_beta(cfg.beta, kr), _times_beta(cfg.beta, -d, r)
     d64 = ref.double() - logp.double()  # (d - P from float64: d's own rounding, times e^P, would be the error)
     P = seq_mean(d64)
     e = torch.expm1((d64 - P).to(d.dtype))
-    g = torch.exp(P.to(d.dtype)) * (seq_mean(e) - e) - P.to(d.dtype)
-    return _times_beta(cfg.beta, k3, r), _times_beta(cfg.beta, g, r)
+    # R (e^P (mean e - e) - P) with R e^P as e^(P + log R): e^P alone overflows where R e^P need not
+    g = torch.exp((P + log_r.double()).to(d.dtype)) * (seq_mean(e) - e) - P.to(d.dtype) * r
+    return _times_beta(cfg.beta, kr), _times_beta(cfg.beta, g)
 
 
 def _times_beta(beta, x, r=None):
