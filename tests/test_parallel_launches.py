@@ -66,8 +66,9 @@ BOUND = {("grpo", False): 8, ("gtpo", False): 8, ("grpo", True): 8, ("gtpo", Tru
          ("grpo-rollout-seq-packed", False): 8, ("grpo-rollout-seq-packed", True): 8,
          # the sets rebuilt by top_k on a split vocabulary: eager code, not yet on the path (docs/parallelism.md);
          # bounded so that it does not grow, and it makes no tensor from host data (1 before kept_set's fill_);
-         # 408 / 413 before the loss math on the merged log-probs ran in the epilogue kernel (the eager surrogate)
-         ("grpo-top-k", False): 290, ("grpo-top-k", True): 295}
+         # 408 / 413 before the loss math on the merged log-probs ran in the epilogue kernel (the eager surrogate);
+         # 290 / 295 before the merge read the sampled id's logit at its set entry (one gather, not two)
+         ("grpo-top-k", False): 286, ("grpo-top-k", True): 291}
 READS = {("grpo", False): 1, ("gtpo", False): 1, ("grpo", True): 2, ("gtpo", True): 2,  # validating: the status word
          ("grpo-packed", False): 1, ("grpo-packed", True): 2, ("token_logprobs", False): 1,
          ("token_logprobs", True): 2, ("grpo-tau-token", False): 1, ("grpo-tau-token", True): 2,

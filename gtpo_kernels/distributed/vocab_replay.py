@@ -57,16 +57,9 @@ def _values(logits3, rows_b, rows_t, cols, scale, softcap, tau):
     return z / tau
 
 
-def _taus(tau, seg, device):
-    """(tau per token (M,) or a number, tau at each set entry of `seg`): as _values takes them."""
-    tau_m = tau if not isinstance(tau, torch.Tensor) else tau.to(device)
-    return tau_m, tau_m if not isinstance(tau_m, torch.Tensor) else tau_m[seg]
-
-
-def _target(y, vp, V_r):
-    """(each sampled id as this slice's column, whether this slice owns it)."""
-    y_loc = y.long() - vp.start
-    return y_loc, (y_loc >= 0) & (y_loc < V_r)
+def _tau_at(tau, seg, device):
+    """tau (per token (M,), or a number) at each set entry of `seg`, as _values takes it."""
+    return tau if not isinstance(tau, torch.Tensor) else tau.to(device)[seg]
 
 
 def merge(logits3, rows_b, rows_t, y, tau, token_ids, offsets, vp, scale=1.0, softcap=None):
@@ -81,8 +74,9 @@ def merge(logits3, rows_b, rows_t, y, tau, token_ids, offsets, vp, scale=1.0, so
         return e, e, e.to(torch.int8), e
     seg = segment_of(offsets, K)
     mine = (token_ids >= vp.start) & (token_ids < vp.start + V_r)
-    cols, seg = token_ids[mine] - vp.start, seg[mine]  # (sync: this slice's share of the sets)
-    tau_m, tau_k = _taus(tau, seg, dev)
+    tid, seg = token_ids[mine], seg[mine]  # (sync: this slice's share of the sets)
+    cols = tid - vp.start
+    tau_k = _tau_at(tau, seg, dev)
     s = _values(logits3, rows_b[seg], rows_t[seg], cols, scale, softcap, tau_k)
     ninf = torch.full((M,), float("-inf"), dtype=acc, device=dev)
     finite = torch.isfinite(s.detach())
@@ -93,10 +87,11 @@ def merge(logits3, rows_b, rows_t, y, tau, token_ids, offsets, vp, scale=1.0, so
     zero = torch.zeros(M, dtype=acc, device=dev)
     S_r = zero.index_add(0, seg, e)
     A_r = zero.index_add(0, seg, torch.where(e > 0, e * (s - mx[seg]), torch.zeros_like(e)))
-    y_loc, owned = _target(y, vp, V_r)
-    s_y = _values(logits3, rows_b, rows_t, y_loc.clamp(0, max(V_r - 1, 0)), scale, softcap, tau_m) \
-        if V_r else zero
-    t_r = torch.where(owned, s_y - mx, zero)
+    # t = s_y - M read at the sampled id's own set entry (a valid set holds it; else its token is NaN): one gather
+    # of the logits, so the gradient at y (1 - p_y, small where the token is confident) is summed in float32
+    # before its cast to a 16-bit logits' dtype, not rounded twice (once per gather) and then summed
+    hit = tid == y.long()[seg]
+    t_r = zero.index_add(0, seg, torch.where(hit, s - mx[seg], torch.zeros_like(s)))
     bad_r = zero.index_add(0, seg, (~finite & ~(s.detach() == float("-inf"))).to(acc))  # NaN or +inf in a set
     S, A, t, bad = _Sum.apply(torch.stack([S_r, A_r, t_r, bad_r.detach()]), vp.group)
     log_s = torch.log(S)
@@ -123,17 +118,17 @@ def merge_grad(logits3, rows_b, rows_t, y, tau, token_ids, offsets, vp, lse, ent
     seg, cols = segment_of(offsets, K), token_ids - vp.start
     mine = (cols >= 0) & (cols < V_r)  # (the others' entries at a column of this slice, their gradient 0: no sync)
     cols = cols.clamp(0, V_r - 1)
-    tau_m, tau_k = _taus(tau, seg, logits3.device)
-    y_loc, owned = _target(y, vp, V_r)
+    tau_k = _tau_at(tau, seg, logits3.device)
+    hit = token_ids == y.long()[seg]  # the sampled id's own entry: d logp / ds_y = 1 - p_y = -expm1(s_y - LSE)
     with torch.enable_grad():
         z = logits3.detach().requires_grad_()
         s = _values(z, rows_b[seg], rows_t[seg], cols, scale, softcap, tau_k)
-        s_y = _values(z, rows_b, rows_t, y_loc.clamp(0, V_r - 1), scale, softcap, tau_m)
         d = s.detach() - lse[seg]
         pk = torch.exp(d)
-        gs = -pk * (g_logp[seg] + g_ent[seg] * (d + ent[seg]))
-        gs = torch.where(mine & ok[seg] & (pk > 0), gs, 0.0)  # (an entry at -inf: p_k = 0, no 0 * inf)
-        gz, = torch.autograd.grad([s, s_y], [z], [gs, torch.where(owned, g_logp, 0.0)])
+        g_h = -pk * g_ent[seg] * (d + ent[seg])
+        gs = torch.where(hit, -torch.expm1(d) * g_logp[seg] + g_h, -pk * g_logp[seg] + g_h)
+        gs = torch.where(mine & ok[seg] & ((pk > 0) | hit), gs, 0.0)  # (an entry at -inf: p_k = 0, no 0 * inf)
+        gz, = torch.autograd.grad([s], [z], [gs])  # (one gather: y's two terms summed before a 16-bit cast)
     return gz
 
 
