@@ -103,9 +103,14 @@ def _window(b, logits, validate, keep=None):
     lg, ids, m, unpad, pad = padded_window(b, logits)
     if keep is not None:
         lg = _kept(b, lg, keep)
-    if validate and lg.shape[-1]:
+    if lg.shape[-1]:
         z_y = lg.gather(-1, ids.long().clamp(0, lg.shape[-1] - 1)[..., None]).squeeze(-1)
-        checks.raise_on_flags(unpad(row_flags(nonfinite_rows(lg), z_y) * m).reshape(-1), b.tok_shape)
+        flags = row_flags(nonfinite_rows(lg.detach()), z_y.detach()) * m
+        if validate:
+            checks.raise_on_flags(unpad(flags).reshape(-1), b.tok_shape)
+        else:  # such a row NaN, as the other backends flag it (the oracle would give -inf or a finite loss); added,
+            # not selected, so that its gradient row is NaN too
+            lg = lg + torch.where(flags != 0, float("nan"), 0.0).to(lg.dtype)[..., None]
     return lg, ids, m, unpad, pad
 
 
