@@ -320,7 +320,8 @@ def gtpo_loss(logits, completion_ids, advantages, completion_mask=None, *, group
     metrics = {
         "clip_frac": clip_removed.double().sum() / Mc,
         "filtered_frac": (~kept).double().sum() / max(B, 1),
-        "conflict_frac": ((lam != 1) & m).double().sum() / Mc,
+        # (a NaN lambda at a counted token, unvalidated input: whether it differs from 1 is unknown, so is the fraction)
+        "conflict_frac": torch.where(m, torch.where(torch.isnan(lam), math.nan, (lam != 1).double()), 0.0).sum() / Mc,
         "mean_entropy": H.detach().sum() / Mc,
     }
     if rollout_logps is not None:  # spec 14: the rollout/training mismatch of the (replayed) logp

@@ -1079,6 +1079,9 @@ MUTANTS = [
     M("Q177", "pipeline/reference.py", "lg = lg + torch.where(flags != 0, float(\"nan\"), 0.0).to(lg.dtype)[..., None]",
       "lg = lg", "the reference backend hands an invalid row to the oracle unvalidated (a finite loss)",
       tests=["test_reference_backend_invalid_rows"]),
+    M("Q178", "pipeline/reference.py", "bad = bad_tok.any(-1).to(A.device) | nan_grp[grp]",
+      "bad = bad_tok.any(-1).to(A.device)", "the reference backend's conflict weights finite in a NaN advantage's group",
+      tests=["test_conflict_nan_advantage"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

@@ -65,3 +65,23 @@ def test_the_kernel_alone():
     lam, n_conf = ops.conflict_weights(IDS.reshape(-1).contiguous(), None, adv, None, 4, 2, 2.0, 0.0)
     lam_r, n_r = _expected(torch.ones(IDS.shape, dtype=torch.bool), 3, 2)
     assert _same(lam, lam_r.reshape(-1)) and _same(n_conf, n_r)
+
+
+@pytest.mark.parametrize("kind", ["nan advantage", "negative id"])
+def test_the_reference_backend_keeps_the_same_contract(kind):
+    """backend='reference' handed the oracle its inputs as they were: a NaN advantage counted as inactive (its
+    group's lam 1, conflict_frac 1.0 where the others give NaN), a negative counted id's completion finite weights
+    (conflict_frac 0.83). It now makes the same weights NaN, and the oracle's conflict_frac reads a NaN lam as
+    unknown."""
+    ids, adv = IDS.clone(), GOOD.float().clone()
+    if kind == "nan advantage":
+        adv[1] = float("nan")
+    else:
+        ids[4, 2] = -3
+    logits = torch.randn(*IDS.shape, 10, generator=torch.Generator().manual_seed(0))
+    outs = {be: gtpo_loss(logits, ids.clamp(max=9), adv, group_size=2, config="gtpo", backend=be, validate=False)
+            for be in ("torch", "reference")}
+    got, want = outs["reference"], outs["torch"]
+    assert _same(got.lam, want.lam) and _same(got.n_conf, want.n_conf), (got.lam, want.lam)
+    assert torch.isnan(got.metrics["conflict_frac"]) and torch.isnan(want.metrics["conflict_frac"])
+    assert torch.isfinite(got.lam[4 if kind == "nan advantage" else 0]).all()

@@ -152,6 +152,8 @@ def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=No
         kw["generator"] = pad(verl_modes.uniform_draws(cfg, b.ids.numel(), logits.device))
     if b.packed and kw["max_completion_length"] is None:
         kw["max_completion_length"] = int(b.max_len)  # the longest completion
+    if extras["lam"] is None and extras["n_conf"] is None and cfg.use_conflict_mask and group_size is not None:
+        extras = dict(extras, **_conflicts(ids, m, adv, group_size, cfg, unpad))
     w = extras["rollout_is_weights"]
     if w is not None and tuple(w.shape) != tuple(b.tok_shape):
         w = w.reshape(-1)  # per completion
@@ -169,6 +171,23 @@ def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=No
                        per_token_loss=unpad(r["per_token_loss"]).to(dt), lam=unpad(r["lam"]).to(dt),
                        n_conf=r["n_conf"].to(dt), kept=r["kept"], seq_entropy=r["seq_entropy"].to(dt),
                        metrics={k: v.to(dt) for k, v in r["metrics"].items()})
+
+
+def _conflicts(ids, m, adv, group_size, cfg, unpad):
+    """The oracle's conflict weights with the package's unvalidated contract (objective/conflict.conflict_flat):
+    a completion with a counted id outside [0, 2**31) gets lam and n_conf NaN (its invalid tokens in no one's
+    conflicts), and a NaN advantage, whose sign decides every member's conflicts, its whole group's."""
+    import gtpo_reference
+    bad_tok = m & ((ids.long() < 0) | (ids.long() >= 2 ** 31))
+    lam, n_conf = gtpo_reference.conflict_weights(ids, m & ~bad_tok, adv, group_size, cfg.conflict_pos_weight,
+                                                  cfg.conflict_neg_weight)
+    A = adv.reshape(-1)
+    grp = torch.arange(A.numel(), device=A.device) // group_size
+    nan_grp = torch.zeros(int(grp.max()) + 1 if A.numel() else 0, dtype=torch.bool,
+                          device=A.device).index_put_((grp,), torch.isnan(A), accumulate=True)
+    bad = bad_tok.any(-1).to(A.device) | nan_grp[grp]
+    lam = torch.where(bad[:, None].to(lam.device), float("nan"), lam)
+    return dict(lam=unpad(lam), n_conf=torch.where(bad.to(n_conf.device), float("nan"), n_conf))
 
 
 def _unchecked(b, extras):
