@@ -1082,6 +1082,10 @@ MUTANTS = [
     M("Q178", "pipeline/reference.py", "bad = bad_tok.any(-1).to(A.device) | nan_grp[grp]",
       "bad = bad_tok.any(-1).to(A.device)", "the reference backend's conflict weights finite in a NaN advantage's group",
       tests=["test_conflict_nan_advantage"]),
+    M("Q179", "pipeline/reference.py", "if (extras[\"lam\"] is None or extras[\"n_conf\"] is None) and cfg.use_conflict_mask",
+      "if (extras[\"lam\"] is None and extras[\"n_conf\"] is None) and cfg.use_conflict_mask",
+      "the reference backend's NaN conflict contract only when neither lam nor n_conf is given",
+      tests=["test_conflict_nan_advantage"]),
     M("L14", "kernels/vocab_bwd_triton.py", "            at = i\n", "            at = tok\n",
       "the backward reads a tau per completion at the token's index (padded)", tests=["test_loss_temperature_in_kernels"]),
 ]

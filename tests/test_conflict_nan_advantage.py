@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gtpo_reference as ref
-from gtpo_kernels import conflict_weights, gtpo_loss
+from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
 
 IDS = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 4], [1, 7, 3, 4], [9, 2, 3, 4], [5, 5, 6, 2], [5, 5, 1, 2]])
 GOOD = torch.tensor([1.0, -1.0, 1.0, -1.0, 0.7, -0.4], dtype=torch.float64)
@@ -67,8 +67,9 @@ def test_the_kernel_alone():
     assert _same(lam, lam_r.reshape(-1)) and _same(n_conf, n_r)
 
 
+@pytest.mark.parametrize("given", [None, "lam", "n_conf"])
 @pytest.mark.parametrize("kind", ["nan advantage", "negative id"])
-def test_the_reference_backend_keeps_the_same_contract(kind):
+def test_the_reference_backend_keeps_the_same_contract(kind, given):
     """backend='reference' handed the oracle its inputs as they were: a NaN advantage counted as inactive (its
     group's lam 1, conflict_frac 1.0 where the others give NaN), a negative counted id's completion finite weights
     (conflict_frac 0.83). It now makes the same weights NaN, and the oracle's conflict_frac reads a NaN lam as
@@ -79,9 +80,14 @@ def test_the_reference_backend_keeps_the_same_contract(kind):
     else:
         ids[4, 2] = -3
     logits = torch.randn(*IDS.shape, 10, generator=torch.Generator().manual_seed(0))
-    outs = {be: gtpo_loss(logits, ids.clamp(max=9), adv, group_size=2, config="gtpo", backend=be, validate=False)
+    kw = {} if given is None else {"lam": dict(lam=torch.ones(IDS.shape)), "n_conf": dict(n_conf=torch.ones(6))}[given]
+    cfg = "gtpo" if given != "lam" else GTPOConfig.preset("gtpo", loss_agg="gtpo-official")  # (n_conf read)
+    outs = {be: gtpo_loss(logits, ids.clamp(max=9), adv, group_size=2, config=cfg, backend=be, validate=False, **kw)
             for be in ("torch", "reference")}
     got, want = outs["reference"], outs["torch"]
-    assert _same(got.lam, want.lam) and _same(got.n_conf, want.n_conf), (got.lam, want.lam)
-    assert torch.isnan(got.metrics["conflict_frac"]) and torch.isnan(want.metrics["conflict_frac"])
-    assert torch.isfinite(got.lam[4 if kind == "nan advantage" else 0]).all()
+    assert _same(got.lam, want.lam) and _same(got.n_conf, want.n_conf), (got.lam, want.lam, got.n_conf, want.n_conf)
+    assert _same(got.per_token_loss, want.per_token_loss)
+    assert torch.isnan(got.n_conf if given == "lam" else got.lam).any()  # the weights made in the call: NaN
+    if given != "lam":
+        assert torch.isnan(got.metrics["conflict_frac"]) and torch.isnan(want.metrics["conflict_frac"])
+        assert torch.isfinite(got.lam[4 if kind == "nan advantage" else 0]).all()

@@ -152,8 +152,9 @@ def gtpo_loss(b, logits, cfg, group_size, extras, num_items, output_type, tau=No
         kw["generator"] = pad(verl_modes.uniform_draws(cfg, b.ids.numel(), logits.device))
     if b.packed and kw["max_completion_length"] is None:
         kw["max_completion_length"] = int(b.max_len)  # the longest completion
-    if extras["lam"] is None and extras["n_conf"] is None and cfg.use_conflict_mask and group_size is not None:
-        extras = dict(extras, **_conflicts(ids, m, adv, group_size, cfg, unpad))
+    if (extras["lam"] is None or extras["n_conf"] is None) and cfg.use_conflict_mask and group_size is not None:
+        made = _conflicts(ids, m, adv, group_size, cfg, unpad)  # (what the caller gave is kept)
+        extras = dict(extras, **{k: v for k, v in made.items() if extras[k] is None})
     w = extras["rollout_is_weights"]
     if w is not None and tuple(w.shape) != tuple(b.tok_shape):
         w = w.reshape(-1)  # per completion
