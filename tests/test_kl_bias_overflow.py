@@ -67,3 +67,26 @@ def test_the_bias_corrected_kl_from_logps(backend):
     torch.testing.assert_close(out.per_token_loss.detach(), torch.tensor([[0.04, float(want1)]]), rtol=1e-5,
                                atol=1e-7)
     assert torch.isfinite(logps.grad).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_sequence_kl_gradient_where_a_token_lies_far_above_its_completion_s_mean(backend):
+    """gspo: d = ref - logp of [134, 0, 0] around its mean P = 44.7 (d - P = 89.3: expm1 overflows float32) with
+    log R = -145: R e^P expm1(d - P) is about 1e-7, but expm1 alone was inf (gradient [nan, inf, inf], the torch
+    backend's loss NaN). Now e^(P + log R + d - P) - e^(P + log R) past d - P = 80: the float64 run's gradient."""
+    cfg = GTPOConfig.preset("gspo", beta=0.04, use_bias_correction_kl=True)
+    lp = torch.tensor([[-140.0, -160.0, -160.0], [-1.0, -1.2, -0.8]])
+    old = torch.tensor([[-5.0, -10.0, -10.0], [-1.1, -1.0, -0.9]])
+    refl = torch.tensor([[-6.0, -160.0, -160.0], [-1.0, -1.1, -1.0]])
+    adv, ids = torch.tensor([1.0, -0.5]), torch.zeros(2, 3, dtype=torch.long)
+    runs = []
+    for dt, be in ((torch.float64, "torch"), (torch.float32, backend)):
+        x = lp.to(dt).requires_grad_()
+        out = gtpo_loss_from_logps(x, ids, adv, old_logps=old.to(dt), ref_logps=refl.to(dt), config=cfg,
+                                   group_size=2, backend=be)
+        out.loss.backward()
+        runs.append((out.loss.double(), x.grad.double()))
+    (want, gwant), (got, ggot) = runs
+    assert abs(float(got - want)) <= 1e-5 * max(1.0, abs(float(want)))
+    assert torch.isfinite(ggot).all() and float((ggot - gwant).norm() / gwant.norm()) <= 1e-5
+    torch.testing.assert_close(ggot[0], gwant[0], rtol=1e-4, atol=0)  # the far token's row, about 1e-7

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .epilogue_terms import _counted, _expm1, _finite_or_nan, _rollout_w, _token_adv, _token_log_r
+from .epilogue_terms import _counted, _finite_or_nan, _r_expm1, _rollout_w, _token_adv, _token_log_r
 
 LOG_1E8 = tl.constexpr(-18.420680743952367)  # log(1e-8): TRL's floor of vespo's L and of a log rollout weight
 
@@ -102,11 +102,11 @@ def _vespo_phi(l_sum, lw_sum, rw_ptr, i, adv, k_pos, lam_pos, k_neg, lam_neg, RW
 
 
 @triton.jit
-def _kl_pivot(logp_out, ref_ptr, mask_ptr, start, end, n_safe, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
+def _kl_pivot(logp_out, ref_ptr, mask_ptr, start, end, n_safe, lr_seq, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
               ON: tl.constexpr):
     """ON (the bias-corrected KL at the sequence level): over the completion's counted tokens, P = mean d (float64)
-    and the mean of expm1(d - P), d = ref - logp (surrogate.kl_term's seq_mean form: no term of size R e^d; d - P
-    from float64, whose error e^P would multiply); else 0, 0."""
+    and the mean of R e^P expm1(d - P), d = ref - logp, R = e^lr_seq (surrogate.kl_term's seq_mean form: no term of
+    size R e^d; d - P from float64, whose error e^P would multiply; epilogue_terms._r_expm1); else 0, 0."""
     p = tl.zeros((), tl.float64)
     e = tl.zeros((), tl.float32)
     if ON:
@@ -119,7 +119,8 @@ def _kl_pivot(logp_out, ref_ptr, mask_ptr, start, end, n_safe, BLOCK: tl.constex
         for t0 in range(start, end, BLOCK):
             o = t0 + lanes
             acc_e += tl.where(_counted(mask_ptr, o, o < end, HAS_MASK),
-                              _expm1((_kl_d(logp_out, ref_ptr, mask_ptr, o, end, HAS_MASK) - p).to(tl.float32)), 0.0)
+                              _r_expm1(_kl_d(logp_out, ref_ptr, mask_ptr, o, end, HAS_MASK) - p,
+                                       p + lr_seq.to(tl.float64)), 0.0)
         e = tl.sum(acc_e, axis=0) / n_safe
     return p, e
 

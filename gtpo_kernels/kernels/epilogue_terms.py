@@ -117,9 +117,8 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
             kl = tl.where(beta != 0.0, beta * kr, 0.0)
             loss_tok = loss_tok + kl
             if SEQ and POLICY != 8:  # R's derivative spread here: R (mean e^d - e^d_t - mean d), epilogue_geo._kl_pivot
-                a = (ref.to(tl.float64) - lp.to(tl.float64) - kl_p).to(tl.float32)
-                re_p = tl.exp((kl_p + log_r.to(tl.float64)).to(tl.float32))  # R e^P, no e^P alone
-                g_kl = re_p * (kl_e - _expm1(a)) - kl_p.to(tl.float32) * r
+                a = ref.to(tl.float64) - lp.to(tl.float64) - kl_p
+                g_kl = kl_e - _r_expm1(a, kl_p + log_r.to(tl.float64)) - kl_p.to(tl.float32) * r
                 d_logp = d_logp + tl.where(beta != 0.0, beta * g_kl, 0.0)
             else:  # the token's own ratio (geo_mean's d_logr is d / d log R): -r d, as surrogate.kl_term
                 d_logp = d_logp + tl.where(beta != 0.0, -beta * d * r, 0.0)
@@ -130,6 +129,16 @@ def _terms(o, inb, m, a_hat, lr_seq, logp_out, ent_out, old_ptr, ref_ptr, lam_pt
         loss_tok = loss_tok + (-ent_coef * emult) * en
     loss_tok = tl.where(m, loss_tok, 0.0)
     return loss_tok, d_logp, d_logr, clipped, lam
+
+
+@triton.jit
+def _r_expm1(x, lg):
+    """R e^P expm1(x) (lg = P + log R, x = d - P, both float64) in float32 with no e^P or e^x alone: the product
+    for x <= 80, e^(lg + x) - e^lg past it (surrogate.kl_term's twin), so a completion of tiny R and a token far
+    above its mean d overflow nothing the true value does not."""
+    e_l = tl.exp(lg.to(tl.float32))
+    xf = x.to(tl.float32)
+    return tl.where(xf <= 80.0, e_l * _expm1(tl.minimum(xf, 80.0)), tl.exp((lg + x).to(tl.float32)) - e_l)
 
 
 @triton.jit

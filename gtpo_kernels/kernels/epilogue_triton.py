@@ -261,7 +261,7 @@ def _epilogue_kernel(
         keep_w = tl.load(scratch_ptr + 3 * B + i)
         denom = _denom(nconf_ptr, i, n_safe, Bf, M_safe, ni, max_len, AGG, NITEMS, HAS_NCONF)
         g_seq = 0.0
-        kl_p, kl_e = _kl_pivot(logp_out, ref_ptr, mask_ptr, start, end, n_safe, BLOCK, HAS_MASK,
+        kl_p, kl_e = _kl_pivot(logp_out, ref_ptr, mask_ptr, start, end, n_safe, lr_seq, BLOCK, HAS_MASK,
                                SEQ and BIAS_KL and HAS_KL)  # (the sequence level's bias-corrected KL)
         if SEQ or POLICY == 8:  # d loss / d log r (geo_mean: log R) over the completion, spread back on its tokens
             g_acc = tl.zeros([BLOCK], tl.float32)

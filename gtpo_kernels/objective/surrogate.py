@@ -211,9 +211,12 @@ def kl_term(logp, ref, log_r, cfg, seq_mean=None):
         return _times_beta(cfg.beta, kr), _times_beta(cfg.beta, -d, r)
     d64 = ref.double() - logp.double()  # (d - P from float64: d's own rounding, times e^P, would be the error)
     P = seq_mean(d64)
-    e = torch.expm1((d64 - P).to(d.dtype))
-    # R (e^P (mean e - e) - P) with R e^P as e^(P + log R): e^P alone overflows where R e^P need not
-    g = torch.exp((P + log_r.double()).to(d.dtype)) * (seq_mean(e) - e) - P.to(d.dtype) * r
+    # R (e^P (mean e - e) - P), e = expm1(d - P), with R e^P e as e^(lg + x) - e^lg past x = 80 (lg = P + log R):
+    # neither e^P nor e^x alone overflows where their product with R does not (kernels' _r_expm1)
+    x, lg = d64 - P, P + log_r.double()
+    e_l, xf = torch.exp(lg.to(d.dtype)), x.to(d.dtype)
+    re = torch.where(xf <= 80, e_l * torch.expm1(xf.clamp(max=80)), torch.exp((lg + x).to(d.dtype)) - e_l)
+    g = seq_mean(re) - re - P.to(d.dtype) * r
     return _times_beta(cfg.beta, kr), _times_beta(cfg.beta, g)
 
 
