@@ -34,9 +34,11 @@ def entropy_control(ent, seg, B, n_safe, adv, cfg):
         kept = seq_ent <= cfg.entropy_threshold
         if cfg.initial_entropy is not None:  # the paper's gate (a tensor comparison when either is one)
             kept = kept | (cfg.initial_entropy > cfg.entropy_threshold)
-    pen = cfg.entropy_penalty  # a tensor's 0 (a schedule) shapes nothing too: an invalid token's NaN Hbar stays its own
-    shaped = adv if is_zero(pen) else torch.where(pen == 0, adv, adv - pen * seq_ent) \
-        if isinstance(pen, torch.Tensor) else adv - pen * seq_ent
+    pen, shaped = cfg.entropy_penalty, adv
+    if not is_zero(pen):
+        shaped = adv - pen * seq_ent
+        if isinstance(pen, torch.Tensor):  # a schedule at 0 shapes nothing either: a NaN Hbar stays its token's own
+            shaped = torch.where(pen == 0, adv, shaped)
     a_hat = torch.where(kept, shaped, shaped * 0)  # a dropped completion: 0, NaN for a non-finite advantage
     return seq_ent, kept, a_hat
 

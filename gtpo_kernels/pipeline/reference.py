@@ -11,7 +11,7 @@ from ..core import checks
 from ..core.flags import NonFiniteRowError, nan_where, tau_or_nan
 from ..core.layout import float_dtype_for, padded_window
 from ..kernels.vocab_torch import nonfinite_rows, row_flags
-from ..objective import verl_modes
+from ..objective import conflict, verl_modes
 
 
 def kept_window(b, logits, tau, sampling_mask, rules, validate):
@@ -179,14 +179,11 @@ def _conflicts(ids, m, adv, group_size, cfg, unpad):
     a completion with a counted id outside [0, 2**31) gets lam and n_conf NaN (its invalid tokens in no one's
     conflicts), and a NaN advantage, whose sign decides every member's conflicts, its whole group's."""
     import gtpo_reference
-    bad_tok = m & ((ids.long() < 0) | (ids.long() >= 2 ** 31))
+    bad_tok = conflict.invalid_ids(ids, m)
     lam, n_conf = gtpo_reference.conflict_weights(ids, m & ~bad_tok, adv, group_size, cfg.conflict_pos_weight,
-                                                  cfg.conflict_neg_weight)
-    A = adv.reshape(-1)
-    grp = torch.arange(A.numel(), device=A.device) // group_size
-    nan_grp = torch.zeros(int(grp.max()) + 1 if A.numel() else 0, dtype=torch.bool,
-                          device=A.device).index_put_((grp,), torch.isnan(A), accumulate=True)
-    bad = bad_tok.any(-1).to(A.device) | nan_grp[grp]
+                                                  cfg.conflict_neg_weight)  # (it checked that group_size divides B)
+    nan_group = torch.isnan(adv.reshape(-1, group_size)).any(1).repeat_interleave(group_size)
+    bad = bad_tok.any(-1).to(nan_group.device) | nan_group
     lam = torch.where(bad[:, None].to(lam.device), float("nan"), lam)
     return dict(lam=unpad(lam), n_conf=torch.where(bad.to(n_conf.device), float("nan"), n_conf))
 
